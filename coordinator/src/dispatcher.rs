@@ -1,0 +1,152 @@
+//! Registers a job in Redis and publishes its work items with publisher confirms.
+//!
+//! Order matters for resumability: the job record (with planned totals) is
+//! written before the first publish, and only items not yet marked done are
+//! published, so running the same manifest again never duplicates finished work.
+
+use crate::manifest::JobSpec;
+use crate::{planner, RunConfig, RunError};
+use batchfleet_shared::broker::{declare_topology, ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::message::{ATTEMPT_HEADER, MESSAGE_TYPE_V1};
+use batchfleet_shared::store::{JobRecord, JobStatus, Store};
+use lapin::types::{AMQPValue, FieldTable};
+use std::path::{Path, PathBuf};
+
+/// File in the output folder naming the job that owns it.
+pub const OWNER_FILE: &str = "_JOB";
+/// File written into the output folder when a job completed.
+pub const SUCCESS_FILE: &str = "_SUCCESS";
+/// The job summary.
+pub const SUMMARY_FILE: &str = "summary.json";
+
+/// What dispatching found or did.
+#[derive(Debug)]
+pub enum Dispatched {
+    /// The job is complete already; nothing was published.
+    AlreadyCompleted {
+        /// Its summary.
+        summary: PathBuf,
+    },
+    /// Items are in the queue (now or from an earlier run).
+    Running,
+}
+
+/// Claims the output folder for `job_id`, refusing one that holds another job's output.
+pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
+    let owner = dir.join(OWNER_FILE);
+    match std::fs::read_to_string(&owner) {
+        Ok(existing) if existing.trim() == job_id => return Ok(()),
+        Ok(existing) => {
+            return Err(RunError::Manifest(crate::manifest::ManifestError {
+                file: dir.to_owned(),
+                problems: vec![crate::manifest::Problem {
+                    field: "[output] dir".into(),
+                    message: format!(
+                        "holds the output of job {} (see {}); point [output] dir at a new folder, or remove the old output",
+                        existing.trim(),
+                        owner.display()
+                    ),
+                }],
+            }))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(RunError::Output(format!("cannot read {}: {e}", owner.display()))),
+    }
+    let has_parts = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with("part-")))
+        .unwrap_or(false);
+    if has_parts {
+        return Err(RunError::Manifest(crate::manifest::ManifestError {
+            file: dir.to_owned(),
+            problems: vec![crate::manifest::Problem {
+                field: "[output] dir".into(),
+                message: "already holds part files of unknown origin; point [output] dir at an empty or new folder".into(),
+            }],
+        }));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| RunError::Output(format!("cannot create output folder {}: {e}", dir.display())))?;
+    batchfleet_shared::fsutil::publish_atomically(&dir.join(OWNER_FILE), "coordinator", true, |w| {
+        use std::io::Write;
+        writeln!(w, "{job_id}")
+    })
+    .map_err(|e| RunError::Output(format!("cannot write {}: {e}", owner.display())))?;
+    Ok(())
+}
+
+/// Registers the job (or finds it) and publishes every item not yet done.
+pub async fn dispatch(cfg: &RunConfig, spec: &JobSpec, store: &Store, conn: &lapin::Connection) -> Result<Dispatched, RunError> {
+    let out = spec.output_dir();
+    let summary = out.join(SUMMARY_FILE);
+    let existing = store.job(&spec.job_id).await?;
+    if existing.as_ref().is_some_and(|j| j.status == JobStatus::Completed) {
+        tracing::info!(job = %spec.job_id, "job already completed; nothing to publish");
+        return Ok(Dispatched::AlreadyCompleted { summary });
+    }
+    if existing.is_none() && out.join(SUCCESS_FILE).exists() && summary_job_id(&summary).as_deref() == Some(spec.job_id.as_str()) {
+        tracing::info!(job = %spec.job_id, "output folder holds this job's completed output; nothing to publish");
+        return Ok(Dispatched::AlreadyCompleted { summary });
+    }
+    claim_output_dir(out, &spec.job_id)?;
+
+    let plan = planner::plan(spec)?;
+    tracing::info!(job = %spec.job_id, items = plan.items.len(), rows = plan.rows_total, "planned");
+    match existing {
+        Some(job) => {
+            if job.items_total != plan.items.len() as u64 || job.rows_total != plan.rows_total {
+                return Err(RunError::Output(format!(
+                    "job {} was planned with {} items / {} rows but the input now gives {} / {}; the input changed under a running job — restore it, or change the manifest to start a new job",
+                    spec.job_id, job.items_total, job.rows_total, plan.items.len(), plan.rows_total
+                )));
+            }
+            tracing::info!(job = %spec.job_id, done = job.items_done, "resuming job");
+            // Only the status: the done counters belong to the workers' commits.
+            store.set_job_fields(&spec.job_id, &[("status", JobStatus::Planning.as_str().to_owned())]).await?;
+        }
+        None => store.put_job(&JobRecord {
+            id: spec.job_id.clone(),
+            name: spec.name.clone(),
+            status: JobStatus::Planning,
+            pool: spec.pool.clone(),
+            manifest: spec.manifest_path.to_string_lossy().into_owned(),
+            output_dir: spec.task.output.dir.clone(),
+            items_total: plan.items.len() as u64,
+            rows_total: plan.rows_total,
+            items_done: 0,
+            rows_done: 0,
+            created_ms: batchfleet_shared::now_ms(),
+            published_ms: 0,
+            finished_ms: 0,
+        })
+        .await?,
+    }
+
+    let done = store.done_items(&spec.job_id).await?;
+    let queues = PoolQueues::new(&spec.pool);
+    let publisher = ConfirmedPublisher::open(conn).await?;
+    declare_topology(publisher.channel(), &queues).await?;
+    let mut headers = FieldTable::default();
+    headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(1));
+    let todo = plan.items.iter().filter(|item| !done.contains(&item.seq));
+    let messages = todo.map(|item| Outgoing {
+        message_id: format!("{}/{}", item.job_id, item.seq),
+        kind: MESSAGE_TYPE_V1,
+        body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
+        headers: headers.clone(),
+    });
+    let published = publisher.publish_all(&queues.work(), messages, cfg.publish_window, |_| {}).await?;
+    tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), queue = %queues.work(), "items published and confirmed");
+    store
+        .set_job_fields(
+            &spec.job_id,
+            &[("status", JobStatus::Running.as_str().to_owned()), ("published_ms", batchfleet_shared::now_ms().to_string())],
+        )
+        .await?;
+    let _ = publisher.channel().close(200, "published".into()).await;
+    Ok(Dispatched::Running)
+}
+
+fn summary_job_id(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("job_id")?.as_str().map(str::to_owned)
+}

@@ -1,0 +1,140 @@
+//! The batchfleet coordinator: from a manifest to a finished job.
+//!
+//! # Layout
+//! - [`manifest`]: parse and fully validate a job manifest before anything is published.
+//! - [`planner`]: cut input files into evenly sized work items on record boundaries.
+//! - [`dispatcher`]: register the job in Redis and publish its items with confirms.
+//! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.
+//! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
+//! - [`status`]: read a job's state for `batchfleet status`.
+//! - [`cli`]: the `batchfleet` command line and its exit codes.
+//!
+//! [`run_job`] ties the parts together; `main.rs` only parses flags and calls [`cli::main`].
+
+pub mod cli;
+pub mod dispatcher;
+pub mod manifest;
+pub mod monitor;
+pub mod planner;
+pub mod reducer;
+pub mod status;
+
+use batchfleet_shared::broker::{self, BrokerError};
+use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::store::{Store, StoreError};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Connection settings shared by every coordinator command.
+#[derive(Debug, Clone)]
+pub struct Connections {
+    /// RabbitMQ URL.
+    pub amqp_url: SecretUrl,
+    /// Redis URL.
+    pub redis_url: SecretUrl,
+    /// Prefix of every Redis key.
+    pub redis_prefix: String,
+    /// How long to wait for RabbitMQ or Redis to answer before giving up.
+    pub connect_timeout: Duration,
+}
+
+impl Connections {
+    /// Connects to Redis.
+    pub async fn store(&self) -> Result<Store, StoreError> {
+        Store::connect(&self.redis_url, &self.redis_prefix, self.connect_timeout).await
+    }
+
+    /// Connects to RabbitMQ.
+    pub async fn broker(&self, name: &str) -> Result<lapin::Connection, BrokerError> {
+        broker::connect(&self.amqp_url, name, self.connect_timeout).await
+    }
+}
+
+/// Settings of `batchfleet run`.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Broker and store.
+    pub connections: Connections,
+    /// Draw a progress bar on a terminal.
+    pub progress: bool,
+    /// How often progress is read from Redis.
+    pub poll_interval: Duration,
+    /// Unconfirmed publishes allowed in flight.
+    pub publish_window: usize,
+}
+
+/// How a `run` ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunOutcome {
+    /// Every item committed; the summary is written.
+    Completed {
+        /// Job id.
+        job_id: String,
+        /// Path of `summary.json`.
+        summary: PathBuf,
+        /// The summary.
+        report: Box<reducer::Summary>,
+    },
+    /// The job had completed before; nothing was published.
+    AlreadyCompleted {
+        /// Job id.
+        job_id: String,
+        /// Path of `summary.json`.
+        summary: PathBuf,
+    },
+    /// Stopped by a signal while waiting; the fleet keeps working and
+    /// running the same manifest again re-attaches.
+    Interrupted {
+        /// Job id.
+        job_id: String,
+    },
+}
+
+/// Why a `run` failed. Each variant maps to an exit code in [`cli`].
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The manifest is invalid; nothing was published.
+    #[error("{0}")]
+    Manifest(#[from] manifest::ManifestError),
+    /// RabbitMQ failed.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// Redis failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Planning failed (unreadable or malformed input).
+    #[error(transparent)]
+    Plan(#[from] planner::PlanError),
+    /// Output could not be written or is inconsistent.
+    #[error("{0}")]
+    Output(String),
+}
+
+/// Runs the job of a manifest to completion: validate, connect, plan,
+/// publish, follow, summarize. Safe to run again: a completed job publishes
+/// nothing, an unfinished one is resumed.
+pub async fn run_job(cfg: &RunConfig, manifest_path: &Path, shutdown: CancellationToken) -> Result<RunOutcome, RunError> {
+    let spec = manifest::load(manifest_path)?;
+    tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
+    let store = cfg.connections.store().await?;
+    let conn = cfg.connections.broker(&format!("batchfleet coordinator {}", spec.job_id)).await?;
+    let outcome = dispatcher::dispatch(cfg, &spec, &store, &conn).await;
+    let outcome = match outcome {
+        Ok(dispatcher::Dispatched::AlreadyCompleted { summary }) => {
+            Ok(RunOutcome::AlreadyCompleted { job_id: spec.job_id.clone(), summary })
+        }
+        Ok(dispatcher::Dispatched::Running) => {
+            match monitor::follow(&store, &spec, cfg, shutdown).await? {
+                monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted { job_id: spec.job_id.clone() }),
+                monitor::Followed::AllDone => {
+                    let (summary, report) = reducer::finish(&store, &spec).await?;
+                    Ok(RunOutcome::Completed { job_id: spec.job_id.clone(), summary, report: Box::new(report) })
+                }
+            }
+        }
+        Err(e) => Err(e),
+    };
+    let _ = conn.close(200, "bye".into()).await;
+    outcome
+}

@@ -1,0 +1,594 @@
+//! The job manifest: parsing (unknown keys are errors) and complete validation
+//! against the file system before anything is published.
+//!
+//! Relative paths in a manifest are resolved against the manifest's folder.
+//! Every problem found is reported, one line each, naming the file and field
+//! and saying what to do; see `docs/manifest.md`.
+
+use batchfleet_shared::fsutil::sha256_file;
+use batchfleet_shared::message::{CsvLayout, ModelRef, OutputFormat, OutputSpec, TaskSpec};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Default rows per work item.
+pub const DEFAULT_ITEM_ROWS: u64 = 10_000;
+/// Default rows per `forward` call.
+pub const DEFAULT_BATCH_SIZE: u32 = 1024;
+
+/// The manifest as written (after TOML parsing, before validation).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// `[job]`
+    pub job: JobSection,
+    /// `[input]`
+    pub input: InputSection,
+    /// `[model]`
+    pub model: ModelSection,
+    /// `[batching]`
+    #[serde(default)]
+    pub batching: BatchingSection,
+    /// `[output]`
+    pub output: OutputSection,
+}
+
+/// `[job]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// Job name: letters, digits, `-`, `_`, `.`; at most 64 characters.
+    pub name: String,
+    /// Worker pool (queue) the items go to. Default `default`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+}
+
+fn default_pool() -> String {
+    "default".into()
+}
+
+/// Input file formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputFormat {
+    /// CSV with a header row.
+    Csv,
+}
+
+/// `[input]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputSection {
+    /// Input format.
+    pub format: InputFormat,
+    /// Glob patterns; each must match at least one file.
+    pub paths: Vec<String>,
+    /// Header name of the id column.
+    pub id_column: String,
+    /// Header names of the feature columns in model input order; an entry
+    /// `"f0..f31"` stands for `f0, f1, …, f31`.
+    pub feature_columns: Vec<String>,
+    /// Field delimiter, one ASCII character. Default `,`.
+    #[serde(default = "default_delimiter")]
+    pub delimiter: String,
+}
+
+fn default_delimiter() -> String {
+    ",".into()
+}
+
+/// `[model]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// TorchScript file (`torch.jit.save`).
+    pub path: String,
+    /// Expected SHA-256 of the file (hex); checked when given.
+    pub sha256: Option<String>,
+    /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
+    #[serde(default = "default_device")]
+    pub device: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+/// `[batching]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchingSection {
+    /// Rows per work item (exclusive with `item_bytes`). Default 10000.
+    pub item_rows: Option<u64>,
+    /// Input bytes per work item (exclusive with `item_rows`).
+    pub item_bytes: Option<u64>,
+    /// Rows per `forward` call. Default 1024.
+    pub inference_batch_size: Option<u32>,
+}
+
+/// `[output]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Output directory (created if missing).
+    pub dir: String,
+    /// Part file format.
+    #[serde(default = "default_output_format")]
+    pub format: OutputFormat,
+}
+
+fn default_output_format() -> OutputFormat {
+    OutputFormat::Csv
+}
+
+/// How input is cut into work items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ItemSizing {
+    /// About this many rows per item.
+    Rows(u64),
+    /// About this many input bytes per item.
+    Bytes(u64),
+}
+
+/// A manifest that passed validation, with every path resolved.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// Stable job id: `<name>-<first 8 hex of the content hash>`.
+    pub job_id: String,
+    /// Job name.
+    pub name: String,
+    /// Pool.
+    pub pool: String,
+    /// Manifest file.
+    pub manifest_path: PathBuf,
+    /// Input files, sorted, deduplicated.
+    pub files: Vec<PathBuf>,
+    /// Header of the input files.
+    pub header: Vec<String>,
+    /// Work item sizing.
+    pub sizing: ItemSizing,
+    /// What every work item of the job carries.
+    pub task: TaskSpec,
+}
+
+impl JobSpec {
+    /// Output directory.
+    pub fn output_dir(&self) -> &Path {
+        Path::new(&self.task.output.dir)
+    }
+}
+
+/// One problem found in a manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// `[section] key`, or a line number for syntax errors.
+    pub field: String,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+/// A manifest that failed validation: every problem found, one per line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestError {
+    /// The manifest file.
+    pub file: PathBuf,
+    /// The problems, in manifest order.
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{}: {}: {}", self.file.display(), p.field, p.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ManifestError {}
+
+/// Reads, parses and validates a manifest file.
+pub fn load(path: &Path) -> Result<JobSpec, ManifestError> {
+    let fail = |field: &str, message: String| ManifestError {
+        file: path.to_owned(),
+        problems: vec![Problem { field: field.into(), message }],
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| fail("file", format!("cannot read the manifest: {e}; check the path")))?;
+    let manifest: Manifest = toml::from_str(&text).map_err(|e| {
+        let line = e.span().map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let field = line.map_or_else(|| "toml".to_owned(), |l| format!("line {l}"));
+        let msg = e.message().trim().replace('\n', " ");
+        fail(&field, format!("{msg}; see docs/manifest.md for the accepted keys"))
+    })?;
+    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let base = if base.as_os_str().is_empty() { PathBuf::from(".") } else { base };
+    validate(&manifest, &base, path)
+}
+
+fn resolve(base: &Path, p: &str) -> PathBuf {
+    let p = Path::new(p);
+    let joined = if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    std::path::absolute(&joined).unwrap_or(joined)
+}
+
+/// Expands `"f0..f31"` into `f0, …, f31`; other entries pass through.
+pub fn expand_columns(entries: &[String]) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for entry in entries {
+        let Some((a, b)) = entry.split_once("..") else {
+            out.push(entry.clone());
+            continue;
+        };
+        let split = |s: &str| {
+            let digits = s.len() - s.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+            let (prefix, num) = s.split_at(s.len() - digits);
+            (prefix.to_owned(), num.to_owned())
+        };
+        let ((pa, na), (pb, nb)) = (split(a), split(b));
+        let bad = || format!("range \"{entry}\" must look like \"f0..f31\": same prefix, numbers at both ends");
+        if pa != pb || na.is_empty() || nb.is_empty() {
+            return Err(bad());
+        }
+        let (lo, hi): (u64, u64) = (na.parse().map_err(|_| bad())?, nb.parse().map_err(|_| bad())?);
+        if lo > hi {
+            return Err(format!("range \"{entry}\" runs backwards; write the smaller number first"));
+        }
+        if hi - lo > 100_000 {
+            return Err(format!("range \"{entry}\" names more than 100000 columns"));
+        }
+        let width = if na.len() > 1 && na.starts_with('0') { na.len() } else { 0 };
+        out.extend((lo..=hi).map(|i| format!("{pa}{i:0width$}")));
+    }
+    Ok(out)
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// Validates a parsed manifest; `base` is the folder relative paths start from.
+pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSpec, ManifestError> {
+    let mut problems = Vec::new();
+    let mut problem = |field: &str, message: String| problems.push(Problem { field: field.into(), message });
+
+    if !valid_name(&m.job.name) {
+        problem("[job] name", format!("\"{}\" is not a valid job name; use 1-64 letters, digits, '-', '_' or '.'", m.job.name));
+    }
+    if !valid_name(&m.job.pool) {
+        problem("[job] pool", format!("\"{}\" is not a valid pool name; use 1-64 letters, digits, '-', '_' or '.'", m.job.pool));
+    }
+
+    // Input files.
+    let mut files = Vec::new();
+    if m.input.paths.is_empty() {
+        problem("[input] paths", "is empty; list at least one file or glob such as \"data/*.csv\"".into());
+    }
+    for pattern in &m.input.paths {
+        let full = resolve(base, pattern);
+        match glob::glob(&full.to_string_lossy()) {
+            Err(e) => problem("[input] paths", format!("\"{pattern}\" is not a valid glob: {e}")),
+            Ok(entries) => {
+                let mut matched = 0;
+                for entry in entries {
+                    match entry {
+                        Ok(p) if p.is_file() => {
+                            matched += 1;
+                            files.push(p);
+                        }
+                        Ok(_) => {}
+                        Err(e) => problem("[input] paths", format!("cannot read {}: {}", e.path().display(), e.error())),
+                    }
+                }
+                if matched == 0 {
+                    problem("[input] paths", format!("\"{pattern}\" matches no file (looked for {}); check the path, which is relative to the manifest's folder", full.display()));
+                }
+            }
+        }
+    }
+    files.sort();
+    files.dedup();
+
+    let delimiter = match m.input.delimiter.as_bytes() {
+        [b] if b.is_ascii() && *b != b'"' && *b != b'\n' && *b != b'\r' => *b,
+        _ => {
+            problem("[input] delimiter", format!("\"{}\" must be one ASCII character other than a quote or newline", m.input.delimiter.escape_default()));
+            b','
+        }
+    };
+
+    let features = match expand_columns(&m.input.feature_columns) {
+        Ok(f) if f.is_empty() => {
+            problem("[input] feature_columns", "is empty; list the columns the model takes, e.g. [\"f0..f31\"]".into());
+            f
+        }
+        Ok(f) => f,
+        Err(e) => {
+            problem("[input] feature_columns", e);
+            Vec::new()
+        }
+    };
+
+    // Header: read from every file, must agree, must contain the columns.
+    let mut header: Vec<String> = Vec::new();
+    for f in &files {
+        match read_header(f, delimiter) {
+            Err(e) => problem("[input] paths", format!("{}: {e}", f.display())),
+            Ok(h) if header.is_empty() => header = h,
+            Ok(h) if h != header => problem(
+                "[input] paths",
+                format!("{} has header [{}] but {} has [{}]; all input files of a job must share one header", f.display(), h.join(", "), files[0].display(), header.join(", ")),
+            ),
+            Ok(_) => {}
+        }
+    }
+    let column = |name: &str| header.iter().position(|h| h == name);
+    let mut id_index = 0;
+    let mut feature_indices = Vec::with_capacity(features.len());
+    if !header.is_empty() {
+        let shown = summarize_header(&header);
+        match column(&m.input.id_column) {
+            Some(i) => id_index = i as u32,
+            None => problem("[input] id_column", format!("\"{}\" is not in the header of {} (columns: {shown}); fix the name", m.input.id_column, files[0].display())),
+        }
+        let missing: Vec<&str> = features.iter().filter(|c| column(c).is_none()).map(String::as_str).collect();
+        if !missing.is_empty() {
+            let list = if missing.len() > 5 { format!("{} and {} more", missing[..5].join(", "), missing.len() - 5) } else { missing.join(", ") };
+            problem("[input] feature_columns", format!("not in the header of {}: {list} (columns: {shown}); fix the names", files[0].display()));
+        }
+        feature_indices.extend(features.iter().filter_map(|c| column(c)).map(|i| i as u32));
+    }
+
+    // Model.
+    let model_path = resolve(base, &m.model.path);
+    let mut model_sha = String::new();
+    match check_torchscript(&model_path) {
+        Err(e) => problem("[model] path", e),
+        Ok(()) => match sha256_file(&model_path) {
+            Err(e) => problem("[model] path", format!("cannot read {}: {e}", model_path.display())),
+            Ok(actual) => {
+                if let Some(expected) = &m.model.sha256 {
+                    if !expected.eq_ignore_ascii_case(&actual) {
+                        problem("[model] sha256", format!("{} has sha256 {actual} but the manifest expects {expected}; update the manifest or restore the right model file", model_path.display()));
+                    }
+                }
+                model_sha = actual;
+            }
+        },
+    }
+    if !valid_device(&m.model.device) {
+        problem("[model] device", format!("\"{}\" is not a device; use \"cpu\", \"cuda\" or \"cuda:N\"", m.model.device));
+    }
+
+    // Batching.
+    let b = &m.batching;
+    let sizing = match (b.item_rows, b.item_bytes) {
+        (Some(_), Some(_)) => {
+            problem("[batching] item_rows", "and item_bytes are both set; keep one".into());
+            ItemSizing::Rows(DEFAULT_ITEM_ROWS)
+        }
+        (Some(0), _) => {
+            problem("[batching] item_rows", "must be at least 1".into());
+            ItemSizing::Rows(DEFAULT_ITEM_ROWS)
+        }
+        (_, Some(0)) => {
+            problem("[batching] item_bytes", "must be at least 1".into());
+            ItemSizing::Rows(DEFAULT_ITEM_ROWS)
+        }
+        (Some(r), None) => ItemSizing::Rows(r),
+        (None, Some(bytes)) => ItemSizing::Bytes(bytes),
+        (None, None) => ItemSizing::Rows(DEFAULT_ITEM_ROWS),
+    };
+    let batch_size = b.inference_batch_size.unwrap_or(DEFAULT_BATCH_SIZE);
+    if batch_size == 0 {
+        problem("[batching] inference_batch_size", "must be at least 1".into());
+    }
+
+    // Output.
+    let out_dir = resolve(base, &m.output.dir);
+    if out_dir.exists() && !out_dir.is_dir() {
+        problem("[output] dir", format!("{} exists and is not a folder; choose another path", out_dir.display()));
+    }
+
+    if !problems.is_empty() {
+        return Err(ManifestError { file: manifest_path.to_owned(), problems });
+    }
+
+    let task = TaskSpec {
+        model: ModelRef { path: model_path.to_string_lossy().into_owned(), sha256: model_sha, device: m.model.device.clone() },
+        csv: CsvLayout { delimiter, fields: header.len() as u32, id_column: id_index, feature_columns: feature_indices },
+        batch_size,
+        output: OutputSpec { dir: out_dir.to_string_lossy().into_owned(), format: m.output.format },
+    };
+    let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
+    Ok(JobSpec {
+        job_id,
+        name: m.job.name.clone(),
+        pool: m.job.pool.clone(),
+        manifest_path: std::path::absolute(manifest_path).unwrap_or_else(|_| manifest_path.to_owned()),
+        files,
+        header,
+        sizing,
+        task,
+    })
+}
+
+/// `<name>-<8 hex>`: a digest of everything that determines the job's output
+/// (resolved inputs, model digest, layout, sizing, output), so the same
+/// manifest maps to the same job and resumes instead of starting over.
+fn job_id(name: &str, pool: &str, files: &[PathBuf], sizing: &ItemSizing, task: &TaskSpec) -> String {
+    let canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
+    let digest = batchfleet_shared::fsutil::sha256_bytes(canonical.to_string().as_bytes());
+    format!("{name}-{}", &digest[..8])
+}
+
+fn summarize_header(h: &[String]) -> String {
+    if h.len() <= 12 {
+        h.join(", ")
+    } else {
+        format!("{}, … {} in all", h[..10].join(", "), h.len())
+    }
+}
+
+fn valid_device(d: &str) -> bool {
+    d == "cpu" || d == "cuda" || d.strip_prefix("cuda:").is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// Reads the header record of a CSV file.
+pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let mut rdr = csv::ReaderBuilder::new().has_headers(false).delimiter(delimiter).flexible(true).from_reader(file);
+    let mut rec = csv::StringRecord::new();
+    match rdr.read_record(&mut rec) {
+        Ok(true) => Ok(rec.iter().map(|s| s.trim().to_owned()).collect()),
+        Ok(false) => Err("is empty; a CSV input needs a header row naming its columns".into()),
+        Err(e) => Err(format!("cannot read the header row: {e}")),
+    }
+}
+
+/// Checks a model file exists and is a TorchScript archive (a zip file).
+fn check_torchscript(path: &Path) -> Result<(), String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot open model {}: {e}; check the path, which is relative to the manifest's folder", path.display()))?;
+    let mut magic = [0u8; 4];
+    match f.read_exact(&mut magic) {
+        Ok(()) if &magic == b"PK\x03\x04" => Ok(()),
+        Ok(()) | Err(_) => Err(format!("{} is not a TorchScript file (expected the zip archive torch.jit.save writes); export the model with torch.jit.script(...) and torch.jit.save(...)", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    struct Fixture {
+        dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            fs::create_dir(dir.path().join("data")).unwrap();
+            fs::write(dir.path().join("data/a.csv"), "id,f0,f1,f2\n1,0.1,0.2,0.3\n").unwrap();
+            fs::write(dir.path().join("data/b.csv"), "id,f0,f1,f2\n2,0.1,0.2,0.3\n").unwrap();
+            fs::write(dir.path().join("model.pt"), b"PK\x03\x04rest-of-zip").unwrap();
+            Self { dir }
+        }
+        fn load(&self, toml: &str) -> Result<JobSpec, ManifestError> {
+            let path = self.dir.path().join("job.toml");
+            fs::write(&path, toml).unwrap();
+            load(&path)
+        }
+    }
+
+    const GOOD: &str = r#"
+[job]
+name = "scores"
+[input]
+format = "csv"
+paths = ["data/*.csv"]
+id_column = "id"
+feature_columns = ["f0..f2"]
+[model]
+path = "model.pt"
+[batching]
+item_rows = 100
+inference_batch_size = 64
+[output]
+dir = "out"
+"#;
+
+    #[test]
+    fn good_manifest_resolves_paths_and_columns() {
+        let fx = Fixture::new();
+        let spec = fx.load(GOOD).unwrap();
+        assert_eq!(spec.files.len(), 2);
+        assert!(spec.files[0].ends_with("data/a.csv"));
+        assert_eq!(spec.task.csv.feature_columns, vec![1, 2, 3]);
+        assert_eq!(spec.task.csv.fields, 4);
+        assert_eq!(spec.sizing, ItemSizing::Rows(100));
+        assert!(spec.job_id.starts_with("scores-") && spec.job_id.len() == "scores-".len() + 8);
+        assert_eq!(spec.task.model.sha256.len(), 64);
+        assert!(Path::new(&spec.task.output.dir).is_absolute());
+    }
+
+    #[test]
+    fn same_manifest_same_job_id_and_changes_change_it() {
+        let fx = Fixture::new();
+        let a = fx.load(GOOD).unwrap().job_id;
+        let b = fx.load(&GOOD.replace("\n[job]", "# a comment\n[job]")).unwrap().job_id;
+        let c = fx.load(&GOOD.replace("item_rows = 100", "item_rows = 50")).unwrap().job_id;
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    fn problems(r: Result<JobSpec, ManifestError>) -> String {
+        r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_with_line() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&GOOD.replace("item_rows = 100", "item_row = 100")));
+        assert!(err.contains("job.toml: line 12: unknown field `item_row`"), "{err}");
+        assert_eq!(err.lines().count(), 1);
+    }
+
+    #[test]
+    fn empty_glob_missing_columns_and_model_each_reported() {
+        let fx = Fixture::new();
+        let bad = GOOD
+            .replace("\"data/*.csv\"", "\"data/*.csv\", \"nope/*.csv\"")
+            .replace("\"f0..f2\"", "\"f0..f3\"")
+            .replace("id_column = \"id\"", "id_column = \"key\"")
+            .replace("model.pt", "missing.pt");
+        let err = problems(fx.load(&bad));
+        assert!(err.contains("[input] paths: \"nope/*.csv\" matches no file"), "{err}");
+        assert!(err.contains("[input] id_column: \"key\" is not in the header"), "{err}");
+        assert!(err.contains("[input] feature_columns: not in the header of") && err.contains("f3"), "{err}");
+        assert!(err.contains("[model] path: cannot open model") && err.contains("missing.pt"), "{err}");
+        assert_eq!(err.lines().count(), 4, "{err}");
+    }
+
+    #[test]
+    fn sha_mismatch_and_not_torchscript() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&GOOD.replace("path = \"model.pt\"", "path = \"model.pt\"\nsha256 = \"00\"")));
+        assert!(err.contains("[model] sha256:") && err.contains("expects 00"), "{err}");
+        fs::write(fx.dir.path().join("model.pt"), b"not a zip").unwrap();
+        let err = problems(fx.load(GOOD));
+        assert!(err.contains("is not a TorchScript file"), "{err}");
+    }
+
+    #[test]
+    fn mismatched_headers_and_empty_file() {
+        let fx = Fixture::new();
+        fs::write(fx.dir.path().join("data/b.csv"), "id,f0,f2,f1\n").unwrap();
+        assert!(problems(fx.load(GOOD)).contains("all input files of a job must share one header"));
+        fs::write(fx.dir.path().join("data/b.csv"), "").unwrap();
+        assert!(problems(fx.load(GOOD)).contains("b.csv: is empty; a CSV input needs a header row"));
+    }
+
+    #[test]
+    fn batching_and_device_rules() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&GOOD.replace("item_rows = 100", "item_rows = 100\nitem_bytes = 5").replace("inference_batch_size = 64", "inference_batch_size = 0").replace("path = \"model.pt\"", "path = \"model.pt\"\ndevice = \"tpu\"")));
+        assert!(err.contains("item_rows: and item_bytes are both set"), "{err}");
+        assert!(err.contains("inference_batch_size: must be at least 1"), "{err}");
+        assert!(err.contains("[model] device: \"tpu\""), "{err}");
+    }
+
+    #[test]
+    fn column_ranges_expand() {
+        let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(expand_columns(&s(&["f0..f2", "x"])).unwrap(), s(&["f0", "f1", "f2", "x"]));
+        assert_eq!(expand_columns(&s(&["c08..c10"])).unwrap(), s(&["c08", "c09", "c10"]));
+        assert!(expand_columns(&s(&["f3..f1"])).unwrap_err().contains("backwards"));
+        assert!(expand_columns(&s(&["f0..g3"])).is_err());
+    }
+}

@@ -1,0 +1,100 @@
+//! Follows a running job through its Redis counters until every item is
+//! committed: a progress bar on a terminal, periodic log lines otherwise.
+
+use crate::manifest::JobSpec;
+use crate::{RunConfig, RunError};
+use batchfleet_shared::store::{Progress, Store};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How following a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Followed {
+    /// Every planned item is committed.
+    AllDone,
+    /// A shutdown signal arrived first.
+    Interrupted,
+}
+
+/// Log a plain progress line this often when no terminal shows the bar.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+/// Warn once when nothing was committed for this long (no workers running?).
+const IDLE_WARNING: Duration = Duration::from_secs(30);
+
+/// Polls the job's counters every `cfg.poll_interval` until all items are done.
+pub async fn follow(store: &Store, spec: &JobSpec, cfg: &RunConfig, shutdown: CancellationToken) -> Result<Followed, RunError> {
+    let first = store.progress(&spec.job_id).await?;
+    let bar = progress_bar(cfg.progress, first.rows_total);
+    let started = Instant::now();
+    let start_rows = first.rows_done;
+    let mut last_change = Instant::now();
+    let mut last_log = Instant::now();
+    let mut last = first;
+    let mut warned = false;
+    let mut tick = tokio::time::interval(cfg.poll_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                bar.abandon_with_message("interrupted; the workers keep going — run the same manifest again to follow the job");
+                return Ok(Followed::Interrupted);
+            }
+            _ = tick.tick() => {}
+        }
+        let p = store.progress(&spec.job_id).await?;
+        if p != last {
+            last_change = Instant::now();
+        }
+        let rate = (p.rows_done - start_rows.min(p.rows_done)) as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        bar.set_position(p.rows_done);
+        bar.set_message(format!("items {}/{}", p.items_done, p.items_total));
+        if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
+            last_log = Instant::now();
+            tracing::info!(job = %spec.job_id, items_done = p.items_done, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
+        }
+        if !warned && p.items_done < p.items_total && last_change.elapsed() >= IDLE_WARNING {
+            warned = true;
+            let msg = format!(
+                "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {}`",
+                IDLE_WARNING.as_secs(), spec.pool, spec.pool
+            );
+            if bar.is_hidden() { tracing::warn!("{msg}") } else { bar.println(msg) }
+        }
+        last = p;
+        if p.items_total == p.items_done {
+            bar.finish_with_message(format!("items {}/{} done", p.items_done, p.items_total));
+            return Ok(Followed::AllDone);
+        }
+    }
+}
+
+fn eta(p: &Progress, rows_per_s: f64) -> u64 {
+    if rows_per_s <= 0.0 {
+        return 0;
+    }
+    ((p.rows_total.saturating_sub(p.rows_done)) as f64 / rows_per_s).ceil() as u64
+}
+
+fn progress_bar(enabled: bool, total_rows: u64) -> ProgressBar {
+    // indicatif hides a stderr bar by itself when stderr is not a terminal.
+    let target = if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+    let bar = ProgressBar::with_draw_target(Some(total_rows), target);
+    let style = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}")
+        .expect("progress template is valid");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eta_is_remaining_rows_over_rate() {
+        let p = Progress { items_done: 1, rows_done: 100, items_total: 4, rows_total: 400 };
+        assert_eq!(eta(&p, 100.0), 3);
+        assert_eq!(eta(&p, 0.0), 0);
+    }
+}

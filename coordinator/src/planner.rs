@@ -1,0 +1,268 @@
+//! Cuts input files into work items: byte ranges of a CSV file that start and
+//! end on record boundaries (quoted fields with embedded newlines included),
+//! sized evenly so that no item is a straggler by construction.
+//!
+//! The planner reads each file once (twice with `item_rows`: a counting pass,
+//! then a cutting pass) and never holds more than one record in memory.
+
+use crate::manifest::{ItemSizing, JobSpec};
+use batchfleet_shared::message::{Envelope, InputSlice, WorkItem};
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+/// A byte range of one file covering whole records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// First byte of the first record.
+    pub start: u64,
+    /// Byte just past the last record (start of the next one, or end of file).
+    pub end: u64,
+    /// 1-based line of the first record.
+    pub first_line: u64,
+    /// Records in the range.
+    pub rows: u64,
+}
+
+/// Errors planning a file.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot plan {path}: {reason}")]
+pub struct PlanError {
+    /// The file.
+    pub path: PathBuf,
+    /// What went wrong.
+    pub reason: String,
+}
+
+/// The planned items of a job.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Items in seq order.
+    pub items: Vec<WorkItem>,
+    /// Rows over all items.
+    pub rows_total: u64,
+}
+
+impl Plan {
+    /// Encoded message bodies, in seq order.
+    pub fn envelopes(&self) -> impl Iterator<Item = Envelope> + '_ {
+        self.items.iter().cloned().map(Envelope::V1)
+    }
+}
+
+/// Plans every input file of a job. Files with no data rows produce no items.
+pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
+    let mut items = Vec::new();
+    let mut rows_total = 0;
+    for path in &spec.files {
+        let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
+        for range in plan_csv(path, spec.task.csv.delimiter, spec.sizing)? {
+            rows_total += range.rows;
+            items.push(WorkItem {
+                job_id: spec.job_id.clone(),
+                seq: items.len() as u32,
+                input: InputSlice::CsvRange {
+                    path: path.to_string_lossy().into_owned(),
+                    start: range.start,
+                    end: range.end,
+                    first_line: range.first_line,
+                    rows: range.rows,
+                    file_len,
+                },
+                task: spec.task.clone(),
+            });
+        }
+    }
+    Ok(Plan { items, rows_total })
+}
+
+fn err(path: &Path, e: impl std::fmt::Display) -> PlanError {
+    PlanError { path: path.to_owned(), reason: e.to_string() }
+}
+
+/// Reads records of a CSV file after its header, calling `visit(start, line)`
+/// for each, and returns the file length.
+fn scan_records(path: &Path, delimiter: u8, mut visit: impl FnMut(u64, u64)) -> Result<u64, PlanError> {
+    let file = File::open(path).map_err(|e| err(path, e))?;
+    let len = file.metadata().map_err(|e| err(path, e))?.len();
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .delimiter(delimiter)
+        .flexible(true) // field counts are the worker's to check, row by row
+        .from_reader(BufReader::with_capacity(1 << 20, file));
+    let mut rec = csv::ByteRecord::new();
+    let mut header_seen = false;
+    loop {
+        match rdr.read_byte_record(&mut rec) {
+            Ok(false) => break,
+            Ok(true) => {
+                if !header_seen {
+                    header_seen = true;
+                    continue;
+                }
+                let pos = rec.position().expect("csv reader sets record positions");
+                visit(pos.byte(), pos.line());
+            }
+            Err(e) => return Err(err(path, format!("malformed CSV: {e}"))),
+        }
+    }
+    Ok(len)
+}
+
+/// Cuts one CSV file (with a header row) into ranges of whole records.
+pub fn plan_csv(path: &Path, delimiter: u8, sizing: ItemSizing) -> Result<Vec<Range>, PlanError> {
+    // Record starts arrive in order; `cut` decides whether a record opens a new range.
+    let mut ranges: Vec<Range> = Vec::new();
+    let mut push = |start: u64, line: u64, new_range: bool| {
+        if new_range || ranges.is_empty() {
+            if let Some(last) = ranges.last_mut() {
+                last.end = start;
+            }
+            ranges.push(Range { start, end: start, first_line: line, rows: 0 });
+        }
+        ranges.last_mut().expect("a range was just pushed").rows += 1;
+    };
+    let len = match sizing {
+        ItemSizing::Rows(per_item) => {
+            let mut total = 0u64;
+            scan_records(path, delimiter, |_, _| total += 1)?;
+            // Even split: n items of `base` or `base + 1` rows.
+            let n = total.div_ceil(per_item.max(1)).max(1);
+            let (base, extra) = (total / n, total % n);
+            let mut in_item = 0u64;
+            let mut item = 0u64;
+            scan_records(path, delimiter, |start, line| {
+                let size = base + u64::from(item < extra);
+                let new = in_item == size;
+                if new {
+                    item += 1;
+                    in_item = 0;
+                }
+                in_item += 1;
+                push(start, line, new);
+            })?
+        }
+        ItemSizing::Bytes(per_item) => {
+            // Cut at the first record starting at or after each evenly spaced target.
+            let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
+            let mut body_start = None;
+            let mut n = 1;
+            let mut next_target = u64::MAX;
+            let mut k = 1;
+            scan_records(path, delimiter, |start, line| {
+                let body = *body_start.get_or_insert_with(|| {
+                    n = (file_len - start).div_ceil(per_item.max(1)).max(1);
+                    next_target = start + (file_len - start) / n;
+                    start
+                });
+                let new = k < n && start >= next_target;
+                if new {
+                    k += 1;
+                    next_target = body + (file_len - body) * k / n;
+                }
+                push(start, line, new);
+            })?
+        }
+    };
+    if let Some(last) = ranges.last_mut() {
+        last.end = len;
+    }
+    Ok(ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    fn file(content: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("in.csv");
+        fs::write(&p, content).unwrap();
+        (dir, p)
+    }
+
+    /// Parses the records of each range independently, as a worker would.
+    fn records_of(content: &str, ranges: &[Range]) -> Vec<Vec<String>> {
+        ranges
+            .iter()
+            .map(|r| {
+                let slice = &content.as_bytes()[r.start as usize..r.end as usize];
+                let mut rdr = csv::ReaderBuilder::new().has_headers(false).from_reader(slice);
+                let recs: Vec<String> = rdr.records().map(|r| r.unwrap().iter().collect::<Vec<_>>().join("|")).collect();
+                assert_eq!(recs.len() as u64, r.rows, "range {r:?} row count");
+                recs
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ranges_cover_every_record_once_and_skip_header() {
+        let content: String = std::iter::once("id,x\n".to_string()).chain((0..10).map(|i| format!("{i},{i}.5\n"))).collect();
+        let (_d, p) = file(&content);
+        let ranges = plan_csv(&p, b',', ItemSizing::Rows(3)).unwrap();
+        let flat: Vec<String> = records_of(&content, &ranges).concat();
+        assert_eq!(flat, (0..10).map(|i| format!("{i}|{i}.5")).collect::<Vec<_>>());
+        // 10 rows at <=3 per item: 4 items, evenly 3/3/2/2.
+        assert_eq!(ranges.iter().map(|r| r.rows).collect::<Vec<_>>(), vec![3, 3, 2, 2]);
+        assert_eq!(ranges[0].start, 5);
+        assert_eq!(ranges[0].first_line, 2);
+        assert_eq!(ranges.last().unwrap().end, content.len() as u64);
+        for w in ranges.windows(2) {
+            assert_eq!(w[0].end, w[1].start, "ranges are contiguous");
+        }
+    }
+
+    #[test]
+    fn quoted_newlines_never_split_a_record() {
+        let content = "id,text\n1,\"a\nb\"\n2,\"c,\n\nd\"\n3,e\n4,\"\"\"q\"\"\n\"\n";
+        let (_d, p) = file(content);
+        for per in 1..=4 {
+            let ranges = plan_csv(&p, b',', ItemSizing::Rows(per)).unwrap();
+            let flat = records_of(content, &ranges).concat();
+            assert_eq!(flat, vec!["1|a\nb", "2|c,\n\nd", "3|e", "4|\"q\"\n"], "per={per}");
+        }
+        let ranges = plan_csv(&p, b',', ItemSizing::Rows(1)).unwrap();
+        assert_eq!(ranges.iter().map(|r| r.first_line).collect::<Vec<_>>(), vec![2, 4, 7, 8]);
+    }
+
+    #[test]
+    fn last_line_without_newline_and_crlf() {
+        let content = "id,x\r\n1,a\r\n2,b\r\n3,c";
+        let (_d, p) = file(content);
+        let ranges = plan_csv(&p, b',', ItemSizing::Rows(2)).unwrap();
+        assert_eq!(records_of(content, &ranges).concat(), vec!["1|a", "2|b", "3|c"]);
+        assert_eq!(ranges.last().unwrap().end, content.len() as u64);
+    }
+
+    #[test]
+    fn empty_and_header_only_files_have_no_items() {
+        for content in ["", "id,x\n", "id,x"] {
+            let (_d, p) = file(content);
+            assert!(plan_csv(&p, b',', ItemSizing::Rows(10)).unwrap().is_empty(), "{content:?}");
+            assert!(plan_csv(&p, b',', ItemSizing::Bytes(10)).unwrap().is_empty(), "{content:?}");
+        }
+    }
+
+    #[test]
+    fn byte_sizing_gives_even_items() {
+        let content: String = std::iter::once("id,x\n".to_string()).chain((0..1000).map(|i| format!("{i:04},{i}\n"))).collect();
+        let (_d, p) = file(&content);
+        let ranges = plan_csv(&p, b',', ItemSizing::Bytes(2500)).unwrap();
+        let body = content.len() as u64 - 5;
+        assert_eq!(ranges.len() as u64, body.div_ceil(2500));
+        let sizes: Vec<u64> = ranges.iter().map(|r| r.end - r.start).collect();
+        let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+        assert!(max - min <= 20, "uneven items: {sizes:?}");
+        assert_eq!(records_of(&content, &ranges).concat().len(), 1000);
+    }
+
+    #[test]
+    fn other_delimiters() {
+        let content = "id;x\n1;a\n2;b\n";
+        let (_d, p) = file(content);
+        let ranges = plan_csv(&p, b';', ItemSizing::Rows(1)).unwrap();
+        assert_eq!(ranges.len(), 2);
+        assert_eq!(ranges[1].start, 9);
+    }
+}

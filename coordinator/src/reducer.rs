@@ -1,0 +1,158 @@
+//! Closes a job: checks every committed item has its part file, writes
+//! `summary.json` atomically, then `_SUCCESS`, then marks the job completed.
+
+use crate::dispatcher::{SUCCESS_FILE, SUMMARY_FILE};
+use crate::manifest::JobSpec;
+use crate::RunError;
+use batchfleet_shared::fsutil::publish_atomically;
+use batchfleet_shared::message::part_file_name;
+use batchfleet_shared::store::{ItemStats, JobStatus, Store};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// `summary.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Job id.
+    pub job_id: String,
+    /// Job name.
+    pub name: String,
+    /// Final status.
+    pub status: String,
+    /// Manifest the job ran from.
+    pub manifest: String,
+    /// Model file.
+    pub model: String,
+    /// Model SHA-256.
+    pub model_sha256: String,
+    /// Output folder.
+    pub output_dir: String,
+    /// Rows planned from the input.
+    pub rows_total: u64,
+    /// Rows predicted (committed).
+    pub rows_predicted: u64,
+    /// Items planned.
+    pub items_total: u64,
+    /// Items committed.
+    pub items_completed: u64,
+    /// Part files, in item order.
+    pub parts: u64,
+    /// Job registration time (ms since epoch).
+    pub started_at_ms: u64,
+    /// Completion time (ms since epoch).
+    pub finished_at_ms: u64,
+    /// Wall time from registration to completion.
+    pub duration_s: f64,
+    /// Predicted rows per wall-clock second.
+    pub rows_per_s: f64,
+    /// Per-item wall time on its worker.
+    pub item_latency_ms: Latency,
+    /// Distinct workers that committed items.
+    pub workers: u64,
+    /// Items whose part file was found published and only the done mark redone.
+    pub items_recovered: u64,
+}
+
+/// Latency percentiles in milliseconds (nearest-rank).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct Latency {
+    /// Median.
+    pub p50: u64,
+    /// 95th percentile.
+    pub p95: u64,
+    /// Maximum.
+    pub max: u64,
+}
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Latency figures of a set of committed items.
+pub fn latency(stats: &[ItemStats]) -> Latency {
+    let mut v: Vec<u64> = stats.iter().map(ItemStats::latency_ms).collect();
+    v.sort_unstable();
+    Latency { p50: percentile(&v, 50.0), p95: percentile(&v, 95.0), max: v.last().copied().unwrap_or(0) }
+}
+
+/// Writes the summary and `_SUCCESS` and marks the job completed.
+pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary), RunError> {
+    let job = store
+        .job(&spec.job_id)
+        .await?
+        .ok_or_else(|| RunError::Output(format!("job {} vanished from Redis while finishing", spec.job_id)))?;
+    let stats = store.item_stats(&spec.job_id).await?;
+    let out = spec.output_dir();
+    let missing: Vec<String> = stats
+        .iter()
+        .map(|s| part_file_name(s.seq, spec.task.output.format))
+        .filter(|name| !out.join(name).is_file())
+        .collect();
+    if !missing.is_empty() {
+        return Err(RunError::Output(format!(
+            "{} committed item(s) have no part file in {} (first: {}); the output folder was changed during the job",
+            missing.len(),
+            out.display(),
+            missing[0]
+        )));
+    }
+    let finished = batchfleet_shared::now_ms();
+    let duration_s = finished.saturating_sub(job.created_ms) as f64 / 1000.0;
+    let workers: BTreeSet<&str> = stats.iter().map(|s| s.worker.as_str()).collect();
+    let summary = Summary {
+        job_id: job.id.clone(),
+        name: job.name.clone(),
+        status: JobStatus::Completed.as_str().into(),
+        manifest: job.manifest.clone(),
+        model: spec.task.model.path.clone(),
+        model_sha256: spec.task.model.sha256.clone(),
+        output_dir: job.output_dir.clone(),
+        rows_total: job.rows_total,
+        rows_predicted: job.rows_done,
+        items_total: job.items_total,
+        items_completed: job.items_done,
+        parts: stats.len() as u64,
+        started_at_ms: job.created_ms,
+        finished_at_ms: finished,
+        duration_s,
+        rows_per_s: if duration_s > 0.0 { (job.rows_done as f64 / duration_s).round() } else { 0.0 },
+        item_latency_ms: latency(&stats),
+        workers: workers.len() as u64,
+        items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
+    };
+    let path = out.join(SUMMARY_FILE);
+    let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
+    let write = |p: &std::path::Path, bytes: &[u8]| {
+        publish_atomically(p, "coordinator", true, |w| std::io::Write::write_all(w, bytes))
+            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
+    };
+    write(&path, &json)?;
+    write(&out.join(SUCCESS_FILE), b"")?;
+    store
+        .set_job_fields(&spec.job_id, &[("status", JobStatus::Completed.as_str().into()), ("finished_ms", finished.to_string())])
+        .await?;
+    Ok((path, summary))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(seq: u32, ms: u64) -> ItemStats {
+        ItemStats { seq, rows: 1, worker: "w".into(), started_ms: 1000, finished_ms: 1000 + ms, attempt: 1, recovered: false }
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let stats: Vec<ItemStats> = (1..=20).map(|i| stat(i, u64::from(i) * 10)).collect();
+        assert_eq!(latency(&stats), Latency { p50: 100, p95: 190, max: 200 });
+        assert_eq!(latency(&[]), Latency::default());
+        assert_eq!(latency(&[stat(0, 7)]), Latency { p50: 7, p95: 7, max: 7 });
+    }
+}

@@ -1,0 +1,47 @@
+//! `batchfleet status`: a job's state from Redis, for people or as JSON.
+
+use batchfleet_shared::store::{JobRecord, Store, StoreError};
+use serde::Serialize;
+use std::fmt::Write;
+
+/// What `status` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobStatusReport {
+    /// The job record.
+    #[serde(flatten)]
+    pub job: JobRecord,
+    /// Items still to commit.
+    pub items_remaining: u64,
+    /// Percent of rows committed.
+    pub percent_done: f64,
+    /// Rows per second since registration (to completion, or to now).
+    pub rows_per_s: f64,
+}
+
+/// Reads the report of `job_id`, `None` if the job is unknown.
+pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusReport>, StoreError> {
+    let Some(job) = store.job(job_id).await? else { return Ok(None) };
+    let end = if job.finished_ms > 0 { job.finished_ms } else { batchfleet_shared::now_ms() };
+    let secs = end.saturating_sub(job.created_ms) as f64 / 1000.0;
+    Ok(Some(JobStatusReport {
+        items_remaining: job.items_total.saturating_sub(job.items_done),
+        percent_done: if job.rows_total == 0 { 100.0 } else { 100.0 * job.rows_done as f64 / job.rows_total as f64 },
+        rows_per_s: if secs > 0.0 { (job.rows_done as f64 / secs).round() } else { 0.0 },
+        job,
+    }))
+}
+
+/// Human-readable rendering.
+pub fn render(r: &JobStatusReport) -> String {
+    let j = &r.job;
+    let mut s = String::new();
+    let _ = writeln!(s, "job       {}", j.id);
+    let _ = writeln!(s, "status    {}", j.status);
+    let _ = writeln!(s, "pool      {}", j.pool);
+    let _ = writeln!(s, "items     {}/{} done ({} remaining)", j.items_done, j.items_total, r.items_remaining);
+    let _ = writeln!(s, "rows      {}/{} done ({:.1}%)", j.rows_done, j.rows_total, r.percent_done);
+    let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
+    let _ = writeln!(s, "output    {}", j.output_dir);
+    let _ = write!(s, "manifest  {}", j.manifest);
+    s
+}

@@ -1,0 +1,29 @@
+//! Code that the batchfleet coordinator and workers must agree on.
+//!
+//! # Layout
+//! - [`message`]: the wire format of a work item — a versioned enum encoded with
+//!   rmp-serde (named fields) and the AMQP headers that travel with it.
+//! - [`broker`]: RabbitMQ connection, queue topology per pool and a publisher that
+//!   only counts a message as sent once the broker confirmed it.
+//! - [`store`]: the Redis keys of a job (record, done set, per-item stats) and the
+//!   atomic "first commit wins" script that keeps counters exact under redelivery.
+//! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
+//! - [`fsutil`]: file digests and atomic publication of output files.
+//! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
+//! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
+
+pub mod broker;
+pub mod fsutil;
+pub mod message;
+pub mod secret;
+pub mod shutdown;
+pub mod store;
+pub mod telemetry;
+
+/// Milliseconds since the Unix epoch, the timestamp unit used in Redis and summaries.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

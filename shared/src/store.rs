@@ -1,0 +1,446 @@
+//! Redis: job records, progress and the "first commit wins" done set.
+//!
+//! # Keys (prefix `P`, default `bf`)
+//! | key | type | holds |
+//! | --- | --- | --- |
+//! | `P:jobs` | sorted set | job ids by creation time (ms) |
+//! | `P:job:{id}` | hash | [`JobRecord`] fields: status, totals, counters, timestamps |
+//! | `P:job:{id}:done` | set | seqs of committed items |
+//! | `P:job:{id}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
+//!
+//! `items_done` and `rows_done` are only ever changed by [`COMMIT_SCRIPT`], in the
+//! same atomic step that adds the seq to the done set, so a redelivered item can
+//! never be counted twice. Output files remain the source of truth: every
+//! committed item has its part file published before it is marked done.
+
+use crate::secret::{scrub, SecretUrl};
+use deadpool_redis::redis::{self, AsyncCommands};
+use deadpool_redis::{Config, Pool, Runtime};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::time::Duration;
+
+/// Errors talking to Redis. Messages never contain credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis could not be reached or refused the login.
+    #[error("cannot connect to Redis at {url}: {reason}. {hint}")]
+    Connect {
+        /// Redacted URL.
+        url: String,
+        /// Client library message, credentials scrubbed.
+        reason: String,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// A command failed.
+    #[error("Redis {op} failed: {reason}")]
+    Command {
+        /// What was being done.
+        op: &'static str,
+        /// Client library message.
+        reason: String,
+    },
+    /// Stored data could not be read back.
+    #[error("Redis key {key} holds unexpected data: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
+    move |e| StoreError::Command { op, reason: e.to_string() }
+}
+
+fn pool_err(op: &'static str) -> impl FnOnce(deadpool_redis::PoolError) -> StoreError {
+    move |e| StoreError::Command { op, reason: e.to_string() }
+}
+
+/// Lifecycle of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    /// Registered; items are being planned and published.
+    Planning,
+    /// All items published; workers are processing them.
+    Running,
+    /// Every item committed.
+    Completed,
+}
+
+impl JobStatus {
+    /// The name stored in Redis and printed by the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Planning => "planning",
+            JobStatus::Running => "running",
+            JobStatus::Completed => "completed",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "planning" => JobStatus::Planning,
+            "running" => JobStatus::Running,
+            "completed" => JobStatus::Completed,
+            _ => return None,
+        })
+    }
+
+    /// Whether the job will make no further progress.
+    pub fn is_final(self) -> bool {
+        matches!(self, JobStatus::Completed)
+    }
+}
+
+impl fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The job hash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobRecord {
+    /// Job id.
+    pub id: String,
+    /// Job name from the manifest.
+    pub name: String,
+    /// Current status.
+    pub status: JobStatus,
+    /// Pool the items went to.
+    pub pool: String,
+    /// Manifest file the job was started from.
+    pub manifest: String,
+    /// Output directory.
+    pub output_dir: String,
+    /// Items planned.
+    pub items_total: u64,
+    /// Rows planned.
+    pub rows_total: u64,
+    /// Items committed.
+    pub items_done: u64,
+    /// Rows committed.
+    pub rows_done: u64,
+    /// When the job was first registered (ms since epoch).
+    pub created_ms: u64,
+    /// When publishing finished (ms), 0 before.
+    pub published_ms: u64,
+    /// When the job completed (ms), 0 before.
+    pub finished_ms: u64,
+}
+
+impl JobRecord {
+    fn to_fields(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("id", self.id.clone()),
+            ("name", self.name.clone()),
+            ("status", self.status.as_str().to_owned()),
+            ("pool", self.pool.clone()),
+            ("manifest", self.manifest.clone()),
+            ("output_dir", self.output_dir.clone()),
+            ("items_total", self.items_total.to_string()),
+            ("rows_total", self.rows_total.to_string()),
+            ("items_done", self.items_done.to_string()),
+            ("rows_done", self.rows_done.to_string()),
+            ("created_ms", self.created_ms.to_string()),
+            ("published_ms", self.published_ms.to_string()),
+            ("finished_ms", self.finished_ms.to_string()),
+        ]
+    }
+
+    fn from_fields(key: &str, map: &BTreeMap<String, String>) -> Result<Self, StoreError> {
+        let corrupt = |reason: String| StoreError::Corrupt { key: key.to_owned(), reason };
+        let text = |f: &str| map.get(f).cloned().ok_or_else(|| corrupt(format!("field {f} missing")));
+        let num = |f: &str| -> Result<u64, StoreError> {
+            map.get(f).map_or(Ok(0), |v| v.parse().map_err(|_| corrupt(format!("field {f} is not a number: {v}"))))
+        };
+        let status = text("status")?;
+        Ok(Self {
+            id: text("id")?,
+            name: text("name")?,
+            status: JobStatus::parse(&status).ok_or_else(|| corrupt(format!("unknown status {status}")))?,
+            pool: text("pool")?,
+            manifest: text("manifest")?,
+            output_dir: text("output_dir")?,
+            items_total: num("items_total")?,
+            rows_total: num("rows_total")?,
+            items_done: num("items_done")?,
+            rows_done: num("rows_done")?,
+            created_ms: num("created_ms")?,
+            published_ms: num("published_ms")?,
+            finished_ms: num("finished_ms")?,
+        })
+    }
+}
+
+/// What the worker whose commit won recorded about an item.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ItemStats {
+    /// Item seq.
+    pub seq: u32,
+    /// Rows predicted.
+    pub rows: u64,
+    /// Worker id.
+    pub worker: String,
+    /// Processing start (ms since epoch).
+    pub started_ms: u64,
+    /// Commit time (ms since epoch).
+    pub finished_ms: u64,
+    /// Delivery attempt that committed.
+    pub attempt: u32,
+    /// True when the part file was found already published (a previous attempt
+    /// died between publishing and marking done) and only the mark was redone.
+    pub recovered: bool,
+}
+
+impl ItemStats {
+    /// Wall time the item took on its worker.
+    pub fn latency_ms(&self) -> u64 {
+        self.finished_ms.saturating_sub(self.started_ms)
+    }
+}
+
+/// Counters of a running job, read in one round trip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Progress {
+    /// Items committed.
+    pub items_done: u64,
+    /// Rows committed.
+    pub rows_done: u64,
+    /// Items planned.
+    pub items_total: u64,
+    /// Rows planned.
+    pub rows_total: u64,
+}
+
+/// Adds the seq to the done set; only if it was not there yet, bumps the
+/// counters and stores the stats. Returns 1 for the winning commit, 0 otherwise.
+pub const COMMIT_SCRIPT: &str = r#"
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'items_done', 1)
+  redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+"#;
+
+/// Handle to the job state in Redis; cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool,
+    prefix: String,
+    commit: redis::Script,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Connects and checks the server answers `PING` within `timeout`.
+    pub async fn connect(url: &SecretUrl, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let connect_err = |reason: String| {
+            let reason = scrub(&reason, url);
+            let lower = reason.to_ascii_lowercase();
+            let hint = if lower.contains("auth") || lower.contains("password") || lower.contains("noperm") {
+                "Check the password in the Redis URL (BATCHFLEET_REDIS_URL)."
+            } else {
+                "Is Redis running? Start it (e.g. `redis-server --daemonize yes`) or fix BATCHFLEET_REDIS_URL."
+            };
+            StoreError::Connect { url: url.redacted(), reason, hint }
+        };
+        let mut cfg = Config::from_url(url.expose());
+        let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
+        pool_cfg.timeouts.wait = Some(timeout);
+        pool_cfg.timeouts.create = Some(timeout);
+        pool_cfg.timeouts.recycle = Some(timeout);
+        cfg.pool = Some(pool_cfg);
+        let pool = cfg.create_pool(Some(Runtime::Tokio1)).map_err(|e| connect_err(e.to_string()))?;
+        let store = Self { pool, prefix: prefix.to_owned(), commit: redis::Script::new(COMMIT_SCRIPT) };
+        let ping = async {
+            let mut conn = store.pool.get().await.map_err(|e| connect_err(e.to_string()))?;
+            redis::cmd("PING").query_async::<String>(&mut conn).await.map_err(|e| connect_err(e.to_string()))
+        };
+        match tokio::time::timeout(timeout, ping).await {
+            Ok(Ok(_)) => Ok(store),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(connect_err(format!("no answer within {}s", timeout.as_secs()))),
+        }
+    }
+
+    /// Key prefix in use.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn job_key(&self, id: &str) -> String {
+        format!("{}:job:{id}", self.prefix)
+    }
+    fn done_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:done", self.prefix)
+    }
+    fn stats_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:stats", self.prefix)
+    }
+    fn jobs_key(&self) -> String {
+        format!("{}:jobs", self.prefix)
+    }
+
+    async fn conn(&self, op: &'static str) -> Result<deadpool_redis::Connection, StoreError> {
+        self.pool.get().await.map_err(pool_err(op))
+    }
+
+    /// Reads a job record, `None` if the job is unknown.
+    pub async fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        let key = self.job_key(id);
+        let mut c = self.conn("HGETALL job").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL job"))?;
+        if map.is_empty() {
+            return Ok(None);
+        }
+        JobRecord::from_fields(&key, &map).map(Some)
+    }
+
+    /// Writes a new job record (all fields) and lists it in `P:jobs`.
+    pub async fn put_job(&self, job: &JobRecord) -> Result<(), StoreError> {
+        let mut c = self.conn("put job").await?;
+        redis::pipe()
+            .atomic()
+            .hset_multiple(self.job_key(&job.id), &job.to_fields())
+            .ignore()
+            .zadd(self.jobs_key(), &job.id, job.created_ms)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("put job"))
+    }
+
+    /// Sets some fields of a job record. Never use it for the done counters.
+    pub async fn set_job_fields(&self, id: &str, fields: &[(&str, String)]) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET job").await?;
+        c.hset_multiple::<_, _, _, ()>(self.job_key(id), fields).await.map_err(cmd("HSET job"))
+    }
+
+    /// Reads the counters of a job in one round trip.
+    pub async fn progress(&self, id: &str) -> Result<Progress, StoreError> {
+        let mut c = self.conn("HMGET progress").await?;
+        let vals: Vec<Option<u64>> = redis::cmd("HMGET")
+            .arg(self.job_key(id))
+            .arg(&["items_done", "rows_done", "items_total", "rows_total"])
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HMGET progress"))?;
+        let v = |i: usize| vals.get(i).copied().flatten().unwrap_or(0);
+        Ok(Progress { items_done: v(0), rows_done: v(1), items_total: v(2), rows_total: v(3) })
+    }
+
+    /// Marks an item done. Returns `true` if this call won (first commit),
+    /// `false` if the item had already been committed by someone else.
+    pub async fn commit_item(&self, job: &str, stats: &ItemStats) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(stats).map_err(|e| StoreError::Command { op: "encode stats", reason: e.to_string() })?;
+        let mut c = self.conn("commit item").await?;
+        let won: i64 = self
+            .commit
+            .key(self.done_key(job))
+            .key(self.job_key(job))
+            .key(self.stats_key(job))
+            .arg(stats.seq)
+            .arg(stats.rows)
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("commit item"))?;
+        Ok(won == 1)
+    }
+
+    /// Whether an item is marked done.
+    pub async fn is_done(&self, job: &str, seq: u32) -> Result<bool, StoreError> {
+        let mut c = self.conn("SISMEMBER done").await?;
+        c.sismember(self.done_key(job), seq).await.map_err(cmd("SISMEMBER done"))
+    }
+
+    /// All done seqs of a job.
+    pub async fn done_items(&self, job: &str) -> Result<HashSet<u32>, StoreError> {
+        let mut c = self.conn("SMEMBERS done").await?;
+        c.smembers(self.done_key(job)).await.map_err(cmd("SMEMBERS done"))
+    }
+
+    /// Stats of every committed item, in seq order.
+    pub async fn item_stats(&self, job: &str) -> Result<Vec<ItemStats>, StoreError> {
+        let key = self.stats_key(job);
+        let mut c = self.conn("HGETALL stats").await?;
+        let map: BTreeMap<u32, String> = c.hgetall(&key).await.map_err(cmd("HGETALL stats"))?;
+        map.values()
+            .map(|json| {
+                serde_json::from_str(json).map_err(|e| StoreError::Corrupt { key: key.clone(), reason: e.to_string() })
+            })
+            .collect()
+    }
+
+    /// Most recent job ids, newest first.
+    pub async fn recent_jobs(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+        let mut c = self.conn("ZREVRANGE jobs").await?;
+        let stop = limit.saturating_sub(1) as isize;
+        c.zrevrange(self.jobs_key(), 0, stop).await.map_err(cmd("ZREVRANGE jobs"))
+    }
+
+    /// Deletes every key of a job (tests and `purge`).
+    pub async fn delete_job(&self, id: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL job").await?;
+        redis::pipe()
+            .del(&[self.job_key(id), self.done_key(id), self.stats_key(id)])
+            .ignore()
+            .zrem(self.jobs_key(), id)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("DEL job"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> JobRecord {
+        JobRecord {
+            id: "j-1".into(),
+            name: "j".into(),
+            status: JobStatus::Running,
+            pool: "default".into(),
+            manifest: "/m.toml".into(),
+            output_dir: "/out".into(),
+            items_total: 3,
+            rows_total: 30,
+            items_done: 1,
+            rows_done: 10,
+            created_ms: 5,
+            published_ms: 6,
+            finished_ms: 0,
+        }
+    }
+
+    #[test]
+    fn job_record_round_trips_through_hash_fields() {
+        let r = record();
+        let map: BTreeMap<String, String> = r.to_fields().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        assert_eq!(JobRecord::from_fields("k", &map).unwrap(), r);
+    }
+
+    #[test]
+    fn corrupt_record_names_key_and_field() {
+        let mut map: BTreeMap<String, String> =
+            record().to_fields().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        map.insert("rows_total".into(), "lots".into());
+        let err = JobRecord::from_fields("bf:job:j-1", &map).unwrap_err().to_string();
+        assert!(err.contains("bf:job:j-1") && err.contains("rows_total"), "{err}");
+    }
+}
