@@ -32,13 +32,30 @@ pub struct Cli {
 #[derive(Debug, Args)]
 pub struct GlobalArgs {
     /// RabbitMQ URL. Credentials in it are never logged.
-    #[arg(long, env = "BATCHFLEET_AMQP_URL", default_value = "amqp://127.0.0.1:5672/%2f", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "BATCHFLEET_AMQP_URL",
+        default_value = "amqp://127.0.0.1:5672/%2f",
+        global = true,
+        hide_env_values = true
+    )]
     pub amqp_url: SecretUrl,
     /// Redis URL. Credentials in it are never logged.
-    #[arg(long, env = "BATCHFLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379/", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/",
+        global = true,
+        hide_env_values = true
+    )]
     pub redis_url: SecretUrl,
     /// Prefix of every Redis key batchfleet writes.
-    #[arg(long, env = "BATCHFLEET_REDIS_PREFIX", default_value = "bf", global = true)]
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_PREFIX",
+        default_value = "bf",
+        global = true
+    )]
     pub redis_prefix: String,
     /// How long to wait for RabbitMQ or Redis to answer (e.g. 10s, 1m).
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
@@ -122,7 +139,10 @@ pub async fn main(cli: Cli) -> ExitCode {
             };
             match status::report(&store, &args.job).await {
                 Ok(Some(r)) if args.json => {
-                    println!("{}", serde_json::to_string_pretty(&r).expect("report serializes"));
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&r).expect("report serializes")
+                    );
                     ExitCode::SUCCESS
                 }
                 Ok(Some(r)) => {
@@ -141,7 +161,11 @@ pub async fn main(cli: Cli) -> ExitCode {
 
 fn report_outcome(outcome: &RunOutcome) -> ExitCode {
     match outcome {
-        RunOutcome::Completed { job_id, summary, report } => {
+        RunOutcome::Completed {
+            job_id,
+            summary,
+            report,
+        } => {
             println!(
                 "job {job_id} completed: {} rows in {} items, {:.1}s, {} rows/s (item p50 {} ms, p95 {} ms, {} workers)",
                 report.rows_predicted, report.items_completed, report.duration_s, report.rows_per_s,

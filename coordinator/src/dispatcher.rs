@@ -53,7 +53,11 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
         Err(e) => return Err(RunError::Output(format!("cannot read {}: {e}", owner.display()))),
     }
     let has_parts = std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with("part-")))
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("part-"))
+        })
         .unwrap_or(false);
     if has_parts {
         return Err(RunError::Manifest(crate::manifest::ManifestError {
@@ -64,25 +68,46 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
             }],
         }));
     }
-    std::fs::create_dir_all(dir).map_err(|e| RunError::Output(format!("cannot create output folder {}: {e}", dir.display())))?;
-    batchfleet_shared::fsutil::publish_atomically(&dir.join(OWNER_FILE), "coordinator", true, |w| {
-        use std::io::Write;
-        writeln!(w, "{job_id}")
-    })
+    std::fs::create_dir_all(dir).map_err(|e| {
+        RunError::Output(format!(
+            "cannot create output folder {}: {e}",
+            dir.display()
+        ))
+    })?;
+    batchfleet_shared::fsutil::publish_atomically(
+        &dir.join(OWNER_FILE),
+        "coordinator",
+        true,
+        |w| {
+            use std::io::Write;
+            writeln!(w, "{job_id}")
+        },
+    )
     .map_err(|e| RunError::Output(format!("cannot write {}: {e}", owner.display())))?;
     Ok(())
 }
 
 /// Registers the job (or finds it) and publishes every item not yet done.
-pub async fn dispatch(cfg: &RunConfig, spec: &JobSpec, store: &Store, conn: &lapin::Connection) -> Result<Dispatched, RunError> {
+pub async fn dispatch(
+    cfg: &RunConfig,
+    spec: &JobSpec,
+    store: &Store,
+    conn: &lapin::Connection,
+) -> Result<Dispatched, RunError> {
     let out = spec.output_dir();
     let summary = out.join(SUMMARY_FILE);
     let existing = store.job(&spec.job_id).await?;
-    if existing.as_ref().is_some_and(|j| j.status == JobStatus::Completed) {
+    if existing
+        .as_ref()
+        .is_some_and(|j| j.status == JobStatus::Completed)
+    {
         tracing::info!(job = %spec.job_id, "job already completed; nothing to publish");
         return Ok(Dispatched::AlreadyCompleted { summary });
     }
-    if existing.is_none() && out.join(SUCCESS_FILE).exists() && summary_job_id(&summary).as_deref() == Some(spec.job_id.as_str()) {
+    if existing.is_none()
+        && out.join(SUCCESS_FILE).exists()
+        && summary_job_id(&summary).as_deref() == Some(spec.job_id.as_str())
+    {
         tracing::info!(job = %spec.job_id, "output folder holds this job's completed output; nothing to publish");
         return Ok(Dispatched::AlreadyCompleted { summary });
     }
@@ -100,24 +125,32 @@ pub async fn dispatch(cfg: &RunConfig, spec: &JobSpec, store: &Store, conn: &lap
             }
             tracing::info!(job = %spec.job_id, done = job.items_done, "resuming job");
             // Only the status: the done counters belong to the workers' commits.
-            store.set_job_fields(&spec.job_id, &[("status", JobStatus::Planning.as_str().to_owned())]).await?;
+            store
+                .set_job_fields(
+                    &spec.job_id,
+                    &[("status", JobStatus::Planning.as_str().to_owned())],
+                )
+                .await?;
         }
-        None => store.put_job(&JobRecord {
-            id: spec.job_id.clone(),
-            name: spec.name.clone(),
-            status: JobStatus::Planning,
-            pool: spec.pool.clone(),
-            manifest: spec.manifest_path.to_string_lossy().into_owned(),
-            output_dir: spec.task.output.dir.clone(),
-            items_total: plan.items.len() as u64,
-            rows_total: plan.rows_total,
-            items_done: 0,
-            rows_done: 0,
-            created_ms: batchfleet_shared::now_ms(),
-            published_ms: 0,
-            finished_ms: 0,
-        })
-        .await?,
+        None => {
+            store
+                .put_job(&JobRecord {
+                    id: spec.job_id.clone(),
+                    name: spec.name.clone(),
+                    status: JobStatus::Planning,
+                    pool: spec.pool.clone(),
+                    manifest: spec.manifest_path.to_string_lossy().into_owned(),
+                    output_dir: spec.task.output.dir.clone(),
+                    items_total: plan.items.len() as u64,
+                    rows_total: plan.rows_total,
+                    items_done: 0,
+                    rows_done: 0,
+                    created_ms: batchfleet_shared::now_ms(),
+                    published_ms: 0,
+                    finished_ms: 0,
+                })
+                .await?
+        }
     }
 
     let done = store.done_items(&spec.job_id).await?;
@@ -133,12 +166,17 @@ pub async fn dispatch(cfg: &RunConfig, spec: &JobSpec, store: &Store, conn: &lap
         body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
         headers: headers.clone(),
     });
-    let published = publisher.publish_all(&queues.work(), messages, cfg.publish_window, |_| {}).await?;
+    let published = publisher
+        .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})
+        .await?;
     tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), queue = %queues.work(), "items published and confirmed");
     store
         .set_job_fields(
             &spec.job_id,
-            &[("status", JobStatus::Running.as_str().to_owned()), ("published_ms", batchfleet_shared::now_ms().to_string())],
+            &[
+                ("status", JobStatus::Running.as_str().to_owned()),
+                ("published_ms", batchfleet_shared::now_ms().to_string()),
+            ],
         )
         .await?;
     let _ = publisher.channel().close(200, "published".into()).await;

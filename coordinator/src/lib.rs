@@ -114,22 +114,38 @@ pub enum RunError {
 /// Runs the job of a manifest to completion: validate, connect, plan,
 /// publish, follow, summarize. Safe to run again: a completed job publishes
 /// nothing, an unfinished one is resumed.
-pub async fn run_job(cfg: &RunConfig, manifest_path: &Path, shutdown: CancellationToken) -> Result<RunOutcome, RunError> {
+pub async fn run_job(
+    cfg: &RunConfig,
+    manifest_path: &Path,
+    shutdown: CancellationToken,
+) -> Result<RunOutcome, RunError> {
     let spec = manifest::load(manifest_path)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
     let store = cfg.connections.store().await?;
-    let conn = cfg.connections.broker(&format!("batchfleet coordinator {}", spec.job_id)).await?;
+    let conn = cfg
+        .connections
+        .broker(&format!("batchfleet coordinator {}", spec.job_id))
+        .await?;
     let outcome = dispatcher::dispatch(cfg, &spec, &store, &conn).await;
     let outcome = match outcome {
         Ok(dispatcher::Dispatched::AlreadyCompleted { summary }) => {
-            Ok(RunOutcome::AlreadyCompleted { job_id: spec.job_id.clone(), summary })
+            Ok(RunOutcome::AlreadyCompleted {
+                job_id: spec.job_id.clone(),
+                summary,
+            })
         }
         Ok(dispatcher::Dispatched::Running) => {
             match monitor::follow(&store, &spec, cfg, shutdown).await? {
-                monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted { job_id: spec.job_id.clone() }),
+                monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
+                    job_id: spec.job_id.clone(),
+                }),
                 monitor::Followed::AllDone => {
                     let (summary, report) = reducer::finish(&store, &spec).await?;
-                    Ok(RunOutcome::Completed { job_id: spec.job_id.clone(), summary, report: Box::new(report) })
+                    Ok(RunOutcome::Completed {
+                        job_id: spec.job_id.clone(),
+                        summary,
+                        report: Box::new(report),
+                    })
                 }
             }
         }

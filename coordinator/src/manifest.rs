@@ -195,24 +195,44 @@ impl std::error::Error for ManifestError {}
 pub fn load(path: &Path) -> Result<JobSpec, ManifestError> {
     let fail = |field: &str, message: String| ManifestError {
         file: path.to_owned(),
-        problems: vec![Problem { field: field.into(), message }],
+        problems: vec![Problem {
+            field: field.into(),
+            message,
+        }],
     };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| fail("file", format!("cannot read the manifest: {e}; check the path")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        fail(
+            "file",
+            format!("cannot read the manifest: {e}; check the path"),
+        )
+    })?;
     let manifest: Manifest = toml::from_str(&text).map_err(|e| {
-        let line = e.span().map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
         let field = line.map_or_else(|| "toml".to_owned(), |l| format!("line {l}"));
         let msg = e.message().trim().replace('\n', " ");
-        fail(&field, format!("{msg}; see docs/manifest.md for the accepted keys"))
+        fail(
+            &field,
+            format!("{msg}; see docs/manifest.md for the accepted keys"),
+        )
     })?;
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    let base = if base.as_os_str().is_empty() { PathBuf::from(".") } else { base };
+    let base = if base.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        base
+    };
     validate(&manifest, &base, path)
 }
 
 fn resolve(base: &Path, p: &str) -> PathBuf {
     let p = Path::new(p);
-    let joined = if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    let joined = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    };
     std::path::absolute(&joined).unwrap_or(joined)
 }
 
@@ -230,48 +250,87 @@ pub fn expand_columns(entries: &[String]) -> Result<Vec<String>, String> {
             (prefix.to_owned(), num.to_owned())
         };
         let ((pa, na), (pb, nb)) = (split(a), split(b));
-        let bad = || format!("range \"{entry}\" must look like \"f0..f31\": same prefix, numbers at both ends");
+        let bad = || {
+            format!(
+                "range \"{entry}\" must look like \"f0..f31\": same prefix, numbers at both ends"
+            )
+        };
         if pa != pb || na.is_empty() || nb.is_empty() {
             return Err(bad());
         }
-        let (lo, hi): (u64, u64) = (na.parse().map_err(|_| bad())?, nb.parse().map_err(|_| bad())?);
+        let (lo, hi): (u64, u64) = (
+            na.parse().map_err(|_| bad())?,
+            nb.parse().map_err(|_| bad())?,
+        );
         if lo > hi {
-            return Err(format!("range \"{entry}\" runs backwards; write the smaller number first"));
+            return Err(format!(
+                "range \"{entry}\" runs backwards; write the smaller number first"
+            ));
         }
         if hi - lo > 100_000 {
             return Err(format!("range \"{entry}\" names more than 100000 columns"));
         }
-        let width = if na.len() > 1 && na.starts_with('0') { na.len() } else { 0 };
+        let width = if na.len() > 1 && na.starts_with('0') {
+            na.len()
+        } else {
+            0
+        };
         out.extend((lo..=hi).map(|i| format!("{pa}{i:0width$}")));
     }
     Ok(out)
 }
 
 fn valid_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 /// Validates a parsed manifest; `base` is the folder relative paths start from.
 pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSpec, ManifestError> {
     let mut problems = Vec::new();
-    let mut problem = |field: &str, message: String| problems.push(Problem { field: field.into(), message });
+    let mut problem = |field: &str, message: String| {
+        problems.push(Problem {
+            field: field.into(),
+            message,
+        })
+    };
 
     if !valid_name(&m.job.name) {
-        problem("[job] name", format!("\"{}\" is not a valid job name; use 1-64 letters, digits, '-', '_' or '.'", m.job.name));
+        problem(
+            "[job] name",
+            format!(
+                "\"{}\" is not a valid job name; use 1-64 letters, digits, '-', '_' or '.'",
+                m.job.name
+            ),
+        );
     }
     if !valid_name(&m.job.pool) {
-        problem("[job] pool", format!("\"{}\" is not a valid pool name; use 1-64 letters, digits, '-', '_' or '.'", m.job.pool));
+        problem(
+            "[job] pool",
+            format!(
+                "\"{}\" is not a valid pool name; use 1-64 letters, digits, '-', '_' or '.'",
+                m.job.pool
+            ),
+        );
     }
 
     // Input files.
     let mut files = Vec::new();
     if m.input.paths.is_empty() {
-        problem("[input] paths", "is empty; list at least one file or glob such as \"data/*.csv\"".into());
+        problem(
+            "[input] paths",
+            "is empty; list at least one file or glob such as \"data/*.csv\"".into(),
+        );
     }
     for pattern in &m.input.paths {
         let full = resolve(base, pattern);
         match glob::glob(&full.to_string_lossy()) {
-            Err(e) => problem("[input] paths", format!("\"{pattern}\" is not a valid glob: {e}")),
+            Err(e) => problem(
+                "[input] paths",
+                format!("\"{pattern}\" is not a valid glob: {e}"),
+            ),
             Ok(entries) => {
                 let mut matched = 0;
                 for entry in entries {
@@ -281,7 +340,10 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
                             files.push(p);
                         }
                         Ok(_) => {}
-                        Err(e) => problem("[input] paths", format!("cannot read {}: {}", e.path().display(), e.error())),
+                        Err(e) => problem(
+                            "[input] paths",
+                            format!("cannot read {}: {}", e.path().display(), e.error()),
+                        ),
                     }
                 }
                 if matched == 0 {
@@ -296,14 +358,23 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
     let delimiter = match m.input.delimiter.as_bytes() {
         [b] if b.is_ascii() && *b != b'"' && *b != b'\n' && *b != b'\r' => *b,
         _ => {
-            problem("[input] delimiter", format!("\"{}\" must be one ASCII character other than a quote or newline", m.input.delimiter.escape_default()));
+            problem(
+                "[input] delimiter",
+                format!(
+                    "\"{}\" must be one ASCII character other than a quote or newline",
+                    m.input.delimiter.escape_default()
+                ),
+            );
             b','
         }
     };
 
     let features = match expand_columns(&m.input.feature_columns) {
         Ok(f) if f.is_empty() => {
-            problem("[input] feature_columns", "is empty; list the columns the model takes, e.g. [\"f0..f31\"]".into());
+            problem(
+                "[input] feature_columns",
+                "is empty; list the columns the model takes, e.g. [\"f0..f31\"]".into(),
+            );
             f
         }
         Ok(f) => f,
@@ -333,12 +404,33 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         let shown = summarize_header(&header);
         match column(&m.input.id_column) {
             Some(i) => id_index = i as u32,
-            None => problem("[input] id_column", format!("\"{}\" is not in the header of {} (columns: {shown}); fix the name", m.input.id_column, files[0].display())),
+            None => problem(
+                "[input] id_column",
+                format!(
+                    "\"{}\" is not in the header of {} (columns: {shown}); fix the name",
+                    m.input.id_column,
+                    files[0].display()
+                ),
+            ),
         }
-        let missing: Vec<&str> = features.iter().filter(|c| column(c).is_none()).map(String::as_str).collect();
+        let missing: Vec<&str> = features
+            .iter()
+            .filter(|c| column(c).is_none())
+            .map(String::as_str)
+            .collect();
         if !missing.is_empty() {
-            let list = if missing.len() > 5 { format!("{} and {} more", missing[..5].join(", "), missing.len() - 5) } else { missing.join(", ") };
-            problem("[input] feature_columns", format!("not in the header of {}: {list} (columns: {shown}); fix the names", files[0].display()));
+            let list = if missing.len() > 5 {
+                format!("{} and {} more", missing[..5].join(", "), missing.len() - 5)
+            } else {
+                missing.join(", ")
+            };
+            problem(
+                "[input] feature_columns",
+                format!(
+                    "not in the header of {}: {list} (columns: {shown}); fix the names",
+                    files[0].display()
+                ),
+            );
         }
         feature_indices.extend(features.iter().filter_map(|c| column(c)).map(|i| i as u32));
     }
@@ -349,7 +441,10 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
     match check_torchscript(&model_path) {
         Err(e) => problem("[model] path", e),
         Ok(()) => match sha256_file(&model_path) {
-            Err(e) => problem("[model] path", format!("cannot read {}: {e}", model_path.display())),
+            Err(e) => problem(
+                "[model] path",
+                format!("cannot read {}: {e}", model_path.display()),
+            ),
             Ok(actual) => {
                 if let Some(expected) = &m.model.sha256 {
                     if !expected.eq_ignore_ascii_case(&actual) {
@@ -361,14 +456,23 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         },
     }
     if !valid_device(&m.model.device) {
-        problem("[model] device", format!("\"{}\" is not a device; use \"cpu\", \"cuda\" or \"cuda:N\"", m.model.device));
+        problem(
+            "[model] device",
+            format!(
+                "\"{}\" is not a device; use \"cpu\", \"cuda\" or \"cuda:N\"",
+                m.model.device
+            ),
+        );
     }
 
     // Batching.
     let b = &m.batching;
     let sizing = match (b.item_rows, b.item_bytes) {
         (Some(_), Some(_)) => {
-            problem("[batching] item_rows", "and item_bytes are both set; keep one".into());
+            problem(
+                "[batching] item_rows",
+                "and item_bytes are both set; keep one".into(),
+            );
             ItemSizing::Rows(DEFAULT_ITEM_ROWS)
         }
         (Some(0), _) => {
@@ -385,31 +489,56 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
     };
     let batch_size = b.inference_batch_size.unwrap_or(DEFAULT_BATCH_SIZE);
     if batch_size == 0 {
-        problem("[batching] inference_batch_size", "must be at least 1".into());
+        problem(
+            "[batching] inference_batch_size",
+            "must be at least 1".into(),
+        );
     }
 
     // Output.
     let out_dir = resolve(base, &m.output.dir);
     if out_dir.exists() && !out_dir.is_dir() {
-        problem("[output] dir", format!("{} exists and is not a folder; choose another path", out_dir.display()));
+        problem(
+            "[output] dir",
+            format!(
+                "{} exists and is not a folder; choose another path",
+                out_dir.display()
+            ),
+        );
     }
 
     if !problems.is_empty() {
-        return Err(ManifestError { file: manifest_path.to_owned(), problems });
+        return Err(ManifestError {
+            file: manifest_path.to_owned(),
+            problems,
+        });
     }
 
     let task = TaskSpec {
-        model: ModelRef { path: model_path.to_string_lossy().into_owned(), sha256: model_sha, device: m.model.device.clone() },
-        csv: CsvLayout { delimiter, fields: header.len() as u32, id_column: id_index, feature_columns: feature_indices },
+        model: ModelRef {
+            path: model_path.to_string_lossy().into_owned(),
+            sha256: model_sha,
+            device: m.model.device.clone(),
+        },
+        csv: CsvLayout {
+            delimiter,
+            fields: header.len() as u32,
+            id_column: id_index,
+            feature_columns: feature_indices,
+        },
         batch_size,
-        output: OutputSpec { dir: out_dir.to_string_lossy().into_owned(), format: m.output.format },
+        output: OutputSpec {
+            dir: out_dir.to_string_lossy().into_owned(),
+            format: m.output.format,
+        },
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),
         pool: m.job.pool.clone(),
-        manifest_path: std::path::absolute(manifest_path).unwrap_or_else(|_| manifest_path.to_owned()),
+        manifest_path: std::path::absolute(manifest_path)
+            .unwrap_or_else(|_| manifest_path.to_owned()),
         files,
         header,
         sizing,
@@ -420,7 +549,13 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
 /// `<name>-<8 hex>`: a digest of everything that determines the job's output
 /// (resolved inputs, model digest, layout, sizing, output), so the same
 /// manifest maps to the same job and resumes instead of starting over.
-fn job_id(name: &str, pool: &str, files: &[PathBuf], sizing: &ItemSizing, task: &TaskSpec) -> String {
+fn job_id(
+    name: &str,
+    pool: &str,
+    files: &[PathBuf],
+    sizing: &ItemSizing,
+    task: &TaskSpec,
+) -> String {
     let canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
     let digest = batchfleet_shared::fsutil::sha256_bytes(canonical.to_string().as_bytes());
     format!("{name}-{}", &digest[..8])
@@ -435,13 +570,20 @@ fn summarize_header(h: &[String]) -> String {
 }
 
 fn valid_device(d: &str) -> bool {
-    d == "cpu" || d == "cuda" || d.strip_prefix("cuda:").is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+    d == "cpu"
+        || d == "cuda"
+        || d.strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
 }
 
 /// Reads the header record of a CSV file.
 pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
-    let mut rdr = csv::ReaderBuilder::new().has_headers(false).delimiter(delimiter).flexible(true).from_reader(file);
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .delimiter(delimiter)
+        .flexible(true)
+        .from_reader(file);
     let mut rec = csv::StringRecord::new();
     match rdr.read_record(&mut rec) {
         Ok(true) => Ok(rec.iter().map(|s| s.trim().to_owned()).collect()),
@@ -453,7 +595,12 @@ pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
 /// Checks a model file exists and is a TorchScript archive (a zip file).
 fn check_torchscript(path: &Path) -> Result<(), String> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot open model {}: {e}; check the path, which is relative to the manifest's folder", path.display()))?;
+    let mut f = std::fs::File::open(path).map_err(|e| {
+        format!(
+            "cannot open model {}: {e}; check the path, which is relative to the manifest's folder",
+            path.display()
+        )
+    })?;
     let mut magic = [0u8; 4];
     match f.read_exact(&mut magic) {
         Ok(()) if &magic == b"PK\x03\x04" => Ok(()),
@@ -474,8 +621,16 @@ mod tests {
         fn new() -> Self {
             let dir = tempfile::tempdir().unwrap();
             fs::create_dir(dir.path().join("data")).unwrap();
-            fs::write(dir.path().join("data/a.csv"), "id,f0,f1,f2\n1,0.1,0.2,0.3\n").unwrap();
-            fs::write(dir.path().join("data/b.csv"), "id,f0,f1,f2\n2,0.1,0.2,0.3\n").unwrap();
+            fs::write(
+                dir.path().join("data/a.csv"),
+                "id,f0,f1,f2\n1,0.1,0.2,0.3\n",
+            )
+            .unwrap();
+            fs::write(
+                dir.path().join("data/b.csv"),
+                "id,f0,f1,f2\n2,0.1,0.2,0.3\n",
+            )
+            .unwrap();
             fs::write(dir.path().join("model.pt"), b"PK\x03\x04rest-of-zip").unwrap();
             Self { dir }
         }
@@ -521,8 +676,14 @@ dir = "out"
     fn same_manifest_same_job_id_and_changes_change_it() {
         let fx = Fixture::new();
         let a = fx.load(GOOD).unwrap().job_id;
-        let b = fx.load(&GOOD.replace("\n[job]", "# a comment\n[job]")).unwrap().job_id;
-        let c = fx.load(&GOOD.replace("item_rows = 100", "item_rows = 50")).unwrap().job_id;
+        let b = fx
+            .load(&GOOD.replace("\n[job]", "# a comment\n[job]"))
+            .unwrap()
+            .job_id;
+        let c = fx
+            .load(&GOOD.replace("item_rows = 100", "item_rows = 50"))
+            .unwrap()
+            .job_id;
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
@@ -535,7 +696,10 @@ dir = "out"
     fn unknown_key_is_an_error_with_line() {
         let fx = Fixture::new();
         let err = problems(fx.load(&GOOD.replace("item_rows = 100", "item_row = 100")));
-        assert!(err.contains("job.toml: line 12: unknown field `item_row`"), "{err}");
+        assert!(
+            err.contains("job.toml: line 12: unknown field `item_row`"),
+            "{err}"
+        );
         assert_eq!(err.lines().count(), 1);
     }
 
@@ -548,18 +712,36 @@ dir = "out"
             .replace("id_column = \"id\"", "id_column = \"key\"")
             .replace("model.pt", "missing.pt");
         let err = problems(fx.load(&bad));
-        assert!(err.contains("[input] paths: \"nope/*.csv\" matches no file"), "{err}");
-        assert!(err.contains("[input] id_column: \"key\" is not in the header"), "{err}");
-        assert!(err.contains("[input] feature_columns: not in the header of") && err.contains("f3"), "{err}");
-        assert!(err.contains("[model] path: cannot open model") && err.contains("missing.pt"), "{err}");
+        assert!(
+            err.contains("[input] paths: \"nope/*.csv\" matches no file"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[input] id_column: \"key\" is not in the header"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[input] feature_columns: not in the header of") && err.contains("f3"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[model] path: cannot open model") && err.contains("missing.pt"),
+            "{err}"
+        );
         assert_eq!(err.lines().count(), 4, "{err}");
     }
 
     #[test]
     fn sha_mismatch_and_not_torchscript() {
         let fx = Fixture::new();
-        let err = problems(fx.load(&GOOD.replace("path = \"model.pt\"", "path = \"model.pt\"\nsha256 = \"00\"")));
-        assert!(err.contains("[model] sha256:") && err.contains("expects 00"), "{err}");
+        let err = problems(fx.load(&GOOD.replace(
+            "path = \"model.pt\"",
+            "path = \"model.pt\"\nsha256 = \"00\"",
+        )));
+        assert!(
+            err.contains("[model] sha256:") && err.contains("expects 00"),
+            "{err}"
+        );
         fs::write(fx.dir.path().join("model.pt"), b"not a zip").unwrap();
         let err = problems(fx.load(GOOD));
         assert!(err.contains("is not a TorchScript file"), "{err}");
@@ -577,18 +759,42 @@ dir = "out"
     #[test]
     fn batching_and_device_rules() {
         let fx = Fixture::new();
-        let err = problems(fx.load(&GOOD.replace("item_rows = 100", "item_rows = 100\nitem_bytes = 5").replace("inference_batch_size = 64", "inference_batch_size = 0").replace("path = \"model.pt\"", "path = \"model.pt\"\ndevice = \"tpu\"")));
-        assert!(err.contains("item_rows: and item_bytes are both set"), "{err}");
-        assert!(err.contains("inference_batch_size: must be at least 1"), "{err}");
+        let err = problems(
+            fx.load(
+                &GOOD
+                    .replace("item_rows = 100", "item_rows = 100\nitem_bytes = 5")
+                    .replace("inference_batch_size = 64", "inference_batch_size = 0")
+                    .replace(
+                        "path = \"model.pt\"",
+                        "path = \"model.pt\"\ndevice = \"tpu\"",
+                    ),
+            ),
+        );
+        assert!(
+            err.contains("item_rows: and item_bytes are both set"),
+            "{err}"
+        );
+        assert!(
+            err.contains("inference_batch_size: must be at least 1"),
+            "{err}"
+        );
         assert!(err.contains("[model] device: \"tpu\""), "{err}");
     }
 
     #[test]
     fn column_ranges_expand() {
         let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(expand_columns(&s(&["f0..f2", "x"])).unwrap(), s(&["f0", "f1", "f2", "x"]));
-        assert_eq!(expand_columns(&s(&["c08..c10"])).unwrap(), s(&["c08", "c09", "c10"]));
-        assert!(expand_columns(&s(&["f3..f1"])).unwrap_err().contains("backwards"));
+        assert_eq!(
+            expand_columns(&s(&["f0..f2", "x"])).unwrap(),
+            s(&["f0", "f1", "f2", "x"])
+        );
+        assert_eq!(
+            expand_columns(&s(&["c08..c10"])).unwrap(),
+            s(&["c08", "c09", "c10"])
+        );
+        assert!(expand_columns(&s(&["f3..f1"]))
+            .unwrap_err()
+            .contains("backwards"));
         assert!(expand_columns(&s(&["f0..g3"])).is_err());
     }
 }

@@ -23,7 +23,12 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 const IDLE_WARNING: Duration = Duration::from_secs(30);
 
 /// Polls the job's counters every `cfg.poll_interval` until all items are done.
-pub async fn follow(store: &Store, spec: &JobSpec, cfg: &RunConfig, shutdown: CancellationToken) -> Result<Followed, RunError> {
+pub async fn follow(
+    store: &Store,
+    spec: &JobSpec,
+    cfg: &RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Followed, RunError> {
     let first = store.progress(&spec.job_id).await?;
     let bar = progress_bar(cfg.progress, first.rows_total);
     let started = Instant::now();
@@ -46,7 +51,8 @@ pub async fn follow(store: &Store, spec: &JobSpec, cfg: &RunConfig, shutdown: Ca
         if p != last {
             last_change = Instant::now();
         }
-        let rate = (p.rows_done - start_rows.min(p.rows_done)) as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        let rate = (p.rows_done - start_rows.min(p.rows_done)) as f64
+            / started.elapsed().as_secs_f64().max(1e-3);
         bar.set_position(p.rows_done);
         bar.set_message(format!("items {}/{}", p.items_done, p.items_total));
         if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
@@ -59,7 +65,11 @@ pub async fn follow(store: &Store, spec: &JobSpec, cfg: &RunConfig, shutdown: Ca
                 "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {}`",
                 IDLE_WARNING.as_secs(), spec.pool, spec.pool
             );
-            if bar.is_hidden() { tracing::warn!("{msg}") } else { bar.println(msg) }
+            if bar.is_hidden() {
+                tracing::warn!("{msg}")
+            } else {
+                bar.println(msg)
+            }
         }
         last = p;
         if p.items_total == p.items_done {
@@ -78,7 +88,11 @@ fn eta(p: &Progress, rows_per_s: f64) -> u64 {
 
 fn progress_bar(enabled: bool, total_rows: u64) -> ProgressBar {
     // indicatif hides a stderr bar by itself when stderr is not a terminal.
-    let target = if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+    let target = if enabled {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
     let bar = ProgressBar::with_draw_target(Some(total_rows), target);
     let style = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}")
         .expect("progress template is valid");
@@ -93,7 +107,12 @@ mod tests {
 
     #[test]
     fn eta_is_remaining_rows_over_rate() {
-        let p = Progress { items_done: 1, rows_done: 100, items_total: 4, rows_total: 400 };
+        let p = Progress {
+            items_done: 1,
+            rows_done: 100,
+            items_total: 4,
+            rows_total: 400,
+        };
         assert_eq!(eta(&p, 100.0), 3);
         assert_eq!(eta(&p, 0.0), 0);
     }

@@ -77,12 +77,19 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
 }
 
 fn err(path: &Path, e: impl std::fmt::Display) -> PlanError {
-    PlanError { path: path.to_owned(), reason: e.to_string() }
+    PlanError {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    }
 }
 
 /// Reads records of a CSV file after its header, calling `visit(start, line)`
 /// for each, and returns the file length.
-fn scan_records(path: &Path, delimiter: u8, mut visit: impl FnMut(u64, u64)) -> Result<u64, PlanError> {
+fn scan_records(
+    path: &Path,
+    delimiter: u8,
+    mut visit: impl FnMut(u64, u64),
+) -> Result<u64, PlanError> {
     let file = File::open(path).map_err(|e| err(path, e))?;
     let len = file.metadata().map_err(|e| err(path, e))?.len();
     let mut rdr = csv::ReaderBuilder::new()
@@ -118,7 +125,12 @@ pub fn plan_csv(path: &Path, delimiter: u8, sizing: ItemSizing) -> Result<Vec<Ra
             if let Some(last) = ranges.last_mut() {
                 last.end = start;
             }
-            ranges.push(Range { start, end: start, first_line: line, rows: 0 });
+            ranges.push(Range {
+                start,
+                end: start,
+                first_line: line,
+                rows: 0,
+            });
         }
         ranges.last_mut().expect("a range was just pushed").rows += 1;
     };
@@ -188,8 +200,13 @@ mod tests {
             .iter()
             .map(|r| {
                 let slice = &content.as_bytes()[r.start as usize..r.end as usize];
-                let mut rdr = csv::ReaderBuilder::new().has_headers(false).from_reader(slice);
-                let recs: Vec<String> = rdr.records().map(|r| r.unwrap().iter().collect::<Vec<_>>().join("|")).collect();
+                let mut rdr = csv::ReaderBuilder::new()
+                    .has_headers(false)
+                    .from_reader(slice);
+                let recs: Vec<String> = rdr
+                    .records()
+                    .map(|r| r.unwrap().iter().collect::<Vec<_>>().join("|"))
+                    .collect();
                 assert_eq!(recs.len() as u64, r.rows, "range {r:?} row count");
                 recs
             })
@@ -198,13 +215,21 @@ mod tests {
 
     #[test]
     fn ranges_cover_every_record_once_and_skip_header() {
-        let content: String = std::iter::once("id,x\n".to_string()).chain((0..10).map(|i| format!("{i},{i}.5\n"))).collect();
+        let content: String = std::iter::once("id,x\n".to_string())
+            .chain((0..10).map(|i| format!("{i},{i}.5\n")))
+            .collect();
         let (_d, p) = file(&content);
         let ranges = plan_csv(&p, b',', ItemSizing::Rows(3)).unwrap();
         let flat: Vec<String> = records_of(&content, &ranges).concat();
-        assert_eq!(flat, (0..10).map(|i| format!("{i}|{i}.5")).collect::<Vec<_>>());
+        assert_eq!(
+            flat,
+            (0..10).map(|i| format!("{i}|{i}.5")).collect::<Vec<_>>()
+        );
         // 10 rows at <=3 per item: 4 items, evenly 3/3/2/2.
-        assert_eq!(ranges.iter().map(|r| r.rows).collect::<Vec<_>>(), vec![3, 3, 2, 2]);
+        assert_eq!(
+            ranges.iter().map(|r| r.rows).collect::<Vec<_>>(),
+            vec![3, 3, 2, 2]
+        );
         assert_eq!(ranges[0].start, 5);
         assert_eq!(ranges[0].first_line, 2);
         assert_eq!(ranges.last().unwrap().end, content.len() as u64);
@@ -220,10 +245,17 @@ mod tests {
         for per in 1..=4 {
             let ranges = plan_csv(&p, b',', ItemSizing::Rows(per)).unwrap();
             let flat = records_of(content, &ranges).concat();
-            assert_eq!(flat, vec!["1|a\nb", "2|c,\n\nd", "3|e", "4|\"q\"\n"], "per={per}");
+            assert_eq!(
+                flat,
+                vec!["1|a\nb", "2|c,\n\nd", "3|e", "4|\"q\"\n"],
+                "per={per}"
+            );
         }
         let ranges = plan_csv(&p, b',', ItemSizing::Rows(1)).unwrap();
-        assert_eq!(ranges.iter().map(|r| r.first_line).collect::<Vec<_>>(), vec![2, 4, 7, 8]);
+        assert_eq!(
+            ranges.iter().map(|r| r.first_line).collect::<Vec<_>>(),
+            vec![2, 4, 7, 8]
+        );
     }
 
     #[test]
@@ -231,7 +263,10 @@ mod tests {
         let content = "id,x\r\n1,a\r\n2,b\r\n3,c";
         let (_d, p) = file(content);
         let ranges = plan_csv(&p, b',', ItemSizing::Rows(2)).unwrap();
-        assert_eq!(records_of(content, &ranges).concat(), vec!["1|a", "2|b", "3|c"]);
+        assert_eq!(
+            records_of(content, &ranges).concat(),
+            vec!["1|a", "2|b", "3|c"]
+        );
         assert_eq!(ranges.last().unwrap().end, content.len() as u64);
     }
 
@@ -239,14 +274,24 @@ mod tests {
     fn empty_and_header_only_files_have_no_items() {
         for content in ["", "id,x\n", "id,x"] {
             let (_d, p) = file(content);
-            assert!(plan_csv(&p, b',', ItemSizing::Rows(10)).unwrap().is_empty(), "{content:?}");
-            assert!(plan_csv(&p, b',', ItemSizing::Bytes(10)).unwrap().is_empty(), "{content:?}");
+            assert!(
+                plan_csv(&p, b',', ItemSizing::Rows(10)).unwrap().is_empty(),
+                "{content:?}"
+            );
+            assert!(
+                plan_csv(&p, b',', ItemSizing::Bytes(10))
+                    .unwrap()
+                    .is_empty(),
+                "{content:?}"
+            );
         }
     }
 
     #[test]
     fn byte_sizing_gives_even_items() {
-        let content: String = std::iter::once("id,x\n".to_string()).chain((0..1000).map(|i| format!("{i:04},{i}\n"))).collect();
+        let content: String = std::iter::once("id,x\n".to_string())
+            .chain((0..1000).map(|i| format!("{i:04},{i}\n")))
+            .collect();
         let (_d, p) = file(&content);
         let ranges = plan_csv(&p, b',', ItemSizing::Bytes(2500)).unwrap();
         let body = content.len() as u64 - 5;

@@ -78,15 +78,21 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 pub fn latency(stats: &[ItemStats]) -> Latency {
     let mut v: Vec<u64> = stats.iter().map(ItemStats::latency_ms).collect();
     v.sort_unstable();
-    Latency { p50: percentile(&v, 50.0), p95: percentile(&v, 95.0), max: v.last().copied().unwrap_or(0) }
+    Latency {
+        p50: percentile(&v, 50.0),
+        p95: percentile(&v, 95.0),
+        max: v.last().copied().unwrap_or(0),
+    }
 }
 
 /// Writes the summary and `_SUCCESS` and marks the job completed.
 pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary), RunError> {
-    let job = store
-        .job(&spec.job_id)
-        .await?
-        .ok_or_else(|| RunError::Output(format!("job {} vanished from Redis while finishing", spec.job_id)))?;
+    let job = store.job(&spec.job_id).await?.ok_or_else(|| {
+        RunError::Output(format!(
+            "job {} vanished from Redis while finishing",
+            spec.job_id
+        ))
+    })?;
     let stats = store.item_stats(&spec.job_id).await?;
     let out = spec.output_dir();
     let missing: Vec<String> = stats
@@ -121,7 +127,11 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         started_at_ms: job.created_ms,
         finished_at_ms: finished,
         duration_s,
-        rows_per_s: if duration_s > 0.0 { (job.rows_done as f64 / duration_s).round() } else { 0.0 },
+        rows_per_s: if duration_s > 0.0 {
+            (job.rows_done as f64 / duration_s).round()
+        } else {
+            0.0
+        },
         item_latency_ms: latency(&stats),
         workers: workers.len() as u64,
         items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
@@ -129,13 +139,21 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
     let path = out.join(SUMMARY_FILE);
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
     let write = |p: &std::path::Path, bytes: &[u8]| {
-        publish_atomically(p, "coordinator", true, |w| std::io::Write::write_all(w, bytes))
-            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
+        publish_atomically(p, "coordinator", true, |w| {
+            std::io::Write::write_all(w, bytes)
+        })
+        .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
     write(&path, &json)?;
     write(&out.join(SUCCESS_FILE), b"")?;
     store
-        .set_job_fields(&spec.job_id, &[("status", JobStatus::Completed.as_str().into()), ("finished_ms", finished.to_string())])
+        .set_job_fields(
+            &spec.job_id,
+            &[
+                ("status", JobStatus::Completed.as_str().into()),
+                ("finished_ms", finished.to_string()),
+            ],
+        )
         .await?;
     Ok((path, summary))
 }
@@ -145,14 +163,36 @@ mod tests {
     use super::*;
 
     fn stat(seq: u32, ms: u64) -> ItemStats {
-        ItemStats { seq, rows: 1, worker: "w".into(), started_ms: 1000, finished_ms: 1000 + ms, attempt: 1, recovered: false }
+        ItemStats {
+            seq,
+            rows: 1,
+            worker: "w".into(),
+            started_ms: 1000,
+            finished_ms: 1000 + ms,
+            attempt: 1,
+            recovered: false,
+        }
     }
 
     #[test]
     fn nearest_rank_percentiles() {
         let stats: Vec<ItemStats> = (1..=20).map(|i| stat(i, u64::from(i) * 10)).collect();
-        assert_eq!(latency(&stats), Latency { p50: 100, p95: 190, max: 200 });
+        assert_eq!(
+            latency(&stats),
+            Latency {
+                p50: 100,
+                p95: 190,
+                max: 200
+            }
+        );
         assert_eq!(latency(&[]), Latency::default());
-        assert_eq!(latency(&[stat(0, 7)]), Latency { p50: 7, p95: 7, max: 7 });
+        assert_eq!(
+            latency(&[stat(0, 7)]),
+            Latency {
+                p50: 7,
+                p95: 7,
+                max: 7
+            }
+        );
     }
 }

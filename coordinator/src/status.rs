@@ -20,13 +20,27 @@ pub struct JobStatusReport {
 
 /// Reads the report of `job_id`, `None` if the job is unknown.
 pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusReport>, StoreError> {
-    let Some(job) = store.job(job_id).await? else { return Ok(None) };
-    let end = if job.finished_ms > 0 { job.finished_ms } else { batchfleet_shared::now_ms() };
+    let Some(job) = store.job(job_id).await? else {
+        return Ok(None);
+    };
+    let end = if job.finished_ms > 0 {
+        job.finished_ms
+    } else {
+        batchfleet_shared::now_ms()
+    };
     let secs = end.saturating_sub(job.created_ms) as f64 / 1000.0;
     Ok(Some(JobStatusReport {
         items_remaining: job.items_total.saturating_sub(job.items_done),
-        percent_done: if job.rows_total == 0 { 100.0 } else { 100.0 * job.rows_done as f64 / job.rows_total as f64 },
-        rows_per_s: if secs > 0.0 { (job.rows_done as f64 / secs).round() } else { 0.0 },
+        percent_done: if job.rows_total == 0 {
+            100.0
+        } else {
+            100.0 * job.rows_done as f64 / job.rows_total as f64
+        },
+        rows_per_s: if secs > 0.0 {
+            (job.rows_done as f64 / secs).round()
+        } else {
+            0.0
+        },
         job,
     }))
 }
@@ -38,8 +52,16 @@ pub fn render(r: &JobStatusReport) -> String {
     let _ = writeln!(s, "job       {}", j.id);
     let _ = writeln!(s, "status    {}", j.status);
     let _ = writeln!(s, "pool      {}", j.pool);
-    let _ = writeln!(s, "items     {}/{} done ({} remaining)", j.items_done, j.items_total, r.items_remaining);
-    let _ = writeln!(s, "rows      {}/{} done ({:.1}%)", j.rows_done, j.rows_total, r.percent_done);
+    let _ = writeln!(
+        s,
+        "items     {}/{} done ({} remaining)",
+        j.items_done, j.items_total, r.items_remaining
+    );
+    let _ = writeln!(
+        s,
+        "rows      {}/{} done ({:.1}%)",
+        j.rows_done, j.rows_total, r.percent_done
+    );
     let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
     let _ = writeln!(s, "output    {}", j.output_dir);
     let _ = write!(s, "manifest  {}", j.manifest);

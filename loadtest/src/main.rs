@@ -1,1 +1,146 @@
-fn main(){}
+use anyhow::{bail, Result};
+use batchfleet_loadtest::{python, verify};
+
+mod forward;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// batchfleet-loadtest: generate jobs, verify outputs, measure ceilings.
+#[derive(Debug, Parser)]
+#[command(name = "batchfleet-loadtest", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate CSV input, a TorchScript MLP, golden predictions and job.toml.
+    Gen {
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+        /// Rows in all.
+        #[arg(long, default_value_t = 200_000)]
+        rows: u64,
+        /// Input files.
+        #[arg(long, default_value_t = 4)]
+        files: u32,
+        /// Features per row.
+        #[arg(long, default_value_t = 32)]
+        features: u32,
+        /// Hidden width of the MLP.
+        #[arg(long, default_value_t = 64)]
+        hidden: u32,
+        /// Model outputs per row.
+        #[arg(long, default_value_t = 1)]
+        outputs: u32,
+        /// Job name written into job.toml.
+        #[arg(long, default_value = "demo")]
+        name: String,
+        /// Pool written into job.toml.
+        #[arg(long, default_value = "default")]
+        pool: String,
+        /// item_rows written into job.toml.
+        #[arg(long, default_value_t = 10_000)]
+        item_rows: u64,
+        /// inference_batch_size written into job.toml.
+        #[arg(long, default_value_t = 1024)]
+        batch_size: u32,
+    },
+    /// Check a job's part files against golden predictions (exit 1 on any difference).
+    Verify {
+        /// The job's output folder.
+        #[arg(long)]
+        output: PathBuf,
+        /// Golden predictions (id plus score columns).
+        #[arg(long)]
+        golden: PathBuf,
+        /// Allowed difference (absolute; relative above magnitude 1).
+        #[arg(long, default_value_t = 1e-5)]
+        tolerance: f64,
+    },
+    /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
+    Forward {
+        /// TorchScript model.
+        #[arg(long)]
+        model: PathBuf,
+        /// CSV files or globs (first column id, the rest features).
+        #[arg(long, required = true, num_args = 1..)]
+        data: Vec<String>,
+        /// Batch sizes to try.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+        batch_size: Vec<usize>,
+        /// libtorch intra-op threads (0: libtorch default).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Timed passes per batch size (median reported).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Gen {
+            out,
+            rows,
+            files,
+            features,
+            hidden,
+            outputs,
+            name,
+            pool,
+            item_rows,
+            batch_size,
+        } => python::make_job(
+            &out,
+            &python::JobGen {
+                rows,
+                files,
+                features,
+                hidden,
+                outputs,
+                seed: 7,
+                name,
+                pool,
+                item_rows,
+                batch_size,
+            },
+        ),
+        Command::Verify {
+            output,
+            golden,
+            tolerance,
+        } => {
+            let v = verify::verify(&output, &golden, tolerance)?;
+            println!("{}", v.describe());
+            if !v.ok() {
+                bail!("output does not match the golden predictions");
+            }
+            println!("verified: every row exactly once, every score within {tolerance:e}");
+            Ok(())
+        }
+        Command::Forward {
+            model,
+            data,
+            batch_size,
+            threads,
+            repeats,
+        } => {
+            let features = forward::load_csv(&forward::expand(&data)?)?;
+            println!(
+                "forward: {} rows × {} features, {threads} thread(s), median of {repeats}",
+                features.rows(),
+                features.cols
+            );
+            for r in forward::measure(&model, &features, &batch_size, threads, repeats)? {
+                println!(
+                    "  batch {:>6}: {:>12.0} rows/s",
+                    r.batch_size, r.median_rows_per_s
+                );
+            }
+            Ok(())
+        }
+    }
+}

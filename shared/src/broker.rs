@@ -14,10 +14,13 @@
 
 use crate::secret::{scrub, SecretUrl};
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
 use std::time::Duration;
 
 /// Exchange that receives dead-lettered messages of all pools.
@@ -103,23 +106,41 @@ impl PoolQueues {
 }
 
 /// Opens a connection, bounded by `timeout`, with errors that say what to do.
-pub async fn connect(url: &SecretUrl, connection_name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
-    let props = ConnectionProperties::default().with_connection_name(LongString::from(connection_name));
+pub async fn connect(
+    url: &SecretUrl,
+    connection_name: &str,
+    timeout: Duration,
+) -> Result<Connection, BrokerError> {
+    let props =
+        ConnectionProperties::default().with_connection_name(LongString::from(connection_name));
     let attempt = Connection::connect(url.expose(), props);
     match tokio::time::timeout(timeout, attempt).await {
-        Err(_) => Err(BrokerError::Timeout { url: url.redacted(), secs: timeout.as_secs() }),
+        Err(_) => Err(BrokerError::Timeout {
+            url: url.redacted(),
+            secs: timeout.as_secs(),
+        }),
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => {
             let reason = scrub(&e.to_string(), url);
             let lower = reason.to_ascii_lowercase();
-            let hint = if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login") {
+            let hint = if lower.contains("access_refused")
+                || lower.contains("auth")
+                || lower.contains("login")
+            {
                 "Check the user name and password in the AMQP URL (BATCHFLEET_AMQP_URL)."
-            } else if lower.contains("refused") || lower.contains("resolve") || lower.contains("lookup") {
+            } else if lower.contains("refused")
+                || lower.contains("resolve")
+                || lower.contains("lookup")
+            {
                 "Is RabbitMQ running? Start it (e.g. `rabbitmq-server -detached`) or fix BATCHFLEET_AMQP_URL."
             } else {
                 "Check BATCHFLEET_AMQP_URL and that RabbitMQ is healthy."
             };
-            Err(BrokerError::Connect { url: url.redacted(), reason, hint })
+            Err(BrokerError::Connect {
+                url: url.redacted(),
+                reason,
+                hint,
+            })
         }
     }
 }
@@ -133,9 +154,15 @@ fn quorum_args(dead_letter_to: Option<&PoolQueues>) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("x-queue-type".into(), long("quorum"));
     if let Some(pool) = dead_letter_to {
-        args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(DELIVERY_LIMIT),
+        );
         args.insert("x-dead-letter-exchange".into(), long(DEAD_LETTER_EXCHANGE));
-        args.insert("x-dead-letter-routing-key".into(), long(&pool.dead_routing_key()));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            long(&pool.dead_routing_key()),
+        );
         // at-least-once dead-lettering: the message leaves the work queue only once
         // the dead queue confirmed it, so a dead letter cannot be lost in transit.
         args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
@@ -148,16 +175,24 @@ fn quorum_args(dead_letter_to: Option<&PoolQueues>) -> FieldTable {
 
 /// Declares the pool's work queue, dead-letter exchange and dead queue.
 pub async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<(), BrokerError> {
-    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
     channel
         .exchange_declare(
             DEAD_LETTER_EXCHANGE.into(),
             ExchangeKind::Direct,
-            ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
             FieldTable::default(),
         )
         .await
-        .map_err(BrokerError::op(format!("exchange.declare {DEAD_LETTER_EXCHANGE}")))?;
+        .map_err(BrokerError::op(format!(
+            "exchange.declare {DEAD_LETTER_EXCHANGE}"
+        )))?;
     channel
         .queue_declare(queues.dead().into(), durable, quorum_args(None))
         .await
@@ -184,7 +219,10 @@ pub async fn ready_count(channel: &Channel, queue: &str) -> Result<u32, BrokerEr
     let q = channel
         .queue_declare(
             queue.into(),
-            QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() },
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
             FieldTable::default(),
         )
         .await
@@ -217,7 +255,10 @@ pub struct ConfirmedPublisher {
 impl ConfirmedPublisher {
     /// Opens a channel on `conn` and enables publisher confirms on it.
     pub async fn open(conn: &Connection) -> Result<Self, BrokerError> {
-        let channel = conn.create_channel().await.map_err(BrokerError::op("channel.open"))?;
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(BrokerError::op("channel.open"))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
@@ -233,7 +274,13 @@ impl ConfirmedPublisher {
     /// Publishes `messages` to `queue` through the default exchange, keeping at
     /// most `window` unconfirmed at a time, and returns once all are confirmed.
     /// `on_confirmed` runs once per confirmed message, in publish order.
-    pub async fn publish_all<I, F>(&self, queue: &str, messages: I, window: usize, mut on_confirmed: F) -> Result<u64, BrokerError>
+    pub async fn publish_all<I, F>(
+        &self,
+        queue: &str,
+        messages: I,
+        window: usize,
+        mut on_confirmed: F,
+    ) -> Result<u64, BrokerError>
     where
         I: IntoIterator<Item = Outgoing>,
         F: FnMut(&Outgoing),
@@ -263,7 +310,10 @@ impl ConfirmedPublisher {
                     queue.into(),
                     // mandatory: an unroutable message (queue deleted) comes back
                     // as a return instead of vanishing, and we treat it as an error.
-                    BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() },
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
                     &msg.body,
                     props,
                 )
@@ -280,14 +330,24 @@ impl ConfirmedPublisher {
     }
 }
 
-async fn await_confirm(msg: &Outgoing, confirm: lapin::PublisherConfirm) -> Result<(), BrokerError> {
-    let confirmation = confirm.await.map_err(BrokerError::op(format!("confirm {}", msg.message_id)))?;
+async fn await_confirm(
+    msg: &Outgoing,
+    confirm: lapin::PublisherConfirm,
+) -> Result<(), BrokerError> {
+    let confirmation = confirm
+        .await
+        .map_err(BrokerError::op(format!("confirm {}", msg.message_id)))?;
     match confirmation {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => Err(BrokerError::NotConfirmed {
-            message_id: msg.message_id.clone(),
-            reason: format!("returned by the broker: {} {}", ret.reply_code, ret.reply_text),
-        }),
+        Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => {
+            Err(BrokerError::NotConfirmed {
+                message_id: msg.message_id.clone(),
+                reason: format!(
+                    "returned by the broker: {} {}",
+                    ret.reply_code, ret.reply_text
+                ),
+            })
+        }
         Confirmation::Nack(None) => Err(BrokerError::NotConfirmed {
             message_id: msg.message_id.clone(),
             reason: "nacked by the broker".into(),
@@ -325,9 +385,18 @@ mod tests {
         assert_eq!(q.dead(), "bf.gpu.dead");
         let args = quorum_args(Some(&q));
         let inner = args.inner();
-        assert_eq!(inner.get("x-dead-letter-routing-key"), Some(&long("gpu.dead")));
-        assert_eq!(inner.get("x-delivery-limit"), Some(&AMQPValue::LongLongInt(DELIVERY_LIMIT)));
-        assert!(quorum_args(None).inner().get("x-dead-letter-exchange").is_none());
+        assert_eq!(
+            inner.get("x-dead-letter-routing-key"),
+            Some(&long("gpu.dead"))
+        );
+        assert_eq!(
+            inner.get("x-delivery-limit"),
+            Some(&AMQPValue::LongLongInt(DELIVERY_LIMIT))
+        );
+        assert!(quorum_args(None)
+            .inner()
+            .get("x-dead-letter-exchange")
+            .is_none());
     }
 
     #[test]

@@ -45,16 +45,21 @@ pub const STAGING_DIR: &str = "_staging";
 /// and a duplicate delivery can never replace committed output — and the
 /// directory is fsynced so the new name survives a power loss. With
 /// `overwrite`, a plain rename replaces any existing file instead.
-pub fn publish_atomically<F>(dest: &Path, tag: &str, overwrite: bool, write: F) -> io::Result<Publish>
+pub fn publish_atomically<F>(
+    dest: &Path,
+    tag: &str,
+    overwrite: bool,
+    write: F,
+) -> io::Result<Publish>
 where
     F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
 {
     let dir = dest.parent().unwrap_or(Path::new("."));
     let staging = dir.join(STAGING_DIR);
     fs::create_dir_all(&staging)?;
-    let name = dest
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "destination has no file name"))?;
+    let name = dest.file_name().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "destination has no file name")
+    })?;
     let tmp: PathBuf = staging.join(format!("{}.{}.tmp", name.to_string_lossy(), tag));
     let result = (|| {
         let file = File::create(&tmp)?;
@@ -93,7 +98,10 @@ mod tests {
         assert_eq!(first, Publish::Committed);
         assert_eq!(second, Publish::AlreadyExists);
         assert_eq!(fs::read(&dest).unwrap(), b"first");
-        assert_eq!(fs::read_dir(dir.path().join(STAGING_DIR)).unwrap().count(), 0);
+        assert_eq!(
+            fs::read_dir(dir.path().join(STAGING_DIR)).unwrap().count(),
+            0
+        );
     }
 
     #[test]
@@ -108,7 +116,10 @@ mod tests {
         });
         assert!(failed.is_err());
         assert!(!dir.path().join("x").exists());
-        assert_eq!(fs::read_dir(dir.path().join(STAGING_DIR)).unwrap().count(), 0);
+        assert_eq!(
+            fs::read_dir(dir.path().join(STAGING_DIR)).unwrap().count(),
+            0
+        );
     }
 
     #[test]

@@ -165,7 +165,10 @@ impl Envelope {
 
     /// Decodes a message body.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
-        rmp_serde::from_slice(bytes).map_err(|source| DecodeError { len: bytes.len(), source })
+        rmp_serde::from_slice(bytes).map_err(|source| DecodeError {
+            len: bytes.len(),
+            source,
+        })
     }
 
     /// The work item inside, whatever the version.
@@ -190,10 +193,22 @@ pub(crate) fn sample_item() -> WorkItem {
             file_len: 8192,
         },
         task: TaskSpec {
-            model: ModelRef { path: "/models/mlp.pt".into(), sha256: "ab".repeat(32), device: "cpu".into() },
-            csv: CsvLayout { delimiter: b',', fields: 18, id_column: 0, feature_columns: (1..17).collect() },
+            model: ModelRef {
+                path: "/models/mlp.pt".into(),
+                sha256: "ab".repeat(32),
+                device: "cpu".into(),
+            },
+            csv: CsvLayout {
+                delimiter: b',',
+                fields: 18,
+                id_column: 0,
+                feature_columns: (1..17).collect(),
+            },
             batch_size: 512,
-            output: OutputSpec { dir: "/data/out".into(), format: OutputFormat::Csv },
+            output: OutputSpec {
+                dir: "/data/out".into(),
+                format: OutputFormat::Csv,
+            },
         },
     }
 }

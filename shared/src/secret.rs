@@ -44,12 +44,7 @@ pub fn redact(url: &str) -> String {
         Some(colon) => format!("{}:***", &userinfo[..colon]),
         None => userinfo.to_owned(),
     };
-    format!(
-        "{}{}@{}",
-        &url[..scheme_end + 3],
-        masked,
-        &rest[at + 1..]
-    )
+    format!("{}{}@{}", &url[..scheme_end + 3], masked, &rest[at + 1..])
 }
 
 impl fmt::Display for SecretUrl {
@@ -104,7 +99,10 @@ mod tests {
 
     #[test]
     fn redacts_password_only_userinfo_and_leaves_plain_urls() {
-        assert_eq!(redact("redis://:s3cret@10.0.0.1:6379/0"), "redis://:***@10.0.0.1:6379/0");
+        assert_eq!(
+            redact("redis://:s3cret@10.0.0.1:6379/0"),
+            "redis://:***@10.0.0.1:6379/0"
+        );
         assert_eq!(redact("redis://127.0.0.1:6379/"), "redis://127.0.0.1:6379/");
         assert_eq!(redact("not a url"), "not a url");
     }

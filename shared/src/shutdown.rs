@@ -20,7 +20,10 @@ pub fn on_signals() -> CancellationToken {
 #[cfg(unix)]
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::warn!("cannot install signal handlers; shutdown only on stdin close");
         std::future::pending::<()>().await;
         return;

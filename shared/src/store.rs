@@ -53,11 +53,17 @@ pub enum StoreError {
 }
 
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
-    move |e| StoreError::Command { op, reason: e.to_string() }
+    move |e| StoreError::Command {
+        op,
+        reason: e.to_string(),
+    }
 }
 
 fn pool_err(op: &'static str) -> impl FnOnce(deadpool_redis::PoolError) -> StoreError {
-    move |e| StoreError::Command { op, reason: e.to_string() }
+    move |e| StoreError::Command {
+        op,
+        reason: e.to_string(),
+    }
 }
 
 /// Lifecycle of a job.
@@ -154,16 +160,27 @@ impl JobRecord {
     }
 
     fn from_fields(key: &str, map: &BTreeMap<String, String>) -> Result<Self, StoreError> {
-        let corrupt = |reason: String| StoreError::Corrupt { key: key.to_owned(), reason };
-        let text = |f: &str| map.get(f).cloned().ok_or_else(|| corrupt(format!("field {f} missing")));
+        let corrupt = |reason: String| StoreError::Corrupt {
+            key: key.to_owned(),
+            reason,
+        };
+        let text = |f: &str| {
+            map.get(f)
+                .cloned()
+                .ok_or_else(|| corrupt(format!("field {f} missing")))
+        };
         let num = |f: &str| -> Result<u64, StoreError> {
-            map.get(f).map_or(Ok(0), |v| v.parse().map_err(|_| corrupt(format!("field {f} is not a number: {v}"))))
+            map.get(f).map_or(Ok(0), |v| {
+                v.parse()
+                    .map_err(|_| corrupt(format!("field {f} is not a number: {v}")))
+            })
         };
         let status = text("status")?;
         Ok(Self {
             id: text("id")?,
             name: text("name")?,
-            status: JobStatus::parse(&status).ok_or_else(|| corrupt(format!("unknown status {status}")))?,
+            status: JobStatus::parse(&status)
+                .ok_or_else(|| corrupt(format!("unknown status {status}")))?,
             pool: text("pool")?,
             manifest: text("manifest")?,
             output_dir: text("output_dir")?,
@@ -240,22 +257,35 @@ pub struct Store {
 
 impl fmt::Debug for Store {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Store").field("prefix", &self.prefix).finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
     }
 }
 
 impl Store {
     /// Connects and checks the server answers `PING` within `timeout`.
-    pub async fn connect(url: &SecretUrl, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+    pub async fn connect(
+        url: &SecretUrl,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
         let connect_err = |reason: String| {
             let reason = scrub(&reason, url);
             let lower = reason.to_ascii_lowercase();
-            let hint = if lower.contains("auth") || lower.contains("password") || lower.contains("noperm") {
+            let hint = if lower.contains("auth")
+                || lower.contains("password")
+                || lower.contains("noperm")
+            {
                 "Check the password in the Redis URL (BATCHFLEET_REDIS_URL)."
             } else {
                 "Is Redis running? Start it (e.g. `redis-server --daemonize yes`) or fix BATCHFLEET_REDIS_URL."
             };
-            StoreError::Connect { url: url.redacted(), reason, hint }
+            StoreError::Connect {
+                url: url.redacted(),
+                reason,
+                hint,
+            }
         };
         let mut cfg = Config::from_url(url.expose());
         let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
@@ -263,16 +293,32 @@ impl Store {
         pool_cfg.timeouts.create = Some(timeout);
         pool_cfg.timeouts.recycle = Some(timeout);
         cfg.pool = Some(pool_cfg);
-        let pool = cfg.create_pool(Some(Runtime::Tokio1)).map_err(|e| connect_err(e.to_string()))?;
-        let store = Self { pool, prefix: prefix.to_owned(), commit: redis::Script::new(COMMIT_SCRIPT) };
+        let pool = cfg
+            .create_pool(Some(Runtime::Tokio1))
+            .map_err(|e| connect_err(e.to_string()))?;
+        let store = Self {
+            pool,
+            prefix: prefix.to_owned(),
+            commit: redis::Script::new(COMMIT_SCRIPT),
+        };
         let ping = async {
-            let mut conn = store.pool.get().await.map_err(|e| connect_err(e.to_string()))?;
-            redis::cmd("PING").query_async::<String>(&mut conn).await.map_err(|e| connect_err(e.to_string()))
+            let mut conn = store
+                .pool
+                .get()
+                .await
+                .map_err(|e| connect_err(e.to_string()))?;
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn)
+                .await
+                .map_err(|e| connect_err(e.to_string()))
         };
         match tokio::time::timeout(timeout, ping).await {
             Ok(Ok(_)) => Ok(store),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(connect_err(format!("no answer within {}s", timeout.as_secs()))),
+            Err(_) => Err(connect_err(format!(
+                "no answer within {}s",
+                timeout.as_secs()
+            ))),
         }
     }
 
@@ -324,9 +370,15 @@ impl Store {
     }
 
     /// Sets some fields of a job record. Never use it for the done counters.
-    pub async fn set_job_fields(&self, id: &str, fields: &[(&str, String)]) -> Result<(), StoreError> {
+    pub async fn set_job_fields(
+        &self,
+        id: &str,
+        fields: &[(&str, String)],
+    ) -> Result<(), StoreError> {
         let mut c = self.conn("HSET job").await?;
-        c.hset_multiple::<_, _, _, ()>(self.job_key(id), fields).await.map_err(cmd("HSET job"))
+        c.hset_multiple::<_, _, _, ()>(self.job_key(id), fields)
+            .await
+            .map_err(cmd("HSET job"))
     }
 
     /// Reads the counters of a job in one round trip.
@@ -339,13 +391,21 @@ impl Store {
             .await
             .map_err(cmd("HMGET progress"))?;
         let v = |i: usize| vals.get(i).copied().flatten().unwrap_or(0);
-        Ok(Progress { items_done: v(0), rows_done: v(1), items_total: v(2), rows_total: v(3) })
+        Ok(Progress {
+            items_done: v(0),
+            rows_done: v(1),
+            items_total: v(2),
+            rows_total: v(3),
+        })
     }
 
     /// Marks an item done. Returns `true` if this call won (first commit),
     /// `false` if the item had already been committed by someone else.
     pub async fn commit_item(&self, job: &str, stats: &ItemStats) -> Result<bool, StoreError> {
-        let json = serde_json::to_string(stats).map_err(|e| StoreError::Command { op: "encode stats", reason: e.to_string() })?;
+        let json = serde_json::to_string(stats).map_err(|e| StoreError::Command {
+            op: "encode stats",
+            reason: e.to_string(),
+        })?;
         let mut c = self.conn("commit item").await?;
         let won: i64 = self
             .commit
@@ -364,13 +424,17 @@ impl Store {
     /// Whether an item is marked done.
     pub async fn is_done(&self, job: &str, seq: u32) -> Result<bool, StoreError> {
         let mut c = self.conn("SISMEMBER done").await?;
-        c.sismember(self.done_key(job), seq).await.map_err(cmd("SISMEMBER done"))
+        c.sismember(self.done_key(job), seq)
+            .await
+            .map_err(cmd("SISMEMBER done"))
     }
 
     /// All done seqs of a job.
     pub async fn done_items(&self, job: &str) -> Result<HashSet<u32>, StoreError> {
         let mut c = self.conn("SMEMBERS done").await?;
-        c.smembers(self.done_key(job)).await.map_err(cmd("SMEMBERS done"))
+        c.smembers(self.done_key(job))
+            .await
+            .map_err(cmd("SMEMBERS done"))
     }
 
     /// Stats of every committed item, in seq order.
@@ -380,7 +444,10 @@ impl Store {
         let map: BTreeMap<u32, String> = c.hgetall(&key).await.map_err(cmd("HGETALL stats"))?;
         map.values()
             .map(|json| {
-                serde_json::from_str(json).map_err(|e| StoreError::Corrupt { key: key.clone(), reason: e.to_string() })
+                serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
             })
             .collect()
     }
@@ -389,7 +456,9 @@ impl Store {
     pub async fn recent_jobs(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let mut c = self.conn("ZREVRANGE jobs").await?;
         let stop = limit.saturating_sub(1) as isize;
-        c.zrevrange(self.jobs_key(), 0, stop).await.map_err(cmd("ZREVRANGE jobs"))
+        c.zrevrange(self.jobs_key(), 0, stop)
+            .await
+            .map_err(cmd("ZREVRANGE jobs"))
     }
 
     /// Deletes every key of a job (tests and `purge`).
@@ -431,16 +500,28 @@ mod tests {
     #[test]
     fn job_record_round_trips_through_hash_fields() {
         let r = record();
-        let map: BTreeMap<String, String> = r.to_fields().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        let map: BTreeMap<String, String> = r
+            .to_fields()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
         assert_eq!(JobRecord::from_fields("k", &map).unwrap(), r);
     }
 
     #[test]
     fn corrupt_record_names_key_and_field() {
-        let mut map: BTreeMap<String, String> =
-            record().to_fields().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        let mut map: BTreeMap<String, String> = record()
+            .to_fields()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
         map.insert("rows_total".into(), "lots".into());
-        let err = JobRecord::from_fields("bf:job:j-1", &map).unwrap_err().to_string();
-        assert!(err.contains("bf:job:j-1") && err.contains("rows_total"), "{err}");
+        let err = JobRecord::from_fields("bf:job:j-1", &map)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bf:job:j-1") && err.contains("rows_total"),
+            "{err}"
+        );
     }
 }

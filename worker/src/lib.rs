@@ -1,1 +1,150 @@
-pub fn x(){}
+//! The batchfleet worker: pulls work items from RabbitMQ and scores them.
+//!
+//! # Layout
+//! - [`config`]: flags and `BATCHFLEET_*` environment variables.
+//! - [`consumer`]: what happens to one delivery, from decode to ack.
+//! - [`reader`]: a CSV byte range parsed into one contiguous `f32` buffer.
+//! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait.
+//! - [`writer`]: part files staged, fsynced and linked into place.
+//! - [`error`]: failure classes that say what to do with an item.
+//!
+//! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
+
+pub mod config;
+pub mod consumer;
+pub mod error;
+pub mod reader;
+pub mod runner;
+pub mod writer;
+
+use anyhow::Context;
+use backon::{ExponentialBuilder, Retryable};
+use batchfleet_shared::broker::{self, PoolQueues};
+use batchfleet_shared::store::Store;
+pub use config::WorkerConfig;
+use futures_lite::StreamExt;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Retries `connect` with capped exponential backoff until `budget` is spent.
+async fn with_retry<T, E, F, Fut>(what: &str, budget: Duration, connect: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    let deadline = Instant::now() + budget;
+    connect
+        .retry(ExponentialBuilder::default().with_min_delay(Duration::from_millis(200)).with_max_delay(Duration::from_secs(5)).with_jitter().without_max_times())
+        .when(|_| Instant::now() < deadline)
+        .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} not reachable yet"))
+        .await
+}
+
+/// Runs a worker until `shutdown` is cancelled (then drains) or a fatal error.
+pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let worker_id = cfg.worker_id();
+    let queues = PoolQueues::new(&cfg.pool);
+    let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
+    let store = with_retry("Redis", cfg.connect_timeout, || {
+        Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)
+    })
+    .await?;
+    let conn_name = format!("batchfleet-worker {worker_id}");
+    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
+        broker::connect(&cfg.amqp_url, &conn_name, per_try)
+    })
+    .await?;
+    let channel = conn
+        .create_channel()
+        .await
+        .context("opening a RabbitMQ channel")?;
+    broker::declare_topology(&channel, &queues).await?;
+    channel
+        .basic_qos(cfg.prefetch, BasicQosOptions::default())
+        .await
+        .context("setting prefetch")?;
+
+    let threads = cfg.threads;
+    let runner = runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads))
+        .context("starting the model runner thread")?;
+    let ctx = Arc::new(consumer::ItemContext {
+        store,
+        runner,
+        worker_id: worker_id.clone(),
+        shutdown: shutdown.clone(),
+        fatal: CancellationToken::new(),
+        fatal_reason: std::sync::Mutex::new(None),
+    });
+
+    let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
+    let mut consumer = channel
+        .basic_consume(
+            queues.work().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("consuming {}", queues.work()))?;
+    tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
+
+    let tracker = TaskTracker::new();
+    let mut stream_error = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ctx.fatal.cancelled() => break,
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone())); }
+                Some(Err(e)) => { stream_error = Some(e); break; }
+                None => break,
+            },
+        }
+    }
+
+    // Drain: no new deliveries; items already started finish within the deadline.
+    let _ = channel
+        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+        .await;
+    tracker.close();
+    tracing::info!(
+        in_flight = tracker.len(),
+        timeout_s = cfg.drain_timeout.as_secs(),
+        "draining"
+    );
+    if tokio::time::timeout(cfg.drain_timeout, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            in_flight = tracker.len(),
+            "drain timeout; unfinished items stay unacknowledged and return to the queue"
+        );
+    }
+    // Closing the channel returns every unacknowledged delivery to the queue at once.
+    let _ = channel.close(200, "worker stopping".into()).await;
+    let _ = conn.close(200, "worker stopping".into()).await;
+
+    if let Some(e) = stream_error {
+        return Err(anyhow::anyhow!(
+            "lost the RabbitMQ consumer: {}",
+            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url)
+        ));
+    }
+    if ctx.fatal.is_cancelled() {
+        let reason = ctx
+            .fatal_reason
+            .lock()
+            .ok()
+            .and_then(|r| r.clone())
+            .unwrap_or_default();
+        anyhow::bail!("stopped consuming after a fatal error: {reason}");
+    }
+    tracing::info!("worker stopped cleanly");
+    Ok(())
+}

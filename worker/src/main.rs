@@ -1,1 +1,16 @@
-fn main(){}
+use clap::Parser;
+use std::process::ExitCode;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cfg = batchfleet_worker::WorkerConfig::parse();
+    batchfleet_shared::telemetry::init("info", cfg.log_format == "json");
+    let shutdown = batchfleet_shared::shutdown::on_signals();
+    match batchfleet_worker::run(cfg, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

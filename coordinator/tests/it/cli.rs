@@ -1,0 +1,241 @@
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_loadtest::services::{ensure_local, unique};
+use batchfleet_shared::broker::PoolQueues;
+use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::store::Store;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// One small generated job (data + real TorchScript model), shared by the tests.
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        ensure_local().expect("RabbitMQ and Redis available");
+        let dir = tempfile::tempdir().expect("temp dir").keep();
+        make_job(
+            &dir,
+            &JobGen {
+                rows: 1000,
+                files: 2,
+                ..JobGen::default()
+            },
+        )
+        .expect("generate job");
+        dir
+    })
+}
+
+struct Case {
+    dir: tempfile::TempDir,
+    pool: String,
+    prefix: String,
+}
+
+impl Case {
+    /// A manifest in its own folder pointing at the shared data and model,
+    /// with a unique pool; `edit` changes its text.
+    fn new(edit: impl Fn(String) -> String) -> Self {
+        let fx = fixture();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pool = unique("cli");
+        let text = std::fs::read_to_string(fx.join("job.toml"))
+            .expect("job.toml")
+            .replace("name = \"demo\"", &format!("name = \"{pool}\""))
+            .replace("pool = \"default\"", &format!("pool = \"{pool}\""))
+            .replace(
+                "\"data/*.csv\"",
+                &format!("\"{}/data/*.csv\"", fx.display()),
+            )
+            .replace(
+                "path = \"model.pt\"",
+                &format!("path = \"{}/model.pt\"", fx.display()),
+            );
+        std::fs::write(dir.path().join("job.toml"), edit(text)).expect("write manifest");
+        Self {
+            dir,
+            prefix: unique("bftest-cli"),
+            pool,
+        }
+    }
+
+    fn manifest(&self) -> PathBuf {
+        self.dir.path().join("job.toml")
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_batchfleet"))
+            .args(["--redis-prefix", &self.prefix, "--connect-timeout", "5s"])
+            .args(args)
+            .env_remove("BATCHFLEET_AMQP_URL")
+            .env_remove("BATCHFLEET_REDIS_URL")
+            .output()
+            .expect("run batchfleet")
+    }
+
+    /// Asserts nothing reached RabbitMQ (no work queue) or Redis (no job).
+    async fn assert_nothing_published(&self) {
+        let url = SecretUrl::new("amqp://127.0.0.1:5672/%2f");
+        let conn = batchfleet_shared::broker::connect(&url, "cli-test", Duration::from_secs(5))
+            .await
+            .expect("amqp");
+        let ch = conn.create_channel().await.expect("channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let found = ch
+            .queue_declare(
+                PoolQueues::new(&self.pool).work().into(),
+                passive,
+                FieldTable::default(),
+            )
+            .await;
+        assert!(
+            found.is_err(),
+            "work queue of {} exists: something was published",
+            self.pool
+        );
+        let _ = conn.close(200, "bye".into()).await;
+        let store = Store::connect(
+            &SecretUrl::new("redis://127.0.0.1:6379/"),
+            &self.prefix,
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("redis");
+        assert!(
+            store.recent_jobs(10).await.expect("jobs").is_empty(),
+            "a job was registered"
+        );
+        assert!(
+            !self.dir.path().join("out").exists(),
+            "output folder was created"
+        );
+    }
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn invalid_manifest_exits_2_names_each_problem_and_publishes_nothing() {
+    let case = Case::new(|t| {
+        t.replace("id_column = \"id\"", "id_column = \"row_id\"")
+            .replace("item_rows", "item_row")
+    });
+    let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("job.toml: line") && err.contains("unknown field `item_row`"),
+        "{err}"
+    );
+    assert!(err.contains("nothing was published"), "{err}");
+    case.assert_nothing_published().await;
+
+    let case = Case::new(|t| t.replace("id_column = \"id\"", "id_column = \"row_id\""));
+    let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("[input] id_column: \"row_id\" is not in the header"),
+        "{}",
+        stderr(&out)
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
+async fn missing_model_exits_2_and_publishes_nothing() {
+    let case = Case::new(|t| t.replace("/model.pt\"", "/no-such-model.pt\""));
+    let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("[model] path: cannot open model") && err.contains("no-such-model.pt"),
+        "{err}"
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
+async fn unreachable_broker_exits_1_with_a_hint_and_publishes_nothing() {
+    let case = Case::new(|t| t);
+    let out = case.run(&[
+        "--amqp-url",
+        "amqp://127.0.0.1:1/%2f",
+        "run",
+        case.manifest().to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("cannot connect to RabbitMQ at amqp://127.0.0.1:1/%2f")
+            && err.contains("Is RabbitMQ running?"),
+        "{err}"
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
+async fn wrong_credentials_fail_without_leaking_the_secret() {
+    let case = Case::new(|t| t);
+    let out = case.run(&[
+        "--amqp-url",
+        "amqp://guest:hunter2-secret@127.0.0.1:5672/%2f",
+        "run",
+        case.manifest().to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let all = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
+    assert!(!all.contains("hunter2-secret"), "secret leaked: {all}");
+    assert!(all.contains("amqp://guest:***@127.0.0.1:5672"), "{all}");
+    case.assert_nothing_published().await;
+
+    let out = case.run(&[
+        "--redis-url",
+        "redis://:hunter3-secret@127.0.0.1:6379/",
+        "run",
+        case.manifest().to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let all = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
+    assert!(!all.contains("hunter3-secret"), "secret leaked: {all}");
+    assert!(
+        all.contains("cannot connect to Redis at redis://:***@127.0.0.1:6379/"),
+        "{all}"
+    );
+}
+
+#[tokio::test]
+async fn status_of_unknown_job_says_what_ids_look_like() {
+    let case = Case::new(|t| t);
+    let out = case.run(&["status", "nope-00000000"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no job \"nope-00000000\""),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn help_lists_the_commands_and_env_vars() {
+    let out = Command::new(env!("CARGO_BIN_EXE_batchfleet"))
+        .arg("--help")
+        .output()
+        .expect("help");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "run",
+        "status",
+        "BATCHFLEET_AMQP_URL",
+        "BATCHFLEET_REDIS_URL",
+    ] {
+        assert!(text.contains(needle), "--help lacks {needle}:\n{text}");
+    }
+}

@@ -1,0 +1,117 @@
+//! Runs the Python side of the project: the generator script, with the
+//! project venv's interpreter (the one whose PyTorch libtorch comes from).
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The repository root (parent of this crate's folder).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("loadtest lives in the repository")
+        .to_path_buf()
+}
+
+/// `BATCHFLEET_PYTHON`, else the project venv's python, else `python3`.
+pub fn interpreter() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATCHFLEET_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+/// Options of `make_job.py`.
+#[derive(Debug, Clone)]
+pub struct JobGen {
+    /// Rows in all.
+    pub rows: u64,
+    /// Input files.
+    pub files: u32,
+    /// Features per row.
+    pub features: u32,
+    /// Hidden width of the MLP.
+    pub hidden: u32,
+    /// Model outputs per row.
+    pub outputs: u32,
+    /// Random seed.
+    pub seed: u64,
+    /// Job name in the manifest.
+    pub name: String,
+    /// Pool in the manifest.
+    pub pool: String,
+    /// `item_rows` in the manifest.
+    pub item_rows: u64,
+    /// `inference_batch_size` in the manifest.
+    pub batch_size: u32,
+}
+
+impl Default for JobGen {
+    fn default() -> Self {
+        Self {
+            rows: 50_000,
+            files: 4,
+            features: 16,
+            hidden: 64,
+            outputs: 1,
+            seed: 7,
+            name: "demo".into(),
+            pool: "default".into(),
+            item_rows: 5000,
+            batch_size: 1024,
+        }
+    }
+}
+
+/// Writes data, model, golden predictions and `job.toml` into `out`.
+pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_job.py");
+    let python = interpreter();
+    let status = Command::new(&python)
+        .arg(&script)
+        .arg("--out")
+        .arg(out)
+        .args([
+            "--rows",
+            &g.rows.to_string(),
+            "--files",
+            &g.files.to_string(),
+            "--features",
+            &g.features.to_string(),
+        ])
+        .args([
+            "--hidden",
+            &g.hidden.to_string(),
+            "--outputs",
+            &g.outputs.to_string(),
+            "--seed",
+            &g.seed.to_string(),
+        ])
+        .args([
+            "--name",
+            &g.name,
+            "--pool",
+            &g.pool,
+            "--item-rows",
+            &g.item_rows.to_string(),
+            "--batch-size",
+            &g.batch_size.to_string(),
+        ])
+        .status()
+        .with_context(|| {
+            format!(
+                "running {} {}; create the venv with `make venv`",
+                python.display(),
+                script.display()
+            )
+        })?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    Ok(())
+}

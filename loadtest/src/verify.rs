@@ -1,0 +1,190 @@
+//! Compares committed part files with golden predictions.
+//!
+//! Checks INV-ROWS for a job without rejects: every golden id appears exactly
+//! once across all `part-*` files, no other id appears, and every score is
+//! within `tolerance` (absolute, or relative for magnitudes above 1).
+
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// What the comparison found.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Verification {
+    /// Rows in the golden file.
+    pub golden_rows: usize,
+    /// Rows across part files.
+    pub output_rows: usize,
+    /// Part files read.
+    pub parts: usize,
+    /// Golden ids with no output row.
+    pub missing: Vec<String>,
+    /// Ids that appear more than once in the outputs.
+    pub duplicated: Vec<String>,
+    /// Output ids not in the golden file.
+    pub unexpected: Vec<String>,
+    /// (id, column, got, want) beyond tolerance.
+    pub mismatched: Vec<(String, String, f64, f64)>,
+    /// Largest absolute difference seen.
+    pub max_abs_diff: f64,
+}
+
+impl Verification {
+    /// True when every row is present once and matches.
+    pub fn ok(&self) -> bool {
+        self.missing.is_empty()
+            && self.duplicated.is_empty()
+            && self.unexpected.is_empty()
+            && self.mismatched.is_empty()
+    }
+
+    /// One paragraph for people.
+    pub fn describe(&self) -> String {
+        let sample = |v: &[String]| v.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+        format!(
+            "{} golden rows, {} output rows in {} parts; missing {} [{}], duplicated {} [{}], unexpected {} [{}], mismatched {} {:?}; max |diff| {:.3e}",
+            self.golden_rows, self.output_rows, self.parts,
+            self.missing.len(), sample(&self.missing),
+            self.duplicated.len(), sample(&self.duplicated),
+            self.unexpected.len(), sample(&self.unexpected),
+            self.mismatched.len(), self.mismatched.iter().take(3).collect::<Vec<_>>(),
+            self.max_abs_diff
+        )
+    }
+}
+
+type Rows = (Vec<String>, Vec<(String, Vec<f64>)>);
+
+fn read_scores(path: &Path) -> Result<Rows> {
+    let mut rdr =
+        csv::Reader::from_path(path).with_context(|| format!("opening {}", path.display()))?;
+    let header: Vec<String> = rdr.headers()?.iter().map(str::to_owned).collect();
+    if header.first().map(String::as_str) != Some("id") {
+        bail!(
+            "{}: first column must be id, header is {header:?}",
+            path.display()
+        );
+    }
+    let mut rows = Vec::new();
+    for (i, rec) in rdr.records().enumerate() {
+        let rec = rec.with_context(|| format!("{} record {}", path.display(), i + 1))?;
+        let scores = rec
+            .iter()
+            .skip(1)
+            .map(|v| {
+                v.parse::<f64>().with_context(|| {
+                    format!("{} record {}: {v:?} is not a number", path.display(), i + 1)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        rows.push((rec[0].to_owned(), scores));
+    }
+    Ok((header[1..].to_vec(), rows))
+}
+
+/// Compares every `part-*.csv` in `output_dir` with `golden`.
+pub fn verify(output_dir: &Path, golden: &Path, tolerance: f64) -> Result<Verification> {
+    let (columns, golden_rows) = read_scores(golden)?;
+    let mut want: HashMap<String, Vec<f64>> = HashMap::with_capacity(golden_rows.len());
+    let mut v = Verification {
+        golden_rows: golden_rows.len(),
+        ..Verification::default()
+    };
+    for (id, s) in golden_rows {
+        want.insert(id, s);
+    }
+    let mut seen: HashMap<String, u32> = HashMap::with_capacity(want.len());
+    let mut parts: Vec<_> = std::fs::read_dir(output_dir)
+        .with_context(|| format!("reading {}", output_dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("part-"))
+        })
+        .collect();
+    parts.sort();
+    for part in &parts {
+        let (cols, rows) = read_scores(part)?;
+        if cols != columns {
+            bail!(
+                "{} has score columns {cols:?}, golden has {columns:?}",
+                part.display()
+            );
+        }
+        v.parts += 1;
+        for (id, got) in rows {
+            v.output_rows += 1;
+            let n = seen.entry(id.clone()).or_insert(0);
+            *n += 1;
+            if *n == 2 {
+                v.duplicated.push(id.clone());
+            }
+            let Some(expected) = want.get(&id) else {
+                v.unexpected.push(id);
+                continue;
+            };
+            for ((g, w), col) in got.iter().zip(expected).zip(&columns) {
+                let diff = (g - w).abs();
+                v.max_abs_diff = v.max_abs_diff.max(diff);
+                if diff > tolerance * w.abs().max(1.0) || diff.is_nan() {
+                    v.mismatched.push((id.clone(), col.clone(), *g, *w));
+                }
+            }
+        }
+    }
+    v.missing = want
+        .keys()
+        .filter(|id| !seen.contains_key(*id))
+        .cloned()
+        .collect();
+    v.missing.sort();
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(parts: &[&str]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let golden = dir.path().join("golden.csv");
+        std::fs::write(&golden, "id,score\na,1.0\nb,2.0\nc,3.0\n").unwrap();
+        let out = dir.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        for (i, p) in parts.iter().enumerate() {
+            std::fs::write(
+                out.join(format!("part-{i:06}.csv")),
+                format!("id,score\n{p}"),
+            )
+            .unwrap();
+        }
+        (dir, golden)
+    }
+
+    #[test]
+    fn passes_only_when_every_row_is_present_once_and_close() {
+        let (d, g) = setup(&["a,1.000001\nb,2.0\n", "c,3.0\n"]);
+        let v = verify(&d.path().join("out"), &g, 1e-5).unwrap();
+        assert!(v.ok(), "{}", v.describe());
+
+        let (d, g) = setup(&["a,1.0\nb,2.0\n", "b,2.0\nz,0\n"]);
+        let v = verify(&d.path().join("out"), &g, 1e-5).unwrap();
+        assert_eq!(
+            (
+                v.missing.clone(),
+                v.duplicated.clone(),
+                v.unexpected.clone()
+            ),
+            (
+                vec!["c".to_string()],
+                vec!["b".to_string()],
+                vec!["z".to_string()]
+            )
+        );
+        assert!(!v.ok());
+
+        let (d, g) = setup(&["a,1.1\nb,2.0\nc,3.0\n"]);
+        let v = verify(&d.path().join("out"), &g, 1e-5).unwrap();
+        assert_eq!(v.mismatched.len(), 1);
+    }
+}

@@ -1,0 +1,68 @@
+//! Worker settings: every flag also reads a `BATCHFLEET_*` environment variable.
+
+use batchfleet_shared::secret::SecretUrl;
+use clap::Parser;
+use std::time::Duration;
+
+/// batchfleet-worker: consumes work items from a pool and scores them with libtorch.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "batchfleet-worker", version, about, long_about = None)]
+pub struct WorkerConfig {
+    /// RabbitMQ URL. Credentials in it are never logged.
+    #[arg(
+        long,
+        env = "BATCHFLEET_AMQP_URL",
+        default_value = "amqp://127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    pub amqp_url: SecretUrl,
+    /// Redis URL. Credentials in it are never logged.
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/",
+        hide_env_values = true
+    )]
+    pub redis_url: SecretUrl,
+    /// Prefix of every Redis key; must match the coordinator's.
+    #[arg(long, env = "BATCHFLEET_REDIS_PREFIX", default_value = "bf")]
+    pub redis_prefix: String,
+    /// Pool (work queue) to consume.
+    #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
+    pub pool: String,
+    /// Unacknowledged items held at once. Two keep the pipeline full (one
+    /// parsing or writing while one runs the model) without hoarding work.
+    #[arg(long, env = "BATCHFLEET_PREFETCH", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+    /// libtorch intra-op threads; 0 lets libtorch pick (all cores). With N
+    /// workers on a node, give each cores / N.
+    #[arg(long, env = "BATCHFLEET_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Worker id in logs and Redis; default `<hostname>-<pid>`.
+    #[arg(long, env = "BATCHFLEET_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// On SIGTERM/SIGINT, how long in-flight items may take to finish before
+    /// they are left unacknowledged (the broker then redelivers them).
+    #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+    /// How long to keep retrying RabbitMQ and Redis at start-up.
+    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub connect_timeout: Duration,
+    /// Log format: text or json.
+    #[arg(long, env = "BATCHFLEET_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+impl WorkerConfig {
+    /// The configured id, or `<hostname>-<pid>`.
+    pub fn worker_id(&self) -> String {
+        self.worker_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "worker".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+}

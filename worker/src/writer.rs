@@ -1,0 +1,113 @@
+//! Writes an item's predictions as a part file: staged, fsynced and linked
+//! into place, so a reader sees a whole file or none, and the first commit wins.
+
+use crate::error::ItemError;
+use crate::reader::Batch;
+use crate::runner::Predictions;
+use batchfleet_shared::fsutil::{publish_atomically, Publish};
+use std::path::Path;
+
+/// Column names for `width` model outputs: `score`, or `score_0 … score_{k-1}`.
+pub fn score_columns(width: usize) -> Vec<String> {
+    if width == 1 {
+        vec!["score".into()]
+    } else {
+        (0..width).map(|i| format!("score_{i}")).collect()
+    }
+}
+
+/// Writes `id` plus one column per model output to `dest` (CSV with a header).
+pub fn write_csv(
+    dest: &Path,
+    tag: &str,
+    batch: &Batch,
+    preds: &Predictions,
+) -> Result<Publish, ItemError> {
+    if preds.values.len() != batch.rows() * preds.width {
+        return Err(ItemError::poison(format!(
+            "model returned {} values for {} rows of width {}",
+            preds.values.len(),
+            batch.rows(),
+            preds.width
+        )));
+    }
+    let result = publish_atomically(dest, tag, false, |w| {
+        let mut csv = csv::WriterBuilder::new().from_writer(w);
+        let mut header = vec!["id".to_owned()];
+        header.extend(score_columns(preds.width));
+        csv.write_record(&header)?;
+        let mut fmt = ryu::Buffer::new();
+        for (i, row) in preds.values.chunks(preds.width.max(1)).enumerate() {
+            csv.write_field(batch.id(i))?;
+            for v in row {
+                csv.write_field(fmt.format(*v))?;
+            }
+            csv.write_record(None::<&[u8]>)?;
+        }
+        csv.flush()?;
+        Ok(())
+    });
+    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+}
+
+/// Counts the data rows of a committed part file (used when a redelivered
+/// item finds its output already published).
+pub fn count_rows(path: &Path) -> std::io::Result<u64> {
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(std::io::Error::other)?;
+    let mut rec = csv::ByteRecord::new();
+    let mut n = 0;
+    while rdr
+        .read_byte_record(&mut rec)
+        .map_err(std::io::Error::other)?
+    {
+        n += 1;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_header_ids_and_scores_round_trippable() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("part-000001.csv");
+        let mut b = Batch::with_capacity(1, 2);
+        b.push("a,1", &[0.0]);
+        b.push("b", &[0.0]);
+        let p = Predictions {
+            values: vec![0.1, 1e-7, -2.5, 3.0],
+            width: 2,
+        };
+        assert_eq!(write_csv(&dest, "t", &b, &p).unwrap(), Publish::Committed);
+        let text = std::fs::read_to_string(&dest).unwrap();
+        assert_eq!(text, "id,score_0,score_1\n\"a,1\",0.1,1e-7\nb,-2.5,3.0\n");
+        assert_eq!(count_rows(&dest).unwrap(), 2);
+        assert_eq!(
+            write_csv(&dest, "t2", &b, &p).unwrap(),
+            Publish::AlreadyExists
+        );
+    }
+
+    #[test]
+    fn mismatched_prediction_count_is_poison() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Batch::with_capacity(1, 1);
+        b.push("a", &[0.0]);
+        let err = write_csv(
+            &dir.path().join("p.csv"),
+            "t",
+            &b,
+            &Predictions {
+                values: vec![1.0, 2.0],
+                width: 1,
+            },
+        )
+        .unwrap_err();
+        assert!(err.message.contains("2 values for 1 rows"));
+    }
+}

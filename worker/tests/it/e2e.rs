@@ -1,0 +1,163 @@
+//! A real job end to end: coordinator → RabbitMQ → two worker processes
+//! (libtorch) → part files, checked row by row against PyTorch's own output.
+
+use crate::support::TestEnv;
+use batchfleet_coordinator::reducer::Summary;
+use batchfleet_coordinator::{run_job, RunOutcome};
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_loadtest::verify::verify;
+use batchfleet_shared::broker::{ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::message::{Envelope, ATTEMPT_HEADER, MESSAGE_TYPE_V1};
+use lapin::types::{AMQPValue, FieldTable};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
+    let env = TestEnv::new("e2e");
+    let name = batchfleet_loadtest::services::unique("e2e");
+    let gen = JobGen {
+        rows: 50_000,
+        files: 4,
+        features: 16,
+        hidden: 64,
+        outputs: 2,
+        name: name.clone(),
+        pool: env.pool.clone(),
+        item_rows: 4_000,
+        batch_size: 512,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(300),
+        run_job(&env.run_config(), &manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job finished within 5 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed {
+        job_id,
+        summary,
+        report,
+    } = outcome
+    else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+
+    // Every input id exactly once, every score equal to PyTorch's within 1e-5.
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, 50_000);
+
+    // summary.json agrees with the data and the plan (4 files × 12500 rows at ≤4000 per item: 4 × 4 items).
+    let on_disk: Summary =
+        serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("summary json");
+    assert_eq!(on_disk, *report);
+    assert_eq!(
+        (on_disk.rows_total, on_disk.rows_predicted),
+        (50_000, 50_000)
+    );
+    assert_eq!(
+        (on_disk.items_total, on_disk.items_completed, on_disk.parts),
+        (16, 16, 16)
+    );
+    assert_eq!(on_disk.status, "completed");
+    assert_eq!(on_disk.workers, 2, "both workers took items");
+    assert!(on_disk.rows_per_s > 0.0 && on_disk.item_latency_ms.p95 >= on_disk.item_latency_ms.p50);
+    assert!(out.join("_SUCCESS").is_file());
+    assert_eq!(
+        std::fs::read_dir(out.join("_staging"))
+            .expect("staging")
+            .count(),
+        0,
+        "no temp files left"
+    );
+
+    // A duplicate delivery of a committed item is acked without recompute.
+    let part0 = out.join("part-000000.csv");
+    let before = std::fs::metadata(&part0)
+        .expect("part 0")
+        .modified()
+        .expect("mtime");
+    let spec = batchfleet_coordinator::manifest::load(&manifest).expect("manifest");
+    let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
+    let (conn, _) = env.channel().await;
+    let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
+    let mut headers = FieldTable::default();
+    headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(2));
+    let dup = Outgoing {
+        message_id: format!("{job_id}/0"),
+        kind: MESSAGE_TYPE_V1,
+        body: Envelope::V1(plan.items[0].clone()).encode(),
+        headers,
+    };
+    publisher
+        .publish_all(&PoolQueues::new(&env.pool).work(), [dup], 1, |_| {})
+        .await
+        .expect("publish duplicate");
+    let _ = conn.close(200, "bye".into()).await;
+
+    // Drain the workers: SIGTERM → finish in-flight → exit 0. Anything left
+    // unacked would return to the queue, so an empty queue afterwards proves the ack.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while env.work_queue().await.map(|(ready, _)| ready) != Some(0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "duplicate was never consumed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for w in &mut workers {
+        let status = w.terminate(Duration::from_secs(30));
+        assert!(status.success(), "worker exit {status}:\n{}", w.log_text());
+        assert!(
+            w.log_text().contains("worker stopped cleanly"),
+            "{}",
+            w.log_text()
+        );
+    }
+    assert_eq!(
+        env.work_queue().await.map(|(ready, _)| ready),
+        Some(0),
+        "duplicate was acked, not left unacked"
+    );
+    let logs: String = workers.iter().map(|w| w.log_text()).collect();
+    assert!(
+        logs.contains("already committed; acknowledging without recompute"),
+        "{logs}"
+    );
+    assert_eq!(
+        std::fs::metadata(&part0)
+            .expect("part 0")
+            .modified()
+            .expect("mtime"),
+        before,
+        "part file untouched"
+    );
+    let store = env.connections().store().await.expect("redis");
+    let progress = store.progress(&job_id).await.expect("progress");
+    assert_eq!(
+        (progress.items_done, progress.rows_done),
+        (16, 50_000),
+        "no double count"
+    );
+
+    // The same manifest again: reported complete, nothing published.
+    let again = run_job(&env.run_config(), &manifest, CancellationToken::new())
+        .await
+        .expect("rerun");
+    assert!(
+        matches!(again, RunOutcome::AlreadyCompleted { .. }),
+        "{again:?}"
+    );
+    assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
+
+    env.cleanup(&[&job_id]).await;
+}

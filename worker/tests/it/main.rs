@@ -1,0 +1,5 @@
+//! Worker integration tests against the real RabbitMQ, Redis and libtorch.
+//! Each test uses its own pool, Redis prefix and temp folder, and cleans up.
+
+mod e2e;
+mod support;

@@ -1,0 +1,191 @@
+//! Shared set-up: services, unique names, worker processes, cleanup.
+
+use batchfleet_coordinator::{Connections, RunConfig};
+use batchfleet_shared::broker::PoolQueues;
+use batchfleet_shared::secret::SecretUrl;
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct TestEnv {
+    pub amqp: SecretUrl,
+    pub redis: SecretUrl,
+    pub prefix: String,
+    pub pool: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl TestEnv {
+    pub fn new(stem: &str) -> Self {
+        batchfleet_loadtest::services::ensure_local().expect("RabbitMQ and Redis available");
+        Self {
+            amqp: SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            redis: SecretUrl::new("redis://127.0.0.1:6379/"),
+            prefix: batchfleet_loadtest::services::unique(&format!("bftest-{stem}")),
+            pool: batchfleet_loadtest::services::unique(stem),
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn connections(&self) -> Connections {
+        Connections {
+            amqp_url: self.amqp.clone(),
+            redis_url: self.redis.clone(),
+            redis_prefix: self.prefix.clone(),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+
+    pub fn run_config(&self) -> RunConfig {
+        RunConfig {
+            connections: self.connections(),
+            progress: false,
+            poll_interval: Duration::from_millis(100),
+            publish_window: 64,
+        }
+    }
+
+    /// Starts a worker process on this env's pool, logging to a file.
+    pub fn spawn_worker(&self, id: &str, extra: &[&str]) -> Worker {
+        let log = self.path().join(format!("{id}.log"));
+        let file = std::fs::File::create(&log).expect("worker log");
+        let child = Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+            .args([
+                "--pool",
+                &self.pool,
+                "--redis-prefix",
+                &self.prefix,
+                "--worker-id",
+                id,
+                "--threads",
+                "1",
+            ])
+            .args(["--drain-timeout", "20s", "--connect-timeout", "20s"])
+            .args(extra)
+            .env("BATCHFLEET_AMQP_URL", self.amqp.expose())
+            .env("BATCHFLEET_REDIS_URL", self.redis.expose())
+            .env_remove("LD_LIBRARY_PATH") // the binary must find libtorch by itself
+            .stdout(Stdio::from(file.try_clone().expect("dup log")))
+            .stderr(Stdio::from(file))
+            .spawn()
+            .expect("spawn batchfleet-worker");
+        Worker { child, log }
+    }
+
+    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
+        let conn = batchfleet_shared::broker::connect(
+            &self.amqp,
+            "batchfleet-tests",
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("amqp");
+        let ch = conn.create_channel().await.expect("channel");
+        (conn, ch)
+    }
+
+    /// (ready messages, consumers) of the pool's work queue; None if it does not exist.
+    pub async fn work_queue(&self) -> Option<(u32, u32)> {
+        let (conn, ch) = self.channel().await;
+        let q = ch
+            .queue_declare(
+                PoolQueues::new(&self.pool).work().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .ok()
+            .map(|q| (q.message_count(), q.consumer_count()));
+        let _ = conn.close(200, "bye".into()).await;
+        q
+    }
+
+    /// Waits until `n` consumers are attached to the work queue.
+    pub async fn wait_for_consumers(&self, n: u32, workers: &mut [Worker]) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some((_, c)) = self.work_queue().await {
+                if c >= n {
+                    return;
+                }
+            }
+            for w in workers.iter_mut() {
+                if let Ok(Some(status)) = w.child.try_wait() {
+                    panic!("worker exited early with {status}:\n{}", w.log_text());
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "workers did not attach within 60s"
+            );
+            // The broker has no "consumer attached" event for other connections; poll.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn cleanup(&self, job_ids: &[&str]) {
+        let (conn, ch) = self.channel().await;
+        let q = PoolQueues::new(&self.pool);
+        for name in [q.work(), q.dead()] {
+            let _ = ch
+                .queue_delete(name.into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = conn.close(200, "bye".into()).await;
+        if let Ok(store) = self.connections().store().await {
+            for id in job_ids {
+                let _ = store.delete_job(id).await;
+            }
+        }
+    }
+}
+
+pub struct Worker {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Worker {
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for the exit status (bounded).
+    pub fn terminate(&mut self, within: Duration) -> ExitStatus {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait worker") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "worker did not exit within {within:?} of SIGTERM:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
