@@ -88,11 +88,13 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
 }
 
 /// Registers the job (or finds it) and publishes every item not yet done.
+/// `submitted_ms` (when `batchfleet run` started) becomes the job's start time.
 pub async fn dispatch(
     cfg: &RunConfig,
     spec: &JobSpec,
     store: &Store,
     conn: &lapin::Connection,
+    submitted_ms: u64,
 ) -> Result<Dispatched, RunError> {
     let out = spec.output_dir();
     let summary = out.join(SUMMARY_FILE);
@@ -145,7 +147,7 @@ pub async fn dispatch(
                     rows_total: plan.rows_total,
                     items_done: 0,
                     rows_done: 0,
-                    created_ms: batchfleet_shared::now_ms(),
+                    created_ms: submitted_ms,
                     published_ms: 0,
                     finished_ms: 0,
                 })

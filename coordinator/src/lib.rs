@@ -119,6 +119,7 @@ pub async fn run_job(
     manifest_path: &Path,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
+    let submitted_ms = batchfleet_shared::now_ms();
     let spec = manifest::load(manifest_path)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
     let store = cfg.connections.store().await?;
@@ -126,7 +127,7 @@ pub async fn run_job(
         .connections
         .broker(&format!("batchfleet coordinator {}", spec.job_id))
         .await?;
-    let outcome = dispatcher::dispatch(cfg, &spec, &store, &conn).await;
+    let outcome = dispatcher::dispatch(cfg, &spec, &store, &conn, submitted_ms).await;
     let outcome = match outcome {
         Ok(dispatcher::Dispatched::AlreadyCompleted { summary }) => {
             Ok(RunOutcome::AlreadyCompleted {

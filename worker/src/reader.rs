@@ -173,12 +173,12 @@ mod tests {
 
     #[test]
     fn parses_rows_into_contiguous_features_in_column_order() {
-        let data = "1.5,a,x,2\n-3, \"b,c\" ,y, 4e-1 \n";
+        let data = "1.5,a,x,2\n-3,\"b,c\",y, 4e-1 \n";
         let b = parse_csv(data.as_bytes(), &layout(), "f.csv", 2, 2).unwrap();
         assert_eq!(b.rows(), 2);
         assert_eq!(b.features, vec![2.0, 1.5, 0.4, -3.0]);
         assert_eq!(b.id(0), "a");
-        assert_eq!(b.id(1), " b,c ");
+        assert_eq!(b.id(1), "b,c");
     }
 
     #[test]

@@ -1,0 +1,42 @@
+# batchfleet — the two commands on a fresh machine: `make demo` and `make test`.
+#
+# libtorch comes from the PyTorch wheel in .venv; the build finds it through
+# the venv's python (LIBTORCH_USE_PYTORCH=1) and embeds its path in the binaries.
+SHELL := /bin/bash
+export VIRTUAL_ENV := $(CURDIR)/.venv
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+export LIBTORCH_USE_PYTORCH := 1
+
+.PHONY: demo test venv services build release fmt lint clean
+
+## demo: set everything up, run a 200k-row job on two workers, print the summary
+demo: venv services release
+	.ci/demo.sh
+
+## test: formatting, lints and every test (unit and integration) against real services
+test: venv services
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo test --workspace --all-targets
+
+venv:
+	.ci/ensure-venv.sh
+
+services:
+	.ci/ensure-services.sh
+
+build: venv
+	cargo build --workspace
+
+release: venv
+	cargo build --release --workspace --bins
+
+fmt:
+	cargo fmt --all
+
+lint: venv
+	cargo clippy --workspace --all-targets -- -D warnings
+
+clean:
+	cargo clean
+	rm -rf demo
