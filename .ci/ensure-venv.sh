@@ -25,5 +25,5 @@ if ! python3 -m venv .venv; then
     exit 1
   fi
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION"
+.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
 have_torch || { echo "error: torch==$TORCH_VERSION did not import from .venv" >&2; exit 1; }

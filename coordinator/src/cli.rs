@@ -1,8 +1,9 @@
 //! The `batchfleet` command line.
 //!
 //! Exit codes: 0 success (or job already complete), 1 runtime failure (broker,
-//! Redis, I/O), 2 invalid manifest or usage (nothing was published), 130
-//! interrupted while following a job (the workers carry on).
+//! Redis, I/O), 2 invalid manifest or usage (nothing was published), 3 job
+//! finished but some items failed for good (listed in `summary.json`, no
+//! `_SUCCESS`), 130 interrupted while following a job (the workers carry on).
 
 use crate::{status, Connections, RunConfig, RunError, RunOutcome};
 use batchfleet_shared::secret::SecretUrl;
@@ -15,6 +16,8 @@ use std::time::Duration;
 pub const EXIT_INVALID: u8 = 2;
 /// Exit code: runtime failure (broker, Redis, I/O).
 pub const EXIT_FAILURE: u8 = 1;
+/// Exit code: every item settled but some failed for good (no `_SUCCESS`).
+pub const EXIT_COMPLETED_WITH_FAILURES: u8 = 3;
 /// Exit code: interrupted by a signal while following a job.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -167,12 +170,32 @@ fn report_outcome(outcome: &RunOutcome) -> ExitCode {
             report,
         } => {
             println!(
-                "job {job_id} completed: {} rows in {} items, {:.1}s, {} rows/s (item p50 {} ms, p95 {} ms, {} workers)",
-                report.rows_predicted, report.items_completed, report.duration_s, report.rows_per_s,
+                "job {job_id} {}: {} rows in {} items, {:.1}s, {} rows/s (item p50 {} ms, p95 {} ms, {} workers)",
+                report.status, report.rows_predicted, report.items_completed, report.duration_s, report.rows_per_s,
                 report.item_latency_ms.p50, report.item_latency_ms.p95, report.workers
             );
             println!("summary: {}", summary.display());
-            ExitCode::SUCCESS
+            if report.failed_items.is_empty() {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!(
+                "{} item(s) failed for good and were dead-lettered (no _SUCCESS written):",
+                report.items_failed
+            );
+            for f in report.failed_items.iter().take(20) {
+                eprintln!(
+                    "  item {} [{}] on {}: {}",
+                    f.seq, f.class, f.worker, f.reason
+                );
+            }
+            if report.failed_items.len() > 20 {
+                eprintln!(
+                    "  … and {} more in summary.json",
+                    report.failed_items.len() - 20
+                );
+            }
+            eprintln!("fix the input or model, then run the same manifest again to retry them");
+            ExitCode::from(EXIT_COMPLETED_WITH_FAILURES)
         }
         RunOutcome::AlreadyCompleted { job_id, summary } => {
             println!("job {job_id} is already complete; nothing was published");

@@ -126,6 +126,9 @@ pub async fn dispatch(
                 )));
             }
             tracing::info!(job = %spec.job_id, done = job.items_done, "resuming job");
+            // Items that failed before are published again below; forget the
+            // old verdicts so they do not count as settled.
+            store.clear_failures(&spec.job_id).await?;
             // Only the status: the done counters belong to the workers' commits.
             store
                 .set_job_fields(

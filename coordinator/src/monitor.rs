@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 /// How following a job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Followed {
-    /// Every planned item is committed.
+    /// Every planned item is committed or failed for good.
     AllDone,
     /// A shutdown signal arrived first.
     Interrupted,
@@ -54,12 +54,12 @@ pub async fn follow(
         let rate = (p.rows_done - start_rows.min(p.rows_done)) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
         bar.set_position(p.rows_done);
-        bar.set_message(format!("items {}/{}", p.items_done, p.items_total));
+        bar.set_message(items_message(&p));
         if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
             last_log = Instant::now();
-            tracing::info!(job = %spec.job_id, items_done = p.items_done, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
+            tracing::info!(job = %spec.job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
         }
-        if !warned && p.items_done < p.items_total && last_change.elapsed() >= IDLE_WARNING {
+        if !warned && !p.settled() && last_change.elapsed() >= IDLE_WARNING {
             warned = true;
             let msg = format!(
                 "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {}`",
@@ -72,10 +72,21 @@ pub async fn follow(
             }
         }
         last = p;
-        if p.items_total == p.items_done {
-            bar.finish_with_message(format!("items {}/{} done", p.items_done, p.items_total));
+        if p.settled() {
+            bar.finish_with_message(items_message(&p));
             return Ok(Followed::AllDone);
         }
+    }
+}
+
+fn items_message(p: &Progress) -> String {
+    if p.items_failed > 0 {
+        format!(
+            "items {}/{} ({} failed)",
+            p.items_done, p.items_total, p.items_failed
+        )
+    } else {
+        format!("items {}/{}", p.items_done, p.items_total)
     }
 }
 
@@ -112,6 +123,7 @@ mod tests {
             rows_done: 100,
             items_total: 4,
             rows_total: 400,
+            items_failed: 0,
         };
         assert_eq!(eta(&p, 100.0), 3);
         assert_eq!(eta(&p, 0.0), 0);

@@ -6,7 +6,7 @@ use crate::manifest::JobSpec;
 use crate::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::part_file_name;
-use batchfleet_shared::store::{ItemStats, JobStatus, Store};
+use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -52,6 +52,10 @@ pub struct Summary {
     pub workers: u64,
     /// Items whose part file was found published and only the done mark redone.
     pub items_recovered: u64,
+    /// Items that failed for good (dead-lettered).
+    pub items_failed: u64,
+    /// Each failed item with its class and reason.
+    pub failed_items: Vec<ItemFailure>,
 }
 
 /// Latency percentiles in milliseconds (nearest-rank).
@@ -85,7 +89,8 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
     }
 }
 
-/// Writes the summary and `_SUCCESS` and marks the job completed.
+/// Writes the summary, and `_SUCCESS` when no item failed, and marks the job
+/// `completed` or `completed_with_failures`.
 pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary), RunError> {
     let job = store.job(&spec.job_id).await?.ok_or_else(|| {
         RunError::Output(format!(
@@ -94,6 +99,12 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         ))
     })?;
     let stats = store.item_stats(&spec.job_id).await?;
+    let failures = store.failures(&spec.job_id).await?;
+    let status = if failures.is_empty() {
+        JobStatus::Completed
+    } else {
+        JobStatus::CompletedWithFailures
+    };
     let out = spec.output_dir();
     let missing: Vec<String> = stats
         .iter()
@@ -114,7 +125,7 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
     let summary = Summary {
         job_id: job.id.clone(),
         name: job.name.clone(),
-        status: JobStatus::Completed.as_str().into(),
+        status: status.as_str().into(),
         manifest: job.manifest.clone(),
         model: spec.task.model.path.clone(),
         model_sha256: spec.task.model.sha256.clone(),
@@ -135,6 +146,8 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         item_latency_ms: latency(&stats),
         workers: workers.len() as u64,
         items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
+        items_failed: failures.len() as u64,
+        failed_items: failures,
     };
     let path = out.join(SUMMARY_FILE);
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
@@ -145,12 +158,14 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
     write(&path, &json)?;
-    write(&out.join(SUCCESS_FILE), b"")?;
+    if status == JobStatus::Completed {
+        write(&out.join(SUCCESS_FILE), b"")?;
+    }
     store
         .set_job_fields(
             &spec.job_id,
             &[
-                ("status", JobStatus::Completed.as_str().into()),
+                ("status", status.as_str().into()),
                 ("finished_ms", finished.to_string()),
             ],
         )

@@ -7,6 +7,7 @@
 //! | `P:job:{id}` | hash | [`JobRecord`] fields: status, totals, counters, timestamps |
 //! | `P:job:{id}:done` | set | seqs of committed items |
 //! | `P:job:{id}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
+//! | `P:job:{id}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
 //!
 //! `items_done` and `rows_done` are only ever changed by [`COMMIT_SCRIPT`], in the
 //! same atomic step that adds the seq to the done set, so a redelivered item can
@@ -76,6 +77,8 @@ pub enum JobStatus {
     Running,
     /// Every item committed.
     Completed,
+    /// Every item settled, some failed for good (dead-lettered).
+    CompletedWithFailures,
 }
 
 impl JobStatus {
@@ -85,6 +88,7 @@ impl JobStatus {
             JobStatus::Planning => "planning",
             JobStatus::Running => "running",
             JobStatus::Completed => "completed",
+            JobStatus::CompletedWithFailures => "completed_with_failures",
         }
     }
 
@@ -93,13 +97,17 @@ impl JobStatus {
             "planning" => JobStatus::Planning,
             "running" => JobStatus::Running,
             "completed" => JobStatus::Completed,
+            "completed_with_failures" => JobStatus::CompletedWithFailures,
             _ => return None,
         })
     }
 
     /// Whether the job will make no further progress.
     pub fn is_final(self) -> bool {
-        matches!(self, JobStatus::Completed)
+        matches!(
+            self,
+            JobStatus::Completed | JobStatus::CompletedWithFailures
+        )
     }
 }
 
@@ -222,6 +230,23 @@ impl ItemStats {
     }
 }
 
+/// An item that failed for good and was dead-lettered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ItemFailure {
+    /// Item seq.
+    pub seq: u32,
+    /// Failure class (`poison`, …).
+    pub class: String,
+    /// What went wrong, naming the file, row or model.
+    pub reason: String,
+    /// Worker that gave up on it.
+    pub worker: String,
+    /// Delivery attempt that failed.
+    pub attempt: u32,
+    /// When (ms since epoch).
+    pub at_ms: u64,
+}
+
 /// Counters of a running job, read in one round trip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Progress {
@@ -233,18 +258,39 @@ pub struct Progress {
     pub items_total: u64,
     /// Rows planned.
     pub rows_total: u64,
+    /// Items that failed for good.
+    pub items_failed: u64,
+}
+
+impl Progress {
+    /// Whether every planned item is either committed or failed for good.
+    pub fn settled(&self) -> bool {
+        self.items_done + self.items_failed >= self.items_total
+    }
 }
 
 /// Adds the seq to the done set; only if it was not there yet, bumps the
-/// counters and stores the stats. Returns 1 for the winning commit, 0 otherwise.
+/// counters and stores the stats (and forgets an earlier failure of the
+/// item). Returns 1 for the winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'items_done', 1)
   redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+  redis.call('HDEL', KEYS[4], ARGV[1])
   return 1
 end
 return 0
+"#;
+
+/// Records a failure unless the item is already done (a late failure of a
+/// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
+pub const FAIL_SCRIPT: &str = r#"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
 "#;
 
 /// Handle to the job state in Redis; cheap to clone.
@@ -253,6 +299,7 @@ pub struct Store {
     pool: Pool,
     prefix: String,
     commit: redis::Script,
+    fail: redis::Script,
 }
 
 impl fmt::Debug for Store {
@@ -300,6 +347,7 @@ impl Store {
             pool,
             prefix: prefix.to_owned(),
             commit: redis::Script::new(COMMIT_SCRIPT),
+            fail: redis::Script::new(FAIL_SCRIPT),
         };
         let ping = async {
             let mut conn = store
@@ -335,6 +383,9 @@ impl Store {
     }
     fn stats_key(&self, id: &str) -> String {
         format!("{}:job:{id}:stats", self.prefix)
+    }
+    fn failed_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:failed", self.prefix)
     }
     fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
@@ -384,9 +435,11 @@ impl Store {
     /// Reads the counters of a job in one round trip.
     pub async fn progress(&self, id: &str) -> Result<Progress, StoreError> {
         let mut c = self.conn("HMGET progress").await?;
-        let vals: Vec<Option<u64>> = redis::cmd("HMGET")
+        let (vals, items_failed): (Vec<Option<u64>>, u64) = redis::pipe()
+            .cmd("HMGET")
             .arg(self.job_key(id))
             .arg(&["items_done", "rows_done", "items_total", "rows_total"])
+            .hlen(self.failed_key(id))
             .query_async(&mut c)
             .await
             .map_err(cmd("HMGET progress"))?;
@@ -396,6 +449,7 @@ impl Store {
             rows_done: v(1),
             items_total: v(2),
             rows_total: v(3),
+            items_failed,
         })
     }
 
@@ -412,6 +466,7 @@ impl Store {
             .key(self.done_key(job))
             .key(self.job_key(job))
             .key(self.stats_key(job))
+            .key(self.failed_key(job))
             .arg(stats.seq)
             .arg(stats.rows)
             .arg(json)
@@ -419,6 +474,49 @@ impl Store {
             .await
             .map_err(cmd("commit item"))?;
         Ok(won == 1)
+    }
+
+    /// Records that an item failed for good. Returns `false` (and records
+    /// nothing) if the item is already done.
+    pub async fn fail_item(&self, job: &str, failure: &ItemFailure) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(failure).map_err(|e| StoreError::Command {
+            op: "encode failure",
+            reason: e.to_string(),
+        })?;
+        let mut c = self.conn("fail item").await?;
+        let recorded: i64 = self
+            .fail
+            .key(self.done_key(job))
+            .key(self.failed_key(job))
+            .arg(failure.seq)
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("fail item"))?;
+        Ok(recorded == 1)
+    }
+
+    /// Items that failed for good, in seq order.
+    pub async fn failures(&self, job: &str) -> Result<Vec<ItemFailure>, StoreError> {
+        let key = self.failed_key(job);
+        let mut c = self.conn("HGETALL failed").await?;
+        let map: BTreeMap<u32, String> = c.hgetall(&key).await.map_err(cmd("HGETALL failed"))?;
+        map.values()
+            .map(|json| {
+                serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets recorded failures of a job (before its failed items are published again).
+    pub async fn clear_failures(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL failed").await?;
+        c.del::<_, ()>(self.failed_key(job))
+            .await
+            .map_err(cmd("DEL failed"))
     }
 
     /// Whether an item is marked done.
@@ -465,7 +563,12 @@ impl Store {
     pub async fn delete_job(&self, id: &str) -> Result<(), StoreError> {
         let mut c = self.conn("DEL job").await?;
         redis::pipe()
-            .del(&[self.job_key(id), self.done_key(id), self.stats_key(id)])
+            .del(&[
+                self.job_key(id),
+                self.done_key(id),
+                self.stats_key(id),
+                self.failed_key(id),
+            ])
             .ignore()
             .zrem(self.jobs_key(), id)
             .ignore()

@@ -11,7 +11,7 @@ use crate::{reader, writer};
 use batchfleet_shared::broker::int_header;
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{Envelope, WorkItem, ATTEMPT_HEADER};
-use batchfleet_shared::store::{ItemStats, Store};
+use batchfleet_shared::store::{ItemFailure, ItemStats, Store};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use std::path::Path;
@@ -80,6 +80,19 @@ pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
                 }
                 FailureClass::Poison => {
                     tracing::error!(error = %e.message, "poison item; dead-lettering it");
+                    // Recorded before the reject, so the coordinator can settle the
+                    // job; if Redis is down the dead queue still holds the item.
+                    let failure = ItemFailure {
+                        seq: item.seq,
+                        class: e.class.to_string(),
+                        reason: e.message.clone(),
+                        worker: ctx.worker_id.clone(),
+                        attempt,
+                        at_ms: batchfleet_shared::now_ms(),
+                    };
+                    if let Err(err) = ctx.store.fail_item(&item.job_id, &failure).await {
+                        tracing::warn!(error = %err, "could not record the failure in Redis");
+                    }
                     settle(&delivery, Settle::DeadLetter, "poison").await;
                 }
                 FailureClass::Fatal => {

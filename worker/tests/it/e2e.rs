@@ -161,3 +161,104 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
 
     env.cleanup(&[&job_id]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_row_dead_letters_its_item_and_the_job_ends_with_failures() {
+    let env = TestEnv::new("badrow");
+    let name = batchfleet_loadtest::services::unique("badrow");
+    let gen = JobGen {
+        rows: 2_000,
+        files: 2,
+        features: 8,
+        hidden: 16,
+        name: name.clone(),
+        pool: env.pool.clone(),
+        item_rows: 500,
+        batch_size: 128,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    // Break one feature of the 3rd data row of the second file (file line 4).
+    let file = env.path().join("data/part-01.csv");
+    let text = std::fs::read_to_string(&file).expect("data");
+    let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let mut fields: Vec<&str> = lines[3].split(',').collect();
+    fields[2] = "oops";
+    lines[3] = fields.join(",");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("write data");
+
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(120),
+        run_job(
+            &env.run_config(),
+            &env.path().join("job.toml"),
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("job settled within 2 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed { job_id, report, .. } = outcome else {
+        panic!("expected a settled job, got {outcome:?}")
+    };
+
+    assert_eq!(report.status, "completed_with_failures");
+    assert_eq!(
+        (
+            report.items_total,
+            report.items_completed,
+            report.items_failed
+        ),
+        (4, 3, 1)
+    );
+    let failure = &report.failed_items[0];
+    assert_eq!((failure.seq, failure.class.as_str()), (2, "poison"));
+    assert!(
+        failure
+            .reason
+            .contains("part-01.csv line 4: field 3 is not a number: \"oops\""),
+        "{}",
+        failure.reason
+    );
+    let out = env.path().join("out");
+    assert!(
+        !out.join("_SUCCESS").exists(),
+        "no _SUCCESS for a job with failures"
+    );
+
+    // Every other row is predicted once and right; the failed item's 500 rows are absent.
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(
+        v.duplicated.is_empty() && v.unexpected.is_empty() && v.mismatched.is_empty(),
+        "{}",
+        v.describe()
+    );
+    assert_eq!(v.missing.len(), 500);
+    assert!(
+        v.missing.contains(&"r00001002".to_string()),
+        "the broken row's item is the missing one"
+    );
+
+    // The dead queue holds exactly that item.
+    let (conn, ch) = env.channel().await;
+    let dead = ch
+        .queue_declare(
+            PoolQueues::new(&env.pool).dead().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("dead queue");
+    assert_eq!(dead.message_count(), 1);
+    let _ = conn.close(200, "bye".into()).await;
+
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
