@@ -3,7 +3,8 @@
 //! Exit codes: 0 success (or job already complete), 1 runtime failure (broker,
 //! Redis, I/O), 2 invalid manifest or usage (nothing was published), 3 job
 //! finished but some items failed for good (listed in `summary.json`, no
-//! `_SUCCESS`), 130 interrupted while following a job (the workers carry on).
+//! `_SUCCESS`), 4 job failed (error budget exceeded, remaining items skipped),
+//! 130 interrupted while following a job (the workers carry on).
 
 use crate::{status, Connections, RunConfig, RunError, RunOutcome};
 use batchfleet_shared::secret::SecretUrl;
@@ -18,6 +19,8 @@ pub const EXIT_INVALID: u8 = 2;
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit code: every item settled but some failed for good (no `_SUCCESS`).
 pub const EXIT_COMPLETED_WITH_FAILURES: u8 = 3;
+/// Exit code: the error budget was exceeded; the job failed and its remaining items were skipped.
+pub const EXIT_JOB_FAILED: u8 = 4;
 /// Exit code: interrupted by a signal while following a job.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -194,7 +197,11 @@ fn report_outcome(outcome: &RunOutcome) -> ExitCode {
                     report.failed_items.len() - 20
                 );
             }
-            eprintln!("fix the input or model, then run the same manifest again to retry them");
+            if report.status == "failed" {
+                eprintln!("the error budget was exceeded: job failed, {} item(s) skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again", report.items_skipped, report.pool);
+                return ExitCode::from(EXIT_JOB_FAILED);
+            }
+            eprintln!("fix the cause, then `batchfleet dlq replay --job {job_id}` (or run the same manifest again) to retry them");
             ExitCode::from(EXIT_COMPLETED_WITH_FAILURES)
         }
         RunOutcome::AlreadyCompleted { job_id, summary } => {

@@ -146,10 +146,16 @@ pub async fn dispatch(
                     pool: spec.pool.clone(),
                     manifest: spec.manifest_path.to_string_lossy().into_owned(),
                     output_dir: spec.task.output.dir.clone(),
+                    output_format: spec.task.output.format.as_str().to_owned(),
+                    model: spec.task.model.path.clone(),
+                    model_sha256: spec.task.model.sha256.clone(),
+                    max_failed_items: spec.budget.max_failed_items,
+                    max_failed_percent: spec.budget.max_failed_percent,
                     items_total: plan.items.len() as u64,
                     rows_total: plan.rows_total,
                     items_done: 0,
                     rows_done: 0,
+                    rows_rejected: 0,
                     created_ms: submitted_ms,
                     published_ms: 0,
                     finished_ms: 0,
@@ -170,6 +176,7 @@ pub async fn dispatch(
         kind: MESSAGE_TYPE_V1,
         body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
         headers: headers.clone(),
+        expiration_ms: None,
     });
     let published = publisher
         .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})

@@ -136,12 +136,12 @@ pub async fn run_job(
             })
         }
         Ok(dispatcher::Dispatched::Running) => {
-            match monitor::follow(&store, &spec, cfg, shutdown).await? {
+            match monitor::follow(&store, &spec.job_id, cfg, shutdown).await? {
                 monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
                     job_id: spec.job_id.clone(),
                 }),
-                monitor::Followed::AllDone => {
-                    let (summary, report) = reducer::finish(&store, &spec).await?;
+                monitor::Followed::AllDone | monitor::Followed::BudgetExceeded => {
+                    let (summary, report) = reducer::finish(&store, &spec.job_id).await?;
                     Ok(RunOutcome::Completed {
                         job_id: spec.job_id.clone(),
                         summary,

@@ -6,7 +6,7 @@
 //! and saying what to do; see `docs/manifest.md`.
 
 use batchfleet_shared::fsutil::sha256_file;
-use batchfleet_shared::message::{CsvLayout, ModelRef, OutputFormat, OutputSpec, TaskSpec};
+use batchfleet_shared::message::{CsvLayout, FailurePolicy, ModelRef, OnBadRow, OutputFormat, OutputSpec, TaskSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -31,6 +31,52 @@ pub struct Manifest {
     pub batching: BatchingSection,
     /// `[output]`
     pub output: OutputSection,
+    /// `[failure]`
+    #[serde(default)]
+    pub failure: FailureSection,
+}
+
+/// `[failure]`: retries, bad rows, timeouts and the error budget.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailureSection {
+    /// Attempts per item for transient failures and timeouts. Default 3.
+    pub max_attempts: Option<u32>,
+    /// Delay before the first retry (`"1s"`); doubles per attempt. Default 1s.
+    pub retry_delay: Option<String>,
+    /// Cap on the retry delay. Default 5m.
+    pub retry_max_delay: Option<String>,
+    /// `"reject"` (default) or `"fail_item"`.
+    pub on_bad_row: Option<OnBadRow>,
+    /// Bisect a mini-batch on which `forward` raises. Default true.
+    pub isolate_poison_rows: Option<bool>,
+    /// Wall-time limit per item on a worker. Default 10m.
+    pub item_timeout: Option<String>,
+    /// Extra substrings of model errors that mean "retry later".
+    #[serde(default)]
+    pub transient_errors: Vec<String>,
+    /// Job fails when more items than this fail for good.
+    pub max_failed_items: Option<u64>,
+    /// Job fails when more than this percent of items fail for good.
+    pub max_failed_percent: Option<f64>,
+}
+
+/// Error budget of a job (Azure's `error_threshold`): exceeded → job `failed`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ErrorBudget {
+    /// Most items that may fail.
+    pub max_failed_items: Option<u64>,
+    /// Most percent of items that may fail.
+    pub max_failed_percent: Option<f64>,
+}
+
+impl ErrorBudget {
+    /// Whether `failed` of `total` items exceeds the budget.
+    pub fn exceeded(&self, failed: u64, total: u64) -> bool {
+        let by_count = self.max_failed_items.is_some_and(|max| failed > max);
+        let by_share = self.max_failed_percent.is_some_and(|pct| total > 0 && (failed as f64) * 100.0 > pct * total as f64);
+        by_count || by_share
+    }
 }
 
 /// `[job]`
@@ -150,6 +196,8 @@ pub struct JobSpec {
     pub sizing: ItemSizing,
     /// What every work item of the job carries.
     pub task: TaskSpec,
+    /// When the job as a whole fails.
+    pub budget: ErrorBudget,
 }
 
 impl JobSpec {
@@ -495,6 +543,56 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         );
     }
 
+    // Failure policy.
+    let f = &m.failure;
+    let defaults = FailurePolicy::default();
+    let mut duration = |field: &str, value: &Option<String>, default_ms: u64| -> u64 {
+        match value {
+            None => default_ms,
+            Some(text) => match humantime::parse_duration(text) {
+                Ok(d) if !d.is_zero() => d.as_millis() as u64,
+                Ok(_) => {
+                    problem(field, "must be longer than zero".into());
+                    default_ms
+                }
+                Err(e) => {
+                    problem(field, format!("\"{text}\" is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"5m\""));
+                    default_ms
+                }
+            },
+        }
+    };
+    let retry_base_ms = duration("[failure] retry_delay", &f.retry_delay, defaults.retry_base_ms);
+    let retry_max_ms = duration("[failure] retry_max_delay", &f.retry_max_delay, defaults.retry_max_ms);
+    let item_timeout_ms = duration("[failure] item_timeout", &f.item_timeout, defaults.item_timeout_ms);
+    if retry_max_ms < retry_base_ms {
+        problem("[failure] retry_max_delay", "is shorter than retry_delay; raise it or lower retry_delay".into());
+    }
+    let max_attempts = f.max_attempts.unwrap_or(defaults.max_attempts);
+    if max_attempts == 0 {
+        problem("[failure] max_attempts", "must be at least 1".into());
+    }
+    if let Some(pct) = f.max_failed_percent {
+        if !(0.0..=100.0).contains(&pct) {
+            problem("[failure] max_failed_percent", format!("{pct} is not a percentage between 0 and 100"));
+        }
+    }
+    if f.transient_errors.iter().any(|p| p.trim().is_empty()) {
+        problem("[failure] transient_errors", "holds an empty pattern, which would match every error; remove it".into());
+    }
+    let mut transient_errors = defaults.transient_errors.clone();
+    transient_errors.extend(f.transient_errors.iter().cloned());
+    let failure = FailurePolicy {
+        max_attempts,
+        retry_base_ms,
+        retry_max_ms,
+        on_bad_row: f.on_bad_row.unwrap_or_default(),
+        isolate_poison_rows: f.isolate_poison_rows.unwrap_or(true),
+        item_timeout_ms,
+        transient_errors,
+    };
+    let budget = ErrorBudget { max_failed_items: f.max_failed_items, max_failed_percent: f.max_failed_percent };
+
     // Output.
     let out_dir = resolve(base, &m.output.dir);
     if out_dir.exists() && !out_dir.is_dir() {
@@ -531,6 +629,7 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
             dir: out_dir.to_string_lossy().into_owned(),
             format: m.output.format,
         },
+        failure,
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {
@@ -543,6 +642,7 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         header,
         sizing,
         task,
+        budget,
     })
 }
 

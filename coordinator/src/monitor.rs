@@ -1,9 +1,10 @@
 //! Follows a running job through its Redis counters until every item is
-//! committed: a progress bar on a terminal, periodic log lines otherwise.
+//! committed or failed for good: a progress bar on a terminal, periodic log
+//! lines otherwise. Enforces the job's error budget.
 
-use crate::manifest::JobSpec;
+use crate::manifest::ErrorBudget;
 use crate::{RunConfig, RunError};
-use batchfleet_shared::store::{Progress, Store};
+use batchfleet_shared::store::{JobStatus, Progress, Store};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -13,6 +14,9 @@ use tokio_util::sync::CancellationToken;
 pub enum Followed {
     /// Every planned item is committed or failed for good.
     AllDone,
+    /// More items failed than the error budget allows; the job is marked
+    /// `failed` and workers skip its remaining items.
+    BudgetExceeded,
     /// A shutdown signal arrived first.
     Interrupted,
 }
@@ -22,14 +26,15 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 /// Warn once when nothing was committed for this long (no workers running?).
 const IDLE_WARNING: Duration = Duration::from_secs(30);
 
-/// Polls the job's counters every `cfg.poll_interval` until all items are done.
-pub async fn follow(
-    store: &Store,
-    spec: &JobSpec,
-    cfg: &RunConfig,
-    shutdown: CancellationToken,
-) -> Result<Followed, RunError> {
-    let first = store.progress(&spec.job_id).await?;
+/// Polls the job's counters every `cfg.poll_interval` until all items are settled.
+pub async fn follow(store: &Store, job_id: &str, cfg: &RunConfig, shutdown: CancellationToken) -> Result<Followed, RunError> {
+    let job = store
+        .job(job_id)
+        .await?
+        .ok_or_else(|| RunError::Output(format!("job {job_id} is not in Redis")))?;
+    let budget = ErrorBudget { max_failed_items: job.max_failed_items, max_failed_percent: job.max_failed_percent };
+    let pool = job.pool;
+    let first = store.progress(job_id).await?;
     let bar = progress_bar(cfg.progress, first.rows_total);
     let started = Instant::now();
     let start_rows = first.rows_done;
@@ -47,7 +52,7 @@ pub async fn follow(
             }
             _ = tick.tick() => {}
         }
-        let p = store.progress(&spec.job_id).await?;
+        let p = store.progress(job_id).await?;
         if p != last {
             last_change = Instant::now();
         }
@@ -57,13 +62,13 @@ pub async fn follow(
         bar.set_message(items_message(&p));
         if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
             last_log = Instant::now();
-            tracing::info!(job = %spec.job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
+            tracing::info!(job = %job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
         }
         if !warned && !p.settled() && last_change.elapsed() >= IDLE_WARNING {
             warned = true;
             let msg = format!(
                 "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {}`",
-                IDLE_WARNING.as_secs(), spec.pool, spec.pool
+                IDLE_WARNING.as_secs(), pool, pool
             );
             if bar.is_hidden() {
                 tracing::warn!("{msg}")
@@ -72,6 +77,11 @@ pub async fn follow(
             }
         }
         last = p;
+        if budget.exceeded(p.items_failed, p.items_total) {
+            store.set_job_fields(job_id, &[("status", JobStatus::Failed.as_str().to_owned())]).await?;
+            bar.abandon_with_message(format!("{} items failed: error budget exceeded; remaining items are skipped", p.items_failed));
+            return Ok(Followed::BudgetExceeded);
+        }
         if p.settled() {
             bar.finish_with_message(items_message(&p));
             return Ok(Followed::AllDone);

@@ -2,10 +2,9 @@
 //! `summary.json` atomically, then `_SUCCESS`, then marks the job completed.
 
 use crate::dispatcher::{SUCCESS_FILE, SUMMARY_FILE};
-use crate::manifest::JobSpec;
 use crate::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
-use batchfleet_shared::message::part_file_name;
+use batchfleet_shared::message::{part_file_name, OutputFormat};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -18,6 +17,8 @@ pub struct Summary {
     pub job_id: String,
     /// Job name.
     pub name: String,
+    /// Worker pool.
+    pub pool: String,
     /// Final status.
     pub status: String,
     /// Manifest the job ran from.
@@ -32,6 +33,8 @@ pub struct Summary {
     pub rows_total: u64,
     /// Rows predicted (committed).
     pub rows_predicted: u64,
+    /// Rows rejected: malformed, or the model raised on them (see `rejects/`).
+    pub rows_rejected: u64,
     /// Items planned.
     pub items_total: u64,
     /// Items committed.
@@ -54,6 +57,8 @@ pub struct Summary {
     pub items_recovered: u64,
     /// Items that failed for good (dead-lettered).
     pub items_failed: u64,
+    /// Items neither committed nor failed: skipped after the job failed.
+    pub items_skipped: u64,
     /// Each failed item with its class and reason.
     pub failed_items: Vec<ItemFailure>,
 }
@@ -91,24 +96,26 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
 
 /// Writes the summary, and `_SUCCESS` when no item failed, and marks the job
 /// `completed` or `completed_with_failures`.
-pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary), RunError> {
-    let job = store.job(&spec.job_id).await?.ok_or_else(|| {
-        RunError::Output(format!(
-            "job {} vanished from Redis while finishing",
-            spec.job_id
-        ))
-    })?;
-    let stats = store.item_stats(&spec.job_id).await?;
-    let failures = store.failures(&spec.job_id).await?;
-    let status = if failures.is_empty() {
+pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), RunError> {
+    let job = store
+        .job(job_id)
+        .await?
+        .ok_or_else(|| RunError::Output(format!("job {job_id} vanished from Redis while finishing")))?;
+    let format = OutputFormat::parse(&job.output_format)
+        .ok_or_else(|| RunError::Output(format!("job {job_id} has unknown output format {:?}", job.output_format)))?;
+    let stats = store.item_stats(job_id).await?;
+    let failures = store.failures(job_id).await?;
+    let status = if job.status == JobStatus::Failed {
+        JobStatus::Failed
+    } else if failures.is_empty() {
         JobStatus::Completed
     } else {
         JobStatus::CompletedWithFailures
     };
-    let out = spec.output_dir();
+    let out = std::path::Path::new(&job.output_dir);
     let missing: Vec<String> = stats
         .iter()
-        .map(|s| part_file_name(s.seq, spec.task.output.format))
+        .map(|s| part_file_name(s.seq, format))
         .filter(|name| !out.join(name).is_file())
         .collect();
     if !missing.is_empty() {
@@ -125,13 +132,15 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
     let summary = Summary {
         job_id: job.id.clone(),
         name: job.name.clone(),
+        pool: job.pool.clone(),
         status: status.as_str().into(),
         manifest: job.manifest.clone(),
-        model: spec.task.model.path.clone(),
-        model_sha256: spec.task.model.sha256.clone(),
+        model: job.model.clone(),
+        model_sha256: job.model_sha256.clone(),
         output_dir: job.output_dir.clone(),
         rows_total: job.rows_total,
-        rows_predicted: job.rows_done,
+        rows_predicted: job.rows_done - job.rows_rejected.min(job.rows_done),
+        rows_rejected: job.rows_rejected,
         items_total: job.items_total,
         items_completed: job.items_done,
         parts: stats.len() as u64,
@@ -139,7 +148,7 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         finished_at_ms: finished,
         duration_s,
         rows_per_s: if duration_s > 0.0 {
-            (job.rows_done as f64 / duration_s).round()
+            ((job.rows_done - job.rows_rejected.min(job.rows_done)) as f64 / duration_s).round()
         } else {
             0.0
         },
@@ -147,6 +156,7 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
         workers: workers.len() as u64,
         items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
         items_failed: failures.len() as u64,
+        items_skipped: job.items_total.saturating_sub(job.items_done + failures.len() as u64),
         failed_items: failures,
     };
     let path = out.join(SUMMARY_FILE);
@@ -163,7 +173,7 @@ pub async fn finish(store: &Store, spec: &JobSpec) -> Result<(PathBuf, Summary),
     }
     store
         .set_job_fields(
-            &spec.job_id,
+            job_id,
             &[
                 ("status", status.as_str().into()),
                 ("finished_ms", finished.to_string()),
@@ -181,6 +191,7 @@ mod tests {
         ItemStats {
             seq,
             rows: 1,
+            rows_rejected: 0,
             worker: "w".into(),
             started_ms: 1000,
             finished_ms: 1000 + ms,

@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--pool", default="default")
     ap.add_argument("--item-rows", type=int, default=5000)
     ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--poison-rows", default="", help="global row numbers whose f0 becomes -999 (make_faulty_models.py's poison sentinel)")
+    ap.add_argument("--hang-rows", default="", help="global row numbers whose f0 becomes -777 (the hang sentinel)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -63,6 +65,8 @@ def main() -> None:
     model_path = os.path.join(args.out, "model.pt")
     torch.jit.save(model, model_path)
 
+    sentinels = {int(r): "-999.000000" for r in args.poison_rows.split(",") if r}
+    sentinels.update({int(r): "-777.000000" for r in args.hang_rows.split(",") if r})
     header = ["id"] + [f"f{i}" for i in range(args.features)]
     golden_rows = []
     per_file = [args.rows // args.files + (1 if i < args.rows % args.files else 0) for i in range(args.files)]
@@ -70,6 +74,9 @@ def main() -> None:
     for f, n in enumerate(per_file):
         feats = (torch.rand(n, args.features) * 4 - 2).tolist()
         text = [[f"{v:.6f}" for v in row] for row in feats]
+        for r in range(n):
+            if next_id + r in sentinels:
+                text[r][0] = sentinels[next_id + r]
         ids = [f"r{next_id + i:08d}" for i in range(n)]
         next_id += n
         with open(os.path.join(args.out, "data", f"part-{f:02d}.csv"), "w", newline="") as fh:

@@ -106,6 +106,7 @@ fn main() -> Result<()> {
                 pool,
                 item_rows,
                 batch_size,
+                ..python::JobGen::default()
             },
         ),
         Command::Verify {

@@ -49,6 +49,10 @@ pub struct JobGen {
     pub item_rows: u64,
     /// `inference_batch_size` in the manifest.
     pub batch_size: u32,
+    /// Global row numbers whose first feature is the poison sentinel (-999).
+    pub poison_rows: Vec<u64>,
+    /// Global row numbers whose first feature is the hang sentinel (-777).
+    pub hang_rows: Vec<u64>,
 }
 
 impl Default for JobGen {
@@ -64,6 +68,8 @@ impl Default for JobGen {
             pool: "default".into(),
             item_rows: 5000,
             batch_size: 1024,
+            poison_rows: Vec::new(),
+            hang_rows: Vec::new(),
         }
     }
 }
@@ -102,6 +108,7 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
             "--batch-size",
             &g.batch_size.to_string(),
         ])
+        .args(["--poison-rows", &join(&g.poison_rows), "--hang-rows", &join(&g.hang_rows)])
         .status()
         .with_context(|| {
             format!(
@@ -110,6 +117,29 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
                 script.display()
             )
         })?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    Ok(())
+}
+
+fn join(rows: &[u64]) -> String {
+    rows.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Writes the faulty variants of `out/model.pt` (poison.pt, flaky.pt, hang.pt,
+/// slow.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
+pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_faulty_models.py");
+    let status = Command::new(interpreter())
+        .arg(&script)
+        .arg("--base")
+        .arg(out.join("model.pt"))
+        .arg("--out-dir")
+        .arg(out)
+        .args(["--slow-ms", &slow_ms.to_string()])
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
     if !status.success() {
         bail!("{} failed with {status}", script.display());
     }

@@ -8,6 +8,12 @@
 //! - `bf.dlx`: direct exchange receiving dead letters from every pool.
 //! - `bf.P.dead`: durable quorum queue bound to `bf.dlx` with key `P.dead`;
 //!   holds items that failed for good until they are listed and replayed.
+//! - `bf.P.retry.<tier>` ([`RETRY_TIERS_S`]): delayed retry without blocking
+//!   a worker. A failed item is re-published to the smallest tier that fits
+//!   its delay with a per-message expiration; when it expires RabbitMQ
+//!   dead-letters it (default exchange) straight back into `bf.P.work`.
+//!   Messages expire only at the head of a queue, so one tier per order of
+//!   magnitude bounds how long a short delay can wait behind a longer one.
 //!
 //! Declarations are idempotent but their arguments must match exactly on every
 //! declare, so they exist only here and both binaries call [`declare_topology`].
@@ -31,6 +37,9 @@ pub const DEAD_LETTER_EXCHANGE: &str = "bf.dlx";
 /// classify the failure; ordinary failures are classified by the worker first.
 pub const DELIVERY_LIMIT: i64 = 20;
 
+/// Upper bounds (seconds) of the retry tiers.
+pub const RETRY_TIERS_S: [u64; 6] = [1, 5, 30, 120, 600, 3600];
+
 /// Errors talking to RabbitMQ. Messages never contain credentials.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
@@ -43,6 +52,14 @@ pub enum BrokerError {
         reason: String,
         /// What to do about it.
         hint: &'static str,
+    },
+    /// The broker refused the credentials; retrying will not help.
+    #[error("RabbitMQ at {url} refused the login: {reason}. Check the user name and password in the AMQP URL (BATCHFLEET_AMQP_URL)")]
+    Auth {
+        /// Redacted URL.
+        url: String,
+        /// What the client library said, credentials scrubbed.
+        reason: String,
     },
     /// The broker did not answer in time.
     #[error("RabbitMQ at {url} did not answer within {secs}s; check the host and port, or that the broker is not overloaded")]
@@ -72,6 +89,11 @@ pub enum BrokerError {
 }
 
 impl BrokerError {
+    /// Whether retrying cannot help (wrong credentials).
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, BrokerError::Auth { .. })
+    }
+
     /// Wraps a lapin error with the operation that failed.
     pub fn op(op: impl Into<String>) -> impl FnOnce(lapin::Error) -> BrokerError {
         let op = op.into();
@@ -99,6 +121,15 @@ impl PoolQueues {
     pub fn dead(&self) -> String {
         format!("bf.{}.dead", self.pool)
     }
+    /// The retry queue whose tier holds a delay of `delay_ms`.
+    pub fn retry_for(&self, delay_ms: u64) -> String {
+        let tier = RETRY_TIERS_S.iter().copied().find(|t| t * 1000 >= delay_ms).unwrap_or(RETRY_TIERS_S[RETRY_TIERS_S.len() - 1]);
+        self.retry(tier)
+    }
+    /// The retry queue of one tier.
+    pub fn retry(&self, tier_s: u64) -> String {
+        format!("bf.{}.retry.{tier_s}s", self.pool)
+    }
     /// Routing key under which dead letters of this pool reach [`PoolQueues::dead`].
     pub fn dead_routing_key(&self) -> String {
         format!("{}.dead", self.pool)
@@ -123,12 +154,10 @@ pub async fn connect(
         Ok(Err(e)) => {
             let reason = scrub(&e.to_string(), url);
             let lower = reason.to_ascii_lowercase();
-            let hint = if lower.contains("access_refused")
-                || lower.contains("auth")
-                || lower.contains("login")
-            {
-                "Check the user name and password in the AMQP URL (BATCHFLEET_AMQP_URL)."
-            } else if lower.contains("refused")
+            if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login") {
+                return Err(BrokerError::Auth { url: url.redacted(), reason });
+            }
+            let hint = if lower.contains("refused")
                 || lower.contains("resolve")
                 || lower.contains("lookup")
             {
@@ -173,7 +202,18 @@ fn quorum_args(dead_letter_to: Option<&PoolQueues>) -> FieldTable {
     args
 }
 
-/// Declares the pool's work queue, dead-letter exchange and dead queue.
+/// Arguments of a retry tier: expired messages go back to the work queue.
+fn retry_args(pool: &PoolQueues) -> FieldTable {
+    let mut args = quorum_args(None);
+    // The default exchange ("") routes by queue name: expiry = re-delivery to work.
+    args.insert("x-dead-letter-exchange".into(), long(""));
+    args.insert("x-dead-letter-routing-key".into(), long(&pool.work()));
+    args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+    args.insert("x-overflow".into(), long("reject-publish"));
+    args
+}
+
+/// Declares the pool's work queue, retry tiers, dead-letter exchange and dead queue.
 pub async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<(), BrokerError> {
     let durable = QueueDeclareOptions {
         durable: true,
@@ -211,6 +251,13 @@ pub async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<
         .queue_declare(queues.work().into(), durable, quorum_args(Some(queues)))
         .await
         .map_err(BrokerError::op(format!("queue.declare {}", queues.work())))?;
+    for tier in RETRY_TIERS_S {
+        let name = queues.retry(tier);
+        channel
+            .queue_declare(name.as_str().into(), durable, retry_args(queues))
+            .await
+            .map_err(BrokerError::op(format!("queue.declare {name}")))?;
+    }
     Ok(())
 }
 
@@ -241,6 +288,8 @@ pub struct Outgoing {
     pub body: Vec<u8>,
     /// Extra headers (e.g. the attempt).
     pub headers: FieldTable,
+    /// Per-message expiration (retry delay), if any.
+    pub expiration_ms: Option<u64>,
 }
 
 /// Publishes persistent, mandatory messages on a channel in confirm mode.
@@ -295,7 +344,7 @@ impl ConfirmedPublisher {
                 on_confirmed(&m);
                 confirmed += 1;
             }
-            let props = BasicProperties::default()
+            let mut props = BasicProperties::default()
                 .with_delivery_mode(2) // persistent: survives a broker restart
                 .with_content_type(ShortString::from(crate::message::CONTENT_TYPE))
                 .with_type(ShortString::from(msg.kind))
@@ -303,6 +352,9 @@ impl ConfirmedPublisher {
                 .with_app_id(ShortString::from("batchfleet"))
                 .with_timestamp(crate::now_ms() / 1000)
                 .with_headers(msg.headers.clone());
+            if let Some(ms) = msg.expiration_ms {
+                props = props.with_expiration(ShortString::from(ms.to_string()));
+            }
             let confirm = self
                 .channel
                 .basic_publish(
@@ -357,6 +409,27 @@ async fn await_confirm(
             reason: "publisher confirms are not enabled on this channel".into(),
         }),
     }
+}
+
+/// Reads a string header from a message's headers.
+pub fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// A header table from string and integer values.
+pub fn headers<'a>(strings: impl IntoIterator<Item = (&'a str, String)>, ints: impl IntoIterator<Item = (&'a str, i64)>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in strings {
+        t.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+    }
+    for (k, v) in ints {
+        t.insert(k.into(), AMQPValue::LongLongInt(v));
+    }
+    t
 }
 
 /// Reads an integer header (any AMQP integer type) from a message's headers.

@@ -15,6 +15,19 @@ pub const MESSAGE_TYPE_V1: &str = "batchfleet.work_item.v1";
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
 
+/// Dead letters: job id of the item.
+pub const JOB_HEADER: &str = "x-bf-job";
+/// Dead letters: item seq.
+pub const ITEM_HEADER: &str = "x-bf-item";
+/// Dead letters and retries: failure class (`poison`, `transient`, `timeout`).
+pub const CLASS_HEADER: &str = "x-bf-error-class";
+/// Dead letters and retries: the last error message.
+pub const ERROR_HEADER: &str = "x-bf-error";
+/// Dead letters: the worker that gave up.
+pub const WORKER_HEADER: &str = "x-bf-worker";
+/// Dead letters: when (ms since epoch).
+pub const DEAD_AT_HEADER: &str = "x-bf-dead-at";
+
 /// Every message version a worker understands. New versions are added as new
 /// variants; a worker rejects (dead-letters) a variant it does not know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -84,6 +97,68 @@ pub struct TaskSpec {
     pub batch_size: u32,
     /// Where and how predictions are written.
     pub output: OutputSpec,
+    /// What to do when something fails.
+    #[serde(default)]
+    pub failure: FailurePolicy,
+}
+
+/// What a bad row does to its item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBadRow {
+    /// Write the row to the item's rejects file with the reason and go on.
+    #[default]
+    Reject,
+    /// Fail the whole item (it is dead-lettered).
+    FailItem,
+}
+
+/// The job's failure policy, carried by every item (from `[failure]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailurePolicy {
+    /// Attempts of an item that fails transiently (or times out) before it is
+    /// dead-lettered.
+    pub max_attempts: u32,
+    /// Delay before the second attempt, in ms; doubles per attempt.
+    pub retry_base_ms: u64,
+    /// Cap on the retry delay, in ms.
+    pub retry_max_ms: u64,
+    /// What a malformed row does.
+    pub on_bad_row: OnBadRow,
+    /// When `forward` raises on a mini-batch, bisect it to reject only the
+    /// rows that make it raise.
+    pub isolate_poison_rows: bool,
+    /// Wall-time limit of one item on a worker, in ms.
+    pub item_timeout_ms: u64,
+    /// Substrings of model errors that mean "try again later" (transient),
+    /// not "this input is bad" (poison).
+    pub transient_errors: Vec<String>,
+}
+
+impl Default for FailurePolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            retry_base_ms: 1_000,
+            retry_max_ms: 300_000,
+            on_bad_row: OnBadRow::Reject,
+            isolate_poison_rows: true,
+            item_timeout_ms: 600_000,
+            transient_errors: vec!["CUBLAS_STATUS_ALLOC_FAILED".into(), "CUDNN_STATUS_ALLOC_FAILED".into()],
+        }
+    }
+}
+
+impl FailurePolicy {
+    /// Delay before attempt `next` (2, 3, …): `base · 2^(next-2)`, capped, with
+    /// "equal jitter" (uniform in [d/2, d]) so retries of a burst spread out.
+    /// `unit` is a uniform random number in [0, 1).
+    pub fn retry_delay_ms(&self, next: u32, unit: f64) -> u64 {
+        let exp = next.saturating_sub(2).min(40);
+        let d = self.retry_base_ms.saturating_mul(1u64 << exp).min(self.retry_max_ms).max(1);
+        let half = d / 2;
+        half + ((d - half) as f64 * unit.clamp(0.0, 1.0)) as u64
+    }
 }
 
 /// A TorchScript model, identified by path and content digest.
@@ -119,6 +194,21 @@ pub enum OutputFormat {
 }
 
 impl OutputFormat {
+    /// Parses the lower-case name (`csv`).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "csv" => Some(OutputFormat::Csv),
+            _ => None,
+        }
+    }
+
+    /// The lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputFormat::Csv => "csv",
+        }
+    }
+
     /// File extension of a part file.
     pub fn extension(self) -> &'static str {
         match self {
@@ -209,6 +299,7 @@ pub(crate) fn sample_item() -> WorkItem {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
             },
+            failure: FailurePolicy::default(),
         },
     }
 }
@@ -236,6 +327,16 @@ mod tests {
     fn garbage_is_a_decode_error_not_a_panic() {
         let err = Envelope::decode(b"\xc1not msgpack").unwrap_err();
         assert!(err.to_string().contains("undecodable work message"));
+    }
+
+    #[test]
+    fn retry_delays_grow_exponentially_with_jitter_up_to_the_cap() {
+        let p = FailurePolicy { retry_base_ms: 1000, retry_max_ms: 5000, ..FailurePolicy::default() };
+        assert_eq!((p.retry_delay_ms(2, 0.0), p.retry_delay_ms(2, 0.999)), (500, 999));
+        assert_eq!(p.retry_delay_ms(3, 0.0), 1000);
+        assert_eq!(p.retry_delay_ms(4, 0.0), 2000);
+        assert_eq!(p.retry_delay_ms(9, 0.0), 2500, "capped at 5000, jittered down to half");
+        assert!(p.retry_delay_ms(60, 1.0) <= 5000);
     }
 
     #[test]

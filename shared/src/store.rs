@@ -35,6 +35,14 @@ pub enum StoreError {
         /// What to do about it.
         hint: &'static str,
     },
+    /// Redis refused the credentials; retrying will not help.
+    #[error("Redis at {url} refused the login: {reason}. Check the password in the Redis URL (BATCHFLEET_REDIS_URL)")]
+    Auth {
+        /// Redacted URL.
+        url: String,
+        /// Client library message, credentials scrubbed.
+        reason: String,
+    },
     /// A command failed.
     #[error("Redis {op} failed: {reason}")]
     Command {
@@ -51,6 +59,13 @@ pub enum StoreError {
         /// What is wrong.
         reason: String,
     },
+}
+
+impl StoreError {
+    /// Whether retrying cannot help (wrong credentials).
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, StoreError::Auth { .. })
+    }
 }
 
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
@@ -79,6 +94,8 @@ pub enum JobStatus {
     Completed,
     /// Every item settled, some failed for good (dead-lettered).
     CompletedWithFailures,
+    /// The error budget was exceeded; remaining items are skipped.
+    Failed,
 }
 
 impl JobStatus {
@@ -89,6 +106,7 @@ impl JobStatus {
             JobStatus::Running => "running",
             JobStatus::Completed => "completed",
             JobStatus::CompletedWithFailures => "completed_with_failures",
+            JobStatus::Failed => "failed",
         }
     }
 
@@ -98,6 +116,7 @@ impl JobStatus {
             "running" => JobStatus::Running,
             "completed" => JobStatus::Completed,
             "completed_with_failures" => JobStatus::CompletedWithFailures,
+            "failed" => JobStatus::Failed,
             _ => return None,
         })
     }
@@ -132,14 +151,26 @@ pub struct JobRecord {
     pub manifest: String,
     /// Output directory.
     pub output_dir: String,
+    /// Part file format (`csv`).
+    pub output_format: String,
+    /// Model file.
+    pub model: String,
+    /// Model SHA-256.
+    pub model_sha256: String,
+    /// Error budget: most items that may fail.
+    pub max_failed_items: Option<u64>,
+    /// Error budget: most percent of items that may fail.
+    pub max_failed_percent: Option<f64>,
     /// Items planned.
     pub items_total: u64,
     /// Rows planned.
     pub rows_total: u64,
     /// Items committed.
     pub items_done: u64,
-    /// Rows committed.
+    /// Rows settled: predicted or rejected.
     pub rows_done: u64,
+    /// Rows rejected (bad rows and rows the model raised on).
+    pub rows_rejected: u64,
     /// When the job was first registered (ms since epoch).
     pub created_ms: u64,
     /// When publishing finished (ms), 0 before.
@@ -157,10 +188,16 @@ impl JobRecord {
             ("pool", self.pool.clone()),
             ("manifest", self.manifest.clone()),
             ("output_dir", self.output_dir.clone()),
+            ("output_format", self.output_format.clone()),
+            ("model", self.model.clone()),
+            ("model_sha256", self.model_sha256.clone()),
+            ("max_failed_items", self.max_failed_items.map(|v| v.to_string()).unwrap_or_default()),
+            ("max_failed_percent", self.max_failed_percent.map(|v| v.to_string()).unwrap_or_default()),
             ("items_total", self.items_total.to_string()),
             ("rows_total", self.rows_total.to_string()),
             ("items_done", self.items_done.to_string()),
             ("rows_done", self.rows_done.to_string()),
+            ("rows_rejected", self.rows_rejected.to_string()),
             ("created_ms", self.created_ms.to_string()),
             ("published_ms", self.published_ms.to_string()),
             ("finished_ms", self.finished_ms.to_string()),
@@ -183,6 +220,14 @@ impl JobRecord {
                     .map_err(|_| corrupt(format!("field {f} is not a number: {v}")))
             })
         };
+        fn opt<T: std::str::FromStr>(map: &BTreeMap<String, String>, f: &str) -> Result<Option<T>, String> {
+            match map.get(f).map(String::as_str) {
+                None | Some("") => Ok(None),
+                Some(v) => v.parse().map(Some).map_err(|_| format!("field {f} is not a number: {v}")),
+            }
+        }
+        let opt_u = |f: &str| opt::<u64>(map, f).map_err(corrupt);
+        let opt_f = |f: &str| opt::<f64>(map, f).map_err(corrupt);
         let status = text("status")?;
         Ok(Self {
             id: text("id")?,
@@ -192,10 +237,16 @@ impl JobRecord {
             pool: text("pool")?,
             manifest: text("manifest")?,
             output_dir: text("output_dir")?,
+            output_format: text("output_format")?,
+            model: text("model")?,
+            model_sha256: text("model_sha256")?,
+            max_failed_items: opt_u("max_failed_items")?,
+            max_failed_percent: opt_f("max_failed_percent")?,
             items_total: num("items_total")?,
             rows_total: num("rows_total")?,
             items_done: num("items_done")?,
             rows_done: num("rows_done")?,
+            rows_rejected: num("rows_rejected")?,
             created_ms: num("created_ms")?,
             published_ms: num("published_ms")?,
             finished_ms: num("finished_ms")?,
@@ -210,6 +261,9 @@ pub struct ItemStats {
     pub seq: u32,
     /// Rows predicted.
     pub rows: u64,
+    /// Rows rejected (written to the item's rejects file).
+    #[serde(default)]
+    pub rows_rejected: u64,
     /// Worker id.
     pub worker: String,
     /// Processing start (ms since epoch).
@@ -276,6 +330,7 @@ pub const COMMIT_SCRIPT: &str = r#"
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'items_done', 1)
   redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
+  redis.call('HINCRBY', KEYS[2], 'rows_rejected', ARGV[4])
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
   redis.call('HDEL', KEYS[4], ARGV[1])
   return 1
@@ -320,18 +375,13 @@ impl Store {
         let connect_err = |reason: String| {
             let reason = scrub(&reason, url);
             let lower = reason.to_ascii_lowercase();
-            let hint = if lower.contains("auth")
-                || lower.contains("password")
-                || lower.contains("noperm")
-            {
-                "Check the password in the Redis URL (BATCHFLEET_REDIS_URL)."
-            } else {
-                "Is Redis running? Start it (e.g. `redis-server --daemonize yes`) or fix BATCHFLEET_REDIS_URL."
-            };
+            if lower.contains("auth") || lower.contains("password") || lower.contains("noperm") {
+                return StoreError::Auth { url: url.redacted(), reason };
+            }
             StoreError::Connect {
                 url: url.redacted(),
                 reason,
-                hint,
+                hint: "Is Redis running? Start it (e.g. `redis-server --daemonize yes`) or fix BATCHFLEET_REDIS_URL.",
             }
         };
         let mut cfg = Config::from_url(url.expose());
@@ -468,8 +518,9 @@ impl Store {
             .key(self.stats_key(job))
             .key(self.failed_key(job))
             .arg(stats.seq)
-            .arg(stats.rows)
+            .arg(stats.rows + stats.rows_rejected)
             .arg(json)
+            .arg(stats.rows_rejected)
             .invoke_async(&mut c)
             .await
             .map_err(cmd("commit item"))?;
@@ -517,6 +568,24 @@ impl Store {
         c.del::<_, ()>(self.failed_key(job))
             .await
             .map_err(cmd("DEL failed"))
+    }
+
+    /// In one round trip: whether the item is done, and the job's status.
+    pub async fn item_gate(&self, job: &str, seq: u32) -> Result<(bool, Option<JobStatus>), StoreError> {
+        let mut c = self.conn("item gate").await?;
+        let (done, status): (bool, Option<String>) = redis::pipe()
+            .sismember(self.done_key(job), seq)
+            .hget(self.job_key(job), "status")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("item gate"))?;
+        Ok((done, status.as_deref().and_then(JobStatus::parse)))
+    }
+
+    /// Forgets the failure of one item (before it is published again).
+    pub async fn clear_failure(&self, job: &str, seq: u32) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL failed").await?;
+        c.hdel::<_, _, ()>(self.failed_key(job), seq).await.map_err(cmd("HDEL failed"))
     }
 
     /// Whether an item is marked done.
@@ -590,10 +659,16 @@ mod tests {
             pool: "default".into(),
             manifest: "/m.toml".into(),
             output_dir: "/out".into(),
+            output_format: "csv".into(),
+            model: "/m.pt".into(),
+            model_sha256: "ab".into(),
+            max_failed_items: Some(2),
+            max_failed_percent: None,
             items_total: 3,
             rows_total: 30,
             items_done: 1,
             rows_done: 10,
+            rows_rejected: 1,
             created_ms: 5,
             published_ms: 6,
             finished_ms: 0,

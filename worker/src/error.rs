@@ -8,6 +8,8 @@ pub enum FailureClass {
     /// Might succeed later (I/O hiccup, Redis unavailable, out of memory):
     /// return the item to the queue.
     Transient,
+    /// The item ran past `item_timeout`; retried like a transient failure.
+    Timeout,
     /// Will fail again wherever it runs (undecodable message, malformed input,
     /// the model raises on this input): dead-letter it with the reason.
     Poison,
@@ -16,10 +18,18 @@ pub enum FailureClass {
     Fatal,
 }
 
+impl FailureClass {
+    /// Whether another attempt may succeed.
+    pub fn retryable(self) -> bool {
+        matches!(self, FailureClass::Transient | FailureClass::Timeout)
+    }
+}
+
 impl fmt::Display for FailureClass {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             FailureClass::Transient => "transient",
+            FailureClass::Timeout => "timeout",
             FailureClass::Poison => "poison",
             FailureClass::Fatal => "fatal",
         })
@@ -43,6 +53,10 @@ impl ItemError {
             class: FailureClass::Transient,
             message: message.into(),
         }
+    }
+    /// A timeout.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self { class: FailureClass::Timeout, message: message.into() }
     }
     /// A poison failure.
     pub fn poison(message: impl Into<String>) -> Self {

@@ -2,10 +2,11 @@
 //!
 //! # Layout
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
-//! - [`consumer`]: what happens to one delivery, from decode to ack.
-//! - [`reader`]: a CSV byte range parsed into one contiguous `f32` buffer.
-//! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait.
-//! - [`writer`]: part files staged, fsynced and linked into place.
+//! - [`consumer`]: what happens to one delivery, from decode to ack, retry or dead letter.
+//! - [`reader`]: a CSV byte range parsed into one contiguous `f32` buffer; bad rows rejected.
+//! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait;
+//!   mini-batching, out-of-memory halving and poison-row isolation.
+//! - [`writer`]: part and rejects files staged, fsynced and linked into place.
 //! - [`error`]: failure classes that say what to do with an item.
 //!
 //! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
@@ -19,9 +20,10 @@ pub mod writer;
 
 use anyhow::Context;
 use backon::{ExponentialBuilder, Retryable};
-use batchfleet_shared::broker::{self, PoolQueues};
-use batchfleet_shared::store::Store;
+use batchfleet_shared::broker::{self, BrokerError, ConfirmedPublisher, PoolQueues};
+use batchfleet_shared::store::{Store, StoreError};
 pub use config::WorkerConfig;
+use consumer::StopReason;
 use futures_lite::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -30,65 +32,73 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Retries `connect` with capped exponential backoff until `budget` is spent.
+/// Exit code asking the supervisor for a fresh process (EX_TEMPFAIL).
+pub const EXIT_RESTART: u8 = 75;
+
+/// How a worker ended without an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exit {
+    /// Shutdown requested and drained: exit 0.
+    Clean,
+    /// The process should be replaced (hung model calls): exit [`EXIT_RESTART`].
+    Restart(String),
+}
+
+/// Errors that make waiting pointless (wrong credentials).
+trait Permanent {
+    fn is_permanent(&self) -> bool;
+}
+impl Permanent for BrokerError {
+    fn is_permanent(&self) -> bool {
+        BrokerError::is_permanent(self)
+    }
+}
+impl Permanent for StoreError {
+    fn is_permanent(&self) -> bool {
+        StoreError::is_permanent(self)
+    }
+}
+
+/// Retries `connect` with capped exponential backoff until `budget` is spent,
+/// failing at once on a permanent error.
 async fn with_retry<T, E, F, Fut>(what: &str, budget: Duration, connect: F) -> Result<T, E>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
-    E: std::fmt::Display,
+    E: std::fmt::Display + Permanent,
 {
     let deadline = Instant::now() + budget;
     connect
         .retry(ExponentialBuilder::default().with_min_delay(Duration::from_millis(200)).with_max_delay(Duration::from_secs(5)).with_jitter().without_max_times())
-        .when(|_| Instant::now() < deadline)
+        .when(|e: &E| !e.is_permanent() && Instant::now() < deadline)
         .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "{what} not reachable yet"))
         .await
 }
 
-/// Runs a worker until `shutdown` is cancelled (then drains) or a fatal error.
-pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Runs a worker until `shutdown` is cancelled (then drains), a fatal error,
+/// or a restart request.
+pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
     let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
-    let store = with_retry("Redis", cfg.connect_timeout, || {
-        Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)
-    })
-    .await?;
+    let store = with_retry("Redis", cfg.connect_timeout, || Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)).await?;
     let conn_name = format!("batchfleet-worker {worker_id}");
-    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
-        broker::connect(&cfg.amqp_url, &conn_name, per_try)
-    })
-    .await?;
-    let channel = conn
-        .create_channel()
-        .await
-        .context("opening a RabbitMQ channel")?;
+    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || broker::connect(&cfg.amqp_url, &conn_name, per_try)).await?;
+    let channel = conn.create_channel().await.context("opening a RabbitMQ channel")?;
     broker::declare_topology(&channel, &queues).await?;
-    channel
-        .basic_qos(cfg.prefetch, BasicQosOptions::default())
-        .await
-        .context("setting prefetch")?;
+    channel.basic_qos(cfg.prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
+    let publisher = ConfirmedPublisher::open(&conn).await?;
 
     let threads = cfg.threads;
-    let runner = runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads))
-        .context("starting the model runner thread")?;
-    let ctx = Arc::new(consumer::ItemContext {
-        store,
-        runner,
-        worker_id: worker_id.clone(),
-        shutdown: shutdown.clone(),
-        fatal: CancellationToken::new(),
-        fatal_reason: std::sync::Mutex::new(None),
-    });
+    let make_runner = Box::new(move || runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads)));
+    let ctx = Arc::new(
+        consumer::ItemContext::new(store, publisher, queues.clone(), worker_id.clone(), shutdown.clone(), make_runner)
+            .context("starting the model runner thread")?,
+    );
 
     let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
     let mut consumer = channel
-        .basic_consume(
-            queues.work().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
+        .basic_consume(queues.work().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
         .with_context(|| format!("consuming {}", queues.work()))?;
     tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
@@ -98,7 +108,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = ctx.fatal.cancelled() => break,
+            _ = ctx.stop.cancelled() => break,
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone())); }
                 Some(Err(e)) => { stream_error = Some(e); break; }
@@ -108,43 +118,29 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
 
     // Drain: no new deliveries; items already started finish within the deadline.
-    let _ = channel
-        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-        .await;
+    let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
     tracker.close();
-    tracing::info!(
-        in_flight = tracker.len(),
-        timeout_s = cfg.drain_timeout.as_secs(),
-        "draining"
-    );
-    if tokio::time::timeout(cfg.drain_timeout, tracker.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            in_flight = tracker.len(),
-            "drain timeout; unfinished items stay unacknowledged and return to the queue"
-        );
+    tracing::info!(in_flight = tracker.len(), timeout_s = cfg.drain_timeout.as_secs(), "draining");
+    if tokio::time::timeout(cfg.drain_timeout, tracker.wait()).await.is_err() {
+        tracing::warn!(in_flight = tracker.len(), "drain timeout; unfinished items stay unacknowledged and return to the queue");
     }
     // Closing the channel returns every unacknowledged delivery to the queue at once.
     let _ = channel.close(200, "worker stopping".into()).await;
     let _ = conn.close(200, "worker stopping".into()).await;
 
     if let Some(e) = stream_error {
-        return Err(anyhow::anyhow!(
-            "lost the RabbitMQ consumer: {}",
-            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url)
-        ));
+        anyhow::bail!("lost the RabbitMQ consumer: {}", batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url));
     }
-    if ctx.fatal.is_cancelled() {
-        let reason = ctx
-            .fatal_reason
-            .lock()
-            .ok()
-            .and_then(|r| r.clone())
-            .unwrap_or_default();
-        anyhow::bail!("stopped consuming after a fatal error: {reason}");
+    let reason = ctx.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    match reason {
+        Some(StopReason::Fatal(reason)) => anyhow::bail!("stopped consuming after a fatal error: {reason}"),
+        Some(StopReason::Restart(reason)) => {
+            tracing::warn!(%reason, "stopping so that a fresh process takes over");
+            Ok(Exit::Restart(reason))
+        }
+        None => {
+            tracing::info!("worker stopped cleanly");
+            Ok(Exit::Clean)
+        }
     }
-    tracing::info!("worker stopped cleanly");
-    Ok(())
 }

@@ -7,7 +7,11 @@ async fn main() -> ExitCode {
     batchfleet_shared::telemetry::init("info", cfg.log_format == "json");
     let shutdown = batchfleet_shared::shutdown::on_signals();
     match batchfleet_worker::run(cfg, shutdown).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(batchfleet_worker::Exit::Clean) => ExitCode::SUCCESS,
+        Ok(batchfleet_worker::Exit::Restart(reason)) => {
+            eprintln!("restart requested: {reason}");
+            ExitCode::from(batchfleet_worker::EXIT_RESTART)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

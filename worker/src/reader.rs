@@ -1,10 +1,29 @@
 //! Reads the rows of a work item: a CSV byte range parsed straight into one
 //! contiguous row-major `f32` buffer (what libtorch takes) plus the row ids.
+//!
+//! The item's bytes are read into memory once (items are megabytes), so a
+//! rejected row can be reported with its exact raw text and line.
 
 use crate::error::ItemError;
-use batchfleet_shared::message::{CsvLayout, InputSlice};
+use batchfleet_shared::message::{CsvLayout, InputSlice, OnBadRow};
+use serde::Serialize;
 use std::fs::File;
-use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom};
+
+/// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Reject {
+    /// Input file.
+    pub file: String,
+    /// 1-based line of the record in the file.
+    pub line: u64,
+    /// The record as it appears in the file (lossy UTF-8, terminator removed).
+    pub raw: String,
+    /// What is wrong with it.
+    pub reason: String,
+    /// `parse` (malformed) or `model` (`forward` raised on it).
+    pub stage: &'static str,
+}
 
 /// The rows of one item, ready for the model.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -15,6 +34,14 @@ pub struct Batch {
     pub cols: usize,
     ids: String,
     id_ends: Vec<usize>,
+    /// Line and byte span (in `raw`) of each row, for reporting rejects.
+    lines: Vec<u64>,
+    spans: Vec<(usize, usize)>,
+    raw: Vec<u8>,
+    /// Input file, for reporting rejects.
+    pub file: String,
+    /// Rows rejected while parsing.
+    pub rejects: Vec<Reject>,
 }
 
 impl Batch {
@@ -23,20 +50,29 @@ impl Batch {
         Self {
             features: Vec::with_capacity(rows * cols),
             cols,
-            ids: String::new(),
             id_ends: Vec::with_capacity(rows),
+            lines: Vec::with_capacity(rows),
+            spans: Vec::with_capacity(rows),
+            ..Self::default()
         }
     }
 
-    /// Appends one row.
+    /// Appends one row (tests and callers without source text).
     pub fn push(&mut self, id: &str, features: &[f32]) {
+        self.push_row(id, features, 0, (0, 0));
+    }
+
+    fn push_row(&mut self, id: &str, features: &[f32], line: u64, span: (usize, usize)) {
+        // `id` may borrow from a record, so it is copied here, once.
         debug_assert_eq!(features.len(), self.cols);
         self.ids.push_str(id);
         self.id_ends.push(self.ids.len());
         self.features.extend_from_slice(features);
+        self.lines.push(line);
+        self.spans.push(span);
     }
 
-    /// Number of rows.
+    /// Number of rows (not counting parse rejects).
     pub fn rows(&self) -> usize {
         self.id_ends.len()
     }
@@ -46,20 +82,23 @@ impl Batch {
         let start = if i == 0 { 0 } else { self.id_ends[i - 1] };
         &self.ids[start..self.id_ends[i]]
     }
+
+    /// A reject record for row `i`, which the model raised on.
+    pub fn model_reject(&self, i: usize, reason: &str) -> Reject {
+        Reject { file: self.file.clone(), line: self.lines[i], raw: raw_text(&self.raw, self.spans[i]), reason: reason.to_owned(), stage: "model" }
+    }
 }
 
-/// Reads the rows of `slice`. Any malformed row fails the item (poison) with
-/// the file, line and reason; a file that changed since planning is poison too.
-pub fn read(slice: &InputSlice, layout: &CsvLayout) -> Result<Batch, ItemError> {
+fn raw_text(raw: &[u8], (start, end): (usize, usize)) -> String {
+    let bytes = raw.get(start..end).unwrap_or_default();
+    String::from_utf8_lossy(bytes).trim_end_matches(['\r', '\n']).to_owned()
+}
+
+/// Reads the rows of `slice`. A malformed row is rejected or fails the item
+/// (poison), per `on_bad_row`; a file that changed since planning is poison.
+pub fn read(slice: &InputSlice, layout: &CsvLayout, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
     match slice {
-        InputSlice::CsvRange {
-            path,
-            start,
-            end,
-            first_line,
-            rows,
-            file_len,
-        } => {
+        InputSlice::CsvRange { path, start, end, first_line, rows, file_len } => {
             let mut file = File::open(path).map_err(|e| io_error(path, e))?;
             let len = file.metadata().map_err(|e| io_error(path, e))?.len();
             if len != *file_len {
@@ -67,14 +106,14 @@ pub fn read(slice: &InputSlice, layout: &CsvLayout) -> Result<Batch, ItemError> 
                     "{path} is {len} bytes but was {file_len} when the job was planned; the input changed under the job — restore it or start a new job"
                 )));
             }
-            file.seek(SeekFrom::Start(*start))
-                .map_err(|e| io_error(path, e))?;
-            let reader = BufReader::with_capacity(1 << 20, file.take(end - start));
-            let batch = parse_csv(reader, layout, path, *first_line, *rows as usize)?;
-            if batch.rows() as u64 != *rows {
+            file.seek(SeekFrom::Start(*start)).map_err(|e| io_error(path, e))?;
+            let mut raw = Vec::with_capacity((end - start) as usize);
+            file.take(end - start).read_to_end(&mut raw).map_err(|e| io_error(path, e))?;
+            let batch = parse_csv(raw, layout, path, *first_line, *rows as usize, on_bad_row)?;
+            let seen = (batch.rows() + batch.rejects.len()) as u64;
+            if seen != *rows {
                 return Err(ItemError::poison(format!(
-                    "{path} bytes {start}..{end} hold {} rows but the planner counted {rows}; the input changed under the job",
-                    batch.rows()
+                    "{path} bytes {start}..{end} hold {seen} rows but the planner counted {rows}; the input changed under the job"
                 )));
             }
             Ok(batch)
@@ -84,74 +123,76 @@ pub fn read(slice: &InputSlice, layout: &CsvLayout) -> Result<Batch, ItemError> 
 
 fn io_error(path: &str, e: std::io::Error) -> ItemError {
     if e.kind() == std::io::ErrorKind::NotFound {
-        ItemError::poison(format!(
-            "{path}: input file is gone ({e}); it was there when the job was planned"
-        ))
+        ItemError::poison(format!("{path}: input file is gone ({e}); it was there when the job was planned"))
     } else {
         ItemError::transient(format!("{path}: {e}"))
     }
 }
 
-/// Parses CSV records (no header) into a batch. `first_line` is the file line
-/// of the first record, for error messages.
-pub fn parse_csv<R: Read>(
-    reader: R,
-    layout: &CsvLayout,
-    path: &str,
-    first_line: u64,
-    expected_rows: usize,
-) -> Result<Batch, ItemError> {
+/// Parses CSV records (no header) held in `raw` into a batch. `first_line` is
+/// the file line of the first record, for messages.
+pub fn parse_csv(raw: Vec<u8>, layout: &CsvLayout, path: &str, first_line: u64, expected_rows: usize, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
     let cols = layout.feature_columns.len();
     let mut batch = Batch::with_capacity(cols, expected_rows);
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(false)
-        .delimiter(layout.delimiter)
-        .flexible(true) // we check field counts ourselves, to name the row
-        .from_reader(reader);
-    let mut rec = csv::ByteRecord::new();
+    batch.file = path.to_owned();
     let mut row = vec![0f32; cols];
-    loop {
-        let line = |rec: &csv::ByteRecord| {
-            first_line + rec.position().map_or(0, |p| p.line().saturating_sub(1))
-        };
-        match rdr.read_byte_record(&mut rec) {
-            Ok(false) => break,
-            Ok(true) => {}
-            Err(e) => {
-                return Err(ItemError::poison(format!(
-                    "{path}: malformed CSV near line {}: {e}",
-                    first_line + e.position().map_or(0, |p| p.line().saturating_sub(1))
-                )))
+    // Byte offset of every record (accepted or not); a record ends where the next starts.
+    let mut starts: Vec<usize> = Vec::with_capacity(expected_rows + 1);
+    let mut reject_records = Vec::new();
+    {
+        let mut rdr = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .delimiter(layout.delimiter)
+            .flexible(true) // we check field counts ourselves, to name the row
+            .from_reader(raw.as_slice());
+        let mut rec = csv::ByteRecord::new();
+        loop {
+            match rdr.read_byte_record(&mut rec) {
+                Ok(false) => break,
+                Ok(true) => {}
+                Err(e) => {
+                    let line = first_line + e.position().map_or(0, |p| p.line().saturating_sub(1));
+                    return Err(ItemError::poison(format!("{path}: malformed CSV near line {line}: {e}")));
+                }
+            }
+            let pos = rec.position().expect("csv reader sets record positions");
+            let line = first_line + pos.line().saturating_sub(1);
+            let record = starts.len();
+            starts.push(pos.byte() as usize);
+            match parse_record(&rec, layout, &mut row) {
+                // The span holds the record index until the ends are known.
+                Ok(id) => batch.push_row(id, &row, line, (record, 0)),
+                Err(reason) => match on_bad_row {
+                    OnBadRow::FailItem => return Err(ItemError::poison(format!("{path} line {line}: {reason}"))),
+                    OnBadRow::Reject => {
+                        reject_records.push(record);
+                        batch.rejects.push(Reject { file: path.to_owned(), line, raw: String::new(), reason, stage: "parse" });
+                    }
+                },
             }
         }
-        let bad =
-            |reason: String| ItemError::poison(format!("{path} line {}: {reason}", line(&rec)));
-        if rec.len() != layout.fields as usize {
-            return Err(bad(format!(
-                "expected {} fields, found {}",
-                layout.fields,
-                rec.len()
-            )));
-        }
-        let id = std::str::from_utf8(&rec[layout.id_column as usize]).map_err(|_| {
-            bad(format!(
-                "id (field {}) is not valid UTF-8",
-                layout.id_column + 1
-            ))
-        })?;
-        for (slot, &idx) in row.iter_mut().zip(&layout.feature_columns) {
-            let raw = &rec[idx as usize];
-            *slot = parse_f32(raw).ok_or_else(|| {
-                bad(format!(
-                    "field {} is not a number: {:?}",
-                    idx + 1,
-                    String::from_utf8_lossy(raw)
-                ))
-            })?;
-        }
-        batch.push(id, &row);
     }
+    let span = |record: usize| (starts[record], starts.get(record + 1).copied().unwrap_or(raw.len()));
+    for s in &mut batch.spans {
+        *s = span(s.0);
+    }
+    for (r, record) in batch.rejects.iter_mut().zip(reject_records) {
+        r.raw = raw_text(&raw, span(record));
+    }
+    batch.raw = raw;
     Ok(batch)
+}
+
+fn parse_record<'r>(rec: &'r csv::ByteRecord, layout: &CsvLayout, row: &mut [f32]) -> Result<&'r str, String> {
+    if rec.len() != layout.fields as usize {
+        return Err(format!("expected {} fields, found {}", layout.fields, rec.len()));
+    }
+    let id = std::str::from_utf8(&rec[layout.id_column as usize]).map_err(|_| format!("id (field {}) is not valid UTF-8", layout.id_column + 1))?;
+    for (slot, &idx) in row.iter_mut().zip(&layout.feature_columns) {
+        let raw = &rec[idx as usize];
+        *slot = parse_f32(raw).ok_or_else(|| format!("field {} is not a number: {:?}", idx + 1, String::from_utf8_lossy(raw)))?;
+    }
+    Ok(id)
 }
 
 fn parse_f32(raw: &[u8]) -> Option<f32> {
@@ -163,41 +204,41 @@ mod tests {
     use super::*;
 
     fn layout() -> CsvLayout {
-        CsvLayout {
-            delimiter: b',',
-            fields: 4,
-            id_column: 1,
-            feature_columns: vec![3, 0],
-        }
+        CsvLayout { delimiter: b',', fields: 4, id_column: 1, feature_columns: vec![3, 0] }
+    }
+
+    fn parse(data: &str, first_line: u64, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
+        parse_csv(data.as_bytes().to_vec(), &layout(), "in/f.csv", first_line, 4, on_bad_row)
     }
 
     #[test]
     fn parses_rows_into_contiguous_features_in_column_order() {
-        let data = "1.5,a,x,2\n-3,\"b,c\",y, 4e-1 \n";
-        let b = parse_csv(data.as_bytes(), &layout(), "f.csv", 2, 2).unwrap();
+        let b = parse("1.5,a,x,2\n-3,\"b,c\",y, 4e-1 \n", 2, OnBadRow::FailItem).unwrap();
         assert_eq!(b.rows(), 2);
         assert_eq!(b.features, vec![2.0, 1.5, 0.4, -3.0]);
-        assert_eq!(b.id(0), "a");
-        assert_eq!(b.id(1), "b,c");
+        assert_eq!((b.id(0), b.id(1)), ("a", "b,c"));
+        let r = b.model_reject(1, "boom");
+        assert_eq!((r.line, r.raw.as_str(), r.stage), (3, "-3,\"b,c\",y, 4e-1 ", "model"));
     }
 
     #[test]
-    fn bad_rows_name_file_line_and_field() {
-        let data = "1,a,x,2\n1,b,x,zz\n";
-        let err = parse_csv(data.as_bytes(), &layout(), "in/f.csv", 10, 2).unwrap_err();
+    fn bad_rows_fail_the_item_naming_file_line_and_field() {
+        let err = parse("1,a,x,2\n1,b,x,zz\n", 10, OnBadRow::FailItem).unwrap_err();
         assert_eq!(err.class, crate::error::FailureClass::Poison);
-        assert!(
-            err.message
-                .contains("in/f.csv line 11: field 4 is not a number: \"zz\""),
-            "{}",
-            err.message
-        );
-        let err = parse_csv("1,a,x\n".as_bytes(), &layout(), "f.csv", 2, 1).unwrap_err();
-        assert!(
-            err.message.contains("line 2: expected 4 fields, found 3"),
-            "{}",
-            err.message
-        );
+        assert!(err.message.contains("in/f.csv line 11: field 4 is not a number: \"zz\""), "{}", err.message);
+        let err = parse("1,a,x\n", 2, OnBadRow::FailItem).unwrap_err();
+        assert!(err.message.contains("line 2: expected 4 fields, found 3"), "{}", err.message);
+    }
+
+    #[test]
+    fn bad_rows_are_rejected_with_raw_text_and_the_rest_parsed() {
+        let b = parse("1,a,x,2\n1,b,x,zz\n\"q\nr\",c,x\n5,d,x,6", 2, OnBadRow::Reject).unwrap();
+        assert_eq!((b.rows(), b.id(0), b.id(1)), (2, "a", "d"));
+        assert_eq!(b.features, vec![2.0, 1.0, 6.0, 5.0]);
+        let got: Vec<(u64, &str)> = b.rejects.iter().map(|r| (r.line, r.raw.as_str())).collect();
+        assert_eq!(got, vec![(3, "1,b,x,zz"), (4, "\"q\nr\",c,x")]);
+        assert!(b.rejects[1].reason.contains("expected 4 fields, found 3"));
+        assert_eq!(b.model_reject(1, "m").raw, "5,d,x,6");
     }
 
     #[test]
@@ -207,19 +248,12 @@ mod tests {
         let content = "h1,h2,h3,h4\n1,a,x,2\n3,b,y,4\n5,c,z,6\n";
         std::fs::write(&p, content).unwrap();
         let path = p.to_string_lossy().into_owned();
-        let slice = |rows, file_len| InputSlice::CsvRange {
-            path: path.clone(),
-            start: 20,
-            end: 28,
-            first_line: 3,
-            rows,
-            file_len,
-        };
-        let b = read(&slice(1, content.len() as u64), &layout()).unwrap();
+        let slice = |rows, file_len| InputSlice::CsvRange { path: path.clone(), start: 20, end: 28, first_line: 3, rows, file_len };
+        let b = read(&slice(1, content.len() as u64), &layout(), OnBadRow::Reject).unwrap();
         assert_eq!((b.id(0), b.features.as_slice()), ("b", &[4.0, 3.0][..]));
-        let err = read(&slice(2, content.len() as u64), &layout()).unwrap_err();
+        let err = read(&slice(2, content.len() as u64), &layout(), OnBadRow::Reject).unwrap_err();
         assert!(err.message.contains("planner counted 2"), "{}", err.message);
-        let err = read(&slice(1, 5), &layout()).unwrap_err();
+        let err = read(&slice(1, 5), &layout(), OnBadRow::Reject).unwrap_err();
         assert!(err.message.contains("input changed"), "{}", err.message);
     }
 }

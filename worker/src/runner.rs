@@ -2,51 +2,149 @@
 //! synchronous [`Backend`] trait. Async code sends a request over a bounded
 //! channel and awaits a oneshot reply, so the tokio runtime never blocks on
 //! `forward`, and models are loaded once per (path, digest) and cached.
+//!
+//! [`predict`] turns single `forward` calls into an item's predictions:
+//! mini-batches of `inference_batch_size`; on out-of-memory a mini-batch is
+//! retried in halves; when the model raises on a mini-batch it is bisected to
+//! find the rows that make it raise (poison-row isolation), so one bad record
+//! costs one row, not the item.
 
 use crate::error::ItemError;
 use crate::reader::Batch;
-use batchfleet_shared::message::ModelRef;
+use batchfleet_shared::message::{FailurePolicy, ModelRef};
 use std::collections::HashMap;
 use tokio::sync::{mpsc, oneshot};
 
 /// Model outputs of a batch: `rows × width`, row-major.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Predictions {
-    /// Values.
+    /// Values (those of failed rows are NaN).
     pub values: Vec<f32>,
     /// Outputs per row.
     pub width: usize,
+    /// Rows the model raised on, with its message, in row order.
+    pub failed: Vec<(usize, String)>,
 }
 
-/// Runs a model on feature rows. Implementations live on one thread and may
-/// keep state (loaded models) between calls.
+/// Why one `forward` call failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ForwardError {
+    /// The model could not be loaded or used at all (class decided by the backend).
+    Unusable(ItemError),
+    /// The call ran out of memory; a smaller batch may fit.
+    OutOfMemory(String),
+    /// The model raised on this input.
+    Raised(String),
+}
+
+/// Runs one `forward` on `rows × cols` features. Implementations live on one
+/// thread and may keep state (loaded models) between calls.
 pub trait Backend {
-    /// Predicts `features` (`rows × cols`, row-major) in chunks of `batch_size` rows.
-    fn predict(
-        &mut self,
-        model: &ModelRef,
-        features: &[f32],
-        cols: usize,
-        batch_size: usize,
-    ) -> Result<Predictions, ItemError>;
+    /// Returns `(values, outputs per row)`.
+    fn forward(&mut self, model: &ModelRef, features: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError>;
+}
+
+/// Error messages that mean the allocator ran out, on CPU or GPU.
+pub fn is_out_of_memory(msg: &str) -> bool {
+    let m = msg.to_ascii_lowercase();
+    m.contains("out of memory") || m.contains("can't allocate memory") || m.contains("cannot allocate memory")
+}
+
+/// Predicts all rows of `features` in mini-batches of `batch_size` (see module docs).
+pub fn predict<B: Backend + ?Sized>(backend: &mut B, model: &ModelRef, features: &[f32], cols: usize, batch_size: usize, policy: &FailurePolicy) -> Result<Predictions, ItemError> {
+    let rows = features.len().checked_div(cols).unwrap_or(0);
+    let mut out = Predictions::default();
+    let mut run = Run { backend, model, features, cols, policy, out: &mut out, rows };
+    let mut lo = 0;
+    while lo < rows {
+        let hi = (lo + batch_size.max(1)).min(rows);
+        run.range(lo, hi)?;
+        lo = hi;
+    }
+    if rows > 0 && out.failed.len() == rows {
+        return Err(ItemError::poison(format!("model {} raised on every row of the item: {}", model.path, out.failed[0].1)));
+    }
+    Ok(out)
+}
+
+struct Run<'a, B: Backend + ?Sized> {
+    backend: &'a mut B,
+    model: &'a ModelRef,
+    features: &'a [f32],
+    cols: usize,
+    policy: &'a FailurePolicy,
+    out: &'a mut Predictions,
+    rows: usize,
+}
+
+impl<B: Backend + ?Sized> Run<'_, B> {
+    fn range(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
+        let chunk = &self.features[lo * self.cols..hi * self.cols];
+        match self.backend.forward(self.model, chunk, self.cols) {
+            Ok((values, width)) => self.store(lo, hi, &values, width),
+            Err(ForwardError::Unusable(e)) => Err(e),
+            Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
+                tracing::warn!(rows = hi - lo, "out of memory; retrying the mini-batch in halves");
+                let _ = msg;
+                self.split(lo, hi)
+            }
+            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::transient(format!("out of memory running {} on a single row: {msg}", self.model.path))),
+            Err(ForwardError::Raised(msg)) => {
+                if let Some(p) = self.policy.transient_errors.iter().find(|p| msg.contains(p.as_str())) {
+                    return Err(ItemError::transient(format!("model {} failed with a transient error (matches {p:?}): {msg}", self.model.path)));
+                }
+                if !self.policy.isolate_poison_rows {
+                    return Err(ItemError::poison(format!("model {} raised on this input: {msg}", self.model.path)));
+                }
+                if hi - lo == 1 {
+                    self.out.failed.push((lo, msg));
+                    Ok(())
+                } else {
+                    self.split(lo, hi)
+                }
+            }
+        }
+    }
+
+    fn split(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
+        let mid = lo + (hi - lo) / 2;
+        self.range(lo, mid)?;
+        self.range(mid, hi)
+    }
+
+    fn store(&mut self, lo: usize, hi: usize, values: &[f32], width: usize) -> Result<(), ItemError> {
+        if self.out.width == 0 {
+            self.out.width = width;
+            self.out.values = vec![f32::NAN; self.rows * width];
+        } else if width != self.out.width {
+            return Err(ItemError::poison(format!("model {} returned {width} outputs per row, earlier {}", self.model.path, self.out.width)));
+        }
+        if values.len() != (hi - lo) * width {
+            return Err(ItemError::poison(format!("model {} returned {} values for {} rows", self.model.path, values.len(), hi - lo)));
+        }
+        self.out.values[lo * width..hi * width].copy_from_slice(values);
+        Ok(())
+    }
 }
 
 struct Request {
     model: ModelRef,
     batch: Batch,
     batch_size: usize,
+    policy: FailurePolicy,
     reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
 }
 
-/// Handle to the runner thread; cheap to clone.
+/// Handle to a runner thread; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct ModelRunner {
     tx: mpsc::Sender<Request>,
 }
 
 impl ModelRunner {
-    /// Starts the runner thread. `make_backend` runs on that thread, so
-    /// thread-local libtorch settings apply to every later call.
+    /// Starts a runner thread. `make_backend` runs on that thread, so
+    /// thread-local libtorch settings apply to every later call. The thread
+    /// ends once every handle is dropped and its current call returns.
     pub fn spawn<B, F>(make_backend: F) -> std::io::Result<Self>
     where
         B: Backend,
@@ -55,51 +153,26 @@ impl ModelRunner {
         // Capacity 1: one batch waits while one runs; the readers feeding it
         // block on `send`, which is the backpressure we want.
         let (tx, mut rx) = mpsc::channel::<Request>(1);
-        std::thread::Builder::new()
-            .name("model-runner".into())
-            .spawn(move || {
-                let mut backend = make_backend();
-                while let Some(req) = rx.blocking_recv() {
-                    let result = backend.predict(
-                        &req.model,
-                        &req.batch.features,
-                        req.batch.cols,
-                        req.batch_size,
-                    );
-                    let _ = req.reply.send((req.batch, result));
-                }
-            })?;
+        std::thread::Builder::new().name("model-runner".into()).spawn(move || {
+            let mut backend = make_backend();
+            while let Some(req) = rx.blocking_recv() {
+                let result = predict(&mut backend, &req.model, &req.batch.features, req.batch.cols, req.batch_size, &req.policy);
+                let _ = req.reply.send((req.batch, result));
+            }
+        })?;
         Ok(Self { tx })
     }
 
     /// Predicts a batch; hands the batch back with the result.
-    pub async fn predict(
-        &self,
-        model: &ModelRef,
-        batch: Batch,
-        batch_size: usize,
-    ) -> (Batch, Result<Predictions, ItemError>) {
+    pub async fn predict(&self, model: &ModelRef, batch: Batch, batch_size: usize, policy: &FailurePolicy) -> (Batch, Result<Predictions, ItemError>) {
         let (reply, rx) = oneshot::channel();
-        let req = Request {
-            model: model.clone(),
-            batch,
-            batch_size,
-            reply,
-        };
+        let req = Request { model: model.clone(), batch, batch_size, policy: policy.clone(), reply };
         if let Err(mpsc::error::SendError(req)) = self.tx.send(req).await {
-            return (
-                req.batch,
-                Err(ItemError::fatal("the model runner thread has stopped")),
-            );
+            return (req.batch, Err(ItemError::fatal("the model runner thread has stopped")));
         }
         match rx.await {
             Ok(out) => out,
-            Err(_) => (
-                Batch::default(),
-                Err(ItemError::fatal(
-                    "the model runner thread died while predicting",
-                )),
-            ),
+            Err(_) => (Batch::default(), Err(ItemError::fatal("the model runner thread died while predicting"))),
         }
     }
 }
@@ -111,9 +184,7 @@ pub struct TorchBackend {
 
 impl std::fmt::Debug for TorchBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TorchBackend")
-            .field("models", &self.cache.len())
-            .finish()
+        f.debug_struct("TorchBackend").field("models", &self.cache.len()).finish()
     }
 }
 
@@ -124,10 +195,11 @@ impl TorchBackend {
         if intra_op_threads > 0 {
             tch::set_num_threads(intra_op_threads as i32);
         }
-        tch::set_num_interop_threads(1);
-        Self {
-            cache: HashMap::new(),
-        }
+        // libtorch allows this only before inter-op work starts, so once per
+        // process (a replacement runner after a hung item must not repeat it).
+        static INTEROP: std::sync::Once = std::sync::Once::new();
+        INTEROP.call_once(|| tch::set_num_interop_threads(1));
+        Self { cache: HashMap::new() }
     }
 
     fn device(spec: &str) -> Result<tch::Device, ItemError> {
@@ -156,18 +228,13 @@ impl TorchBackend {
                 .map_err(|e| ItemError::fatal(format!("cannot read model {}: {e}", model.path)))?;
             if actual != model.sha256 {
                 return Err(ItemError::fatal(format!(
-                    "model {} has sha256 {actual} but the job expects {}; the file changed after the job was planned — restore it or start a new job",
+                    "model {} has sha256 {actual} but the job expects {}; the file changed after the job was planned — restore it, start a new job, or replay with --update-model",
                     model.path, model.sha256
                 )));
             }
             let device = Self::device(&model.device)?;
-            let mut module = tch::CModule::load_on_device(&model.path, device).map_err(|e| {
-                ItemError::fatal(format!(
-                    "cannot load TorchScript model {}: {}",
-                    model.path,
-                    first_line(&e.to_string())
-                ))
-            })?;
+            let mut module = tch::CModule::load_on_device(&model.path, device)
+                .map_err(|e| ItemError::fatal(format!("cannot load TorchScript model {}: {}", model.path, first_line(&e.to_string()))))?;
             module.set_eval();
             tracing::info!(model = %model.path, device = %model.device, ms = started.elapsed().as_millis() as u64, "model loaded");
             self.cache.insert(key.clone(), module);
@@ -181,69 +248,39 @@ fn first_line(s: &str) -> &str {
 }
 
 impl Backend for TorchBackend {
-    fn predict(
-        &mut self,
-        model: &ModelRef,
-        features: &[f32],
-        cols: usize,
-        batch_size: usize,
-    ) -> Result<Predictions, ItemError> {
-        let device = Self::device(&model.device)?;
-        let module = self.module(model)?;
+    fn forward(&mut self, model: &ModelRef, features: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError> {
+        let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
+        let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
-        let rows = features.len().checked_div(cols).unwrap_or(0);
-        let mut out = Predictions {
-            values: Vec::new(),
-            width: 0,
-        };
-        for chunk in features.chunks((batch_size.max(1) * cols).max(1)) {
-            let n = (chunk.len() / cols) as i64;
-            let forward_err = |e: tch::TchError| {
-                let msg = e.to_string();
-                if msg.contains("out of memory") {
-                    ItemError::transient(format!(
-                        "out of memory running {} on {n} rows: {}",
-                        model.path,
-                        first_line(&msg)
-                    ))
-                } else {
-                    ItemError::poison(format!(
-                        "model {} raised on this input: {}",
-                        model.path,
-                        first_line(&msg)
-                    ))
-                }
-            };
-            let input = tch::Tensor::f_from_slice(chunk)
-                .and_then(|t| t.f_view([n, cols as i64]))
-                .and_then(|t| t.f_to_device(device))
-                .map_err(forward_err)?;
-            let y = module.forward_ts(&[input]).map_err(forward_err)?;
-            let width = match y.size().as_slice() {
-                [m] if *m == n => 1,
-                [m, k] if *m == n => *k as usize,
-                other => {
-                    return Err(ItemError::poison(format!(
-                        "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows] or [rows, outputs]",
-                        model.path
-                    )))
-                }
-            };
-            if out.width == 0 {
-                out.width = width;
-                out.values.reserve(rows * width);
+        let n = (features.len() / cols.max(1)) as i64;
+        let classify = |e: tch::TchError| {
+            let msg = e.to_string();
+            let line = first_line(&msg).to_owned();
+            if is_out_of_memory(&msg) {
+                ForwardError::OutOfMemory(line)
+            } else {
+                ForwardError::Raised(line)
             }
-            let y = y
-                .f_to_kind(tch::Kind::Float)
-                .and_then(|t| t.f_to_device(tch::Device::Cpu))
-                .and_then(|t| t.f_contiguous())
-                .map_err(forward_err)?;
-            let at = out.values.len();
-            out.values.resize(at + n as usize * width, 0.0);
-            y.f_copy_data(&mut out.values[at..], n as usize * width)
-                .map_err(forward_err)?;
-        }
-        Ok(out)
+        };
+        let input = tch::Tensor::f_from_slice(features)
+            .and_then(|t| t.f_view([n, cols as i64]))
+            .and_then(|t| t.f_to_device(device))
+            .map_err(classify)?;
+        let y = module.forward_ts(&[input]).map_err(classify)?;
+        let width = match y.size().as_slice() {
+            [m] if *m == n => 1,
+            [m, k] if *m == n => *k as usize,
+            other => {
+                return Err(ForwardError::Unusable(ItemError::poison(format!(
+                    "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows] or [rows, outputs]",
+                    model.path
+                ))))
+            }
+        };
+        let y = y.f_to_kind(tch::Kind::Float).and_then(|t| t.f_to_device(tch::Device::Cpu)).and_then(|t| t.f_contiguous()).map_err(classify)?;
+        let mut values = vec![0f32; n as usize * width];
+        y.f_copy_data(&mut values, n as usize * width).map_err(classify)?;
+        Ok((values, width))
     }
 }
 
@@ -251,53 +288,79 @@ impl Backend for TorchBackend {
 mod tests {
     use super::*;
 
-    /// Sums each row; fails on a sentinel.
-    struct SumBackend;
-    impl Backend for SumBackend {
-        fn predict(
-            &mut self,
-            _m: &ModelRef,
-            f: &[f32],
-            cols: usize,
-            _bs: usize,
-        ) -> Result<Predictions, ItemError> {
-            if f.contains(&-999.0) {
-                return Err(ItemError::poison("sentinel"));
+    /// Sums each row; raises on a row holding -999, runs out of memory on
+    /// batches larger than `max_rows`.
+    struct Fake {
+        max_rows: usize,
+        calls: usize,
+    }
+    impl Backend for Fake {
+        fn forward(&mut self, _m: &ModelRef, f: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError> {
+            self.calls += 1;
+            if f.len() / cols > self.max_rows {
+                return Err(ForwardError::OutOfMemory("CUDA out of memory".into()));
             }
-            Ok(Predictions {
-                values: f.chunks(cols).map(|r| r.iter().sum()).collect(),
-                width: 1,
-            })
+            if f.contains(&-999.0) {
+                return Err(ForwardError::Raised("sentinel".into()));
+            }
+            Ok((f.chunks(cols).map(|r| r.iter().sum()).collect(), 1))
         }
     }
 
     fn model() -> ModelRef {
-        ModelRef {
-            path: "m.pt".into(),
-            sha256: "x".into(),
-            device: "cpu".into(),
-        }
+        ModelRef { path: "m.pt".into(), sha256: "x".into(), device: "cpu".into() }
+    }
+
+    fn rows(values: &[f32]) -> Vec<f32> {
+        values.iter().flat_map(|v| [*v, 1.0]).collect()
+    }
+
+    #[test]
+    fn bisection_rejects_exactly_the_rows_that_raise() {
+        let f = rows(&[1.0, -999.0, 3.0, 4.0, 5.0, 6.0, -999.0, 8.0]);
+        let mut b = Fake { max_rows: 100, calls: 0 };
+        let p = predict(&mut b, &model(), &f, 2, 8, &FailurePolicy::default()).unwrap();
+        assert_eq!(p.failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![1, 6]);
+        assert_eq!(p.values[0], 2.0);
+        assert_eq!(p.values[7], 9.0);
+        assert!(p.values[1].is_nan());
+        assert!(b.calls <= 1 + 2 * 2 * 3, "bisection stays logarithmic: {} calls", b.calls);
+    }
+
+    #[test]
+    fn without_isolation_or_when_every_row_raises_the_item_is_poison() {
+        let f = rows(&[1.0, -999.0]);
+        let policy = FailurePolicy { isolate_poison_rows: false, ..FailurePolicy::default() };
+        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &f, 2, 8, &policy).unwrap_err();
+        assert_eq!(err.class, crate::error::FailureClass::Poison);
+        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &rows(&[-999.0, -999.0]), 2, 8, &FailurePolicy::default()).unwrap_err();
+        assert!(err.message.contains("raised on every row"), "{}", err.message);
+    }
+
+    #[test]
+    fn out_of_memory_halves_the_mini_batch_then_is_transient() {
+        let f = rows(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        let p = predict(&mut Fake { max_rows: 2, calls: 0 }, &model(), &f, 2, 5, &FailurePolicy::default()).unwrap();
+        assert_eq!(p.values, vec![2.0, 3.0, 4.0, 5.0, 6.0]);
+        let err = predict(&mut Fake { max_rows: 0, calls: 0 }, &model(), &f, 2, 5, &FailurePolicy::default()).unwrap_err();
+        assert_eq!(err.class, crate::error::FailureClass::Transient);
+    }
+
+    #[test]
+    fn configured_patterns_make_model_errors_transient() {
+        let policy = FailurePolicy { transient_errors: vec!["sentinel".into()], ..FailurePolicy::default() };
+        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &rows(&[-999.0]), 2, 8, &policy).unwrap_err();
+        assert_eq!(err.class, crate::error::FailureClass::Transient);
     }
 
     #[tokio::test]
-    async fn runner_returns_batch_and_predictions() {
-        let runner = ModelRunner::spawn(|| SumBackend).unwrap();
+    async fn runner_thread_returns_batch_and_predictions() {
+        let runner = ModelRunner::spawn(|| Fake { max_rows: 9, calls: 0 }).unwrap();
         let mut b = Batch::with_capacity(2, 2);
         b.push("a", &[1.0, 2.0]);
         b.push("b", &[3.0, 4.0]);
-        let (back, preds) = runner.predict(&model(), b.clone(), 8).await;
+        let (back, preds) = runner.predict(&model(), b.clone(), 8, &FailurePolicy::default()).await;
         assert_eq!(back, b);
         assert_eq!(preds.unwrap().values, vec![3.0, 7.0]);
-        let mut bad = Batch::with_capacity(1, 1);
-        bad.push("c", &[-999.0]);
-        assert_eq!(
-            runner
-                .predict(&model(), bad, 8)
-                .await
-                .1
-                .unwrap_err()
-                .message,
-            "sentinel"
-        );
     }
 }

@@ -1,11 +1,16 @@
-//! Writes an item's predictions as a part file: staged, fsynced and linked
-//! into place, so a reader sees a whole file or none, and the first commit wins.
+//! Writes an item's predictions as a part file, and its rejected rows as a
+//! rejects file: staged, fsynced and linked into place, so a reader sees a
+//! whole file or none, and the first commit wins.
 
 use crate::error::ItemError;
-use crate::reader::Batch;
+use crate::reader::{Batch, Reject};
 use crate::runner::Predictions;
 use batchfleet_shared::fsutil::{publish_atomically, Publish};
+use std::io::Write;
 use std::path::Path;
+
+/// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
+pub const REJECTS_DIR: &str = "rejects";
 
 /// Column names for `width` model outputs: `score`, or `score_0 … score_{k-1}`.
 pub fn score_columns(width: usize) -> Vec<String> {
@@ -16,28 +21,24 @@ pub fn score_columns(width: usize) -> Vec<String> {
     }
 }
 
-/// Writes `id` plus one column per model output to `dest` (CSV with a header).
-pub fn write_csv(
-    dest: &Path,
-    tag: &str,
-    batch: &Batch,
-    preds: &Predictions,
-) -> Result<Publish, ItemError> {
-    if preds.values.len() != batch.rows() * preds.width {
-        return Err(ItemError::poison(format!(
-            "model returned {} values for {} rows of width {}",
-            preds.values.len(),
-            batch.rows(),
-            preds.width
-        )));
+/// Writes `id` plus one column per model output for every row the model did
+/// not fail on, to `dest` (CSV with a header).
+pub fn write_csv(dest: &Path, tag: &str, batch: &Batch, preds: &Predictions) -> Result<Publish, ItemError> {
+    if batch.rows() > 0 && preds.values.len() != batch.rows() * preds.width {
+        return Err(ItemError::poison(format!("model returned {} values for {} rows of width {}", preds.values.len(), batch.rows(), preds.width)));
     }
     let result = publish_atomically(dest, tag, false, |w| {
         let mut csv = csv::WriterBuilder::new().from_writer(w);
         let mut header = vec!["id".to_owned()];
-        header.extend(score_columns(preds.width));
+        header.extend(score_columns(preds.width.max(1)));
         csv.write_record(&header)?;
         let mut fmt = ryu::Buffer::new();
+        let mut failed = preds.failed.iter().map(|(i, _)| *i).peekable();
         for (i, row) in preds.values.chunks(preds.width.max(1)).enumerate() {
+            if failed.peek() == Some(&i) {
+                failed.next();
+                continue;
+            }
             csv.write_field(batch.id(i))?;
             for v in row {
                 csv.write_field(fmt.format(*v))?;
@@ -50,22 +51,37 @@ pub fn write_csv(
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
 }
 
+/// Writes rejected rows as JSON lines (file, line, raw, reason, stage).
+pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<Publish, ItemError> {
+    let result = publish_atomically(dest, tag, false, |w| {
+        for r in rejects {
+            serde_json::to_writer(&mut *w, r)?;
+            w.write_all(b"\n")?;
+        }
+        Ok(())
+    });
+    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+}
+
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).
 pub fn count_rows(path: &Path) -> std::io::Result<u64> {
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(std::io::Error::other)?;
+    let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_path(path).map_err(std::io::Error::other)?;
     let mut rec = csv::ByteRecord::new();
     let mut n = 0;
-    while rdr
-        .read_byte_record(&mut rec)
-        .map_err(std::io::Error::other)?
-    {
+    while rdr.read_byte_record(&mut rec).map_err(std::io::Error::other)? {
         n += 1;
     }
     Ok(n)
+}
+
+/// Counts the lines of a rejects file; 0 if there is none.
+pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -73,24 +89,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn writes_header_ids_and_scores_round_trippable() {
+    fn writes_header_ids_and_scores_round_trippable_skipping_failed_rows() {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("part-000001.csv");
-        let mut b = Batch::with_capacity(1, 2);
+        let mut b = Batch::with_capacity(1, 3);
         b.push("a,1", &[0.0]);
+        b.push("x", &[0.0]);
         b.push("b", &[0.0]);
-        let p = Predictions {
-            values: vec![0.1, 1e-7, -2.5, 3.0],
-            width: 2,
-        };
+        let p = Predictions { values: vec![0.1, 1e-7, f32::NAN, f32::NAN, -2.5, 3.0], width: 2, failed: vec![(1, "boom".into())] };
         assert_eq!(write_csv(&dest, "t", &b, &p).unwrap(), Publish::Committed);
         let text = std::fs::read_to_string(&dest).unwrap();
         assert_eq!(text, "id,score_0,score_1\n\"a,1\",0.1,1e-7\nb,-2.5,3.0\n");
         assert_eq!(count_rows(&dest).unwrap(), 2);
-        assert_eq!(
-            write_csv(&dest, "t2", &b, &p).unwrap(),
-            Publish::AlreadyExists
-        );
+        assert_eq!(write_csv(&dest, "t2", &b, &p).unwrap(), Publish::AlreadyExists);
+    }
+
+    #[test]
+    fn rejects_are_json_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join(REJECTS_DIR).join("part-000001.jsonl");
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        let r = Reject { file: "in.csv".into(), line: 7, raw: "1,\"x\"".into(), reason: "field 2 is not a number".into(), stage: "parse" };
+        write_rejects(&dest, "t", &[r.clone(), r]).unwrap();
+        let text = std::fs::read_to_string(&dest).unwrap();
+        let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(first["line"], 7);
+        assert_eq!(first["raw"], "1,\"x\"");
+        assert_eq!(count_rejects(&dest).unwrap(), 2);
+        assert_eq!(count_rejects(&dir.path().join("none")).unwrap(), 0);
     }
 
     #[test]
@@ -98,16 +124,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut b = Batch::with_capacity(1, 1);
         b.push("a", &[0.0]);
-        let err = write_csv(
-            &dir.path().join("p.csv"),
-            "t",
-            &b,
-            &Predictions {
-                values: vec![1.0, 2.0],
-                width: 1,
-            },
-        )
-        .unwrap_err();
+        let err = write_csv(&dir.path().join("p.csv"), "t", &b, &Predictions { values: vec![1.0, 2.0], width: 1, failed: vec![] }).unwrap_err();
         assert!(err.message.contains("2 values for 1 rows"));
     }
 }

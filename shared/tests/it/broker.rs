@@ -11,6 +11,7 @@ fn msg(id: &str) -> Outgoing {
         kind: "test",
         body: id.as_bytes().to_vec(),
         headers: FieldTable::default(),
+        expiration_ms: None,
     }
 }
 

@@ -97,6 +97,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
         kind: MESSAGE_TYPE_V1,
         body: Envelope::V1(plan.items[0].clone()).encode(),
         headers,
+        expiration_ms: None,
     };
     publisher
         .publish_all(&PoolQueues::new(&env.pool).work(), [dup], 1, |_| {})

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Wrap a TorchScript model into faulty variants, for failure-handling tests.
+
+    python make_faulty_models.py --base DIR/model.pt --out-dir DIR
+
+Writes, next to each other (same predictions as the base model otherwise):
+  poison.pt  raises "poison sentinel" on any row whose first feature is -999
+  flaky.pt   raises "flaky backend: try again" on its first 2 calls in a process
+  hang.pt    spins for a very long time on any row whose first feature is -777
+  slow.pt    like poison.pt, and spends about --slow-ms milliseconds per call
+"""
+import argparse
+import os
+import time
+
+import torch
+
+
+class Faulty(torch.nn.Module):
+    def __init__(self, inner, poison: bool, fail_first: int, hang_iters: int, spin_iters: int):
+        super().__init__()
+        self.inner = inner
+        self.poison = poison
+        self.fail_first = fail_first
+        self.calls = 0
+        self.hang_iters = hang_iters
+        self.spin_iters = spin_iters
+
+    def spin(self, n: int) -> torch.Tensor:
+        acc = torch.zeros(1)
+        for _ in range(n):
+            acc = acc + 1.0
+        return acc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            raise RuntimeError("flaky backend: try again")
+        if self.poison and bool((x[:, 0] == -999.0).any()):
+            raise RuntimeError("poison sentinel in input")
+        if self.hang_iters > 0 and bool((x[:, 0] == -777.0).any()):
+            self.spin(self.hang_iters)
+        if self.spin_iters > 0:
+            self.spin(self.spin_iters)
+        return self.inner(x)
+
+
+def iters_per_ms() -> float:
+    probe = torch.jit.script(Faulty(torch.nn.Identity(), False, 0, 0, 0))
+    n = 200_000
+    start = time.perf_counter()
+    probe.spin(n)
+    return n / ((time.perf_counter() - start) * 1000)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--slow-ms", type=float, default=150.0)
+    ap.add_argument("--hang-s", type=float, default=60.0)
+    args = ap.parse_args()
+    base = torch.jit.load(args.base)
+    rate = iters_per_ms()
+    variants = {
+        "poison.pt": Faulty(base, True, 0, 0, 0),
+        "flaky.pt": Faulty(base, False, 2, 0, 0),
+        "hang.pt": Faulty(base, False, 0, int(rate * args.hang_s * 1000), 0),
+        "slow.pt": Faulty(base, True, 0, 0, int(rate * args.slow_ms)),
+    }
+    for name, module in variants.items():
+        torch.jit.save(torch.jit.script(module), os.path.join(args.out_dir, name))
+    print(f"wrote {', '.join(variants)} to {args.out_dir} ({rate:.0f} spin iterations/ms)")
+
+
+if __name__ == "__main__":
+    main()
