@@ -92,6 +92,64 @@ pub enum Command {
     Run(RunArgs),
     /// Show a job's state.
     Status(StatusArgs),
+    /// Dead-lettered items: list, replay, purge.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+}
+
+/// `batchfleet dlq …`.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead items (nothing is removed).
+    List {
+        /// Pool whose dead queue to read.
+        #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
+        pool: String,
+        /// Only this job.
+        #[arg(long)]
+        job: Option<String>,
+        /// Only this failure class (poison, transient, timeout, infra).
+        #[arg(long)]
+        class: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish dead items of a job to the work queue again (attempts reset),
+    /// then follow the job and rewrite its summary.
+    Replay {
+        /// The job whose dead items to replay.
+        #[arg(long)]
+        job: String,
+        /// Only this failure class.
+        #[arg(long)]
+        class: Option<String>,
+        /// Only this item.
+        #[arg(long)]
+        item: Option<u32>,
+        /// Pool (default: the job's pool).
+        #[arg(long)]
+        pool: Option<String>,
+        /// Accept the model file as it is now: replace the digest in each
+        /// replayed item by the file's current digest (after swapping in a fixed model).
+        #[arg(long)]
+        update_model: bool,
+        /// Return after publishing instead of following the job.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Delete dead items for good.
+    Purge {
+        /// Pool whose dead queue to purge.
+        #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
+        pool: String,
+        /// Only this job's items.
+        #[arg(long)]
+        job: Option<String>,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 /// `batchfleet run`.
@@ -138,6 +196,7 @@ pub async fn main(cli: Cli) -> ExitCode {
                 Err(e) => report_error(&e),
             }
         }
+        Command::Dlq(cmd) => dlq_main(cmd, &connections).await,
         Command::Status(args) => {
             let store = match connections.store().await {
                 Ok(s) => s,
@@ -165,7 +224,21 @@ pub async fn main(cli: Cli) -> ExitCode {
     }
 }
 
+/// The exit code of a run's outcome (see the module docs).
+pub fn exit_code(outcome: &RunOutcome) -> u8 {
+    match outcome {
+        RunOutcome::Completed { report, .. } => match report.status.as_str() {
+            "completed" => 0,
+            "failed" => EXIT_JOB_FAILED,
+            _ => EXIT_COMPLETED_WITH_FAILURES,
+        },
+        RunOutcome::AlreadyCompleted { .. } => 0,
+        RunOutcome::Interrupted { .. } => EXIT_INTERRUPTED,
+    }
+}
+
 fn report_outcome(outcome: &RunOutcome) -> ExitCode {
+    let code = exit_code(outcome);
     match outcome {
         RunOutcome::Completed {
             job_id,
@@ -178,42 +251,48 @@ fn report_outcome(outcome: &RunOutcome) -> ExitCode {
                 report.item_latency_ms.p50, report.item_latency_ms.p95, report.workers
             );
             println!("summary: {}", summary.display());
-            if report.failed_items.is_empty() {
-                return ExitCode::SUCCESS;
-            }
-            eprintln!(
-                "{} item(s) failed for good and were dead-lettered (no _SUCCESS written):",
-                report.items_failed
-            );
-            for f in report.failed_items.iter().take(20) {
+            if report.rows_rejected > 0 {
                 eprintln!(
-                    "  item {} [{}] on {}: {}",
-                    f.seq, f.class, f.worker, f.reason
+                    "{} row(s) rejected; see rejects/ in the output folder",
+                    report.rows_rejected
                 );
             }
-            if report.failed_items.len() > 20 {
+            if report.items_failed > 0 {
                 eprintln!(
-                    "  … and {} more in summary.json",
-                    report.failed_items.len() - 20
+                    "{} item(s) failed for good and were dead-lettered (no _SUCCESS written):",
+                    report.items_failed
                 );
+                for f in report.failed_items.iter().take(20) {
+                    eprintln!(
+                        "  item {} [{}] on {}: {}",
+                        f.seq, f.class, f.worker, f.reason
+                    );
+                }
+                if report.failed_items.len() > 20 {
+                    eprintln!(
+                        "  … and {} more in summary.json",
+                        report.failed_items.len() - 20
+                    );
+                }
             }
-            if report.status == "failed" {
-                eprintln!("the error budget was exceeded: job failed, {} item(s) skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again", report.items_skipped, report.pool);
-                return ExitCode::from(EXIT_JOB_FAILED);
+            match code {
+                EXIT_JOB_FAILED => eprintln!(
+                    "the error budget was exceeded: the job failed and {} item(s) were skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again",
+                    report.items_skipped, report.pool
+                ),
+                EXIT_COMPLETED_WITH_FAILURES => eprintln!("fix the cause, then `batchfleet dlq replay --job {job_id}` (or run the same manifest again) to retry them"),
+                _ => {}
             }
-            eprintln!("fix the cause, then `batchfleet dlq replay --job {job_id}` (or run the same manifest again) to retry them");
-            ExitCode::from(EXIT_COMPLETED_WITH_FAILURES)
         }
         RunOutcome::AlreadyCompleted { job_id, summary } => {
             println!("job {job_id} is already complete; nothing was published");
             println!("summary: {}", summary.display());
-            ExitCode::SUCCESS
         }
         RunOutcome::Interrupted { job_id } => {
             eprintln!("interrupted; job {job_id} keeps running on the workers. Run the same manifest again to follow it, or `batchfleet status {job_id}`.");
-            ExitCode::from(EXIT_INTERRUPTED)
         }
     }
+    ExitCode::from(code)
 }
 
 fn report_error(e: &RunError) -> ExitCode {
@@ -224,5 +303,171 @@ fn report_error(e: &RunError) -> ExitCode {
             ExitCode::from(EXIT_INVALID)
         }
         _ => ExitCode::from(EXIT_FAILURE),
+    }
+}
+
+async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
+    let conn = match connections.broker("batchfleet dlq").await {
+        Ok(c) => c,
+        Err(e) => return report_error(&RunError::Broker(e)),
+    };
+    let code = match cmd {
+        DlqCommand::List {
+            pool,
+            job,
+            class,
+            json,
+        } => {
+            let filter = crate::dlq::Filter {
+                job,
+                class,
+                item: None,
+            };
+            match crate::dlq::list(&conn, &pool, &filter).await {
+                Ok(items) if json => {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&items).expect("dead items serialize")
+                    );
+                    ExitCode::SUCCESS
+                }
+                Ok(items) => {
+                    println!("{}", crate::dlq::render(&items));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report_error(&RunError::Broker(e)),
+            }
+        }
+        DlqCommand::Replay {
+            job,
+            class,
+            item,
+            pool,
+            update_model,
+            no_wait,
+        } => {
+            let store = match connections.store().await {
+                Ok(s) => s,
+                Err(e) => return report_error(&RunError::Store(e)),
+            };
+            let pool = match (pool, store.job(&job).await) {
+                (Some(p), _) => p,
+                (None, Ok(Some(record))) => record.pool,
+                (None, Ok(None)) => {
+                    eprintln!("error: no job \"{job}\" in Redis; pass --pool to replay its dead items anyway");
+                    return ExitCode::from(EXIT_FAILURE);
+                }
+                (None, Err(e)) => return report_error(&RunError::Store(e)),
+            };
+            let filter = crate::dlq::Filter {
+                job: Some(job.clone()),
+                class,
+                item,
+            };
+            let replayed =
+                match crate::dlq::replay(&conn, &store, &pool, &filter, update_model).await {
+                    Ok(r) => r,
+                    Err(e) => return report_error(&e),
+                };
+            println!(
+                "replayed {} item(s) of job {job} to bf.{pool}.work",
+                replayed.items.len()
+            );
+            if no_wait || store.job(&job).await.ok().flatten().is_none() {
+                ExitCode::SUCCESS
+            } else {
+                let cfg = RunConfig {
+                    connections: connections.clone(),
+                    progress: true,
+                    poll_interval: Duration::from_millis(250),
+                    publish_window: 512,
+                };
+                match crate::follow_job(
+                    &cfg,
+                    &store,
+                    &job,
+                    batchfleet_shared::shutdown::on_signals(),
+                )
+                .await
+                {
+                    Ok(outcome) => report_outcome(&outcome),
+                    Err(e) => report_error(&e),
+                }
+            }
+        }
+        DlqCommand::Purge { pool, job, yes } => {
+            if !yes
+                && !confirm(&format!(
+                    "delete {} dead items of pool {pool} for good?",
+                    job.as_deref()
+                        .map_or("all".to_owned(), |j| format!("job {j}'s"))
+                ))
+            {
+                eprintln!("not purged (pass --yes to skip this question)");
+                return ExitCode::from(EXIT_FAILURE);
+            }
+            match crate::dlq::purge(&conn, &pool, job.as_deref()).await {
+                Ok(n) => {
+                    println!("purged {n} dead item(s)");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report_error(&RunError::Broker(e)),
+            }
+        }
+    };
+    let _ = conn.close(200, "bye".into()).await;
+    code
+}
+
+/// Asks on the terminal; anything but "yes" (or no terminal) is a no.
+fn confirm(question: &str) -> bool {
+    use std::io::{BufRead, IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        eprintln!("{question} — refusing without a terminal to confirm on");
+        return false;
+    }
+    eprint!("{question} type yes to confirm: ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer).is_ok() && answer.trim() == "yes"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reducer::Summary;
+
+    fn completed(status: &str) -> RunOutcome {
+        let report: Summary = serde_json::from_value(serde_json::json!({
+            "job_id": "j-1", "name": "j", "pool": "p", "status": status, "manifest": "m", "model": "m.pt",
+            "model_sha256": "00", "output_dir": "/o", "rows_total": 1, "rows_predicted": 1, "rows_rejected": 0,
+            "items_total": 1, "items_completed": 1, "parts": 1, "started_at_ms": 0, "finished_at_ms": 1,
+            "duration_s": 0.001, "rows_per_s": 1000.0, "item_latency_ms": {"p50": 1, "p95": 1, "max": 1},
+            "workers": 1, "items_recovered": 0, "items_failed": 0, "items_skipped": 0, "failed_items": []
+        }))
+        .unwrap();
+        RunOutcome::Completed {
+            job_id: "j-1".into(),
+            summary: "/o/summary.json".into(),
+            report: Box::new(report),
+        }
+    }
+
+    #[test]
+    fn exit_codes_follow_the_job_status() {
+        assert_eq!(exit_code(&completed("completed")), 0);
+        assert_eq!(exit_code(&completed("completed_with_failures")), 3);
+        assert_eq!(exit_code(&completed("failed")), 4);
+        assert_eq!(
+            exit_code(&RunOutcome::AlreadyCompleted {
+                job_id: "j".into(),
+                summary: "s".into()
+            }),
+            0
+        );
+        assert_eq!(
+            exit_code(&RunOutcome::Interrupted { job_id: "j".into() }),
+            130
+        );
     }
 }

@@ -19,6 +19,9 @@ pub const SUCCESS_FILE: &str = "_SUCCESS";
 /// The job summary.
 pub const SUMMARY_FILE: &str = "summary.json";
 
+/// Items encoded and published per batch of confirms.
+const PUBLISH_CHUNK: usize = 4096;
+
 /// What dispatching found or did.
 #[derive(Debug)]
 pub enum Dispatched {
@@ -170,17 +173,23 @@ pub async fn dispatch(
     declare_topology(publisher.channel(), &queues).await?;
     let mut headers = FieldTable::default();
     headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(1));
-    let todo = plan.items.iter().filter(|item| !done.contains(&item.seq));
-    let messages = todo.map(|item| Outgoing {
-        message_id: format!("{}/{}", item.job_id, item.seq),
-        kind: MESSAGE_TYPE_V1,
-        body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
-        headers: headers.clone(),
-        expiration_ms: None,
-    });
-    let published = publisher
-        .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})
-        .await?;
+    // Encoded a chunk at a time: bounded memory for jobs of millions of items.
+    let mut published = 0;
+    for chunk in plan.items.chunks(PUBLISH_CHUNK) {
+        let mut messages = Vec::with_capacity(chunk.len());
+        for item in chunk.iter().filter(|item| !done.contains(&item.seq)) {
+            messages.push(Outgoing {
+                message_id: format!("{}/{}", item.job_id, item.seq),
+                kind: MESSAGE_TYPE_V1,
+                body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
+                headers: headers.clone(),
+                expiration_ms: None,
+            });
+        }
+        published += publisher
+            .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})
+            .await?;
+    }
     tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), queue = %queues.work(), "items published and confirmed");
     store
         .set_job_fields(

@@ -7,12 +7,14 @@
 //! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.
 //! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
 //! - [`status`]: read a job's state for `batchfleet status`.
+//! - [`dlq`]: list, replay and purge dead-lettered items.
 //! - [`cli`]: the `batchfleet` command line and its exit codes.
 //!
 //! [`run_job`] ties the parts together; `main.rs` only parses flags and calls [`cli::main`].
 
 pub mod cli;
 pub mod dispatcher;
+pub mod dlq;
 pub mod manifest;
 pub mod monitor;
 pub mod planner;
@@ -136,22 +138,32 @@ pub async fn run_job(
             })
         }
         Ok(dispatcher::Dispatched::Running) => {
-            match monitor::follow(&store, &spec.job_id, cfg, shutdown).await? {
-                monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
-                    job_id: spec.job_id.clone(),
-                }),
-                monitor::Followed::AllDone | monitor::Followed::BudgetExceeded => {
-                    let (summary, report) = reducer::finish(&store, &spec.job_id).await?;
-                    Ok(RunOutcome::Completed {
-                        job_id: spec.job_id.clone(),
-                        summary,
-                        report: Box::new(report),
-                    })
-                }
-            }
+            follow_job(cfg, &store, &spec.job_id, shutdown).await
         }
         Err(e) => Err(e),
     };
     let _ = conn.close(200, "bye".into()).await;
     outcome
+}
+
+/// Follows a published job until it settles (or `shutdown`), then writes its summary.
+pub async fn follow_job(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    shutdown: CancellationToken,
+) -> Result<RunOutcome, RunError> {
+    match monitor::follow(store, job_id, cfg, shutdown).await? {
+        monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
+            job_id: job_id.to_owned(),
+        }),
+        monitor::Followed::AllDone | monitor::Followed::BudgetExceeded => {
+            let (summary, report) = reducer::finish(store, job_id).await?;
+            Ok(RunOutcome::Completed {
+                job_id: job_id.to_owned(),
+                summary,
+                report: Box::new(report),
+            })
+        }
+    }
 }

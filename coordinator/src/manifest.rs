@@ -6,7 +6,9 @@
 //! and saying what to do; see `docs/manifest.md`.
 
 use batchfleet_shared::fsutil::sha256_file;
-use batchfleet_shared::message::{CsvLayout, FailurePolicy, ModelRef, OnBadRow, OutputFormat, OutputSpec, TaskSpec};
+use batchfleet_shared::message::{
+    CsvLayout, FailurePolicy, ModelRef, OnBadRow, OutputFormat, OutputSpec, TaskSpec,
+};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -74,7 +76,9 @@ impl ErrorBudget {
     /// Whether `failed` of `total` items exceeds the budget.
     pub fn exceeded(&self, failed: u64, total: u64) -> bool {
         let by_count = self.max_failed_items.is_some_and(|max| failed > max);
-        let by_share = self.max_failed_percent.is_some_and(|pct| total > 0 && (failed as f64) * 100.0 > pct * total as f64);
+        let by_share = self
+            .max_failed_percent
+            .is_some_and(|pct| total > 0 && (failed as f64) * 100.0 > pct * total as f64);
         by_count || by_share
     }
 }
@@ -562,11 +566,26 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
             },
         }
     };
-    let retry_base_ms = duration("[failure] retry_delay", &f.retry_delay, defaults.retry_base_ms);
-    let retry_max_ms = duration("[failure] retry_max_delay", &f.retry_max_delay, defaults.retry_max_ms);
-    let item_timeout_ms = duration("[failure] item_timeout", &f.item_timeout, defaults.item_timeout_ms);
+    let retry_base_ms = duration(
+        "[failure] retry_delay",
+        &f.retry_delay,
+        defaults.retry_base_ms,
+    );
+    let retry_max_ms = duration(
+        "[failure] retry_max_delay",
+        &f.retry_max_delay,
+        defaults.retry_max_ms,
+    );
+    let item_timeout_ms = duration(
+        "[failure] item_timeout",
+        &f.item_timeout,
+        defaults.item_timeout_ms,
+    );
     if retry_max_ms < retry_base_ms {
-        problem("[failure] retry_max_delay", "is shorter than retry_delay; raise it or lower retry_delay".into());
+        problem(
+            "[failure] retry_max_delay",
+            "is shorter than retry_delay; raise it or lower retry_delay".into(),
+        );
     }
     let max_attempts = f.max_attempts.unwrap_or(defaults.max_attempts);
     if max_attempts == 0 {
@@ -574,11 +593,17 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
     }
     if let Some(pct) = f.max_failed_percent {
         if !(0.0..=100.0).contains(&pct) {
-            problem("[failure] max_failed_percent", format!("{pct} is not a percentage between 0 and 100"));
+            problem(
+                "[failure] max_failed_percent",
+                format!("{pct} is not a percentage between 0 and 100"),
+            );
         }
     }
     if f.transient_errors.iter().any(|p| p.trim().is_empty()) {
-        problem("[failure] transient_errors", "holds an empty pattern, which would match every error; remove it".into());
+        problem(
+            "[failure] transient_errors",
+            "holds an empty pattern, which would match every error; remove it".into(),
+        );
     }
     let mut transient_errors = defaults.transient_errors.clone();
     transient_errors.extend(f.transient_errors.iter().cloned());
@@ -591,7 +616,10 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         item_timeout_ms,
         transient_errors,
     };
-    let budget = ErrorBudget { max_failed_items: f.max_failed_items, max_failed_percent: f.max_failed_percent };
+    let budget = ErrorBudget {
+        max_failed_items: f.max_failed_items,
+        max_failed_percent: f.max_failed_percent,
+    };
 
     // Output.
     let out_dir = resolve(base, &m.output.dir);

@@ -27,12 +27,20 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 const IDLE_WARNING: Duration = Duration::from_secs(30);
 
 /// Polls the job's counters every `cfg.poll_interval` until all items are settled.
-pub async fn follow(store: &Store, job_id: &str, cfg: &RunConfig, shutdown: CancellationToken) -> Result<Followed, RunError> {
+pub async fn follow(
+    store: &Store,
+    job_id: &str,
+    cfg: &RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Followed, RunError> {
     let job = store
         .job(job_id)
         .await?
         .ok_or_else(|| RunError::Output(format!("job {job_id} is not in Redis")))?;
-    let budget = ErrorBudget { max_failed_items: job.max_failed_items, max_failed_percent: job.max_failed_percent };
+    let budget = ErrorBudget {
+        max_failed_items: job.max_failed_items,
+        max_failed_percent: job.max_failed_percent,
+    };
     let pool = job.pool;
     let first = store.progress(job_id).await?;
     let bar = progress_bar(cfg.progress, first.rows_total);
@@ -78,8 +86,13 @@ pub async fn follow(store: &Store, job_id: &str, cfg: &RunConfig, shutdown: Canc
         }
         last = p;
         if budget.exceeded(p.items_failed, p.items_total) {
-            store.set_job_fields(job_id, &[("status", JobStatus::Failed.as_str().to_owned())]).await?;
-            bar.abandon_with_message(format!("{} items failed: error budget exceeded; remaining items are skipped", p.items_failed));
+            store
+                .set_job_fields(job_id, &[("status", JobStatus::Failed.as_str().to_owned())])
+                .await?;
+            bar.abandon_with_message(format!(
+                "{} items failed: error budget exceeded; remaining items are skipped",
+                p.items_failed
+            ));
             return Ok(Followed::BudgetExceeded);
         }
         if p.settled() {

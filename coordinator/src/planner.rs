@@ -76,6 +76,44 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
     Ok(Plan { items, rows_total })
 }
 
+/// A small valid work item, for tests and examples of the wire format.
+pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
+    use batchfleet_shared::message::{
+        CsvLayout, FailurePolicy, ModelRef, OutputFormat, OutputSpec, TaskSpec,
+    };
+    WorkItem {
+        job_id: job_id.to_owned(),
+        seq,
+        input: InputSlice::CsvRange {
+            path: "/data/in.csv".into(),
+            start: 3,
+            end: 9,
+            first_line: 2,
+            rows: 1,
+            file_len: 9,
+        },
+        task: TaskSpec {
+            model: ModelRef {
+                path: "/models/m.pt".into(),
+                sha256: "00".repeat(32),
+                device: "cpu".into(),
+            },
+            csv: CsvLayout {
+                delimiter: b',',
+                fields: 2,
+                id_column: 0,
+                feature_columns: vec![1],
+            },
+            batch_size: 1,
+            output: OutputSpec {
+                dir: "/data/out".into(),
+                format: OutputFormat::Csv,
+            },
+            failure: FailurePolicy::default(),
+        },
+    }
+}
+
 fn err(path: &Path, e: impl std::fmt::Display) -> PlanError {
     PlanError {
         path: path.to_owned(),

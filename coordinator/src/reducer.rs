@@ -97,12 +97,15 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
 /// Writes the summary, and `_SUCCESS` when no item failed, and marks the job
 /// `completed` or `completed_with_failures`.
 pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), RunError> {
-    let job = store
-        .job(job_id)
-        .await?
-        .ok_or_else(|| RunError::Output(format!("job {job_id} vanished from Redis while finishing")))?;
-    let format = OutputFormat::parse(&job.output_format)
-        .ok_or_else(|| RunError::Output(format!("job {job_id} has unknown output format {:?}", job.output_format)))?;
+    let job = store.job(job_id).await?.ok_or_else(|| {
+        RunError::Output(format!("job {job_id} vanished from Redis while finishing"))
+    })?;
+    let format = OutputFormat::parse(&job.output_format).ok_or_else(|| {
+        RunError::Output(format!(
+            "job {job_id} has unknown output format {:?}",
+            job.output_format
+        ))
+    })?;
     let stats = store.item_stats(job_id).await?;
     let failures = store.failures(job_id).await?;
     let status = if job.status == JobStatus::Failed {
@@ -156,7 +159,9 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         workers: workers.len() as u64,
         items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
         items_failed: failures.len() as u64,
-        items_skipped: job.items_total.saturating_sub(job.items_done + failures.len() as u64),
+        items_skipped: job
+            .items_total
+            .saturating_sub(job.items_done + failures.len() as u64),
         failed_items: failures,
     };
     let path = out.join(SUMMARY_FILE);

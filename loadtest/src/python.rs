@@ -108,7 +108,12 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
             "--batch-size",
             &g.batch_size.to_string(),
         ])
-        .args(["--poison-rows", &join(&g.poison_rows), "--hang-rows", &join(&g.hang_rows)])
+        .args([
+            "--poison-rows",
+            &join(&g.poison_rows),
+            "--hang-rows",
+            &join(&g.hang_rows),
+        ])
         .status()
         .with_context(|| {
             format!(
@@ -124,7 +129,10 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
 }
 
 fn join(rows: &[u64]) -> String {
-    rows.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+    rows.iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Writes the faulty variants of `out/model.pt` (poison.pt, flaky.pt, hang.pt,

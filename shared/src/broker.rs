@@ -123,7 +123,11 @@ impl PoolQueues {
     }
     /// The retry queue whose tier holds a delay of `delay_ms`.
     pub fn retry_for(&self, delay_ms: u64) -> String {
-        let tier = RETRY_TIERS_S.iter().copied().find(|t| t * 1000 >= delay_ms).unwrap_or(RETRY_TIERS_S[RETRY_TIERS_S.len() - 1]);
+        let tier = RETRY_TIERS_S
+            .iter()
+            .copied()
+            .find(|t| t * 1000 >= delay_ms)
+            .unwrap_or(RETRY_TIERS_S[RETRY_TIERS_S.len() - 1]);
         self.retry(tier)
     }
     /// The retry queue of one tier.
@@ -154,8 +158,12 @@ pub async fn connect(
         Ok(Err(e)) => {
             let reason = scrub(&e.to_string(), url);
             let lower = reason.to_ascii_lowercase();
-            if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login") {
-                return Err(BrokerError::Auth { url: url.redacted(), reason });
+            if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login")
+            {
+                return Err(BrokerError::Auth {
+                    url: url.redacted(),
+                    reason,
+                });
             }
             let hint = if lower.contains("refused")
                 || lower.contains("resolve")
@@ -421,7 +429,10 @@ pub fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
 }
 
 /// A header table from string and integer values.
-pub fn headers<'a>(strings: impl IntoIterator<Item = (&'a str, String)>, ints: impl IntoIterator<Item = (&'a str, i64)>) -> FieldTable {
+pub fn headers<'a>(
+    strings: impl IntoIterator<Item = (&'a str, String)>,
+    ints: impl IntoIterator<Item = (&'a str, i64)>,
+) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in strings {
         t.insert(k.into(), AMQPValue::LongString(LongString::from(v)));

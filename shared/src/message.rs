@@ -144,7 +144,10 @@ impl Default for FailurePolicy {
             on_bad_row: OnBadRow::Reject,
             isolate_poison_rows: true,
             item_timeout_ms: 600_000,
-            transient_errors: vec!["CUBLAS_STATUS_ALLOC_FAILED".into(), "CUDNN_STATUS_ALLOC_FAILED".into()],
+            transient_errors: vec![
+                "CUBLAS_STATUS_ALLOC_FAILED".into(),
+                "CUDNN_STATUS_ALLOC_FAILED".into(),
+            ],
         }
     }
 }
@@ -155,7 +158,11 @@ impl FailurePolicy {
     /// `unit` is a uniform random number in [0, 1).
     pub fn retry_delay_ms(&self, next: u32, unit: f64) -> u64 {
         let exp = next.saturating_sub(2).min(40);
-        let d = self.retry_base_ms.saturating_mul(1u64 << exp).min(self.retry_max_ms).max(1);
+        let d = self
+            .retry_base_ms
+            .saturating_mul(1u64 << exp)
+            .min(self.retry_max_ms)
+            .max(1);
         let half = d / 2;
         half + ((d - half) as f64 * unit.clamp(0.0, 1.0)) as u64
     }
@@ -331,11 +338,22 @@ mod tests {
 
     #[test]
     fn retry_delays_grow_exponentially_with_jitter_up_to_the_cap() {
-        let p = FailurePolicy { retry_base_ms: 1000, retry_max_ms: 5000, ..FailurePolicy::default() };
-        assert_eq!((p.retry_delay_ms(2, 0.0), p.retry_delay_ms(2, 0.999)), (500, 999));
+        let p = FailurePolicy {
+            retry_base_ms: 1000,
+            retry_max_ms: 5000,
+            ..FailurePolicy::default()
+        };
+        assert_eq!(
+            (p.retry_delay_ms(2, 0.0), p.retry_delay_ms(2, 0.999)),
+            (500, 999)
+        );
         assert_eq!(p.retry_delay_ms(3, 0.0), 1000);
         assert_eq!(p.retry_delay_ms(4, 0.0), 2000);
-        assert_eq!(p.retry_delay_ms(9, 0.0), 2500, "capped at 5000, jittered down to half");
+        assert_eq!(
+            p.retry_delay_ms(9, 0.0),
+            2500,
+            "capped at 5000, jittered down to half"
+        );
         assert!(p.retry_delay_ms(60, 1.0) <= 5000);
     }
 

@@ -191,8 +191,18 @@ impl JobRecord {
             ("output_format", self.output_format.clone()),
             ("model", self.model.clone()),
             ("model_sha256", self.model_sha256.clone()),
-            ("max_failed_items", self.max_failed_items.map(|v| v.to_string()).unwrap_or_default()),
-            ("max_failed_percent", self.max_failed_percent.map(|v| v.to_string()).unwrap_or_default()),
+            (
+                "max_failed_items",
+                self.max_failed_items
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            ),
+            (
+                "max_failed_percent",
+                self.max_failed_percent
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            ),
             ("items_total", self.items_total.to_string()),
             ("rows_total", self.rows_total.to_string()),
             ("items_done", self.items_done.to_string()),
@@ -220,10 +230,16 @@ impl JobRecord {
                     .map_err(|_| corrupt(format!("field {f} is not a number: {v}")))
             })
         };
-        fn opt<T: std::str::FromStr>(map: &BTreeMap<String, String>, f: &str) -> Result<Option<T>, String> {
+        fn opt<T: std::str::FromStr>(
+            map: &BTreeMap<String, String>,
+            f: &str,
+        ) -> Result<Option<T>, String> {
             match map.get(f).map(String::as_str) {
                 None | Some("") => Ok(None),
-                Some(v) => v.parse().map(Some).map_err(|_| format!("field {f} is not a number: {v}")),
+                Some(v) => v
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| format!("field {f} is not a number: {v}")),
             }
         }
         let opt_u = |f: &str| opt::<u64>(map, f).map_err(corrupt);
@@ -376,7 +392,10 @@ impl Store {
             let reason = scrub(&reason, url);
             let lower = reason.to_ascii_lowercase();
             if lower.contains("auth") || lower.contains("password") || lower.contains("noperm") {
-                return StoreError::Auth { url: url.redacted(), reason };
+                return StoreError::Auth {
+                    url: url.redacted(),
+                    reason,
+                };
             }
             StoreError::Connect {
                 url: url.redacted(),
@@ -571,7 +590,11 @@ impl Store {
     }
 
     /// In one round trip: whether the item is done, and the job's status.
-    pub async fn item_gate(&self, job: &str, seq: u32) -> Result<(bool, Option<JobStatus>), StoreError> {
+    pub async fn item_gate(
+        &self,
+        job: &str,
+        seq: u32,
+    ) -> Result<(bool, Option<JobStatus>), StoreError> {
         let mut c = self.conn("item gate").await?;
         let (done, status): (bool, Option<String>) = redis::pipe()
             .sismember(self.done_key(job), seq)
@@ -585,7 +608,9 @@ impl Store {
     /// Forgets the failure of one item (before it is published again).
     pub async fn clear_failure(&self, job: &str, seq: u32) -> Result<(), StoreError> {
         let mut c = self.conn("HDEL failed").await?;
-        c.hdel::<_, _, ()>(self.failed_key(job), seq).await.map_err(cmd("HDEL failed"))
+        c.hdel::<_, _, ()>(self.failed_key(job), seq)
+            .await
+            .map_err(cmd("HDEL failed"))
     }
 
     /// Whether an item is marked done.

@@ -56,7 +56,10 @@ impl ItemError {
     }
     /// A timeout.
     pub fn timeout(message: impl Into<String>) -> Self {
-        Self { class: FailureClass::Timeout, message: message.into() }
+        Self {
+            class: FailureClass::Timeout,
+            message: message.into(),
+        }
     }
     /// A poison failure.
     pub fn poison(message: impl Into<String>) -> Self {

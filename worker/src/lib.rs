@@ -81,24 +81,49 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
     let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
-    let store = with_retry("Redis", cfg.connect_timeout, || Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)).await?;
+    let store = with_retry("Redis", cfg.connect_timeout, || {
+        Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)
+    })
+    .await?;
     let conn_name = format!("batchfleet-worker {worker_id}");
-    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || broker::connect(&cfg.amqp_url, &conn_name, per_try)).await?;
-    let channel = conn.create_channel().await.context("opening a RabbitMQ channel")?;
+    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
+        broker::connect(&cfg.amqp_url, &conn_name, per_try)
+    })
+    .await?;
+    let channel = conn
+        .create_channel()
+        .await
+        .context("opening a RabbitMQ channel")?;
     broker::declare_topology(&channel, &queues).await?;
-    channel.basic_qos(cfg.prefetch, BasicQosOptions::default()).await.context("setting prefetch")?;
+    channel
+        .basic_qos(cfg.prefetch, BasicQosOptions::default())
+        .await
+        .context("setting prefetch")?;
     let publisher = ConfirmedPublisher::open(&conn).await?;
 
     let threads = cfg.threads;
-    let make_runner = Box::new(move || runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads)));
+    let make_runner =
+        Box::new(move || runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads)));
     let ctx = Arc::new(
-        consumer::ItemContext::new(store, publisher, queues.clone(), worker_id.clone(), shutdown.clone(), make_runner)
-            .context("starting the model runner thread")?,
+        consumer::ItemContext::new(
+            store,
+            publisher,
+            queues.clone(),
+            worker_id.clone(),
+            shutdown.clone(),
+            make_runner,
+        )
+        .context("starting the model runner thread")?,
     );
 
     let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
     let mut consumer = channel
-        .basic_consume(queues.work().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queues.work().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .with_context(|| format!("consuming {}", queues.work()))?;
     tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
@@ -118,22 +143,43 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
 
     // Drain: no new deliveries; items already started finish within the deadline.
-    let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+    let _ = channel
+        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+        .await;
     tracker.close();
-    tracing::info!(in_flight = tracker.len(), timeout_s = cfg.drain_timeout.as_secs(), "draining");
-    if tokio::time::timeout(cfg.drain_timeout, tracker.wait()).await.is_err() {
-        tracing::warn!(in_flight = tracker.len(), "drain timeout; unfinished items stay unacknowledged and return to the queue");
+    tracing::info!(
+        in_flight = tracker.len(),
+        timeout_s = cfg.drain_timeout.as_secs(),
+        "draining"
+    );
+    if tokio::time::timeout(cfg.drain_timeout, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            in_flight = tracker.len(),
+            "drain timeout; unfinished items stay unacknowledged and return to the queue"
+        );
     }
     // Closing the channel returns every unacknowledged delivery to the queue at once.
     let _ = channel.close(200, "worker stopping".into()).await;
     let _ = conn.close(200, "worker stopping".into()).await;
 
     if let Some(e) = stream_error {
-        anyhow::bail!("lost the RabbitMQ consumer: {}", batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url));
+        anyhow::bail!(
+            "lost the RabbitMQ consumer: {}",
+            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url)
+        );
     }
-    let reason = ctx.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let reason = ctx
+        .stop_reason
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     match reason {
-        Some(StopReason::Fatal(reason)) => anyhow::bail!("stopped consuming after a fatal error: {reason}"),
+        Some(StopReason::Fatal(reason)) => {
+            anyhow::bail!("stopped consuming after a fatal error: {reason}")
+        }
         Some(StopReason::Restart(reason)) => {
             tracing::warn!(%reason, "stopping so that a fresh process takes over");
             Ok(Exit::Restart(reason))

@@ -85,20 +85,39 @@ impl Batch {
 
     /// A reject record for row `i`, which the model raised on.
     pub fn model_reject(&self, i: usize, reason: &str) -> Reject {
-        Reject { file: self.file.clone(), line: self.lines[i], raw: raw_text(&self.raw, self.spans[i]), reason: reason.to_owned(), stage: "model" }
+        Reject {
+            file: self.file.clone(),
+            line: self.lines[i],
+            raw: raw_text(&self.raw, self.spans[i]),
+            reason: reason.to_owned(),
+            stage: "model",
+        }
     }
 }
 
 fn raw_text(raw: &[u8], (start, end): (usize, usize)) -> String {
     let bytes = raw.get(start..end).unwrap_or_default();
-    String::from_utf8_lossy(bytes).trim_end_matches(['\r', '\n']).to_owned()
+    String::from_utf8_lossy(bytes)
+        .trim_end_matches(['\r', '\n'])
+        .to_owned()
 }
 
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.
-pub fn read(slice: &InputSlice, layout: &CsvLayout, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
+pub fn read(
+    slice: &InputSlice,
+    layout: &CsvLayout,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
     match slice {
-        InputSlice::CsvRange { path, start, end, first_line, rows, file_len } => {
+        InputSlice::CsvRange {
+            path,
+            start,
+            end,
+            first_line,
+            rows,
+            file_len,
+        } => {
             let mut file = File::open(path).map_err(|e| io_error(path, e))?;
             let len = file.metadata().map_err(|e| io_error(path, e))?.len();
             if len != *file_len {
@@ -106,9 +125,12 @@ pub fn read(slice: &InputSlice, layout: &CsvLayout, on_bad_row: OnBadRow) -> Res
                     "{path} is {len} bytes but was {file_len} when the job was planned; the input changed under the job — restore it or start a new job"
                 )));
             }
-            file.seek(SeekFrom::Start(*start)).map_err(|e| io_error(path, e))?;
+            file.seek(SeekFrom::Start(*start))
+                .map_err(|e| io_error(path, e))?;
             let mut raw = Vec::with_capacity((end - start) as usize);
-            file.take(end - start).read_to_end(&mut raw).map_err(|e| io_error(path, e))?;
+            file.take(end - start)
+                .read_to_end(&mut raw)
+                .map_err(|e| io_error(path, e))?;
             let batch = parse_csv(raw, layout, path, *first_line, *rows as usize, on_bad_row)?;
             let seen = (batch.rows() + batch.rejects.len()) as u64;
             if seen != *rows {
@@ -123,7 +145,9 @@ pub fn read(slice: &InputSlice, layout: &CsvLayout, on_bad_row: OnBadRow) -> Res
 
 fn io_error(path: &str, e: std::io::Error) -> ItemError {
     if e.kind() == std::io::ErrorKind::NotFound {
-        ItemError::poison(format!("{path}: input file is gone ({e}); it was there when the job was planned"))
+        ItemError::poison(format!(
+            "{path}: input file is gone ({e}); it was there when the job was planned"
+        ))
     } else {
         ItemError::transient(format!("{path}: {e}"))
     }
@@ -131,7 +155,14 @@ fn io_error(path: &str, e: std::io::Error) -> ItemError {
 
 /// Parses CSV records (no header) held in `raw` into a batch. `first_line` is
 /// the file line of the first record, for messages.
-pub fn parse_csv(raw: Vec<u8>, layout: &CsvLayout, path: &str, first_line: u64, expected_rows: usize, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
+pub fn parse_csv(
+    raw: Vec<u8>,
+    layout: &CsvLayout,
+    path: &str,
+    first_line: u64,
+    expected_rows: usize,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
     let cols = layout.feature_columns.len();
     let mut batch = Batch::with_capacity(cols, expected_rows);
     batch.file = path.to_owned();
@@ -152,7 +183,9 @@ pub fn parse_csv(raw: Vec<u8>, layout: &CsvLayout, path: &str, first_line: u64, 
                 Ok(true) => {}
                 Err(e) => {
                     let line = first_line + e.position().map_or(0, |p| p.line().saturating_sub(1));
-                    return Err(ItemError::poison(format!("{path}: malformed CSV near line {line}: {e}")));
+                    return Err(ItemError::poison(format!(
+                        "{path}: malformed CSV near line {line}: {e}"
+                    )));
                 }
             }
             let pos = rec.position().expect("csv reader sets record positions");
@@ -163,16 +196,29 @@ pub fn parse_csv(raw: Vec<u8>, layout: &CsvLayout, path: &str, first_line: u64, 
                 // The span holds the record index until the ends are known.
                 Ok(id) => batch.push_row(id, &row, line, (record, 0)),
                 Err(reason) => match on_bad_row {
-                    OnBadRow::FailItem => return Err(ItemError::poison(format!("{path} line {line}: {reason}"))),
+                    OnBadRow::FailItem => {
+                        return Err(ItemError::poison(format!("{path} line {line}: {reason}")))
+                    }
                     OnBadRow::Reject => {
                         reject_records.push(record);
-                        batch.rejects.push(Reject { file: path.to_owned(), line, raw: String::new(), reason, stage: "parse" });
+                        batch.rejects.push(Reject {
+                            file: path.to_owned(),
+                            line,
+                            raw: String::new(),
+                            reason,
+                            stage: "parse",
+                        });
                     }
                 },
             }
         }
     }
-    let span = |record: usize| (starts[record], starts.get(record + 1).copied().unwrap_or(raw.len()));
+    let span = |record: usize| {
+        (
+            starts[record],
+            starts.get(record + 1).copied().unwrap_or(raw.len()),
+        )
+    };
     for s in &mut batch.spans {
         *s = span(s.0);
     }
@@ -183,14 +229,29 @@ pub fn parse_csv(raw: Vec<u8>, layout: &CsvLayout, path: &str, first_line: u64, 
     Ok(batch)
 }
 
-fn parse_record<'r>(rec: &'r csv::ByteRecord, layout: &CsvLayout, row: &mut [f32]) -> Result<&'r str, String> {
+fn parse_record<'r>(
+    rec: &'r csv::ByteRecord,
+    layout: &CsvLayout,
+    row: &mut [f32],
+) -> Result<&'r str, String> {
     if rec.len() != layout.fields as usize {
-        return Err(format!("expected {} fields, found {}", layout.fields, rec.len()));
+        return Err(format!(
+            "expected {} fields, found {}",
+            layout.fields,
+            rec.len()
+        ));
     }
-    let id = std::str::from_utf8(&rec[layout.id_column as usize]).map_err(|_| format!("id (field {}) is not valid UTF-8", layout.id_column + 1))?;
+    let id = std::str::from_utf8(&rec[layout.id_column as usize])
+        .map_err(|_| format!("id (field {}) is not valid UTF-8", layout.id_column + 1))?;
     for (slot, &idx) in row.iter_mut().zip(&layout.feature_columns) {
         let raw = &rec[idx as usize];
-        *slot = parse_f32(raw).ok_or_else(|| format!("field {} is not a number: {:?}", idx + 1, String::from_utf8_lossy(raw)))?;
+        *slot = parse_f32(raw).ok_or_else(|| {
+            format!(
+                "field {} is not a number: {:?}",
+                idx + 1,
+                String::from_utf8_lossy(raw)
+            )
+        })?;
     }
     Ok(id)
 }
@@ -204,11 +265,23 @@ mod tests {
     use super::*;
 
     fn layout() -> CsvLayout {
-        CsvLayout { delimiter: b',', fields: 4, id_column: 1, feature_columns: vec![3, 0] }
+        CsvLayout {
+            delimiter: b',',
+            fields: 4,
+            id_column: 1,
+            feature_columns: vec![3, 0],
+        }
     }
 
     fn parse(data: &str, first_line: u64, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
-        parse_csv(data.as_bytes().to_vec(), &layout(), "in/f.csv", first_line, 4, on_bad_row)
+        parse_csv(
+            data.as_bytes().to_vec(),
+            &layout(),
+            "in/f.csv",
+            first_line,
+            4,
+            on_bad_row,
+        )
     }
 
     #[test]
@@ -218,21 +291,38 @@ mod tests {
         assert_eq!(b.features, vec![2.0, 1.5, 0.4, -3.0]);
         assert_eq!((b.id(0), b.id(1)), ("a", "b,c"));
         let r = b.model_reject(1, "boom");
-        assert_eq!((r.line, r.raw.as_str(), r.stage), (3, "-3,\"b,c\",y, 4e-1 ", "model"));
+        assert_eq!(
+            (r.line, r.raw.as_str(), r.stage),
+            (3, "-3,\"b,c\",y, 4e-1 ", "model")
+        );
     }
 
     #[test]
     fn bad_rows_fail_the_item_naming_file_line_and_field() {
         let err = parse("1,a,x,2\n1,b,x,zz\n", 10, OnBadRow::FailItem).unwrap_err();
         assert_eq!(err.class, crate::error::FailureClass::Poison);
-        assert!(err.message.contains("in/f.csv line 11: field 4 is not a number: \"zz\""), "{}", err.message);
+        assert!(
+            err.message
+                .contains("in/f.csv line 11: field 4 is not a number: \"zz\""),
+            "{}",
+            err.message
+        );
         let err = parse("1,a,x\n", 2, OnBadRow::FailItem).unwrap_err();
-        assert!(err.message.contains("line 2: expected 4 fields, found 3"), "{}", err.message);
+        assert!(
+            err.message.contains("line 2: expected 4 fields, found 3"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
     fn bad_rows_are_rejected_with_raw_text_and_the_rest_parsed() {
-        let b = parse("1,a,x,2\n1,b,x,zz\n\"q\nr\",c,x\n5,d,x,6", 2, OnBadRow::Reject).unwrap();
+        let b = parse(
+            "1,a,x,2\n1,b,x,zz\n\"q\nr\",c,x\n5,d,x,6",
+            2,
+            OnBadRow::Reject,
+        )
+        .unwrap();
         assert_eq!((b.rows(), b.id(0), b.id(1)), (2, "a", "d"));
         assert_eq!(b.features, vec![2.0, 1.0, 6.0, 5.0]);
         let got: Vec<(u64, &str)> = b.rejects.iter().map(|r| (r.line, r.raw.as_str())).collect();
@@ -248,7 +338,14 @@ mod tests {
         let content = "h1,h2,h3,h4\n1,a,x,2\n3,b,y,4\n5,c,z,6\n";
         std::fs::write(&p, content).unwrap();
         let path = p.to_string_lossy().into_owned();
-        let slice = |rows, file_len| InputSlice::CsvRange { path: path.clone(), start: 20, end: 28, first_line: 3, rows, file_len };
+        let slice = |rows, file_len| InputSlice::CsvRange {
+            path: path.clone(),
+            start: 20,
+            end: 28,
+            first_line: 3,
+            rows,
+            file_len,
+        };
         let b = read(&slice(1, content.len() as u64), &layout(), OnBadRow::Reject).unwrap();
         assert_eq!((b.id(0), b.features.as_slice()), ("b", &[4.0, 3.0][..]));
         let err = read(&slice(2, content.len() as u64), &layout(), OnBadRow::Reject).unwrap_err();

@@ -33,28 +33,50 @@ pub enum ForwardError {
     Unusable(ItemError),
     /// The call ran out of memory; a smaller batch may fit.
     OutOfMemory(String),
-    /// The model raised on this input.
-    Raised(String),
+    /// The model raised on this input: (summary line, full message).
+    Raised(String, String),
 }
 
 /// Runs one `forward` on `rows × cols` features. Implementations live on one
 /// thread and may keep state (loaded models) between calls.
 pub trait Backend {
     /// Returns `(values, outputs per row)`.
-    fn forward(&mut self, model: &ModelRef, features: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError>;
+    fn forward(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        cols: usize,
+    ) -> Result<(Vec<f32>, usize), ForwardError>;
 }
 
 /// Error messages that mean the allocator ran out, on CPU or GPU.
 pub fn is_out_of_memory(msg: &str) -> bool {
     let m = msg.to_ascii_lowercase();
-    m.contains("out of memory") || m.contains("can't allocate memory") || m.contains("cannot allocate memory")
+    m.contains("out of memory")
+        || m.contains("can't allocate memory")
+        || m.contains("cannot allocate memory")
 }
 
 /// Predicts all rows of `features` in mini-batches of `batch_size` (see module docs).
-pub fn predict<B: Backend + ?Sized>(backend: &mut B, model: &ModelRef, features: &[f32], cols: usize, batch_size: usize, policy: &FailurePolicy) -> Result<Predictions, ItemError> {
+pub fn predict<B: Backend + ?Sized>(
+    backend: &mut B,
+    model: &ModelRef,
+    features: &[f32],
+    cols: usize,
+    batch_size: usize,
+    policy: &FailurePolicy,
+) -> Result<Predictions, ItemError> {
     let rows = features.len().checked_div(cols).unwrap_or(0);
     let mut out = Predictions::default();
-    let mut run = Run { backend, model, features, cols, policy, out: &mut out, rows };
+    let mut run = Run {
+        backend,
+        model,
+        features,
+        cols,
+        policy,
+        out: &mut out,
+        rows,
+    };
     let mut lo = 0;
     while lo < rows {
         let hi = (lo + batch_size.max(1)).min(rows);
@@ -62,7 +84,10 @@ pub fn predict<B: Backend + ?Sized>(backend: &mut B, model: &ModelRef, features:
         lo = hi;
     }
     if rows > 0 && out.failed.len() == rows {
-        return Err(ItemError::poison(format!("model {} raised on every row of the item: {}", model.path, out.failed[0].1)));
+        return Err(ItemError::poison(format!(
+            "model {} raised on every row of the item: {}",
+            model.path, out.failed[0].1
+        )));
     }
     Ok(out)
 }
@@ -84,17 +109,34 @@ impl<B: Backend + ?Sized> Run<'_, B> {
             Ok((values, width)) => self.store(lo, hi, &values, width),
             Err(ForwardError::Unusable(e)) => Err(e),
             Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
-                tracing::warn!(rows = hi - lo, "out of memory; retrying the mini-batch in halves");
+                tracing::warn!(
+                    rows = hi - lo,
+                    "out of memory; retrying the mini-batch in halves"
+                );
                 let _ = msg;
                 self.split(lo, hi)
             }
-            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::transient(format!("out of memory running {} on a single row: {msg}", self.model.path))),
-            Err(ForwardError::Raised(msg)) => {
-                if let Some(p) = self.policy.transient_errors.iter().find(|p| msg.contains(p.as_str())) {
-                    return Err(ItemError::transient(format!("model {} failed with a transient error (matches {p:?}): {msg}", self.model.path)));
+            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::transient(format!(
+                "out of memory running {} on a single row: {msg}",
+                self.model.path
+            ))),
+            Err(ForwardError::Raised(msg, full)) => {
+                if let Some(p) = self
+                    .policy
+                    .transient_errors
+                    .iter()
+                    .find(|p| full.contains(p.as_str()))
+                {
+                    return Err(ItemError::transient(format!(
+                        "model {} failed with a transient error (matches {p:?}): {msg}",
+                        self.model.path
+                    )));
                 }
                 if !self.policy.isolate_poison_rows {
-                    return Err(ItemError::poison(format!("model {} raised on this input: {msg}", self.model.path)));
+                    return Err(ItemError::poison(format!(
+                        "model {} raised on this input: {msg}",
+                        self.model.path
+                    )));
                 }
                 if hi - lo == 1 {
                     self.out.failed.push((lo, msg));
@@ -112,15 +154,29 @@ impl<B: Backend + ?Sized> Run<'_, B> {
         self.range(mid, hi)
     }
 
-    fn store(&mut self, lo: usize, hi: usize, values: &[f32], width: usize) -> Result<(), ItemError> {
+    fn store(
+        &mut self,
+        lo: usize,
+        hi: usize,
+        values: &[f32],
+        width: usize,
+    ) -> Result<(), ItemError> {
         if self.out.width == 0 {
             self.out.width = width;
             self.out.values = vec![f32::NAN; self.rows * width];
         } else if width != self.out.width {
-            return Err(ItemError::poison(format!("model {} returned {width} outputs per row, earlier {}", self.model.path, self.out.width)));
+            return Err(ItemError::poison(format!(
+                "model {} returned {width} outputs per row, earlier {}",
+                self.model.path, self.out.width
+            )));
         }
         if values.len() != (hi - lo) * width {
-            return Err(ItemError::poison(format!("model {} returned {} values for {} rows", self.model.path, values.len(), hi - lo)));
+            return Err(ItemError::poison(format!(
+                "model {} returned {} values for {} rows",
+                self.model.path,
+                values.len(),
+                hi - lo
+            )));
         }
         self.out.values[lo * width..hi * width].copy_from_slice(values);
         Ok(())
@@ -150,29 +206,57 @@ impl ModelRunner {
         B: Backend,
         F: FnOnce() -> B + Send + 'static,
     {
-        // Capacity 1: one batch waits while one runs; the readers feeding it
-        // block on `send`, which is the backpressure we want.
+        // Callers take turns through a gate (see `consumer`), so one slot suffices.
         let (tx, mut rx) = mpsc::channel::<Request>(1);
-        std::thread::Builder::new().name("model-runner".into()).spawn(move || {
-            let mut backend = make_backend();
-            while let Some(req) = rx.blocking_recv() {
-                let result = predict(&mut backend, &req.model, &req.batch.features, req.batch.cols, req.batch_size, &req.policy);
-                let _ = req.reply.send((req.batch, result));
-            }
-        })?;
+        std::thread::Builder::new()
+            .name("model-runner".into())
+            .spawn(move || {
+                let mut backend = make_backend();
+                while let Some(req) = rx.blocking_recv() {
+                    let result = predict(
+                        &mut backend,
+                        &req.model,
+                        &req.batch.features,
+                        req.batch.cols,
+                        req.batch_size,
+                        &req.policy,
+                    );
+                    let _ = req.reply.send((req.batch, result));
+                }
+            })?;
         Ok(Self { tx })
     }
 
     /// Predicts a batch; hands the batch back with the result.
-    pub async fn predict(&self, model: &ModelRef, batch: Batch, batch_size: usize, policy: &FailurePolicy) -> (Batch, Result<Predictions, ItemError>) {
+    pub async fn predict(
+        &self,
+        model: &ModelRef,
+        batch: Batch,
+        batch_size: usize,
+        policy: &FailurePolicy,
+    ) -> (Batch, Result<Predictions, ItemError>) {
         let (reply, rx) = oneshot::channel();
-        let req = Request { model: model.clone(), batch, batch_size, policy: policy.clone(), reply };
+        let req = Request {
+            model: model.clone(),
+            batch,
+            batch_size,
+            policy: policy.clone(),
+            reply,
+        };
         if let Err(mpsc::error::SendError(req)) = self.tx.send(req).await {
-            return (req.batch, Err(ItemError::fatal("the model runner thread has stopped")));
+            return (
+                req.batch,
+                Err(ItemError::fatal("the model runner thread has stopped")),
+            );
         }
         match rx.await {
             Ok(out) => out,
-            Err(_) => (Batch::default(), Err(ItemError::fatal("the model runner thread died while predicting"))),
+            Err(_) => (
+                Batch::default(),
+                Err(ItemError::fatal(
+                    "the model runner thread died while predicting",
+                )),
+            ),
         }
     }
 }
@@ -184,7 +268,9 @@ pub struct TorchBackend {
 
 impl std::fmt::Debug for TorchBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TorchBackend").field("models", &self.cache.len()).finish()
+        f.debug_struct("TorchBackend")
+            .field("models", &self.cache.len())
+            .finish()
     }
 }
 
@@ -199,7 +285,9 @@ impl TorchBackend {
         // process (a replacement runner after a hung item must not repeat it).
         static INTEROP: std::sync::Once = std::sync::Once::new();
         INTEROP.call_once(|| tch::set_num_interop_threads(1));
-        Self { cache: HashMap::new() }
+        Self {
+            cache: HashMap::new(),
+        }
     }
 
     fn device(spec: &str) -> Result<tch::Device, ItemError> {
@@ -233,8 +321,13 @@ impl TorchBackend {
                 )));
             }
             let device = Self::device(&model.device)?;
-            let mut module = tch::CModule::load_on_device(&model.path, device)
-                .map_err(|e| ItemError::fatal(format!("cannot load TorchScript model {}: {}", model.path, first_line(&e.to_string()))))?;
+            let mut module = tch::CModule::load_on_device(&model.path, device).map_err(|e| {
+                ItemError::fatal(format!(
+                    "cannot load TorchScript model {}: {}",
+                    model.path,
+                    error_summary(&e.to_string())
+                ))
+            })?;
             module.set_eval();
             tracing::info!(model = %model.path, device = %model.device, ms = started.elapsed().as_millis() as u64, "model loaded");
             self.cache.insert(key.clone(), module);
@@ -243,23 +336,42 @@ impl TorchBackend {
     }
 }
 
-fn first_line(s: &str) -> &str {
-    s.lines().find(|l| !l.trim().is_empty()).unwrap_or(s)
+/// The informative line of a libtorch error. TorchScript errors carry a
+/// traceback and put the exception (`RuntimeError: …`) on its last such line.
+pub fn error_summary(full: &str) -> String {
+    let lines: Vec<&str> = full
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let pick = lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("Error: "))
+        .or(lines.first())
+        .copied()
+        .unwrap_or(full);
+    pick.to_owned()
 }
 
 impl Backend for TorchBackend {
-    fn forward(&mut self, model: &ModelRef, features: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError> {
+    fn forward(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        cols: usize,
+    ) -> Result<(Vec<f32>, usize), ForwardError> {
         let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
         let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
         let n = (features.len() / cols.max(1)) as i64;
         let classify = |e: tch::TchError| {
-            let msg = e.to_string();
-            let line = first_line(&msg).to_owned();
-            if is_out_of_memory(&msg) {
+            let full = e.to_string();
+            let line = error_summary(&full);
+            if is_out_of_memory(&full) {
                 ForwardError::OutOfMemory(line)
             } else {
-                ForwardError::Raised(line)
+                ForwardError::Raised(line, full)
             }
         };
         let input = tch::Tensor::f_from_slice(features)
@@ -277,9 +389,14 @@ impl Backend for TorchBackend {
                 ))))
             }
         };
-        let y = y.f_to_kind(tch::Kind::Float).and_then(|t| t.f_to_device(tch::Device::Cpu)).and_then(|t| t.f_contiguous()).map_err(classify)?;
+        let y = y
+            .f_to_kind(tch::Kind::Float)
+            .and_then(|t| t.f_to_device(tch::Device::Cpu))
+            .and_then(|t| t.f_contiguous())
+            .map_err(classify)?;
         let mut values = vec![0f32; n as usize * width];
-        y.f_copy_data(&mut values, n as usize * width).map_err(classify)?;
+        y.f_copy_data(&mut values, n as usize * width)
+            .map_err(classify)?;
         Ok((values, width))
     }
 }
@@ -295,20 +412,32 @@ mod tests {
         calls: usize,
     }
     impl Backend for Fake {
-        fn forward(&mut self, _m: &ModelRef, f: &[f32], cols: usize) -> Result<(Vec<f32>, usize), ForwardError> {
+        fn forward(
+            &mut self,
+            _m: &ModelRef,
+            f: &[f32],
+            cols: usize,
+        ) -> Result<(Vec<f32>, usize), ForwardError> {
             self.calls += 1;
             if f.len() / cols > self.max_rows {
                 return Err(ForwardError::OutOfMemory("CUDA out of memory".into()));
             }
             if f.contains(&-999.0) {
-                return Err(ForwardError::Raised("sentinel".into()));
+                return Err(ForwardError::Raised(
+                    "sentinel".into(),
+                    "Traceback\nRuntimeError: sentinel".into(),
+                ));
             }
             Ok((f.chunks(cols).map(|r| r.iter().sum()).collect(), 1))
         }
     }
 
     fn model() -> ModelRef {
-        ModelRef { path: "m.pt".into(), sha256: "x".into(), device: "cpu".into() }
+        ModelRef {
+            path: "m.pt".into(),
+            sha256: "x".into(),
+            device: "cpu".into(),
+        }
     }
 
     fn rows(values: &[f32]) -> Vec<f32> {
@@ -318,48 +447,139 @@ mod tests {
     #[test]
     fn bisection_rejects_exactly_the_rows_that_raise() {
         let f = rows(&[1.0, -999.0, 3.0, 4.0, 5.0, 6.0, -999.0, 8.0]);
-        let mut b = Fake { max_rows: 100, calls: 0 };
+        let mut b = Fake {
+            max_rows: 100,
+            calls: 0,
+        };
         let p = predict(&mut b, &model(), &f, 2, 8, &FailurePolicy::default()).unwrap();
-        assert_eq!(p.failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![1, 6]);
+        assert_eq!(
+            p.failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            vec![1, 6]
+        );
         assert_eq!(p.values[0], 2.0);
         assert_eq!(p.values[7], 9.0);
         assert!(p.values[1].is_nan());
-        assert!(b.calls <= 1 + 2 * 2 * 3, "bisection stays logarithmic: {} calls", b.calls);
+        assert!(
+            b.calls <= 1 + 2 * 2 * 3,
+            "bisection stays logarithmic: {} calls",
+            b.calls
+        );
     }
 
     #[test]
     fn without_isolation_or_when_every_row_raises_the_item_is_poison() {
         let f = rows(&[1.0, -999.0]);
-        let policy = FailurePolicy { isolate_poison_rows: false, ..FailurePolicy::default() };
-        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &f, 2, 8, &policy).unwrap_err();
+        let policy = FailurePolicy {
+            isolate_poison_rows: false,
+            ..FailurePolicy::default()
+        };
+        let err = predict(
+            &mut Fake {
+                max_rows: 9,
+                calls: 0,
+            },
+            &model(),
+            &f,
+            2,
+            8,
+            &policy,
+        )
+        .unwrap_err();
         assert_eq!(err.class, crate::error::FailureClass::Poison);
-        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &rows(&[-999.0, -999.0]), 2, 8, &FailurePolicy::default()).unwrap_err();
-        assert!(err.message.contains("raised on every row"), "{}", err.message);
+        let err = predict(
+            &mut Fake {
+                max_rows: 9,
+                calls: 0,
+            },
+            &model(),
+            &rows(&[-999.0, -999.0]),
+            2,
+            8,
+            &FailurePolicy::default(),
+        )
+        .unwrap_err();
+        assert!(
+            err.message.contains("raised on every row"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
     fn out_of_memory_halves_the_mini_batch_then_is_transient() {
         let f = rows(&[1.0, 2.0, 3.0, 4.0, 5.0]);
-        let p = predict(&mut Fake { max_rows: 2, calls: 0 }, &model(), &f, 2, 5, &FailurePolicy::default()).unwrap();
+        let p = predict(
+            &mut Fake {
+                max_rows: 2,
+                calls: 0,
+            },
+            &model(),
+            &f,
+            2,
+            5,
+            &FailurePolicy::default(),
+        )
+        .unwrap();
         assert_eq!(p.values, vec![2.0, 3.0, 4.0, 5.0, 6.0]);
-        let err = predict(&mut Fake { max_rows: 0, calls: 0 }, &model(), &f, 2, 5, &FailurePolicy::default()).unwrap_err();
+        let err = predict(
+            &mut Fake {
+                max_rows: 0,
+                calls: 0,
+            },
+            &model(),
+            &f,
+            2,
+            5,
+            &FailurePolicy::default(),
+        )
+        .unwrap_err();
         assert_eq!(err.class, crate::error::FailureClass::Transient);
     }
 
     #[test]
+    fn error_summary_finds_the_exception_line_of_a_traceback() {
+        let full = "Internal torch error: The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript:\n  File \"x.py\", line 3\nRuntimeError: poison sentinel in input\n";
+        assert_eq!(
+            error_summary(full),
+            "RuntimeError: poison sentinel in input"
+        );
+        assert_eq!(error_summary("plain message\nmore"), "plain message");
+    }
+
+    #[test]
     fn configured_patterns_make_model_errors_transient() {
-        let policy = FailurePolicy { transient_errors: vec!["sentinel".into()], ..FailurePolicy::default() };
-        let err = predict(&mut Fake { max_rows: 9, calls: 0 }, &model(), &rows(&[-999.0]), 2, 8, &policy).unwrap_err();
+        let policy = FailurePolicy {
+            transient_errors: vec!["sentinel".into()],
+            ..FailurePolicy::default()
+        };
+        let err = predict(
+            &mut Fake {
+                max_rows: 9,
+                calls: 0,
+            },
+            &model(),
+            &rows(&[-999.0]),
+            2,
+            8,
+            &policy,
+        )
+        .unwrap_err();
         assert_eq!(err.class, crate::error::FailureClass::Transient);
     }
 
     #[tokio::test]
     async fn runner_thread_returns_batch_and_predictions() {
-        let runner = ModelRunner::spawn(|| Fake { max_rows: 9, calls: 0 }).unwrap();
+        let runner = ModelRunner::spawn(|| Fake {
+            max_rows: 9,
+            calls: 0,
+        })
+        .unwrap();
         let mut b = Batch::with_capacity(2, 2);
         b.push("a", &[1.0, 2.0]);
         b.push("b", &[3.0, 4.0]);
-        let (back, preds) = runner.predict(&model(), b.clone(), 8, &FailurePolicy::default()).await;
+        let (back, preds) = runner
+            .predict(&model(), b.clone(), 8, &FailurePolicy::default())
+            .await;
         assert_eq!(back, b);
         assert_eq!(preds.unwrap().values, vec![3.0, 7.0]);
     }

@@ -23,9 +23,19 @@ pub fn score_columns(width: usize) -> Vec<String> {
 
 /// Writes `id` plus one column per model output for every row the model did
 /// not fail on, to `dest` (CSV with a header).
-pub fn write_csv(dest: &Path, tag: &str, batch: &Batch, preds: &Predictions) -> Result<Publish, ItemError> {
+pub fn write_csv(
+    dest: &Path,
+    tag: &str,
+    batch: &Batch,
+    preds: &Predictions,
+) -> Result<Publish, ItemError> {
     if batch.rows() > 0 && preds.values.len() != batch.rows() * preds.width {
-        return Err(ItemError::poison(format!("model returned {} values for {} rows of width {}", preds.values.len(), batch.rows(), preds.width)));
+        return Err(ItemError::poison(format!(
+            "model returned {} values for {} rows of width {}",
+            preds.values.len(),
+            batch.rows(),
+            preds.width
+        )));
     }
     let result = publish_atomically(dest, tag, false, |w| {
         let mut csv = csv::WriterBuilder::new().from_writer(w);
@@ -66,10 +76,16 @@ pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<Publi
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).
 pub fn count_rows(path: &Path) -> std::io::Result<u64> {
-    let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_path(path).map_err(std::io::Error::other)?;
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(std::io::Error::other)?;
     let mut rec = csv::ByteRecord::new();
     let mut n = 0;
-    while rdr.read_byte_record(&mut rec).map_err(std::io::Error::other)? {
+    while rdr
+        .read_byte_record(&mut rec)
+        .map_err(std::io::Error::other)?
+    {
         n += 1;
     }
     Ok(n)
@@ -96,12 +112,19 @@ mod tests {
         b.push("a,1", &[0.0]);
         b.push("x", &[0.0]);
         b.push("b", &[0.0]);
-        let p = Predictions { values: vec![0.1, 1e-7, f32::NAN, f32::NAN, -2.5, 3.0], width: 2, failed: vec![(1, "boom".into())] };
+        let p = Predictions {
+            values: vec![0.1, 1e-7, f32::NAN, f32::NAN, -2.5, 3.0],
+            width: 2,
+            failed: vec![(1, "boom".into())],
+        };
         assert_eq!(write_csv(&dest, "t", &b, &p).unwrap(), Publish::Committed);
         let text = std::fs::read_to_string(&dest).unwrap();
         assert_eq!(text, "id,score_0,score_1\n\"a,1\",0.1,1e-7\nb,-2.5,3.0\n");
         assert_eq!(count_rows(&dest).unwrap(), 2);
-        assert_eq!(write_csv(&dest, "t2", &b, &p).unwrap(), Publish::AlreadyExists);
+        assert_eq!(
+            write_csv(&dest, "t2", &b, &p).unwrap(),
+            Publish::AlreadyExists
+        );
     }
 
     #[test]
@@ -109,7 +132,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join(REJECTS_DIR).join("part-000001.jsonl");
         std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
-        let r = Reject { file: "in.csv".into(), line: 7, raw: "1,\"x\"".into(), reason: "field 2 is not a number".into(), stage: "parse" };
+        let r = Reject {
+            file: "in.csv".into(),
+            line: 7,
+            raw: "1,\"x\"".into(),
+            reason: "field 2 is not a number".into(),
+            stage: "parse",
+        };
         write_rejects(&dest, "t", &[r.clone(), r]).unwrap();
         let text = std::fs::read_to_string(&dest).unwrap();
         let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
@@ -124,7 +153,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut b = Batch::with_capacity(1, 1);
         b.push("a", &[0.0]);
-        let err = write_csv(&dir.path().join("p.csv"), "t", &b, &Predictions { values: vec![1.0, 2.0], width: 1, failed: vec![] }).unwrap_err();
+        let err = write_csv(
+            &dir.path().join("p.csv"),
+            "t",
+            &b,
+            &Predictions {
+                values: vec![1.0, 2.0],
+                width: 1,
+                failed: vec![],
+            },
+        )
+        .unwrap_err();
         assert!(err.message.contains("2 values for 1 rows"));
     }
 }

@@ -193,7 +193,10 @@ async fn wrong_credentials_fail_without_leaking_the_secret() {
     assert_eq!(out.status.code(), Some(1));
     let all = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
     assert!(!all.contains("hunter2-secret"), "secret leaked: {all}");
-    assert!(all.contains("RabbitMQ at amqp://guest:***@127.0.0.1:5672/%2f refused the login"), "{all}");
+    assert!(
+        all.contains("RabbitMQ at amqp://guest:***@127.0.0.1:5672/%2f refused the login"),
+        "{all}"
+    );
     case.assert_nothing_published().await;
 
     let out = case.run(&[

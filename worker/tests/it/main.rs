@@ -2,4 +2,5 @@
 //! Each test uses its own pool, Redis prefix and temp folder, and cleans up.
 
 mod e2e;
+mod failures;
 mod support;

@@ -1,0 +1,320 @@
+//! The dead-letter queue of a pool: list, replay and purge dead items.
+//!
+//! Dead items are read with `basic.get` without acknowledging them; whatever
+//! is not replayed or purged returns to the dead queue when the channel
+//! closes, so listing never loses an item. A replayed item is published to
+//! the work queue (confirmed) *before* its dead copy is acknowledged.
+
+use crate::RunError;
+use batchfleet_shared::broker::{
+    int_header, str_header, BrokerError, ConfirmedPublisher, Outgoing, PoolQueues,
+};
+use batchfleet_shared::message::{
+    Envelope, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
+    MESSAGE_TYPE_V1, WORKER_HEADER,
+};
+use batchfleet_shared::store::{ItemFailure, JobStatus, Store};
+use lapin::message::BasicGetMessage;
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueuePurgeOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// One dead item as stored in the dead queue.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeadItem {
+    /// Job id (empty if the message could not be decoded).
+    pub job: String,
+    /// Item seq, if known.
+    pub item: Option<u32>,
+    /// `poison`, `transient`, `timeout`, or `infra` (dead-lettered by the
+    /// broker after too many deliveries: workers died on it).
+    pub class: String,
+    /// Last error.
+    pub error: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Worker that gave up (empty for `infra`).
+    pub worker: String,
+    /// When it was dead-lettered (ms since epoch; 0 if unknown).
+    pub dead_at_ms: u64,
+}
+
+/// Which dead items a command applies to.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Only this job.
+    pub job: Option<String>,
+    /// Only this class.
+    pub class: Option<String>,
+    /// Only this item.
+    pub item: Option<u32>,
+}
+
+impl Filter {
+    fn matches(&self, d: &DeadItem) -> bool {
+        self.job.as_ref().is_none_or(|j| *j == d.job)
+            && self.class.as_ref().is_none_or(|c| *c == d.class)
+            && self.item.is_none_or(|i| Some(i) == d.item)
+    }
+}
+
+fn describe(msg: &BasicGetMessage) -> DeadItem {
+    let h = msg.delivery.properties.headers().as_ref();
+    let decoded = Envelope::decode(&msg.delivery.data)
+        .ok()
+        .map(Envelope::into_item);
+    let job = str_header(h, JOB_HEADER)
+        .filter(|j| !j.is_empty())
+        .or_else(|| decoded.as_ref().map(|i| i.job_id.clone()))
+        .unwrap_or_default();
+    let item = int_header(h, ITEM_HEADER)
+        .filter(|i| *i >= 0)
+        .map(|i| i as u32)
+        .or_else(|| decoded.as_ref().map(|i| i.seq));
+    match str_header(h, CLASS_HEADER) {
+        Some(class) => DeadItem {
+            job,
+            item,
+            class,
+            error: str_header(h, ERROR_HEADER).unwrap_or_default(),
+            attempts: int_header(h, ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
+            worker: str_header(h, WORKER_HEADER).unwrap_or_default(),
+            dead_at_ms: int_header(h, DEAD_AT_HEADER).unwrap_or(0).max(0) as u64,
+        },
+        // No batchfleet headers: RabbitMQ itself dead-lettered it (delivery limit).
+        None => {
+            let deliveries = int_header(h, "x-delivery-count").unwrap_or(0);
+            DeadItem {
+                job,
+                item,
+                class: "infra".into(),
+                error: format!("dead-lettered by RabbitMQ after {deliveries} deliveries without a result: workers crashed or were killed while processing it"),
+                attempts: int_header(h, ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
+                worker: String::new(),
+                dead_at_ms: 0,
+            }
+        }
+    }
+}
+
+/// Takes every message of the dead queue without acknowledging it.
+async fn take_all(channel: &Channel, queue: &str) -> Result<Vec<BasicGetMessage>, BrokerError> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let count = match channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) => q.message_count(),
+        Err(_) => return Ok(Vec::new()), // no dead queue: nothing ever died in this pool
+    };
+    let mut out = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        match channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .map_err(BrokerError::op(format!("basic.get {queue}")))?
+        {
+            Some(m) => out.push(m),
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
+/// Lists the dead items of `pool` that match `filter`.
+pub async fn list(
+    conn: &Connection,
+    pool: &str,
+    filter: &Filter,
+) -> Result<Vec<DeadItem>, BrokerError> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(BrokerError::op("channel.open"))?;
+    let queue = PoolQueues::new(pool).dead();
+    // A fresh channel can also be closed by the broker (missing queue); reopen for the listing.
+    let taken = take_all(&channel, &queue).await?;
+    let items = taken
+        .iter()
+        .map(describe)
+        .filter(|d| filter.matches(d))
+        .collect();
+    // Closing without acks returns every message to the dead queue.
+    let _ = channel.close(200, "listed".into()).await;
+    Ok(items)
+}
+
+/// What a replay did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Replayed {
+    /// Items published to the work queue again, in order.
+    pub items: Vec<u32>,
+    /// Jobs they belong to.
+    pub jobs: Vec<String>,
+}
+
+/// Publishes the matching dead items of `pool` to its work queue with the
+/// attempt count reset, acknowledging each dead copy only after the publish
+/// is confirmed, and marks their jobs running again. With `update_model`, the
+/// model digest in each item is replaced by the current digest of its file
+/// (for replays after a fixed model was swapped in under the same path).
+pub async fn replay(
+    conn: &Connection,
+    store: &Store,
+    pool: &str,
+    filter: &Filter,
+    update_model: bool,
+) -> Result<Replayed, RunError> {
+    let queues = PoolQueues::new(pool);
+    let publisher = ConfirmedPublisher::open(conn).await?;
+    let channel = publisher.channel();
+    let taken = take_all(channel, &queues.dead()).await?;
+    let mut digests: HashMap<String, String> = HashMap::new();
+    let mut out = Replayed::default();
+    for msg in &taken {
+        let dead = describe(msg);
+        if !filter.matches(&dead) {
+            continue;
+        }
+        let Some(mut item) = Envelope::decode(&msg.delivery.data)
+            .ok()
+            .map(Envelope::into_item)
+        else {
+            tracing::warn!("skipping an undecodable dead message; `dlq purge` removes it");
+            continue;
+        };
+        if update_model {
+            let path = item.task.model.path.clone();
+            let sha = match digests.get(&path) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&path))
+                        .map_err(|e| {
+                            RunError::Output(format!(
+                                "cannot read model {path} to update its digest: {e}"
+                            ))
+                        })?;
+                    digests.insert(path.clone(), s.clone());
+                    s
+                }
+            };
+            item.task.model.sha256 = sha;
+        }
+        // Forget the failure first, so a fresh failure recorded by a fast
+        // worker is not erased after the publish.
+        store.clear_failure(&item.job_id, item.seq).await?;
+        let mut headers = FieldTable::default();
+        headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(1));
+        let outgoing = Outgoing {
+            message_id: format!("{}/{}", item.job_id, item.seq),
+            kind: MESSAGE_TYPE_V1,
+            body: Envelope::V1(item.clone()).encode(),
+            headers,
+            expiration_ms: None,
+        };
+        if let Err(e) = publisher
+            .publish_all(&queues.work(), [outgoing], 1, |_| {})
+            .await
+        {
+            // Put the failure back: the dead copy stays where it is.
+            let failure = ItemFailure {
+                seq: item.seq,
+                class: dead.class,
+                reason: dead.error,
+                worker: dead.worker,
+                attempt: dead.attempts,
+                at_ms: dead.dead_at_ms,
+            };
+            let _ = store.fail_item(&item.job_id, &failure).await;
+            return Err(e.into());
+        }
+        msg.delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(BrokerError::op("basic.ack (dead copy)"))?;
+        if !out.jobs.contains(&item.job_id) {
+            out.jobs.push(item.job_id.clone());
+        }
+        out.items.push(item.seq);
+    }
+    for job in &out.jobs {
+        let mut fields = vec![
+            ("status", JobStatus::Running.as_str().to_owned()),
+            ("finished_ms", "0".to_owned()),
+        ];
+        if let (true, Some(sha)) = (update_model, digests.values().next()) {
+            fields.push(("model_sha256", sha.clone()));
+        }
+        store.set_job_fields(job, &fields).await?;
+    }
+    let _ = channel.close(200, "replayed".into()).await;
+    Ok(out)
+}
+
+/// Removes dead items: the whole dead queue, or only a job's items. Returns how many.
+pub async fn purge(conn: &Connection, pool: &str, job: Option<&str>) -> Result<u64, BrokerError> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(BrokerError::op("channel.open"))?;
+    let queue = PoolQueues::new(pool).dead();
+    let removed = match job {
+        None => match channel
+            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await
+        {
+            Ok(n) => u64::from(n),
+            Err(_) => 0,
+        },
+        Some(job) => {
+            let mut n = 0;
+            for msg in take_all(&channel, &queue).await? {
+                if describe(&msg).job == job {
+                    msg.delivery
+                        .acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .map_err(BrokerError::op("basic.ack"))?;
+                    n += 1;
+                }
+            }
+            n
+        }
+    };
+    let _ = channel.close(200, "purged".into()).await;
+    Ok(removed)
+}
+
+/// A table for people.
+pub fn render(items: &[DeadItem]) -> String {
+    use std::fmt::Write;
+    let mut s = format!(
+        "{:<28} {:>6} {:<10} {:>8} {:<20} {:<24} error\n",
+        "job", "item", "class", "attempts", "worker", "dead at (UTC)"
+    );
+    for d in items {
+        let at = if d.dead_at_ms == 0 {
+            "-".to_owned()
+        } else {
+            humantime::format_rfc3339_seconds(
+                std::time::UNIX_EPOCH + std::time::Duration::from_millis(d.dead_at_ms),
+            )
+            .to_string()
+        };
+        let item = d.item.map_or("-".to_owned(), |i| i.to_string());
+        let error: String = d.error.chars().take(160).collect();
+        let _ = writeln!(
+            s,
+            "{:<28} {:>6} {:<10} {:>8} {:<20} {:<24} {}",
+            d.job, item, d.class, d.attempts, d.worker, at, error
+        );
+    }
+    let _ = write!(s, "{} dead item(s)", items.len());
+    s
+}

@@ -1,0 +1,694 @@
+//! Failure handling against the real RabbitMQ, Redis and libtorch: bad rows,
+//! models that raise, flake or hang, the dead-letter queue and the error budget.
+
+use crate::support::TestEnv;
+use batchfleet_coordinator::dlq::{self, Filter};
+use batchfleet_coordinator::reducer::Summary;
+use batchfleet_coordinator::{follow_job, run_job, RunOutcome};
+use batchfleet_loadtest::python::{make_faulty_models, make_job, JobGen};
+use batchfleet_loadtest::verify::verify;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A 2000-row job (2 files, items of `item_rows`) with the faulty model variants,
+/// its manifest pointing at `model` and carrying `failure` as its `[failure]` section.
+fn job(
+    env: &TestEnv,
+    item_rows: u64,
+    poison_rows: &[u64],
+    hang_rows: &[u64],
+    model: &str,
+    failure: &str,
+) -> PathBuf {
+    let gen = JobGen {
+        rows: 2_000,
+        files: 2,
+        features: 8,
+        hidden: 16,
+        name: batchfleet_loadtest::services::unique("fail"),
+        pool: env.pool.clone(),
+        item_rows,
+        batch_size: 64,
+        poison_rows: poison_rows.to_vec(),
+        hang_rows: hang_rows.to_vec(),
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    make_faulty_models(env.path(), 150.0).expect("faulty models");
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest)
+        .expect("manifest")
+        .replace("path = \"model.pt\"", &format!("path = \"{model}\""));
+    std::fs::write(&manifest, format!("{text}\n[failure]\n{failure}\n")).expect("manifest");
+    manifest
+}
+
+async fn run(env: &TestEnv, manifest: &Path) -> (String, Summary) {
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(180),
+        run_job(&env.run_config(), manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job settled within 3 minutes")
+    .expect("job ran");
+    match outcome {
+        RunOutcome::Completed { job_id, report, .. } => (job_id, *report),
+        other => panic!("expected a settled job, got {other:?}"),
+    }
+}
+
+fn rejects(out: &Path) -> Vec<serde_json::Value> {
+    let mut all = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(out.join("rejects")) {
+        for e in entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
+        {
+            let text = std::fs::read_to_string(e.path()).expect("rejects file");
+            all.extend(
+                text.lines()
+                    .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json line")),
+            );
+        }
+    }
+    all
+}
+
+fn id(row: u64) -> String {
+    format!("r{row:08}")
+}
+
+async fn dead(env: &TestEnv, job: &str) -> Vec<dlq::DeadItem> {
+    let (conn, _) = env.channel().await;
+    let items = dlq::list(
+        &conn,
+        &env.pool,
+        &Filter {
+            job: Some(job.to_owned()),
+            ..Filter::default()
+        },
+    )
+    .await
+    .expect("dlq list");
+    let _ = conn.close(200, "bye".into()).await;
+    items
+}
+
+/// INV-ROWS with rejects: every golden id is in the outputs or the rejects, once.
+fn assert_outputs(env: &TestEnv, rejected_ids: &[String]) {
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(
+        v.duplicated.is_empty() && v.unexpected.is_empty() && v.mismatched.is_empty(),
+        "{}",
+        v.describe()
+    );
+    let mut missing = v.missing.clone();
+    missing.sort();
+    let mut want = rejected_ids.to_vec();
+    want.sort();
+    assert_eq!(
+        missing, want,
+        "the rows missing from the outputs are exactly the rejected ones"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_rows_are_rejected_with_file_line_and_reason_and_the_rest_predicted() {
+    let env = TestEnv::new("badrow");
+    let manifest = job(&env, 500, &[], &[], "model.pt", "on_bad_row = \"reject\"");
+    // Break two rows of the second file: a non-number (file line 4) and a short row (line 10).
+    let file = env.path().join("data/part-01.csv");
+    let mut lines: Vec<String> = std::fs::read_to_string(&file)
+        .expect("data")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut f: Vec<&str> = lines[3].split(',').collect();
+    f[2] = "oops";
+    lines[3] = f.join(",");
+    lines[9] = lines[9].split(',').take(3).collect::<Vec<_>>().join(",");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("write");
+
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!(
+        (
+            report.rows_predicted,
+            report.rows_rejected,
+            report.items_failed
+        ),
+        (1998, 2, 0)
+    );
+    assert!(env.path().join("out/_SUCCESS").exists());
+    let rej = rejects(&env.path().join("out"));
+    assert_eq!(rej.len(), 2);
+    assert_eq!(rej[0]["line"], 4);
+    assert!(
+        rej[0]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("field 3 is not a number: \"oops\""),
+        "{rej:?}"
+    );
+    assert!(
+        rej[0]["raw"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("r00001002,"),
+        "{rej:?}"
+    );
+    assert!(rej[0]["file"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with("part-01.csv"));
+    assert_eq!(rej[1]["line"], 10);
+    assert!(
+        rej[1]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("expected 9 fields, found 3"),
+        "{rej:?}"
+    );
+    assert_outputs(&env, &[id(1002), id(1008)]);
+    assert!(dead(&env, &job_id).await.is_empty());
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_item_mode_dead_letters_the_item_with_its_reason() {
+    let env = TestEnv::new("failitem");
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[],
+        "model.pt",
+        "on_bad_row = \"fail_item\"",
+    );
+    let file = env.path().join("data/part-01.csv");
+    let mut lines: Vec<String> = std::fs::read_to_string(&file)
+        .expect("data")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut f: Vec<&str> = lines[3].split(',').collect();
+    f[2] = "oops";
+    lines[3] = f.join(",");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("write");
+
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed_with_failures");
+    assert_eq!(
+        (
+            report.items_total,
+            report.items_completed,
+            report.items_failed
+        ),
+        (4, 3, 1)
+    );
+    let failure = &report.failed_items[0];
+    assert_eq!((failure.seq, failure.class.as_str()), (2, "poison"));
+    assert!(
+        failure
+            .reason
+            .contains("part-01.csv line 4: field 3 is not a number: \"oops\""),
+        "{}",
+        failure.reason
+    );
+    assert!(
+        !env.path().join("out/_SUCCESS").exists(),
+        "no _SUCCESS for a job with failures"
+    );
+    assert_outputs(&env, &(1000..1500).map(id).collect::<Vec<_>>());
+
+    let dead = dead(&env, &job_id).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        (
+            dead[0].item,
+            dead[0].class.as_str(),
+            dead[0].attempts,
+            dead[0].worker.as_str()
+        ),
+        (Some(2), "poison", 1, "w1")
+    );
+    assert!(
+        dead[0].error.contains("field 3 is not a number"),
+        "{:?}",
+        dead[0]
+    );
+    assert!(dead[0].dead_at_ms > 0);
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_the_model_raises_on_are_isolated_and_rejected_alone() {
+    let env = TestEnv::new("isolate");
+    let poison = [3, 777, 1501];
+    let manifest = job(
+        &env,
+        500,
+        &poison,
+        &[],
+        "poison.pt",
+        "isolate_poison_rows = true",
+    );
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!(
+        (
+            report.rows_predicted,
+            report.rows_rejected,
+            report.items_failed
+        ),
+        (1997, 3, 0)
+    );
+    let rej = rejects(&env.path().join("out"));
+    let mut ids: Vec<String> = rej
+        .iter()
+        .map(|r| {
+            r["raw"]
+                .as_str()
+                .unwrap_or_default()
+                .split(',')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(ids, poison.iter().map(|r| id(*r)).collect::<Vec<_>>());
+    assert!(
+        rej.iter().all(|r| r["stage"] == "model"
+            && r["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("poison sentinel")),
+        "{rej:?}"
+    );
+    assert_outputs(&env, &ids);
+    assert!(dead(&env, &job_id).await.is_empty());
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
+    let env = TestEnv::new("replay");
+    let manifest = job(
+        &env,
+        250,
+        &[10, 1300],
+        &[],
+        "poison.pt",
+        "isolate_poison_rows = false",
+    );
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed_with_failures");
+    assert_eq!((report.items_total, report.items_failed), (8, 2));
+
+    // INV-DLQ: the dead queue holds exactly the poisoned items (rows 10 and 1300 → items 0 and 5).
+    let dead_items = dead(&env, &job_id).await;
+    let mut seqs: Vec<u32> = dead_items.iter().filter_map(|d| d.item).collect();
+    seqs.sort();
+    assert_eq!(seqs, vec![0, 5]);
+    assert!(
+        dead_items
+            .iter()
+            .all(|d| d.class == "poison" && d.error.contains("poison sentinel")),
+        "{dead_items:?}"
+    );
+    let classes = dlq::list(
+        &env.channel().await.0,
+        &env.pool,
+        &Filter {
+            job: Some(job_id.clone()),
+            class: Some("timeout".into()),
+            item: None,
+        },
+    )
+    .await
+    .expect("list");
+    assert!(classes.is_empty(), "class filter applies");
+
+    // Fix the model in place (same path, new content) and replay with the new digest.
+    std::fs::copy(env.path().join("model.pt"), env.path().join("poison.pt")).expect("swap model");
+    let (conn, _) = env.channel().await;
+    let store = env.connections().store().await.expect("redis");
+    let replayed = dlq::replay(
+        &conn,
+        &store,
+        &env.pool,
+        &Filter {
+            job: Some(job_id.clone()),
+            ..Filter::default()
+        },
+        true,
+    )
+    .await
+    .expect("replay");
+    assert_eq!(replayed.items.len(), 2);
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(120),
+        follow_job(&env.run_config(), &store, &job_id, CancellationToken::new()),
+    )
+    .await
+    .expect("settled")
+    .expect("followed");
+    let RunOutcome::Completed { report, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(report.status, "completed");
+    assert_eq!(
+        (
+            report.items_completed,
+            report.items_failed,
+            report.rows_predicted
+        ),
+        (8, 0, 2000)
+    );
+    assert!(env.path().join("out/_SUCCESS").exists());
+    assert_outputs(&env, &[]);
+    assert!(dead(&env, &job_id).await.is_empty());
+
+    // Replaying again is a no-op.
+    let again = dlq::replay(
+        &conn,
+        &store,
+        &env.pool,
+        &Filter {
+            job: Some(job_id.clone()),
+            ..Filter::default()
+        },
+        true,
+    )
+    .await
+    .expect("replay");
+    assert!(again.items.is_empty());
+    assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
+    assert_outputs(&env, &[]);
+    let _ = conn.close(200, "bye".into()).await;
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failures_are_retried_later_until_the_item_succeeds() {
+    let env = TestEnv::new("flaky");
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[],
+        "flaky.pt",
+        "transient_errors = [\"flaky backend\"]\nretry_delay = \"300ms\"\nmax_attempts = 3",
+    );
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!((report.items_completed, report.items_failed), (4, 0));
+    assert_outputs(&env, &[]);
+    let store = env.connections().store().await.expect("redis");
+    let stats = store.item_stats(&job_id).await.expect("stats");
+    let retried: Vec<u32> = stats
+        .iter()
+        .filter(|s| s.attempt > 1)
+        .map(|s| s.attempt)
+        .collect();
+    // The model fails its first two calls: two deliveries failed and came back as attempt 2.
+    assert_eq!(retried, vec![2, 2], "{stats:?}");
+    let log = workers[0].log_text();
+    assert!(
+        log.contains("retrying later") && log.contains("next_attempt=2"),
+        "{log}"
+    );
+    assert!(dead(&env, &job_id).await.is_empty());
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_item_times_out_is_dead_lettered_and_the_rest_completes() {
+    let env = TestEnv::new("hang");
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[1234],
+        "hang.pt",
+        "item_timeout = \"1s\"\nmax_attempts = 2\nretry_delay = \"100ms\"",
+    );
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed_with_failures");
+    assert_eq!((report.items_completed, report.items_failed), (3, 1));
+    let f = &report.failed_items[0];
+    assert_eq!(
+        (f.seq, f.class.as_str(), f.attempt),
+        (2, "timeout", 2),
+        "{f:?}"
+    );
+    assert_outputs(&env, &(1000..1500).map(id).collect::<Vec<_>>());
+    let dead = dead(&env, &job_id).await;
+    assert_eq!((dead.len(), dead[0].class.as_str()), (1, "timeout"));
+    // The worker stayed healthy: still consuming, and drains cleanly.
+    assert_eq!(
+        env.work_queue().await.map(|(_, consumers)| consumers),
+        Some(1)
+    );
+    for w in &mut workers {
+        let status = w.terminate(Duration::from_secs(30));
+        assert!(status.success(), "{status}: {}", w.log_text());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
+    let env = TestEnv::new("budget");
+    // 20 items of 100 rows; items 0, 1 and 2 are poisoned; each call takes ~150 ms.
+    let manifest = job(
+        &env,
+        100,
+        &[0, 100, 200],
+        &[],
+        "slow.pt",
+        "isolate_poison_rows = false\nmax_failed_items = 1",
+    );
+    let mut workers = vec![env.spawn_worker("w1", &["--prefetch", "1"])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "failed");
+    assert!(report.items_failed >= 2, "{report:?}");
+    assert_eq!(
+        report.items_completed + report.items_failed + report.items_skipped,
+        20
+    );
+    assert!(
+        report.items_skipped > 0,
+        "remaining items are skipped: {report:?}"
+    );
+    assert!(!env.path().join("out/_SUCCESS").exists());
+    // Let the worker run through the queue: skipped items are acked without being computed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while env.work_queue().await.map(|(ready, _)| ready) != Some(0) {
+        assert!(std::time::Instant::now() < deadline, "queue never drained");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    let store = env.connections().store().await.expect("redis");
+    let p = store.progress(&job_id).await.expect("progress");
+    let parts = std::fs::read_dir(env.path().join("out"))
+        .expect("out")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("part-"))
+        .count() as u64;
+    assert_eq!(parts, p.items_done, "skipped items wrote nothing");
+    assert!(
+        p.items_done + p.items_failed < 20,
+        "some items were skipped, not computed"
+    );
+    assert!(workers[0].log_text().contains("skipping the item"));
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_model_does_not_match_stops_without_eating_the_queue() {
+    let env = TestEnv::new("badmodel");
+    let manifest = job(&env, 500, &[], &[], "model.pt", "");
+    let cancel = CancellationToken::new();
+    let cfg = env.run_config();
+    let coordinator = {
+        let (cancel, manifest) = (cancel.clone(), manifest.clone());
+        tokio::spawn(async move { run_job(&cfg, &manifest, cancel).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while env.work_queue().await.map(|(ready, _)| ready) != Some(4) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "items were never published"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The model changes after planning: its digest no longer matches the items'.
+    std::fs::copy(env.path().join("poison.pt"), env.path().join("model.pt")).expect("swap");
+    let mut worker = env.spawn_worker("w1", &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = worker.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "worker kept running:\n{}",
+            worker.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.code(), Some(1), "{}", worker.log_text());
+    assert!(
+        worker.log_text().contains("but the job expects"),
+        "{}",
+        worker.log_text()
+    );
+    assert_eq!(
+        env.work_queue().await.map(|(ready, _)| ready),
+        Some(4),
+        "every item is still queued"
+    );
+    cancel.cancel();
+    let outcome = coordinator.await.expect("task").expect("run");
+    let RunOutcome::Interrupted { job_id } = outcome else {
+        panic!("{outcome:?}")
+    };
+    let store = env.connections().store().await.expect("redis");
+    assert_eq!(
+        store
+            .progress(&job_id)
+            .await
+            .expect("progress")
+            .items_failed,
+        0,
+        "nothing was failed"
+    );
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test]
+async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
+    let env = TestEnv::new("creds");
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .args(["--pool", &env.pool, "--connect-timeout", "60s"])
+        .env(
+            "BATCHFLEET_AMQP_URL",
+            "amqp://guest:not-the-password-42@127.0.0.1:5672/%2f",
+        )
+        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .output()
+        .expect("run worker");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "gave up at once instead of retrying for 60s"
+    );
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!all.contains("not-the-password-42"), "{all}");
+    assert!(all.contains("refused the login"), "{all}");
+}
+
+#[tokio::test]
+async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
+    use lapin::options::{BasicGetOptions, BasicNackOptions};
+    let env = TestEnv::new("deliverylimit");
+    let (conn, ch) = env.channel().await;
+    let queues = batchfleet_shared::broker::PoolQueues::new(&env.pool);
+    batchfleet_shared::broker::declare_topology(&ch, &queues)
+        .await
+        .expect("topology");
+    let publisher = batchfleet_shared::broker::ConfirmedPublisher::open(&conn)
+        .await
+        .expect("publisher");
+    let body = batchfleet_shared::message::Envelope::V1(
+        batchfleet_coordinator::planner::sample_item("crashy-job", 7),
+    )
+    .encode();
+    let msg = batchfleet_shared::broker::Outgoing {
+        message_id: "crashy-job/7".into(),
+        kind: "test",
+        body,
+        headers: Default::default(),
+        expiration_ms: None,
+    };
+    publisher
+        .publish_all(&queues.work(), [msg], 1, |_| {})
+        .await
+        .expect("publish");
+    // Each get + requeue is what a worker dying mid-item looks like to the broker.
+    let mut deliveries = 0;
+    while let Some(m) = ch
+        .basic_get(queues.work().into(), BasicGetOptions { no_ack: false })
+        .await
+        .expect("get")
+    {
+        deliveries += 1;
+        m.delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .expect("nack");
+        assert!(deliveries <= 100, "the delivery limit never tripped");
+    }
+    assert_eq!(
+        deliveries,
+        batchfleet_shared::broker::DELIVERY_LIMIT as usize + 1
+    );
+    let dead = dlq::list(&conn, &env.pool, &Filter::default())
+        .await
+        .expect("list");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].job.as_str(), dead[0].item, dead[0].class.as_str()),
+        ("crashy-job", Some(7), "infra")
+    );
+    assert!(
+        dead[0].error.contains("workers crashed or were killed"),
+        "{:?}",
+        dead[0]
+    );
+    let _ = conn.close(200, "bye".into()).await;
+    env.cleanup(&[]).await;
+}
