@@ -121,6 +121,12 @@ impl PoolQueues {
     pub fn dead(&self) -> String {
         format!("bf.{}.dead", self.pool)
     }
+    /// Every queue of the pool: work, dead and the retry tiers.
+    pub fn all(&self) -> Vec<String> {
+        let mut names = vec![self.work(), self.dead()];
+        names.extend(RETRY_TIERS_S.iter().map(|t| self.retry(*t)));
+        names
+    }
     /// The retry queue whose tier holds a delay of `delay_ms`.
     pub fn retry_for(&self, delay_ms: u64) -> String {
         let tier = RETRY_TIERS_S

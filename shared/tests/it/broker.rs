@@ -69,7 +69,7 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
     );
     assert!(err.to_string().contains("returned by the broker"), "{err}");
 
-    for q in [queues.work(), queues.dead()] {
+    for q in queues.all() {
         let _ = publisher
             .channel()
             .queue_delete(q.into(), QueueDeleteOptions::default())

@@ -676,9 +676,17 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
         deliveries,
         batchfleet_shared::broker::DELIVERY_LIMIT as usize + 1
     );
-    let dead = dlq::list(&conn, &env.pool, &Filter::default())
-        .await
-        .expect("list");
+    // Dead-lettering happens after the last return, asynchronously: wait for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let dead = loop {
+        let dead = dlq::list(&conn, &env.pool, &Filter::default())
+            .await
+            .expect("list");
+        if !dead.is_empty() || std::time::Instant::now() > deadline {
+            break dead;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(dead.len(), 1);
     assert_eq!(
         (dead[0].job.as_str(), dead[0].item, dead[0].class.as_str()),

@@ -132,20 +132,34 @@ impl TestEnv {
         }
     }
 
+    /// Deletes the job records now; the pool's queues go when the env is dropped.
     pub async fn cleanup(&self, job_ids: &[&str]) {
-        let (conn, ch) = self.channel().await;
-        let q = PoolQueues::new(&self.pool);
-        for name in [q.work(), q.dead()] {
-            let _ = ch
-                .queue_delete(name.into(), QueueDeleteOptions::default())
-                .await;
-        }
-        let _ = conn.close(200, "bye".into()).await;
         if let Ok(store) = self.connections().store().await {
             for id in job_ids {
                 let _ = store.delete_job(id).await;
             }
         }
+    }
+}
+
+impl Drop for TestEnv {
+    /// Deletes every queue of the test's pool, even when the test panicked:
+    /// leftover quorum queues slow the shared broker down for everyone.
+    fn drop(&mut self) {
+        let (amqp, pool) = (self.amqp.clone(), self.pool.clone());
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let Ok(conn) = batchfleet_shared::broker::connect(&amqp, "batchfleet-tests-cleanup", Duration::from_secs(10)).await else { return };
+                if let Ok(ch) = conn.create_channel().await {
+                    for name in PoolQueues::new(&pool).all() {
+                        let _ = ch.queue_delete(name.into(), QueueDeleteOptions::default()).await;
+                    }
+                }
+                let _ = conn.close(200, "bye".into()).await;
+            });
+        });
+        let _ = cleanup.join();
     }
 }
 
