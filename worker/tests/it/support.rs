@@ -148,12 +148,27 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         let (amqp, pool) = (self.amqp.clone(), self.pool.clone());
         let cleanup = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
             rt.block_on(async move {
-                let Ok(conn) = batchfleet_shared::broker::connect(&amqp, "batchfleet-tests-cleanup", Duration::from_secs(10)).await else { return };
+                let Ok(conn) = batchfleet_shared::broker::connect(
+                    &amqp,
+                    "batchfleet-tests-cleanup",
+                    Duration::from_secs(10),
+                )
+                .await
+                else {
+                    return;
+                };
                 if let Ok(ch) = conn.create_channel().await {
                     for name in PoolQueues::new(&pool).all() {
-                        let _ = ch.queue_delete(name.into(), QueueDeleteOptions::default()).await;
+                        let _ = ch
+                            .queue_delete(name.into(), QueueDeleteOptions::default())
+                            .await;
                     }
                 }
                 let _ = conn.close(200, "bye".into()).await;
