@@ -8,6 +8,7 @@ Writes, next to each other (same predictions as the base model otherwise):
   flaky.pt   raises "flaky backend: try again" on its first 2 calls in a process
   hang.pt    spins for a very long time on any row whose first feature is -777
   slow.pt    like poison.pt, and spends about --slow-ms milliseconds per call
+  oom.pt     raises a CUDA-style "out of memory" error on batches of more than 16 rows
 """
 import argparse
 import os
@@ -17,7 +18,7 @@ import torch
 
 
 class Faulty(torch.nn.Module):
-    def __init__(self, inner, poison: bool, fail_first: int, hang_iters: int, spin_iters: int):
+    def __init__(self, inner, poison: bool, fail_first: int, hang_iters: int, spin_iters: int, max_rows: int = 0):
         super().__init__()
         self.inner = inner
         self.poison = poison
@@ -25,6 +26,7 @@ class Faulty(torch.nn.Module):
         self.calls = 0
         self.hang_iters = hang_iters
         self.spin_iters = spin_iters
+        self.max_rows = max_rows
 
     def spin(self, n: int) -> torch.Tensor:
         acc = torch.zeros(1)
@@ -36,6 +38,8 @@ class Faulty(torch.nn.Module):
         self.calls += 1
         if self.calls <= self.fail_first:
             raise RuntimeError("flaky backend: try again")
+        if self.max_rows > 0 and x.size(0) > self.max_rows:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated for a batch of more than max_rows rows)")
         if self.poison and bool((x[:, 0] == -999.0).any()):
             raise RuntimeError("poison sentinel in input")
         if self.hang_iters > 0 and bool((x[:, 0] == -777.0).any()):
@@ -67,6 +71,7 @@ def main() -> None:
         "flaky.pt": Faulty(base, False, 2, 0, 0),
         "hang.pt": Faulty(base, False, 0, int(rate * args.hang_s * 1000), 0),
         "slow.pt": Faulty(base, True, 0, 0, int(rate * args.slow_ms)),
+        "oom.pt": Faulty(base, False, 0, 0, 0, 16),
     }
     for name, module in variants.items():
         torch.jit.save(torch.jit.script(module), os.path.join(args.out_dir, name))

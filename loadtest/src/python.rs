@@ -136,7 +136,7 @@ fn join(rows: &[u64]) -> String {
 }
 
 /// Writes the faulty variants of `out/model.pt` (poison.pt, flaky.pt, hang.pt,
-/// slow.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
+/// slow.pt, oom.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
 pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
     let script = repo_root().join("loadtest/python/make_faulty_models.py");
     let status = Command::new(interpreter())

@@ -33,8 +33,8 @@ pub enum ForwardError {
     Unusable(ItemError),
     /// The call ran out of memory; a smaller batch may fit.
     OutOfMemory(String),
-    /// The model raised on this input: (summary line, full message).
-    Raised(String, String),
+    /// The model raised on this input (the exception's line).
+    Raised(String),
 }
 
 /// Runs one `forward` on `rows × cols` features. Implementations live on one
@@ -76,13 +76,9 @@ pub fn predict<B: Backend + ?Sized>(
         policy,
         out: &mut out,
         rows,
+        fit: batch_size.max(1),
     };
-    let mut lo = 0;
-    while lo < rows {
-        let hi = (lo + batch_size.max(1)).min(rows);
-        run.range(lo, hi)?;
-        lo = hi;
-    }
+    run.in_chunks(0, rows)?;
     if rows > 0 && out.failed.len() == rows {
         return Err(ItemError::poison(format!(
             "model {} raised on every row of the item: {}",
@@ -100,6 +96,8 @@ struct Run<'a, B: Backend + ?Sized> {
     policy: &'a FailurePolicy,
     out: &'a mut Predictions,
     rows: usize,
+    /// Largest mini-batch not known to run out of memory.
+    fit: usize,
 }
 
 impl<B: Backend + ?Sized> Run<'_, B> {
@@ -109,23 +107,23 @@ impl<B: Backend + ?Sized> Run<'_, B> {
             Ok((values, width)) => self.store(lo, hi, &values, width),
             Err(ForwardError::Unusable(e)) => Err(e),
             Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
-                tracing::warn!(
-                    rows = hi - lo,
-                    "out of memory; retrying the mini-batch in halves"
-                );
-                let _ = msg;
-                self.split(lo, hi)
+                let half = (hi - lo).div_ceil(2);
+                if half < self.fit {
+                    tracing::warn!(rows = hi - lo, now = half, error = %msg, "out of memory; retrying the mini-batch in halves");
+                    self.fit = half;
+                }
+                self.in_chunks(lo, hi)
             }
             Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::transient(format!(
                 "out of memory running {} on a single row: {msg}",
                 self.model.path
             ))),
-            Err(ForwardError::Raised(msg, full)) => {
+            Err(ForwardError::Raised(msg)) => {
                 if let Some(p) = self
                     .policy
                     .transient_errors
                     .iter()
-                    .find(|p| full.contains(p.as_str()))
+                    .find(|p| msg.contains(p.as_str()))
                 {
                     return Err(ItemError::transient(format!(
                         "model {} failed with a transient error (matches {p:?}): {msg}",
@@ -148,8 +146,21 @@ impl<B: Backend + ?Sized> Run<'_, B> {
         }
     }
 
+    /// Runs `[lo, hi)` in mini-batches of the current `fit`, which shrinks
+    /// after an out-of-memory so later mini-batches do not repeat it.
+    fn in_chunks(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
+        let mut at = lo;
+        while at < hi {
+            let end = (at + self.fit).min(hi);
+            self.range(at, end)?;
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// Bisects `[lo, hi)` (poison-row isolation).
     fn split(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
-        let mid = lo + (hi - lo) / 2;
+        let mid = lo + (hi - lo).div_ceil(2);
         self.range(lo, mid)?;
         self.range(mid, hi)
     }
@@ -368,10 +379,12 @@ impl Backend for TorchBackend {
         let classify = |e: tch::TchError| {
             let full = e.to_string();
             let line = error_summary(&full);
-            if is_out_of_memory(&full) {
+            // Classify by the exception's own line: the traceback around it
+            // quotes source code, which may mention any error text.
+            if is_out_of_memory(&line) {
                 ForwardError::OutOfMemory(line)
             } else {
-                ForwardError::Raised(line, full)
+                ForwardError::Raised(line)
             }
         };
         let input = tch::Tensor::f_from_slice(features)
@@ -423,10 +436,7 @@ mod tests {
                 return Err(ForwardError::OutOfMemory("CUDA out of memory".into()));
             }
             if f.contains(&-999.0) {
-                return Err(ForwardError::Raised(
-                    "sentinel".into(),
-                    "Traceback\nRuntimeError: sentinel".into(),
-                ));
+                return Err(ForwardError::Raised("RuntimeError: sentinel".into()));
             }
             Ok((f.chunks(cols).map(|r| r.iter().sum()).collect(), 1))
         }
@@ -507,20 +517,21 @@ mod tests {
 
     #[test]
     fn out_of_memory_halves_the_mini_batch_then_is_transient() {
-        let f = rows(&[1.0, 2.0, 3.0, 4.0, 5.0]);
-        let p = predict(
-            &mut Fake {
-                max_rows: 2,
-                calls: 0,
-            },
-            &model(),
-            &f,
-            2,
-            5,
-            &FailurePolicy::default(),
-        )
-        .unwrap();
-        assert_eq!(p.values, vec![2.0, 3.0, 4.0, 5.0, 6.0]);
+        let f = rows(&[
+            1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0,
+        ]);
+        let mut fake = Fake {
+            max_rows: 3,
+            calls: 0,
+        };
+        let p = predict(&mut fake, &model(), &f, 2, 12, &FailurePolicy::default()).unwrap();
+        assert_eq!(
+            p.values,
+            (1..=12).map(|v| v as f32 + 1.0).collect::<Vec<_>>()
+        );
+        // 12 → oom, 6 → oom, 3 fits; the rest of the item then runs in 3s:
+        // 2 wasted calls and 4 good ones, not one oom per mini-batch.
+        assert_eq!(fake.calls, 6);
         let err = predict(
             &mut Fake {
                 max_rows: 0,

@@ -247,6 +247,20 @@ async fn fail_item_mode_dead_letters_the_item_with_its_reason() {
         dead[0]
     );
     assert!(dead[0].dead_at_ms > 0);
+
+    // Purging the job's dead items empties the dead queue for good.
+    let (conn, _) = env.channel().await;
+    assert_eq!(
+        dlq::purge(&conn, &env.pool, Some(&job_id))
+            .await
+            .expect("purge"),
+        1
+    );
+    assert!(dlq::list(&conn, &env.pool, &Filter::default())
+        .await
+        .expect("list")
+        .is_empty());
+    let _ = conn.close(200, "bye".into()).await;
     for w in &mut workers {
         assert!(w.terminate(Duration::from_secs(30)).success());
     }
@@ -406,6 +420,37 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
     assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
     assert_outputs(&env, &[]);
     let _ = conn.close(200, "bye".into()).await;
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(30)).success());
+    }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_retries_the_mini_batch_at_half_size() {
+    let env = TestEnv::new("oom");
+    // Mini-batches of 64 rows; the model "runs out of memory" above 16 rows.
+    let manifest = job(&env, 500, &[], &[], "oom.pt", "");
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!(
+        (
+            report.rows_predicted,
+            report.rows_rejected,
+            report.items_failed
+        ),
+        (2000, 0, 0)
+    );
+    assert_outputs(&env, &[]);
+    assert!(
+        workers[0]
+            .log_text()
+            .contains("out of memory; retrying the mini-batch in halves"),
+        "{}",
+        workers[0].log_text()
+    );
     for w in &mut workers {
         assert!(w.terminate(Duration::from_secs(30)).success());
     }
