@@ -7,7 +7,7 @@
 //! 130 interrupted while following a job (the workers carry on).
 
 use crate::{status, Connections, RunConfig, RunError, RunOutcome};
-use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::config::ServiceArgs;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,46 +37,19 @@ pub struct Cli {
 /// Flags every command takes.
 #[derive(Debug, Args)]
 pub struct GlobalArgs {
-    /// RabbitMQ URL. Credentials in it are never logged.
-    #[arg(
-        long,
-        env = "BATCHFLEET_AMQP_URL",
-        default_value = "amqp://127.0.0.1:5672/%2f",
-        global = true,
-        hide_env_values = true
-    )]
-    pub amqp_url: SecretUrl,
-    /// Redis URL. Credentials in it are never logged.
-    #[arg(
-        long,
-        env = "BATCHFLEET_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379/",
-        global = true,
-        hide_env_values = true
-    )]
-    pub redis_url: SecretUrl,
-    /// Prefix of every Redis key batchfleet writes.
-    #[arg(
-        long,
-        env = "BATCHFLEET_REDIS_PREFIX",
-        default_value = "bf",
-        global = true
-    )]
-    pub redis_prefix: String,
+    #[command(flatten)]
+    pub services: ServiceArgs,
     /// How long to wait for RabbitMQ or Redis to answer (e.g. 10s, 1m).
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub connect_timeout: Duration,
-    /// Log format: text or json.
-    #[arg(long, env = "BATCHFLEET_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
-    pub log_format: String,
 }
 
 impl GlobalArgs {
     fn connections(&self) -> Connections {
         Connections {
-            amqp_url: self.amqp_url.clone(),
-            redis_url: self.redis_url.clone(),
-            redis_prefix: self.redis_prefix.clone(),
+            amqp_url: self.services.amqp_url.clone(),
+            redis_url: self.services.redis_url.clone(),
+            redis_prefix: self.services.redis_prefix.clone(),
             connect_timeout: self.connect_timeout,
         }
     }
@@ -180,7 +153,7 @@ pub struct StatusArgs {
 
 /// Runs a parsed command line and returns the process exit code.
 pub async fn main(cli: Cli) -> ExitCode {
-    batchfleet_shared::telemetry::init("info", cli.global.log_format == "json");
+    cli.global.services.init_logging();
     let connections = cli.global.connections();
     match cli.command {
         Command::Run(args) => {

@@ -568,17 +568,8 @@ impl Store {
 
     /// Items that failed for good, in seq order.
     pub async fn failures(&self, job: &str) -> Result<Vec<ItemFailure>, StoreError> {
-        let key = self.failed_key(job);
-        let mut c = self.conn("HGETALL failed").await?;
-        let map: BTreeMap<u32, String> = c.hgetall(&key).await.map_err(cmd("HGETALL failed"))?;
-        map.values()
-            .map(|json| {
-                serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
-                    key: key.clone(),
-                    reason: e.to_string(),
-                })
-            })
-            .collect()
+        self.json_by_seq(&self.failed_key(job), "HGETALL failed")
+            .await
     }
 
     /// Forgets recorded failures of a job (before its failed items are published again).
@@ -631,13 +622,22 @@ impl Store {
 
     /// Stats of every committed item, in seq order.
     pub async fn item_stats(&self, job: &str) -> Result<Vec<ItemStats>, StoreError> {
-        let key = self.stats_key(job);
-        let mut c = self.conn("HGETALL stats").await?;
-        let map: BTreeMap<u32, String> = c.hgetall(&key).await.map_err(cmd("HGETALL stats"))?;
+        self.json_by_seq(&self.stats_key(job), "HGETALL stats")
+            .await
+    }
+
+    /// The JSON values of a hash keyed by item seq, decoded, in seq order.
+    async fn json_by_seq<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+        op: &'static str,
+    ) -> Result<Vec<T>, StoreError> {
+        let mut c = self.conn(op).await?;
+        let map: BTreeMap<u32, String> = c.hgetall(key).await.map_err(cmd(op))?;
         map.values()
             .map(|json| {
                 serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
-                    key: key.clone(),
+                    key: key.to_owned(),
                     reason: e.to_string(),
                 })
             })

@@ -1,6 +1,6 @@
 //! Worker settings: every flag also reads a `BATCHFLEET_*` environment variable.
 
-use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::config::ServiceArgs;
 use clap::Parser;
 use std::time::Duration;
 
@@ -8,25 +8,8 @@ use std::time::Duration;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "batchfleet-worker", version, about, long_about = None)]
 pub struct WorkerConfig {
-    /// RabbitMQ URL. Credentials in it are never logged.
-    #[arg(
-        long,
-        env = "BATCHFLEET_AMQP_URL",
-        default_value = "amqp://127.0.0.1:5672/%2f",
-        hide_env_values = true
-    )]
-    pub amqp_url: SecretUrl,
-    /// Redis URL. Credentials in it are never logged.
-    #[arg(
-        long,
-        env = "BATCHFLEET_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379/",
-        hide_env_values = true
-    )]
-    pub redis_url: SecretUrl,
-    /// Prefix of every Redis key; must match the coordinator's.
-    #[arg(long, env = "BATCHFLEET_REDIS_PREFIX", default_value = "bf")]
-    pub redis_prefix: String,
+    #[command(flatten)]
+    pub services: ServiceArgs,
     /// Pool (work queue) to consume.
     #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
     pub pool: String,
@@ -48,9 +31,6 @@ pub struct WorkerConfig {
     /// How long to keep retrying RabbitMQ and Redis at start-up.
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,
-    /// Log format: text or json.
-    #[arg(long, env = "BATCHFLEET_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
-    pub log_format: String,
 }
 
 impl WorkerConfig {

@@ -82,12 +82,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let queues = PoolQueues::new(&cfg.pool);
     let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
     let store = with_retry("Redis", cfg.connect_timeout, || {
-        Store::connect(&cfg.redis_url, &cfg.redis_prefix, per_try)
+        Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
     })
     .await?;
     let conn_name = format!("batchfleet-worker {worker_id}");
     let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
-        broker::connect(&cfg.amqp_url, &conn_name, per_try)
+        broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
     })
     .await?;
     let channel = conn
@@ -168,7 +168,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     if let Some(e) = stream_error {
         anyhow::bail!(
             "lost the RabbitMQ consumer: {}",
-            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.amqp_url)
+            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.services.amqp_url)
         );
     }
     let reason = ctx

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cfg = batchfleet_worker::WorkerConfig::parse();
-    batchfleet_shared::telemetry::init("info", cfg.log_format == "json");
+    cfg.services.init_logging();
     let shutdown = batchfleet_shared::shutdown::on_signals();
     match batchfleet_worker::run(cfg, shutdown).await {
         Ok(batchfleet_worker::Exit::Clean) => ExitCode::SUCCESS,

@@ -1,7 +1,7 @@
 //! Failure handling against the real RabbitMQ, Redis and libtorch: bad rows,
 //! models that raise, flake or hang, the dead-letter queue and the error budget.
 
-use crate::support::TestEnv;
+use crate::support::{stop_all, TestEnv};
 use batchfleet_coordinator::dlq::{self, Filter};
 use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{follow_job, run_job, RunOutcome};
@@ -175,9 +175,7 @@ async fn bad_rows_are_rejected_with_file_line_and_reason_and_the_rest_predicted(
     );
     assert_outputs(&env, &[id(1002), id(1008)]);
     assert!(dead(&env, &job_id).await.is_empty());
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -261,9 +259,7 @@ async fn fail_item_mode_dead_letters_the_item_with_its_reason() {
         .expect("list")
         .is_empty());
     let _ = conn.close(200, "bye".into()).await;
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -316,9 +312,7 @@ async fn rows_the_model_raises_on_are_isolated_and_rejected_alone() {
     );
     assert_outputs(&env, &ids);
     assert!(dead(&env, &job_id).await.is_empty());
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -420,9 +414,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
     assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
     assert_outputs(&env, &[]);
     let _ = conn.close(200, "bye".into()).await;
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -451,9 +443,7 @@ async fn out_of_memory_retries_the_mini_batch_at_half_size() {
         "{}",
         workers[0].log_text()
     );
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -489,9 +479,7 @@ async fn transient_failures_are_retried_later_until_the_item_succeeds() {
         "{log}"
     );
     assert!(dead(&env, &job_id).await.is_empty());
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
@@ -564,9 +552,7 @@ async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
         assert!(std::time::Instant::now() < deadline, "queue never drained");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(30)).success());
-    }
+    stop_all(&mut workers);
     let store = env.connections().store().await.expect("redis");
     let p = store.progress(&job_id).await.expect("progress");
     let parts = std::fs::read_dir(env.path().join("out"))

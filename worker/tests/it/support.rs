@@ -210,6 +210,14 @@ impl Worker {
     }
 }
 
+/// SIGTERMs every worker and asserts each drained and exited 0.
+pub fn stop_all(workers: &mut [Worker]) {
+    for w in workers {
+        let status = w.terminate(Duration::from_secs(30));
+        assert!(status.success(), "worker exit {status}:\n{}", w.log_text());
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
