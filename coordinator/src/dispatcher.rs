@@ -7,9 +7,7 @@
 use crate::manifest::JobSpec;
 use crate::{planner, RunConfig, RunError};
 use batchfleet_shared::broker::{declare_topology, ConfirmedPublisher, Outgoing, PoolQueues};
-use batchfleet_shared::message::{ATTEMPT_HEADER, MESSAGE_TYPE_V1};
 use batchfleet_shared::store::{JobRecord, JobStatus, Store};
-use lapin::types::{AMQPValue, FieldTable};
 use std::path::{Path, PathBuf};
 
 /// File in the output folder naming the job that owns it.
@@ -171,20 +169,12 @@ pub async fn dispatch(
     let queues = PoolQueues::new(&spec.pool);
     let publisher = ConfirmedPublisher::open(conn).await?;
     declare_topology(publisher.channel(), &queues).await?;
-    let mut headers = FieldTable::default();
-    headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(1));
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
     for chunk in plan.items.chunks(PUBLISH_CHUNK) {
         let mut messages = Vec::with_capacity(chunk.len());
         for item in chunk.iter().filter(|item| !done.contains(&item.seq)) {
-            messages.push(Outgoing {
-                message_id: format!("{}/{}", item.job_id, item.seq),
-                kind: MESSAGE_TYPE_V1,
-                body: batchfleet_shared::message::Envelope::V1(item.clone()).encode(),
-                headers: headers.clone(),
-                expiration_ms: None,
-            });
+            messages.push(Outgoing::work_item(item, 1));
         }
         published += publisher
             .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})

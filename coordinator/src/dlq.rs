@@ -11,12 +11,12 @@ use batchfleet_shared::broker::{
 };
 use batchfleet_shared::message::{
     Envelope, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
-    MESSAGE_TYPE_V1, WORKER_HEADER,
+    WORKER_HEADER,
 };
 use batchfleet_shared::store::{ItemFailure, JobStatus, Store};
 use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueuePurgeOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -208,15 +208,7 @@ pub async fn replay(
         // Forget the failure first, so a fresh failure recorded by a fast
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
-        let mut headers = FieldTable::default();
-        headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(1));
-        let outgoing = Outgoing {
-            message_id: format!("{}/{}", item.job_id, item.seq),
-            kind: MESSAGE_TYPE_V1,
-            body: Envelope::V1(item.clone()).encode(),
-            headers,
-            expiration_ms: None,
-        };
+        let outgoing = Outgoing::work_item(&item, 1);
         if let Err(e) = publisher
             .publish_all(&queues.work(), [outgoing], 1, |_| {})
             .await

@@ -131,6 +131,8 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
     }
     let finished = batchfleet_shared::now_ms();
     let duration_s = finished.saturating_sub(job.created_ms) as f64 / 1000.0;
+    // rows_done counts every settled row: predicted or rejected.
+    let rows_predicted = job.rows_done.saturating_sub(job.rows_rejected);
     let workers: BTreeSet<&str> = stats.iter().map(|s| s.worker.as_str()).collect();
     let summary = Summary {
         job_id: job.id.clone(),
@@ -142,7 +144,7 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         model_sha256: job.model_sha256.clone(),
         output_dir: job.output_dir.clone(),
         rows_total: job.rows_total,
-        rows_predicted: job.rows_done - job.rows_rejected.min(job.rows_done),
+        rows_predicted,
         rows_rejected: job.rows_rejected,
         items_total: job.items_total,
         items_completed: job.items_done,
@@ -151,7 +153,7 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         finished_at_ms: finished,
         duration_s,
         rows_per_s: if duration_s > 0.0 {
-            ((job.rows_done - job.rows_rejected.min(job.rows_done)) as f64 / duration_s).round()
+            (rows_predicted as f64 / duration_s).round()
         } else {
             0.0
         },

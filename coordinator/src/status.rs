@@ -10,7 +10,9 @@ pub struct JobStatusReport {
     /// The job record.
     #[serde(flatten)]
     pub job: JobRecord,
-    /// Items still to commit.
+    /// Items that failed for good (dead-lettered).
+    pub items_failed: u64,
+    /// Items neither committed nor failed yet.
     pub items_remaining: u64,
     /// Percent of rows committed.
     pub percent_done: f64,
@@ -29,8 +31,12 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
         batchfleet_shared::now_ms()
     };
     let secs = end.saturating_sub(job.created_ms) as f64 / 1000.0;
+    let items_failed = store.progress(job_id).await?.items_failed;
     Ok(Some(JobStatusReport {
-        items_remaining: job.items_total.saturating_sub(job.items_done),
+        items_failed,
+        items_remaining: job
+            .items_total
+            .saturating_sub(job.items_done + items_failed),
         percent_done: if job.rows_total == 0 {
             100.0
         } else {
@@ -54,13 +60,13 @@ pub fn render(r: &JobStatusReport) -> String {
     let _ = writeln!(s, "pool      {}", j.pool);
     let _ = writeln!(
         s,
-        "items     {}/{} done ({} remaining)",
-        j.items_done, j.items_total, r.items_remaining
+        "items     {}/{} done, {} failed, {} remaining",
+        j.items_done, j.items_total, r.items_failed, r.items_remaining
     );
     let _ = writeln!(
         s,
-        "rows      {}/{} done ({:.1}%)",
-        j.rows_done, j.rows_total, r.percent_done
+        "rows      {}/{} settled ({:.1}%), {} rejected",
+        j.rows_done, j.rows_total, r.percent_done, j.rows_rejected
     );
     let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
     let _ = writeln!(s, "output    {}", j.output_dir);

@@ -306,6 +306,24 @@ pub struct Outgoing {
     pub expiration_ms: Option<u64>,
 }
 
+impl Outgoing {
+    /// A work item for the work queue, at delivery attempt `attempt`.
+    pub fn work_item(item: &crate::message::WorkItem, attempt: u32) -> Self {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            crate::message::ATTEMPT_HEADER.into(),
+            AMQPValue::LongInt(attempt as i32),
+        );
+        Self {
+            message_id: format!("{}/{}", item.job_id, item.seq),
+            kind: crate::message::MESSAGE_TYPE_V1,
+            body: crate::message::Envelope::V1(item.clone()).encode(),
+            headers,
+            expiration_ms: None,
+        }
+    }
+}
+
 /// Publishes persistent, mandatory messages on a channel in confirm mode.
 ///
 /// A message counts as sent only when the broker acked it *and* did not return

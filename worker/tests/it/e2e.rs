@@ -7,8 +7,6 @@ use batchfleet_coordinator::{run_job, RunOutcome};
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::{ConfirmedPublisher, Outgoing, PoolQueues};
-use batchfleet_shared::message::{Envelope, ATTEMPT_HEADER, MESSAGE_TYPE_V1};
-use lapin::types::{AMQPValue, FieldTable};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -90,15 +88,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
     let (conn, _) = env.channel().await;
     let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
-    let mut headers = FieldTable::default();
-    headers.insert(ATTEMPT_HEADER.into(), AMQPValue::LongInt(2));
-    let dup = Outgoing {
-        message_id: format!("{job_id}/0"),
-        kind: MESSAGE_TYPE_V1,
-        body: Envelope::V1(plan.items[0].clone()).encode(),
-        headers,
-        expiration_ms: None,
-    };
+    let dup = Outgoing::work_item(&plan.items[0], 2);
     publisher
         .publish_all(&PoolQueues::new(&env.pool).work(), [dup], 1, |_| {})
         .await
@@ -143,6 +133,24 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
         "part file untouched"
     );
     let store = env.connections().store().await.expect("redis");
+    let status = batchfleet_coordinator::status::report(&store, &job_id)
+        .await
+        .expect("status")
+        .expect("known job");
+    assert_eq!(
+        (
+            status.job.status.as_str(),
+            status.items_failed,
+            status.items_remaining
+        ),
+        ("completed", 0, 0)
+    );
+    assert!(
+        batchfleet_coordinator::status::render(&status)
+            .contains("items     16/16 done, 0 failed, 0 remaining"),
+        "{}",
+        batchfleet_coordinator::status::render(&status)
+    );
     let progress = store.progress(&job_id).await.expect("progress");
     assert_eq!(
         (progress.items_done, progress.rows_done),
