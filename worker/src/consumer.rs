@@ -329,9 +329,10 @@ async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Han
         }
         let tag = format!("{}-{}", ctx.worker_id, attempt);
         let published = blocking(move || {
-            if !rejects.is_empty() {
-                writer::write_rejects(&rejects_dest, &tag, &rejects)?;
-            }
+            // The part file is the commit point; the rejects file goes first
+            // and reflects this attempt (a stale one from a crashed attempt
+            // with another model is replaced or removed).
+            writer::write_rejects(&rejects_dest, &tag, &rejects)?;
             writer::write_csv(&dest, &tag, &batch, &predictions)
         })
         .await??;

@@ -61,16 +61,27 @@ pub fn write_csv(
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
 }
 
-/// Writes rejected rows as JSON lines (file, line, raw, reason, stage).
+/// Writes rejected rows as JSON lines (file, line, raw, reason, stage),
+/// replacing any earlier rejects file of the item; with no rejects, removes it.
+/// Call before publishing the part file, which is what commits the item.
 pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<Publish, ItemError> {
-    let result = publish_atomically(dest, tag, false, |w| {
+    let io_err =
+        |e: std::io::Error| ItemError::transient(format!("cannot write {}: {e}", dest.display()));
+    if rejects.is_empty() {
+        return match std::fs::remove_file(dest) {
+            Ok(()) => Ok(Publish::Committed),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Publish::Committed),
+            Err(e) => Err(io_err(e)),
+        };
+    }
+    let result = publish_atomically(dest, tag, true, |w| {
         for r in rejects {
             serde_json::to_writer(&mut *w, r)?;
             w.write_all(b"\n")?;
         }
         Ok(())
     });
-    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+    result.map_err(io_err)
 }
 
 /// Counts the data rows of a committed part file (used when a redelivered
@@ -146,6 +157,9 @@ mod tests {
         assert_eq!(first["raw"], "1,\"x\"");
         assert_eq!(count_rejects(&dest).unwrap(), 2);
         assert_eq!(count_rejects(&dir.path().join("none")).unwrap(), 0);
+        // A later attempt without rejects removes the stale file.
+        write_rejects(&dest, "t2", &[]).unwrap();
+        assert!(!dest.exists());
     }
 
     #[test]
