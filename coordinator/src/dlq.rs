@@ -137,7 +137,6 @@ pub async fn list(
         .await
         .map_err(BrokerError::op("channel.open"))?;
     let queue = PoolQueues::new(pool).dead();
-    // A fresh channel can also be closed by the broker (missing queue); reopen for the listing.
     let taken = take_all(&channel, &queue).await?;
     let items = taken
         .iter()

@@ -307,14 +307,14 @@ async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Han
             (item.input.clone(), item.task.csv.clone(), policy.on_bad_row);
         let batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
         let timeout = Duration::from_millis(policy.item_timeout_ms);
-        let Some((batch, predictions)) = ctx.predict(item, batch, timeout).await else {
+        let Some((mut batch, predictions)) = ctx.predict(item, batch, timeout).await else {
             return Err(ItemError::timeout(format!(
                 "the model call did not finish within item_timeout ({}s)",
                 timeout.as_secs_f64()
             )));
         };
         let predictions = predictions?;
-        let mut rejects = batch.rejects.clone();
+        let mut rejects = std::mem::take(&mut batch.rejects);
         rejects.extend(
             predictions
                 .failed

@@ -64,13 +64,13 @@ pub fn write_csv(
 /// Writes rejected rows as JSON lines (file, line, raw, reason, stage),
 /// replacing any earlier rejects file of the item; with no rejects, removes it.
 /// Call before publishing the part file, which is what commits the item.
-pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<Publish, ItemError> {
+pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<(), ItemError> {
     let io_err =
         |e: std::io::Error| ItemError::transient(format!("cannot write {}: {e}", dest.display()));
     if rejects.is_empty() {
         return match std::fs::remove_file(dest) {
-            Ok(()) => Ok(Publish::Committed),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Publish::Committed),
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io_err(e)),
         };
     }
@@ -81,7 +81,7 @@ pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<Publi
         }
         Ok(())
     });
-    result.map_err(io_err)
+    result.map(|_| ()).map_err(io_err)
 }
 
 /// Counts the data rows of a committed part file (used when a redelivered
