@@ -63,6 +63,12 @@ pub enum Command {
     /// Running the same manifest again resumes an unfinished job and reports a
     /// finished one without publishing anything.
     Run(RunArgs),
+    /// Continue a job by its id (after the coordinator that ran it died):
+    /// publish what was never published, then follow it like `run`.
+    ///
+    /// The same as `batchfleet run` on the job's manifest, which must still
+    /// describe the same job.
+    Resume(ResumeArgs),
     /// Show a job's state.
     Status(StatusArgs),
     /// Dead-lettered items: list, replay, purge.
@@ -130,6 +136,22 @@ pub enum DlqCommand {
 pub struct RunArgs {
     /// The job manifest (TOML); see docs/manifest.md.
     pub manifest: PathBuf,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `batchfleet resume`.
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
+    pub job: String,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// How `run` and `resume` publish and follow a job.
+#[derive(Debug, Args)]
+pub struct FollowArgs {
     /// Do not draw a progress bar (it is drawn only on a terminal anyway).
     #[arg(long, env = "BATCHFLEET_NO_PROGRESS")]
     pub no_progress: bool,
@@ -139,6 +161,31 @@ pub struct RunArgs {
     /// Publishes allowed in flight before waiting for the broker's confirms.
     #[arg(long, default_value_t = 512)]
     pub publish_window: usize,
+    /// Once the queue is drained, publish a speculative copy of an item held
+    /// this many times longer than the median item (the first commit wins).
+    /// 0 turns speculation off.
+    #[arg(long, default_value_t = 3.0)]
+    pub speculate_after: f64,
+    /// Publish again an item that is neither queued, held by a live worker
+    /// nor settled for this long (a lost message).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub orphan_grace: Duration,
+}
+
+impl FollowArgs {
+    fn run_config(&self, connections: Connections) -> RunConfig {
+        RunConfig {
+            connections,
+            progress: !self.no_progress,
+            poll_interval: self.poll_interval,
+            publish_window: self.publish_window,
+            supervise: crate::supervisor::SuperviseConfig {
+                speculate_after: self.speculate_after,
+                orphan_grace: self.orphan_grace,
+                ..Default::default()
+            },
+        }
+    }
 }
 
 /// `batchfleet status`.
@@ -157,14 +204,17 @@ pub async fn main(cli: Cli) -> ExitCode {
     let connections = cli.global.connections();
     match cli.command {
         Command::Run(args) => {
-            let cfg = RunConfig {
-                connections,
-                progress: !args.no_progress,
-                poll_interval: args.poll_interval,
-                publish_window: args.publish_window,
-            };
+            let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::run_job(&cfg, &args.manifest, shutdown).await {
+                Ok(outcome) => report_outcome(&outcome),
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Resume(args) => {
+            let cfg = args.follow.run_config(connections);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            match crate::resume_job(&cfg, &args.job, shutdown).await {
                 Ok(outcome) => report_outcome(&outcome),
                 Err(e) => report_error(&e),
             }
@@ -354,6 +404,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                     progress: true,
                     poll_interval: Duration::from_millis(250),
                     publish_window: 512,
+                    supervise: Default::default(),
                 };
                 match crate::follow_job(
                     &cfg,

@@ -1,8 +1,14 @@
 //! Registers a job in Redis and publishes its work items with publisher confirms.
 //!
 //! Order matters for resumability: the job record (with planned totals) is
-//! written before the first publish, and only items not yet marked done are
-//! published, so running the same manifest again never duplicates finished work.
+//! written before the first publish, and after each confirmed chunk the
+//! record's `items_published` watermark moves on. A coordinator that died
+//! anywhere (planning, mid-publish, waiting) and is started again re-plans
+//! identically, publishes only what was never confirmed (plus items that
+//! failed for good, which a re-run retries), and leaves items already queued
+//! or in flight alone: running the same manifest again never duplicates work.
+//! (Up to one chunk confirmed just before a crash may be published twice;
+//! the done set makes the second copy a no-op.)
 
 use crate::manifest::JobSpec;
 use crate::{planner, RunConfig, RunError};
@@ -17,8 +23,8 @@ pub const SUCCESS_FILE: &str = "_SUCCESS";
 /// The job summary.
 pub const SUMMARY_FILE: &str = "summary.json";
 
-/// Items encoded and published per batch of confirms.
-const PUBLISH_CHUNK: usize = 4096;
+/// Items encoded and published per batch of confirms (and per watermark step).
+const PUBLISH_CHUNK: usize = 1024;
 
 /// What dispatching found or did.
 #[derive(Debug)]
@@ -29,7 +35,10 @@ pub enum Dispatched {
         summary: PathBuf,
     },
     /// Items are in the queue (now or from an earlier run).
-    Running,
+    Running {
+        /// The job's plan.
+        plan: std::sync::Arc<planner::Plan>,
+    },
 }
 
 /// Claims the output folder for `job_id`, refusing one that holds another job's output.
@@ -118,6 +127,10 @@ pub async fn dispatch(
 
     let plan = planner::plan(spec)?;
     tracing::info!(job = %spec.job_id, items = plan.items.len(), rows = plan.rows_total, "planned");
+    // Items below the watermark are in the queue or in flight already; the
+    // ones that failed for good (or were skipped by a failed job) are not.
+    let mut watermark = 0u64;
+    let mut again = std::collections::HashSet::new();
     match existing {
         Some(job) => {
             if job.items_total != plan.items.len() as u64 || job.rows_total != plan.rows_total {
@@ -126,7 +139,11 @@ pub async fn dispatch(
                     spec.job_id, job.items_total, job.rows_total, plan.items.len(), plan.rows_total
                 )));
             }
-            tracing::info!(job = %spec.job_id, done = job.items_done, "resuming job");
+            tracing::info!(job = %spec.job_id, done = job.items_done, published = job.items_published, "resuming job");
+            if job.status != JobStatus::Failed {
+                watermark = job.items_published;
+            }
+            again.extend(store.failures(&spec.job_id).await?.iter().map(|f| f.seq));
             // Items that failed before are published again below; forget the
             // old verdicts so they do not count as settled.
             store.clear_failures(&spec.job_id).await?;
@@ -140,27 +157,7 @@ pub async fn dispatch(
         }
         None => {
             store
-                .put_job(&JobRecord {
-                    id: spec.job_id.clone(),
-                    name: spec.name.clone(),
-                    status: JobStatus::Planning,
-                    pool: spec.pool.clone(),
-                    manifest: spec.manifest_path.to_string_lossy().into_owned(),
-                    output_dir: spec.task.output.dir.clone(),
-                    output_format: spec.task.output.format.as_str().to_owned(),
-                    model: spec.task.model.path.clone(),
-                    model_sha256: spec.task.model.sha256.clone(),
-                    max_failed_items: spec.budget.max_failed_items,
-                    max_failed_percent: spec.budget.max_failed_percent,
-                    items_total: plan.items.len() as u64,
-                    rows_total: plan.rows_total,
-                    items_done: 0,
-                    rows_done: 0,
-                    rows_rejected: 0,
-                    created_ms: submitted_ms,
-                    published_ms: 0,
-                    finished_ms: 0,
-                })
+                .put_job(&job_record(spec, &plan, submitted_ms))
                 .await?
         }
     }
@@ -171,27 +168,83 @@ pub async fn dispatch(
     declare_topology(publisher.channel(), &queues).await?;
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
+    let mut end = 0u64;
     for chunk in plan.items.chunks(PUBLISH_CHUNK) {
+        end += chunk.len() as u64;
         let mut messages = Vec::with_capacity(chunk.len());
-        for item in chunk.iter().filter(|item| !done.contains(&item.seq)) {
+        for item in chunk.iter().filter(|item| {
+            !done.contains(&item.seq)
+                && (u64::from(item.seq) >= watermark || again.contains(&item.seq))
+        }) {
             messages.push(Outgoing::work_item(item, 1));
+        }
+        if messages.is_empty() {
+            continue;
         }
         published += publisher
             .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})
             .await?;
+        if end > watermark {
+            store
+                .set_job_fields(&spec.job_id, &[("items_published", end.to_string())])
+                .await?;
+        }
+        crash_point(published);
     }
-    tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), queue = %queues.work(), "items published and confirmed");
+    tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), already_queued = watermark, queue = %queues.work(), "items published and confirmed");
     store
         .set_job_fields(
             &spec.job_id,
             &[
                 ("status", JobStatus::Running.as_str().to_owned()),
                 ("published_ms", batchfleet_shared::now_ms().to_string()),
+                ("items_published", plan.items.len().to_string()),
             ],
         )
         .await?;
     let _ = publisher.channel().close(200, "published".into()).await;
-    Ok(Dispatched::Running)
+    Ok(Dispatched::Running {
+        plan: std::sync::Arc::new(plan),
+    })
+}
+
+/// Testing aid: `BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED=N` kills the
+/// coordinator (abort, as a crash would) once N items are confirmed, to
+/// exercise a resume from mid-publish.
+fn crash_point(published: u64) {
+    let limit = std::env::var("BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    if limit.is_some_and(|n| published >= n) {
+        eprintln!("crash point reached after {published} published items (BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED)");
+        std::process::abort();
+    }
+}
+
+/// A new job's record: planned totals, no progress.
+pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobRecord {
+    JobRecord {
+        id: spec.job_id.clone(),
+        name: spec.name.clone(),
+        status: JobStatus::Planning,
+        pool: spec.pool.clone(),
+        manifest: spec.manifest_path.to_string_lossy().into_owned(),
+        output_dir: spec.task.output.dir.clone(),
+        output_format: spec.task.output.format.as_str().to_owned(),
+        model: spec.task.model.path.clone(),
+        model_sha256: spec.task.model.sha256.clone(),
+        max_failed_items: spec.budget.max_failed_items,
+        max_failed_percent: spec.budget.max_failed_percent,
+        items_total: plan.items.len() as u64,
+        rows_total: plan.rows_total,
+        items_done: 0,
+        rows_done: 0,
+        rows_rejected: 0,
+        created_ms,
+        published_ms: 0,
+        finished_ms: 0,
+        items_published: 0,
+    }
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {

@@ -5,6 +5,8 @@
 //! - [`planner`]: cut input files into evenly sized work items on record boundaries.
 //! - [`dispatcher`]: register the job in Redis and publish its items with confirms.
 //! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.
+//! - [`supervisor`]: publish copies of items whose worker died or straggles;
+//!   rebuild Redis state lost in an outage from the output files.
 //! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
 //! - [`status`]: read a job's state for `batchfleet status`.
 //! - [`dlq`]: list, replay and purge dead-lettered items.
@@ -20,6 +22,7 @@ pub mod monitor;
 pub mod planner;
 pub mod reducer;
 pub mod status;
+pub mod supervisor;
 
 use batchfleet_shared::broker::{self, BrokerError};
 use batchfleet_shared::secret::SecretUrl;
@@ -64,6 +67,8 @@ pub struct RunConfig {
     pub poll_interval: Duration,
     /// Unconfirmed publishes allowed in flight.
     pub publish_window: usize,
+    /// Stragglers, dead workers and lost items.
+    pub supervise: supervisor::SuperviseConfig,
 }
 
 /// How a `run` ended.
@@ -137,13 +142,45 @@ pub async fn run_job(
                 summary,
             })
         }
-        Ok(dispatcher::Dispatched::Running) => {
-            follow_job(cfg, &store, &spec.job_id, shutdown).await
+        Ok(dispatcher::Dispatched::Running { plan }) => {
+            let mut supervisor = supervisor::Supervisor::new(
+                &spec.job_id,
+                cfg.supervise.clone(),
+                cfg.connections.clone(),
+                Some(std::sync::Arc::new(spec.clone())),
+                Some(plan),
+            );
+            follow_with(cfg, &store, &spec.job_id, shutdown, &mut supervisor).await
         }
         Err(e) => Err(e),
     };
     let _ = conn.close(200, "bye".into()).await;
     outcome
+}
+
+/// Resumes a job by id: runs its manifest (recorded in Redis) again, which
+/// must still describe the same job.
+pub async fn resume_job(
+    cfg: &RunConfig,
+    job_id: &str,
+    shutdown: CancellationToken,
+) -> Result<RunOutcome, RunError> {
+    let store = cfg.connections.store().await?;
+    let job = store.job(job_id).await?.ok_or_else(|| {
+        RunError::Output(format!(
+            "no job \"{job_id}\" in Redis; run its manifest with `batchfleet run <manifest>` (that also resumes it, rebuilding its progress from the output folder)"
+        ))
+    })?;
+    let manifest = PathBuf::from(&job.manifest);
+    let spec = manifest::load(&manifest)?;
+    if spec.job_id != job_id {
+        return Err(RunError::Output(format!(
+            "{} now describes job {} instead of {job_id} (the manifest, its input or its model changed); restore them to resume {job_id}",
+            manifest.display(),
+            spec.job_id
+        )));
+    }
+    run_job(cfg, &manifest, shutdown).await
 }
 
 /// Follows a published job until it settles (or `shutdown`), then writes its summary.
@@ -153,7 +190,24 @@ pub async fn follow_job(
     job_id: &str,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    match monitor::follow(store, job_id, cfg, shutdown).await? {
+    let mut supervisor = supervisor::Supervisor::new(
+        job_id,
+        cfg.supervise.clone(),
+        cfg.connections.clone(),
+        None,
+        None,
+    );
+    follow_with(cfg, store, job_id, shutdown, &mut supervisor).await
+}
+
+async fn follow_with(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    shutdown: CancellationToken,
+    supervisor: &mut supervisor::Supervisor,
+) -> Result<RunOutcome, RunError> {
+    match monitor::follow(store, job_id, cfg, shutdown, supervisor).await? {
         monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
             job_id: job_id.to_owned(),
         }),

@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_ITEM_ROWS: u64 = 10_000;
 /// Default rows per `forward` call.
 pub const DEFAULT_BATCH_SIZE: u32 = 1024;
+/// Mini-batches between checkpoints inside an item when `[batching] checkpoint_every` is unset.
+pub const DEFAULT_CHECKPOINT_EVERY: u32 = 4;
 
 /// The manifest as written (after TOML parsing, before validation).
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -155,6 +157,8 @@ pub struct BatchingSection {
     pub item_bytes: Option<u64>,
     /// Rows per `forward` call. Default 1024.
     pub inference_batch_size: Option<u32>,
+    /// Mini-batches between checkpoints inside an item (0 = off). Default 4.
+    pub checkpoint_every: Option<u32>,
 }
 
 /// `[output]`
@@ -547,6 +551,8 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         );
     }
 
+    let checkpoint_every = b.checkpoint_every.unwrap_or(DEFAULT_CHECKPOINT_EVERY);
+
     // Failure policy.
     let f = &m.failure;
     let defaults = FailurePolicy::default();
@@ -658,6 +664,7 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
             format: m.output.format,
         },
         failure,
+        checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {

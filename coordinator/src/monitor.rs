@@ -1,8 +1,11 @@
 //! Follows a running job through its Redis counters until every item is
 //! committed or failed for good: a progress bar on a terminal, periodic log
-//! lines otherwise. Enforces the job's error budget.
+//! lines otherwise. Enforces the job's error budget, and lets the
+//! [`Supervisor`] act on dead workers, stragglers and lost state. A Redis or
+//! RabbitMQ outage only pauses it: it keeps polling until they are back.
 
 use crate::manifest::ErrorBudget;
+use crate::supervisor::Supervisor;
 use crate::{RunConfig, RunError};
 use batchfleet_shared::store::{JobStatus, Progress, Store};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -32,17 +35,28 @@ pub async fn follow(
     job_id: &str,
     cfg: &RunConfig,
     shutdown: CancellationToken,
+    supervisor: &mut Supervisor,
 ) -> Result<Followed, RunError> {
-    let job = store
-        .job(job_id)
-        .await?
-        .ok_or_else(|| RunError::Output(format!("job {job_id} is not in Redis")))?;
+    let job = match store.job(job_id).await? {
+        Some(job) => job,
+        None => {
+            // Lost with Redis's data: the supervisor rebuilds it from the files.
+            supervisor.tick(store).await;
+            store.job(job_id).await?.ok_or_else(|| {
+                RunError::Output(format!(
+                    "job {job_id} is not in Redis and could not be rebuilt"
+                ))
+            })?
+        }
+    };
+    supervisor.remember(&job);
     let budget = ErrorBudget {
         max_failed_items: job.max_failed_items,
         max_failed_percent: job.max_failed_percent,
     };
     let pool = job.pool;
     let first = store.progress(job_id).await?;
+    let mut outage: Option<Instant> = None;
     let bar = progress_bar(cfg.progress, first.rows_total);
     let started = Instant::now();
     let start_rows = first.rows_done;
@@ -60,7 +74,21 @@ pub async fn follow(
             }
             _ = tick.tick() => {}
         }
-        let p = store.progress(job_id).await?;
+        supervisor.tick(store).await;
+        let p = match store.progress(job_id).await {
+            Ok(p) if p.items_total > 0 => p,
+            Ok(_) => continue, // the record is being rebuilt
+            Err(e) => {
+                if outage.is_none() {
+                    tracing::warn!(job = %job_id, error = %e, "Redis unavailable; waiting for it to come back");
+                    outage = Some(Instant::now());
+                }
+                continue;
+            }
+        };
+        if let Some(since) = outage.take() {
+            tracing::info!(job = %job_id, down_s = since.elapsed().as_secs(), "Redis is back");
+        }
         if p != last {
             last_change = Instant::now();
         }
@@ -86,9 +114,13 @@ pub async fn follow(
         }
         last = p;
         if budget.exceeded(p.items_failed, p.items_total) {
-            store
+            if let Err(e) = store
                 .set_job_fields(job_id, &[("status", JobStatus::Failed.as_str().to_owned())])
-                .await?;
+                .await
+            {
+                tracing::warn!(error = %e, "could not mark the job failed; trying again");
+                continue;
+            }
             bar.abandon_with_message(format!(
                 "{} items failed: error budget exceeded; remaining items are skipped",
                 p.items_failed

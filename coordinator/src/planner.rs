@@ -110,6 +110,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 format: OutputFormat::Csv,
             },
             failure: FailurePolicy::default(),
+            checkpoint_rows: 0,
         },
     }
 }

@@ -55,6 +55,20 @@ pub struct Summary {
     pub workers: u64,
     /// Items whose part file was found published and only the done mark redone.
     pub items_recovered: u64,
+    /// Rows a redelivered item did not recompute because its checkpoint held them.
+    #[serde(default)]
+    pub rows_resumed: u64,
+    /// Items the coordinator published again (dead worker, straggler, lost message).
+    #[serde(default)]
+    pub items_redispatched: u64,
+    /// Items started by workers (more than `items_total` when deliveries
+    /// repeated: dead workers, speculative copies, outages).
+    #[serde(default)]
+    pub deliveries: u64,
+    /// Rows put through the model, wasted work included; minus the rows
+    /// predicted, that is the work faults cost.
+    #[serde(default)]
+    pub rows_computed: u64,
     /// Items that failed for good (dead-lettered).
     pub items_failed: u64,
     /// Items neither committed nor failed: skipped after the job failed.
@@ -107,6 +121,7 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         ))
     })?;
     let stats = store.item_stats(job_id).await?;
+    let (deliveries, rows_computed) = store.work(job_id).await?;
     let failures = store.failures(job_id).await?;
     let status = if job.status == JobStatus::Failed {
         JobStatus::Failed
@@ -160,6 +175,10 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         item_latency_ms: latency(&stats),
         workers: workers.len() as u64,
         items_recovered: stats.iter().filter(|s| s.recovered).count() as u64,
+        rows_resumed: stats.iter().map(|s| s.rows_resumed).sum(),
+        items_redispatched: store.redispatched(job_id).await?.len() as u64,
+        deliveries,
+        rows_computed,
         items_failed: failures.len() as u64,
         items_skipped: job
             .items_total
@@ -174,6 +193,8 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
         })
         .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
+    // Checkpoint segments left by a slower copy of an item that lost the race.
+    let _ = std::fs::remove_dir_all(out.join("_partial"));
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;
@@ -204,6 +225,7 @@ mod tests {
             finished_ms: 1000 + ms,
             attempt: 1,
             recovered: false,
+            rows_resumed: 0,
         }
     }
 

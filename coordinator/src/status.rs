@@ -1,6 +1,6 @@
 //! `batchfleet status`: a job's state from Redis, for people or as JSON.
 
-use batchfleet_shared::store::{JobRecord, Store, StoreError};
+use batchfleet_shared::store::{JobRecord, Lease, Store, StoreError};
 use serde::Serialize;
 use std::fmt::Write;
 
@@ -18,6 +18,22 @@ pub struct JobStatusReport {
     pub percent_done: f64,
     /// Rows per second since registration (to completion, or to now).
     pub rows_per_s: f64,
+    /// Items being processed now: by which worker, since when, how far.
+    pub in_flight: Vec<InFlight>,
+    /// Items the coordinator published again (dead worker, straggler, lost message).
+    pub items_redispatched: u64,
+}
+
+/// One item in progress, from its worker's lease.
+#[derive(Debug, Clone, Serialize)]
+pub struct InFlight {
+    /// The lease.
+    #[serde(flatten)]
+    pub lease: Lease,
+    /// How long the worker has held it (ms).
+    pub held_ms: u64,
+    /// Whether its heartbeat stopped (the worker is presumed dead).
+    pub stale: bool,
 }
 
 /// Reads the report of `job_id`, `None` if the job is unknown.
@@ -32,7 +48,23 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
     };
     let secs = end.saturating_sub(job.created_ms) as f64 / 1000.0;
     let items_failed = store.progress(job_id).await?.items_failed;
+    let now = batchfleet_shared::now_ms();
+    let done = store.done_items(job_id).await?;
+    let in_flight = store
+        .leases(job_id)
+        .await?
+        .into_iter()
+        .filter(|l| !done.contains(&l.seq))
+        .map(|lease| InFlight {
+            held_ms: lease.age_ms(now),
+            stale: lease.is_stale(now),
+            lease,
+        })
+        .collect();
+    let items_redispatched = store.redispatched(job_id).await?.len() as u64;
     Ok(Some(JobStatusReport {
+        in_flight,
+        items_redispatched,
         items_failed,
         items_remaining: job
             .items_total
@@ -69,7 +101,43 @@ pub fn render(r: &JobStatusReport) -> String {
         j.rows_done, j.rows_total, r.percent_done, j.rows_rejected
     );
     let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
+    if r.items_redispatched > 0 {
+        let _ = writeln!(
+            s,
+            "copies    {} item(s) published again (dead worker, straggler or lost message)",
+            r.items_redispatched
+        );
+    }
     let _ = writeln!(s, "output    {}", j.output_dir);
     let _ = write!(s, "manifest  {}", j.manifest);
+    if !r.in_flight.is_empty() {
+        let _ = write!(
+            s,
+            "\nin flight ({}):\n  {:>7}  {:<24} {:>7} {:>9}  {:>13}  state",
+            r.in_flight.len(),
+            "item",
+            "worker",
+            "attempt",
+            "held",
+            "rows"
+        );
+        for f in &r.in_flight {
+            let l = &f.lease;
+            let state = match (f.stale, l.acked) {
+                (true, _) => "STALE (no heartbeat)",
+                (false, true) => "live, held by lease",
+                (false, false) => "live",
+            };
+            let _ = write!(
+                s,
+                "\n  {:>7}  {:<24} {:>7} {:>8.1}s  {:>13}  {state}",
+                l.seq,
+                l.worker,
+                l.attempt,
+                f.held_ms as f64 / 1000.0,
+                format!("{}/{}", l.rows_done, l.rows),
+            );
+        }
+    }
     s
 }

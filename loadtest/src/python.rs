@@ -53,6 +53,8 @@ pub struct JobGen {
     pub poison_rows: Vec<u64>,
     /// Global row numbers whose first feature is the hang sentinel (-777).
     pub hang_rows: Vec<u64>,
+    /// `checkpoint_every` in the manifest (unset: the default).
+    pub checkpoint_every: Option<u32>,
 }
 
 impl Default for JobGen {
@@ -70,6 +72,7 @@ impl Default for JobGen {
             batch_size: 1024,
             poison_rows: Vec::new(),
             hang_rows: Vec::new(),
+            checkpoint_every: None,
         }
     }
 }
@@ -114,6 +117,11 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
             "--hang-rows",
             &join(&g.hang_rows),
         ])
+        .args(
+            g.checkpoint_every
+                .map(|k| vec!["--checkpoint-every".to_owned(), k.to_string()])
+                .unwrap_or_default(),
+        )
         .status()
         .with_context(|| {
             format!(

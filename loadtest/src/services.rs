@@ -94,3 +94,85 @@ pub fn unique(stem: &str) -> String {
         N.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+fn redis_cli(args: &[&str]) -> Result<String> {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", "6379"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Restarts the local Redis (fault injection for tests and the chaos run).
+/// With `keep_data` it saves a snapshot on shutdown, loads it on start and
+/// then deletes the snapshot file (the machine's Redis keeps nothing on disk);
+/// without, the restarted Redis is empty, as one without persistence would be.
+pub fn restart_redis(keep_data: bool) -> Result<()> {
+    let config = |key: &str| -> Result<String> {
+        let text = redis_cli(&["config", "get", key])?;
+        Ok(text.lines().nth(1).unwrap_or_default().to_owned())
+    };
+    let dir = config("dir")?;
+    let logfile = config("logfile")?;
+    let _ = redis_cli(&["shutdown", if keep_data { "save" } else { "nosave" }]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while listening(REDIS) {
+        if Instant::now() > deadline {
+            bail!("Redis did not shut down within 20s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut args = vec![
+        "--daemonize",
+        "yes",
+        "--bind",
+        "127.0.0.1",
+        "-::1",
+        "--port",
+        "6379",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ];
+    if !dir.is_empty() {
+        args.extend(["--dir", dir.as_str()]);
+    }
+    if !logfile.is_empty() {
+        args.extend(["--logfile", logfile.as_str()]);
+    }
+    start(REDIS, "redis-server", &args, Duration::from_secs(20))?;
+    // PING answers LOADING until the snapshot is in memory.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while redis_cli(&["ping"])? != "PONG" {
+        if Instant::now() > deadline {
+            bail!("Redis did not finish loading within 20s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if keep_data && !dir.is_empty() {
+        let _ = std::fs::remove_file(std::path::Path::new(&dir).join("dump.rdb"));
+    }
+    Ok(())
+}
+
+/// Restarts the local RabbitMQ application (every connection is closed;
+/// durable queues and persistent messages survive), as a broker restart does.
+pub fn restart_rabbitmq() -> Result<()> {
+    for step in ["stop_app", "start_app"] {
+        let status = Command::new("rabbitmqctl")
+            .arg(step)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("rabbitmqctl {step} failed with {status}");
+        }
+    }
+    if !wait_for(RABBITMQ, Duration::from_secs(60)) {
+        bail!("RabbitMQ did not listen again within 60s");
+    }
+    Ok(())
+}

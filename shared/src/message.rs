@@ -100,6 +100,10 @@ pub struct TaskSpec {
     /// What to do when something fails.
     #[serde(default)]
     pub failure: FailurePolicy,
+    /// Rows between checkpoints inside an item (a multiple of `batch_size`);
+    /// 0 = none. A redelivered item resumes after its last checkpoint.
+    #[serde(default)]
+    pub checkpoint_rows: u32,
 }
 
 /// What a bad row does to its item.
@@ -307,6 +311,7 @@ pub(crate) fn sample_item() -> WorkItem {
                 format: OutputFormat::Csv,
             },
             failure: FailurePolicy::default(),
+            checkpoint_rows: 0,
         },
     }
 }

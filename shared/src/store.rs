@@ -8,6 +8,9 @@
 //! | `P:job:{id}:done` | set | seqs of committed items |
 //! | `P:job:{id}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
 //! | `P:job:{id}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
+//! | `P:job:{id}:leases` | hash | `<seq>@<worker>` → JSON [`Lease`] of items being processed |
+//! | `P:job:{id}:redispatched` | hash | seq → ms when the coordinator last published a copy |
+//! | `P:job:{id}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
 //!
 //! `items_done` and `rows_done` are only ever changed by [`COMMIT_SCRIPT`], in the
 //! same atomic step that adds the seq to the done set, so a redelivered item can
@@ -177,6 +180,9 @@ pub struct JobRecord {
     pub published_ms: u64,
     /// When the job completed (ms), 0 before.
     pub finished_ms: u64,
+    /// Items (in seq order) whose publish the broker confirmed: a resumed
+    /// dispatch starts there instead of publishing everything again.
+    pub items_published: u64,
 }
 
 impl JobRecord {
@@ -211,6 +217,7 @@ impl JobRecord {
             ("created_ms", self.created_ms.to_string()),
             ("published_ms", self.published_ms.to_string()),
             ("finished_ms", self.finished_ms.to_string()),
+            ("items_published", self.items_published.to_string()),
         ]
     }
 
@@ -266,6 +273,7 @@ impl JobRecord {
             created_ms: num("created_ms")?,
             published_ms: num("published_ms")?,
             finished_ms: num("finished_ms")?,
+            items_published: num("items_published")?,
         })
     }
 }
@@ -291,6 +299,9 @@ pub struct ItemStats {
     /// True when the part file was found already published (a previous attempt
     /// died between publishing and marking done) and only the mark was redone.
     pub recovered: bool,
+    /// Rows not recomputed because an earlier delivery's checkpoint held them.
+    #[serde(default)]
+    pub rows_resumed: u64,
 }
 
 impl ItemStats {
@@ -315,6 +326,61 @@ pub struct ItemFailure {
     pub attempt: u32,
     /// When (ms since epoch).
     pub at_ms: u64,
+}
+
+/// A worker's hold on an item it is processing, refreshed by heartbeats.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lease {
+    /// Item seq.
+    pub seq: u32,
+    /// Worker id.
+    pub worker: String,
+    /// Delivery attempt.
+    pub attempt: u32,
+    /// When the worker took the item (ms since epoch).
+    pub started_ms: u64,
+    /// Last heartbeat (ms since epoch).
+    pub heartbeat_ms: u64,
+    /// The lease is stale (its worker presumed dead) this long after the last heartbeat.
+    pub ttl_ms: u64,
+    /// Rows of the item done so far (checkpointed segments).
+    pub rows_done: u64,
+    /// Rows of the item.
+    pub rows: u64,
+    /// Rows the worker skipped because a checkpoint held them.
+    #[serde(default)]
+    pub rows_resumed: u64,
+    /// Whether the worker acknowledged the delivery already and holds the
+    /// item by this lease alone (long items, see the worker's `--ack-after`).
+    #[serde(default)]
+    pub acked: bool,
+}
+
+impl Lease {
+    /// Whether the heartbeat is older than the lease's ttl at `now_ms`.
+    pub fn is_stale(&self, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.heartbeat_ms) > self.ttl_ms
+    }
+
+    /// How long the item has been held at `now_ms`.
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.started_ms)
+    }
+
+    fn field(&self) -> String {
+        format!("{}@{}", self.seq, self.worker)
+    }
+}
+
+/// What a worker checks before it works on an item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemGate {
+    /// Committed already.
+    pub done: bool,
+    /// Failed for good (dead-lettered); a copy arriving now is stale.
+    pub failed: bool,
+    /// The job's status; `None` if the record is missing (Redis lost it).
+    pub status: Option<JobStatus>,
 }
 
 /// Counters of a running job, read in one round trip.
@@ -354,6 +420,15 @@ end
 return 0
 "#;
 
+/// Writes a lease unless the item is already done. Returns 1 if written.
+pub const LEASE_SCRIPT: &str = r#"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"#;
+
 /// Records a failure unless the item is already done (a late failure of a
 /// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
 pub const FAIL_SCRIPT: &str = r#"
@@ -371,6 +446,7 @@ pub struct Store {
     prefix: String,
     commit: redis::Script,
     fail: redis::Script,
+    lease: redis::Script,
 }
 
 impl fmt::Debug for Store {
@@ -417,6 +493,7 @@ impl Store {
             prefix: prefix.to_owned(),
             commit: redis::Script::new(COMMIT_SCRIPT),
             fail: redis::Script::new(FAIL_SCRIPT),
+            lease: redis::Script::new(LEASE_SCRIPT),
         };
         let ping = async {
             let mut conn = store
@@ -455,6 +532,15 @@ impl Store {
     }
     fn failed_key(&self, id: &str) -> String {
         format!("{}:job:{id}:failed", self.prefix)
+    }
+    fn leases_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:leases", self.prefix)
+    }
+    fn redispatched_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:redispatched", self.prefix)
+    }
+    fn work_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:work", self.prefix)
     }
     fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
@@ -580,20 +666,22 @@ impl Store {
             .map_err(cmd("DEL failed"))
     }
 
-    /// In one round trip: whether the item is done, and the job's status.
-    pub async fn item_gate(
-        &self,
-        job: &str,
-        seq: u32,
-    ) -> Result<(bool, Option<JobStatus>), StoreError> {
+    /// In one round trip: whether the item is done, whether it failed for
+    /// good (dead-lettered), and the job's status.
+    pub async fn item_gate(&self, job: &str, seq: u32) -> Result<ItemGate, StoreError> {
         let mut c = self.conn("item gate").await?;
-        let (done, status): (bool, Option<String>) = redis::pipe()
+        let (done, failed, status): (bool, bool, Option<String>) = redis::pipe()
             .sismember(self.done_key(job), seq)
+            .hexists(self.failed_key(job), seq)
             .hget(self.job_key(job), "status")
             .query_async(&mut c)
             .await
             .map_err(cmd("item gate"))?;
-        Ok((done, status.as_deref().and_then(JobStatus::parse)))
+        Ok(ItemGate {
+            done,
+            failed,
+            status: status.as_deref().and_then(JobStatus::parse),
+        })
     }
 
     /// Forgets the failure of one item (before it is published again).
@@ -610,6 +698,27 @@ impl Store {
         c.sismember(self.done_key(job), seq)
             .await
             .map_err(cmd("SISMEMBER done"))
+    }
+
+    /// Which of `seqs` are done (one round trip).
+    pub async fn done_among(&self, job: &str, seqs: &[u32]) -> Result<HashSet<u32>, StoreError> {
+        if seqs.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let mut c = self.conn("SISMEMBER done").await?;
+        let mut pipe = redis::pipe();
+        for s in seqs {
+            pipe.sismember(self.done_key(job), s);
+        }
+        let flags: Vec<bool> = pipe
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("SISMEMBER done"))?;
+        Ok(seqs
+            .iter()
+            .zip(flags)
+            .filter_map(|(s, d)| d.then_some(*s))
+            .collect())
     }
 
     /// All done seqs of a job.
@@ -644,6 +753,133 @@ impl Store {
             .collect()
     }
 
+    /// Writes or refreshes a lease (the heartbeat). Returns `false`, writing
+    /// nothing, once the item is done: the holder may stop working on it.
+    pub async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(lease).map_err(|e| StoreError::Command {
+            op: "encode lease",
+            reason: e.to_string(),
+        })?;
+        let mut c = self.conn("heartbeat").await?;
+        let written: i64 = self
+            .lease
+            .key(self.done_key(job))
+            .key(self.leases_key(job))
+            .arg(lease.seq)
+            .arg(lease.field())
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("heartbeat"))?;
+        Ok(written == 1)
+    }
+
+    /// Drops a lease (the holder settled the item or gave it back).
+    pub async fn release(&self, job: &str, lease: &Lease) -> Result<(), StoreError> {
+        self.drop_leases(job, &[lease.field()]).await
+    }
+
+    /// Drops leases by their `<seq>@<worker>` field.
+    pub async fn drop_leases(&self, job: &str, fields: &[String]) -> Result<(), StoreError> {
+        if fields.is_empty() {
+            return Ok(());
+        }
+        let mut c = self.conn("HDEL lease").await?;
+        c.hdel::<_, _, ()>(self.leases_key(job), fields)
+            .await
+            .map_err(cmd("HDEL lease"))
+    }
+
+    /// Every lease of a job, in seq order.
+    pub async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError> {
+        let key = self.leases_key(job);
+        let mut c = self.conn("HGETALL leases").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL leases"))?;
+        let mut leases = map
+            .values()
+            .map(|json| {
+                serde_json::from_str::<Lease>(json).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        leases.sort_by(|a, b| (a.seq, &a.worker).cmp(&(b.seq, &b.worker)));
+        Ok(leases)
+    }
+
+    /// Adds to the job's work counters: items started and rows put through
+    /// the model (the work actually done, including work a fault wasted).
+    pub async fn count_work(
+        &self,
+        job: &str,
+        deliveries: u64,
+        rows: u64,
+    ) -> Result<(), StoreError> {
+        let mut c = self.conn("HINCRBY work").await?;
+        redis::pipe()
+            .hincr(self.work_key(job), "deliveries", deliveries)
+            .ignore()
+            .hincr(self.work_key(job), "rows_computed", rows)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("HINCRBY work"))
+    }
+
+    /// The job's work counters: (items started, rows computed).
+    pub async fn work(&self, job: &str) -> Result<(u64, u64), StoreError> {
+        let mut c = self.conn("HMGET work").await?;
+        let (d, r): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(self.work_key(job))
+            .arg(&["deliveries", "rows_computed"])
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HMGET work"))?;
+        Ok((d.unwrap_or(0), r.unwrap_or(0)))
+    }
+
+    /// When the coordinator last published a copy of each item (seq → ms).
+    pub async fn redispatched(&self, job: &str) -> Result<BTreeMap<u32, u64>, StoreError> {
+        let mut c = self.conn("HGETALL redispatched").await?;
+        c.hgetall(self.redispatched_key(job))
+            .await
+            .map_err(cmd("HGETALL redispatched"))
+    }
+
+    /// Records that a copy of item `seq` was published at `at_ms`.
+    pub async fn mark_redispatched(
+        &self,
+        job: &str,
+        seq: u32,
+        at_ms: u64,
+    ) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET redispatched").await?;
+        c.hset::<_, _, _, ()>(self.redispatched_key(job), seq, at_ms)
+            .await
+            .map_err(cmd("HSET redispatched"))
+    }
+
+    /// Restores the descriptive fields of a job record lost with Redis's data
+    /// (status, totals, settings), never the counters the commits maintain.
+    pub async fn restore_job(&self, job: &JobRecord) -> Result<(), StoreError> {
+        let fields: Vec<(&'static str, String)> = job
+            .to_fields()
+            .into_iter()
+            .filter(|(k, _)| !matches!(*k, "items_done" | "rows_done" | "rows_rejected"))
+            .collect();
+        let mut c = self.conn("restore job").await?;
+        redis::pipe()
+            .atomic()
+            .hset_multiple(self.job_key(&job.id), &fields)
+            .ignore()
+            .zadd(self.jobs_key(), &job.id, job.created_ms)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("restore job"))
+    }
+
     /// Most recent job ids, newest first.
     pub async fn recent_jobs(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let mut c = self.conn("ZREVRANGE jobs").await?;
@@ -662,6 +898,9 @@ impl Store {
                 self.done_key(id),
                 self.stats_key(id),
                 self.failed_key(id),
+                self.leases_key(id),
+                self.redispatched_key(id),
+                self.work_key(id),
             ])
             .ignore()
             .zrem(self.jobs_key(), id)
@@ -697,6 +936,7 @@ mod tests {
             created_ms: 5,
             published_ms: 6,
             finished_ms: 0,
+            items_published: 2,
         }
     }
 
@@ -709,6 +949,26 @@ mod tests {
             .map(|(k, v)| (k.to_owned(), v))
             .collect();
         assert_eq!(JobRecord::from_fields("k", &map).unwrap(), r);
+    }
+
+    #[test]
+    fn a_lease_is_stale_after_its_ttl_without_heartbeat() {
+        let lease = Lease {
+            seq: 3,
+            worker: "w".into(),
+            attempt: 1,
+            started_ms: 1_000,
+            heartbeat_ms: 5_000,
+            ttl_ms: 2_000,
+            rows_done: 0,
+            rows: 10,
+            rows_resumed: 0,
+            acked: false,
+        };
+        assert!(!lease.is_stale(7_000));
+        assert!(lease.is_stale(7_001));
+        assert_eq!(lease.age_ms(7_000), 6_000);
+        assert_eq!(lease.field(), "3@w");
     }
 
     #[test]

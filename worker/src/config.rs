@@ -28,9 +28,26 @@ pub struct WorkerConfig {
     /// they are left unacknowledged (the broker then redelivers them).
     #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
-    /// How long to keep retrying RabbitMQ and Redis at start-up.
-    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    /// How long to keep retrying RabbitMQ and Redis, at start-up and after
+    /// losing either (a broker or Redis restart); then the worker exits 1.
+    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,
+    /// How often the lease of an item in progress is refreshed in Redis.
+    #[arg(long, env = "BATCHFLEET_HEARTBEAT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub heartbeat: Duration,
+    /// A lease not refreshed for this long counts as dead: the coordinator
+    /// may publish a copy of the item. Keep it several heartbeats long.
+    #[arg(long, env = "BATCHFLEET_LEASE_TTL", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Duration,
+    /// Acknowledge a delivery held this long and keep the item by its lease
+    /// alone, so long items never trip RabbitMQ's consumer_timeout (30 min by
+    /// default). Keep it well under that timeout.
+    #[arg(long, env = "BATCHFLEET_ACK_AFTER", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub ack_after: Duration,
+    /// Testing aid: sleep this long before every forward call, to play a slow
+    /// worker (stragglers). 0 = off.
+    #[arg(long, env = "BATCHFLEET_DEBUG_BATCH_DELAY", default_value = "0s", value_parser = humantime::parse_duration, hide_short_help = true)]
+    pub debug_batch_delay: Duration,
 }
 
 impl WorkerConfig {

@@ -1,9 +1,21 @@
 //! The consume loop's unit of work: what happens to one delivery.
 //!
-//! decode → skip if done (or the job failed) → read → predict → publish the
-//! rejects and part files → mark done in Redis → ack. The ack comes last, so a
-//! worker that dies at any point leaves the item to be redelivered, and the
-//! done set plus first-writer-wins files make the redelivery harmless.
+//! decode → lease (skip if done, or the job failed) → read → predict → publish
+//! the rejects and part files → mark done in Redis → ack. The ack comes last,
+//! so a worker that dies at any point leaves the item to be redelivered, and
+//! the done set plus first-writer-wins files make the redelivery harmless.
+//!
+//! While it works on an item the worker holds a lease in Redis, refreshed by
+//! a heartbeat: the coordinator sees what is in flight where, and publishes a
+//! copy of an item whose worker went silent or straggles. An item held longer
+//! than `ack_after` is acknowledged early and kept by its lease alone, so a
+//! long item never trips RabbitMQ's `consumer_timeout`.
+//!
+//! An item of more than `checkpoint_rows` rows is predicted in segments of
+//! that many rows; each finished segment is published under
+//! `_partial/part-<seq>-<model>/`, and a redelivered item starts after the
+//! last finished segment instead of from scratch. On shutdown such an item
+//! stops at the next segment boundary and goes back to the queue.
 //!
 //! A failure is settled by its class: transient or timeout → re-published to
 //! a retry tier with the next attempt number (a confirmed publish, then the
@@ -20,13 +32,13 @@ use batchfleet_shared::message::{
     Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
     JOB_HEADER, MESSAGE_TYPE_V1, WORKER_HEADER,
 };
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
+use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Lease, Store, StoreError};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -44,12 +56,41 @@ pub enum StopReason {
     Restart(String),
 }
 
+/// Folder (inside the output folder) holding the checkpoint segments of items in progress.
+pub const PARTIAL_DIR: &str = "_partial";
+
+/// Timing of leases, early acks and waits for Redis.
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// How often a held item's lease is refreshed.
+    pub heartbeat: Duration,
+    /// A lease not refreshed for this long is presumed dead.
+    pub lease_ttl: Duration,
+    /// Acknowledge a delivery held this long and keep the item by its lease.
+    pub ack_after: Duration,
+    /// How long an item waits for Redis to come back before it is retried later.
+    pub store_patience: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(2),
+            lease_ttl: Duration::from_secs(15),
+            ack_after: Duration::from_secs(600),
+            store_patience: Duration::from_secs(60),
+        }
+    }
+}
+
 /// What a worker's item handlers share.
 pub struct ItemContext {
     /// Redis.
     pub store: Store,
-    /// Publishes retries and dead letters (confirm mode).
-    pub publisher: ConfirmedPublisher,
+    /// Publishes retries and dead letters (confirm mode); replaced on reconnect.
+    publisher: Mutex<Arc<ConfirmedPublisher>>,
+    /// Lease and wait timing.
+    pub tuning: Tuning,
     /// The pool's queue names.
     pub queues: PoolQueues,
     /// This worker's id.
@@ -82,12 +123,14 @@ impl ItemContext {
         queues: PoolQueues,
         worker_id: String,
         shutdown: CancellationToken,
+        tuning: Tuning,
         make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
     ) -> std::io::Result<Self> {
         let runner = make_runner()?;
         Ok(Self {
             store,
-            publisher,
+            publisher: Mutex::new(Arc::new(publisher)),
+            tuning,
             queues,
             worker_id,
             shutdown,
@@ -99,6 +142,41 @@ impl ItemContext {
         })
     }
 
+    /// The current publisher.
+    pub fn publisher(&self) -> Arc<ConfirmedPublisher> {
+        self.publisher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Swaps in the publisher of a new broker connection.
+    pub fn set_publisher(&self, publisher: ConfirmedPublisher) {
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(publisher);
+    }
+
+    /// Runs a Redis operation, retrying with capped exponential backoff while
+    /// Redis is unreachable, up to `store_patience` (or shutdown).
+    async fn patient<T, F, Fut>(&self, what: &str, op: F) -> Result<T, ItemError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        use backon::{ExponentialBuilder, Retryable};
+        let deadline = Instant::now() + self.tuning.store_patience;
+        op.retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(Duration::from_secs(3))
+                .with_jitter()
+                .without_max_times(),
+        )
+        .when(|e: &StoreError| !e.is_permanent() && Instant::now() < deadline && !self.shutdown.is_cancelled())
+        .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "Redis {what} failed; waiting for Redis"))
+        .await
+        .map_err(|e| ItemError::transient(e.to_string()))
+    }
+
     fn slot(&self) -> RunnerSlot {
         self.runner
             .lock()
@@ -106,31 +184,38 @@ impl ItemContext {
             .clone()
     }
 
-    /// Runs the model on a batch within `timeout` of model time (waiting for
-    /// a turn does not count). `None` on timeout; the runner is then replaced.
+    /// Runs the model on rows `rows` of a batch within `timeout` of model
+    /// time (waiting for a turn does not count).
     async fn predict(
         &self,
         item: &WorkItem,
         batch: reader::Batch,
+        rows: std::ops::Range<usize>,
         timeout: Duration,
-    ) -> Option<(reader::Batch, Result<crate::runner::Predictions, ItemError>)> {
+    ) -> Predicted {
         let mut batch = Some(batch);
         loop {
             let slot = self.slot();
-            let Ok(_turn) = slot.gate.clone().acquire_owned().await else {
+            // A shutdown while waiting for a turn gives the item back untouched.
+            let turn = tokio::select! {
+                turn = slot.gate.clone().acquire_owned() => turn,
+                _ = self.shutdown.cancelled() => return Predicted::Shutdown,
+            };
+            let Ok(_turn) = turn else {
                 continue; // that runner was replaced while we waited; take the new one
             };
-            let call = slot.runner.predict(
+            let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
+                rows,
                 item.task.batch_size as usize,
                 &item.task.failure,
             );
             return match tokio::time::timeout(timeout, call).await {
-                Ok(out) => Some(out),
+                Ok((batch, result)) => Predicted::Done(Box::new(batch), result),
                 Err(_) => {
                     self.replace_runner(&slot);
-                    None
+                    Predicted::TimedOut
                 }
             };
         }
@@ -173,6 +258,19 @@ impl ItemContext {
     }
 }
 
+/// What [`ItemContext::predict`] came back with.
+enum Predicted {
+    /// The batch and the model's answer.
+    Done(
+        Box<reader::Batch>,
+        Result<crate::runner::Predictions, ItemError>,
+    ),
+    /// The call ran past its time; the runner was replaced.
+    TimedOut,
+    /// Shutdown came before the item's turn.
+    Shutdown,
+}
+
 /// The current model runner and the gate that admits one item at a time to
 /// it. Items wait at the gate, not in the runner's queue, so an item timeout
 /// counts only the item's own model time, and when a hung runner is replaced
@@ -197,11 +295,12 @@ impl RunnerSlot {
 pub enum Handled {
     /// Predicted, written and committed here.
     Committed,
-    /// Already done (by an earlier delivery); acked without recompute.
+    /// Already done (by an earlier delivery or a faster copy); acked without
+    /// recompute, or with this copy's work discarded.
     AlreadyDone,
     /// The job failed (error budget); acked without work.
     Skipped,
-    /// Returned to the queue unprocessed (shutdown).
+    /// Returned to the queue (shutdown), with its checkpoints kept.
     Released,
     /// Re-published for a later attempt.
     Retried,
@@ -211,70 +310,301 @@ pub enum Handled {
     Fatal,
 }
 
-/// Handles one delivery to the end (ack or nack).
+/// A delivery and whether it has been settled (acked or nacked) yet: an item
+/// acknowledged early is held by its lease alone and must not be settled twice.
+struct Held {
+    delivery: Delivery,
+    settled: AtomicBool,
+    received: Instant,
+}
+
+impl Held {
+    fn new(delivery: Delivery) -> Self {
+        Self {
+            delivery,
+            settled: AtomicBool::new(false),
+            received: Instant::now(),
+        }
+    }
+
+    fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::SeqCst)
+    }
+
+    /// Acks unless already settled. A failure is only logged: the broker
+    /// redelivers an unsettled message when the channel closes, and the done
+    /// set makes that cheap.
+    async fn ack(&self) {
+        if self.settled.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Err(e) = self.delivery.acker.ack(BasicAckOptions::default()).await {
+            tracing::warn!(error = %e, "could not ack; the broker will redeliver the item");
+        }
+    }
+
+    /// Returns the delivery to the queue. `false` if it was acknowledged
+    /// early and must be published again instead.
+    async fn requeue(&self, why: &str) -> bool {
+        if self.settled.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        let opts = BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        };
+        if let Err(e) = self.delivery.acker.nack(opts).await {
+            tracing::warn!(error = %e, why, "could not return the item; the broker will redeliver it");
+        }
+        true
+    }
+}
+
+/// The lease on an item and the heartbeat task that keeps it fresh.
+struct LeaseGuard {
+    lease: Lease,
+    rows_done: Arc<AtomicU64>,
+    rows_resumed: Arc<AtomicU64>,
+    /// Cancelled when the heartbeat finds the item done elsewhere.
+    done_elsewhere: CancellationToken,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseGuard {
+    /// Writes the lease and starts the heartbeat. `None` if the item is done already.
+    async fn start(
+        item: &WorkItem,
+        attempt: u32,
+        held: Arc<Held>,
+        ctx: Arc<ItemContext>,
+    ) -> Result<Option<Self>, ItemError> {
+        let now = batchfleet_shared::now_ms();
+        let lease = Lease {
+            seq: item.seq,
+            worker: ctx.worker_id.clone(),
+            attempt,
+            started_ms: now,
+            heartbeat_ms: now,
+            ttl_ms: ctx.tuning.lease_ttl.as_millis() as u64,
+            rows_done: 0,
+            rows: item.input.rows(),
+            rows_resumed: 0,
+            acked: false,
+        };
+        let job = item.job_id.clone();
+        let fresh = ctx
+            .patient("lease", || ctx.store.heartbeat(&job, &lease))
+            .await?;
+        if !fresh {
+            return Ok(None);
+        }
+        count_work(&ctx, &job, 1, 0).await;
+        let rows_done = Arc::new(AtomicU64::new(0));
+        let rows_resumed = Arc::new(AtomicU64::new(0));
+        let done_elsewhere = CancellationToken::new();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(heartbeat_loop(
+            job,
+            lease.clone(),
+            held,
+            ctx,
+            rows_done.clone(),
+            rows_resumed.clone(),
+            done_elsewhere.clone(),
+            stop.clone(),
+        ));
+        Ok(Some(Self {
+            lease,
+            rows_done,
+            rows_resumed,
+            done_elsewhere,
+            stop,
+            task,
+        }))
+    }
+
+    /// Stops the heartbeat; drops the lease unless `keep` (the item could not
+    /// be handed back, so the stale lease is what makes the coordinator
+    /// publish it again).
+    async fn finish(self, job: &str, keep: bool, ctx: &ItemContext) {
+        self.stop.cancel();
+        let _ = self.task.await;
+        if !keep {
+            if let Err(e) = ctx.store.release(job, &self.lease).await {
+                tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn heartbeat_loop(
+    job: String,
+    mut lease: Lease,
+    held: Arc<Held>,
+    ctx: Arc<ItemContext>,
+    rows_done: Arc<AtomicU64>,
+    rows_resumed: Arc<AtomicU64>,
+    done_elsewhere: CancellationToken,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(ctx.tuning.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await; // the first tick is immediate; the lease was just written
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if !held.is_settled() && held.received.elapsed() >= ctx.tuning.ack_after {
+            // From here the lease alone holds the item: if this worker dies,
+            // the coordinator sees the lease go stale and publishes a copy
+            // (at once when the lease says `acked`, else once the queues are
+            // drained — so acking before the lease says so is safe).
+            held.ack().await;
+            lease.acked = true;
+            tracing::info!(
+                held_s = held.received.elapsed().as_secs(),
+                "long item: acknowledged early, held by its lease"
+            );
+        }
+        lease.heartbeat_ms = batchfleet_shared::now_ms();
+        lease.rows_done = rows_done.load(Ordering::Relaxed);
+        lease.rows_resumed = rows_resumed.load(Ordering::Relaxed);
+        match ctx.store.heartbeat(&job, &lease).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!("item committed elsewhere (a faster copy); stopping this one");
+                done_elsewhere.cancel();
+            }
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+        }
+    }
+}
+
+/// Handles one delivery to the end (ack, nack or re-publish).
 pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
-    let attempt = int_header(delivery.properties.headers().as_ref(), ATTEMPT_HEADER)
+    let held = Arc::new(Held::new(delivery));
+    let attempt = int_header(held.delivery.properties.headers().as_ref(), ATTEMPT_HEADER)
         .unwrap_or(1)
         .max(1) as u32;
     if ctx.shutdown.is_cancelled() || ctx.stop.is_cancelled() {
-        requeue(&delivery, "stopping before start").await;
+        held.requeue("stopping before start").await;
         return Handled::Released;
     }
-    let item = match Envelope::decode(&delivery.data) {
+    let item = match Envelope::decode(&held.delivery.data) {
         Ok(env) => env.into_item(),
         Err(e) => {
             tracing::error!(error = %e, "dead-lettering an undecodable message");
             return dead_letter(
-                &delivery,
+                &held,
                 None,
                 &ItemError::poison(e.to_string()),
                 attempt,
                 &ctx,
             )
-            .await;
+            .await
+            .0;
         }
     };
     let span = tracing::info_span!("item", job = %item.job_id, item = item.seq, attempt);
     async {
-        match process(&item, attempt, &ctx).await {
+        let guard = match LeaseGuard::start(&item, attempt, held.clone(), ctx.clone()).await {
+            Ok(Some(guard)) => guard,
+            Ok(None) => {
+                tracing::info!("already committed; acknowledging without recompute");
+                held.ack().await;
+                return Handled::AlreadyDone;
+            }
+            Err(e) => return settle_error(&held, &item, attempt, e, &ctx).await.0,
+        };
+        let result = process(&item, attempt, &guard, &ctx).await;
+        let (outcome, keep_lease) = match result {
+            Ok(Handled::Released) => {
+                let returned = give_back(&held, &item, attempt, &ctx).await;
+                (Handled::Released, !returned)
+            }
             Ok(outcome) => {
-                ack(&delivery).await;
-                outcome
+                held.ack().await;
+                (outcome, false)
             }
-            Err(e) if e.class == FailureClass::Fatal => {
-                tracing::error!(error = %e.message, "fatal: this worker cannot process items; returning the item and stopping");
-                requeue(&delivery, "fatal").await;
-                ctx.stop_with(StopReason::Fatal(e.message));
-                Handled::Fatal
-            }
-            Err(e) if e.class.retryable() && attempt < item.task.failure.max_attempts => retry(&delivery, &item, attempt, &e, &ctx).await,
-            Err(e) => dead_letter(&delivery, Some(&item), &e, attempt, &ctx).await,
-        }
+            Err(e) => settle_error(&held, &item, attempt, e, &ctx).await,
+        };
+        guard.finish(&item.job_id, keep_lease, &ctx).await;
+        outcome
     }
     .instrument(span)
     .await
 }
 
-async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Handled, ItemError> {
-    let store_err = |e: batchfleet_shared::store::StoreError| ItemError::transient(e.to_string());
-    let (done, status) = ctx
-        .store
-        .item_gate(&item.job_id, item.seq)
+/// Settles a failed item by its class. Returns the outcome and whether the
+/// lease must be kept (the item could not be handed on).
+async fn settle_error(
+    held: &Held,
+    item: &WorkItem,
+    attempt: u32,
+    e: ItemError,
+    ctx: &ItemContext,
+) -> (Handled, bool) {
+    match e.class {
+        FailureClass::Fatal => {
+            tracing::error!(error = %e.message, "fatal: this worker cannot process items; returning the item and stopping");
+            let returned = give_back(held, item, attempt, ctx).await;
+            ctx.stop_with(StopReason::Fatal(e.message));
+            (Handled::Fatal, !returned)
+        }
+        c if c.retryable() && attempt < item.task.failure.max_attempts => {
+            retry(held, item, attempt, &e, ctx).await
+        }
+        _ => dead_letter(held, Some(item), &e, attempt, ctx).await,
+    }
+}
+
+/// Returns an item to the work queue: a nack, or — once acknowledged early —
+/// a confirmed publish of a copy. `false` if neither worked.
+async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> bool {
+    if held.requeue("released").await {
+        return true;
+    }
+    let msg = Outgoing::work_item(item, attempt);
+    match ctx
+        .publisher()
+        .publish_all(&ctx.queues.work(), [msg], 1, |_| {})
         .await
-        .map_err(store_err)?;
-    if done {
+    {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not hand the item back; its lease will go stale and the coordinator will publish it again");
+            false
+        }
+    }
+}
+
+async fn process(
+    item: &WorkItem,
+    attempt: u32,
+    lease: &LeaseGuard,
+    ctx: &ItemContext,
+) -> Result<Handled, ItemError> {
+    let gate = ctx
+        .patient("item gate", || ctx.store.item_gate(&item.job_id, item.seq))
+        .await?;
+    if gate.done {
         tracing::info!("already committed; acknowledging without recompute");
         return Ok(Handled::AlreadyDone);
     }
-    if status == Some(JobStatus::Failed) {
+    if gate.failed {
+        tracing::info!("already dead-lettered (this is a stale copy); acknowledging without work");
+        return Ok(Handled::Skipped);
+    }
+    if gate.status == Some(JobStatus::Failed) {
         tracing::info!("job failed (error budget exceeded); skipping the item");
         return Ok(Handled::Skipped);
     }
     let out = Path::new(&item.task.output.dir);
     let dest = out.join(item.task.output.part_name(item.seq));
-    let rejects_dest = out
-        .join(writer::REJECTS_DIR)
-        .join(format!("part-{:06}.jsonl", item.seq));
+    let rejects_dest = batchfleet_shared::output::rejects_path(out, item.seq);
     let policy = &item.task.failure;
     let mut stats = ItemStats {
         seq: item.seq,
@@ -285,7 +615,9 @@ async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Han
         finished_ms: 0,
         attempt,
         recovered: false,
+        rows_resumed: 0,
     };
+    let mut partial = None;
     if dest.exists() {
         // A previous delivery published the files and died before marking it done.
         let (d, r) = (dest.clone(), rejects_dest.clone());
@@ -305,48 +637,140 @@ async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Han
     } else {
         let (slice, layout, on_bad_row) =
             (item.input.clone(), item.task.csv.clone(), policy.on_bad_row);
-        let batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
-        let timeout = Duration::from_millis(policy.item_timeout_ms);
-        let Some((mut batch, predictions)) = ctx.predict(item, batch, timeout).await else {
-            return Err(ItemError::timeout(format!(
-                "the model call did not finish within item_timeout ({}s)",
-                timeout.as_secs_f64()
-            )));
-        };
-        let predictions = predictions?;
-        let mut rejects = std::mem::take(&mut batch.rejects);
-        rejects.extend(
-            predictions
-                .failed
-                .iter()
-                .map(|(i, msg)| batch.model_reject(*i, msg)),
-        );
-        rejects.sort_by_key(|r| r.line);
-        stats.rows = (batch.rows() - predictions.failed.len()) as u64;
-        stats.rows_rejected = rejects.len() as u64;
-        if !rejects.is_empty() {
-            tracing::warn!(rejected = rejects.len(), first = %rejects[0].reason, "rows rejected");
-        }
+        let mut batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
+        let deadline = Instant::now() + Duration::from_millis(policy.item_timeout_ms);
+        let seg = item.task.checkpoint_rows as usize;
         let tag = format!("{}-{}", ctx.worker_id, attempt);
-        let published = blocking(move || {
-            // The part file is the commit point; the rejects file goes first
-            // and reflects this attempt (a stale one from a crashed attempt
-            // with another model is replaced or removed).
-            writer::write_rejects(&rejects_dest, &tag, &rejects)?;
-            writer::write_csv(&dest, &tag, &batch, &predictions)
-        })
-        .await??;
+        let mut rejects = std::mem::take(&mut batch.rejects);
+        let rows = batch.rows();
+        let published = if seg == 0 || rows <= seg {
+            let preds = match ctx.predict(item, batch, 0..rows, remaining(deadline)).await {
+                Predicted::Done(b, p) => {
+                    batch = *b;
+                    p?
+                }
+                Predicted::TimedOut => return Err(timed_out(policy)),
+                Predicted::Shutdown => return Ok(Handled::Released),
+            };
+            count_work(ctx, &item.job_id, 0, rows as u64).await;
+            rejects.extend(
+                preds
+                    .failed
+                    .iter()
+                    .map(|(i, msg)| batch.model_reject(*i, msg)),
+            );
+            stats.rows = (rows - preds.failed.len()) as u64;
+            stats.rows_rejected = rejects.len() as u64;
+            rejects.sort_by_key(|r| r.line);
+            log_rejects(&rejects);
+            blocking(move || {
+                // The part file is the commit point; the rejects file goes first
+                // and reflects this attempt (a stale one from a crashed attempt
+                // with another model is replaced or removed).
+                writer::write_rejects(&rejects_dest, &tag, &rejects)?;
+                writer::write_csv(&dest, &tag, &batch, &preds)
+            })
+            .await??
+        } else {
+            let dir = out.join(PARTIAL_DIR).join(format!(
+                "part-{:06}-{}",
+                item.seq,
+                &item.task.model.sha256[..item.task.model.sha256.len().min(12)]
+            ));
+            let d = dir.clone();
+            let (segments, mut model_rejects) =
+                blocking(move || finished_segments(&d, seg, rows)).await??;
+            let mut next = segments.last().map_or(0, |s| s.1);
+            let resumed = next;
+            if resumed > 0 {
+                tracing::info!(
+                    rows_resumed = resumed,
+                    rows,
+                    "resuming the item from its checkpoint"
+                );
+            }
+            lease.rows_resumed.store(resumed as u64, Ordering::Relaxed);
+            lease.rows_done.store(resumed as u64, Ordering::Relaxed);
+            let mut files: Vec<PathBuf> = segments.iter().map(|s| segment_path(&dir, *s)).collect();
+            let mut predicted = 0usize;
+            let mut failed = model_rejects.len();
+            while next < rows {
+                if lease.done_elsewhere.is_cancelled() {
+                    return Ok(Handled::AlreadyDone);
+                }
+                if ctx.shutdown.is_cancelled() {
+                    tracing::info!(
+                        rows_done = next,
+                        rows,
+                        "shutdown: the item goes back to the queue with its checkpoint"
+                    );
+                    return Ok(Handled::Released);
+                }
+                let end = (next + seg).min(rows);
+                let preds = match ctx
+                    .predict(item, batch, next..end, remaining(deadline))
+                    .await
+                {
+                    Predicted::Done(b, p) => {
+                        batch = *b;
+                        p?
+                    }
+                    Predicted::TimedOut => return Err(timed_out(policy)),
+                    Predicted::Shutdown => return Ok(Handled::Released),
+                };
+                count_work(ctx, &item.job_id, 0, (end - next) as u64).await;
+                let seg_rejects: Vec<_> = preds
+                    .failed
+                    .iter()
+                    .map(|(i, msg)| batch.model_reject(next + i, msg))
+                    .collect();
+                failed += seg_rejects.len();
+                let path = segment_path(&dir, (next, end));
+                let (p, t, b) = (path.clone(), tag.clone(), batch);
+                let sr = seg_rejects.clone();
+                batch = blocking(move || {
+                    // The segment's rejects first: its CSV is what marks it finished.
+                    if !sr.is_empty() {
+                        writer::write_rejects(&p.with_extension("rejects.jsonl"), &t, &sr)?;
+                    }
+                    writer::write_csv_rows(&p, &t, &b, next..end, &preds)?;
+                    Ok::<_, ItemError>(b)
+                })
+                .await??;
+                model_rejects.extend(seg_rejects);
+                files.push(path);
+                predicted += end - next;
+                next = end;
+                lease.rows_done.store(next as u64, Ordering::Relaxed);
+            }
+            stats.rows_resumed = resumed as u64;
+            rejects.extend(model_rejects);
+            rejects.sort_by_key(|r| r.line);
+            stats.rows = (rows - failed) as u64;
+            stats.rows_rejected = rejects.len() as u64;
+            log_rejects(&rejects);
+            tracing::debug!(predicted, resumed, "segments finished");
+            partial = Some(dir);
+            blocking(move || {
+                writer::write_rejects(&rejects_dest, &tag, &rejects)?;
+                writer::concat_csv(&dest, &tag, &files)
+            })
+            .await??
+        };
         stats.recovered = published == Publish::AlreadyExists;
     }
     stats.finished_ms = batchfleet_shared::now_ms();
     let won = ctx
-        .store
-        .commit_item(&item.job_id, &stats)
-        .await
-        .map_err(store_err)?;
+        .patient("commit", || ctx.store.commit_item(&item.job_id, &stats))
+        .await?;
+    if let Some(dir) = partial {
+        // The segments are in the part file now (or a faster copy's is there).
+        let _ = blocking(move || std::fs::remove_dir_all(dir)).await;
+    }
     tracing::info!(
         rows = stats.rows,
         rejected = stats.rows_rejected,
+        resumed = stats.rows_resumed,
         ms = stats.latency_ms(),
         won,
         recovered = stats.recovered,
@@ -357,6 +781,61 @@ async fn process(item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Result<Han
     } else {
         Handled::AlreadyDone
     })
+}
+
+/// Best effort: the counters measure wasted work, they decide nothing.
+async fn count_work(ctx: &ItemContext, job: &str, deliveries: u64, rows: u64) {
+    if let Err(e) = ctx.store.count_work(job, deliveries, rows).await {
+        tracing::debug!(error = %e, "could not count work");
+    }
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+fn timed_out(policy: &batchfleet_shared::message::FailurePolicy) -> ItemError {
+    ItemError::timeout(format!(
+        "the model call did not finish within item_timeout ({}s)",
+        Duration::from_millis(policy.item_timeout_ms).as_secs_f64()
+    ))
+}
+
+fn log_rejects(rejects: &[reader::Reject]) {
+    if let Some(first) = rejects.first() {
+        tracing::warn!(rejected = rejects.len(), first = %first.reason, "rows rejected");
+    }
+}
+
+/// `seg-<start>-<end>.csv` in an item's checkpoint folder.
+fn segment_path(dir: &Path, (start, end): (usize, usize)) -> PathBuf {
+    dir.join(format!("seg-{start:09}-{end:09}.csv"))
+}
+
+/// Finished segments (row spans) and the model rejects recorded for them.
+type Checkpoint = (Vec<(usize, usize)>, Vec<reader::Reject>);
+
+/// The finished segments of an item's checkpoint folder that follow each
+/// other from row 0 on the expected boundaries (anything else is ignored and
+/// recomputed), with the model rejects recorded for them.
+fn finished_segments(dir: &Path, seg: usize, rows: usize) -> Result<Checkpoint, ItemError> {
+    let mut found = Vec::new();
+    let mut rejects = Vec::new();
+    let mut start = 0;
+    while start < rows {
+        let span = (start, (start + seg).min(rows));
+        let path = segment_path(dir, span);
+        if !path.exists() {
+            break;
+        }
+        let r = writer::read_rejects(&path.with_extension("rejects.jsonl")).map_err(|e| {
+            ItemError::transient(format!("cannot read the checkpoint {}: {e}", dir.display()))
+        })?;
+        rejects.extend(r);
+        found.push(span);
+        start = span.1;
+    }
+    Ok((found, rejects))
 }
 
 async fn blocking<T: Send + 'static>(
@@ -378,14 +857,15 @@ fn truncate(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
-/// Re-publishes the item to a retry tier for attempt `attempt + 1`, then acks.
+/// Re-publishes the item to a retry tier for attempt `attempt + 1`, then
+/// acks. Returns the outcome and whether the lease must be kept.
 async fn retry(
-    delivery: &Delivery,
+    held: &Held,
     item: &WorkItem,
     attempt: u32,
     e: &ItemError,
     ctx: &ItemContext,
-) -> Handled {
+) -> (Handled, bool) {
     let next = attempt + 1;
     let delay = item.task.failure.retry_delay_ms(next, fastrand::f64());
     let queue = ctx.queues.retry_for(delay);
@@ -393,7 +873,7 @@ async fn retry(
     let msg = Outgoing {
         message_id: format!("{}/{}", item.job_id, item.seq),
         kind: MESSAGE_TYPE_V1,
-        body: delivery.data.clone(),
+        body: held.delivery.data.clone(),
         headers: headers(
             [
                 (CLASS_HEADER, e.class.to_string()),
@@ -403,27 +883,28 @@ async fn retry(
         ),
         expiration_ms: Some(delay),
     };
-    match ctx.publisher.publish_all(&queue, [msg], 1, |_| {}).await {
+    match ctx.publisher().publish_all(&queue, [msg], 1, |_| {}).await {
         Ok(_) => {
-            ack(delivery).await;
-            Handled::Retried
+            held.ack().await;
+            (Handled::Retried, false)
         }
         Err(err) => {
             tracing::warn!(error = %err, "could not schedule the retry; returning the item to the queue");
-            requeue(delivery, "retry publish failed").await;
-            Handled::Released
+            let returned = give_back(held, item, attempt, ctx).await;
+            (Handled::Released, !returned)
         }
     }
 }
 
-/// Publishes the item to the dead queue with why, records the failure, then acks.
+/// Publishes the item to the dead queue with why, records the failure, then
+/// acks. Returns the outcome and whether the lease must be kept.
 async fn dead_letter(
-    delivery: &Delivery,
+    held: &Held,
     item: Option<&WorkItem>,
     e: &ItemError,
     attempt: u32,
     ctx: &ItemContext,
-) -> Handled {
+) -> (Handled, bool) {
     let class = e.class.to_string();
     tracing::error!(error = %e.message, class = %class, attempt, "dead-lettering the item");
     let now = batchfleet_shared::now_ms();
@@ -436,7 +917,7 @@ async fn dead_letter(
             |i| format!("{}/{}", i.job_id, i.seq),
         ),
         kind: MESSAGE_TYPE_V1,
-        body: delivery.data.clone(),
+        body: held.delivery.data.clone(),
         headers: headers(
             [
                 (JOB_HEADER, job.clone()),
@@ -453,13 +934,16 @@ async fn dead_letter(
         expiration_ms: None,
     };
     if let Err(err) = ctx
-        .publisher
+        .publisher()
         .publish_all(&ctx.queues.dead(), [msg], 1, |_| {})
         .await
     {
         tracing::warn!(error = %err, "could not dead-letter the item; returning it to the queue");
-        requeue(delivery, "dead-letter publish failed").await;
-        return Handled::Released;
+        let returned = match item {
+            Some(item) => give_back(held, item, attempt, ctx).await,
+            None => held.requeue("dead-letter publish failed").await,
+        };
+        return (Handled::Released, !returned);
     }
     if let Some(item) = item {
         let failure = ItemFailure {
@@ -470,30 +954,54 @@ async fn dead_letter(
             attempt,
             at_ms: now,
         };
-        if let Err(err) = ctx.store.fail_item(&item.job_id, &failure).await {
+        if let Err(err) = ctx
+            .patient("record failure", || {
+                ctx.store.fail_item(&item.job_id, &failure)
+            })
+            .await
+        {
             // The dead queue holds it either way; the coordinator will not
             // see the job settle until the failure is recorded (by a replay).
             tracing::warn!(error = %err, "could not record the failure in Redis");
         }
     }
-    ack(delivery).await;
-    Handled::DeadLettered
+    held.ack().await;
+    (Handled::DeadLettered, false)
 }
 
-/// Acks. A failure here is only logged: the broker redelivers an unsettled
-/// message when the channel closes, and the done set makes that cheap.
-async fn ack(delivery: &Delivery) {
-    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-        tracing::warn!(error = %e, "could not ack; the broker will redeliver the item");
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reject(line: u64) -> reader::Reject {
+        reader::Reject {
+            file: "in.csv".into(),
+            line,
+            raw: "x".into(),
+            reason: "model raised".into(),
+            stage: "model".into(),
+        }
     }
-}
 
-async fn requeue(delivery: &Delivery, why: &str) {
-    let opts = BasicNackOptions {
-        requeue: true,
-        ..BasicNackOptions::default()
-    };
-    if let Err(e) = delivery.acker.nack(opts).await {
-        tracing::warn!(error = %e, why, "could not return the item; the broker will redeliver it");
+    #[test]
+    fn a_checkpoint_is_the_run_of_finished_segments_from_row_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        assert_eq!(finished_segments(d, 200, 1000).unwrap().0, vec![]);
+        for span in [(0, 200), (200, 400), (600, 800)] {
+            std::fs::write(segment_path(d, span), "id,score\n").unwrap();
+        }
+        writer::write_rejects(
+            &segment_path(d, (200, 400)).with_extension("rejects.jsonl"),
+            "t",
+            &[reject(250)],
+        )
+        .unwrap();
+        // 600..800 does not follow 400: it is not part of the checkpoint.
+        let (spans, rejects) = finished_segments(d, 200, 1000).unwrap();
+        assert_eq!(spans, vec![(0, 200), (200, 400)]);
+        assert_eq!(rejects, vec![reject(250)]);
+        // Boundaries of another segment size do not count.
+        assert_eq!(finished_segments(d, 300, 1000).unwrap().0, vec![]);
     }
 }

@@ -76,7 +76,11 @@ where
 }
 
 /// Runs a worker until `shutdown` is cancelled (then drains), a fatal error,
-/// or a restart request.
+/// or a restart request. A lost RabbitMQ connection (broker restart) is
+/// re-established with capped exponential backoff for up to
+/// `--connect-timeout`; items in flight meanwhile finish, and their acks,
+/// which the broker can no longer take, are redone by the redelivery that
+/// finds them done.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
@@ -85,66 +89,87 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
     })
     .await?;
-    let conn_name = format!("batchfleet-worker {worker_id}");
-    let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
-        broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
-    })
-    .await?;
-    let channel = conn
-        .create_channel()
-        .await
-        .context("opening a RabbitMQ channel")?;
-    broker::declare_topology(&channel, &queues).await?;
-    channel
-        .basic_qos(cfg.prefetch, BasicQosOptions::default())
-        .await
-        .context("setting prefetch")?;
-    let publisher = ConfirmedPublisher::open(&conn).await?;
+    let mut session = Session::open(&cfg, &worker_id, &queues).await?;
 
     let threads = cfg.threads;
-    let make_runner =
-        Box::new(move || runner::ModelRunner::spawn(move || runner::TorchBackend::new(threads)));
+    let delay = cfg.debug_batch_delay;
+    let make_runner = Box::new(move || {
+        runner::ModelRunner::spawn(move || {
+            let torch = runner::TorchBackend::new(threads);
+            runner::Delayed {
+                inner: torch,
+                delay,
+            }
+        })
+    });
+    let tuning = consumer::Tuning {
+        heartbeat: cfg.heartbeat,
+        lease_ttl: cfg.lease_ttl.max(cfg.heartbeat * 2),
+        ack_after: cfg.ack_after,
+        store_patience: cfg.connect_timeout,
+    };
     let ctx = Arc::new(
         consumer::ItemContext::new(
             store,
-            publisher,
+            session
+                .publisher
+                .take()
+                .expect("a new session has a publisher"),
             queues.clone(),
             worker_id.clone(),
             shutdown.clone(),
+            tuning,
             make_runner,
         )
         .context("starting the model runner thread")?,
     );
 
-    let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
-    let mut consumer = channel
-        .basic_consume(
-            queues.work().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("consuming {}", queues.work()))?;
-    tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
-
     let tracker = TaskTracker::new();
-    let mut stream_error = None;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ctx.stop.cancelled() => break,
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone())); }
-                Some(Err(e)) => { stream_error = Some(e); break; }
-                None => break,
-            },
+    let lost = loop {
+        tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
+        let mut lost = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = ctx.stop.cancelled() => break,
+                next = session.consumer.next() => match next {
+                    Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone())); }
+                    Some(Err(e)) => { lost = Some(e.to_string()); break; }
+                    None => { lost = Some("the broker closed the consumer".into()); break; }
+                },
+            }
         }
-    }
+        let Some(why) = lost else { break None };
+        if shutdown.is_cancelled() || ctx.stop.is_cancelled() {
+            break None;
+        }
+        let why = batchfleet_shared::secret::scrub(&why, &cfg.services.amqp_url);
+        tracing::warn!(error = %why, in_flight = tracker.len(), "lost RabbitMQ; reconnecting");
+        let reopened = tokio::select! {
+            s = Session::open(&cfg, &worker_id, &queues) => s,
+            _ = shutdown.cancelled() => break None,
+        };
+        match reopened {
+            Ok(mut fresh) => {
+                ctx.set_publisher(
+                    fresh
+                        .publisher
+                        .take()
+                        .expect("a new session has a publisher"),
+                );
+                let _ = session.conn.close(200, "replaced".into()).await;
+                session = fresh;
+                tracing::info!("reconnected to RabbitMQ");
+            }
+            Err(e) => break Some(format!("{why}; reconnecting failed: {e:#}")),
+        }
+    };
 
-    // Drain: no new deliveries; items already started finish within the deadline.
-    let _ = channel
-        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+    // Drain: no new deliveries; items already started finish (or stop at a
+    // checkpoint) within the deadline.
+    let _ = session
+        .channel
+        .basic_cancel(session.tag.as_str().into(), BasicCancelOptions::default())
         .await;
     tracker.close();
     tracing::info!(
@@ -162,14 +187,11 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         );
     }
     // Closing the channel returns every unacknowledged delivery to the queue at once.
-    let _ = channel.close(200, "worker stopping".into()).await;
-    let _ = conn.close(200, "worker stopping".into()).await;
+    let _ = session.channel.close(200, "worker stopping".into()).await;
+    let _ = session.conn.close(200, "worker stopping".into()).await;
 
-    if let Some(e) = stream_error {
-        anyhow::bail!(
-            "lost the RabbitMQ consumer: {}",
-            batchfleet_shared::secret::scrub(&e.to_string(), &cfg.services.amqp_url)
-        );
+    if let Some(why) = lost {
+        anyhow::bail!("lost RabbitMQ: {why}");
     }
     let reason = ctx
         .stop_reason
@@ -188,5 +210,58 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             tracing::info!("worker stopped cleanly");
             Ok(Exit::Clean)
         }
+    }
+}
+
+/// One RabbitMQ connection: the consuming channel and a confirm-mode publisher.
+struct Session {
+    conn: lapin::Connection,
+    channel: lapin::Channel,
+    consumer: lapin::Consumer,
+    publisher: Option<ConfirmedPublisher>,
+    tag: String,
+}
+
+impl Session {
+    /// Connects (retrying with backoff up to `--connect-timeout`), declares
+    /// the pool's topology and starts consuming.
+    async fn open(
+        cfg: &WorkerConfig,
+        worker_id: &str,
+        queues: &PoolQueues,
+    ) -> anyhow::Result<Self> {
+        let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
+        let conn_name = format!("batchfleet-worker {worker_id}");
+        let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
+            broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
+        })
+        .await?;
+        let channel = conn
+            .create_channel()
+            .await
+            .context("opening a RabbitMQ channel")?;
+        broker::declare_topology(&channel, queues).await?;
+        channel
+            .basic_qos(cfg.prefetch, BasicQosOptions::default())
+            .await
+            .context("setting prefetch")?;
+        let publisher = ConfirmedPublisher::open(&conn).await?;
+        let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
+        let consumer = channel
+            .basic_consume(
+                queues.work().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .with_context(|| format!("consuming {}", queues.work()))?;
+        Ok(Self {
+            conn,
+            channel,
+            consumer,
+            publisher: Some(publisher),
+            tag,
+        })
     }
 }

@@ -6,12 +6,12 @@
 
 use crate::error::ItemError;
 use batchfleet_shared::message::{CsvLayout, InputSlice, OnBadRow};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 
 /// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reject {
     /// Input file.
     pub file: String,
@@ -22,7 +22,7 @@ pub struct Reject {
     /// What is wrong with it.
     pub reason: String,
     /// `parse` (malformed) or `model` (`forward` raised on it).
-    pub stage: &'static str,
+    pub stage: String,
 }
 
 /// The rows of one item, ready for the model.
@@ -90,7 +90,7 @@ impl Batch {
             line: self.lines[i],
             raw: raw_text(&self.raw, self.spans[i]),
             reason: reason.to_owned(),
-            stage: "model",
+            stage: "model".into(),
         }
     }
 }
@@ -206,7 +206,7 @@ pub fn parse_csv(
                             line,
                             raw: String::new(),
                             reason,
-                            stage: "parse",
+                            stage: "parse".into(),
                         });
                     }
                 },
@@ -292,7 +292,7 @@ mod tests {
         assert_eq!((b.id(0), b.id(1)), ("a", "b,c"));
         let r = b.model_reject(1, "boom");
         assert_eq!(
-            (r.line, r.raw.as_str(), r.stage),
+            (r.line, r.raw.as_str(), r.stage.as_str()),
             (3, "-3,\"b,c\",y, 4e-1 ", "model")
         );
     }

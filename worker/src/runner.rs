@@ -197,6 +197,7 @@ impl<B: Backend + ?Sized> Run<'_, B> {
 struct Request {
     model: ModelRef,
     batch: Batch,
+    rows: std::ops::Range<usize>,
     batch_size: usize,
     policy: FailurePolicy,
     reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
@@ -224,11 +225,17 @@ impl ModelRunner {
             .spawn(move || {
                 let mut backend = make_backend();
                 while let Some(req) = rx.blocking_recv() {
+                    let cols = req.batch.cols;
+                    let features = req
+                        .batch
+                        .features
+                        .get(req.rows.start * cols..req.rows.end * cols)
+                        .unwrap_or_default();
                     let result = predict(
                         &mut backend,
                         &req.model,
-                        &req.batch.features,
-                        req.batch.cols,
+                        features,
+                        cols,
                         req.batch_size,
                         &req.policy,
                     );
@@ -246,10 +253,26 @@ impl ModelRunner {
         batch_size: usize,
         policy: &FailurePolicy,
     ) -> (Batch, Result<Predictions, ItemError>) {
+        let rows = 0..batch.rows();
+        self.predict_rows(model, batch, rows, batch_size, policy)
+            .await
+    }
+
+    /// Predicts rows `rows` of a batch (a checkpoint segment); the
+    /// predictions (and failed row indices) are relative to `rows.start`.
+    pub async fn predict_rows(
+        &self,
+        model: &ModelRef,
+        batch: Batch,
+        rows: std::ops::Range<usize>,
+        batch_size: usize,
+        policy: &FailurePolicy,
+    ) -> (Batch, Result<Predictions, ItemError>) {
         let (reply, rx) = oneshot::channel();
         let req = Request {
             model: model.clone(),
             batch,
+            rows,
             batch_size,
             policy: policy.clone(),
             reply,
@@ -269,6 +292,28 @@ impl ModelRunner {
                 )),
             ),
         }
+    }
+}
+
+/// A backend that sleeps before every `forward`: a deliberately slow worker
+/// for straggler tests and demonstrations (`--debug-batch-delay`).
+#[derive(Debug)]
+pub struct Delayed<B> {
+    /// The backend doing the work.
+    pub inner: B,
+    /// Sleep before each call.
+    pub delay: std::time::Duration,
+}
+
+impl<B: Backend> Backend for Delayed<B> {
+    fn forward(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        cols: usize,
+    ) -> Result<(Vec<f32>, usize), ForwardError> {
+        std::thread::sleep(self.delay);
+        self.inner.forward(model, features, cols)
     }
 }
 

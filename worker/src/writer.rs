@@ -9,8 +9,7 @@ use batchfleet_shared::fsutil::{publish_atomically, Publish};
 use std::io::Write;
 use std::path::Path;
 
-/// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
-pub const REJECTS_DIR: &str = "rejects";
+pub use batchfleet_shared::output::{count_rejects, count_rows, REJECTS_DIR};
 
 /// Column names for `width` model outputs: `score`, or `score_0 … score_{k-1}`.
 pub fn score_columns(width: usize) -> Vec<String> {
@@ -29,11 +28,23 @@ pub fn write_csv(
     batch: &Batch,
     preds: &Predictions,
 ) -> Result<Publish, ItemError> {
-    if batch.rows() > 0 && preds.values.len() != batch.rows() * preds.width {
+    write_csv_rows(dest, tag, batch, 0..batch.rows(), preds)
+}
+
+/// Like [`write_csv`] for rows `rows` of the batch (a checkpoint segment),
+/// whose predictions `preds` are.
+pub fn write_csv_rows(
+    dest: &Path,
+    tag: &str,
+    batch: &Batch,
+    rows: std::ops::Range<usize>,
+    preds: &Predictions,
+) -> Result<Publish, ItemError> {
+    if !rows.is_empty() && preds.values.len() != rows.len() * preds.width {
         return Err(ItemError::poison(format!(
             "model returned {} values for {} rows of width {}",
             preds.values.len(),
-            batch.rows(),
+            rows.len(),
             preds.width
         )));
     }
@@ -49,7 +60,7 @@ pub fn write_csv(
                 failed.next();
                 continue;
             }
-            csv.write_field(batch.id(i))?;
+            csv.write_field(batch.id(rows.start + i))?;
             for v in row {
                 csv.write_field(fmt.format(*v))?;
             }
@@ -59,6 +70,42 @@ pub fn write_csv(
         Ok(())
     });
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+}
+
+/// Publishes `dest` as the concatenation of the CSV files `parts` (each with
+/// the same header, kept once), streamed, first commit wins.
+pub fn concat_csv(
+    dest: &Path,
+    tag: &str,
+    parts: &[std::path::PathBuf],
+) -> Result<Publish, ItemError> {
+    use std::io::BufRead;
+    let result = publish_atomically(dest, tag, false, |w| {
+        for (k, part) in parts.iter().enumerate() {
+            let mut r = std::io::BufReader::new(std::fs::File::open(part)?);
+            let mut header = Vec::new();
+            r.read_until(b'\n', &mut header)?;
+            if k == 0 {
+                w.write_all(&header)?;
+            }
+            std::io::copy(&mut r, w)?;
+        }
+        Ok(())
+    });
+    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+}
+
+/// Reads back a rejects file written by [`write_rejects`]; none if absent.
+pub fn read_rejects(path: &Path) -> std::io::Result<Vec<Reject>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    text.lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_str(l).map_err(std::io::Error::other))
+        .collect()
 }
 
 /// Writes rejected rows as JSON lines (file, line, raw, reason, stage),
@@ -82,33 +129,6 @@ pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<(), I
         Ok(())
     });
     result.map(|_| ()).map_err(io_err)
-}
-
-/// Counts the data rows of a committed part file (used when a redelivered
-/// item finds its output already published).
-pub fn count_rows(path: &Path) -> std::io::Result<u64> {
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(std::io::Error::other)?;
-    let mut rec = csv::ByteRecord::new();
-    let mut n = 0;
-    while rdr
-        .read_byte_record(&mut rec)
-        .map_err(std::io::Error::other)?
-    {
-        n += 1;
-    }
-    Ok(n)
-}
-
-/// Counts the lines of a rejects file; 0 if there is none.
-pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
-    match std::fs::read(path) {
-        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
-        Err(e) => Err(e),
-    }
 }
 
 #[cfg(test)]
@@ -139,6 +159,32 @@ mod tests {
     }
 
     #[test]
+    fn segments_concatenate_with_one_header_and_rejects_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.csv"), dir.path().join("b.csv"));
+        std::fs::write(&a, "id,score\nr1,0.5\nr2,1\n").unwrap();
+        std::fs::write(&b, "id,score\nr3,2\n").unwrap();
+        let dest = dir.path().join("part-000000.csv");
+        assert_eq!(concat_csv(&dest, "t", &[a, b]).unwrap(), Publish::Committed);
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "id,score\nr1,0.5\nr2,1\nr3,2\n"
+        );
+        assert_eq!(count_rows(&dest).unwrap(), 3);
+        let r = Reject {
+            file: "in.csv".into(),
+            line: 3,
+            raw: "r2,x".into(),
+            reason: "bad".into(),
+            stage: "model".into(),
+        };
+        let path = dir.path().join("r.jsonl");
+        write_rejects(&path, "t", std::slice::from_ref(&r)).unwrap();
+        assert_eq!(read_rejects(&path).unwrap(), vec![r]);
+        assert!(read_rejects(&dir.path().join("none")).unwrap().is_empty());
+    }
+
+    #[test]
     fn rejects_are_json_lines() {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join(REJECTS_DIR).join("part-000001.jsonl");
@@ -148,7 +194,7 @@ mod tests {
             line: 7,
             raw: "1,\"x\"".into(),
             reason: "field 2 is not a number".into(),
-            stage: "parse",
+            stage: "parse".into(),
         };
         write_rejects(&dest, "t", &[r.clone(), r]).unwrap();
         let text = std::fs::read_to_string(&dest).unwrap();

@@ -21,6 +21,7 @@ fn record(id: &str) -> JobRecord {
         created_ms: 1,
         published_ms: 0,
         finished_ms: 0,
+        items_published: 0,
     }
 }
 
@@ -34,6 +35,7 @@ fn stats(seq: u32, worker: &str) -> ItemStats {
         finished_ms: 2,
         attempt: 1,
         recovered: false,
+        rows_resumed: 0,
     }
 }
 

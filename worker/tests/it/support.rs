@@ -48,6 +48,11 @@ impl TestEnv {
             progress: false,
             poll_interval: Duration::from_millis(100),
             publish_window: 64,
+            supervise: batchfleet_coordinator::supervisor::SuperviseConfig {
+                speculate_min: Duration::from_millis(500),
+                orphan_grace: Duration::from_secs(3),
+                ..Default::default()
+            },
         }
     }
 
@@ -66,7 +71,7 @@ impl TestEnv {
                 "--threads",
                 "1",
             ])
-            .args(["--drain-timeout", "20s", "--connect-timeout", "20s"])
+            .args(["--drain-timeout", "20s", "--connect-timeout", "60s"])
             .args(extra)
             .env("BATCHFLEET_AMQP_URL", self.amqp.expose())
             .env("BATCHFLEET_REDIS_URL", self.redis.expose())

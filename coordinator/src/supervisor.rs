@@ -1,0 +1,537 @@
+//! Keeps a running job moving when parts of the fleet fail: the coordinator's
+//! side of leases, stragglers and lost state.
+//!
+//! Every tick (about once a second) while a job runs:
+//! - **Lost Redis state**: if the job record is gone (Redis restarted empty
+//!   or was flushed), it is restored from the manifest, and the done set and
+//!   counters are rebuilt from the committed part files — the files are the
+//!   truth — through the same first-commit-wins step the workers use, so a
+//!   worker committing at the same moment is never counted twice. Items that
+//!   failed for good are recovered from the dead queue.
+//! - **Dead workers**: an item whose only leases are stale (no heartbeat for
+//!   the lease's ttl) is published again once the queues are drained (or at
+//!   once, if its worker had acknowledged the delivery early and held it by
+//!   the lease alone).
+//! - **Stragglers**: once the queues are drained, an item on its first
+//!   attempt held far longer than the typical item (`speculate_after` × the
+//!   median item time) gets one speculative copy; the first commit wins and
+//!   the slower copy stops at its next checkpoint, its output discarded.
+//! - **Lost messages**: an item that is neither done, failed, leased nor
+//!   queued for `orphan_grace` is published again.
+
+use crate::manifest::JobSpec;
+use crate::planner::Plan;
+use crate::{Connections, RunError};
+use batchfleet_shared::broker::{self, ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::message::OutputFormat;
+use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Straggler and orphan settings.
+#[derive(Debug, Clone)]
+pub struct SuperviseConfig {
+    /// Speculate on an item held this many times the median item time (0 = never).
+    pub speculate_after: f64,
+    /// Never speculate on an item held less than this.
+    pub speculate_min: Duration,
+    /// An item neither queued nor leased for this long is published again.
+    pub orphan_grace: Duration,
+    /// How often the fleet is checked.
+    pub every: Duration,
+}
+
+impl Default for SuperviseConfig {
+    fn default() -> Self {
+        Self {
+            speculate_after: 3.0,
+            speculate_min: Duration::from_secs(2),
+            orphan_grace: Duration::from_secs(10),
+            every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why the supervisor published a copy of an item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redispatch {
+    /// Its worker's lease went stale.
+    StaleLease,
+    /// It ran far longer than the typical item.
+    Straggler,
+    /// It was nowhere: not queued, not leased, not settled.
+    Orphan,
+}
+
+/// What the supervisor did during a job, for the summary and the logs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SuperviseReport {
+    /// Copies published because a worker died holding the item.
+    pub stale_redispatched: u64,
+    /// Speculative copies of stragglers.
+    pub speculated: u64,
+    /// Items published again because they were lost.
+    pub orphans_redispatched: u64,
+    /// Times the job's Redis state was rebuilt from the output files.
+    pub rebuilds: u64,
+    /// Items found committed in the output folder during rebuilds.
+    pub rebuilt_items: u64,
+}
+
+/// The supervisor of one job.
+pub struct Supervisor {
+    job_id: String,
+    cfg: SuperviseConfig,
+    connections: Connections,
+    spec: Option<Arc<JobSpec>>,
+    plan: Option<Arc<Plan>>,
+    broker: Option<(lapin::Connection, ConfirmedPublisher)>,
+    record: Option<JobRecord>,
+    last_tick: Option<Instant>,
+    unseen_since: HashMap<u32, Instant>,
+    median_cache: Option<(Instant, u64)>,
+    /// What it did.
+    pub report: SuperviseReport,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("job_id", &self.job_id)
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// A supervisor for `job_id`. `spec` and `plan` are loaded from the job's
+    /// manifest when first needed if not given.
+    pub fn new(
+        job_id: &str,
+        cfg: SuperviseConfig,
+        connections: Connections,
+        spec: Option<Arc<JobSpec>>,
+        plan: Option<Arc<Plan>>,
+    ) -> Self {
+        Self {
+            job_id: job_id.to_owned(),
+            cfg,
+            connections,
+            spec,
+            plan,
+            broker: None,
+            record: None,
+            last_tick: None,
+            unseen_since: HashMap::new(),
+            median_cache: None,
+            report: SuperviseReport::default(),
+        }
+    }
+
+    /// Remembers the job record (the copy to restore if Redis loses it).
+    pub fn remember(&mut self, record: &JobRecord) {
+        self.record = Some(record.clone());
+    }
+
+    /// Runs one check if one is due. Errors of RabbitMQ or Redis are logged
+    /// and the check is tried again next time: the fleet may be mid-outage.
+    pub async fn tick(&mut self, store: &Store) {
+        if self.last_tick.is_some_and(|t| t.elapsed() < self.cfg.every) {
+            return;
+        }
+        self.last_tick = Some(Instant::now());
+        if let Err(e) = self.check(store).await {
+            tracing::warn!(job = %self.job_id, error = %e, "fleet check failed; trying again");
+            if matches!(e, RunError::Broker(_)) {
+                self.broker = None;
+            }
+        }
+    }
+
+    async fn check(&mut self, store: &Store) -> Result<(), RunError> {
+        match store.job(&self.job_id).await {
+            Ok(Some(r)) if r.items_total > 0 => self.record = Some(r),
+            Ok(_) | Err(batchfleet_shared::store::StoreError::Corrupt { .. }) => {
+                self.rebuild(store).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let Some(record) = self.record.clone() else {
+            return Ok(());
+        };
+        if record.status.is_final() || record.status == JobStatus::Failed {
+            return Ok(());
+        }
+        let progress = store.progress(&self.job_id).await?;
+        if progress.settled() {
+            return Ok(());
+        }
+        let queues = PoolQueues::new(&record.pool);
+        let drained = self.queues_drained(&queues).await?;
+        let leases = store.leases(&self.job_id).await?;
+        let now = batchfleet_shared::now_ms();
+        let mut by_seq: BTreeMap<u32, Vec<Lease>> = BTreeMap::new();
+        for l in leases {
+            by_seq.entry(l.seq).or_default().push(l);
+        }
+        let leased: Vec<u32> = by_seq.keys().copied().collect();
+        let mut done = store.done_among(&self.job_id, &leased).await?;
+        let failed: HashSet<u32> = store
+            .failures(&self.job_id)
+            .await?
+            .iter()
+            .map(|f| f.seq)
+            .collect();
+        let redispatched = store.redispatched(&self.job_id).await?;
+        let mut to_send: Vec<(u32, u32, Redispatch)> = Vec::new();
+        let mut dead_leases = Vec::new();
+        for (seq, leases) in &by_seq {
+            let settled = done.contains(seq) || failed.contains(seq);
+            let (live, stale): (Vec<&Lease>, Vec<&Lease>) =
+                leases.iter().partition(|l| !l.is_stale(now));
+            if settled || !live.is_empty() {
+                dead_leases.extend(stale.iter().map(|l| format!("{}@{}", l.seq, l.worker)));
+            }
+            if settled {
+                continue;
+            }
+            let last_copy = redispatched.get(seq).copied().unwrap_or(0);
+            if live.is_empty() {
+                // Its worker died. Unless it acked early, the broker returned
+                // the delivery already: wait for the queues to drain first.
+                let acked = stale.iter().any(|l| l.acked);
+                let newest_beat = stale.iter().map(|l| l.heartbeat_ms).max().unwrap_or(0);
+                if (drained || acked) && last_copy < newest_beat {
+                    let attempt = stale.iter().map(|l| l.attempt).max().unwrap_or(1);
+                    to_send.push((*seq, attempt, Redispatch::StaleLease));
+                    dead_leases.extend(stale.iter().map(|l| format!("{}@{}", l.seq, l.worker)));
+                }
+            } else if drained
+                && live.len() == 1
+                && live[0].attempt == 1
+                && last_copy == 0
+                && self.cfg.speculate_after > 0.0
+            {
+                // Only first attempts: an item that failed or timed out before
+                // is suspect (a hanging input), and a copy would only hang too.
+                let Some(median) = self.median(store).await? else {
+                    continue;
+                };
+                let limit = (median as f64 * self.cfg.speculate_after)
+                    .max(self.cfg.speculate_min.as_millis() as f64);
+                let age = live[0].age_ms(now);
+                if age as f64 > limit {
+                    tracing::warn!(job = %self.job_id, item = seq, worker = %live[0].worker, age_ms = age, median_ms = median, "straggler: publishing a speculative copy");
+                    to_send.push((*seq, live[0].attempt, Redispatch::Straggler));
+                }
+            }
+        }
+        // Orphans: nowhere to be found for a while. Only when the counts say
+        // some item is unaccounted for is the whole done set read.
+        let unsettled_leased = by_seq
+            .keys()
+            .filter(|s| !done.contains(s) && !failed.contains(s))
+            .count() as u64;
+        let accounted = progress.items_done + progress.items_failed + unsettled_leased;
+        if drained && accounted < progress.items_total {
+            done = store.done_items(&self.job_id).await?;
+            let unseen: Vec<u32> = (0..progress.items_total as u32)
+                .filter(|s| {
+                    !done.contains(s)
+                        && !failed.contains(s)
+                        && !by_seq.contains_key(s)
+                        && to_send.iter().all(|(t, _, _)| t != s)
+                })
+                .collect();
+            self.unseen_since.retain(|s, _| unseen.contains(s));
+            for s in unseen {
+                let since = *self.unseen_since.entry(s).or_insert_with(Instant::now);
+                let last_copy = redispatched.get(&s).copied().unwrap_or(0);
+                if since.elapsed() >= self.cfg.orphan_grace
+                    && now.saturating_sub(last_copy) >= self.cfg.orphan_grace.as_millis() as u64
+                {
+                    tracing::warn!(job = %self.job_id, item = s, "item is neither queued, held nor settled; publishing it again");
+                    to_send.push((s, 1, Redispatch::Orphan));
+                    self.unseen_since.remove(&s);
+                }
+            }
+        } else {
+            self.unseen_since.clear();
+        }
+        if !dead_leases.is_empty() {
+            store.drop_leases(&self.job_id, &dead_leases).await?;
+        }
+        if to_send.is_empty() {
+            return Ok(());
+        }
+        let plan = self.plan().await?;
+        let mut messages = Vec::new();
+        for (seq, attempt, why) in &to_send {
+            let Some(item) = plan.items.get(*seq as usize) else {
+                continue;
+            };
+            if *why == Redispatch::StaleLease {
+                tracing::warn!(job = %self.job_id, item = seq, "worker holding the item went silent; publishing it again");
+            }
+            messages.push(Outgoing::work_item(item, *attempt));
+        }
+        let publisher = self.publisher().await?;
+        publisher
+            .publish_all(&queues.work(), messages, 64, |_| {})
+            .await?;
+        for (seq, _, why) in to_send {
+            store
+                .mark_redispatched(&self.job_id, seq, batchfleet_shared::now_ms())
+                .await?;
+            match why {
+                Redispatch::StaleLease => self.report.stale_redispatched += 1,
+                Redispatch::Straggler => self.report.speculated += 1,
+                Redispatch::Orphan => self.report.orphans_redispatched += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// The median item time, from the commits' stats, read at most every
+    /// 30 s once known (the stats of a big job are large).
+    async fn median(&mut self, store: &Store) -> Result<Option<u64>, RunError> {
+        if let Some((at, m)) = self.median_cache {
+            if at.elapsed() < Duration::from_secs(30) {
+                return Ok(Some(m));
+            }
+        }
+        let m = median_latency(&store.item_stats(&self.job_id).await?);
+        self.median_cache = m.map(|m| (Instant::now(), m));
+        Ok(m)
+    }
+
+    /// Whether the pool's work queue and retry tiers hold no ready message.
+    async fn queues_drained(&mut self, queues: &PoolQueues) -> Result<bool, RunError> {
+        let publisher = self.publisher().await?;
+        let channel = publisher.channel();
+        if broker::ready_count(channel, &queues.work()).await? > 0 {
+            return Ok(false);
+        }
+        for q in queues.all() {
+            if q.contains(".retry.") && broker::ready_count(channel, &q).await? > 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    async fn publisher(&mut self) -> Result<&ConfirmedPublisher, RunError> {
+        let alive = self
+            .broker
+            .as_ref()
+            .is_some_and(|(c, p)| c.status().connected() && p.channel().status().connected());
+        if !alive {
+            let conn = self
+                .connections
+                .broker(&format!("batchfleet supervisor {}", self.job_id))
+                .await?;
+            let publisher = ConfirmedPublisher::open(&conn).await?;
+            self.broker = Some((conn, publisher));
+        }
+        Ok(&self.broker.as_ref().expect("connected above").1)
+    }
+
+    async fn spec(&mut self) -> Result<Arc<JobSpec>, RunError> {
+        if let Some(s) = &self.spec {
+            return Ok(s.clone());
+        }
+        let manifest = self
+            .record
+            .as_ref()
+            .map(|r| r.manifest.clone())
+            .ok_or_else(|| {
+                RunError::Output(format!(
+                    "job {} is not in Redis and its manifest is unknown; run the manifest again",
+                    self.job_id
+                ))
+            })?;
+        let spec = Arc::new(crate::manifest::load(Path::new(&manifest))?);
+        if spec.job_id != self.job_id {
+            return Err(RunError::Output(format!(
+                "{manifest} now describes job {} instead of {}; restore it to continue the job",
+                spec.job_id, self.job_id
+            )));
+        }
+        self.spec = Some(spec.clone());
+        Ok(spec)
+    }
+
+    async fn plan(&mut self) -> Result<Arc<Plan>, RunError> {
+        if let Some(p) = &self.plan {
+            return Ok(p.clone());
+        }
+        let spec = self.spec().await?;
+        let plan = Arc::new(tokio::task::block_in_place(|| crate::planner::plan(&spec))?);
+        self.plan = Some(plan.clone());
+        Ok(plan)
+    }
+
+    /// Restores a job record lost from Redis and rebuilds its done set and
+    /// counters from the output folder, and its failures from the dead queue.
+    async fn rebuild(&mut self, store: &Store) -> Result<(), RunError> {
+        let spec = self.spec().await?;
+        let plan = self.plan().await?;
+        tracing::warn!(job = %self.job_id, "the job's state is missing from Redis (restarted empty or flushed); rebuilding it from the output files");
+        let mut record = self.record.clone().unwrap_or_else(|| {
+            crate::dispatcher::job_record(&spec, &plan, batchfleet_shared::now_ms())
+        });
+        // The dead queue first: if RabbitMQ is down too, nothing is restored
+        // and the whole rebuild is tried again on the next tick.
+        self.publisher().await?;
+        let (conn, _) = self.broker.as_ref().expect("connected above");
+        let filter = crate::dlq::Filter {
+            job: Some(self.job_id.clone()),
+            ..Default::default()
+        };
+        let dead = crate::dlq::list(conn, &record.pool, &filter).await?;
+        let out = spec.output_dir().to_owned();
+        let format = spec.task.output.format;
+        let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
+        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, format, &items))
+            .await
+            .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+
+        record.status = JobStatus::Running;
+        record.items_total = plan.items.len() as u64;
+        record.rows_total = plan.rows_total;
+        record.items_published = record.items_total;
+        store.restore_job(&record).await?;
+        let mut restored = 0;
+        for stats in &found {
+            if store.commit_item(&self.job_id, stats).await? {
+                restored += 1;
+            }
+        }
+        let mut failures = 0;
+        for d in dead {
+            let Some(seq) = d.item else { continue };
+            let failure = ItemFailure {
+                seq,
+                class: d.class,
+                reason: d.error,
+                worker: d.worker,
+                attempt: d.attempts,
+                at_ms: d.dead_at_ms,
+            };
+            if store.fail_item(&self.job_id, &failure).await? {
+                failures += 1;
+            }
+        }
+        self.record = Some(record);
+        self.report.rebuilds += 1;
+        self.report.rebuilt_items += restored;
+        tracing::warn!(job = %self.job_id, items_found = found.len(), items_restored = restored, failures_restored = failures, "job state rebuilt from the output files");
+        Ok(())
+    }
+}
+
+/// Median wall time of committed items; `None` with fewer than 3.
+fn median_latency(stats: &[ItemStats]) -> Option<u64> {
+    if stats.len() < 3 {
+        return None;
+    }
+    let mut ms: Vec<u64> = stats.iter().map(ItemStats::latency_ms).collect();
+    ms.sort_unstable();
+    Some(ms[ms.len() / 2])
+}
+
+/// The committed items found in an output folder: each part file whose rows
+/// plus rejects add up to its item's rows. A part file that does not add up
+/// is an error naming it (the folder was changed under the job).
+pub fn scan_outputs(
+    out: &Path,
+    format: OutputFormat,
+    items: &[(u32, u64)],
+) -> Result<Vec<ItemStats>, RunError> {
+    let now = batchfleet_shared::now_ms();
+    let mut found = Vec::new();
+    for &(seq, rows) in items {
+        let part = out.join(batchfleet_shared::message::part_file_name(seq, format));
+        if !part.is_file() {
+            continue;
+        }
+        let read =
+            |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
+        let predicted = batchfleet_shared::output::count_rows(&part).map_err(read)?;
+        let rejected = batchfleet_shared::output::count_rejects(
+            &batchfleet_shared::output::rejects_path(out, seq),
+        )
+        .map_err(read)?;
+        if predicted + rejected != rows {
+            return Err(RunError::Output(format!(
+                "{} holds {predicted} rows and {rejected} rejects but item {seq} has {rows}; the output folder was changed during the job",
+                part.display()
+            )));
+        }
+        found.push(ItemStats {
+            seq,
+            rows: predicted,
+            rows_rejected: rejected,
+            worker: "rebuilt-from-files".into(),
+            started_ms: now,
+            finished_ms: now,
+            attempt: 0,
+            recovered: true,
+            rows_resumed: 0,
+        });
+    }
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(seq: u32, ms: u64) -> ItemStats {
+        ItemStats {
+            seq,
+            rows: 1,
+            rows_rejected: 0,
+            worker: "w".into(),
+            started_ms: 0,
+            finished_ms: ms,
+            attempt: 1,
+            recovered: false,
+            rows_resumed: 0,
+        }
+    }
+
+    #[test]
+    fn median_needs_three_items() {
+        assert_eq!(median_latency(&[stat(0, 5), stat(1, 7)]), None);
+        assert_eq!(
+            median_latency(&[stat(0, 50), stat(1, 7), stat(2, 9)]),
+            Some(9)
+        );
+    }
+
+    #[test]
+    fn scan_finds_committed_parts_and_rejects_and_refuses_a_short_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        std::fs::write(out.join("part-000000.csv"), "id,score\na,1\nb,2\n").unwrap();
+        std::fs::create_dir_all(out.join("rejects")).unwrap();
+        std::fs::write(out.join("rejects/part-000000.jsonl"), "{}\n").unwrap();
+        let found = scan_outputs(out, OutputFormat::Csv, &[(0, 3), (1, 4)]).unwrap();
+        assert_eq!(found.len(), 1, "item 1 has no part file");
+        assert_eq!(
+            (found[0].seq, found[0].rows, found[0].rows_rejected),
+            (0, 2, 1)
+        );
+        assert!(found[0].recovered);
+        let err = scan_outputs(out, OutputFormat::Csv, &[(0, 5)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("part-000000.csv") && err.contains("item 0 has 5"),
+            "{err}"
+        );
+    }
+}

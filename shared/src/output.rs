@@ -1,0 +1,40 @@
+//! The layout of a job's output folder, read back: used by workers that find
+//! an item already published, and by the coordinator when it rebuilds lost
+//! Redis state from the files (which are the truth).
+
+use std::path::{Path, PathBuf};
+
+/// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
+pub const REJECTS_DIR: &str = "rejects";
+
+/// The rejects file of item `seq` in output folder `out`.
+pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {
+    out.join(REJECTS_DIR).join(format!("part-{seq:06}.jsonl"))
+}
+
+/// Counts the data rows of a committed part file (used when a redelivered
+/// item finds its output already published).
+pub fn count_rows(path: &Path) -> std::io::Result<u64> {
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(std::io::Error::other)?;
+    let mut rec = csv::ByteRecord::new();
+    let mut n = 0;
+    while rdr
+        .read_byte_record(&mut rec)
+        .map_err(std::io::Error::other)?
+    {
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Counts the lines of a rejects file; 0 if there is none.
+pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,525 @@
+//! Fault tests: a worker killed (-9) or terminated mid-item, a coordinator
+//! killed mid-publish, RabbitMQ and Redis restarted mid-job, Redis's data
+//! lost mid-job, a straggling worker, and a worker dying while it holds an
+//! early-acknowledged item. Each job must still end with every row predicted
+//! exactly once and every score equal to PyTorch's.
+//!
+//! Some of these restart the machine's RabbitMQ or Redis, so the tests of
+//! this binary run one at a time (cargo runs test binaries one after another).
+
+#[allow(dead_code)]
+#[path = "../it/support.rs"]
+mod support;
+
+use batchfleet_coordinator::reducer::Summary;
+use batchfleet_coordinator::{run_job, RunOutcome};
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_loadtest::services;
+use batchfleet_loadtest::verify::verify;
+use batchfleet_shared::store::{Lease, Store};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use support::{stop_all, TestEnv};
+use tokio_util::sync::CancellationToken;
+
+/// One fault test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Polls `cond` until it holds; panics with `what` after `within`. Used for
+/// states only observable by looking (Redis contents, another process's log).
+async fn wait_until<F, Fut>(what: &str, within: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Generates a job: `items` items of `item_rows` rows, mini-batches of 100,
+/// checkpoints every `checkpoint_every` mini-batches.
+fn job(env: &TestEnv, stem: &str, items: u64, item_rows: u64, checkpoint_every: u32) -> PathBuf {
+    let gen = JobGen {
+        rows: items * item_rows,
+        files: 1,
+        features: 8,
+        hidden: 16,
+        outputs: 1,
+        name: services::unique(stem),
+        pool: env.pool.clone(),
+        item_rows,
+        batch_size: 100,
+        checkpoint_every: Some(checkpoint_every),
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    env.path().join("job.toml")
+}
+
+fn job_id(manifest: &Path) -> String {
+    batchfleet_coordinator::manifest::load(manifest)
+        .expect("manifest")
+        .job_id
+}
+
+/// Starts `run_job` on the manifest in the background.
+fn start_job(
+    env: &TestEnv,
+    manifest: &Path,
+) -> tokio::task::JoinHandle<Result<RunOutcome, batchfleet_coordinator::RunError>> {
+    let (cfg, manifest) = (env.run_config(), manifest.to_owned());
+    tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
+}
+
+async fn finished(
+    handle: tokio::task::JoinHandle<Result<RunOutcome, batchfleet_coordinator::RunError>>,
+) -> Summary {
+    let outcome = tokio::time::timeout(Duration::from_secs(240), handle)
+        .await
+        .expect("job finished within 4 minutes")
+        .expect("job task")
+        .expect("job ran");
+    let RunOutcome::Completed { report, .. } = outcome else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    *report
+}
+
+/// Every input row exactly once, every score equal to PyTorch's; the summary agrees.
+fn assert_exactly_once(env: &TestEnv, summary: &Summary) {
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows as u64, summary.rows_total);
+    assert_eq!(summary.status, "completed");
+    assert_eq!(
+        (
+            summary.rows_predicted,
+            summary.items_completed,
+            summary.items_failed
+        ),
+        (summary.rows_total, summary.items_total, 0),
+        "counted exactly once"
+    );
+    assert!(out.join("_SUCCESS").is_file());
+    assert!(!out.join("_partial").exists(), "checkpoints cleaned up");
+}
+
+async fn leases(store: &Store, job: &str) -> Vec<Lease> {
+    store.leases(job).await.unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_item_is_resumed_from_its_checkpoint_by_another() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("kill9");
+    // 2 items of 3000 rows; a checkpoint every 200 rows (2 mini-batches).
+    let manifest = job(&env, "kill9", 2, 3_000, 2);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let mut slow = env.spawn_worker(
+        "slow",
+        &[
+            "--prefetch",
+            "1",
+            "--debug-batch-delay",
+            "100ms",
+            "--heartbeat",
+            "200ms",
+        ],
+    );
+    env.wait_for_consumers(1, std::slice::from_mut(&mut slow))
+        .await;
+    let run = start_job(&env, &manifest);
+
+    wait_until(
+        "the slow worker checkpoints 600 rows",
+        Duration::from_secs(60),
+        || async {
+            leases(&store, &job)
+                .await
+                .iter()
+                .any(|l| l.rows_done >= 600)
+        },
+    )
+    .await;
+    // `batchfleet status` shows who holds what, for how long, how far.
+    let report = batchfleet_coordinator::status::report(&store, &job)
+        .await
+        .expect("status")
+        .expect("known job");
+    assert!(
+        report
+            .in_flight
+            .iter()
+            .any(|f| f.lease.worker == "slow" && !f.stale && f.lease.rows_done >= 600),
+        "{report:?}"
+    );
+    let table = batchfleet_coordinator::status::render(&report);
+    assert!(
+        table.contains("in flight (1)") && table.contains("slow"),
+        "{table}"
+    );
+    slow.child.kill().expect("kill -9");
+    let _ = slow.child.wait();
+    let mut fast = vec![env.spawn_worker("fast", &[])];
+
+    let summary = finished(run).await;
+    assert_exactly_once(&env, &summary);
+    assert!(
+        summary.deliveries > summary.items_total && summary.rows_computed >= summary.rows_total,
+        "the killed worker's delivery and rows count as extra work: {summary:?}"
+    );
+    assert!(
+        summary.rows_resumed >= 600,
+        "the redelivered item resumed from its checkpoint: {summary:?}"
+    );
+    let resumed: Vec<_> = store
+        .item_stats(&job)
+        .await
+        .expect("stats")
+        .into_iter()
+        .filter(|s| s.rows_resumed > 0)
+        .collect();
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(resumed[0].worker, "fast");
+    stop_all(&mut fast);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_checkpoints_the_item_returns_prefetched_ones_and_exits_0() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("sigterm");
+    let manifest = job(&env, "sigterm", 3, 3_000, 2);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let mut slow = env.spawn_worker(
+        "slow",
+        &[
+            "--prefetch",
+            "2",
+            "--debug-batch-delay",
+            "100ms",
+            "--heartbeat",
+            "200ms",
+        ],
+    );
+    env.wait_for_consumers(1, std::slice::from_mut(&mut slow))
+        .await;
+    let run = start_job(&env, &manifest);
+    wait_until(
+        "the slow worker checkpoints 400 rows",
+        Duration::from_secs(60),
+        || async {
+            leases(&store, &job)
+                .await
+                .iter()
+                .any(|l| l.rows_done >= 400)
+        },
+    )
+    .await;
+
+    let status = slow.terminate(Duration::from_secs(20));
+    assert!(status.success(), "exit {status}:\n{}", slow.log_text());
+    let log = slow.log_text();
+    assert!(
+        log.contains("shutdown: the item goes back to the queue with its checkpoint"),
+        "{log}"
+    );
+    // Nothing is held any more: every unfinished item is back in the queue.
+    let p = store.progress(&job).await.expect("progress");
+    assert_eq!(
+        env.work_queue().await.map(|(ready, _)| u64::from(ready)),
+        Some(p.items_total - p.items_done),
+        "{log}"
+    );
+
+    let mut fast = vec![env.spawn_worker("fast", &[])];
+    let summary = finished(run).await;
+    assert_exactly_once(&env, &summary);
+    assert!(summary.rows_resumed >= 400, "{summary:?}");
+    stop_all(&mut fast);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("coordkill");
+    // 2400 items of 5 rows: the first 1024-item chunk is confirmed, then the coordinator dies.
+    let manifest = job(&env, "coordkill", 2_400, 5, 4);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let coordinator =
+        Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet");
+    assert!(
+        coordinator.is_file(),
+        "{} is missing; build the workspace (cargo test --workspace)",
+        coordinator.display()
+    );
+    let command = |args: &[&str]| {
+        let mut c = std::process::Command::new(&coordinator);
+        c.args(["--redis-prefix", &env.prefix])
+            .args(args)
+            .env("BATCHFLEET_AMQP_URL", env.amqp.expose())
+            .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+            .env("BATCHFLEET_NO_PROGRESS", "true");
+        c
+    };
+    let crashed = command(&["run", manifest.to_str().expect("utf-8 path")])
+        .env("BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED", "1000")
+        .output()
+        .expect("run coordinator");
+    assert!(!crashed.status.success(), "the crash point stops it");
+    let record = store
+        .job(&job)
+        .await
+        .expect("redis")
+        .expect("job registered");
+    assert_eq!(
+        (record.status.as_str(), record.items_published),
+        ("planning", 1024)
+    );
+    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(1024));
+
+    // `batchfleet resume <job>` publishes the 1376 never-confirmed items, not all 2400.
+    let mut resume = command(&["resume", &job])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("resume");
+    wait_until("the resumed job runs", Duration::from_secs(60), || async {
+        store
+            .job(&job)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.status.as_str() == "running")
+    })
+    .await;
+    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(2_400));
+
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(status) = resume.try_wait().expect("wait resume") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "resume did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let out = resume.wait_with_output().expect("resume output");
+    assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: Summary = serde_json::from_slice(
+        &std::fs::read(env.path().join("out/summary.json")).expect("summary"),
+    )
+    .expect("summary json");
+    assert_exactly_once(&env, &summary);
+    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(0));
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}
+
+/// Runs a 30-item job on two workers and applies `fault` once 3 items are done.
+async fn survive(
+    stem: &str,
+    fault: impl FnOnce(&TestEnv, &Store, &str),
+) -> (TestEnv, Summary, String, Vec<support::Worker>) {
+    let env = TestEnv::new(stem);
+    let manifest = job(&env, stem, 30, 1_000, 2);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let mut workers = vec![
+        env.spawn_worker("w1", &["--debug-batch-delay", "10ms"]),
+        env.spawn_worker("w2", &["--debug-batch-delay", "10ms"]),
+    ];
+    env.wait_for_consumers(2, &mut workers).await;
+    let run = start_job(&env, &manifest);
+    wait_until("3 items done", Duration::from_secs(60), || async {
+        store.progress(&job).await.is_ok_and(|p| p.items_done >= 3)
+    })
+    .await;
+    fault(&env, &store, &job);
+    let summary = finished(run).await;
+    for w in &mut workers {
+        assert!(
+            matches!(w.child.try_wait(), Ok(None)),
+            "worker {} exited:\n{}",
+            w.log.display(),
+            w.log_text()
+        );
+    }
+    (env, summary, job, workers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_and_coordinator_ride_out_a_rabbitmq_restart() {
+    let _serial = SERIAL.lock().await;
+    let (env, summary, job, mut workers) = survive("mqrestart", |_, _, _| {
+        services::restart_rabbitmq().expect("restart RabbitMQ");
+    })
+    .await;
+    assert_exactly_once(&env, &summary);
+    for w in &workers {
+        assert!(
+            w.log_text().contains("reconnected to RabbitMQ"),
+            "{}",
+            w.log_text()
+        );
+    }
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_and_coordinator_ride_out_a_redis_restart() {
+    let _serial = SERIAL.lock().await;
+    let (env, summary, job, mut workers) = survive("redisrestart", |_, _, _| {
+        services::restart_redis(true).expect("restart Redis");
+    })
+    .await;
+    assert_exactly_once(&env, &summary);
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_redis_state_is_rebuilt_from_the_output_files() {
+    let _serial = SERIAL.lock().await;
+    let (env, summary, job, mut workers) = survive("redisflush", |env, _, _| {
+        // Every key of this test's prefix, as a Redis restarted empty would have it.
+        let keys = std::process::Command::new("redis-cli")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "--scan",
+                "--pattern",
+                &format!("{}:*", env.prefix),
+            ])
+            .output()
+            .expect("redis-cli scan");
+        let keys: Vec<String> = String::from_utf8_lossy(&keys.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        assert!(!keys.is_empty());
+        let status = std::process::Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "del"])
+            .args(&keys)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("redis-cli del");
+        assert!(status.success());
+    })
+    .await;
+    assert_exactly_once(&env, &summary);
+    let store = env.connections().store().await.expect("redis");
+    let stats = store.item_stats(&job).await.expect("stats");
+    assert!(
+        stats.iter().any(|s| s.worker == "rebuilt-from-files"),
+        "items committed before the loss were recovered from their files"
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("straggler");
+    // 8 items of 500 rows; one checkpoint per mini-batch, so the loser stops early.
+    let manifest = job(&env, "straggler", 8, 500, 1);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    // 5 mini-batches at 2 s each: 10 s for the item the slow worker takes.
+    let mut slow = env.spawn_worker("slow", &["--prefetch", "1", "--debug-batch-delay", "2s"]);
+    env.wait_for_consumers(1, std::slice::from_mut(&mut slow))
+        .await;
+    let started = Instant::now();
+    let run = start_job(&env, &manifest);
+    wait_until(
+        "the slow worker holds an item",
+        Duration::from_secs(60),
+        || async { !leases(&store, &job).await.is_empty() },
+    )
+    .await;
+    let slow_seq = leases(&store, &job).await[0].seq;
+    let mut fast = vec![env.spawn_worker("fast", &[])];
+
+    let summary = finished(run).await;
+    let took = started.elapsed();
+    assert_exactly_once(&env, &summary);
+    assert!(summary.items_redispatched >= 1, "{summary:?}");
+    let stats = store.item_stats(&job).await.expect("stats");
+    let straggler = stats
+        .iter()
+        .find(|s| s.seq == slow_seq)
+        .expect("stats of the slow item");
+    assert_eq!(
+        straggler.worker, "fast",
+        "the speculative copy won (job took {took:?})"
+    );
+    // The slow copy notices at its next checkpoint and drops its work.
+    wait_until("the slow copy stops", Duration::from_secs(30), || async {
+        slow.log_text()
+            .contains("item committed elsewhere (a faster copy); stopping this one")
+    })
+    .await;
+    stop_all(std::slice::from_mut(&mut slow));
+    stop_all(&mut fast);
+    env.cleanup(&[&job]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_held_by_lease_alone_is_published_again_when_its_worker_dies() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("leasedie");
+    let manifest = job(&env, "leasedie", 2, 1_000, 2);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let mut slow = env.spawn_worker(
+        "slow",
+        &[
+            "--prefetch",
+            "1",
+            "--debug-batch-delay",
+            "300ms",
+            "--ack-after",
+            "1s",
+            "--heartbeat",
+            "200ms",
+            "--lease-ttl",
+            "2s",
+        ],
+    );
+    env.wait_for_consumers(1, std::slice::from_mut(&mut slow))
+        .await;
+    let run = start_job(&env, &manifest);
+    wait_until(
+        "the slow worker acks early",
+        Duration::from_secs(60),
+        || async {
+            leases(&store, &job)
+                .await
+                .iter()
+                .any(|l| l.acked && l.rows_done >= 200)
+        },
+    )
+    .await;
+    slow.child.kill().expect("kill -9");
+    let _ = slow.child.wait();
+    // The broker has nothing to redeliver for the acked item: the coordinator
+    // must see the lease go stale and publish it again.
+    let mut fast = vec![env.spawn_worker("fast", &[])];
+    let summary = finished(run).await;
+    assert_exactly_once(&env, &summary);
+    assert!(summary.items_redispatched >= 1, "{summary:?}");
+    assert!(summary.rows_resumed >= 200, "{summary:?}");
+    stop_all(&mut fast);
+    env.cleanup(&[&job]).await;
+}
