@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test venv services build release fmt lint clean
+.PHONY: demo test chaos venv services build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv services release
@@ -18,6 +18,10 @@ test: venv services
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo test --workspace --all-targets
+
+## chaos: a 200k-row job while workers, the coordinator, RabbitMQ and Redis are killed/restarted; checks the invariants
+chaos: venv services release
+	target/release/batchfleet-loadtest chaos $(CHAOS_ARGS)
 
 venv:
 	.ci/ensure-venv.sh

@@ -1,6 +1,7 @@
 use anyhow::{bail, Result};
 use batchfleet_loadtest::{python, verify};
 
+mod chaos;
 mod forward;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -59,6 +60,46 @@ enum Command {
         /// Allowed difference (absolute; relative above magnitude 1).
         #[arg(long, default_value_t = 1e-5)]
         tolerance: f64,
+    },
+    /// Run a job on a worker fleet while killing workers (-9 and SIGTERM,
+    /// alternating), the coordinator, RabbitMQ and Redis; check INV-ROWS,
+    /// INV-ACCT and INV-FILES and compare the wall time with a fault-free
+    /// run of the same job (exit 1 if an invariant is violated). Needs the
+    /// release binaries (`make release`) and the local RabbitMQ and Redis,
+    /// which it restarts.
+    Chaos {
+        /// Rows in the job.
+        #[arg(long, default_value_t = 200_000)]
+        rows: u64,
+        /// Worker processes.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// Kill a random worker this often.
+        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        kill_every: std::time::Duration,
+        /// Rows per work item.
+        #[arg(long, default_value_t = 5_000)]
+        item_rows: u64,
+        /// Rows per mini-batch.
+        #[arg(long, default_value_t = 500)]
+        batch_size: u32,
+        /// Mini-batches per checkpoint.
+        #[arg(long, default_value_t = 2)]
+        checkpoint_every: u32,
+        /// Artificial delay per mini-batch on every worker (plays a heavier
+        /// model, so the job lasts long enough for the faults).
+        #[arg(long, default_value = "150ms", value_parser = humantime::parse_duration)]
+        batch_delay: std::time::Duration,
+        /// Fail if the job has not finished after this long.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// Restart Redis empty (like one without persistence) instead of from
+        /// a snapshot. This empties the whole local Redis.
+        #[arg(long)]
+        redis_wipe: bool,
+        /// Keep data, logs and chaos.json here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
     Forward {
@@ -120,6 +161,35 @@ fn main() -> Result<()> {
                 bail!("output does not match the golden predictions");
             }
             println!("verified: every row exactly once, every score within {tolerance:e}");
+            Ok(())
+        }
+        Command::Chaos {
+            rows,
+            workers,
+            kill_every,
+            item_rows,
+            batch_size,
+            checkpoint_every,
+            batch_delay,
+            timeout,
+            redis_wipe,
+            dir,
+        } => {
+            let report = chaos::run(&chaos::ChaosConfig {
+                rows,
+                workers: workers.max(1),
+                kill_every,
+                item_rows,
+                batch_size,
+                checkpoint_every,
+                batch_delay,
+                timeout,
+                redis_wipe,
+                dir,
+            })?;
+            if !report.violations.is_empty() {
+                bail!("{} invariant violation(s)", report.violations.len());
+            }
             Ok(())
         }
         Command::Forward {

@@ -204,6 +204,8 @@ impl ItemContext {
             let Ok(_turn) = turn else {
                 continue; // that runner was replaced while we waited; take the new one
             };
+            // Counted as it goes in: rows a crash or timeout throws away count too.
+            count_work(self, &item.job_id, 0, rows.len() as u64).await;
             let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
@@ -652,7 +654,6 @@ async fn process(
                 Predicted::TimedOut => return Err(timed_out(policy)),
                 Predicted::Shutdown => return Ok(Handled::Released),
             };
-            count_work(ctx, &item.job_id, 0, rows as u64).await;
             rejects.extend(
                 preds
                     .failed
@@ -718,7 +719,6 @@ async fn process(
                     Predicted::TimedOut => return Err(timed_out(policy)),
                     Predicted::Shutdown => return Ok(Handled::Released),
                 };
-                count_work(ctx, &item.job_id, 0, (end - next) as u64).await;
                 let seg_rejects: Vec<_> = preds
                     .failed
                     .iter()
