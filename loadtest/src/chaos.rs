@@ -71,6 +71,8 @@ pub struct ChaosReport {
     pub rows_recomputed: u64,
     /// Rows a redelivered item skipped thanks to its checkpoint.
     pub rows_resumed: u64,
+    /// Redis was restarted empty: the work counters only cover the time after.
+    pub redis_wiped: bool,
     /// Invariant violations found (empty: all hold).
     pub violations: Vec<String>,
 }
@@ -180,6 +182,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     let pool = services::unique("chaos");
     let prefix = services::unique("bfchaos");
     let mut report = ChaosReport {
+        redis_wiped: cfg.redis_wipe,
         rows: cfg.rows,
         items: cfg.rows.div_ceil(cfg.item_rows),
         ..ChaosReport::default()
@@ -577,6 +580,11 @@ fn print(r: &ChaosReport) {
         100.0 * r.rows_recomputed as f64 / r.rows.max(1) as f64,
         r.rows_resumed
     );
+    if r.redis_wiped {
+        println!(
+            "  (Redis was restarted empty: the work counters above only cover the time after it)"
+        );
+    }
     println!(
         "  wall time  {:.1}s under faults vs {:.1}s without (×{:.2})",
         r.chaos_s,
