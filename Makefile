@@ -7,14 +7,14 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos venv services build release fmt lint clean
+.PHONY: demo test chaos venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv services release
 	.ci/demo.sh
 
 ## test: formatting, lints and every test (unit and integration) against real services
-test: venv services
+test: venv services tools
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo test --workspace --all-targets
@@ -28,6 +28,9 @@ venv:
 
 services:
 	.ci/ensure-services.sh
+
+tools:
+	.ci/ensure-tools.sh
 
 build: venv
 	cargo build --workspace

@@ -39,6 +39,8 @@ pub struct Cli {
 pub struct GlobalArgs {
     #[command(flatten)]
     pub services: ServiceArgs,
+    #[command(flatten)]
+    pub metrics: batchfleet_shared::metrics::MetricsArgs,
     /// How long to wait for RabbitMQ or Redis to answer (e.g. 10s, 1m).
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub connect_timeout: Duration,
@@ -69,8 +71,15 @@ pub enum Command {
     /// The same as `batchfleet run` on the job's manifest, which must still
     /// describe the same job.
     Resume(ResumeArgs),
-    /// Show a job's state.
+    /// Show a job's state: progress, rates, failures by class, items in
+    /// flight (slowest first) and workers.
     Status(StatusArgs),
+    /// List recent jobs, newest first.
+    Jobs(JobsArgs),
+    /// Compare the prediction distributions of two jobs (e.g. a new model
+    /// version against the current one on the same data): histograms side
+    /// by side, population stability index and KS distance per output.
+    Compare(CompareArgs),
     /// Dead-lettered items: list, replay, purge.
     #[command(subcommand)]
     Dlq(DlqCommand),
@@ -188,6 +197,32 @@ impl FollowArgs {
     }
 }
 
+/// `batchfleet jobs`.
+#[derive(Debug, Args)]
+pub struct JobsArgs {
+    /// How many jobs to list.
+    #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Job A (the reference): a job id, or the path of its summary.json.
+    pub a: String,
+    /// Job B (the candidate): a job id, or the path of its summary.json.
+    pub b: String,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 if the PSI of any output exceeds this (a gate for pipelines).
+    #[arg(long)]
+    pub max_psi: Option<f64>,
+}
+
 /// `batchfleet status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
@@ -204,6 +239,12 @@ pub async fn main(cli: Cli) -> ExitCode {
     let connections = cli.global.connections();
     match cli.command {
         Command::Run(args) => {
+            if let Err(e) =
+                batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
+            {
+                eprintln!("error: {e}");
+                return ExitCode::from(EXIT_FAILURE);
+            }
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::run_job(&cfg, &args.manifest, shutdown).await {
@@ -212,6 +253,12 @@ pub async fn main(cli: Cli) -> ExitCode {
             }
         }
         Command::Resume(args) => {
+            if let Err(e) =
+                batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
+            {
+                eprintln!("error: {e}");
+                return ExitCode::from(EXIT_FAILURE);
+            }
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::resume_job(&cfg, &args.job, shutdown).await {
@@ -244,7 +291,93 @@ pub async fn main(cli: Cli) -> ExitCode {
                 Err(e) => report_error(&RunError::Store(e)),
             }
         }
+        Command::Jobs(args) => {
+            let store = match connections.store().await {
+                Ok(s) => s,
+                Err(e) => return report_error(&RunError::Store(e)),
+            };
+            match status::jobs(&store, args.limit).await {
+                Ok(jobs) if args.json => {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&jobs).expect("jobs serialize")
+                    );
+                    ExitCode::SUCCESS
+                }
+                Ok(jobs) => {
+                    println!("{}", status::render_jobs(&jobs));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report_error(&RunError::Store(e)),
+            }
+        }
+        Command::Compare(args) => compare_main(&args, &connections).await,
     }
+}
+
+/// Reads a summary from a path, or from the output folder of a job in Redis.
+async fn load_summary(
+    which: &str,
+    connections: &Connections,
+) -> Result<crate::reducer::Summary, String> {
+    let path = if std::path::Path::new(which).is_file() {
+        PathBuf::from(which)
+    } else {
+        let store = connections.store().await.map_err(|e| e.to_string())?;
+        let job = store
+            .job(which)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                format!("\"{which}\" is neither a summary.json file nor a job in Redis")
+            })?;
+        PathBuf::from(job.output_dir).join(crate::dispatcher::SUMMARY_FILE)
+    };
+    let bytes = std::fs::read(&path).map_err(|e| {
+        format!(
+            "cannot read {}: {e} (has the job finished?)",
+            path.display()
+        )
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{} is not a batchfleet summary: {e}", path.display()))
+}
+
+async fn compare_main(args: &CompareArgs, connections: &Connections) -> ExitCode {
+    let loaded = async {
+        let a = load_summary(&args.a, connections).await?;
+        let b = load_summary(&args.b, connections).await?;
+        let da = a
+            .predictions
+            .clone()
+            .ok_or_else(|| format!("job {} recorded no prediction histogram", a.job_id))?;
+        let db = b
+            .predictions
+            .clone()
+            .ok_or_else(|| format!("job {} recorded no prediction histogram", b.job_id))?;
+        let drift = crate::compare::drift(&da, &db)?;
+        Ok::<_, String>((a, b, da, db, drift))
+    };
+    let (a, b, da, db, drift) = match loaded.await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    if args.json {
+        let out = serde_json::json!({ "a": a.job_id, "b": b.job_id, "a_distribution": da, "b_distribution": db, "drift": drift });
+        println!("{}", serde_json::to_string_pretty(&out).expect("json"));
+    } else {
+        println!("{}", crate::compare::render(&a, &b, &da, &db, &drift));
+    }
+    if let Some(limit) = args.max_psi {
+        if let Some(d) = drift.iter().find(|d| d.psi > limit) {
+            eprintln!("drift: {} has PSI {:.4} > --max-psi {limit}", d.name, d.psi);
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// The exit code of a run's outcome (see the module docs).

@@ -8,6 +8,8 @@
 //! - [`supervisor`]: publish copies of items whose worker died or straggles;
 //!   rebuild Redis state lost in an outage from the output files.
 //! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
+//! - [`hooks`]: `[on_complete]` command and webhook when the job ends.
+//! - [`compare`]: prediction distributions of two jobs side by side, with drift.
 //! - [`status`]: read a job's state for `batchfleet status`.
 //! - [`dlq`]: list, replay and purge dead-lettered items.
 //! - [`cli`]: the `batchfleet` command line and its exit codes.
@@ -15,8 +17,10 @@
 //! [`run_job`] ties the parts together; `main.rs` only parses flags and calls [`cli::main`].
 
 pub mod cli;
+pub mod compare;
 pub mod dispatcher;
 pub mod dlq;
+pub mod hooks;
 pub mod manifest;
 pub mod monitor;
 pub mod planner;
@@ -212,7 +216,31 @@ async fn follow_with(
             job_id: job_id.to_owned(),
         }),
         monitor::Followed::AllDone | monitor::Followed::BudgetExceeded => {
-            let (summary, report) = reducer::finish(store, job_id).await?;
+            let spec = supervisor.spec().await.ok();
+            let histogram = spec
+                .as_ref()
+                .map(|s| s.task.output.histogram)
+                .unwrap_or_default();
+            let (summary, mut report) = reducer::finish(store, job_id, &histogram).await?;
+            if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
+                let body = std::fs::read(&summary).unwrap_or_default();
+                let cwd = spec
+                    .manifest_path
+                    .parent()
+                    .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+                report.on_complete = Some(
+                    hooks::run(
+                        &spec.on_complete,
+                        job_id,
+                        &report.status,
+                        &summary,
+                        &body,
+                        &cwd,
+                    )
+                    .await,
+                );
+                reducer::rewrite(&summary, &report)?;
+            }
             Ok(RunOutcome::Completed {
                 job_id: job_id.to_owned(),
                 summary,

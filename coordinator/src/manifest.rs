@@ -38,6 +38,45 @@ pub struct Manifest {
     /// `[failure]`
     #[serde(default)]
     pub failure: FailureSection,
+    /// `[on_complete]`
+    #[serde(default)]
+    pub on_complete: OnCompleteSection,
+}
+
+/// `[on_complete]`: what runs when the job ends (completed, with failures, or failed).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnCompleteSection {
+    /// A command and its arguments (no shell), run in the manifest's folder
+    /// with `BATCHFLEET_SUMMARY`, `BATCHFLEET_JOB_ID`, `BATCHFLEET_JOB_STATUS`
+    /// and `BATCHFLEET_OUTPUT_DIR` in its environment.
+    pub command: Option<Vec<String>>,
+    /// How long the command may run. Default 10m.
+    pub command_timeout: Option<String>,
+    /// URL to POST the summary JSON to (no credentials in it).
+    pub webhook: Option<String>,
+    /// Instead of `webhook`: the environment variable holding the URL (for
+    /// URLs that carry a token).
+    pub webhook_url_env: Option<String>,
+    /// Environment variable holding a bearer token sent as `Authorization`.
+    pub webhook_token_env: Option<String>,
+    /// Attempts before giving up on the webhook (exponential backoff). Default 5.
+    pub webhook_attempts: Option<u32>,
+}
+
+/// The validated `[on_complete]` section.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OnComplete {
+    /// Command and arguments.
+    pub command: Option<Vec<String>>,
+    /// Command time limit.
+    pub command_timeout: std::time::Duration,
+    /// Webhook URL (kept secret: it may carry a token).
+    pub webhook: Option<batchfleet_shared::secret::SecretUrl>,
+    /// Name of the environment variable with the bearer token.
+    pub webhook_token_env: Option<String>,
+    /// Attempts.
+    pub webhook_attempts: u32,
 }
 
 /// `[failure]`: retries, bad rows, timeouts and the error budget.
@@ -170,6 +209,20 @@ pub struct OutputSection {
     /// Part file format.
     #[serde(default = "default_output_format")]
     pub format: OutputFormat,
+    /// Bins of the prediction histogram kept per output column.
+    pub histogram: Option<HistogramSection>,
+}
+
+/// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistogramSection {
+    /// Lower edge of the first bin. Default 0.
+    pub min: Option<f64>,
+    /// Upper edge of the last bin. Default 1.
+    pub max: Option<f64>,
+    /// Equal-width bins between them (1–1000). Default 20.
+    pub bins: Option<u32>,
 }
 
 fn default_output_format() -> OutputFormat {
@@ -206,6 +259,8 @@ pub struct JobSpec {
     pub task: TaskSpec,
     /// When the job as a whole fails.
     pub budget: ErrorBudget,
+    /// What runs when the job ends.
+    pub on_complete: OnComplete,
 }
 
 impl JobSpec {
@@ -639,6 +694,96 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         );
     }
 
+    let hdefault = batchfleet_shared::message::HistogramSpec::default();
+    let h = m.output.histogram.clone().unwrap_or_default();
+    let histogram = batchfleet_shared::message::HistogramSpec {
+        min: h.min.unwrap_or(hdefault.min),
+        max: h.max.unwrap_or(hdefault.max),
+        bins: h.bins.unwrap_or(hdefault.bins),
+    };
+    if !(histogram.min.is_finite() && histogram.max.is_finite() && histogram.min < histogram.max) {
+        problem(
+            "[output] histogram",
+            format!(
+                "min ({}) must be below max ({}), both finite",
+                histogram.min, histogram.max
+            ),
+        );
+    }
+    if !(1..=1000).contains(&histogram.bins) {
+        problem(
+            "[output] histogram",
+            format!("bins must be 1 to 1000, not {}", histogram.bins),
+        );
+    }
+
+    // On completion.
+    let oc = &m.on_complete;
+    let command_timeout = match oc.command_timeout.as_deref().map(humantime::parse_duration) {
+        None => std::time::Duration::from_secs(600),
+        Some(Ok(d)) if !d.is_zero() => d,
+        Some(_) => {
+            problem(
+                "[on_complete] command_timeout",
+                "is not a positive duration; write e.g. \"30s\", \"10m\"".into(),
+            );
+            std::time::Duration::from_secs(600)
+        }
+    };
+    let mut on_complete = OnComplete {
+        command: oc.command.clone(),
+        command_timeout,
+        webhook: None,
+        webhook_token_env: oc.webhook_token_env.clone(),
+        webhook_attempts: oc.webhook_attempts.unwrap_or(5),
+    };
+    if oc
+        .command
+        .as_ref()
+        .is_some_and(|c| c.first().is_none_or(String::is_empty))
+    {
+        problem(
+            "[on_complete] command",
+            "must name a program, e.g. [\"./load.sh\", \"--fast\"]".into(),
+        );
+    }
+    if !(1..=20).contains(&on_complete.webhook_attempts) {
+        problem("[on_complete] webhook_attempts", "must be 1 to 20".into());
+    }
+    match (&oc.webhook, &oc.webhook_url_env) {
+        (Some(_), Some(_)) => problem(
+            "[on_complete] webhook",
+            "and webhook_url_env are both set; keep one".into(),
+        ),
+        (Some(url), None) => match webhook_url(url) {
+            Ok(u) if has_credentials(u.expose()) => problem(
+                "[on_complete] webhook",
+                "holds credentials, which never go in a manifest: put the URL in an environment variable named by webhook_url_env, or the token in one named by webhook_token_env".into(),
+            ),
+            Ok(u) => on_complete.webhook = Some(u),
+            Err(e) => problem("[on_complete] webhook", e),
+        },
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(url) => match webhook_url(&url) {
+                Ok(u) => on_complete.webhook = Some(u),
+                Err(e) => problem("[on_complete] webhook_url_env", format!("${var} {e}")),
+            },
+            Err(_) => problem(
+                "[on_complete] webhook_url_env",
+                format!("environment variable {var} is not set; export it before running the job"),
+            ),
+        },
+        (None, None) => {}
+    }
+    if let Some(var) = &oc.webhook_token_env {
+        if std::env::var(var).is_err() {
+            problem(
+                "[on_complete] webhook_token_env",
+                format!("environment variable {var} is not set; export it before running the job"),
+            );
+        }
+    }
+
     if !problems.is_empty() {
         return Err(ManifestError {
             file: manifest_path.to_owned(),
@@ -662,6 +807,7 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         output: OutputSpec {
             dir: out_dir.to_string_lossy().into_owned(),
             format: m.output.format,
+            histogram,
         },
         failure,
         checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
@@ -678,7 +824,33 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
         sizing,
         task,
         budget,
+        on_complete,
     })
+}
+
+/// A webhook URL: http or https with a host. Kept secret (it may hold a token).
+fn webhook_url(text: &str) -> Result<batchfleet_shared::secret::SecretUrl, String> {
+    let scheme_ok = text.starts_with("http://") || text.starts_with("https://");
+    let host = text
+        .split_once("://")
+        .map(|(_, rest)| rest.split(['/', '?', '#']).next().unwrap_or(""));
+    if !scheme_ok || host.is_none_or(str::is_empty) {
+        return Err("must be an http:// or https:// URL with a host".into());
+    }
+    Ok(batchfleet_shared::secret::SecretUrl::new(text))
+}
+
+/// Whether a URL carries `user:password@` or a token-like query.
+fn has_credentials(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority.contains('@')
+        || url.split_once('?').is_some_and(|(_, q)| {
+            let q = q.to_ascii_lowercase();
+            ["token", "key", "secret", "sig", "password"]
+                .iter()
+                .any(|k| q.contains(k))
+        })
 }
 
 /// `<name>-<8 hex>`: a digest of everything that determines the job's output
@@ -914,6 +1086,48 @@ dir = "out"
             "{err}"
         );
         assert!(err.contains("[model] device: \"tpu\""), "{err}");
+    }
+
+    #[test]
+    fn histogram_and_on_complete_rules_keep_secrets_out() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&format!(
+            "{GOOD}\n[on_complete]\ncommand = []\nwebhook = \"https://u:pw@hooks.example.com/x\"\nwebhook_token_env = \"BF_SURELY_UNSET_VAR\"\n"
+        )));
+        assert!(
+            err.contains("[on_complete] command: must name a program"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[on_complete] webhook: holds credentials"),
+            "{err}"
+        );
+        assert!(!err.contains("pw"), "the password is not echoed: {err}");
+        assert!(err.contains("BF_SURELY_UNSET_VAR is not set"), "{err}");
+        let err = problems(fx.load(&format!(
+            "{GOOD}\n[on_complete]\nwebhook = \"https://hooks.example.com/x?token=abc\"\n"
+        )));
+        assert!(
+            err.contains("holds credentials") && !err.contains("abc"),
+            "{err}"
+        );
+        let err = problems(fx.load(&GOOD.replace(
+            "[output]",
+            "[output]\nhistogram = { min = 1.0, max = 0.0, bins = 0 }",
+        )));
+        assert!(err.contains("min (1) must be below max (0)"), "{err}");
+        assert!(err.contains("bins must be 1 to 1000, not 0"), "{err}");
+        let spec = fx
+            .load(&format!(
+                "{}\n[on_complete]\nwebhook = \"http://127.0.0.1:9/hook\"\n",
+                GOOD.replace(
+                    "[output]",
+                    "[output]\nhistogram = { min = -3.0, max = 3.0, bins = 12 }"
+                )
+            ))
+            .unwrap();
+        assert_eq!(spec.task.output.histogram.bins, 12);
+        assert_eq!(spec.on_complete.webhook_attempts, 5);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 use crate::manifest::ErrorBudget;
 use crate::supervisor::Supervisor;
 use crate::{RunConfig, RunError};
+use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{JobStatus, Progress, Store};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::time::{Duration, Instant};
@@ -55,6 +56,7 @@ pub async fn follow(
         max_failed_percent: job.max_failed_percent,
     };
     let pool = job.pool;
+    let created_ms = job.created_ms;
     let first = store.progress(job_id).await?;
     let mut outage: Option<Instant> = None;
     let bar = progress_bar(cfg.progress, first.rows_total);
@@ -96,6 +98,7 @@ pub async fn follow(
             / started.elapsed().as_secs_f64().max(1e-3);
         bar.set_position(p.rows_done);
         bar.set_message(items_message(&p));
+        job_gauges(job_id, &pool, &p, rate, eta(&p, rate), created_ms);
         if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
             last_log = Instant::now();
             tracing::info!(job = %job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
@@ -128,10 +131,35 @@ pub async fn follow(
             return Ok(Followed::BudgetExceeded);
         }
         if p.settled() {
+            metrics::gauge!(names::JOB_FINISHED, "job" => job_id.to_owned(), "pool" => pool.clone()).set(1.0);
+            metrics::gauge!(names::JOB_ETA, "job" => job_id.to_owned(), "pool" => pool.clone())
+                .set(0.0);
             bar.finish_with_message(items_message(&p));
             return Ok(Followed::AllDone);
         }
     }
+}
+
+/// The job's gauges for Prometheus.
+fn job_gauges(job: &str, pool: &str, p: &Progress, rate: f64, eta_s: u64, created_ms: u64) {
+    let l = |state: &'static str| {
+        [
+            ("job", job.to_owned()),
+            ("pool", pool.to_owned()),
+            ("state", state.to_owned()),
+        ]
+    };
+    metrics::gauge!(names::JOB_ITEMS, &l("planned")).set(p.items_total as f64);
+    metrics::gauge!(names::JOB_ITEMS, &l("done")).set(p.items_done as f64);
+    metrics::gauge!(names::JOB_ITEMS, &l("failed")).set(p.items_failed as f64);
+    metrics::gauge!(names::JOB_ROWS, &l("planned")).set(p.rows_total as f64);
+    metrics::gauge!(names::JOB_ROWS, &l("done")).set(p.rows_done as f64);
+    let jl = [("job", job.to_owned()), ("pool", pool.to_owned())];
+    metrics::gauge!(names::JOB_ROWS_PER_SECOND, &jl).set(rate);
+    metrics::gauge!(names::JOB_ETA, &jl).set(eta_s as f64);
+    metrics::gauge!(names::JOB_FINISHED, &jl).set(0.0);
+    let secs = batchfleet_shared::now_ms().saturating_sub(created_ms) as f64 / 1000.0;
+    metrics::gauge!(names::JOB_DURATION, &jl).set(secs);
 }
 
 fn items_message(p: &Progress) -> String {

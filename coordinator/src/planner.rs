@@ -108,6 +108,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
+                histogram: Default::default(),
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,

@@ -4,7 +4,7 @@
 use crate::dispatcher::{SUCCESS_FILE, SUMMARY_FILE};
 use crate::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
-use batchfleet_shared::message::{part_file_name, OutputFormat};
+use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -75,6 +75,65 @@ pub struct Summary {
     pub items_skipped: u64,
     /// Each failed item with its class and reason.
     pub failed_items: Vec<ItemFailure>,
+    /// Distribution of each model output over the committed rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predictions: Option<Distribution>,
+    /// What `[on_complete]` did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_complete: Option<crate::hooks::HookOutcome>,
+}
+
+/// Histograms of the model's outputs: equal-width bins over `[min, max)`,
+/// plus one below and one above.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Distribution {
+    /// Lower edge of the first bin.
+    pub min: f64,
+    /// Upper edge of the last bin.
+    pub max: f64,
+    /// Bins between `min` and `max`.
+    pub bins: u32,
+    /// One histogram per output column.
+    pub columns: Vec<ColumnDistribution>,
+}
+
+/// The histogram of one output column.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ColumnDistribution {
+    /// Column name in the part files (`score`, `score_0`, …).
+    pub name: String,
+    /// Rows counted.
+    pub rows: u64,
+    /// `bins + 2` counts: below `min`, the bins in order, at or above `max`.
+    pub counts: Vec<u64>,
+}
+
+impl Distribution {
+    /// From `counts[column][bin]` as stored in Redis.
+    pub fn new(spec: &HistogramSpec, counts: Vec<Vec<u64>>) -> Option<Self> {
+        if counts.is_empty() {
+            return None;
+        }
+        let width = counts.len();
+        Some(Self {
+            min: spec.min,
+            max: spec.max,
+            bins: spec.bins,
+            columns: counts
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| ColumnDistribution {
+                    name: if width == 1 {
+                        "score".into()
+                    } else {
+                        format!("score_{i}")
+                    },
+                    rows: c.iter().sum(),
+                    counts: c,
+                })
+                .collect(),
+        })
+    }
 }
 
 /// Latency percentiles in milliseconds (nearest-rank).
@@ -108,9 +167,23 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
     }
 }
 
+/// Replaces `summary.json` (after the completion hooks added their outcome).
+pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError> {
+    let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
+    publish_atomically(path, "coordinator", true, |w| {
+        std::io::Write::write_all(w, &json)
+    })
+    .map(|_| ())
+    .map_err(|e| RunError::Output(format!("cannot write {}: {e}", path.display())))
+}
+
 /// Writes the summary, and `_SUCCESS` when no item failed, and marks the job
 /// `completed` or `completed_with_failures`.
-pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), RunError> {
+pub async fn finish(
+    store: &Store,
+    job_id: &str,
+    histogram: &HistogramSpec,
+) -> Result<(PathBuf, Summary), RunError> {
     let job = store.job(job_id).await?.ok_or_else(|| {
         RunError::Output(format!("job {job_id} vanished from Redis while finishing"))
     })?;
@@ -184,6 +257,11 @@ pub async fn finish(store: &Store, job_id: &str) -> Result<(PathBuf, Summary), R
             .items_total
             .saturating_sub(job.items_done + failures.len() as u64),
         failed_items: failures,
+        predictions: Distribution::new(
+            histogram,
+            store.histogram(job_id, histogram.bins as usize + 2).await?,
+        ),
+        on_complete: None,
     };
     let path = out.join(SUMMARY_FILE);
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");

@@ -22,6 +22,96 @@ pub struct JobStatusReport {
     pub in_flight: Vec<InFlight>,
     /// Items the coordinator published again (dead worker, straggler, lost message).
     pub items_redispatched: u64,
+    /// Items failed for good, by failure class.
+    pub failures_by_class: std::collections::BTreeMap<String, u64>,
+    /// Workers that committed items or hold one now.
+    pub workers: Vec<WorkerReport>,
+}
+
+/// One worker's part in a job.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerReport {
+    /// Worker id.
+    pub worker: String,
+    /// Items it committed.
+    pub items: u64,
+    /// Rows it predicted.
+    pub rows: u64,
+    /// Items it holds now.
+    pub in_flight: u64,
+}
+
+/// One line of `batchfleet jobs`.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobLine {
+    /// Job id.
+    pub id: String,
+    /// Status.
+    pub status: String,
+    /// Pool.
+    pub pool: String,
+    /// Items committed.
+    pub items_done: u64,
+    /// Items planned.
+    pub items_total: u64,
+    /// Rows settled.
+    pub rows_done: u64,
+    /// Rows planned.
+    pub rows_total: u64,
+    /// Registered at (ms since epoch).
+    pub created_ms: u64,
+    /// Seconds from registration to completion (or to now).
+    pub duration_s: f64,
+}
+
+/// The most recent jobs, newest first (jobs whose record is gone are skipped).
+pub async fn jobs(store: &Store, limit: usize) -> Result<Vec<JobLine>, StoreError> {
+    let mut out = Vec::new();
+    for id in store.recent_jobs(limit).await? {
+        let Some(j) = store.job(&id).await? else {
+            continue;
+        };
+        let end = if j.finished_ms > 0 {
+            j.finished_ms
+        } else {
+            batchfleet_shared::now_ms()
+        };
+        out.push(JobLine {
+            duration_s: end.saturating_sub(j.created_ms) as f64 / 1000.0,
+            id: j.id,
+            status: j.status.to_string(),
+            pool: j.pool,
+            items_done: j.items_done,
+            items_total: j.items_total,
+            rows_done: j.rows_done,
+            rows_total: j.rows_total,
+            created_ms: j.created_ms,
+        });
+    }
+    Ok(out)
+}
+
+/// `batchfleet jobs` as a table.
+pub fn render_jobs(jobs: &[JobLine]) -> String {
+    let mut s = format!(
+        "{:<40} {:<24} {:<12} {:>13} {:>10}",
+        "job", "status", "pool", "items", "duration"
+    );
+    for j in jobs {
+        let _ = write!(
+            s,
+            "\n{:<40} {:<24} {:<12} {:>13} {:>9.1}s",
+            j.id,
+            j.status,
+            j.pool,
+            format!("{}/{}", j.items_done, j.items_total),
+            j.duration_s
+        );
+    }
+    if jobs.is_empty() {
+        s.push_str("\n(no jobs)");
+    }
+    s
 }
 
 /// One item in progress, from its worker's lease.
@@ -50,7 +140,7 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
     let items_failed = store.progress(job_id).await?.items_failed;
     let now = batchfleet_shared::now_ms();
     let done = store.done_items(job_id).await?;
-    let in_flight = store
+    let in_flight: Vec<InFlight> = store
         .leases(job_id)
         .await?
         .into_iter()
@@ -62,7 +152,35 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
         })
         .collect();
     let items_redispatched = store.redispatched(job_id).await?.len() as u64;
+    let mut failures_by_class = std::collections::BTreeMap::new();
+    for f in store.failures(job_id).await? {
+        *failures_by_class.entry(f.class).or_insert(0) += 1;
+    }
+    let mut by_worker: std::collections::BTreeMap<String, WorkerReport> = Default::default();
+    let blank = |w: &str| WorkerReport {
+        worker: w.to_owned(),
+        items: 0,
+        rows: 0,
+        in_flight: 0,
+    };
+    for s in store.item_stats(job_id).await? {
+        let w = by_worker
+            .entry(s.worker.clone())
+            .or_insert_with(|| blank(&s.worker));
+        w.items += 1;
+        w.rows += s.rows;
+    }
+    let mut in_flight = in_flight;
+    for f in &in_flight {
+        by_worker
+            .entry(f.lease.worker.clone())
+            .or_insert_with(|| blank(&f.lease.worker))
+            .in_flight += 1;
+    }
+    in_flight.sort_by_key(|f| std::cmp::Reverse(f.held_ms));
     Ok(Some(JobStatusReport {
+        failures_by_class,
+        workers: by_worker.into_values().collect(),
         in_flight,
         items_redispatched,
         items_failed,
@@ -101,6 +219,19 @@ pub fn render(r: &JobStatusReport) -> String {
         j.rows_done, j.rows_total, r.percent_done, j.rows_rejected
     );
     let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
+    if !r.failures_by_class.is_empty() {
+        let classes: Vec<String> = r
+            .failures_by_class
+            .iter()
+            .map(|(c, n)| format!("{n} {c}"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "failed    {} (see `batchfleet dlq list --job {}`)",
+            classes.join(", "),
+            j.id
+        );
+    }
     if r.items_redispatched > 0 {
         let _ = writeln!(
             s,
@@ -110,10 +241,20 @@ pub fn render(r: &JobStatusReport) -> String {
     }
     let _ = writeln!(s, "output    {}", j.output_dir);
     let _ = write!(s, "manifest  {}", j.manifest);
+    if !r.workers.is_empty() {
+        let _ = write!(s, "\nworkers ({}):", r.workers.len());
+        for w in &r.workers {
+            let _ = write!(
+                s,
+                "\n  {:<24} {:>6} items {:>10} rows {:>3} in flight",
+                w.worker, w.items, w.rows, w.in_flight
+            );
+        }
+    }
     if !r.in_flight.is_empty() {
         let _ = write!(
             s,
-            "\nin flight ({}):\n  {:>7}  {:<24} {:>7} {:>9}  {:>13}  state",
+            "\nin flight ({}, slowest first):\n  {:>7}  {:<24} {:>7} {:>9}  {:>13}  state",
             r.in_flight.len(),
             "item",
             "worker",

@@ -24,6 +24,7 @@ use crate::planner::Plan;
 use crate::{Connections, RunError};
 use batchfleet_shared::broker::{self, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::message::OutputFormat;
+use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -234,6 +235,9 @@ impl Supervisor {
             .keys()
             .filter(|s| !done.contains(s) && !failed.contains(s))
             .count() as u64;
+        let jl = [("job", self.job_id.clone()), ("pool", record.pool.clone())];
+        metrics::gauge!(names::JOB_IN_FLIGHT, &jl).set(unsettled_leased as f64);
+        metrics::gauge!(names::JOB_REDISPATCHED, &jl).set(redispatched.len() as f64);
         let accounted = progress.items_done + progress.items_failed + unsettled_leased;
         if drained && accounted < progress.items_total {
             done = store.done_items(&self.job_id).await?;
@@ -338,7 +342,8 @@ impl Supervisor {
         Ok(&self.broker.as_ref().expect("connected above").1)
     }
 
-    async fn spec(&mut self) -> Result<Arc<JobSpec>, RunError> {
+    /// The job's manifest, validated (loaded from the recorded path if not given).
+    pub async fn spec(&mut self) -> Result<Arc<JobSpec>, RunError> {
         if let Some(s) = &self.spec {
             return Ok(s.clone());
         }
@@ -393,8 +398,9 @@ impl Supervisor {
         let dead = crate::dlq::list(conn, &record.pool, &filter).await?;
         let out = spec.output_dir().to_owned();
         let format = spec.task.output.format;
+        let hspec = spec.task.output.histogram;
         let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
-        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, format, &items))
+        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, format, &hspec, &items))
             .await
             .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
 
@@ -404,8 +410,8 @@ impl Supervisor {
         record.items_published = record.items_total;
         store.restore_job(&record).await?;
         let mut restored = 0;
-        for stats in &found {
-            if store.commit_item(&self.job_id, stats).await? {
+        for (stats, hist) in &found {
+            if store.commit_item(&self.job_id, stats, hist).await? {
                 restored += 1;
             }
         }
@@ -442,14 +448,20 @@ fn median_latency(stats: &[ItemStats]) -> Option<u64> {
     Some(ms[ms.len() / 2])
 }
 
-/// The committed items found in an output folder: each part file whose rows
-/// plus rejects add up to its item's rows. A part file that does not add up
-/// is an error naming it (the folder was changed under the job).
+/// A committed item found in the output folder: its stats and the histogram
+/// of its predictions (`counts[column][bin]`).
+pub type Recovered = (ItemStats, Vec<Vec<u64>>);
+
+/// The committed items found in an output folder, with the histograms of
+/// their predictions: each part file whose rows plus rejects add up to its
+/// item's rows. A part file that does not add up is an error naming it (the
+/// folder was changed under the job).
 pub fn scan_outputs(
     out: &Path,
     format: OutputFormat,
+    hspec: &batchfleet_shared::message::HistogramSpec,
     items: &[(u32, u64)],
-) -> Result<Vec<ItemStats>, RunError> {
+) -> Result<Vec<Recovered>, RunError> {
     let now = batchfleet_shared::now_ms();
     let mut found = Vec::new();
     for &(seq, rows) in items {
@@ -459,7 +471,8 @@ pub fn scan_outputs(
         }
         let read =
             |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
-        let predicted = batchfleet_shared::output::count_rows(&part).map_err(read)?;
+        let (predicted, hist) =
+            batchfleet_shared::output::histogram_of_part(&part, hspec).map_err(read)?;
         let rejected = batchfleet_shared::output::count_rejects(
             &batchfleet_shared::output::rejects_path(out, seq),
         )
@@ -470,17 +483,20 @@ pub fn scan_outputs(
                 part.display()
             )));
         }
-        found.push(ItemStats {
-            seq,
-            rows: predicted,
-            rows_rejected: rejected,
-            worker: "rebuilt-from-files".into(),
-            started_ms: now,
-            finished_ms: now,
-            attempt: 0,
-            recovered: true,
-            rows_resumed: 0,
-        });
+        found.push((
+            ItemStats {
+                seq,
+                rows: predicted,
+                rows_rejected: rejected,
+                worker: "rebuilt-from-files".into(),
+                started_ms: now,
+                finished_ms: now,
+                attempt: 0,
+                recovered: true,
+                rows_resumed: 0,
+            },
+            hist,
+        ));
     }
     Ok(found)
 }
@@ -519,14 +535,19 @@ mod tests {
         std::fs::write(out.join("part-000000.csv"), "id,score\na,1\nb,2\n").unwrap();
         std::fs::create_dir_all(out.join("rejects")).unwrap();
         std::fs::write(out.join("rejects/part-000000.jsonl"), "{}\n").unwrap();
-        let found = scan_outputs(out, OutputFormat::Csv, &[(0, 3), (1, 4)]).unwrap();
+        let spec = batchfleet_shared::message::HistogramSpec {
+            min: 0.0,
+            max: 2.0,
+            bins: 2,
+        };
+        let found = scan_outputs(out, OutputFormat::Csv, &spec, &[(0, 3), (1, 4)]).unwrap();
         assert_eq!(found.len(), 1, "item 1 has no part file");
-        assert_eq!(
-            (found[0].seq, found[0].rows, found[0].rows_rejected),
-            (0, 2, 1)
-        );
-        assert!(found[0].recovered);
-        let err = scan_outputs(out, OutputFormat::Csv, &[(0, 5)])
+        let (stats, hist) = &found[0];
+        assert_eq!((stats.seq, stats.rows, stats.rows_rejected), (0, 2, 1));
+        assert!(stats.recovered);
+        // Scores 1 and 2 over [0, 2) in 2 bins: one in the second bin, one above.
+        assert_eq!(hist, &vec![vec![0, 0, 1, 1]]);
+        let err = scan_outputs(out, OutputFormat::Csv, &spec, &[(0, 5)])
             .unwrap_err()
             .to_string();
         assert!(

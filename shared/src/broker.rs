@@ -314,6 +314,10 @@ impl Outgoing {
             crate::message::ATTEMPT_HEADER.into(),
             AMQPValue::LongInt(attempt as i32),
         );
+        headers.insert(
+            crate::message::PUBLISHED_HEADER.into(),
+            AMQPValue::LongLongInt(crate::now_ms() as i64),
+        );
         Self {
             message_id: format!("{}/{}", item.job_id, item.seq),
             kind: crate::message::MESSAGE_TYPE_V1,

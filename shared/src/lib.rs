@@ -17,6 +17,7 @@ pub mod broker;
 pub mod config;
 pub mod fsutil;
 pub mod message;
+pub mod metrics;
 pub mod output;
 pub mod secret;
 pub mod shutdown;

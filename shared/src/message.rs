@@ -14,6 +14,8 @@ pub const MESSAGE_TYPE_V1: &str = "batchfleet.work_item.v1";
 /// Header with the 1-based delivery attempt, maintained by batchfleet itself
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
+/// Work items: when the item was published (ms since epoch), for the queue-wait metric.
+pub const PUBLISHED_HEADER: &str = "x-bf-published-ms";
 
 /// Dead letters: job id of the item.
 pub const JOB_HEADER: &str = "x-bf-job";
@@ -235,6 +237,66 @@ pub struct OutputSpec {
     pub dir: String,
     /// Part file format.
     pub format: OutputFormat,
+    /// Bins of the prediction histogram recorded per output column.
+    #[serde(default)]
+    pub histogram: HistogramSpec,
+}
+
+/// Equal-width bins over `[min, max)` for the distribution of a model
+/// output, plus one bin below and one above.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct HistogramSpec {
+    /// Lower edge of the first bin.
+    pub min: f64,
+    /// Upper edge of the last bin.
+    pub max: f64,
+    /// Bins between `min` and `max`.
+    pub bins: u32,
+}
+
+impl Default for HistogramSpec {
+    fn default() -> Self {
+        Self {
+            min: 0.0,
+            max: 1.0,
+            bins: 20,
+        }
+    }
+}
+
+impl HistogramSpec {
+    /// Index in a counts vector of `bins + 2` (0 = below `min`, `bins + 1` =
+    /// at or above `max`); `None` for NaN.
+    pub fn index(&self, v: f64) -> Option<usize> {
+        if v.is_nan() {
+            return None;
+        }
+        if v < self.min {
+            return Some(0);
+        }
+        if v >= self.max {
+            return Some(self.bins as usize + 1);
+        }
+        let w = (self.max - self.min) / f64::from(self.bins);
+        Some((((v - self.min) / w) as usize).min(self.bins as usize - 1) + 1)
+    }
+
+    /// Adds row-major values of `width` columns to `counts` (one vector per column).
+    pub fn add(&self, counts: &mut Vec<Vec<u64>>, values: &[f32], width: usize) {
+        if width == 0 {
+            return;
+        }
+        if counts.len() < width {
+            counts.resize(width, vec![0; self.bins as usize + 2]);
+        }
+        for row in values.chunks(width) {
+            for (c, v) in row.iter().enumerate() {
+                if let Some(i) = self.index(f64::from(*v)) {
+                    counts[c][i] += 1;
+                }
+            }
+        }
+    }
 }
 
 impl OutputSpec {
@@ -309,6 +371,7 @@ pub(crate) fn sample_item() -> WorkItem {
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
+                histogram: HistogramSpec::default(),
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,

@@ -38,3 +38,27 @@ pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
         Err(e) => Err(e),
     }
 }
+
+/// Rows of a part file and the histogram of its score columns (`counts[c][bin]`).
+pub fn histogram_of_part(
+    path: &Path,
+    spec: &crate::message::HistogramSpec,
+) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(std::io::Error::other)?;
+    let mut rec = csv::StringRecord::new();
+    let mut counts: Vec<Vec<u64>> = Vec::new();
+    let mut rows = 0;
+    let mut values = Vec::new();
+    while rdr.read_record(&mut rec).map_err(std::io::Error::other)? {
+        rows += 1;
+        values.clear();
+        for field in rec.iter().skip(1) {
+            values.push(field.parse::<f32>().unwrap_or(f32::NAN));
+        }
+        spec.add(&mut counts, &values, values.len());
+    }
+    Ok((rows, counts))
+}

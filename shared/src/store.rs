@@ -10,6 +10,7 @@
 //! | `P:job:{id}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
 //! | `P:job:{id}:leases` | hash | `<seq>@<worker>` → JSON [`Lease`] of items being processed |
 //! | `P:job:{id}:redispatched` | hash | seq → ms when the coordinator last published a copy |
+//! | `P:job:{id}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
 //! | `P:job:{id}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
 //!
 //! `items_done` and `rows_done` are only ever changed by [`COMMIT_SCRIPT`], in the
@@ -406,8 +407,9 @@ impl Progress {
 }
 
 /// Adds the seq to the done set; only if it was not there yet, bumps the
-/// counters and stores the stats (and forgets an earlier failure of the
-/// item). Returns 1 for the winning commit, 0 otherwise.
+/// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
+/// `counts[column][bin]`) and stores the stats (and forgets an earlier
+/// failure of the item). Returns 1 for the winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'items_done', 1)
@@ -415,6 +417,14 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'rows_rejected', ARGV[4])
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
   redis.call('HDEL', KEYS[4], ARGV[1])
+  local h = cjson.decode(ARGV[5])
+  for c = 1, #h do
+    for b = 1, #h[c] do
+      if h[c][b] > 0 then
+        redis.call('HINCRBY', KEYS[5], (c - 1) .. ':' .. (b - 1), h[c][b])
+      end
+    end
+  end
   return 1
 end
 return 0
@@ -539,6 +549,9 @@ impl Store {
     fn redispatched_key(&self, id: &str) -> String {
         format!("{}:job:{id}:redispatched", self.prefix)
     }
+    fn hist_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:hist", self.prefix)
+    }
     fn work_key(&self, id: &str) -> String {
         format!("{}:job:{id}:work", self.prefix)
     }
@@ -608,9 +621,19 @@ impl Store {
         })
     }
 
-    /// Marks an item done. Returns `true` if this call won (first commit),
-    /// `false` if the item had already been committed by someone else.
-    pub async fn commit_item(&self, job: &str, stats: &ItemStats) -> Result<bool, StoreError> {
+    /// Marks an item done and adds its prediction histogram (`counts[column][bin]`).
+    /// Returns `true` if this call won (first commit), `false` if the item
+    /// had already been committed by someone else (nothing is added then).
+    pub async fn commit_item(
+        &self,
+        job: &str,
+        stats: &ItemStats,
+        histogram: &[Vec<u64>],
+    ) -> Result<bool, StoreError> {
+        let hist = serde_json::to_string(histogram).map_err(|e| StoreError::Command {
+            op: "encode histogram",
+            reason: e.to_string(),
+        })?;
         let json = serde_json::to_string(stats).map_err(|e| StoreError::Command {
             op: "encode stats",
             reason: e.to_string(),
@@ -622,10 +645,12 @@ impl Store {
             .key(self.job_key(job))
             .key(self.stats_key(job))
             .key(self.failed_key(job))
+            .key(self.hist_key(job))
             .arg(stats.seq)
             .arg(stats.rows + stats.rows_rejected)
             .arg(json)
             .arg(stats.rows_rejected)
+            .arg(hist)
             .invoke_async(&mut c)
             .await
             .map_err(cmd("commit item"))?;
@@ -808,6 +833,30 @@ impl Store {
         Ok(leases)
     }
 
+    /// The job's prediction histogram, `counts[column][bin]` (bins + 2 per column).
+    pub async fn histogram(&self, job: &str, bins: usize) -> Result<Vec<Vec<u64>>, StoreError> {
+        let key = self.hist_key(job);
+        let mut c = self.conn("HGETALL hist").await?;
+        let map: BTreeMap<String, u64> = c.hgetall(&key).await.map_err(cmd("HGETALL hist"))?;
+        let mut counts: Vec<Vec<u64>> = Vec::new();
+        for (field, n) in map {
+            let parsed = field
+                .split_once(':')
+                .and_then(|(c, b)| Some((c.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+            let Some((col, bin)) = parsed.filter(|(_, b)| *b < bins) else {
+                return Err(StoreError::Corrupt {
+                    key,
+                    reason: format!("unexpected field {field}"),
+                });
+            };
+            if counts.len() <= col {
+                counts.resize(col + 1, vec![0; bins]);
+            }
+            counts[col][bin] = n;
+        }
+        Ok(counts)
+    }
+
     /// Adds to the job's work counters: items started and rows put through
     /// the model (the work actually done, including work a fault wasted).
     pub async fn count_work(
@@ -901,6 +950,7 @@ impl Store {
                 self.leases_key(id),
                 self.redispatched_key(id),
                 self.work_key(id),
+                self.hist_key(id),
             ])
             .ignore()
             .zrem(self.jobs_key(), id)

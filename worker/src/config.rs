@@ -10,6 +10,8 @@ use std::time::Duration;
 pub struct WorkerConfig {
     #[command(flatten)]
     pub services: ServiceArgs,
+    #[command(flatten)]
+    pub metrics: batchfleet_shared::metrics::MetricsArgs,
     /// Pool (work queue) to consume.
     #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
     pub pool: String,

@@ -30,8 +30,9 @@ use batchfleet_shared::broker::{headers, int_header, ConfirmedPublisher, Outgoin
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{
     Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
-    JOB_HEADER, MESSAGE_TYPE_V1, WORKER_HEADER,
+    JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
 };
+use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Lease, Store, StoreError};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
@@ -488,6 +489,15 @@ async fn heartbeat_loop(
 /// Handles one delivery to the end (ack, nack or re-publish).
 pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
     let held = Arc::new(Held::new(delivery));
+    metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).increment(1.0);
+    let _in_flight = scopeguard(|| metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).decrement(1.0));
+    if let Some(published) = int_header(
+        held.delivery.properties.headers().as_ref(),
+        PUBLISHED_HEADER,
+    ) {
+        let waited = batchfleet_shared::now_ms().saturating_sub(published.max(0) as u64);
+        metrics::histogram!(names::WORKER_QUEUE_WAIT).record(waited as f64 / 1000.0);
+    }
     let attempt = int_header(held.delivery.properties.headers().as_ref(), ATTEMPT_HEADER)
         .unwrap_or(1)
         .max(1) as u32;
@@ -549,6 +559,8 @@ async fn settle_error(
     e: ItemError,
     ctx: &ItemContext,
 ) -> (Handled, bool) {
+    let labels = [("job", item.job_id.clone()), ("class", e.class.to_string())];
+    metrics::counter!(names::WORKER_ITEMS_FAILED, &labels).increment(1);
     match e.class {
         FailureClass::Fatal => {
             tracing::error!(error = %e.message, "fatal: this worker cannot process items; returning the item and stopping");
@@ -620,14 +632,18 @@ async fn process(
         rows_resumed: 0,
     };
     let mut partial = None;
+    let hspec = item.task.output.histogram;
+    let mut hist: Vec<Vec<u64>> = Vec::new();
     if dest.exists() {
         // A previous delivery published the files and died before marking it done.
         let (d, r) = (dest.clone(), rejects_dest.clone());
-        let (rows, rejected) = blocking(move || {
-            Ok::<_, std::io::Error>((writer::count_rows(&d)?, writer::count_rejects(&r)?))
+        let (rows, rejected, h) = blocking(move || {
+            let (rows, h) = batchfleet_shared::output::histogram_of_part(&d, &hspec)?;
+            Ok::<_, std::io::Error>((rows, writer::count_rejects(&r)?, h))
         })
         .await?
         .map_err(|e| ItemError::transient(format!("cannot read {}: {e}", dest.display())))?;
+        hist = h;
         if rows + rejected != item.input.rows() {
             return Err(ItemError::poison(format!(
                 "{} holds {rows} rows and {rejected} rejects but the item has {}; remove them to recompute the item",
@@ -639,7 +655,9 @@ async fn process(
     } else {
         let (slice, layout, on_bad_row) =
             (item.input.clone(), item.task.csv.clone(), policy.on_bad_row);
+        let read_started = Instant::now();
         let mut batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
+        metrics::histogram!(names::WORKER_READ).record(read_started.elapsed().as_secs_f64());
         let deadline = Instant::now() + Duration::from_millis(policy.item_timeout_ms);
         let seg = item.task.checkpoint_rows as usize;
         let tag = format!("{}-{}", ctx.worker_id, attempt);
@@ -664,14 +682,19 @@ async fn process(
             stats.rows_rejected = rejects.len() as u64;
             rejects.sort_by_key(|r| r.line);
             log_rejects(&rejects);
-            blocking(move || {
+            // Failed rows are NaN, which no bin counts.
+            hspec.add(&mut hist, &preds.values, preds.width);
+            let write_started = Instant::now();
+            let published = blocking(move || {
                 // The part file is the commit point; the rejects file goes first
                 // and reflects this attempt (a stale one from a crashed attempt
                 // with another model is replaced or removed).
                 writer::write_rejects(&rejects_dest, &tag, &rejects)?;
                 writer::write_csv(&dest, &tag, &batch, &preds)
             })
-            .await??
+            .await??;
+            metrics::histogram!(names::WORKER_WRITE).record(write_started.elapsed().as_secs_f64());
+            published
         } else {
             let dir = out.join(PARTIAL_DIR).join(format!(
                 "part-{:06}-{}",
@@ -681,6 +704,20 @@ async fn process(
             let d = dir.clone();
             let (segments, mut model_rejects) =
                 blocking(move || finished_segments(&d, seg, rows)).await??;
+            let resumed_files: Vec<PathBuf> =
+                segments.iter().map(|s| segment_path(&dir, *s)).collect();
+            hist = blocking(move || {
+                let mut h = Vec::new();
+                for f in &resumed_files {
+                    let (_, part) = batchfleet_shared::output::histogram_of_part(f, &hspec)?;
+                    merge_histogram(&mut h, &part);
+                }
+                Ok::<_, std::io::Error>(h)
+            })
+            .await?
+            .map_err(|e| {
+                ItemError::transient(format!("cannot read the checkpoint {}: {e}", dir.display()))
+            })?;
             let mut next = segments.last().map_or(0, |s| s.1);
             let resumed = next;
             if resumed > 0 {
@@ -725,9 +762,11 @@ async fn process(
                     .map(|(i, msg)| batch.model_reject(next + i, msg))
                     .collect();
                 failed += seg_rejects.len();
+                hspec.add(&mut hist, &preds.values, preds.width);
                 let path = segment_path(&dir, (next, end));
                 let (p, t, b) = (path.clone(), tag.clone(), batch);
                 let sr = seg_rejects.clone();
+                let write_started = Instant::now();
                 batch = blocking(move || {
                     // The segment's rejects first: its CSV is what marks it finished.
                     if !sr.is_empty() {
@@ -737,6 +776,8 @@ async fn process(
                     Ok::<_, ItemError>(b)
                 })
                 .await??;
+                metrics::histogram!(names::WORKER_WRITE)
+                    .record(write_started.elapsed().as_secs_f64());
                 model_rejects.extend(seg_rejects);
                 files.push(path);
                 predicted += end - next;
@@ -761,11 +802,22 @@ async fn process(
     }
     stats.finished_ms = batchfleet_shared::now_ms();
     let won = ctx
-        .patient("commit", || ctx.store.commit_item(&item.job_id, &stats))
+        .patient("commit", || {
+            ctx.store.commit_item(&item.job_id, &stats, &hist)
+        })
         .await?;
     if let Some(dir) = partial {
         // The segments are in the part file now (or a faster copy's is there).
         let _ = blocking(move || std::fs::remove_dir_all(dir)).await;
+    }
+    if won {
+        let labels = [
+            ("job", item.job_id.clone()),
+            ("model", model_label(&item.task.model)),
+        ];
+        metrics::counter!(names::WORKER_ROWS_PROCESSED, &labels).increment(stats.rows);
+        metrics::counter!(names::WORKER_ROWS_REJECTED, &labels).increment(stats.rows_rejected);
+        metrics::counter!(names::WORKER_ITEMS_COMPLETED, &labels).increment(1);
     }
     tracing::info!(
         rows = stats.rows,
@@ -781,6 +833,40 @@ async fn process(
     } else {
         Handled::AlreadyDone
     })
+}
+
+/// Runs a closure when dropped (keeps a gauge balanced on every return path).
+struct OnDrop<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+fn scopeguard<F: FnMut()>(f: F) -> OnDrop<F> {
+    OnDrop(f)
+}
+
+/// Adds `part` into `into`, column by column.
+fn merge_histogram(into: &mut Vec<Vec<u64>>, part: &[Vec<u64>]) {
+    for (c, col) in part.iter().enumerate() {
+        if into.len() <= c {
+            into.push(vec![0; col.len()]);
+        }
+        for (b, n) in col.iter().enumerate() {
+            if let Some(slot) = into[c].get_mut(b) {
+                *slot += n;
+            }
+        }
+    }
+}
+
+/// The `model` label: the model file's name (bounded: one per job).
+fn model_label(model: &batchfleet_shared::message::ModelRef) -> String {
+    Path::new(&model.path)
+        .file_name()
+        .map_or_else(|| model.path.clone(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Best effort: the counters measure wasted work, they decide nothing.
@@ -879,13 +965,21 @@ async fn retry(
                 (CLASS_HEADER, e.class.to_string()),
                 (ERROR_HEADER, truncate(&e.message, 2000)),
             ],
-            [(ATTEMPT_HEADER, i64::from(next))],
+            [
+                (ATTEMPT_HEADER, i64::from(next)),
+                // The retry delay is not queue wait: it counts from when the item is due.
+                (
+                    PUBLISHED_HEADER,
+                    (batchfleet_shared::now_ms() + delay) as i64,
+                ),
+            ],
         ),
         expiration_ms: Some(delay),
     };
     match ctx.publisher().publish_all(&queue, [msg], 1, |_| {}).await {
         Ok(_) => {
             held.ack().await;
+            metrics::counter!(names::WORKER_ITEMS_RETRIED, "job" => item.job_id.clone(), "class" => e.class.to_string()).increment(1);
             (Handled::Retried, false)
         }
         Err(err) => {
@@ -906,6 +1000,7 @@ async fn dead_letter(
     ctx: &ItemContext,
 ) -> (Handled, bool) {
     let class = e.class.to_string();
+    let class_label = class.clone();
     tracing::error!(error = %e.message, class = %class, attempt, "dead-lettering the item");
     let now = batchfleet_shared::now_ms();
     let (job, seq) = item.map_or((String::new(), -1), |i| {
@@ -966,6 +1061,8 @@ async fn dead_letter(
         }
     }
     held.ack().await;
+    metrics::counter!(names::WORKER_ITEMS_DEAD_LETTERED, "job" => job, "class" => class_label)
+        .increment(1);
     (Handled::DeadLettered, false)
 }
 

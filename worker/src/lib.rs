@@ -21,6 +21,7 @@ pub mod writer;
 use anyhow::Context;
 use backon::{ExponentialBuilder, Retryable};
 use batchfleet_shared::broker::{self, BrokerError, ConfirmedPublisher, PoolQueues};
+use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Store, StoreError};
 pub use config::WorkerConfig;
 use consumer::StopReason;
@@ -84,6 +85,11 @@ where
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
+    batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
+        .map_err(anyhow::Error::msg)?;
+    metrics::gauge!(names::WORKER_UP).set(1.0);
+    metrics::gauge!(names::WORKER_DRAINING).set(0.0);
+    tokio::spawn(gpu_memory(Duration::from_secs(15)));
     let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
     let store = with_retry("Redis", cfg.connect_timeout, || {
         Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
@@ -172,6 +178,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .basic_cancel(session.tag.as_str().into(), BasicCancelOptions::default())
         .await;
     tracker.close();
+    metrics::gauge!(names::WORKER_DRAINING).set(1.0);
     tracing::info!(
         in_flight = tracker.len(),
         timeout_s = cfg.drain_timeout.as_secs(),
@@ -189,6 +196,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     // Closing the channel returns every unacknowledged delivery to the queue at once.
     let _ = session.channel.close(200, "worker stopping".into()).await;
     let _ = session.conn.close(200, "worker stopping".into()).await;
+    metrics::gauge!(names::WORKER_UP).set(0.0);
 
     if let Some(why) = lost {
         anyhow::bail!("lost RabbitMQ: {why}");
@@ -210,6 +218,29 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             tracing::info!("worker stopped cleanly");
             Ok(Exit::Clean)
         }
+    }
+}
+
+/// GPU memory in use per device, from `nvidia-smi`, on machines that have it.
+async fn gpu_memory(every: Duration) {
+    loop {
+        let out = tokio::process::Command::new("nvidia-smi")
+            .args([
+                "--query-gpu=index,memory.used",
+                "--format=csv,noheader,nounits",
+            ])
+            .output()
+            .await;
+        let Ok(out) = out else { return }; // no NVIDIA driver here: nothing to report
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some((gpu, mib)) = line.split_once(',') {
+                if let Ok(mib) = mib.trim().parse::<f64>() {
+                    metrics::gauge!(names::WORKER_GPU_MEMORY, "gpu" => gpu.trim().to_owned())
+                        .set(mib * 1024.0 * 1024.0);
+                }
+            }
+        }
+        tokio::time::sleep(every).await;
     }
 }
 

@@ -12,6 +12,7 @@
 use crate::error::ItemError;
 use crate::reader::Batch;
 use batchfleet_shared::message::{FailurePolicy, ModelRef};
+use batchfleet_shared::metrics::names;
 use std::collections::HashMap;
 use tokio::sync::{mpsc, oneshot};
 
@@ -103,7 +104,11 @@ struct Run<'a, B: Backend + ?Sized> {
 impl<B: Backend + ?Sized> Run<'_, B> {
     fn range(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
         let chunk = &self.features[lo * self.cols..hi * self.cols];
-        match self.backend.forward(self.model, chunk, self.cols) {
+        let started = std::time::Instant::now();
+        let result = self.backend.forward(self.model, chunk, self.cols);
+        metrics::histogram!(names::WORKER_INFERENCE).record(started.elapsed().as_secs_f64());
+        metrics::histogram!(names::WORKER_BATCH_SIZE).record((hi - lo) as f64);
+        match result {
             Ok((values, width)) => self.store(lo, hi, &values, width),
             Err(ForwardError::Unusable(e)) => Err(e),
             Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
@@ -386,6 +391,7 @@ impl TorchBackend {
             })?;
             module.set_eval();
             tracing::info!(model = %model.path, device = %model.device, ms = started.elapsed().as_millis() as u64, "model loaded");
+            metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
             self.cache.insert(key.clone(), module);
         }
         Ok(&self.cache[&key])

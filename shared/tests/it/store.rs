@@ -47,7 +47,7 @@ async fn concurrent_commits_of_one_item_count_once() {
         let store = store.clone();
         tokio::spawn(async move {
             store
-                .commit_item("j", &stats(1, &format!("w{i}")))
+                .commit_item("j", &stats(1, &format!("w{i}")), &[vec![1, 2, 3]])
                 .await
                 .expect("commit")
         })
@@ -57,6 +57,11 @@ async fn concurrent_commits_of_one_item_count_once() {
         winners += usize::from(c.await.expect("task"));
     }
     assert_eq!(winners, 1, "exactly one commit wins");
+    assert_eq!(
+        store.histogram("j", 3).await.expect("histogram"),
+        vec![vec![1, 2, 3]],
+        "the histogram of the winning commit only"
+    );
     let p = store.progress("j").await.expect("progress");
     assert_eq!((p.items_done, p.rows_done, p.items_total), (1, 100, 3));
     assert_eq!(store.item_stats("j").await.expect("stats").len(), 1);
@@ -78,7 +83,7 @@ async fn failures_settle_a_job_but_never_override_a_commit() {
         at_ms: 5,
     };
     store
-        .commit_item("j", &stats(0, "w"))
+        .commit_item("j", &stats(0, "w"), &[])
         .await
         .expect("commit");
     assert!(
@@ -91,7 +96,7 @@ async fn failures_settle_a_job_but_never_override_a_commit() {
     assert!(!p.settled());
     // A later successful commit of a failed item replaces the failure.
     store
-        .commit_item("j", &stats(1, "w"))
+        .commit_item("j", &stats(1, "w"), &[])
         .await
         .expect("commit");
     store.fail_item("j", &failure(2)).await.expect("fail");

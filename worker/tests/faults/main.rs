@@ -161,7 +161,7 @@ async fn a_worker_killed_mid_item_is_resumed_from_its_checkpoint_by_another() {
     );
     let table = batchfleet_coordinator::status::render(&report);
     assert!(
-        table.contains("in flight (1)") && table.contains("slow"),
+        table.contains("in flight (1, slowest first)") && table.contains("slow"),
         "{table}"
     );
     slow.child.kill().expect("kill -9");

@@ -3,4 +3,5 @@
 
 mod e2e;
 mod failures;
+mod reports;
 mod support;

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the programs the tests start besides RabbitMQ and Redis:
+# Prometheus (the metrics test scrapes real workers with it).
+set -euo pipefail
+if command -v prometheus >/dev/null; then
+  exit 0
+fi
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing prometheus from Debian's packages (for the metrics test)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # The package may start its own service on :9090; the test runs its own on a free port.
+  command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1 || true
+  pkill -x prometheus 2>/dev/null || true
+else
+  echo "error: prometheus is not installed; install it with: sudo apt-get install prometheus" >&2
+  exit 1
+fi

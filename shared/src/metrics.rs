@@ -1,0 +1,302 @@
+//! Prometheus metrics: the `/metrics` endpoint every binary can serve, the
+//! names of every metric (so code, dashboard and docs cannot drift), the
+//! histogram buckets, and process CPU and memory.
+//!
+//! Names follow `batchfleet_<component>_<what>_<unit>`; labels are bounded
+//! (`job`, `pool`, `model`, `class`, `state` — never item ids). The full list
+//! with types and meanings is in `docs/metrics.md`.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+/// Where to serve `/metrics` (every binary takes these flags).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MetricsArgs {
+    /// Port of the Prometheus `/metrics` endpoint; 0 = no endpoint.
+    #[arg(
+        long,
+        env = "BATCHFLEET_METRICS_PORT",
+        default_value_t = 0,
+        global = true
+    )]
+    pub metrics_port: u16,
+    /// Address the metrics endpoint listens on.
+    #[arg(
+        long,
+        env = "BATCHFLEET_METRICS_HOST",
+        default_value = "0.0.0.0",
+        global = true
+    )]
+    pub metrics_host: IpAddr,
+}
+
+/// Every metric batchfleet defines, by name.
+pub mod names {
+    /// Worker: rows predicted (counter; job, pool, model).
+    pub const WORKER_ROWS_PROCESSED: &str = "batchfleet_worker_rows_processed_total";
+    /// Worker: rows rejected (counter; job, pool, model).
+    pub const WORKER_ROWS_REJECTED: &str = "batchfleet_worker_rows_rejected_total";
+    /// Worker: items committed by this worker (counter; job, pool, model).
+    pub const WORKER_ITEMS_COMPLETED: &str = "batchfleet_worker_items_completed_total";
+    /// Worker: failed item attempts (counter; job, pool, class).
+    pub const WORKER_ITEMS_FAILED: &str = "batchfleet_worker_items_failed_total";
+    /// Worker: items re-published for a later attempt (counter; job, pool, class).
+    pub const WORKER_ITEMS_RETRIED: &str = "batchfleet_worker_items_retried_total";
+    /// Worker: items dead-lettered (counter; job, pool, class).
+    pub const WORKER_ITEMS_DEAD_LETTERED: &str = "batchfleet_worker_items_dead_lettered_total";
+    /// Worker: items held now (gauge; pool).
+    pub const WORKER_ITEMS_IN_FLIGHT: &str = "batchfleet_worker_items_in_flight";
+    /// Worker: time from publish to delivery (histogram, seconds; pool).
+    pub const WORKER_QUEUE_WAIT: &str = "batchfleet_worker_queue_wait_seconds";
+    /// Worker: reading and parsing an item's rows (histogram, seconds; pool).
+    pub const WORKER_READ: &str = "batchfleet_worker_read_seconds";
+    /// Worker: one `forward` call (histogram, seconds; pool).
+    pub const WORKER_INFERENCE: &str = "batchfleet_worker_inference_seconds";
+    /// Worker: writing and publishing a part or segment file (histogram, seconds; pool).
+    pub const WORKER_WRITE: &str = "batchfleet_worker_write_seconds";
+    /// Worker: rows per `forward` call (histogram, rows; pool).
+    pub const WORKER_BATCH_SIZE: &str = "batchfleet_worker_batch_size_rows";
+    /// Worker: loading a model (histogram, seconds; pool).
+    pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
+    /// Worker: 1 while running (gauge; pool).
+    pub const WORKER_UP: &str = "batchfleet_worker_up";
+    /// Worker: 1 while draining after SIGTERM (gauge; pool).
+    pub const WORKER_DRAINING: &str = "batchfleet_worker_draining";
+    /// Worker: GPU memory in use (gauge, bytes; gpu).
+    pub const WORKER_GPU_MEMORY: &str = "batchfleet_worker_gpu_memory_used_bytes";
+    /// Coordinator: items of a job by state planned/done/failed (gauge; job, pool, state).
+    pub const JOB_ITEMS: &str = "batchfleet_coordinator_job_items";
+    /// Coordinator: rows of a job by state planned/done (gauge; job, pool, state).
+    pub const JOB_ROWS: &str = "batchfleet_coordinator_job_rows";
+    /// Coordinator: rows settled per second since the job started (gauge; job, pool).
+    pub const JOB_ROWS_PER_SECOND: &str = "batchfleet_coordinator_job_rows_per_second";
+    /// Coordinator: estimated seconds to completion (gauge; job, pool).
+    pub const JOB_ETA: &str = "batchfleet_coordinator_job_eta_seconds";
+    /// Coordinator: items held by workers now (gauge; job, pool).
+    pub const JOB_IN_FLIGHT: &str = "batchfleet_coordinator_job_items_in_flight";
+    /// Coordinator: items published again (gauge; job, pool).
+    pub const JOB_REDISPATCHED: &str = "batchfleet_coordinator_job_items_redispatched";
+    /// Coordinator: seconds since the job was registered, final once done (gauge; job, pool).
+    pub const JOB_DURATION: &str = "batchfleet_coordinator_job_duration_seconds";
+    /// Coordinator: 1 once the job is settled (gauge; job, pool).
+    pub const JOB_FINISHED: &str = "batchfleet_coordinator_job_finished";
+    /// Any binary: CPU time used since start (gauge holding a running total, seconds; component).
+    pub const PROCESS_CPU: &str = "batchfleet_process_cpu_seconds";
+    /// Any binary: resident memory (gauge, bytes; component).
+    pub const PROCESS_RSS: &str = "batchfleet_process_resident_memory_bytes";
+
+    /// Every metric above with its type.
+    pub const ALL: &[(&str, Kind)] = &[
+        (WORKER_ROWS_PROCESSED, Kind::Counter),
+        (WORKER_ROWS_REJECTED, Kind::Counter),
+        (WORKER_ITEMS_COMPLETED, Kind::Counter),
+        (WORKER_ITEMS_FAILED, Kind::Counter),
+        (WORKER_ITEMS_RETRIED, Kind::Counter),
+        (WORKER_ITEMS_DEAD_LETTERED, Kind::Counter),
+        (WORKER_ITEMS_IN_FLIGHT, Kind::Gauge),
+        (WORKER_QUEUE_WAIT, Kind::Histogram),
+        (WORKER_READ, Kind::Histogram),
+        (WORKER_INFERENCE, Kind::Histogram),
+        (WORKER_WRITE, Kind::Histogram),
+        (WORKER_BATCH_SIZE, Kind::Histogram),
+        (WORKER_MODEL_LOAD, Kind::Histogram),
+        (WORKER_UP, Kind::Gauge),
+        (WORKER_DRAINING, Kind::Gauge),
+        (WORKER_GPU_MEMORY, Kind::Gauge),
+        (JOB_ITEMS, Kind::Gauge),
+        (JOB_ROWS, Kind::Gauge),
+        (JOB_ROWS_PER_SECOND, Kind::Gauge),
+        (JOB_ETA, Kind::Gauge),
+        (JOB_IN_FLIGHT, Kind::Gauge),
+        (JOB_REDISPATCHED, Kind::Gauge),
+        (JOB_DURATION, Kind::Gauge),
+        (JOB_FINISHED, Kind::Gauge),
+        (PROCESS_CPU, Kind::Gauge),
+        (PROCESS_RSS, Kind::Gauge),
+    ];
+
+    /// A metric's Prometheus type.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        /// Only goes up; name ends in `_total`.
+        Counter,
+        /// Goes up and down.
+        Gauge,
+        /// Bucketed observations (`_bucket`, `_sum`, `_count` series).
+        Histogram,
+    }
+}
+
+/// Buckets of the stage timings: 0.5 ms to 30 s.
+pub const STAGE_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Buckets of the queue wait: 10 ms to 1 h.
+pub const QUEUE_WAIT_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+/// Buckets of mini-batch sizes: 1 to 16384 rows.
+pub const BATCH_BUCKETS: &[f64] = &[
+    1.0, 8.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
+/// Buckets of model load times: 10 ms to 2 min.
+pub const LOAD_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0];
+
+/// Starts the `/metrics` endpoint (unless the port is 0) and the process
+/// CPU/memory sampler. `component` (`worker`, `coordinator`) and `extra`
+/// become labels on every metric of this process. Returns the address served.
+pub fn install(
+    args: &MetricsArgs,
+    component: &str,
+    extra: &[(&str, String)],
+) -> Result<Option<SocketAddr>, String> {
+    if args.metrics_port == 0 {
+        return Ok(None);
+    }
+    let addr = SocketAddr::new(args.metrics_host, args.metrics_port);
+    let mut builder = PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .add_global_label("component", component);
+    for (k, v) in extra {
+        builder = builder.add_global_label(*k, v.clone());
+    }
+    let buckets = [
+        (names::WORKER_QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
+        (names::WORKER_READ, STAGE_BUCKETS),
+        (names::WORKER_INFERENCE, STAGE_BUCKETS),
+        (names::WORKER_WRITE, STAGE_BUCKETS),
+        (names::WORKER_BATCH_SIZE, BATCH_BUCKETS),
+        (names::WORKER_MODEL_LOAD, LOAD_BUCKETS),
+    ];
+    for (name, b) in buckets {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(name.to_owned()), b)
+            .map_err(|e| format!("metric buckets for {name}: {e}"))?;
+    }
+    // The listener needs a Tokio runtime: the binaries call this from main.
+    builder
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    tokio::spawn(sample_process(Duration::from_secs(5)));
+    tracing::info!(%addr, "serving Prometheus metrics");
+    Ok(Some(addr))
+}
+
+/// Samples this process's CPU time and resident memory from `/proc`.
+async fn sample_process(every: Duration) {
+    loop {
+        if let Some((cpu, rss)) = process_usage() {
+            metrics::gauge!(names::PROCESS_CPU).set(cpu);
+            metrics::gauge!(names::PROCESS_RSS).set(rss as f64);
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// (CPU seconds, resident bytes) of this process, from `/proc/self`.
+pub fn process_usage() -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the file (index 11, 12 here), in clock ticks.
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    let cpu = ticks / 100.0;
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some((cpu, pages * 4096))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_convention_are_unique_and_documented() {
+        let docs =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
+                .expect("docs/metrics.md");
+        let mut seen = std::collections::HashSet::new();
+        for (n, kind) in names::ALL {
+            assert!(n.starts_with("batchfleet_"), "{n}");
+            assert!(seen.insert(*n), "{n} twice");
+            assert_eq!(
+                n.ends_with("_total"),
+                *kind == names::Kind::Counter,
+                "{n}: only counters end in _total"
+            );
+            if *kind == names::Kind::Histogram {
+                assert!(
+                    n.ends_with("_seconds") || n.ends_with("_rows"),
+                    "{n}: a histogram names its unit"
+                );
+            }
+            assert!(
+                docs.contains(&format!("`{n}`")),
+                "{n} is not in docs/metrics.md"
+            );
+        }
+    }
+
+    #[test]
+    fn process_usage_reads_proc() {
+        let (cpu, rss) = process_usage().expect("/proc/self");
+        assert!(cpu >= 0.0);
+        assert!(rss > 1_000_000, "a test process uses more than 1 MB: {rss}");
+    }
+}
+
+#[cfg(test)]
+mod dashboard_tests {
+    use super::names;
+
+    /// Every PromQL expression of the Grafana dashboard.
+    pub fn dashboard_queries() -> Vec<String> {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docker/grafana/dashboards/batchfleet.json"
+        ))
+        .expect("dashboard file");
+        let dash: serde_json::Value = serde_json::from_str(&text).expect("dashboard is valid JSON");
+        let mut out = Vec::new();
+        for p in dash["panels"].as_array().expect("panels") {
+            for t in p["targets"].as_array().into_iter().flatten() {
+                out.push(t["expr"].as_str().expect("expr").to_owned());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_panel_query_names_only_metrics_the_code_defines() {
+        let queries = dashboard_queries();
+        assert!(queries.len() >= 20, "{} queries", queries.len());
+        let defined: Vec<&str> = names::ALL.iter().map(|(n, _)| *n).collect();
+        let mut used = std::collections::BTreeSet::new();
+        for q in &queries {
+            let mut rest = q.as_str();
+            while let Some(at) = rest.find("batchfleet_") {
+                let tail = &rest[at..];
+                let end = tail
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(tail.len());
+                let name = &tail[..end];
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s).filter(|b| defined.contains(b)))
+                    .unwrap_or(name);
+                assert!(
+                    defined.contains(&base),
+                    "{q} names {name}, which the code does not define"
+                );
+                used.insert(base.to_owned());
+                rest = &tail[end..];
+            }
+        }
+        // The dashboard shows (nearly) everything there is.
+        for (n, _) in names::ALL {
+            assert!(used.contains(*n), "{n} is on no dashboard panel");
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! What a finished job reports: the prediction distribution in summary.json
+//! (checked against PyTorch's own scores), `batchfleet compare` between two
+//! jobs, the `[on_complete]` command and webhook (a real local HTTP server
+//! that fails once), and `batchfleet jobs`.
+
+use crate::support::TestEnv;
+use batchfleet_coordinator::reducer::Summary;
+use batchfleet_coordinator::{run_job, RunOutcome};
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_shared::message::HistogramSpec;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// A one-route HTTP server on a free port: answers the first request 503 and
+/// the next 200; sends each request body down the channel.
+fn webhook_server() -> (u16, mpsc::Receiver<(String, String)>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for (n, stream) in listener.incoming().enumerate() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            let mut len = 0;
+            let mut auth = String::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let lower = line.to_ascii_lowercase();
+                if let Some(v) = lower.strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+                if lower.starts_with("authorization:") {
+                    auth = line.trim().to_owned();
+                }
+            }
+            let mut body = vec![0; len];
+            let _ = reader.read_exact(&mut body);
+            let status = if n == 0 {
+                "503 Service Unavailable"
+            } else {
+                "200 OK"
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+            let _ = tx.send((auth, String::from_utf8_lossy(&body).into_owned()));
+        }
+    });
+    (port, rx)
+}
+
+fn coordinator_bin() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet")
+}
+
+fn generate(env: &TestEnv, dir: &Path, seed: u64) -> PathBuf {
+    make_job(
+        dir,
+        &JobGen {
+            rows: 6_000,
+            files: 1,
+            features: 8,
+            hidden: 16,
+            outputs: 1,
+            seed,
+            name: batchfleet_loadtest::services::unique("report"),
+            pool: env.pool.clone(),
+            item_rows: 1_000,
+            batch_size: 250,
+            ..JobGen::default()
+        },
+    )
+    .expect("generate job");
+    dir.join("job.toml")
+}
+
+async fn completed(env: &TestEnv, manifest: &Path) -> (String, PathBuf, Summary) {
+    let outcome = run_job(&env.run_config(), manifest, CancellationToken::new())
+        .await
+        .expect("job ran");
+    let RunOutcome::Completed {
+        job_id,
+        summary,
+        report,
+    } = outcome
+    else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    (job_id, summary, *report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn summary_distribution_compare_hooks_and_job_list() {
+    let env = TestEnv::new("report");
+    let (a_dir, b_dir) = (env.path().join("a"), env.path().join("b"));
+    let a = generate(&env, &a_dir, 7);
+    let b = generate(&env, &b_dir, 8);
+    let (port, bodies) = webhook_server();
+    let mut text = std::fs::read_to_string(&a).expect("manifest");
+    text.push_str(&format!(
+        "\n[on_complete]\ncommand = [\"sh\", \"-c\", \"echo $BATCHFLEET_JOB_STATUS $BATCHFLEET_JOB_ID > hook.out; test -f $BATCHFLEET_SUMMARY\"]\nwebhook = \"http://127.0.0.1:{port}/hooks/batch\"\nwebhook_token_env = \"BF_TEST_WEBHOOK_TOKEN\"\nwebhook_attempts = 3\n"
+    ));
+    std::fs::write(&a, text).expect("manifest");
+    std::env::set_var("BF_TEST_WEBHOOK_TOKEN", "s3cret-token");
+
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (job_a, summary_a, report_a) = completed(&env, &a).await;
+    let (job_b, summary_b, _) = completed(&env, &b).await;
+
+    // The distribution in summary.json is the histogram of PyTorch's own scores.
+    let dist = report_a
+        .predictions
+        .clone()
+        .expect("a prediction histogram");
+    let spec = HistogramSpec::default();
+    let mut want: Vec<Vec<u64>> = Vec::new();
+    let mut golden = csv::Reader::from_path(a_dir.join("golden.csv")).expect("golden");
+    for rec in golden.records() {
+        let rec = rec.expect("golden row");
+        let v: f32 = rec[1].parse().expect("score");
+        spec.add(&mut want, &[v], 1);
+    }
+    assert_eq!(dist.columns.len(), 1);
+    assert_eq!(dist.columns[0].rows, 6_000);
+    assert_eq!(
+        dist.columns[0].counts, want[0],
+        "bins of [0, 1) in 20, plus below and above"
+    );
+
+    // The hooks ran: the command saw the status, the webhook got the summary
+    // with the bearer token on the second attempt, and summary.json says so.
+    assert_eq!(
+        std::fs::read_to_string(a_dir.join("hook.out"))
+            .expect("hook output")
+            .trim(),
+        format!("completed {job_a}")
+    );
+    let (auth1, _) = bodies
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("first POST");
+    let (auth2, body) = bodies
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("second POST");
+    assert_eq!(
+        (auth1.as_str(), auth2.as_str()),
+        (
+            "Authorization: Bearer s3cret-token",
+            "Authorization: Bearer s3cret-token"
+        )
+    );
+    let posted: Summary = serde_json::from_str(&body).expect("the webhook got summary JSON");
+    assert_eq!(posted.job_id, job_a);
+    let on_disk: Summary =
+        serde_json::from_slice(&std::fs::read(&summary_a).expect("summary")).expect("json");
+    let hooks = on_disk.on_complete.expect("hook outcome recorded");
+    let webhook = hooks.webhook.expect("webhook outcome");
+    assert_eq!(
+        (
+            webhook.status.as_str(),
+            webhook.attempts,
+            webhook.http_status
+        ),
+        ("delivered", 2, Some(200))
+    );
+    assert_eq!(
+        webhook.target,
+        format!("http://127.0.0.1:{port}"),
+        "no path in the record"
+    );
+    assert_eq!(hooks.command.expect("command outcome").status, "succeeded");
+    assert!(!std::fs::read_to_string(&summary_a)
+        .expect("summary")
+        .contains("s3cret"));
+
+    // compare: a job against itself does not drift; two different models do.
+    let compare = |x: &Path, y: &Path, extra: &[&str]| {
+        std::process::Command::new(coordinator_bin())
+            .args(["--redis-prefix", &env.prefix, "compare"])
+            .arg(x)
+            .arg(y)
+            .args(extra)
+            .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+            .output()
+            .expect("batchfleet compare")
+    };
+    let same = compare(&summary_a, &summary_a, &["--json"]);
+    assert!(
+        same.status.success(),
+        "{}",
+        String::from_utf8_lossy(&same.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&same.stdout).expect("json");
+    assert_eq!(v["drift"][0]["psi"].as_f64(), Some(0.0));
+    let diff = compare(&summary_a, &summary_b, &["--max-psi", "0.0001"]);
+    let out = String::from_utf8_lossy(&diff.stdout);
+    assert!(
+        out.contains("PSI") && out.contains("KS") && out.contains(&job_b),
+        "{out}"
+    );
+    assert_eq!(
+        diff.status.code(),
+        Some(1),
+        "different models drift past a tiny PSI gate: {out}"
+    );
+    // By job id, through Redis.
+    let by_id = compare(Path::new(&job_a), Path::new(&job_b), &[]);
+    assert!(
+        by_id.status.success(),
+        "{}",
+        String::from_utf8_lossy(&by_id.stderr)
+    );
+
+    // `batchfleet jobs` lists both, newest first.
+    let jobs = std::process::Command::new(coordinator_bin())
+        .args(["--redis-prefix", &env.prefix, "jobs", "--json"])
+        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .output()
+        .expect("batchfleet jobs");
+    let list: serde_json::Value = serde_json::from_slice(&jobs.stdout).expect("json");
+    let ids: Vec<&str> = list
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|j| j["id"].as_str())
+        .collect();
+    assert_eq!(ids, vec![job_b.as_str(), job_a.as_str()]);
+
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_a, &job_b]).await;
+}
