@@ -50,13 +50,49 @@ impl Plan {
     }
 }
 
-/// Plans every input file of a job. Files with no data rows produce no items.
+/// One file's length and ranges, or why it could not be planned.
+type FilePlan = Result<(u64, Vec<Range>), PlanError>;
+
+/// Plans every input file of a job, files scanned in parallel (one thread
+/// per core) and numbered in file order, so the plan is the same every time.
+/// Files with no data rows produce no items.
 pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(spec.files.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let per_file: Vec<std::sync::Mutex<Option<FilePlan>>> = spec
+        .files
+        .iter()
+        .map(|_| std::sync::Mutex::new(None))
+        .collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(path) = spec.files.get(i) else {
+                    return;
+                };
+                let result = std::fs::metadata(path)
+                    .map_err(|e| err(path, e))
+                    .and_then(|m| {
+                        Ok((
+                            m.len(),
+                            plan_csv(path, spec.task.csv.delimiter, spec.sizing)?,
+                        ))
+                    });
+                *per_file[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+            });
+        }
+    });
     let mut items = Vec::new();
     let mut rows_total = 0;
-    for path in &spec.files {
-        let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
-        for range in plan_csv(path, spec.task.csv.delimiter, spec.sizing)? {
+    for (path, slot) in spec.files.iter().zip(per_file) {
+        let (file_len, ranges) = slot
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .expect("every file was planned")?;
+        for range in ranges {
             rows_total += range.rows;
             items.push(WorkItem {
                 job_id: spec.job_id.clone(),

@@ -1,6 +1,7 @@
 use anyhow::{bail, Result};
 use batchfleet_loadtest::{python, verify};
 
+mod bench;
 mod chaos;
 mod forward;
 use clap::{Parser, Subcommand};
@@ -101,6 +102,35 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Measure the fleet against the machine's ceilings, side by side: for a
+    /// small (I/O-bound) and a large (compute-bound) MLP, the libtorch compute
+    /// ceiling, the read+parse+write I/O ceiling and the fleet end to end;
+    /// then the control plane (one-row items/s vs raw RabbitMQ) and worker
+    /// memory after 1k and 10k items. Needs the release binaries (`make
+    /// release`) and the local RabbitMQ and Redis.
+    Bench {
+        /// Rows of the small-model job.
+        #[arg(long, default_value_t = 2_000_000)]
+        small_rows: u64,
+        /// Rows of the large-model job.
+        #[arg(long, default_value_t = 100_000)]
+        large_rows: u64,
+        /// One-row items of the control-plane job (0 skips it).
+        #[arg(long, default_value_t = 50_000)]
+        control_items: u64,
+        /// Worker processes (each gets cores / workers libtorch threads).
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Short form for CI: 200k small rows, 10k large rows, 12k items.
+        #[arg(long)]
+        quick: bool,
+        /// Keep data and logs here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
     Forward {
         /// TorchScript model.
@@ -190,6 +220,30 @@ fn main() -> Result<()> {
             if !report.violations.is_empty() {
                 bail!("{} invariant violation(s)", report.violations.len());
             }
+            Ok(())
+        }
+        Command::Bench {
+            small_rows,
+            large_rows,
+            control_items,
+            workers,
+            quick,
+            dir,
+            json,
+        } => {
+            let (small_rows, large_rows, control_items) = if quick {
+                (200_000, 10_000, 12_000)
+            } else {
+                (small_rows, large_rows, control_items)
+            };
+            bench::run(&bench::BenchConfig {
+                small_rows,
+                large_rows,
+                control_items,
+                workers: workers.max(1),
+                dir,
+                json,
+            })?;
             Ok(())
         }
         Command::Forward {

@@ -1,0 +1,720 @@
+//! `batchfleet-loadtest bench`: the fleet against the machine's ceilings,
+//! side by side in one run.
+//!
+//! For two model regimes — a small MLP (I/O-bound) and a large one
+//! (compute-bound) — on the same generated rows:
+//! - **compute ceiling**: libtorch `forward` in-process over rows already in
+//!   memory, all cores, best batch size;
+//! - **I/O ceiling**: the worker's own reader and writer (read + parse +
+//!   write part files) with no model, all cores;
+//! - **fleet**: `batchfleet run` against W worker processes already running,
+//!   through the real RabbitMQ and Redis, from submit to `_SUCCESS`; with
+//!   per-stage times scraped from the workers' metrics and peak RSS.
+//!
+//! And the **control plane**: tens of thousands of one-row items with a tiny
+//! model (items/s through publish → consume → done → ack), next to raw
+//! RabbitMQ confirmed-publish and consume+ack rates measured in the same
+//! run, with worker RSS after 1k and 10k items.
+
+use crate::forward;
+use anyhow::{bail, Context, Result};
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_loadtest::services;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Settings of a bench run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Rows of the small-model job.
+    pub small_rows: u64,
+    /// Rows of the large-model job.
+    pub large_rows: u64,
+    /// Items of the control-plane job.
+    pub control_items: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Work folder (kept) or a temporary one.
+    pub dir: Option<PathBuf>,
+    /// Write the figures here as JSON.
+    pub json: Option<PathBuf>,
+}
+
+/// One model regime's figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Regime {
+    /// `small` or `large`.
+    pub name: String,
+    /// Model shape.
+    pub model: String,
+    /// Rows.
+    pub rows: u64,
+    /// Compute ceiling (rows/s) and the batch size that reached it.
+    pub compute_rows_per_s: f64,
+    /// Best batch size.
+    pub compute_batch: usize,
+    /// I/O ceiling (rows/s).
+    pub io_rows_per_s: f64,
+    /// 1 / (1/compute + 1/io).
+    pub serial_sum_rows_per_s: f64,
+    /// The fleet, submit to `_SUCCESS` (rows/s).
+    pub fleet_rows_per_s: f64,
+    /// The fleet's wall time (s).
+    pub fleet_wall_s: f64,
+    /// Fleet / serial-sum ceiling.
+    pub ratio_to_serial_sum: f64,
+    /// Fleet / compute ceiling.
+    pub ratio_to_compute: f64,
+    /// Seconds summed over workers per stage: queue wait, read, inference, write.
+    pub stage_s: StageTimes,
+    /// Peak RSS of each worker (MiB).
+    pub worker_peak_rss_mib: Vec<f64>,
+    /// Peak RSS of the coordinator (MiB).
+    pub coordinator_peak_rss_mib: f64,
+}
+
+/// Stage times summed over all workers (from their metrics).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StageTimes {
+    /// Time items waited in the queue.
+    pub queue_wait: f64,
+    /// Reading and parsing.
+    pub read: f64,
+    /// `forward` calls.
+    pub inference: f64,
+    /// Writing and publishing files.
+    pub write: f64,
+}
+
+/// Control-plane figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ControlPlane {
+    /// Items.
+    pub items: u64,
+    /// Items per second through the fleet.
+    pub items_per_s: f64,
+    /// Raw confirmed publishes per second (quorum queue, same broker).
+    pub raw_publish_per_s: f64,
+    /// Raw consume + ack per second (quorum queue, same broker).
+    pub raw_consume_ack_per_s: f64,
+    /// Fleet items/s over raw consume+ack/s.
+    pub ratio_to_raw_consume: f64,
+    /// Each worker's RSS (MiB) after 1,000 items.
+    pub rss_after_1k_mib: Vec<f64>,
+    /// Each worker's RSS (MiB) after 10,000 items.
+    pub rss_after_10k_mib: Vec<f64>,
+}
+
+/// Everything a bench run measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchReport {
+    /// Cores on this machine.
+    pub cores: usize,
+    /// Worker processes.
+    pub workers: usize,
+    /// The two regimes.
+    pub regimes: Vec<Regime>,
+    /// The control plane.
+    pub control: Option<ControlPlane>,
+}
+
+fn sibling(name: &str) -> Result<PathBuf> {
+    let path = std::env::current_exe()?.with_file_name(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found; build the binaries first (make release)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// VmRSS or VmHWM of a process, in MiB.
+fn proc_mib(pid: u32, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+struct Fleet {
+    children: Vec<(Child, u16)>,
+}
+
+impl Fleet {
+    fn start(
+        bin: &Path,
+        dir: &Path,
+        pool: &str,
+        prefix: &str,
+        n: usize,
+        threads: usize,
+    ) -> Result<Self> {
+        let mut children = Vec::new();
+        for i in 0..n {
+            let port = free_port()?;
+            let log = std::fs::File::create(dir.join(format!("worker-{i}.log")))?;
+            let child = Command::new(bin)
+                .args(["--pool", pool, "--redis-prefix", prefix])
+                .args([
+                    "--worker-id",
+                    &format!("bench-{i}"),
+                    "--threads",
+                    &threads.to_string(),
+                ])
+                .args([
+                    "--metrics-port",
+                    &port.to_string(),
+                    "--metrics-host",
+                    "127.0.0.1",
+                ])
+                .stdout(Stdio::from(log.try_clone()?))
+                .stderr(Stdio::from(log))
+                .spawn()?;
+            children.push((child, port));
+        }
+        // Workers are up once their metrics endpoints answer.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for (_, port) in &children {
+            while ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+                .call()
+                .is_err()
+            {
+                if Instant::now() > deadline {
+                    bail!("workers did not start; see {}", dir.display());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500)); // consumers attach after the endpoint
+        Ok(Self { children })
+    }
+
+    /// Sums a metric over the workers.
+    fn metric_sum(&self, name: &str) -> f64 {
+        let mut total = 0.0;
+        for (_, port) in &self.children {
+            let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call() else {
+                continue;
+            };
+            let text = resp.into_string().unwrap_or_default();
+            for line in text.lines() {
+                if line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']) {
+                    total += line
+                        .rsplit(' ')
+                        .next()
+                        .and_then(|v| v.parse::<f64>().ok())
+                        .unwrap_or(0.0);
+                }
+            }
+        }
+        total
+    }
+
+    fn rss(&self, field: &str) -> Vec<f64> {
+        self.children
+            .iter()
+            .filter_map(|(c, _)| proc_mib(c.id(), field))
+            .collect()
+    }
+
+    fn stop(&mut self) {
+        for (c, _) in &self.children {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+        }
+        for (c, _) in &mut self.children {
+            let _ = c.wait();
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for (c, _) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs `batchfleet run` and returns (wall seconds from the summary, peak RSS MiB).
+fn run_job(
+    coordinator: &Path,
+    manifest: &Path,
+    prefix: &str,
+) -> Result<(f64, f64, serde_json::Value)> {
+    let log = std::fs::File::create(manifest.with_extension("log"))?;
+    let mut child = Command::new(coordinator)
+        .args(["--redis-prefix", prefix, "run", "--no-progress"])
+        .arg(manifest)
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log))
+        .spawn()?;
+    let mut peak = 0.0f64;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        peak = peak.max(proc_mib(child.id(), "VmHWM").unwrap_or(0.0));
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if !status.success() {
+        bail!(
+            "the job failed; see {}",
+            manifest.with_extension("log").display()
+        );
+    }
+    let out = manifest.parent().unwrap_or(Path::new(".")).join("out");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json"))?)?;
+    if !out.join("_SUCCESS").is_file() {
+        bail!("no _SUCCESS in {}", out.display());
+    }
+    let wall = summary["duration_s"].as_f64().unwrap_or(0.0);
+    Ok((wall, peak, summary))
+}
+
+/// The I/O ceiling: every item of the job read, parsed and written with the
+/// worker's own code, no model, on `threads` threads.
+fn io_ceiling(manifest: &Path, threads: usize) -> Result<f64> {
+    let spec = batchfleet_coordinator::manifest::load(manifest)?;
+    let plan = batchfleet_coordinator::planner::plan(&spec)?;
+    let out = manifest
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("io-ceiling");
+    std::fs::create_dir_all(&out)?;
+    let items = std::sync::Mutex::new(plan.items.iter());
+    let started = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let mut handles = Vec::new();
+        for _ in 0..threads.max(1) {
+            handles.push(s.spawn(|| -> Result<()> {
+                loop {
+                    let Some(item) = items
+                        .lock()
+                        .map_err(|_| anyhow::anyhow!("poisoned"))?
+                        .next()
+                    else {
+                        return Ok(());
+                    };
+                    let batch = batchfleet_worker::reader::read(
+                        &item.input,
+                        &item.task.csv,
+                        item.task.failure.on_bad_row,
+                    )
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    let preds = batchfleet_worker::runner::Predictions {
+                        values: vec![0.0; batch.rows()],
+                        width: 1,
+                        failed: Vec::new(),
+                    };
+                    let dest = out.join(item.task.output.part_name(item.seq));
+                    batchfleet_worker::writer::write_csv(&dest, "io", &batch, &preds)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
+            }));
+        }
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("I/O thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(plan.rows_total as f64 / secs)
+}
+
+fn regime(
+    cfg: &BenchConfig,
+    root: &Path,
+    name: &str,
+    rows: u64,
+    hidden: u32,
+    bins: (&Path, &Path),
+    prefix: &str,
+) -> Result<Regime> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = root.join(name);
+    let pool = services::unique(&format!("bench-{name}"));
+    let item_rows = if hidden > 256 { 2_000 } else { 20_000 };
+    let batch = if hidden > 256 { 256 } else { 4096 };
+    make_job(
+        &dir,
+        &JobGen {
+            rows,
+            files: 4,
+            features: 32,
+            hidden,
+            outputs: 1,
+            name: format!("bench-{name}"),
+            pool: pool.clone(),
+            item_rows,
+            batch_size: batch,
+            ..JobGen::default()
+        },
+    )?;
+    let manifest = dir.join("job.toml");
+    println!("bench [{name}] 32→{hidden}→{hidden}→1, {rows} rows: compute ceiling…");
+    let features = forward::load_csv(&forward::expand(&[format!(
+        "{}/data/*.csv",
+        dir.display()
+    )])?)?;
+    let sizes: Vec<usize> = if hidden > 256 {
+        vec![64, 256, 1024]
+    } else {
+        vec![1024, 4096, 16384]
+    };
+    let best = forward::measure(&dir.join("model.pt"), &features, &sizes, cores, 3)?
+        .into_iter()
+        .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
+        .context("no batch size measured")?;
+    drop(features);
+    println!("bench [{name}] I/O ceiling…");
+    let io = io_ceiling(&manifest, cores)?;
+    println!("bench [{name}] fleet of {} workers…", cfg.workers);
+    let threads = (cores / cfg.workers).max(1);
+    let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, cfg.workers, threads)?;
+    let (wall, coord_rss, _) = run_job(bins.1, &manifest, prefix)?;
+    let stage = |m: &str| fleet.metric_sum(&format!("{m}_sum"));
+    let stage_s = StageTimes {
+        queue_wait: stage("batchfleet_worker_queue_wait_seconds"),
+        read: stage("batchfleet_worker_read_seconds"),
+        inference: stage("batchfleet_worker_inference_seconds"),
+        write: stage("batchfleet_worker_write_seconds"),
+    };
+    let worker_rss = fleet.rss("VmHWM");
+    fleet.stop();
+    cleanup(&pool);
+    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-4)?;
+    if !v.ok() {
+        bail!("[{name}] output does not match PyTorch: {}", v.describe());
+    }
+    let serial = 1.0 / (1.0 / best.median_rows_per_s + 1.0 / io);
+    let fleet_rate = rows as f64 / wall.max(1e-9);
+    Ok(Regime {
+        name: name.into(),
+        model: format!("MLP 32→{hidden}→{hidden}→1"),
+        rows,
+        compute_rows_per_s: best.median_rows_per_s,
+        compute_batch: best.batch_size,
+        io_rows_per_s: io,
+        serial_sum_rows_per_s: serial,
+        fleet_rows_per_s: fleet_rate,
+        fleet_wall_s: wall,
+        ratio_to_serial_sum: fleet_rate / serial,
+        ratio_to_compute: fleet_rate / best.median_rows_per_s,
+        stage_s,
+        worker_peak_rss_mib: worker_rss,
+        coordinator_peak_rss_mib: coord_rss,
+    })
+}
+
+/// Deletes a pool's queues.
+fn cleanup(pool: &str) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(async {
+        let url = amqp_url();
+        if let Ok(conn) = batchfleet_shared::broker::connect(
+            &url,
+            "batchfleet-bench-cleanup",
+            Duration::from_secs(30),
+        )
+        .await
+        {
+            if let Ok(ch) = conn.create_channel().await {
+                for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
+                    let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+                }
+            }
+            let _ = conn.close(200, "bye".into()).await;
+        }
+    });
+}
+
+fn amqp_url() -> batchfleet_shared::secret::SecretUrl {
+    batchfleet_shared::secret::SecretUrl::new(
+        std::env::var("BATCHFLEET_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+    )
+}
+
+/// Raw RabbitMQ: confirmed publishes/s and consume+ack/s of `n` small
+/// messages on a quorum queue of the same broker.
+fn raw_broker(n: u64) -> Result<(f64, f64)> {
+    use futures_lite::StreamExt;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let conn = batchfleet_shared::broker::connect(
+            &amqp_url(),
+            "batchfleet-bench-raw",
+            Duration::from_secs(30),
+        )
+        .await?;
+        let pool = services::unique("bench-raw");
+        let queues = batchfleet_shared::broker::PoolQueues::new(&pool);
+        let publisher = batchfleet_shared::broker::ConfirmedPublisher::open(&conn).await?;
+        batchfleet_shared::broker::declare_topology(publisher.channel(), &queues).await?;
+        let body = vec![0u8; 200]; // about a work item's size
+        let msgs = (0..n).map(|i| batchfleet_shared::broker::Outgoing {
+            message_id: format!("raw/{i}"),
+            kind: "raw",
+            body: body.clone(),
+            headers: Default::default(),
+            expiration_ms: None,
+        });
+        let started = Instant::now();
+        publisher
+            .publish_all(&queues.work(), msgs, 512, |_| {})
+            .await?;
+        let publish = n as f64 / started.elapsed().as_secs_f64();
+        let ch = conn.create_channel().await?;
+        ch.basic_qos(100, Default::default()).await?;
+        let mut consumer = ch
+            .basic_consume(
+                queues.work().as_str().into(),
+                "raw".into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await?;
+        let started = Instant::now();
+        let mut got = 0;
+        while got < n {
+            let Some(d) = consumer.next().await else {
+                break;
+            };
+            d?.acker.ack(Default::default()).await?;
+            got += 1;
+        }
+        let consume = got as f64 / started.elapsed().as_secs_f64();
+        for q in queues.all() {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
+        let _ = conn.close(200, "bye".into()).await;
+        Ok::<_, anyhow::Error>((publish, consume))
+    })
+}
+
+fn control_plane(
+    cfg: &BenchConfig,
+    root: &Path,
+    bins: (&Path, &Path),
+    prefix: &str,
+) -> Result<ControlPlane> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = root.join("control");
+    let pool = services::unique("bench-control");
+    let items = cfg.control_items;
+    make_job(
+        &dir,
+        &JobGen {
+            rows: items,
+            files: 1,
+            features: 1,
+            hidden: 1,
+            outputs: 1,
+            name: "bench-control".into(),
+            pool: pool.clone(),
+            item_rows: 1,
+            batch_size: 1,
+            ..JobGen::default()
+        },
+    )?;
+    println!("bench [control] raw RabbitMQ, {items} messages…");
+    let (raw_publish, raw_consume) = raw_broker(items)?;
+    println!("bench [control] {items} one-row items through the fleet…");
+    let threads = (cores / cfg.workers).max(1);
+    let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, cfg.workers, threads)?;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (wall, summary, rss_1k, rss_10k) = std::thread::scope(|s| -> Result<_> {
+        let fleet = &fleet;
+        let done_ref = &done;
+        let watcher = s.spawn(move || {
+            // Sample the workers' RSS as the committed-item count passes 1k and 10k.
+            let (mut at_1k, mut at_10k) = (Vec::new(), Vec::new());
+            while !done_ref.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = fleet.metric_sum("batchfleet_worker_items_completed_total");
+                if at_1k.is_empty() && n >= 1_000.0 {
+                    at_1k = fleet.rss("VmRSS");
+                }
+                if at_10k.is_empty() && n >= 10_000.0 {
+                    at_10k = fleet.rss("VmRSS");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (at_1k, at_10k)
+        });
+        let r = run_job(bins.1, &dir.join("job.toml"), prefix);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (a, b) = watcher
+            .join()
+            .map_err(|_| anyhow::anyhow!("watcher panicked"))?;
+        let (wall, _, summary) = r?;
+        Ok((wall, summary, a, b))
+    })?;
+    fleet.stop();
+    cleanup(&pool);
+    if summary["items_completed"].as_u64() != Some(items) {
+        bail!(
+            "control-plane job committed {:?} of {items} items",
+            summary["items_completed"]
+        );
+    }
+    let items_per_s = items as f64 / wall.max(1e-9);
+    Ok(ControlPlane {
+        items,
+        items_per_s,
+        raw_publish_per_s: raw_publish,
+        raw_consume_ack_per_s: raw_consume,
+        ratio_to_raw_consume: items_per_s / raw_consume,
+        rss_after_1k_mib: rss_1k,
+        rss_after_10k_mib: rss_10k,
+    })
+}
+
+/// Runs the benchmark and prints the table.
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+    services::ensure_local()?;
+    let worker = sibling("batchfleet-worker")?;
+    let coordinator = sibling("batchfleet")?;
+    let tmp;
+    let root = match &cfg.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            d.clone()
+        }
+        None => {
+            tmp = tempfile::tempdir()?;
+            tmp.path().to_owned()
+        }
+    };
+    let prefix = services::unique("bfbench");
+    let bins = (worker.as_path(), coordinator.as_path());
+    let mut report = BenchReport {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        workers: cfg.workers,
+        ..BenchReport::default()
+    };
+    let outcome = (|| -> Result<()> {
+        report.regimes.push(regime(
+            cfg,
+            &root,
+            "small",
+            cfg.small_rows,
+            64,
+            bins,
+            &prefix,
+        )?);
+        report.regimes.push(regime(
+            cfg,
+            &root,
+            "large",
+            cfg.large_rows,
+            2048,
+            bins,
+            &prefix,
+        )?);
+        if cfg.control_items > 0 {
+            report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
+        }
+        Ok(())
+    })();
+    // Job state of the bench's own prefix.
+    if let Ok(out) = Command::new("redis-cli")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "--scan",
+            "--pattern",
+            &format!("{prefix}:*"),
+        ])
+        .output()
+    {
+        let keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        for chunk in keys.chunks(500) {
+            let _ = Command::new("redis-cli")
+                .args(["-h", "127.0.0.1", "del"])
+                .args(chunk)
+                .stdout(Stdio::null())
+                .status();
+        }
+    }
+    outcome?;
+    print(&report);
+    if let Some(path) = &cfg.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)?;
+        println!("figures written to {}", path.display());
+    }
+    Ok(report)
+}
+
+fn print(r: &BenchReport) {
+    println!(
+        "\nbench: {} cores, {} workers × {} thread(s)",
+        r.cores,
+        r.workers,
+        (r.cores / r.workers.max(1)).max(1)
+    );
+    println!(
+        "  {:<7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9} {:>8}",
+        "model", "compute/s", "io/s", "serial-sum/s", "fleet/s", "÷serial", "÷compute", "wall s"
+    );
+    for g in &r.regimes {
+        println!(
+            "  {:<7} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>9.2} {:>9.2} {:>8.2}",
+            g.name,
+            g.compute_rows_per_s,
+            g.io_rows_per_s,
+            g.serial_sum_rows_per_s,
+            g.fleet_rows_per_s,
+            g.ratio_to_serial_sum,
+            g.ratio_to_compute,
+            g.fleet_wall_s
+        );
+        println!(
+            "          stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {}",
+            g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
+            g.worker_peak_rss_mib.iter().map(|m| m.round()).collect::<Vec<_>>(), g.coordinator_peak_rss_mib, g.compute_batch
+        );
+    }
+    if let Some(c) = &r.control {
+        println!(
+            "  control plane: {} one-row items at {:.0} items/s; raw RabbitMQ {:.0} confirmed publishes/s, {:.0} consume+ack/s (fleet ÷ raw consume {:.2})",
+            c.items, c.items_per_s, c.raw_publish_per_s, c.raw_consume_ack_per_s, c.ratio_to_raw_consume
+        );
+        println!(
+            "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB",
+            c.rss_after_1k_mib
+                .iter()
+                .map(|m| m.round())
+                .collect::<Vec<_>>(),
+            c.rss_after_10k_mib
+                .iter()
+                .map(|m| m.round())
+                .collect::<Vec<_>>()
+        );
+    }
+}
