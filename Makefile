@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos bench venv services tools build release fmt lint clean
+.PHONY: demo test chaos bench deploy-check venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv services release
@@ -26,6 +26,10 @@ chaos: venv services release
 ## bench: the fleet against the compute and I/O ceilings, the control plane and memory (a few minutes; BENCH_ARGS=--quick for the short form)
 bench: venv services release
 	target/release/batchfleet-loadtest bench $(BENCH_ARGS)
+
+## deploy-check: docker/ validated without Docker (compose config, hadolint, kubernetes-validate, systemd-analyze)
+deploy-check: venv release
+	.ci/check-deploy.sh
 
 venv:
 	.ci/ensure-venv.sh

@@ -1,0 +1,23 @@
+# batchfleet coordinator image (no libtorch: it validates, plans, publishes and follows).
+#   docker build -f docker/coordinator.Dockerfile -t batchfleet-coordinator .
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release -p batchfleet-coordinator --bin batchfleet \
+ && cp target/release/batchfleet /usr/local/bin/
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates curl \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --create-home batchfleet
+COPY --from=build /usr/local/bin/batchfleet /usr/local/bin/batchfleet
+USER 10001
+ENV BATCHFLEET_METRICS_PORT=9101 \
+    BATCHFLEET_NO_PROGRESS=true
+EXPOSE 9101
+# The coordinator runs a job and exits; while it runs, its metrics endpoint answers.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=30s \
+  CMD ["sh", "-c", "curl -fsS http://127.0.0.1:${BATCHFLEET_METRICS_PORT}/metrics >/dev/null"]
+ENTRYPOINT ["/usr/local/bin/batchfleet"]
+CMD ["--help"]

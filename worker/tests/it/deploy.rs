@@ -1,0 +1,229 @@
+//! docker/ against the binaries: every flag and `BATCHFLEET_*` variable the
+//! compose stack, the Kubernetes manifests, the images and the VM units name
+//! exists in `--help`; and the worker and coordinator started as local
+//! processes with the compose file's own worker command line and variable
+//! names run a job end to end (the stack's wiring, without containers).
+
+use crate::support::{stop_all, TestEnv};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn coordinator_bin() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet")
+}
+
+fn docker_files() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root().join("docker")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).expect("docker/") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if !p.extension().is_some_and(|x| x == "json" || x == "md") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn help(bin: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin)
+        .args(args)
+        .arg("--help")
+        .output()
+        .expect("--help");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `BATCHFLEET_*` names that are the compose file's or cloud-init's own
+/// substitution variables, not the binaries'.
+const DEPLOYMENT_ONLY: &[&str] = &[
+    "BATCHFLEET_VARIANT",
+    "BATCHFLEET_DATA",
+    "BATCHFLEET_JOBS",
+    "BATCHFLEET_RELEASE_URL",
+];
+
+#[test]
+fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
+    let worker = Path::new(env!("CARGO_BIN_EXE_batchfleet-worker"));
+    let coordinator = coordinator_bin();
+    let known = [
+        help(worker, &[]),
+        help(&coordinator, &[]),
+        help(&coordinator, &["run"]),
+        help(&coordinator, &["resume"]),
+    ]
+    .join("\n");
+    let mut vars = BTreeSet::new();
+    let mut flags = BTreeSet::new();
+    for file in docker_files() {
+        let text = std::fs::read_to_string(&file).expect("read");
+        for (i, _) in text.match_indices("BATCHFLEET_") {
+            let name: String = text[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || *c == '_' || c.is_ascii_digit())
+                .collect();
+            vars.insert((name, file.clone()));
+        }
+        // Flags on batchfleet command lines: compose/k8s `command:`/`args:`
+        // lists, ExecStart lines and `exec …/batchfleet` invocations.
+        let mut service = String::new();
+        for line in text.lines() {
+            // Compose: which service's block this line is in.
+            if line.len() > 3
+                && line.starts_with("  ")
+                && !line.starts_with("   ")
+                && line.ends_with(':')
+            {
+                service = line.trim().trim_end_matches(':').to_owned();
+            }
+            let batchfleet_service = matches!(service.as_str(), "worker" | "coordinator");
+            let ours = (line.contains("command: [\"--") && batchfleet_service)
+                || line.contains("args: [\"run\"")
+                || line.contains("ExecStart=/usr/local/bin/batchfleet")
+                || line.contains("/usr/local/bin/batchfleet run");
+            if !ours {
+                continue;
+            }
+            for (i, _) in line.match_indices("--") {
+                let flag: String = line[i + 2..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '-')
+                    .collect();
+                if !flag.is_empty() {
+                    flags.insert((format!("--{flag}"), file.clone()));
+                }
+            }
+        }
+    }
+    assert!(vars.len() > 10 && flags.len() > 4, "{vars:?} {flags:?}");
+    for (var, file) in &vars {
+        if DEPLOYMENT_ONLY.contains(&var.as_str()) {
+            continue;
+        }
+        assert!(
+            known.contains(&format!("env: {var}")) || known.contains(&format!("env: {var}=")),
+            "{} names {var}, which no batchfleet binary reads",
+            file.display()
+        );
+    }
+    for (flag, file) in &flags {
+        assert!(
+            known.contains(&format!("{flag} ")) || known.contains(&format!("{flag}\n")),
+            "{} uses {flag}, which no batchfleet binary takes",
+            file.display()
+        );
+    }
+}
+
+/// The worker service's `command:` list in compose.yaml, `${VAR:-default}` resolved to the default.
+fn compose_worker_command() -> Vec<String> {
+    let text = std::fs::read_to_string(root().join("docker/compose.yaml")).expect("compose");
+    let worker = text
+        .split("\n  worker:\n")
+        .nth(1)
+        .expect("a worker service");
+    let line = worker
+        .lines()
+        .find(|l| l.trim_start().starts_with("command: ["))
+        .expect("worker command");
+    let list: Vec<String> = serde_json::from_str(line.trim_start().trim_start_matches("command: "))
+        .expect("a JSON list");
+    list.into_iter()
+        .map(|a| match (a.find("${"), a.find(":-"), a.rfind('}')) {
+            (Some(0), Some(d), Some(e)) => a[d + 2..e].to_owned(),
+            _ => a,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() {
+    let env = TestEnv::new("deploy");
+    let name = batchfleet_loadtest::services::unique("deploy");
+    batchfleet_loadtest::python::make_job(
+        env.path(),
+        &batchfleet_loadtest::python::JobGen {
+            rows: 4_000,
+            files: 1,
+            features: 8,
+            hidden: 16,
+            name,
+            pool: "default".into(),
+            item_rows: 1_000,
+            ..Default::default()
+        },
+    )
+    .expect("generate job");
+    let args = compose_worker_command();
+    assert_eq!(&args[..2], ["--pool", "default"], "{args:?}");
+    // The compose pool is "default": keep this test's own queues by renaming the pool
+    // in the job and on the command line, everything else exactly as compose has it.
+    let pool = env.pool.clone();
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest)
+        .expect("manifest")
+        .replace("pool = \"default\"", &format!("pool = \"{pool}\""));
+    std::fs::write(&manifest, text).expect("manifest");
+    let mut worker_args = args.clone();
+    worker_args[1] = pool.clone();
+    // The variables compose sets (x-batchfleet-env), with local values.
+    let vars = [
+        ("BATCHFLEET_AMQP_URL", env.amqp.expose().to_owned()),
+        ("BATCHFLEET_REDIS_URL", env.redis.expose().to_owned()),
+        ("BATCHFLEET_REDIS_PREFIX", env.prefix.clone()),
+        ("BATCHFLEET_LOG_FORMAT", "json".to_owned()),
+        ("BATCHFLEET_METRICS_PORT", "0".to_owned()),
+    ];
+    let log = std::fs::File::create(env.path().join("compose-worker.log")).expect("log");
+    let child = Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .args(&worker_args)
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .env_remove("LD_LIBRARY_PATH")
+        .stdout(std::process::Stdio::from(log.try_clone().expect("log")))
+        .stderr(std::process::Stdio::from(log))
+        .spawn()
+        .expect("worker");
+    let mut workers = vec![crate::support::Worker {
+        child,
+        log: env.path().join("compose-worker.log"),
+    }];
+    env.wait_for_consumers(1, &mut workers).await;
+    // docker compose run --rm coordinator run /jobs/job.toml
+    let out = Command::new(coordinator_bin())
+        .args(["run", manifest.to_str().expect("utf-8")])
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("BATCHFLEET_NO_PROGRESS", "true")
+        .output()
+        .expect("coordinator");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = batchfleet_loadtest::verify::verify(
+        &env.path().join("out"),
+        &env.path().join("golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert!(
+        workers[0].log_text().contains("\"worker consuming\"")
+            || workers[0].log_text().contains("worker consuming"),
+        "JSON logs as compose asks"
+    );
+    stop_all(&mut workers);
+    let job = batchfleet_coordinator::manifest::load(&manifest)
+        .expect("manifest")
+        .job_id;
+    env.cleanup(&[&job]).await;
+}
