@@ -46,6 +46,17 @@ pub struct WorkerConfig {
     /// default). Keep it well under that timeout.
     #[arg(long, env = "BATCHFLEET_ACK_AFTER", default_value = "10m", value_parser = humantime::parse_duration)]
     pub ack_after: Duration,
+    /// Load this TorchScript model before consuming, and exit 1 if it cannot
+    /// be loaded (readiness then means "this model runs here").
+    #[arg(long, env = "BATCHFLEET_PRELOAD_MODEL")]
+    pub preload_model: Option<std::path::PathBuf>,
+    /// Device for --preload-model: cpu, cuda or cuda:N.
+    #[arg(long, env = "BATCHFLEET_PRELOAD_DEVICE", default_value = "cpu")]
+    pub preload_device: String,
+    /// Create this file once the worker consumes (after --preload-model
+    /// loaded) and remove it when it starts draining: a readiness probe.
+    #[arg(long, env = "BATCHFLEET_READY_FILE")]
+    pub ready_file: Option<std::path::PathBuf>,
     /// Testing aid: sleep this long before every forward call, to play a slow
     /// worker (stragglers). 0 = off.
     #[arg(long, env = "BATCHFLEET_DEBUG_BATCH_DELAY", default_value = "0s", value_parser = humantime::parse_duration, hide_short_help = true)]

@@ -151,6 +151,14 @@ impl ItemContext {
             .clone()
     }
 
+    /// Loads a model on the current runner before any item needs it.
+    pub async fn preload(
+        &self,
+        model: &batchfleet_shared::message::ModelRef,
+    ) -> Result<(), ItemError> {
+        self.slot().runner.load(model).await
+    }
+
     /// Swaps in the publisher of a new broker connection.
     pub fn set_publisher(&self, publisher: ConfirmedPublisher) {
         *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(publisher);

@@ -130,6 +130,25 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .context("starting the model runner thread")?,
     );
 
+    if let Some(path) = &cfg.preload_model {
+        let sha256 = batchfleet_shared::fsutil::sha256_file(path).with_context(|| {
+            format!("--preload-model {}: cannot read the model", path.display())
+        })?;
+        let model = batchfleet_shared::message::ModelRef {
+            path: path.to_string_lossy().into_owned(),
+            sha256,
+            device: cfg.preload_device.clone(),
+        };
+        ctx.preload(&model)
+            .await
+            .map_err(|e| anyhow::anyhow!("--preload-model {}: {}", path.display(), e.message))?;
+        tracing::info!(model = %path.display(), device = %cfg.preload_device, "model preloaded");
+    }
+    if let Some(ready) = &cfg.ready_file {
+        std::fs::write(ready, b"ready\n")
+            .with_context(|| format!("writing --ready-file {}", ready.display()))?;
+    }
+
     let tracker = TaskTracker::new();
     let lost = loop {
         tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
@@ -179,6 +198,9 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .await;
     tracker.close();
     metrics::gauge!(names::WORKER_DRAINING).set(1.0);
+    if let Some(ready) = &cfg.ready_file {
+        let _ = std::fs::remove_file(ready);
+    }
     tracing::info!(
         in_flight = tracker.len(),
         timeout_s = cfg.drain_timeout.as_secs(),

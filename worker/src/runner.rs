@@ -48,6 +48,11 @@ pub trait Backend {
         features: &[f32],
         cols: usize,
     ) -> Result<(Vec<f32>, usize), ForwardError>;
+
+    /// Loads `model` ahead of its first item (a worker's `--preload-model`).
+    fn load(&mut self, _model: &ModelRef) -> Result<(), ItemError> {
+        Ok(())
+    }
 }
 
 /// Error messages that mean the allocator ran out, on CPU or GPU.
@@ -205,6 +210,8 @@ struct Request {
     rows: std::ops::Range<usize>,
     batch_size: usize,
     policy: FailurePolicy,
+    /// Only load the model (no rows).
+    load_only: bool,
     reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
 }
 
@@ -230,6 +237,11 @@ impl ModelRunner {
             .spawn(move || {
                 let mut backend = make_backend();
                 while let Some(req) = rx.blocking_recv() {
+                    if req.load_only {
+                        let result = backend.load(&req.model).map(|()| Predictions::default());
+                        let _ = req.reply.send((req.batch, result));
+                        continue;
+                    }
                     let cols = req.batch.cols;
                     let features = req
                         .batch
@@ -248,6 +260,27 @@ impl ModelRunner {
                 }
             })?;
         Ok(Self { tx })
+    }
+
+    /// Loads (and caches) a model on the runner thread, checking its digest.
+    pub async fn load(&self, model: &ModelRef) -> Result<(), ItemError> {
+        let (reply, rx) = oneshot::channel();
+        let req = Request {
+            model: model.clone(),
+            batch: Batch::default(),
+            rows: 0..0,
+            batch_size: 1,
+            policy: FailurePolicy::default(),
+            load_only: true,
+            reply,
+        };
+        if self.tx.send(req).await.is_err() {
+            return Err(ItemError::fatal("the model runner thread has stopped"));
+        }
+        rx.await
+            .map_err(|_| ItemError::fatal("the model runner thread died while loading"))?
+            .1
+            .map(|_| ())
     }
 
     /// Predicts a batch; hands the batch back with the result.
@@ -280,6 +313,7 @@ impl ModelRunner {
             rows,
             batch_size,
             policy: policy.clone(),
+            load_only: false,
             reply,
         };
         if let Err(mpsc::error::SendError(req)) = self.tx.send(req).await {
@@ -319,6 +353,10 @@ impl<B: Backend> Backend for Delayed<B> {
     ) -> Result<(Vec<f32>, usize), ForwardError> {
         std::thread::sleep(self.delay);
         self.inner.forward(model, features, cols)
+    }
+
+    fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
+        self.inner.load(model)
     }
 }
 
@@ -417,6 +455,10 @@ pub fn error_summary(full: &str) -> String {
 }
 
 impl Backend for TorchBackend {
+    fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
+        self.module(model).map(|_| ())
+    }
+
     fn forward(
         &mut self,
         model: &ModelRef,

@@ -227,3 +227,70 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
         .job_id;
     env.cleanup(&[&job]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_preloaded_model_and_a_bad_model_exits_1() {
+    let env = TestEnv::new("ready");
+    batchfleet_loadtest::python::make_job(
+        env.path(),
+        &batchfleet_loadtest::python::JobGen {
+            rows: 100,
+            files: 1,
+            features: 4,
+            hidden: 8,
+            pool: env.pool.clone(),
+            ..Default::default()
+        },
+    )
+    .expect("generate job");
+    let ready = env.path().join("ready");
+    let model = env.path().join("model.pt");
+    let mut good = env.spawn_worker(
+        "ready",
+        &[
+            "--preload-model",
+            model.to_str().expect("utf-8"),
+            "--ready-file",
+            ready.to_str().expect("utf-8"),
+        ],
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(
+            std::time::Instant::now() < deadline && matches!(good.child.try_wait(), Ok(None)),
+            "never ready:\n{}",
+            good.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        good.log_text().contains("model preloaded"),
+        "{}",
+        good.log_text()
+    );
+    let status = good.terminate(std::time::Duration::from_secs(30));
+    assert!(status.success(), "{}", good.log_text());
+    assert!(
+        !ready.exists(),
+        "the ready file goes when the worker drains"
+    );
+
+    let missing = env.path().join("missing.pt");
+    let mut bad = env.spawn_worker(
+        "unready",
+        &[
+            "--preload-model",
+            missing.to_str().expect("utf-8"),
+            "--ready-file",
+            ready.to_str().expect("utf-8"),
+        ],
+    );
+    let status = bad.child.wait().expect("wait");
+    assert_eq!(status.code(), Some(1), "{}", bad.log_text());
+    assert!(
+        bad.log_text().contains("--preload-model") && bad.log_text().contains("missing.pt"),
+        "{}",
+        bad.log_text()
+    );
+    assert!(!ready.exists());
+}
