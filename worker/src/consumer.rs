@@ -742,6 +742,10 @@ async fn process(
             let mut failed = model_rejects.len();
             while next < rows {
                 if lease.done_elsewhere.is_cancelled() {
+                    // A faster copy committed: this copy's segments are not
+                    // needed (and the job's summary may already be written).
+                    let d = dir.clone();
+                    let _ = blocking(move || std::fs::remove_dir_all(d)).await;
                     return Ok(Handled::AlreadyDone);
                 }
                 if ctx.shutdown.is_cancelled() {
