@@ -237,14 +237,16 @@ pub struct StatusArgs {
 pub async fn main(cli: Cli) -> ExitCode {
     cli.global.services.init_logging();
     let connections = cli.global.connections();
+    // Commands that follow a job serve metrics while they do.
+    if matches!(cli.command, Command::Run(_) | Command::Resume(_)) {
+        if let Err(e) = batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
+        {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    }
     match cli.command {
         Command::Run(args) => {
-            if let Err(e) =
-                batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
-            {
-                eprintln!("error: {e}");
-                return ExitCode::from(EXIT_FAILURE);
-            }
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::run_job(&cfg, &args.manifest, shutdown).await {
@@ -253,12 +255,6 @@ pub async fn main(cli: Cli) -> ExitCode {
             }
         }
         Command::Resume(args) => {
-            if let Err(e) =
-                batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
-            {
-                eprintln!("error: {e}");
-                return ExitCode::from(EXIT_FAILURE);
-            }
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::resume_job(&cfg, &args.job, shutdown).await {

@@ -397,7 +397,7 @@ fn regime(
     };
     let worker_rss = fleet.rss("VmHWM");
     fleet.stop();
-    cleanup(&pool);
+    services::delete_pool_queues(&pool);
     let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-4)?;
     if !v.ok() {
         bail!("[{name}] output does not match PyTorch: {}", v.describe());
@@ -422,40 +422,6 @@ fn regime(
     })
 }
 
-/// Deletes a pool's queues.
-fn cleanup(pool: &str) {
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return;
-    };
-    rt.block_on(async {
-        let url = amqp_url();
-        if let Ok(conn) = batchfleet_shared::broker::connect(
-            &url,
-            "batchfleet-bench-cleanup",
-            Duration::from_secs(30),
-        )
-        .await
-        {
-            if let Ok(ch) = conn.create_channel().await {
-                for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-                    let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
-                }
-            }
-            let _ = conn.close(200, "bye".into()).await;
-        }
-    });
-}
-
-fn amqp_url() -> batchfleet_shared::secret::SecretUrl {
-    batchfleet_shared::secret::SecretUrl::new(
-        std::env::var("BATCHFLEET_AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-    )
-}
-
 /// Raw RabbitMQ: confirmed publishes/s and consume+ack/s of `n` small
 /// messages on a quorum queue of the same broker.
 fn raw_broker(n: u64) -> Result<(f64, f64)> {
@@ -465,7 +431,7 @@ fn raw_broker(n: u64) -> Result<(f64, f64)> {
         .build()?;
     rt.block_on(async {
         let conn = batchfleet_shared::broker::connect(
-            &amqp_url(),
+            &services::amqp_url(),
             "batchfleet-bench-raw",
             Duration::from_secs(30),
         )
@@ -573,7 +539,7 @@ fn control_plane(
         Ok((wall, summary, a, b))
     })?;
     fleet.stop();
-    cleanup(&pool);
+    services::delete_pool_queues(&pool);
     if summary["items_completed"].as_u64() != Some(items) {
         bail!(
             "control-plane job committed {:?} of {items} items",
@@ -640,28 +606,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         Ok(())
     })();
     // Job state of the bench's own prefix.
-    if let Ok(out) = Command::new("redis-cli")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "--scan",
-            "--pattern",
-            &format!("{prefix}:*"),
-        ])
-        .output()
-    {
-        let keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        for chunk in keys.chunks(500) {
-            let _ = Command::new("redis-cli")
-                .args(["-h", "127.0.0.1", "del"])
-                .args(chunk)
-                .stdout(Stdio::null())
-                .status();
-        }
-    }
+    services::delete_redis_prefix(&prefix);
     outcome?;
     print(&report);
     if let Some(path) = &cfg.json {

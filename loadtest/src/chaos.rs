@@ -493,10 +493,7 @@ fn queue_depths(pool: &str) -> Result<Vec<(String, u32)>> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let url = batchfleet_shared::secret::SecretUrl::new(
-            std::env::var("BATCHFLEET_AMQP_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-        );
+        let url = services::amqp_url();
         let conn =
             batchfleet_shared::broker::connect(&url, "batchfleet-chaos", Duration::from_secs(30))
                 .await?;
@@ -515,53 +512,8 @@ fn queue_depths(pool: &str) -> Result<Vec<(String, u32)>> {
 
 /// Deletes the run's queues and Redis keys.
 fn cleanup(pool: &str, prefix: &str) {
-    if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        rt.block_on(async {
-            let url = batchfleet_shared::secret::SecretUrl::new(
-                std::env::var("BATCHFLEET_AMQP_URL")
-                    .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-            );
-            if let Ok(conn) = batchfleet_shared::broker::connect(
-                &url,
-                "batchfleet-chaos-cleanup",
-                Duration::from_secs(30),
-            )
-            .await
-            {
-                if let Ok(ch) = conn.create_channel().await {
-                    for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-                        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
-                    }
-                }
-                let _ = conn.close(200, "bye".into()).await;
-            }
-        });
-    }
-    if let Ok(out) = Command::new("redis-cli")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "--scan",
-            "--pattern",
-            &format!("{prefix}:*"),
-        ])
-        .output()
-    {
-        let keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        for chunk in keys.chunks(500) {
-            let _ = Command::new("redis-cli")
-                .args(["-h", "127.0.0.1", "del"])
-                .args(chunk)
-                .stdout(Stdio::null())
-                .status();
-        }
-    }
+    services::delete_pool_queues(pool);
+    services::delete_redis_prefix(prefix);
 }
 
 fn print(r: &ChaosReport) {

@@ -176,3 +176,51 @@ pub fn restart_rabbitmq() -> Result<()> {
     }
     Ok(())
 }
+
+/// The RabbitMQ URL the tools use: `BATCHFLEET_AMQP_URL`, or the local one.
+pub fn amqp_url() -> batchfleet_shared::secret::SecretUrl {
+    batchfleet_shared::secret::SecretUrl::new(
+        std::env::var("BATCHFLEET_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+    )
+}
+
+/// Deletes every queue of a pool (best effort): a tool's own pool, when it is done.
+pub fn delete_pool_queues(pool: &str) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(async {
+        let Ok(conn) = batchfleet_shared::broker::connect(
+            &amqp_url(),
+            "batchfleet-tools-cleanup",
+            Duration::from_secs(30),
+        )
+        .await
+        else {
+            return;
+        };
+        if let Ok(ch) = conn.create_channel().await {
+            for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
+                let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            }
+        }
+        let _ = conn.close(200, "bye".into()).await;
+    });
+}
+
+/// Deletes every local Redis key under `prefix:` (best effort).
+pub fn delete_redis_prefix(prefix: &str) {
+    let Ok(keys) = redis_cli(&["--scan", "--pattern", &format!("{prefix}:*")]) else {
+        return;
+    };
+    let keys: Vec<&str> = keys.lines().collect();
+    for chunk in keys.chunks(500) {
+        let mut args = vec!["del"];
+        args.extend(chunk);
+        let _ = redis_cli(&args);
+    }
+}
