@@ -16,6 +16,7 @@
 //! RabbitMQ confirmed-publish and consume+ack rates measured in the same
 //! run, with worker RSS after 1k and 10k items.
 
+use crate::chaos::sibling;
 use crate::forward;
 use anyhow::{bail, Context, Result};
 use batchfleet_loadtest::python::{make_job, JobGen};
@@ -118,17 +119,6 @@ pub struct BenchReport {
     pub regimes: Vec<Regime>,
     /// The control plane.
     pub control: Option<ControlPlane>,
-}
-
-fn sibling(name: &str) -> Result<PathBuf> {
-    let path = std::env::current_exe()?.with_file_name(name);
-    if !path.is_file() {
-        bail!(
-            "{} not found; build the binaries first (make release)",
-            path.display()
-        );
-    }
-    Ok(path)
 }
 
 fn free_port() -> Result<u16> {

@@ -150,7 +150,8 @@ fn wait_or_kill(child: &mut Child, within: Duration) -> Option<bool> {
     }
 }
 
-fn sibling(name: &str) -> Result<PathBuf> {
+/// A binary built next to this one (`target/release/…`).
+pub(crate) fn sibling(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let path = exe.with_file_name(name);
     if !path.is_file() {

@@ -50,26 +50,24 @@ fn start(addr: &str, program: &str, args: &[&str], within: Duration) -> Result<(
     Ok(())
 }
 
+/// How a local Redis is started: on loopback, keeping nothing on disk.
+const REDIS_FLAGS: &[&str] = &[
+    "--daemonize",
+    "yes",
+    "--bind",
+    "127.0.0.1",
+    "-::1",
+    "--port",
+    "6379",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+];
+
 /// Ensures RabbitMQ (5672) and Redis (6379) listen on loopback.
 pub fn ensure_local() -> Result<()> {
-    start(
-        REDIS,
-        "redis-server",
-        &[
-            "--daemonize",
-            "yes",
-            "--bind",
-            "127.0.0.1",
-            "-::1",
-            "--port",
-            "6379",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        Duration::from_secs(20),
-    )?;
+    start(REDIS, "redis-server", REDIS_FLAGS, Duration::from_secs(20))?;
     start(
         RABBITMQ,
         "rabbitmq-server",
@@ -123,19 +121,7 @@ pub fn restart_redis(keep_data: bool) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut args = vec![
-        "--daemonize",
-        "yes",
-        "--bind",
-        "127.0.0.1",
-        "-::1",
-        "--port",
-        "6379",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ];
+    let mut args = REDIS_FLAGS.to_vec();
     if !dir.is_empty() {
         args.extend(["--dir", dir.as_str()]);
     }
