@@ -193,15 +193,20 @@ impl ItemContext {
             .clone()
     }
 
-    /// Runs the model on rows `rows` of a batch within `timeout` of model
-    /// time (waiting for a turn does not count).
+    /// Runs the model on rows `rows` of a batch within what is left of the
+    /// item's model-time `budget`, and takes the time the call took from it
+    /// (waiting for a turn, or between segments, does not count).
     async fn predict(
         &self,
         item: &WorkItem,
         batch: reader::Batch,
         rows: std::ops::Range<usize>,
-        timeout: Duration,
+        budget: &mut Duration,
     ) -> Predicted {
+        if budget.is_zero() {
+            // Spent on earlier segments: the runner is fine, the item is too slow.
+            return Predicted::TimedOut;
+        }
         let mut batch = Some(batch);
         loop {
             let slot = self.slot();
@@ -222,8 +227,12 @@ impl ItemContext {
                 item.task.batch_size as usize,
                 &item.task.failure,
             );
-            return match tokio::time::timeout(timeout, call).await {
-                Ok((batch, result)) => Predicted::Done(Box::new(batch), result),
+            let started = Instant::now();
+            return match tokio::time::timeout(*budget, call).await {
+                Ok((batch, result)) => {
+                    *budget = budget.saturating_sub(started.elapsed());
+                    Predicted::Done(Box::new(batch), result)
+                }
                 Err(_) => {
                     self.replace_runner(&slot);
                     Predicted::TimedOut
@@ -666,13 +675,13 @@ async fn process(
         let read_started = Instant::now();
         let mut batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
         metrics::histogram!(names::WORKER_READ).record(read_started.elapsed().as_secs_f64());
-        let deadline = Instant::now() + Duration::from_millis(policy.item_timeout_ms);
+        let mut budget = Duration::from_millis(policy.item_timeout_ms);
         let seg = item.task.checkpoint_rows as usize;
         let tag = format!("{}-{}", ctx.worker_id, attempt);
         let mut rejects = std::mem::take(&mut batch.rejects);
         let rows = batch.rows();
         let published = if seg == 0 || rows <= seg {
-            let preds = match ctx.predict(item, batch, 0..rows, remaining(deadline)).await {
+            let preds = match ctx.predict(item, batch, 0..rows, &mut budget).await {
                 Predicted::Done(b, p) => {
                     batch = *b;
                     p?
@@ -757,10 +766,7 @@ async fn process(
                     return Ok(Handled::Released);
                 }
                 let end = (next + seg).min(rows);
-                let preds = match ctx
-                    .predict(item, batch, next..end, remaining(deadline))
-                    .await
-                {
+                let preds = match ctx.predict(item, batch, next..end, &mut budget).await {
                     Predicted::Done(b, p) => {
                         batch = *b;
                         p?
@@ -886,10 +892,6 @@ async fn count_work(ctx: &ItemContext, job: &str, deliveries: u64, rows: u64) {
     if let Err(e) = ctx.store.count_work(job, deliveries, rows).await {
         tracing::debug!(error = %e, "could not count work");
     }
-}
-
-fn remaining(deadline: Instant) -> Duration {
-    deadline.saturating_duration_since(Instant::now())
 }
 
 fn timed_out(policy: &batchfleet_shared::message::FailurePolicy) -> ItemError {

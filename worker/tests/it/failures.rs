@@ -508,15 +508,60 @@ async fn a_hung_item_times_out_is_dead_lettered_and_the_rest_completes() {
     assert_outputs(&env, &(1000..1500).map(id).collect::<Vec<_>>());
     let dead = dead(&env, &job_id).await;
     assert_eq!((dead.len(), dead[0].class.as_str()), (1, "timeout"));
+    // Waiting behind the hung call is not model time: the other items
+    // committed on their first attempt.
+    let store = env.connections().store().await.expect("redis");
+    let stats = store.item_stats(&job_id).await.expect("stats");
+    assert!(
+        stats.iter().all(|s| s.seq == 2 || s.attempt == 1),
+        "{stats:?}\n{}",
+        workers[0].log_text()
+    );
     // The worker stayed healthy: still consuming, and drains cleanly.
     assert_eq!(
         env.work_queue().await.map(|(_, consumers)| consumers),
-        Some(1)
+        Some(1),
+        "{}",
+        workers[0].log_text()
     );
     for w in &mut workers {
         let status = w.terminate(Duration::from_secs(30));
         assert!(status.success(), "{status}: {}", w.log_text());
     }
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn item_timeout_counts_model_time_not_waiting_for_a_turn() {
+    let env = TestEnv::new("turns");
+    // Four items of 500 rows = 8 mini-batches of 50 ms each: 400 ms of model
+    // time per item, but all four are held at once and take turns at one
+    // runner, so the last commits about 1.6 s after it started — past the
+    // 1 s item_timeout, which counts model time only.
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[],
+        "model.pt",
+        "item_timeout = \"1s\"\nmax_attempts = 1",
+    );
+    let mut workers =
+        vec![env.spawn_worker("w1", &["--prefetch", "4", "--debug-batch-delay", "50ms"])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    let log = workers[0].log_text();
+    assert_eq!(report.status, "completed", "{log}");
+    assert_eq!((report.items_completed, report.items_failed), (4, 0));
+    assert_outputs(&env, &[]);
+    let store = env.connections().store().await.expect("redis");
+    let stats = store.item_stats(&job_id).await.expect("stats");
+    // They really were held together: the last one took longer than the timeout.
+    assert!(stats.iter().all(|s| s.attempt == 1), "{stats:?}");
+    let slowest = stats.iter().map(|s| s.latency_ms()).max();
+    assert!(slowest > Some(1_000), "{stats:?}\n{log}");
+    assert!(!log.contains("abandoned"), "{log}");
+    stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
 
