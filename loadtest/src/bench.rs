@@ -64,6 +64,8 @@ pub struct Regime {
     pub fleet_rows_per_s: f64,
     /// The fleet's wall time (s).
     pub fleet_wall_s: f64,
+    /// Of which planning alone (s): the coordinator's planner on this job, timed on its own.
+    pub plan_s: f64,
     /// Fleet / serial-sum ceiling.
     pub ratio_to_serial_sum: f64,
     /// Fleet / compute ceiling.
@@ -276,10 +278,13 @@ fn run_job(
 }
 
 /// The I/O ceiling: every item of the job read, parsed and written with the
-/// worker's own code, no model, on `threads` threads.
-fn io_ceiling(manifest: &Path, threads: usize) -> Result<f64> {
+/// worker's own code, no model, on `threads` threads; and the seconds the
+/// planner takes on the job.
+fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
     let spec = batchfleet_coordinator::manifest::load(manifest)?;
+    let planning = Instant::now();
     let plan = batchfleet_coordinator::planner::plan(&spec)?;
+    let plan_s = planning.elapsed().as_secs_f64();
     let out = manifest
         .parent()
         .unwrap_or(Path::new("."))
@@ -324,7 +329,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<f64> {
     })?;
     let secs = started.elapsed().as_secs_f64();
     let _ = std::fs::remove_dir_all(&out);
-    Ok(plan.rows_total as f64 / secs)
+    Ok((plan.rows_total as f64 / secs, plan_s))
 }
 
 fn regime(
@@ -373,7 +378,7 @@ fn regime(
         .context("no batch size measured")?;
     drop(features);
     println!("bench [{name}] I/O ceiling…");
-    let io = io_ceiling(&manifest, cores)?;
+    let (io, plan_s) = io_ceiling(&manifest, cores)?;
     println!("bench [{name}] fleet of {} workers…", cfg.workers);
     let threads = (cores / cfg.workers).max(1);
     let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, cfg.workers, threads)?;
@@ -404,6 +409,7 @@ fn regime(
         serial_sum_rows_per_s: serial,
         fleet_rows_per_s: fleet_rate,
         fleet_wall_s: wall,
+        plan_s,
         ratio_to_serial_sum: fleet_rate / serial,
         ratio_to_compute: fleet_rate / best.median_rows_per_s,
         stage_s,
@@ -630,8 +636,8 @@ fn print(r: &BenchReport) {
             g.fleet_wall_s
         );
         println!(
-            "          stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {}",
-            g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
+            "          planning {:.2} s; stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {}",
+            g.plan_s, g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
             g.worker_peak_rss_mib.iter().map(|m| m.round()).collect::<Vec<_>>(), g.coordinator_peak_rss_mib, g.compute_batch
         );
     }
