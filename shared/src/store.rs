@@ -373,11 +373,9 @@ impl Lease {
     }
 }
 
-/// What a worker checks before it works on an item.
+/// What a worker checks before it works on an item it holds (not done yet).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ItemGate {
-    /// Committed already.
-    pub done: bool,
     /// Failed for good (dead-lettered); a copy arriving now is stale.
     pub failed: bool,
     /// The job's status; `None` if the record is missing (Redis lost it).
@@ -409,8 +407,11 @@ impl Progress {
 /// Adds the seq to the done set; only if it was not there yet, bumps the
 /// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
 /// `counts[column][bin]`) and stores the stats (and forgets an earlier
-/// failure of the item). Returns 1 for the winning commit, 0 otherwise.
+/// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
+/// a done item needs none, and [`LEASE_SCRIPT`] writes none for it again.
+/// Returns 1 for the winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
+redis.call('HDEL', KEYS[6], ARGV[6])
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'items_done', 1)
   redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
@@ -439,6 +440,18 @@ redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 return 1
 "#;
 
+/// Starts holding an item, in one round trip: unless the item is done,
+/// writes the lease, counts the delivery in the work counters and returns
+/// `{1, failed for good?, job status}`; `{0, 0, nil}` if it is done.
+pub const START_SCRIPT: &str = r#"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return {0, 0, false}
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
+return {1, redis.call('HEXISTS', KEYS[4], ARGV[1]), redis.call('HGET', KEYS[5], 'status')}
+"#;
+
 /// Records a failure unless the item is already done (a late failure of a
 /// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
 pub const FAIL_SCRIPT: &str = r#"
@@ -457,6 +470,7 @@ pub struct Store {
     commit: redis::Script,
     fail: redis::Script,
     lease: redis::Script,
+    start: redis::Script,
 }
 
 impl fmt::Debug for Store {
@@ -504,6 +518,7 @@ impl Store {
             commit: redis::Script::new(COMMIT_SCRIPT),
             fail: redis::Script::new(FAIL_SCRIPT),
             lease: redis::Script::new(LEASE_SCRIPT),
+            start: redis::Script::new(START_SCRIPT),
         };
         let ping = async {
             let mut conn = store
@@ -621,7 +636,8 @@ impl Store {
         })
     }
 
-    /// Marks an item done and adds its prediction histogram (`counts[column][bin]`).
+    /// Marks an item done and adds its prediction histogram (`counts[column][bin]`),
+    /// and drops the lease of `stats.worker` on it.
     /// Returns `true` if this call won (first commit), `false` if the item
     /// had already been committed by someone else (nothing is added then).
     pub async fn commit_item(
@@ -646,11 +662,13 @@ impl Store {
             .key(self.stats_key(job))
             .key(self.failed_key(job))
             .key(self.hist_key(job))
+            .key(self.leases_key(job))
             .arg(stats.seq)
             .arg(stats.rows + stats.rows_rejected)
             .arg(json)
             .arg(stats.rows_rejected)
             .arg(hist)
+            .arg(format!("{}@{}", stats.seq, stats.worker))
             .invoke_async(&mut c)
             .await
             .map_err(cmd("commit item"))?;
@@ -689,24 +707,6 @@ impl Store {
         c.del::<_, ()>(self.failed_key(job))
             .await
             .map_err(cmd("DEL failed"))
-    }
-
-    /// In one round trip: whether the item is done, whether it failed for
-    /// good (dead-lettered), and the job's status.
-    pub async fn item_gate(&self, job: &str, seq: u32) -> Result<ItemGate, StoreError> {
-        let mut c = self.conn("item gate").await?;
-        let (done, failed, status): (bool, bool, Option<String>) = redis::pipe()
-            .sismember(self.done_key(job), seq)
-            .hexists(self.failed_key(job), seq)
-            .hget(self.job_key(job), "status")
-            .query_async(&mut c)
-            .await
-            .map_err(cmd("item gate"))?;
-        Ok(ItemGate {
-            done,
-            failed,
-            status: status.as_deref().and_then(JobStatus::parse),
-        })
     }
 
     /// Forgets the failure of one item (before it is published again).
@@ -776,6 +776,41 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Starts holding an item (see [`START_SCRIPT`]): writes the lease,
+    /// counts the delivery and returns what the worker checks before it
+    /// works — `None`, writing nothing, if the item is done already.
+    pub async fn start_item(
+        &self,
+        job: &str,
+        lease: &Lease,
+    ) -> Result<Option<ItemGate>, StoreError> {
+        let json = serde_json::to_string(lease).map_err(|e| StoreError::Command {
+            op: "encode lease",
+            reason: e.to_string(),
+        })?;
+        let mut c = self.conn("start item").await?;
+        let reply: (i64, Option<i64>, Option<String>) = self
+            .start
+            .key(self.done_key(job))
+            .key(self.leases_key(job))
+            .key(self.work_key(job))
+            .key(self.failed_key(job))
+            .key(self.job_key(job))
+            .arg(lease.seq)
+            .arg(lease.field())
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("start item"))?;
+        Ok(match reply {
+            (0, ..) => None,
+            (_, failed, status) => Some(ItemGate {
+                failed: failed == Some(1),
+                status: status.as_deref().and_then(JobStatus::parse),
+            }),
+        })
     }
 
     /// Writes or refreshes a lease (the heartbeat). Returns `false`, writing

@@ -33,7 +33,9 @@ use batchfleet_shared::message::{
     JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Lease, Store, StoreError};
+use batchfleet_shared::store::{
+    ItemFailure, ItemGate, ItemStats, JobStatus, Lease, Store, StoreError,
+};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use std::path::{Path, PathBuf};
@@ -392,13 +394,15 @@ struct LeaseGuard {
 }
 
 impl LeaseGuard {
-    /// Writes the lease and starts the heartbeat. `None` if the item is done already.
+    /// Writes the lease, counts the delivery and starts the heartbeat (one
+    /// Redis round trip); with it, what the item's gate says. `None` if the
+    /// item is done already.
     async fn start(
         item: &WorkItem,
         attempt: u32,
         held: Arc<Held>,
         ctx: Arc<ItemContext>,
-    ) -> Result<Option<Self>, ItemError> {
+    ) -> Result<Option<(Self, ItemGate)>, ItemError> {
         let now = batchfleet_shared::now_ms();
         let lease = Lease {
             seq: item.seq,
@@ -413,13 +417,12 @@ impl LeaseGuard {
             acked: false,
         };
         let job = item.job_id.clone();
-        let fresh = ctx
-            .patient("lease", || ctx.store.heartbeat(&job, &lease))
-            .await?;
-        if !fresh {
+        let Some(gate) = ctx
+            .patient("lease", || ctx.store.start_item(&job, &lease))
+            .await?
+        else {
             return Ok(None);
-        }
-        count_work(&ctx, &job, 1, 0).await;
+        };
         let rows_done = Arc::new(AtomicU64::new(0));
         let rows_resumed = Arc::new(AtomicU64::new(0));
         let done_elsewhere = CancellationToken::new();
@@ -434,23 +437,26 @@ impl LeaseGuard {
             done_elsewhere.clone(),
             stop.clone(),
         ));
-        Ok(Some(Self {
-            lease,
-            rows_done,
-            rows_resumed,
-            done_elsewhere,
-            stop,
-            task,
-        }))
+        Ok(Some((
+            Self {
+                lease,
+                rows_done,
+                rows_resumed,
+                done_elsewhere,
+                stop,
+                task,
+            },
+            gate,
+        )))
     }
 
-    /// Stops the heartbeat; drops the lease unless `keep` (the item could not
-    /// be handed back, so the stale lease is what makes the coordinator
-    /// publish it again).
-    async fn finish(self, job: &str, keep: bool, ctx: &ItemContext) {
+    /// Stops the heartbeat; drops the lease if `drop` (not when the item
+    /// could not be handed back, so the stale lease is what makes the
+    /// coordinator publish it again, and not after a commit, which dropped it).
+    async fn finish(self, job: &str, drop: bool, ctx: &ItemContext) {
         self.stop.cancel();
         let _ = self.task.await;
-        if !keep {
+        if drop {
             if let Err(e) = ctx.store.release(job, &self.lease).await {
                 tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
             }
@@ -539,8 +545,9 @@ pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
     };
     let span = tracing::info_span!("item", job = %item.job_id, item = item.seq, attempt);
     async {
-        let guard = match LeaseGuard::start(&item, attempt, held.clone(), ctx.clone()).await {
-            Ok(Some(guard)) => guard,
+        let (guard, gate) = match LeaseGuard::start(&item, attempt, held.clone(), ctx.clone()).await
+        {
+            Ok(Some(started)) => started,
             Ok(None) => {
                 tracing::info!("already committed; acknowledging without recompute");
                 held.ack().await;
@@ -548,7 +555,7 @@ pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
             }
             Err(e) => return settle_error(&held, &item, attempt, e, &ctx).await.0,
         };
-        let result = process(&item, attempt, &guard, &ctx).await;
+        let result = process(&item, attempt, gate, &guard, &ctx).await;
         let (outcome, keep_lease) = match result {
             Ok(Handled::Released) => {
                 let returned = give_back(&held, &item, attempt, &ctx).await;
@@ -560,7 +567,10 @@ pub async fn handle(delivery: Delivery, ctx: Arc<ItemContext>) -> Handled {
             }
             Err(e) => settle_error(&held, &item, attempt, e, &ctx).await,
         };
-        guard.finish(&item.job_id, keep_lease, &ctx).await;
+        let committed = outcome == Handled::Committed;
+        guard
+            .finish(&item.job_id, !keep_lease && !committed, &ctx)
+            .await;
         outcome
     }
     .instrument(span)
@@ -615,16 +625,10 @@ async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext
 async fn process(
     item: &WorkItem,
     attempt: u32,
+    gate: ItemGate,
     lease: &LeaseGuard,
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
-    let gate = ctx
-        .patient("item gate", || ctx.store.item_gate(&item.job_id, item.seq))
-        .await?;
-    if gate.done {
-        tracing::info!("already committed; acknowledging without recompute");
-        return Ok(Handled::AlreadyDone);
-    }
     if gate.failed {
         tracing::info!("already dead-lettered (this is a stale copy); acknowledging without work");
         return Ok(Handled::Skipped);

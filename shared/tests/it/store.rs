@@ -117,3 +117,71 @@ async fn failures_settle_a_job_but_never_override_a_commit() {
     assert_eq!(store.progress("j").await.expect("progress").items_failed, 0);
     store.delete_job("j").await.expect("cleanup");
 }
+
+#[tokio::test]
+async fn starting_an_item_leases_counts_and_gates_in_one_call_and_a_commit_drops_the_lease() {
+    use batchfleet_shared::store::Lease;
+    let store = crate::store("bftest-start").await;
+    store.put_job(&record("j")).await.expect("put");
+    let lease = |seq, worker: &str| Lease {
+        seq,
+        worker: worker.into(),
+        attempt: 1,
+        started_ms: 1,
+        heartbeat_ms: 1,
+        ttl_ms: 15_000,
+        rows_done: 0,
+        rows: 100,
+        rows_resumed: 0,
+        acked: false,
+    };
+    let gate = store.start_item("j", &lease(0, "w")).await.expect("start");
+    let gate = gate.expect("not done: started");
+    assert!(!gate.failed);
+    assert_eq!(gate.status, Some(JobStatus::Running));
+    assert_eq!(
+        store.leases("j").await.expect("leases"),
+        vec![lease(0, "w")]
+    );
+    assert_eq!(
+        store.work("j").await.expect("work").0,
+        1,
+        "delivery counted"
+    );
+    // A commit of the item drops its committer's lease, and nothing starts it again.
+    assert!(store
+        .commit_item("j", &stats(0, "w"), &[])
+        .await
+        .expect("commit"));
+    assert!(store.leases("j").await.expect("leases").is_empty());
+    assert_eq!(
+        store.start_item("j", &lease(0, "w2")).await.expect("start"),
+        None
+    );
+    assert!(store.leases("j").await.expect("leases").is_empty());
+    assert_eq!(
+        store.work("j").await.expect("work").0,
+        1,
+        "no delivery counted for a done item"
+    );
+    // A copy of an item that failed for good sees it, as it sees a failed job.
+    let failure = ItemFailure {
+        seq: 1,
+        class: "poison".into(),
+        reason: "bad row".into(),
+        worker: "w".into(),
+        attempt: 1,
+        at_ms: 5,
+    };
+    store.fail_item("j", &failure).await.expect("fail");
+    store
+        .set_job_fields("j", &[("status", JobStatus::Failed.as_str().to_owned())])
+        .await
+        .expect("status");
+    let gate = store.start_item("j", &lease(1, "w")).await.expect("start");
+    assert_eq!(
+        gate.map(|g| (g.failed, g.status)),
+        Some((true, Some(JobStatus::Failed)))
+    );
+    store.delete_job("j").await.expect("cleanup");
+}
