@@ -220,8 +220,9 @@ impl ItemContext {
             let Ok(_turn) = turn else {
                 continue; // that runner was replaced while we waited; take the new one
             };
-            // Counted as it goes in: rows a crash or timeout throws away count too.
-            count_work(self, &item.job_id, 0, rows.len() as u64).await;
+            // Counted as it goes in (rows a crash or timeout throws away count
+            // too), alongside the call so that the model never waits for Redis.
+            let counted = count_work(self, &item.job_id, 0, rows.len() as u64);
             let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
@@ -230,7 +231,8 @@ impl ItemContext {
                 &item.task.failure,
             );
             let started = Instant::now();
-            return match tokio::time::timeout(*budget, call).await {
+            let (timed, ()) = tokio::join!(tokio::time::timeout(*budget, call), counted);
+            return match timed {
                 Ok((batch, result)) => {
                     *budget = budget.saturating_sub(started.elapsed());
                     Predicted::Done(Box::new(batch), result)
