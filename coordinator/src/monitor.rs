@@ -30,7 +30,14 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 /// Warn once when nothing was committed for this long (no workers running?).
 const IDLE_WARNING: Duration = Duration::from_secs(30);
 
-/// Polls the job's counters every `cfg.poll_interval` until all items are settled.
+/// Items left at which [`follow`] polls every [`FAST_POLL`].
+const FAST_POLL_REMAINING: u64 = 8;
+
+/// Poll interval once only the last few items remain.
+const FAST_POLL: Duration = Duration::from_millis(20);
+
+/// Polls the job's counters every `cfg.poll_interval` (every [`FAST_POLL`]
+/// for the last few items) until all items are settled.
 pub async fn follow(
     store: &Store,
     job_id: &str,
@@ -66,17 +73,29 @@ pub async fn follow(
     let mut last_log = Instant::now();
     let mut last = first;
     let mut warned = false;
-    let mut tick = tokio::time::interval(cfg.poll_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_supervised: Option<Instant> = None;
     loop {
+        // Near the end, poll fast so the job's end is seen at once; the
+        // supervisor still runs once per poll interval.
+        let remaining = last
+            .items_total
+            .saturating_sub(last.items_done + last.items_failed);
+        let wait = if last.items_total > 0 && remaining <= FAST_POLL_REMAINING {
+            cfg.poll_interval.min(FAST_POLL)
+        } else {
+            cfg.poll_interval
+        };
         tokio::select! {
             _ = shutdown.cancelled() => {
                 bar.abandon_with_message("interrupted; the workers keep going — run the same manifest again to follow the job");
                 return Ok(Followed::Interrupted);
             }
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(wait) => {}
         }
-        supervisor.tick(store).await;
+        if last_supervised.is_none_or(|t| t.elapsed() >= cfg.poll_interval) {
+            supervisor.tick(store).await;
+            last_supervised = Some(Instant::now());
+        }
         let p = match store.progress(job_id).await {
             Ok(p) if p.items_total > 0 => p,
             Ok(_) => continue, // the record is being rebuilt

@@ -377,6 +377,19 @@ fn regime(
         .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
         .context("no batch size measured")?;
     drop(features);
+    // The fleet runs the batch size the ceiling found best, as the sizing guide says to.
+    let text = std::fs::read_to_string(&manifest)?;
+    let configured = format!("inference_batch_size = {batch}\n");
+    if !text.contains(&configured) {
+        bail!("{} does not set {}", manifest.display(), configured.trim());
+    }
+    std::fs::write(
+        &manifest,
+        text.replace(
+            &configured,
+            &format!("inference_batch_size = {}\n", best.batch_size),
+        ),
+    )?;
     println!("bench [{name}] I/O ceiling…");
     let (io, plan_s) = io_ceiling(&manifest, cores)?;
     println!("bench [{name}] fleet of {} workers…", cfg.workers);
@@ -636,7 +649,7 @@ fn print(r: &BenchReport) {
             g.fleet_wall_s
         );
         println!(
-            "          planning {:.2} s; stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {}",
+            "          planning {:.2} s; stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {} (the fleet runs it)",
             g.plan_s, g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
             g.worker_peak_rss_mib.iter().map(|m| m.round()).collect::<Vec<_>>(), g.coordinator_peak_rss_mib, g.compute_batch
         );
