@@ -34,7 +34,7 @@ trap stop_workers EXIT
 
 threads=$(( $(nproc) / WORKERS )); [ "$threads" -ge 1 ] || threads=1
 for i in $(seq 1 "$WORKERS"); do
-  "$BIN/batchfleet-worker" --pool demo --threads "$threads" --worker-id "demo-worker-$i" > "$DEMO/worker-$i.log" 2>&1 &
+  "$BIN/batchfleet-worker" --pool demo --threads "$threads" --worker-id "demo-worker-$i" --data-root "$DEMO" > "$DEMO/worker-$i.log" 2>&1 &
   pids+=($!)
 done
 echo "started $WORKERS workers ($threads libtorch thread(s) each); logs in $DEMO/worker-*.log"

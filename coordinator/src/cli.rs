@@ -180,6 +180,15 @@ pub struct FollowArgs {
     /// nor settled for this long (a lost message).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
+    /// Folder every path of the job (input files, model, output folder)
+    /// must stay under, symlinks resolved; repeat for several, or separate
+    /// them with ':' in the variable. Default: the manifest's folder.
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
 }
 
 impl FollowArgs {
@@ -194,6 +203,7 @@ impl FollowArgs {
                 orphan_grace: self.orphan_grace,
                 ..Default::default()
             },
+            data_roots: self.data_roots.clone(),
         }
     }
 }
@@ -535,6 +545,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                     poll_interval: Duration::from_millis(250),
                     publish_window: 512,
                     supervise: Default::default(),
+                    data_roots: Vec::new(),
                 };
                 match crate::follow_job(
                     &cfg,

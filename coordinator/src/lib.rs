@@ -73,6 +73,8 @@ pub struct RunConfig {
     pub publish_window: usize,
     /// Stragglers, dead workers and lost items.
     pub supervise: supervisor::SuperviseConfig,
+    /// Folders every path of a job must stay under; empty: the manifest's folder.
+    pub data_roots: Vec<PathBuf>,
 }
 
 /// How a `run` ended.
@@ -131,7 +133,7 @@ pub async fn run_job(
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
-    let spec = manifest::load(manifest_path)?;
+    let spec = manifest::load(manifest_path, &cfg.data_roots)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
     let store = cfg.connections.store().await?;
     let conn = cfg
@@ -149,8 +151,7 @@ pub async fn run_job(
         Ok(dispatcher::Dispatched::Running { plan }) => {
             let mut supervisor = supervisor::Supervisor::new(
                 &spec.job_id,
-                cfg.supervise.clone(),
-                cfg.connections.clone(),
+                cfg,
                 Some(std::sync::Arc::new(spec.clone())),
                 Some(plan),
             );
@@ -176,7 +177,7 @@ pub async fn resume_job(
         ))
     })?;
     let manifest = PathBuf::from(&job.manifest);
-    let spec = manifest::load(&manifest)?;
+    let spec = manifest::load(&manifest, &cfg.data_roots)?;
     if spec.job_id != job_id {
         return Err(RunError::Output(format!(
             "{} now describes job {} instead of {job_id} (the manifest, its input or its model changed); restore them to resume {job_id}",
@@ -194,13 +195,7 @@ pub async fn follow_job(
     job_id: &str,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    let mut supervisor = supervisor::Supervisor::new(
-        job_id,
-        cfg.supervise.clone(),
-        cfg.connections.clone(),
-        None,
-        None,
-    );
+    let mut supervisor = supervisor::Supervisor::new(job_id, cfg, None, None);
     follow_with(cfg, store, job_id, shutdown, &mut supervisor).await
 }
 

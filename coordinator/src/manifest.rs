@@ -9,6 +9,7 @@ use batchfleet_shared::fsutil::sha256_file;
 use batchfleet_shared::message::{
     CsvLayout, FailurePolicy, ModelRef, OnBadRow, OutputFormat, OutputSpec, TaskSpec,
 };
+use batchfleet_shared::paths::DataRoots;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -302,8 +303,10 @@ impl fmt::Display for ManifestError {
 
 impl std::error::Error for ManifestError {}
 
-/// Reads, parses and validates a manifest file.
-pub fn load(path: &Path) -> Result<JobSpec, ManifestError> {
+/// Reads, parses and validates a manifest file. Every path it names must stay
+/// under one of `data_roots` (see [`batchfleet_shared::paths`]); none given:
+/// under the manifest's own folder.
+pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestError> {
     let fail = |field: &str, message: String| ManifestError {
         file: path.to_owned(),
         problems: vec![Problem {
@@ -334,7 +337,13 @@ pub fn load(path: &Path) -> Result<JobSpec, ManifestError> {
     } else {
         base
     };
-    validate(&manifest, &base, path)
+    let roots = if data_roots.is_empty() {
+        DataRoots::new(std::slice::from_ref(&base))
+    } else {
+        DataRoots::new(data_roots)
+    }
+    .map_err(|e| fail("data roots", e.to_string()))?;
+    validate(&manifest, &base, path, &roots)
 }
 
 fn resolve(base: &Path, p: &str) -> PathBuf {
@@ -399,7 +408,12 @@ fn valid_name(s: &str) -> bool {
 }
 
 /// Validates a parsed manifest; `base` is the folder relative paths start from.
-pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSpec, ManifestError> {
+pub fn validate(
+    m: &Manifest,
+    base: &Path,
+    manifest_path: &Path,
+    roots: &DataRoots,
+) -> Result<JobSpec, ManifestError> {
     let mut problems = Vec::new();
     let mut problem = |field: &str, message: String| {
         problems.push(Problem {
@@ -448,7 +462,10 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
                     match entry {
                         Ok(p) if p.is_file() => {
                             matched += 1;
-                            files.push(p);
+                            match roots.check(&p) {
+                                Ok(_) => files.push(p),
+                                Err(e) => problem("[input] paths", e.to_string()),
+                            }
                         }
                         Ok(_) => {}
                         Err(e) => problem(
@@ -549,9 +566,13 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
     // Model.
     let model_path = resolve(base, &m.model.path);
     let mut model_sha = String::new();
-    match check_torchscript(&model_path) {
-        Err(e) => problem("[model] path", e),
-        Ok(()) => match sha256_file(&model_path) {
+    match roots
+        .check(&model_path)
+        .map(|_| check_torchscript(&model_path))
+    {
+        Err(e) => problem("[model] path", e.to_string()),
+        Ok(Err(e)) => problem("[model] path", e),
+        Ok(Ok(())) => match sha256_file(&model_path) {
             Err(e) => problem(
                 "[model] path",
                 format!("cannot read {}: {e}", model_path.display()),
@@ -684,7 +705,9 @@ pub fn validate(m: &Manifest, base: &Path, manifest_path: &Path) -> Result<JobSp
 
     // Output.
     let out_dir = resolve(base, &m.output.dir);
-    if out_dir.exists() && !out_dir.is_dir() {
+    if let Err(e) = roots.check(&out_dir) {
+        problem("[output] dir", e.to_string());
+    } else if out_dir.exists() && !out_dir.is_dir() {
         problem(
             "[output] dir",
             format!(
@@ -944,7 +967,7 @@ mod tests {
         fn load(&self, toml: &str) -> Result<JobSpec, ManifestError> {
             let path = self.dir.path().join("job.toml");
             fs::write(&path, toml).unwrap();
-            load(&path)
+            load(&path, &[])
         }
     }
 
@@ -997,6 +1020,51 @@ dir = "out"
 
     fn problems(r: Result<JobSpec, ManifestError>) -> String {
         r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn paths_must_stay_under_the_data_roots() {
+        let fx = Fixture::new();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let far = elsewhere.path().join("far.csv");
+        fs::write(&far, "id,f0,f1,f2\n3,0.1,0.2,0.3\n").unwrap();
+        fs::write(elsewhere.path().join("m.pt"), b"PK\x03\x04rest-of-zip").unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), fx.dir.path().join("link")).unwrap();
+        // By default the manifest's folder is the root: an absolute path
+        // elsewhere, a symlink out of it and `..` are each refused.
+        let bad = GOOD
+            .replace(
+                "\"data/*.csv\"",
+                &format!("\"data/*.csv\", \"{}\"", far.display()),
+            )
+            .replace("path = \"model.pt\"", "path = \"link/m.pt\"")
+            .replace("dir = \"out\"", "dir = \"data/../../out\"");
+        let err = problems(fx.load(&bad));
+        assert!(
+            err.contains("[input] paths:")
+                && err.contains("far.csv: is outside the data roots")
+                && err.contains("[model] path:")
+                && err.contains("link/m.pt: is outside the data roots")
+                && err.contains("(it resolves to")
+                && err.contains("[output] dir:")
+                && err.contains("contains `..`"),
+            "{err}"
+        );
+        // Naming both folders as roots lets the same files in (not `..`).
+        let path = fx.dir.path().join("job.toml");
+        let roots = [fx.dir.path().to_owned(), elsewhere.path().to_owned()];
+        let ok = bad.replace("dir = \"data/../../out\"", "dir = \"out\"");
+        fs::write(&path, &ok).unwrap();
+        let spec = load(&path, &roots).unwrap();
+        assert_eq!(spec.files.len(), 3);
+        // A root that does not exist is an error of its own.
+        let err = load(&path, &[fx.dir.path().join("nope")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data roots:") && err.contains("cannot use it as a data root"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1102,7 +1170,8 @@ dir = "out"
             err.contains("[on_complete] webhook: holds credentials"),
             "{err}"
         );
-        assert!(!err.contains("pw"), "the password is not echoed: {err}");
+        // (`pw@`, not `pw`: the temporary folder's random name may hold "pw".)
+        assert!(!err.contains("pw@"), "the password is not echoed: {err}");
         assert!(err.contains("BF_SURELY_UNSET_VAR is not set"), "{err}");
         let err = problems(fx.load(&format!(
             "{GOOD}\n[on_complete]\nwebhook = \"https://hooks.example.com/x?token=abc\"\n"

@@ -93,6 +93,8 @@ pub struct Supervisor {
     last_tick: Option<Instant>,
     unseen_since: HashMap<u32, Instant>,
     median_cache: Option<(Instant, u64)>,
+    /// Where the job's paths must stay, for re-reading its manifest.
+    data_roots: Vec<std::path::PathBuf>,
     /// What it did.
     pub report: SuperviseReport,
 }
@@ -111,15 +113,15 @@ impl Supervisor {
     /// manifest when first needed if not given.
     pub fn new(
         job_id: &str,
-        cfg: SuperviseConfig,
-        connections: Connections,
+        run: &crate::RunConfig,
         spec: Option<Arc<JobSpec>>,
         plan: Option<Arc<Plan>>,
     ) -> Self {
         Self {
             job_id: job_id.to_owned(),
-            cfg,
-            connections,
+            cfg: run.supervise.clone(),
+            connections: run.connections.clone(),
+            data_roots: run.data_roots.clone(),
             spec,
             plan,
             broker: None,
@@ -357,7 +359,10 @@ impl Supervisor {
                     self.job_id
                 ))
             })?;
-        let spec = Arc::new(crate::manifest::load(Path::new(&manifest))?);
+        let spec = Arc::new(crate::manifest::load(
+            Path::new(&manifest),
+            &self.data_roots,
+        )?);
         if spec.job_id != self.job_id {
             return Err(RunError::Output(format!(
                 "{manifest} now describes job {} instead of {}; restore it to continue the job",

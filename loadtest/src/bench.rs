@@ -281,7 +281,7 @@ fn run_job(
 /// worker's own code, no model, on `threads` threads; and the seconds the
 /// planner takes on the job.
 fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
-    let spec = batchfleet_coordinator::manifest::load(manifest)?;
+    let spec = batchfleet_coordinator::manifest::load(manifest, &[])?;
     let planning = Instant::now();
     let plan = batchfleet_coordinator::planner::plan(&spec)?;
     let plan_s = planning.elapsed().as_secs_f64();

@@ -19,6 +19,7 @@ pub mod fsutil;
 pub mod message;
 pub mod metrics;
 pub mod output;
+pub mod paths;
 pub mod secret;
 pub mod shutdown;
 pub mod store;

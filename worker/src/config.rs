@@ -57,6 +57,17 @@ pub struct WorkerConfig {
     /// loaded) and remove it when it starts draining: a readiness probe.
     #[arg(long, env = "BATCHFLEET_READY_FILE")]
     pub ready_file: Option<std::path::PathBuf>,
+    /// Folder every path of an item (input file, model, output folder) must
+    /// stay under, symlinks resolved; repeat for several, or separate them
+    /// with ':' in the variable. Items naming other paths are dead-lettered.
+    /// Unset: paths need only be absolute and free of `..` — set it in
+    /// production, queue contents are not trusted.
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
     /// Testing aid: sleep this long before every forward call, to play a slow
     /// worker (stragglers). 0 = off.
     #[arg(long, env = "BATCHFLEET_DEBUG_BATCH_DELAY", default_value = "0s", value_parser = humantime::parse_duration, hide_short_help = true)]

@@ -29,10 +29,11 @@ use crate::{reader, writer};
 use batchfleet_shared::broker::{headers, int_header, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{
-    Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
-    JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
+    Envelope, InputSlice, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER,
+    ITEM_HEADER, JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
+use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::store::{
     ItemFailure, ItemGate, ItemStats, JobStatus, Lease, Store, StoreError,
 };
@@ -107,6 +108,8 @@ pub struct ItemContext {
     runner: Mutex<RunnerSlot>,
     make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
     abandoned: AtomicUsize,
+    /// Where an item's paths must stay (queue contents are not trusted).
+    data_roots: DataRoots,
 }
 
 impl std::fmt::Debug for ItemContext {
@@ -142,7 +145,37 @@ impl ItemContext {
             runner: Mutex::new(RunnerSlot::new(runner)),
             make_runner,
             abandoned: AtomicUsize::new(0),
+            data_roots: DataRoots::default(),
         })
+    }
+
+    /// Confines every item's paths to `roots` (by default they need only be
+    /// absolute and free of `..`).
+    pub fn with_data_roots(mut self, roots: DataRoots) -> Self {
+        self.data_roots = roots;
+        self
+    }
+
+    /// Refuses an item whose input, model or output path is not allowed.
+    fn check_paths(&self, item: &WorkItem) -> Result<(), ItemError> {
+        let InputSlice::CsvRange { path, .. } = &item.input;
+        for (what, p) in [
+            ("input file", path.as_str()),
+            ("model", item.task.model.path.as_str()),
+            ("output folder", item.task.output.dir.as_str()),
+        ] {
+            if let Err(e) = self.data_roots.check(Path::new(p)) {
+                return Err(ItemError::poison(format!(
+                    "refusing the item's {what} {e} (this worker's data roots: {})",
+                    if self.data_roots.is_confined() {
+                        self.data_roots.describe()
+                    } else {
+                        "none set".into()
+                    }
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The current publisher.
@@ -631,6 +664,7 @@ async fn process(
     lease: &LeaseGuard,
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
+    ctx.check_paths(item)?;
     if gate.failed {
         tracing::info!("already dead-lettered (this is a stale copy); acknowledging without work");
         return Ok(Handled::Skipped);

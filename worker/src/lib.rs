@@ -85,6 +85,15 @@ where
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
+    let data_roots =
+        batchfleet_shared::paths::DataRoots::new(&cfg.data_roots).context("--data-root")?;
+    if data_roots.is_confined() {
+        tracing::info!(roots = %data_roots.describe(), "item paths confined to the data roots");
+    } else {
+        tracing::warn!(
+            "no --data-root: item paths are not confined to any folder; set it in production"
+        );
+    }
     batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
         .map_err(anyhow::Error::msg)?;
     metrics::gauge!(names::WORKER_UP).set(1.0);
@@ -127,7 +136,8 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             tuning,
             make_runner,
         )
-        .context("starting the model runner thread")?,
+        .context("starting the model runner thread")?
+        .with_data_roots(data_roots),
     );
 
     if let Some(path) = &cfg.preload_model {

@@ -66,12 +66,19 @@ impl Case {
         self.dir.path().join("job.toml")
     }
 
+    /// Runs `batchfleet` with the shared fixture and this case's folder as data roots.
     fn run(&self, args: &[&str]) -> Output {
+        let roots = format!("{}:{}", fixture().display(), self.dir.path().display());
+        self.run_with_roots(args, &roots)
+    }
+
+    fn run_with_roots(&self, args: &[&str], roots: &str) -> Output {
         Command::new(env!("CARGO_BIN_EXE_batchfleet"))
             .args(["--redis-prefix", &self.prefix, "--connect-timeout", "5s"])
             .args(args)
             .env_remove("BATCHFLEET_AMQP_URL")
             .env_remove("BATCHFLEET_REDIS_URL")
+            .env("BATCHFLEET_DATA_ROOTS", roots)
             .output()
             .expect("run batchfleet")
     }
@@ -145,6 +152,24 @@ async fn invalid_manifest_exits_2_names_each_problem_and_publishes_nothing() {
         stderr(&out).contains("[input] id_column: \"row_id\" is not in the header"),
         "{}",
         stderr(&out)
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
+async fn paths_outside_the_data_roots_exit_2_and_publish_nothing() {
+    let case = Case::new(|t| t);
+    // Only the manifest's folder: the shared data and model are elsewhere.
+    let own = case.dir.path().display().to_string();
+    let out = case.run_with_roots(&["run", case.manifest().to_str().expect("utf8")], &own);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("[input] paths:")
+            && err.contains("part-00.csv: is outside the data roots")
+            && err.contains("[model] path:")
+            && err.contains("nothing was published"),
+        "{err}"
     );
     case.assert_nothing_published().await;
 }

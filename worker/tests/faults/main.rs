@@ -61,7 +61,7 @@ fn job(env: &TestEnv, stem: &str, items: u64, item_rows: u64, checkpoint_every: 
 }
 
 fn job_id(manifest: &Path) -> String {
-    batchfleet_coordinator::manifest::load(manifest)
+    batchfleet_coordinator::manifest::load(manifest, &[])
         .expect("manifest")
         .job_id
 }

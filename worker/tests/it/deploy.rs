@@ -222,7 +222,7 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
         "JSON logs as compose asks"
     );
     stop_all(&mut workers);
-    let job = batchfleet_coordinator::manifest::load(&manifest)
+    let job = batchfleet_coordinator::manifest::load(&manifest, &[])
         .expect("manifest")
         .job_id;
     env.cleanup(&[&job]).await;

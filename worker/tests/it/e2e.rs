@@ -84,7 +84,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
         .expect("part 0")
         .modified()
         .expect("mtime");
-    let spec = batchfleet_coordinator::manifest::load(&manifest).expect("manifest");
+    let spec = batchfleet_coordinator::manifest::load(&manifest, &[]).expect("manifest");
     let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
     let (conn, _) = env.channel().await;
     let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");

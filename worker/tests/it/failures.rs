@@ -566,6 +566,45 @@ async fn item_timeout_counts_model_time_not_waiting_for_a_turn() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_items_whose_paths_leave_its_data_roots() {
+    let env = TestEnv::new("roots");
+    // The coordinator accepts the job (everything is under the manifest's
+    // folder), but this worker's only root is the data folder: the model and
+    // the output folder are outside it.
+    let manifest = job(&env, 500, &[], &[], "model.pt", "max_attempts = 3");
+    let data = env.path().join("data");
+    let mut workers = vec![env.spawn_worker("w1", &["--data-root", data.to_str().expect("utf-8")])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!((report.items_completed, report.items_failed), (0, 4));
+    let dead = dead(&env, &job_id).await;
+    assert_eq!(dead.len(), 4);
+    for d in &dead {
+        // Refused at once (poison, one attempt), with the path and the roots named.
+        assert_eq!((d.class.as_str(), d.attempts), ("poison", 1), "{d:?}");
+        assert!(
+            d.error.contains("refusing the item's model")
+                && d.error.contains("model.pt: is outside the data roots")
+                && d.error.contains(&format!(
+                    "this worker's data roots: {}",
+                    std::fs::canonicalize(&data).expect("data").display()
+                )),
+            "{d:?}"
+        );
+    }
+    let parts = std::fs::read_dir(env.path().join("out"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("part-"))
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(parts, 0, "nothing written outside the roots");
+    stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
     let env = TestEnv::new("budget");
     // 20 items of 100 rows; items 0, 1 and 2 are poisoned; each call takes ~150 ms.

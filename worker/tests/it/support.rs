@@ -53,6 +53,7 @@ impl TestEnv {
                 orphan_grace: Duration::from_secs(3),
                 ..Default::default()
             },
+            data_roots: Vec::new(),
         }
     }
 
@@ -72,6 +73,13 @@ impl TestEnv {
                 "1",
             ])
             .args(["--drain-timeout", "20s", "--connect-timeout", "60s"])
+            // Confined to the env's folder (unless the test names its own
+            // roots), as a production worker is to its data.
+            .args(if extra.contains(&"--data-root") {
+                Vec::new()
+            } else {
+                vec![std::ffi::OsStr::new("--data-root"), self.path().as_os_str()]
+            })
             .args(extra)
             .env("BATCHFLEET_AMQP_URL", self.amqp.expose())
             .env("BATCHFLEET_REDIS_URL", self.redis.expose())

@@ -1,0 +1,186 @@
+//! Confining file paths to data roots.
+//!
+//! Every local path a job names — input files, the model, the output folder —
+//! must stay under one of the operator's data roots. The coordinator checks
+//! the manifest's paths before it publishes anything; each worker checks the
+//! paths of every work item again, because queue contents are not trusted.
+//! A path is rejected when it is relative, has a `..` component, or resolves
+//! (symlinks followed) to somewhere outside every root.
+
+use std::path::{Component, Path, PathBuf};
+
+/// The folders paths must stay under, resolved. Empty: no containment check
+/// (paths must still be absolute and free of `..`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DataRoots {
+    roots: Vec<PathBuf>,
+}
+
+/// A path that is not allowed, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {reason}")]
+pub struct PathError {
+    /// The path as given.
+    pub path: PathBuf,
+    /// Why it is refused, and what to do.
+    pub reason: String,
+}
+
+impl DataRoots {
+    /// Resolves each root (it must exist).
+    pub fn new(roots: &[PathBuf]) -> Result<Self, PathError> {
+        let roots = roots
+            .iter()
+            .map(|r| {
+                std::fs::canonicalize(r).map_err(|e| PathError {
+                    path: r.clone(),
+                    reason: format!("cannot use it as a data root: {e}"),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { roots })
+    }
+
+    /// Whether paths are confined to roots at all.
+    pub fn is_confined(&self) -> bool {
+        !self.roots.is_empty()
+    }
+
+    /// The roots, for messages.
+    pub fn describe(&self) -> String {
+        self.roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Checks `path` and returns it resolved (symlinks followed in the part
+    /// that exists; a part that does not exist yet, such as an output folder
+    /// to be created, is appended as it is).
+    pub fn check(&self, path: &Path) -> Result<PathBuf, PathError> {
+        let refuse = |reason: String| PathError {
+            path: path.to_owned(),
+            reason,
+        };
+        if !path.is_absolute() {
+            return Err(refuse("is not an absolute path".into()));
+        }
+        if path.components().any(|c| c == Component::ParentDir) {
+            return Err(refuse(
+                "contains `..`; name the file without climbing out of its folder".into(),
+            ));
+        }
+        let resolved = resolve_existing(path).map_err(refuse)?;
+        if self.is_confined() && !self.roots.iter().any(|r| resolved.starts_with(r)) {
+            let via = if resolved == path {
+                String::new()
+            } else {
+                format!(" (it resolves to {})", resolved.display())
+            };
+            return Err(refuse(format!(
+                "is outside the data roots ({}){via}; move it under one of them or add its folder with --data-root",
+                self.describe()
+            )));
+        }
+        Ok(resolved)
+    }
+}
+
+/// `path` with its longest existing prefix resolved by the file system.
+fn resolve_existing(path: &Path) -> Result<PathBuf, String> {
+    let mut rest = Vec::new();
+    for prefix in path.ancestors() {
+        // symlink_metadata: a dangling symlink exists (and fails to resolve below).
+        if std::fs::symlink_metadata(prefix).is_ok() {
+            let mut resolved = std::fs::canonicalize(prefix)
+                .map_err(|e| format!("cannot resolve {}: {e}", prefix.display()))?;
+            for part in rest.iter().rev() {
+                resolved.push(part);
+            }
+            return Ok(resolved);
+        }
+        if let Some(name) = prefix.file_name() {
+            rest.push(name.to_owned());
+        }
+    }
+    Err("none of it exists".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        root: PathBuf,
+        outside: PathBuf,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let root = base.join("root");
+        let outside = base.join("outside");
+        std::fs::create_dir_all(root.join("data")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(root.join("data/a.csv"), "x\n").unwrap();
+        std::fs::write(outside.join("secret.csv"), "x\n").unwrap();
+        Fixture {
+            _dir: dir,
+            root,
+            outside,
+        }
+    }
+
+    #[test]
+    fn paths_under_a_root_pass_resolved() {
+        let f = fixture();
+        let roots = DataRoots::new(std::slice::from_ref(&f.root)).unwrap();
+        let a = f.root.join("data/a.csv");
+        assert_eq!(roots.check(&a).unwrap(), a);
+        // An output folder that does not exist yet.
+        let out = f.root.join("out/run-1");
+        assert_eq!(roots.check(&out).unwrap(), out);
+        // A symlink that stays inside is fine.
+        std::os::unix::fs::symlink(f.root.join("data"), f.root.join("alias")).unwrap();
+        assert_eq!(roots.check(&f.root.join("alias/a.csv")).unwrap(), a);
+    }
+
+    #[test]
+    fn climbing_absolute_escapes_and_escaping_symlinks_are_refused() {
+        let f = fixture();
+        let roots = DataRoots::new(std::slice::from_ref(&f.root)).unwrap();
+        let dotdot = f.root.join("data/../../outside/secret.csv");
+        assert!(roots.check(&dotdot).unwrap_err().reason.contains("`..`"));
+        let abs = f.outside.join("secret.csv");
+        let e = roots.check(&abs).unwrap_err();
+        assert!(e.reason.contains("outside the data roots"), "{e}");
+        assert!(roots
+            .check(Path::new("data/a.csv"))
+            .unwrap_err()
+            .reason
+            .contains("not an absolute path"));
+        std::os::unix::fs::symlink(&f.outside, f.root.join("escape")).unwrap();
+        let e = roots.check(&f.root.join("escape/secret.csv")).unwrap_err();
+        assert!(
+            e.reason.contains("outside the data roots") && e.reason.contains("resolves to"),
+            "{e}"
+        );
+        // A folder to be created under an escaping link escapes too.
+        assert!(roots.check(&f.root.join("escape/new/out")).is_err());
+        // A dangling link cannot be resolved, so it is refused.
+        std::os::unix::fs::symlink(f.root.join("nowhere"), f.root.join("dangling")).unwrap();
+        assert!(roots.check(&f.root.join("dangling/x")).is_err());
+    }
+
+    #[test]
+    fn without_roots_only_the_shape_is_checked() {
+        let f = fixture();
+        let open = DataRoots::default();
+        assert!(open.check(&f.outside.join("secret.csv")).is_ok());
+        assert!(open.check(&f.root.join("../outside/secret.csv")).is_err());
+        assert!(open.check(Path::new("relative.csv")).is_err());
+        assert!(DataRoots::new(&[f.root.join("missing")]).is_err());
+    }
+}
