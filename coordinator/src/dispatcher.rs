@@ -147,11 +147,15 @@ pub async fn dispatch(
             // Items that failed before are published again below; forget the
             // old verdicts so they do not count as settled.
             store.clear_failures(&spec.job_id).await?;
-            // Only the status: the done counters belong to the workers' commits.
+            // Only the status (and whether to merge, which the manifest may
+            // have changed): the done counters belong to the workers' commits.
             store
                 .set_job_fields(
                     &spec.job_id,
-                    &[("status", JobStatus::Planning.as_str().to_owned())],
+                    &[
+                        ("status", JobStatus::Planning.as_str().to_owned()),
+                        ("merge", u8::from(spec.merge).to_string()),
+                    ],
                 )
                 .await?;
         }
@@ -244,6 +248,7 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         published_ms: 0,
         finished_ms: 0,
         items_published: 0,
+        merge: spec.merge,
     }
 }
 

@@ -212,6 +212,10 @@ pub struct OutputSection {
     pub format: OutputFormat,
     /// Bins of the prediction histogram kept per output column.
     pub histogram: Option<HistogramSection>,
+    /// After the job completes, also write every part as one file in input
+    /// order (`predictions.csv`).
+    #[serde(default)]
+    pub merge: bool,
 }
 
 /// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`
@@ -262,6 +266,8 @@ pub struct JobSpec {
     pub budget: ErrorBudget,
     /// What runs when the job ends.
     pub on_complete: OnComplete,
+    /// Write the merged output when the job completes.
+    pub merge: bool,
 }
 
 impl JobSpec {
@@ -848,6 +854,7 @@ pub fn validate(
         task,
         budget,
         on_complete,
+        merge: m.output.merge,
     })
 }
 

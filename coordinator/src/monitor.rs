@@ -75,12 +75,15 @@ pub async fn follow(
     let mut warned = false;
     let mut last_supervised: Option<Instant> = None;
     loop {
-        // Near the end, poll fast so the job's end is seen at once; the
-        // supervisor still runs once per poll interval.
+        // At once the first time (the supervisor sets its gauges then); near
+        // the end, poll fast so the job's end is seen at once; the supervisor
+        // still runs at most once per poll interval.
         let remaining = last
             .items_total
             .saturating_sub(last.items_done + last.items_failed);
-        let wait = if last.items_total > 0 && remaining <= FAST_POLL_REMAINING {
+        let wait = if last_supervised.is_none() {
+            Duration::ZERO
+        } else if last.items_total > 0 && remaining <= FAST_POLL_REMAINING {
             cfg.poll_interval.min(FAST_POLL)
         } else {
             cfg.poll_interval

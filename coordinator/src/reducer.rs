@@ -81,6 +81,9 @@ pub struct Summary {
     /// What `[on_complete]` did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_complete: Option<crate::hooks::HookOutcome>,
+    /// The merged output (`[output] merge = true`), once every item completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged: Option<PathBuf>,
 }
 
 /// Histograms of the model's outputs: equal-width bins over `[min, max)`,
@@ -177,8 +180,9 @@ pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError
     .map_err(|e| RunError::Output(format!("cannot write {}: {e}", path.display())))
 }
 
-/// Writes the summary, and `_SUCCESS` when no item failed, and marks the job
-/// `completed` or `completed_with_failures`.
+/// Writes the merged output (for a job recorded with `merge`, when every
+/// item completed), the summary, and `_SUCCESS` when no item failed, and
+/// marks the job `completed` or `completed_with_failures`.
 pub async fn finish(
     store: &Store,
     job_id: &str,
@@ -222,7 +226,7 @@ pub async fn finish(
     // rows_done counts every settled row: predicted or rejected.
     let rows_predicted = job.rows_done.saturating_sub(job.rows_rejected);
     let workers: BTreeSet<&str> = stats.iter().map(|s| s.worker.as_str()).collect();
-    let summary = Summary {
+    let mut summary = Summary {
         job_id: job.id.clone(),
         name: job.name.clone(),
         pool: job.pool.clone(),
@@ -262,7 +266,26 @@ pub async fn finish(
             store.histogram(job_id, histogram.bins as usize + 2).await?,
         ),
         on_complete: None,
+        merged: None,
     };
+    if job.merge {
+        if status == JobStatus::Completed {
+            // Seq order is input order: items are numbered file by file, range by range.
+            let parts: Vec<PathBuf> = stats
+                .iter()
+                .map(|s| out.join(part_file_name(s.seq, format)))
+                .collect();
+            let merged = out.join(batchfleet_shared::output::MERGED_FILE);
+            publish_atomically(&merged, "coordinator", true, |w| {
+                batchfleet_shared::output::concat_csv(w, &parts)
+            })
+            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", merged.display())))?;
+            tracing::info!(job = %job_id, path = %merged.display(), parts = parts.len(), "merged output written");
+            summary.merged = Some(merged);
+        } else {
+            tracing::warn!(job = %job_id, items_failed = summary.items_failed, "no merged output: not every item completed; replay the dead-letter queue to complete the job, which then writes it");
+        }
+    }
     let path = out.join(SUMMARY_FILE);
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
     let write = |p: &std::path::Path, bytes: &[u8]| {

@@ -4,6 +4,26 @@
 
 use std::path::{Path, PathBuf};
 
+/// The merged output of a job with `[output] merge = true`: every part, in input order.
+pub const MERGED_FILE: &str = "predictions.csv";
+
+/// Writes the CSV files `parts` — each with the same header line — to `w` as
+/// one file: the first part's header, then every part's rows, streamed (no
+/// part is held in memory).
+pub fn concat_csv(w: &mut impl std::io::Write, parts: &[PathBuf]) -> std::io::Result<()> {
+    use std::io::BufRead;
+    for (k, part) in parts.iter().enumerate() {
+        let mut r = std::io::BufReader::with_capacity(1 << 16, std::fs::File::open(part)?);
+        let mut header = Vec::new();
+        r.read_until(b'\n', &mut header)?;
+        if k == 0 {
+            w.write_all(&header)?;
+        }
+        std::io::copy(&mut r, w)?;
+    }
+    Ok(())
+}
+
 /// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
 pub const REJECTS_DIR: &str = "rejects";
 

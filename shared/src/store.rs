@@ -184,6 +184,8 @@ pub struct JobRecord {
     /// Items (in seq order) whose publish the broker confirmed: a resumed
     /// dispatch starts there instead of publishing everything again.
     pub items_published: u64,
+    /// Write the merged output when every item has completed (`[output] merge`).
+    pub merge: bool,
 }
 
 impl JobRecord {
@@ -219,6 +221,7 @@ impl JobRecord {
             ("published_ms", self.published_ms.to_string()),
             ("finished_ms", self.finished_ms.to_string()),
             ("items_published", self.items_published.to_string()),
+            ("merge", u8::from(self.merge).to_string()),
         ]
     }
 
@@ -275,6 +278,7 @@ impl JobRecord {
             published_ms: num("published_ms")?,
             finished_ms: num("finished_ms")?,
             items_published: num("items_published")?,
+            merge: num("merge")? == 1,
         })
     }
 }
@@ -1022,6 +1026,7 @@ mod tests {
             published_ms: 6,
             finished_ms: 0,
             items_published: 2,
+            merge: true,
         }
     }
 

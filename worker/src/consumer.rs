@@ -29,8 +29,8 @@ use crate::{reader, writer};
 use batchfleet_shared::broker::{headers, int_header, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{
-    Envelope, InputSlice, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER,
-    ITEM_HEADER, JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
+    Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
+    JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::paths::DataRoots;
@@ -158,9 +158,8 @@ impl ItemContext {
 
     /// Refuses an item whose input, model or output path is not allowed.
     fn check_paths(&self, item: &WorkItem) -> Result<(), ItemError> {
-        let InputSlice::CsvRange { path, .. } = &item.input;
         for (what, p) in [
-            ("input file", path.as_str()),
+            ("input file", item.input.path()),
             ("model", item.task.model.path.as_str()),
             ("output folder", item.task.output.dir.as_str()),
         ] {

@@ -79,18 +79,8 @@ pub fn concat_csv(
     tag: &str,
     parts: &[std::path::PathBuf],
 ) -> Result<Publish, ItemError> {
-    use std::io::BufRead;
     let result = publish_atomically(dest, tag, false, |w| {
-        for (k, part) in parts.iter().enumerate() {
-            let mut r = std::io::BufReader::new(std::fs::File::open(part)?);
-            let mut header = Vec::new();
-            r.read_until(b'\n', &mut header)?;
-            if k == 0 {
-                w.write_all(&header)?;
-            }
-            std::io::copy(&mut r, w)?;
-        }
-        Ok(())
+        batchfleet_shared::output::concat_csv(w, parts)
     });
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
 }

@@ -22,6 +22,7 @@ fn record(id: &str) -> JobRecord {
         published_ms: 0,
         finished_ms: 0,
         items_published: 0,
+        merge: false,
     }
 }
 

@@ -28,6 +28,12 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     };
     make_job(env.path(), &gen).expect("generate job");
     let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("[output]\n", "[output]\nmerge = true\n"),
+    )
+    .expect("manifest");
 
     let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
     env.wait_for_consumers(2, &mut workers).await;
@@ -70,6 +76,42 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     assert_eq!(on_disk.workers, 2, "both workers took items");
     assert!(on_disk.rows_per_s > 0.0 && on_disk.item_latency_ms.p95 >= on_disk.item_latency_ms.p50);
     assert!(out.join("_SUCCESS").is_file());
+
+    // The merged output: one header, then every row once, in input order
+    // (input files sorted, rows as they appear), exactly the parts' rows.
+    let merged = out.join("predictions.csv");
+    assert_eq!(on_disk.merged.as_deref(), Some(merged.as_path()));
+    let merged_text = std::fs::read_to_string(&merged).expect("merged output");
+    let mut lines = merged_text.lines();
+    let part0_text = std::fs::read_to_string(out.join("part-000000.csv")).expect("part 0");
+    assert_eq!(
+        lines.next(),
+        part0_text.lines().next(),
+        "the parts' header, once"
+    );
+    let merged_ids: Vec<&str> = lines.map(|l| l.split(',').next().expect("id")).collect();
+    let mut inputs: Vec<_> = std::fs::read_dir(env.path().join("data"))
+        .expect("data")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    inputs.sort();
+    let input_ids: Vec<String> = inputs
+        .iter()
+        .flat_map(|p| {
+            std::fs::read_to_string(p)
+                .expect("input")
+                .lines()
+                .skip(1)
+                .map(|l| l.split(',').next().expect("id").to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(input_ids.len(), 50_000);
+    assert!(
+        merged_ids.iter().eq(input_ids.iter()),
+        "input order, every id once"
+    );
     assert_eq!(
         std::fs::read_dir(out.join("_staging"))
             .expect("staging")

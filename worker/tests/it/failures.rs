@@ -327,11 +327,20 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
         "poison.pt",
         "isolate_poison_rows = false",
     );
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("[output]\n", "[output]\nmerge = true\n"),
+    )
+    .expect("manifest");
     let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
     env.wait_for_consumers(2, &mut workers).await;
     let (job_id, report) = run(&env, &manifest).await;
     assert_eq!(report.status, "completed_with_failures");
     assert_eq!((report.items_total, report.items_failed), (8, 2));
+    // No merged output while items are missing: it would pass for complete.
+    let merged = env.path().join("out/predictions.csv");
+    assert!(report.merged.is_none() && !merged.exists());
 
     // INV-DLQ: the dead queue holds exactly the poisoned items (rows 10 and 1300 → items 0 and 5).
     let dead_items = dead(&env, &job_id).await;
@@ -393,6 +402,13 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
         ),
         (8, 0, 2000)
     );
+    // Completed by the replay: now the merged output is written, every row once.
+    assert_eq!(report.merged.as_deref(), Some(merged.as_path()));
+    let rows = std::fs::read_to_string(&merged)
+        .expect("merged")
+        .lines()
+        .count();
+    assert_eq!(rows, 2001, "header and 2000 rows");
     assert!(env.path().join("out/_SUCCESS").exists());
     assert_outputs(&env, &[]);
     assert!(dead(&env, &job_id).await.is_empty());
