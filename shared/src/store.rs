@@ -466,6 +466,14 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 "#;
 
+/// `value` as JSON, for a Redis field or script argument.
+fn encode<T: Serialize + ?Sized>(op: &'static str, value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Command {
+        op,
+        reason: e.to_string(),
+    })
+}
+
 /// Handle to the job state in Redis; cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -650,14 +658,8 @@ impl Store {
         stats: &ItemStats,
         histogram: &[Vec<u64>],
     ) -> Result<bool, StoreError> {
-        let hist = serde_json::to_string(histogram).map_err(|e| StoreError::Command {
-            op: "encode histogram",
-            reason: e.to_string(),
-        })?;
-        let json = serde_json::to_string(stats).map_err(|e| StoreError::Command {
-            op: "encode stats",
-            reason: e.to_string(),
-        })?;
+        let hist = encode("encode histogram", histogram)?;
+        let json = encode("encode stats", stats)?;
         let mut c = self.conn("commit item").await?;
         let won: i64 = self
             .commit
@@ -682,10 +684,7 @@ impl Store {
     /// Records that an item failed for good. Returns `false` (and records
     /// nothing) if the item is already done.
     pub async fn fail_item(&self, job: &str, failure: &ItemFailure) -> Result<bool, StoreError> {
-        let json = serde_json::to_string(failure).map_err(|e| StoreError::Command {
-            op: "encode failure",
-            reason: e.to_string(),
-        })?;
+        let json = encode("encode failure", failure)?;
         let mut c = self.conn("fail item").await?;
         let recorded: i64 = self
             .fail
@@ -790,10 +789,7 @@ impl Store {
         job: &str,
         lease: &Lease,
     ) -> Result<Option<ItemGate>, StoreError> {
-        let json = serde_json::to_string(lease).map_err(|e| StoreError::Command {
-            op: "encode lease",
-            reason: e.to_string(),
-        })?;
+        let json = encode("encode lease", lease)?;
         let mut c = self.conn("start item").await?;
         let reply: (i64, Option<i64>, Option<String>) = self
             .start
@@ -820,10 +816,7 @@ impl Store {
     /// Writes or refreshes a lease (the heartbeat). Returns `false`, writing
     /// nothing, once the item is done: the holder may stop working on it.
     pub async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
-        let json = serde_json::to_string(lease).map_err(|e| StoreError::Command {
-            op: "encode lease",
-            reason: e.to_string(),
-        })?;
+        let json = encode("encode lease", lease)?;
         let mut c = self.conn("heartbeat").await?;
         let written: i64 = self
             .lease
