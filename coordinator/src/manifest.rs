@@ -146,6 +146,8 @@ fn default_pool() -> String {
 pub enum InputFormat {
     /// CSV with a header row.
     Csv,
+    /// JSON Lines: one JSON object per line; columns are its keys.
+    Jsonl,
 }
 
 /// `[input]`
@@ -519,8 +521,46 @@ pub fn validate(
     };
 
     // Header: read from every file, must agree, must contain the columns.
+    // JSON Lines has none: every file's first record must hold the keys,
+    // which then stand as the header (id, then features).
     let mut header: Vec<String> = Vec::new();
-    for f in &files {
+    let jsonl = m.input.format == InputFormat::Jsonl;
+    if jsonl {
+        let wanted: Vec<&str> = std::iter::once(m.input.id_column.as_str())
+            .chain(features.iter().map(String::as_str))
+            .collect();
+        let mut all_there = !files.is_empty();
+        for f in &files {
+            match read_jsonl_keys(f) {
+                Err(e) => {
+                    all_there = false;
+                    problem("[input] paths", format!("{}: {e}", f.display()));
+                }
+                Ok(keys) => {
+                    let missing: Vec<&str> = wanted
+                        .iter()
+                        .copied()
+                        .filter(|k| !keys.contains(*k))
+                        .collect();
+                    if !missing.is_empty() {
+                        all_there = false;
+                        problem(
+                            "[input] feature_columns",
+                            format!(
+                                "the first record of {} has no key {}; fix the names (JSON keys are case-sensitive)",
+                                f.display(),
+                                missing.join(", ")
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+        if all_there {
+            header = wanted.iter().map(|k| (*k).to_owned()).collect();
+        }
+    }
+    for f in files.iter().filter(|_| !jsonl) {
         match read_header(f, delimiter) {
             Err(e) => problem("[input] paths", format!("{}: {e}", f.display())),
             Ok(h) if header.is_empty() => header = h,
@@ -840,6 +880,10 @@ pub fn validate(
         },
         failure,
         checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
+        jsonl: jsonl.then(|| batchfleet_shared::message::JsonLayout {
+            id_key: m.input.id_column.clone(),
+            feature_keys: features.clone(),
+        }),
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {
@@ -927,6 +971,27 @@ pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
         Ok(false) => Err("is empty; a CSV input needs a header row naming its columns".into()),
         Err(e) => Err(format!("cannot read the header row: {e}")),
     }
+}
+
+/// The keys of the first record of a JSON Lines file.
+pub fn read_jsonl_keys(path: &Path) -> Result<std::collections::HashSet<String>, String> {
+    use std::io::BufRead;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| format!("cannot read line {}: {e}", n + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        return match serde_json::from_str::<serde_json::Value>(&line) {
+            Ok(serde_json::Value::Object(map)) => Ok(map.keys().cloned().collect()),
+            Ok(_) => Err(format!(
+                "line {} is not a JSON object; JSON Lines input holds one object per line",
+                n + 1
+            )),
+            Err(e) => Err(format!("line {} is not valid JSON: {e}", n + 1)),
+        };
+    }
+    Err("is empty; a JSON Lines input needs at least one record".into())
 }
 
 /// Checks a model file exists and is a TorchScript archive (a zip file).
@@ -1027,6 +1092,53 @@ dir = "out"
 
     fn problems(r: Result<JobSpec, ManifestError>) -> String {
         r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn documented_example_manifests_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
+        let mut seen = 0;
+        for entry in fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                let text = fs::read_to_string(&path).unwrap();
+                toml::from_str::<Manifest>(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(seen >= 2, "examples in {}", dir.display());
+    }
+
+    #[test]
+    fn json_lines_input_needs_the_keys_in_every_file() {
+        let fx = Fixture::new();
+        let good = "{\"id\": \"1\", \"f0\": 0.1, \"f1\": 0.2, \"f2\": 0.3}\n";
+        fs::write(fx.dir.path().join("data/a.jsonl"), format!("\n{good}")).unwrap();
+        fs::write(fx.dir.path().join("data/b.jsonl"), good).unwrap();
+        let manifest = GOOD
+            .replace("format = \"csv\"", "format = \"jsonl\"")
+            .replace("data/*.csv", "data/*.jsonl");
+        let spec = fx.load(&manifest).unwrap();
+        assert_eq!(spec.files.len(), 2);
+        let layout = spec.task.jsonl.as_ref().expect("a JSON layout");
+        assert_eq!(layout.id_key, "id");
+        assert_eq!(layout.feature_keys, vec!["f0", "f1", "f2"]);
+        // The same manifest as CSV is another job.
+        assert_ne!(spec.job_id, fx.load(GOOD).unwrap().job_id);
+        // A file whose first record lacks a key, and one that is not JSON, are each named.
+        fs::write(
+            fx.dir.path().join("data/b.jsonl"),
+            "{\"id\": 2, \"f0\": 1}\n",
+        )
+        .unwrap();
+        fs::write(fx.dir.path().join("data/c.jsonl"), "id,f0\n").unwrap();
+        let err = problems(fx.load(&manifest));
+        assert!(
+            err.contains("b.jsonl has no key f1, f2")
+                && err.contains("c.jsonl: line 1 is not valid JSON"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -80,10 +80,12 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
                 let result = std::fs::metadata(path)
                     .map_err(|e| err(path, e))
                     .and_then(|m| {
-                        Ok((
-                            m.len(),
-                            plan_csv(path, spec.task.csv.delimiter, spec.sizing)?,
-                        ))
+                        let ranges = if spec.task.jsonl.is_some() {
+                            plan_jsonl(path, spec.sizing)?
+                        } else {
+                            plan_csv(path, spec.task.csv.delimiter, spec.sizing)?
+                        };
+                        Ok((m.len(), ranges))
                     });
                 *per_file[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
             });
@@ -98,17 +100,32 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
             .expect("every file was planned")?;
         for range in ranges {
             rows_total += range.rows;
+            let path = path.to_string_lossy().into_owned();
+            let (start, end, first_line, rows) =
+                (range.start, range.end, range.first_line, range.rows);
+            let input = if spec.task.jsonl.is_some() {
+                InputSlice::JsonlRange {
+                    path,
+                    start,
+                    end,
+                    first_line,
+                    rows,
+                    file_len,
+                }
+            } else {
+                InputSlice::CsvRange {
+                    path,
+                    start,
+                    end,
+                    first_line,
+                    rows,
+                    file_len,
+                }
+            };
             items.push(WorkItem {
                 job_id: spec.job_id.clone(),
                 seq: items.len() as u32,
-                input: InputSlice::CsvRange {
-                    path: path.to_string_lossy().into_owned(),
-                    start: range.start,
-                    end: range.end,
-                    first_line: range.first_line,
-                    rows: range.rows,
-                    file_len,
-                },
+                input,
                 task: spec.task.clone(),
             });
         }
@@ -152,6 +169,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
+            jsonl: None,
         },
     }
 }
@@ -218,6 +236,7 @@ fn read_chunk(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 fn scan_lines(
     path: &Path,
     chunk: usize,
+    header: bool,
     mut visit: impl FnMut(u64, u64),
 ) -> Result<u64, PlanError> {
     let mut file = File::open(path).map_err(|e| err(path, e))?;
@@ -227,7 +246,7 @@ fn scan_lines(
     let mut rec_start = (0u64, 1u64); // (byte, line) where the previous record ended
     let mut prev_cr = false; // the previous chunk ended with `\r`
     let mut line_blank = true; // nothing but a `\r` seen on this line so far
-    let mut header_seen = false;
+    let mut header_seen = !header;
     let mut record = |start: u64, line: u64| {
         if std::mem::replace(&mut header_seen, true) {
             visit(start, line);
@@ -278,6 +297,8 @@ enum Scan {
     Lines,
     /// The CSV parser.
     Parsed(u8),
+    /// JSON Lines: every non-blank line is a record, and there is no header.
+    JsonLines,
 }
 
 impl Scan {
@@ -293,8 +314,9 @@ impl Scan {
     /// `visit(start, line)` for each, and returns the file length.
     fn records(self, path: &Path, visit: impl FnMut(u64, u64)) -> Result<u64, PlanError> {
         match self {
-            Scan::Lines => scan_lines(path, SCAN_CHUNK, visit),
+            Scan::Lines => scan_lines(path, SCAN_CHUNK, true, visit),
             Scan::Parsed(delimiter) => scan_parsed(path, delimiter, visit),
+            Scan::JsonLines => scan_lines(path, SCAN_CHUNK, false, visit),
         }
     }
 }
@@ -333,6 +355,15 @@ fn scan_parsed(
 
 /// Cuts one CSV file (with a header row) into ranges of whole records.
 pub fn plan_csv(path: &Path, delimiter: u8, sizing: ItemSizing) -> Result<Vec<Range>, PlanError> {
+    plan_file(path, Scan::of(path, delimiter)?, sizing)
+}
+
+/// Cuts one JSON Lines file into ranges of whole lines (blank lines skipped).
+pub fn plan_jsonl(path: &Path, sizing: ItemSizing) -> Result<Vec<Range>, PlanError> {
+    plan_file(path, Scan::JsonLines, sizing)
+}
+
+fn plan_file(path: &Path, scan: Scan, sizing: ItemSizing) -> Result<Vec<Range>, PlanError> {
     // Record starts arrive in order; `cut` decides whether a record opens a new range.
     let mut ranges: Vec<Range> = Vec::new();
     let mut push = |start: u64, line: u64, new_range: bool| {
@@ -349,7 +380,6 @@ pub fn plan_csv(path: &Path, delimiter: u8, sizing: ItemSizing) -> Result<Vec<Ra
         }
         ranges.last_mut().expect("a range was just pushed").rows += 1;
     };
-    let scan = Scan::of(path, delimiter)?;
     let len = match sizing {
         ItemSizing::Rows(per_item) => {
             let mut total = 0u64;
@@ -436,7 +466,7 @@ mod tests {
     fn scans(path: &Path, chunk: usize) -> (Option<Seen>, Seen) {
         let fast = lines_are_records(path, chunk).unwrap().then(|| {
             let mut seen = Vec::new();
-            let len = scan_lines(path, chunk, |s, l| seen.push((s, l))).unwrap();
+            let len = scan_lines(path, chunk, true, |s, l| seen.push((s, l))).unwrap();
             (seen, len)
         });
         let mut seen = Vec::new();
@@ -509,6 +539,44 @@ mod tests {
         for w in ranges.windows(2) {
             assert_eq!(w[0].end, w[1].start, "ranges are contiguous");
         }
+    }
+
+    #[test]
+    fn json_lines_are_cut_at_lines_with_no_header_and_blank_lines_skipped() {
+        let lines: Vec<String> = (0..7)
+            .map(|i| format!("{{\"id\":\"r{i}\",\"x\":{i}.5}}"))
+            .collect();
+        // CRLF and blank lines in places, and no line end after the last record.
+        let content = format!(
+            "{}\n\n{}\r\n{}\n{}\n\r\n{}\n{}\n{}",
+            lines[0], lines[1], lines[2], lines[3], lines[4], lines[5], lines[6]
+        );
+        let (_d, p) = file(&content);
+        let ranges = plan_jsonl(&p, ItemSizing::Rows(3)).unwrap();
+        assert_eq!(
+            ranges.iter().map(|r| r.rows).collect::<Vec<_>>(),
+            vec![3, 2, 2]
+        );
+        assert_eq!((ranges[0].start, ranges[0].first_line), (0, 1));
+        assert_eq!(ranges.last().unwrap().end, content.len() as u64);
+        let seen: Vec<String> = ranges
+            .iter()
+            .flat_map(|r| {
+                content[r.start as usize..r.end as usize]
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(seen, lines, "every record once, in order");
+        for w in ranges.windows(2) {
+            assert_eq!(w[0].end, w[1].start, "ranges are contiguous");
+        }
+        // Line numbers count blank lines: the second item starts at record 4 (line 5).
+        let (_d, p2) = file("\n\n");
+        assert!(plan_jsonl(&p2, ItemSizing::Rows(3)).unwrap().is_empty());
     }
 
     #[test]

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Generate a batchfleet job: CSV input files, a TorchScript MLP, golden predictions and a manifest.
+"""Generate a batchfleet job: CSV or JSON Lines input files, a TorchScript MLP, golden predictions and a manifest.
 
 The golden file holds what PyTorch itself computes for every row, from the
-same text the CSV files contain, so a batchfleet run can be checked row by row.
+same text the input files contain, so a batchfleet run can be checked row by row.
 
     python make_job.py --out DIR [--rows N] [--files K] [--features F]
                        [--hidden H] [--outputs O] [--seed S] [--name NAME] [--pool POOL]
                        [--item-rows N] [--batch-size B] [--checkpoint-every K]
+                       [--format csv|jsonl]
 
-Writes DIR/data/part-XX.csv (header: id,f0..f{F-1}), DIR/model.pt,
+Writes DIR/data/part-XX.csv (header: id,f0..f{F-1}) or DIR/data/part-XX.jsonl
+(one object per line: "id" and "f0".."f{F-1}" as JSON numbers), DIR/model.pt,
 DIR/golden.csv (id plus score or score_0..), DIR/job.toml (output to DIR/out).
 """
 import argparse
 import csv
+import json
 import os
 
 import torch
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--poison-rows", default="", help="global row numbers whose f0 becomes -999 (make_faulty_models.py's poison sentinel)")
     ap.add_argument("--hang-rows", default="", help="global row numbers whose f0 becomes -777 (the hang sentinel)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="[batching] checkpoint_every in the manifest (default: unset)")
+    ap.add_argument("--format", choices=["csv", "jsonl"], default="csv", help="input file format")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -80,11 +84,18 @@ def main() -> None:
                 text[r][0] = sentinels[next_id + r]
         ids = [f"r{next_id + i:08d}" for i in range(n)]
         next_id += n
-        with open(os.path.join(args.out, "data", f"part-{f:02d}.csv"), "w", newline="") as fh:
-            w = csv.writer(fh, lineterminator="\n")
-            w.writerow(header)
-            for i, row in zip(ids, text):
-                w.writerow([i] + row)
+        if args.format == "jsonl":
+            with open(os.path.join(args.out, "data", f"part-{f:02d}.jsonl"), "w") as fh:
+                for i, row in zip(ids, text):
+                    # The numbers' text verbatim, as JSON numbers.
+                    fields = [f"{json.dumps(k)}: {v}" for k, v in zip(header[1:], row)]
+                    fh.write("{" + ", ".join([f'"id": {json.dumps(i)}'] + fields) + "}\n")
+        else:
+            with open(os.path.join(args.out, "data", f"part-{f:02d}.csv"), "w", newline="") as fh:
+                w = csv.writer(fh, lineterminator="\n")
+                w.writerow(header)
+                for i, row in zip(ids, text):
+                    w.writerow([i] + row)
         if n == 0:
             continue
         # Predict from the very text written, parsed the way a reader would.
@@ -108,8 +119,8 @@ name = "{args.name}"
 pool = "{args.pool}"
 
 [input]
-format = "csv"
-paths = ["data/*.csv"]
+format = "{args.format}"
+paths = ["data/*.{args.format}"]
 id_column = "id"
 feature_columns = ["f0..f{args.features - 1}"]
 

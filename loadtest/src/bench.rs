@@ -41,13 +41,18 @@ pub struct BenchConfig {
     pub dir: Option<PathBuf>,
     /// Write the figures here as JSON.
     pub json: Option<PathBuf>,
+    /// Input formats of the small-model job beyond CSV (`jsonl`), run on
+    /// the same rows for rows/s per format side by side.
+    pub formats: Vec<String>,
 }
 
 /// One model regime's figures.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Regime {
-    /// `small` or `large`.
+    /// `small` or `large` (and `small-jsonl`, …: the small model on another input format).
     pub name: String,
+    /// Input format.
+    pub format: String,
     /// Model shape.
     pub model: String,
     /// Rows.
@@ -306,7 +311,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                     };
                     let batch = batchfleet_worker::reader::read(
                         &item.input,
-                        &item.task.csv,
+                        &batchfleet_worker::reader::Layout::of(&item.task),
                         item.task.failure.on_bad_row,
                     )
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -332,15 +337,30 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
     Ok((plan.rows_total as f64 / secs, plan_s))
 }
 
+/// The model and data of a regime: hidden width, rows, input format, and
+/// the compute ceiling already measured on the same rows (another format).
+struct RegimeSpec<'a> {
+    name: &'a str,
+    rows: u64,
+    hidden: u32,
+    format: &'a str,
+    compute: Option<(f64, usize)>,
+}
+
 fn regime(
     cfg: &BenchConfig,
     root: &Path,
-    name: &str,
-    rows: u64,
-    hidden: u32,
+    spec: &RegimeSpec,
     bins: (&Path, &Path),
     prefix: &str,
 ) -> Result<Regime> {
+    let RegimeSpec {
+        name,
+        rows,
+        hidden,
+        format,
+        compute,
+    } = *spec;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let dir = root.join(name);
     let pool = services::unique(&format!("bench-{name}"));
@@ -358,25 +378,32 @@ fn regime(
             pool: pool.clone(),
             item_rows,
             batch_size: batch,
+            format: format.into(),
             ..JobGen::default()
         },
     )?;
     let manifest = dir.join("job.toml");
-    println!("bench [{name}] 32→{hidden}→{hidden}→1, {rows} rows: compute ceiling…");
-    let features = forward::load_csv(&forward::expand(&[format!(
-        "{}/data/*.csv",
-        dir.display()
-    )])?)?;
-    let sizes: Vec<usize> = if hidden > 256 {
-        vec![64, 256, 1024]
-    } else {
-        vec![1024, 4096, 16384]
+    let (best_rate, best_batch) = match compute {
+        // The same seed gives the same model and rows in every format.
+        Some(measured) => measured,
+        None => {
+            println!("bench [{name}] 32→{hidden}→{hidden}→1, {rows} rows: compute ceiling…");
+            let features = forward::load_csv(&forward::expand(&[format!(
+                "{}/data/*.csv",
+                dir.display()
+            )])?)?;
+            let sizes: Vec<usize> = if hidden > 256 {
+                vec![64, 256, 1024]
+            } else {
+                vec![1024, 4096, 16384]
+            };
+            let best = forward::measure(&dir.join("model.pt"), &features, &sizes, cores, 3)?
+                .into_iter()
+                .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
+                .context("no batch size measured")?;
+            (best.median_rows_per_s, best.batch_size)
+        }
     };
-    let best = forward::measure(&dir.join("model.pt"), &features, &sizes, cores, 3)?
-        .into_iter()
-        .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
-        .context("no batch size measured")?;
-    drop(features);
     // The fleet runs the batch size the ceiling found best, as the sizing guide says to.
     let text = std::fs::read_to_string(&manifest)?;
     let configured = format!("inference_batch_size = {batch}\n");
@@ -387,7 +414,7 @@ fn regime(
         &manifest,
         text.replace(
             &configured,
-            &format!("inference_batch_size = {}\n", best.batch_size),
+            &format!("inference_batch_size = {best_batch}\n"),
         ),
     )?;
     println!("bench [{name}] I/O ceiling…");
@@ -410,21 +437,22 @@ fn regime(
     if !v.ok() {
         bail!("[{name}] output does not match PyTorch: {}", v.describe());
     }
-    let serial = 1.0 / (1.0 / best.median_rows_per_s + 1.0 / io);
+    let serial = 1.0 / (1.0 / best_rate + 1.0 / io);
     let fleet_rate = rows as f64 / wall.max(1e-9);
     Ok(Regime {
         name: name.into(),
+        format: format.into(),
         model: format!("MLP 32→{hidden}→{hidden}→1"),
         rows,
-        compute_rows_per_s: best.median_rows_per_s,
-        compute_batch: best.batch_size,
+        compute_rows_per_s: best_rate,
+        compute_batch: best_batch,
         io_rows_per_s: io,
         serial_sum_rows_per_s: serial,
         fleet_rows_per_s: fleet_rate,
         fleet_wall_s: wall,
         plan_s,
         ratio_to_serial_sum: fleet_rate / serial,
-        ratio_to_compute: fleet_rate / best.median_rows_per_s,
+        ratio_to_compute: fleet_rate / best_rate,
         stage_s,
         worker_peak_rss_mib: worker_rss,
         coordinator_peak_rss_mib: coord_rss,
@@ -591,24 +619,38 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         ..BenchReport::default()
     };
     let outcome = (|| -> Result<()> {
-        report.regimes.push(regime(
-            cfg,
-            &root,
-            "small",
-            cfg.small_rows,
-            64,
-            bins,
-            &prefix,
-        )?);
-        report.regimes.push(regime(
-            cfg,
-            &root,
-            "large",
-            cfg.large_rows,
-            2048,
-            bins,
-            &prefix,
-        )?);
+        let small = RegimeSpec {
+            name: "small",
+            rows: cfg.small_rows,
+            hidden: 64,
+            format: "csv",
+            compute: None,
+        };
+        let csv = regime(cfg, &root, &small, bins, &prefix)?;
+        let measured = Some((csv.compute_rows_per_s, csv.compute_batch));
+        report.regimes.push(csv);
+        for format in &cfg.formats {
+            let name = format!("small-{format}");
+            let spec = RegimeSpec {
+                name: &name,
+                format,
+                compute: measured,
+                ..small
+            };
+            report
+                .regimes
+                .push(regime(cfg, &root, &spec, bins, &prefix)?);
+        }
+        let large = RegimeSpec {
+            name: "large",
+            rows: cfg.large_rows,
+            hidden: 2048,
+            format: "csv",
+            compute: None,
+        };
+        report
+            .regimes
+            .push(regime(cfg, &root, &large, bins, &prefix)?);
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }
@@ -633,12 +675,12 @@ fn print(r: &BenchReport) {
         (r.cores / r.workers.max(1)).max(1)
     );
     println!(
-        "  {:<7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9} {:>8}",
+        "  {:<11} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9} {:>8}",
         "model", "compute/s", "io/s", "serial-sum/s", "fleet/s", "÷serial", "÷compute", "wall s"
     );
     for g in &r.regimes {
         println!(
-            "  {:<7} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>9.2} {:>9.2} {:>8.2}",
+            "  {:<11} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>9.2} {:>9.2} {:>8.2}",
             g.name,
             g.compute_rows_per_s,
             g.io_rows_per_s,

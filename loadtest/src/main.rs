@@ -130,6 +130,10 @@ enum Command {
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Input formats to run the small-model job in besides CSV, on the
+        /// same rows (rows/s per format side by side); empty for none.
+        #[arg(long, value_delimiter = ',', default_value = "jsonl")]
+        formats: Vec<String>,
     },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
     Forward {
@@ -230,6 +234,7 @@ fn main() -> Result<()> {
             quick,
             dir,
             json,
+            formats,
         } => {
             let (small_rows, large_rows, control_items) = if quick {
                 (200_000, 10_000, 12_000)
@@ -243,6 +248,7 @@ fn main() -> Result<()> {
                 workers: workers.max(1),
                 dir,
                 json,
+                formats: formats.into_iter().filter(|f| !f.is_empty()).collect(),
             })?;
             Ok(())
         }

@@ -55,6 +55,8 @@ pub struct JobGen {
     pub hang_rows: Vec<u64>,
     /// `checkpoint_every` in the manifest (unset: the default).
     pub checkpoint_every: Option<u32>,
+    /// Input format: `csv` or `jsonl`.
+    pub format: String,
 }
 
 impl Default for JobGen {
@@ -73,6 +75,7 @@ impl Default for JobGen {
             poison_rows: Vec::new(),
             hang_rows: Vec::new(),
             checkpoint_every: None,
+            format: "csv".into(),
         }
     }
 }
@@ -122,6 +125,7 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
                 .map(|k| vec!["--checkpoint-every".to_owned(), k.to_string()])
                 .unwrap_or_default(),
         )
+        .args(["--format", &g.format])
         .status()
         .with_context(|| {
             format!(

@@ -70,20 +70,36 @@ pub enum InputSlice {
         /// File length when planned; a different length means the file changed.
         file_len: u64,
     },
+    /// Records of a JSON Lines file (one JSON object per line) whose bytes
+    /// lie in `[start, end)`, cut at line boundaries like [`InputSlice::CsvRange`].
+    JsonlRange {
+        /// Absolute path of the file.
+        path: String,
+        /// Byte offset of the first record.
+        start: u64,
+        /// Byte offset just past the last record.
+        end: u64,
+        /// 1-based line number of the first record, for error messages.
+        first_line: u64,
+        /// Number of records in the range, as counted by the planner.
+        rows: u64,
+        /// File length when planned; a different length means the file changed.
+        file_len: u64,
+    },
 }
 
 impl InputSlice {
     /// Number of input rows the planner counted in this slice.
     pub fn rows(&self) -> u64 {
         match self {
-            InputSlice::CsvRange { rows, .. } => *rows,
+            InputSlice::CsvRange { rows, .. } | InputSlice::JsonlRange { rows, .. } => *rows,
         }
     }
 
     /// The input file this slice reads.
     pub fn path(&self) -> &str {
         match self {
-            InputSlice::CsvRange { path, .. } => path,
+            InputSlice::CsvRange { path, .. } | InputSlice::JsonlRange { path, .. } => path,
         }
     }
 }
@@ -106,6 +122,18 @@ pub struct TaskSpec {
     /// 0 = none. A redelivered item resumes after its last checkpoint.
     #[serde(default)]
     pub checkpoint_rows: u32,
+    /// Keys of the id and the features, for JSON Lines input (absent for CSV).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jsonl: Option<JsonLayout>,
+}
+
+/// Which keys of a JSON Lines record hold the id and the features.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JsonLayout {
+    /// Key of the id (a string or a number).
+    pub id_key: String,
+    /// Keys of the features (numbers), in model input order.
+    pub feature_keys: Vec<String>,
 }
 
 /// What a bad row does to its item.
@@ -375,6 +403,7 @@ pub(crate) fn sample_item() -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
+            jsonl: None,
         },
     }
 }
@@ -388,6 +417,29 @@ mod tests {
         let env = Envelope::V1(sample_item());
         let bytes = env.encode();
         assert_eq!(Envelope::decode(&bytes).unwrap(), env);
+    }
+
+    #[test]
+    fn json_lines_items_round_trip_and_csv_items_carry_no_json_layout() {
+        let mut item = sample_item();
+        item.input = InputSlice::JsonlRange {
+            path: "/data/in.jsonl".into(),
+            start: 0,
+            end: 40,
+            first_line: 1,
+            rows: 2,
+            file_len: 40,
+        };
+        item.task.jsonl = Some(JsonLayout {
+            id_key: "id".into(),
+            feature_keys: vec!["a".into(), "b".into()],
+        });
+        let env = Envelope::V1(item);
+        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
+        // A CSV item's encoding has no `jsonl` key at all (job ids hash the task).
+        let csv: serde_json::Value =
+            rmp_serde::from_slice(&Envelope::V1(sample_item()).encode()).unwrap();
+        assert!(csv["V1"]["task"].get("jsonl").is_none());
     }
 
     #[test]

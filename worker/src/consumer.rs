@@ -709,8 +709,11 @@ async fn process(
         }
         (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
     } else {
-        let (slice, layout, on_bad_row) =
-            (item.input.clone(), item.task.csv.clone(), policy.on_bad_row);
+        let (slice, layout, on_bad_row) = (
+            item.input.clone(),
+            reader::Layout::of(&item.task),
+            policy.on_bad_row,
+        );
         let read_started = Instant::now();
         let mut batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
         metrics::histogram!(names::WORKER_READ).record(read_started.elapsed().as_secs_f64());

@@ -1,11 +1,12 @@
-//! Reads the rows of a work item: a CSV byte range parsed straight into one
-//! contiguous row-major `f32` buffer (what libtorch takes) plus the row ids.
+//! Reads the rows of a work item: a CSV or JSON Lines byte range parsed
+//! straight into one contiguous row-major `f32` buffer (what libtorch takes)
+//! plus the row ids.
 //!
 //! The item's bytes are read into memory once (items are megabytes), so a
 //! rejected row can be reported with its exact raw text and line.
 
 use crate::error::ItemError;
-use batchfleet_shared::message::{CsvLayout, InputSlice, OnBadRow};
+use batchfleet_shared::message::{CsvLayout, InputSlice, JsonLayout, OnBadRow, TaskSpec};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -102,15 +103,38 @@ fn raw_text(raw: &[u8], (start, end): (usize, usize)) -> String {
         .to_owned()
 }
 
+/// Where a task's id and features are in a record.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Layout {
+    /// CSV fields by index.
+    Csv(CsvLayout),
+    /// JSON Lines keys.
+    Jsonl(JsonLayout),
+}
+
+impl Layout {
+    /// The layout of `task`'s input.
+    pub fn of(task: &TaskSpec) -> Self {
+        match &task.jsonl {
+            Some(j) => Layout::Jsonl(j.clone()),
+            None => Layout::Csv(task.csv.clone()),
+        }
+    }
+}
+
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.
-pub fn read(
-    slice: &InputSlice,
-    layout: &CsvLayout,
-    on_bad_row: OnBadRow,
-) -> Result<Batch, ItemError> {
+pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
     match slice {
         InputSlice::CsvRange {
+            path,
+            start,
+            end,
+            first_line,
+            rows,
+            file_len,
+        }
+        | InputSlice::JsonlRange {
             path,
             start,
             end,
@@ -131,7 +155,19 @@ pub fn read(
             file.take(end - start)
                 .read_to_end(&mut raw)
                 .map_err(|e| io_error(path, e))?;
-            let batch = parse_csv(raw, layout, path, *first_line, *rows as usize, on_bad_row)?;
+            let batch = match (slice, layout) {
+                (InputSlice::CsvRange { .. }, Layout::Csv(l)) => {
+                    parse_csv(raw, l, path, *first_line, *rows as usize, on_bad_row)?
+                }
+                (InputSlice::JsonlRange { .. }, Layout::Jsonl(l)) => {
+                    parse_jsonl(raw, l, path, *first_line, *rows as usize, on_bad_row)?
+                }
+                _ => {
+                    return Err(ItemError::poison(format!(
+                        "{path}: the item's input format and its task's column layout disagree; the message is malformed"
+                    )))
+                }
+            };
             let seen = (batch.rows() + batch.rejects.len()) as u64;
             if seen != *rows {
                 return Err(ItemError::poison(format!(
@@ -229,6 +265,79 @@ pub fn parse_csv(
     Ok(batch)
 }
 
+/// Parses JSON Lines records (blank lines skipped) held in `raw` into a
+/// batch. `first_line` is the file line where `raw` starts, for messages.
+pub fn parse_jsonl(
+    raw: Vec<u8>,
+    layout: &JsonLayout,
+    path: &str,
+    first_line: u64,
+    expected_rows: usize,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
+    let cols = layout.feature_keys.len();
+    let mut batch = Batch::with_capacity(cols, expected_rows);
+    batch.file = path.to_owned();
+    let mut row = vec![0f32; cols];
+    let mut line = first_line;
+    let mut pos = 0;
+    while pos < raw.len() {
+        let end = memchr::memchr(b'\n', &raw[pos..]).map_or(raw.len(), |i| pos + i + 1);
+        let text = raw[pos..end].trim_ascii();
+        if !text.is_empty() {
+            match parse_json_record(text, layout, &mut row) {
+                Ok(id) => batch.push_row(&id, &row, line, (pos, end)),
+                Err(reason) => match on_bad_row {
+                    OnBadRow::FailItem => {
+                        return Err(ItemError::poison(format!("{path} line {line}: {reason}")))
+                    }
+                    OnBadRow::Reject => batch.rejects.push(Reject {
+                        file: path.to_owned(),
+                        line,
+                        raw: raw_text(&raw, (pos, end)),
+                        reason,
+                        stage: "parse".into(),
+                    }),
+                },
+            }
+        }
+        line += 1;
+        pos = end;
+    }
+    batch.raw = raw;
+    Ok(batch)
+}
+
+/// The id of one JSON object, its features written into `row`.
+fn parse_json_record(text: &[u8], layout: &JsonLayout, row: &mut [f32]) -> Result<String, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err("not a JSON object".into());
+    };
+    let id = match map.get(&layout.id_key) {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Number(n)) => n.to_string(),
+        Some(other) => {
+            return Err(format!(
+                "id \"{}\" is neither a string nor a number: {other}",
+                layout.id_key
+            ))
+        }
+        None => return Err(format!("no key \"{}\" (the id)", layout.id_key)),
+    };
+    for (slot, key) in row.iter_mut().zip(&layout.feature_keys) {
+        *slot = match map.get(key) {
+            // As for CSV: the correctly rounded f64, then f32.
+            Some(serde_json::Value::Number(n)) => n.as_f64().map(|v| v as f32),
+            Some(_) => None,
+            None => return Err(format!("no key \"{key}\" (a feature)")),
+        }
+        .ok_or_else(|| format!("\"{key}\" is not a number: {}", map[key]))?;
+    }
+    Ok(id)
+}
+
 fn parse_record<'r>(
     rec: &'r csv::ByteRecord,
     layout: &CsvLayout,
@@ -313,6 +422,83 @@ mod tests {
             id_column: 1,
             feature_columns: vec![3, 0],
         }
+    }
+
+    fn json_layout() -> JsonLayout {
+        JsonLayout {
+            id_key: "id".into(),
+            feature_keys: vec!["b".into(), "a".into()],
+        }
+    }
+
+    #[test]
+    fn json_lines_parse_by_key_and_bad_records_are_rejected_with_their_line() {
+        let data = concat!(
+            "{\"a\": 1.5, \"id\": \"x\", \"b\": -2, \"extra\": [1]}\n",
+            "\n",
+            "{\"id\": 7, \"a\": 0.1, \"b\": 1e3}\r\n",
+            "{\"id\": \"m\", \"a\": 1}\n",
+            "{\"id\": \"s\", \"a\": \"1\", \"b\": 2}\n",
+            "[1, 2]\n",
+            "{\"id\": \"t\", \"a\": 3, \"b\": 4\n",
+            "{\"id\": \"z\", \"a\": 0.30000001192092896, \"b\": 5}",
+        );
+        let b = parse_jsonl(
+            data.as_bytes().to_vec(),
+            &json_layout(),
+            "in.jsonl",
+            10,
+            7,
+            OnBadRow::Reject,
+        )
+        .unwrap();
+        assert_eq!(b.rows(), 3);
+        assert_eq!((b.id(0), b.id(1), b.id(2)), ("x", "7", "z"));
+        // Features in the layout's key order (b, a), as f64 then f32.
+        assert_eq!(
+            b.features,
+            vec![
+                -2.0,
+                1.5,
+                1000.0,
+                0.1_f64 as f32,
+                5.0,
+                0.30000001192092896_f64 as f32
+            ]
+        );
+        let rejected: Vec<(u64, &str)> = b
+            .rejects
+            .iter()
+            .map(|r| (r.line, r.reason.as_str()))
+            .collect();
+        assert_eq!(rejected.len(), 4, "{rejected:?}");
+        assert_eq!(rejected[0], (13, "no key \"b\" (a feature)"));
+        assert_eq!(rejected[1], (14, "\"a\" is not a number: \"1\""));
+        assert_eq!(rejected[2], (15, "not a JSON object"));
+        assert!(
+            rejected[3].0 == 16 && rejected[3].1.starts_with("not valid JSON"),
+            "{rejected:?}"
+        );
+        assert_eq!(b.rejects[2].raw, "[1, 2]");
+        assert!(b
+            .rejects
+            .iter()
+            .all(|r| r.stage == "parse" && r.file == "in.jsonl"));
+        // Failing the item instead names the file and line.
+        let err = parse_jsonl(
+            data.as_bytes().to_vec(),
+            &json_layout(),
+            "in.jsonl",
+            10,
+            7,
+            OnBadRow::FailItem,
+        )
+        .unwrap_err();
+        assert!(
+            err.message.contains("in.jsonl line 13: no key \"b\""),
+            "{}",
+            err.message
+        );
     }
 
     fn parse(data: &str, first_line: u64, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
@@ -440,11 +626,21 @@ mod tests {
             rows,
             file_len,
         };
-        let b = read(&slice(1, content.len() as u64), &layout(), OnBadRow::Reject).unwrap();
+        let b = read(
+            &slice(1, content.len() as u64),
+            &Layout::Csv(layout()),
+            OnBadRow::Reject,
+        )
+        .unwrap();
         assert_eq!((b.id(0), b.features.as_slice()), ("b", &[4.0, 3.0][..]));
-        let err = read(&slice(2, content.len() as u64), &layout(), OnBadRow::Reject).unwrap_err();
+        let err = read(
+            &slice(2, content.len() as u64),
+            &Layout::Csv(layout()),
+            OnBadRow::Reject,
+        )
+        .unwrap_err();
         assert!(err.message.contains("planner counted 2"), "{}", err.message);
-        let err = read(&slice(1, 5), &layout(), OnBadRow::Reject).unwrap_err();
+        let err = read(&slice(1, 5), &Layout::Csv(layout()), OnBadRow::Reject).unwrap_err();
         assert!(err.message.contains("input changed"), "{}", err.message);
     }
 }

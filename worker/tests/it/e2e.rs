@@ -212,3 +212,71 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
 
     env.cleanup(&[&job_id]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_lines_input_scores_every_record_matching_pytorch() {
+    let env = TestEnv::new("jsonl");
+    let gen = JobGen {
+        rows: 12_000,
+        files: 3,
+        features: 8,
+        hidden: 32,
+        outputs: 2,
+        name: batchfleet_loadtest::services::unique("jsonl"),
+        pool: env.pool.clone(),
+        item_rows: 1_500,
+        batch_size: 256,
+        format: "jsonl".into(),
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    // A blank line and a bad record in the middle of a file: skipped and rejected.
+    let file = env.path().join("data/part-01.jsonl");
+    let text = std::fs::read_to_string(&file).expect("data");
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.insert(100, "");
+    lines.insert(200, "{\"id\": \"bad\", \"f0\": \"oops\"}");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("data");
+
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(300),
+        run_job(&env.run_config(), &manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job finished within 5 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed { job_id, report, .. } = outcome else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    assert_eq!(report.status, "completed");
+    assert_eq!(
+        (
+            report.rows_total,
+            report.rows_predicted,
+            report.rows_rejected
+        ),
+        (12_001, 12_000, 1)
+    );
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, 12_000);
+    let rejects: String = std::fs::read_dir(out.join("rejects"))
+        .expect("rejects")
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
+        .map(|e| std::fs::read_to_string(e.path()).expect("rejects file"))
+        .collect();
+    // Line 201 of the file (the blank line 101 counts as a line).
+    assert!(
+        rejects.contains("\"line\":201")
+            && rejects.contains("part-01.jsonl")
+            && rejects.contains("is not a number"),
+        "{rejects}"
+    );
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
