@@ -283,9 +283,12 @@ pub fn parse_jsonl(
     let mut pos = 0;
     while pos < raw.len() {
         let end = memchr::memchr(b'\n', &raw[pos..]).map_or(raw.len(), |i| pos + i + 1);
-        let text = raw[pos..end].trim_ascii();
-        if !text.is_empty() {
-            match parse_json_record(text, layout, &mut row) {
+        let line_text = &raw[pos..end];
+        let line_text = line_text.strip_suffix(b"\n").unwrap_or(line_text);
+        let line_text = line_text.strip_suffix(b"\r").unwrap_or(line_text);
+        // Blank exactly as the planner counts it: a line of spaces is a (bad) record.
+        if !line_text.is_empty() {
+            match parse_json_record(line_text.trim_ascii(), layout, &mut row) {
                 Ok(id) => batch.push_row(&id, &row, line, (pos, end)),
                 Err(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
@@ -441,6 +444,7 @@ mod tests {
             "{\"id\": \"s\", \"a\": \"1\", \"b\": 2}\n",
             "[1, 2]\n",
             "{\"id\": \"t\", \"a\": 3, \"b\": 4\n",
+            "  \n",
             "{\"id\": \"z\", \"a\": 0.30000001192092896, \"b\": 5}",
         );
         let b = parse_jsonl(
@@ -471,7 +475,11 @@ mod tests {
             .iter()
             .map(|r| (r.line, r.reason.as_str()))
             .collect();
-        assert_eq!(rejected.len(), 4, "{rejected:?}");
+        assert_eq!(rejected.len(), 5, "{rejected:?}");
+        assert!(
+            rejected[4].0 == 17 && rejected[4].1.starts_with("not valid JSON"),
+            "{rejected:?}"
+        );
         assert_eq!(rejected[0], (13, "no key \"b\" (a feature)"));
         assert_eq!(rejected[1], (14, "\"a\" is not a number: \"1\""));
         assert_eq!(rejected[2], (15, "not a JSON object"));
