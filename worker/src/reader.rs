@@ -279,6 +279,7 @@ pub fn parse_jsonl(
     let mut batch = Batch::with_capacity(cols, expected_rows);
     batch.file = path.to_owned();
     let mut row = vec![0f32; cols];
+    let mut keys = JsonKeys::new(layout);
     let mut line = first_line;
     let mut pos = 0;
     while pos < raw.len() {
@@ -288,7 +289,7 @@ pub fn parse_jsonl(
         let line_text = line_text.strip_suffix(b"\r").unwrap_or(line_text);
         // Blank exactly as the planner counts it: a line of spaces is a (bad) record.
         if !line_text.is_empty() {
-            match parse_json_record(line_text.trim_ascii(), layout, &mut row) {
+            match keys.record(line_text.trim_ascii(), &mut row) {
                 Ok(id) => batch.push_row(&id, &row, line, (pos, end)),
                 Err(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
@@ -311,8 +312,107 @@ pub fn parse_jsonl(
     Ok(batch)
 }
 
-/// The id of one JSON object, its features written into `row`.
-fn parse_json_record(text: &[u8], layout: &JsonLayout, row: &mut [f32]) -> Result<String, String> {
+/// The keys a JSON Lines reader looks for, and where each goes.
+struct JsonKeys<'a> {
+    layout: &'a JsonLayout,
+    /// Feature key → position in the row.
+    index: std::collections::HashMap<&'a str, usize>,
+    /// Which features the current record has set.
+    seen: Vec<bool>,
+}
+
+impl<'a> JsonKeys<'a> {
+    fn new(layout: &'a JsonLayout) -> Self {
+        Self {
+            layout,
+            index: layout
+                .feature_keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.as_str(), i))
+                .collect(),
+            seen: vec![false; layout.feature_keys.len()],
+        }
+    }
+
+    /// The id of one JSON object, its features written into `row`. Reads
+    /// only the wanted keys straight into `row` and skips the rest; anything
+    /// unusual (a bad record, escaped keys) goes to [`parse_json_value`],
+    /// which gives the same result or names what is wrong.
+    fn record(&mut self, text: &[u8], row: &mut [f32]) -> Result<String, String> {
+        self.seen.iter_mut().for_each(|s| *s = false);
+        let mut de = serde_json::Deserializer::from_slice(text);
+        let fast = serde::de::DeserializeSeed::deserialize(
+            FastRecord {
+                keys: self,
+                row: &mut *row,
+            },
+            &mut de,
+        )
+        .ok()
+        .flatten()
+        .filter(|_| de.end().is_ok());
+        match fast {
+            Some(id) => Ok(id),
+            None => parse_json_value(text, self.layout, row),
+        }
+    }
+}
+
+/// One record read by [`JsonKeys::record`]'s fast path: `None` when a key is missing.
+struct FastRecord<'k, 'a, 'r> {
+    keys: &'k mut JsonKeys<'a>,
+    row: &'r mut [f32],
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for FastRecord<'_, '_, '_> {
+    type Value = Option<String>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for FastRecord<'_, '_, '_> {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut id = None;
+        while let Some(key) = map.next_key::<&'de str>()? {
+            let feature = self.keys.index.get(key).copied();
+            if key == self.keys.layout.id_key {
+                let value = map.next_value::<serde_json::Value>()?;
+                id = match &value {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    serde_json::Value::Number(n) => Some(n.to_string()),
+                    _ => return Ok(None),
+                };
+                if let Some(i) = feature {
+                    let Some(v) = value.as_f64() else {
+                        return Ok(None);
+                    };
+                    self.row[i] = v as f32;
+                    self.keys.seen[i] = true;
+                }
+            } else if let Some(i) = feature {
+                // As for CSV: the correctly rounded f64, then f32.
+                self.row[i] = map.next_value::<f64>()? as f32;
+                self.keys.seen[i] = true;
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(id.filter(|_| self.keys.seen.iter().all(|s| *s)))
+    }
+}
+
+/// [`JsonKeys::record`] through a whole `serde_json::Value`: slower, and
+/// names what is wrong with a bad record.
+fn parse_json_value(text: &[u8], layout: &JsonLayout, row: &mut [f32]) -> Result<String, String> {
     let value: serde_json::Value =
         serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
     let serde_json::Value::Object(map) = value else {
@@ -432,6 +532,43 @@ mod tests {
             id_key: "id".into(),
             feature_keys: vec!["b".into(), "a".into()],
         }
+    }
+
+    #[test]
+    fn the_fast_json_path_agrees_with_the_value_path() {
+        let layout = json_layout();
+        let mut keys = JsonKeys::new(&layout);
+        for text in [
+            r#"{"id": "x", "a": 1.5, "b": -2}"#,
+            r#"{"b": 3, "extra": {"nested": [1, {"a": 9}]}, "a": 2e-3, "id": 12345678901234567890}"#,
+            r#"{"id": "dup", "a": 1, "a": 2, "b": 0.30000001192092896}"#,
+            r#"{"id": "esc"aped", "a": 4, "b": 5}"#,
+            r#"{"id": -3.5, "a": 1, "b": 18446744073709551615}"#,
+            r#"{"id": "x", "a": 1, "b": 2} trailing"#,
+            r#"{"id": null, "a": 1, "b": 2}"#,
+            r#"{"id": "x", "a": true, "b": 2}"#,
+            r#"{"a": 1, "b": 2}"#,
+        ] {
+            let (mut fast_row, mut slow_row) = ([0f32; 2], [0f32; 2]);
+            let fast = keys.record(text.as_bytes(), &mut fast_row);
+            let slow = parse_json_value(text.as_bytes(), &layout, &mut slow_row);
+            assert_eq!(fast, slow, "{text}");
+            if fast.is_ok() {
+                assert_eq!(fast_row, slow_row, "{text}");
+            }
+        }
+        // The id key may be a feature too.
+        let both = JsonLayout {
+            id_key: "a".into(),
+            feature_keys: vec!["a".into(), "b".into()],
+        };
+        let mut keys = JsonKeys::new(&both);
+        let mut row = [0f32; 2];
+        assert_eq!(
+            keys.record(br#"{"a": 7, "b": 1}"#, &mut row),
+            Ok("7".into())
+        );
+        assert_eq!(row, [7.0, 1.0]);
     }
 
     #[test]
