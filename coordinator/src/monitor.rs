@@ -73,15 +73,15 @@ pub async fn follow(
     let mut last_log = Instant::now();
     let mut last = first;
     let mut warned = false;
-    let mut last_supervised: Option<Instant> = None;
+    let mut first_poll = true;
     loop {
         // At once the first time (the supervisor sets its gauges then); near
-        // the end, poll fast so the job's end is seen at once; the supervisor
-        // still runs at most once per poll interval.
+        // the end, poll fast so the job's end is seen at once. The supervisor
+        // throttles itself (`SuperviseConfig::every`), so it is asked each time.
         let remaining = last
             .items_total
             .saturating_sub(last.items_done + last.items_failed);
-        let wait = if last_supervised.is_none() {
+        let wait = if std::mem::take(&mut first_poll) {
             Duration::ZERO
         } else if last.items_total > 0 && remaining <= FAST_POLL_REMAINING {
             cfg.poll_interval.min(FAST_POLL)
@@ -95,10 +95,7 @@ pub async fn follow(
             }
             _ = tokio::time::sleep(wait) => {}
         }
-        if last_supervised.is_none_or(|t| t.elapsed() >= cfg.poll_interval) {
-            supervisor.tick(store).await;
-            last_supervised = Some(Instant::now());
-        }
+        supervisor.tick(store).await;
         let p = match store.progress(job_id).await {
             Ok(p) if p.items_total > 0 => p,
             Ok(_) => continue, // the record is being rebuilt
