@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Creates the project venv (.venv) with the PyTorch whose libtorch the tch crate
-# builds against, unless it is already there with the right version.
+# builds against (plus what test-data generators import), unless it is already
+# there with the right version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.13.0
 
 have_torch() {
   [ -x .venv/bin/python ] && .venv/bin/python - "$TORCH_VERSION" <<'PY' 2>/dev/null
-import sys, torch
+import sys, torch, pyarrow, PIL
 sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
 PY
 }
@@ -25,5 +26,6 @@ if ! python3 -m venv .venv; then
     exit 1
   fi
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+# pyarrow writes Parquet test inputs, Pillow generates and decodes test images.
+.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy pyarrow pillow
 have_torch || { echo "error: torch==$TORCH_VERSION did not import from .venv" >&2; exit 1; }

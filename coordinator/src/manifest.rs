@@ -148,6 +148,9 @@ pub enum InputFormat {
     Csv,
     /// JSON Lines: one JSON object per line; columns are its keys.
     Jsonl,
+    /// Apache Parquet; items are runs of row groups, and only the id and
+    /// feature columns are read.
+    Parquet,
 }
 
 /// `[input]`
@@ -560,7 +563,22 @@ pub fn validate(
             header = wanted.iter().map(|k| (*k).to_owned()).collect();
         }
     }
-    for f in files.iter().filter(|_| !jsonl) {
+    let parquet = m.input.format == InputFormat::Parquet;
+    if parquet {
+        let mut all_there = !files.is_empty();
+        for f in &files {
+            if let Err(e) = check_parquet_columns(f, &m.input.id_column, &features) {
+                all_there = false;
+                problem("[input] paths", format!("{}: {e}", f.display()));
+            }
+        }
+        if all_there {
+            header = std::iter::once(m.input.id_column.clone())
+                .chain(features.iter().cloned())
+                .collect();
+        }
+    }
+    for f in files.iter().filter(|_| !jsonl && !parquet) {
         match read_header(f, delimiter) {
             Err(e) => problem("[input] paths", format!("{}: {e}", f.display())),
             Ok(h) if header.is_empty() => header = h,
@@ -884,6 +902,10 @@ pub fn validate(
             id_key: m.input.id_column.clone(),
             feature_keys: features.clone(),
         }),
+        parquet: parquet.then(|| batchfleet_shared::message::ParquetLayout {
+            id_column: m.input.id_column.clone(),
+            feature_columns: features.clone(),
+        }),
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {
@@ -992,6 +1014,55 @@ pub fn read_jsonl_keys(path: &Path) -> Result<std::collections::HashSet<String>,
         };
     }
     Err("is empty; a JSON Lines input needs at least one record".into())
+}
+
+/// Checks that a Parquet file's schema has the id column (string or
+/// integer) and every feature column (numeric), naming what is missing or
+/// of the wrong type.
+pub fn check_parquet_columns(path: &Path, id: &str, features: &[String]) -> Result<(), String> {
+    use batchfleet_shared::columns::{is_feature_type, is_id_type};
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let meta = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, Default::default())
+        .map_err(|e| format!("is not a readable Parquet file: {e}"))?;
+    let schema = meta.schema();
+    let mut wrong = Vec::new();
+    let mut missing = Vec::new();
+    for (name, is_id) in
+        std::iter::once((id, true)).chain(features.iter().map(|f| (f.as_str(), false)))
+    {
+        match schema.field_with_name(name) {
+            Err(_) => missing.push(name),
+            Ok(f) if is_id && !is_id_type(f.data_type()) => wrong.push(format!(
+                "id column {name} is {} (use a string or integer column)",
+                f.data_type()
+            )),
+            Ok(f) if !is_id && !is_feature_type(f.data_type()) => wrong.push(format!(
+                "feature column {name} is {} (features must be integers or floats)",
+                f.data_type()
+            )),
+            Ok(_) => {}
+        }
+    }
+    if !missing.is_empty() {
+        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        let shown = if names.len() > 12 {
+            format!("{}, … {} in all", names[..10].join(", "), names.len())
+        } else {
+            names.join(", ")
+        };
+        wrong.insert(
+            0,
+            format!(
+                "has no column {} (columns: {shown}); fix the names (they are case-sensitive)",
+                missing.join(", ")
+            ),
+        );
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(wrong.join("; "))
+    }
 }
 
 /// Checks a model file exists and is a TorchScript archive (a zip file).
@@ -1139,6 +1210,57 @@ dir = "out"
                 && err.contains("c.jsonl: line 1 is not valid JSON"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn parquet_input_needs_typed_columns_in_every_file() {
+        use batchfleet_loadtest::fixtures::{f64_column, string_column, write_parquet};
+        let fx = Fixture::new();
+        let one = || f64_column([Some(0.5)]);
+        let write = |name: &str, cols: Vec<(&str, arrow_array::ArrayRef)>| {
+            write_parquet(&fx.dir.path().join("data").join(name), cols, 10).unwrap()
+        };
+        let id = || string_column([Some("1")]);
+        write(
+            "a.parquet",
+            vec![("id", id()), ("f0", one()), ("f1", one()), ("f2", one())],
+        );
+        write(
+            "b.parquet",
+            vec![
+                ("f2", one()),
+                ("f1", one()),
+                ("f0", one()),
+                ("id", id()),
+                ("x", id()),
+            ],
+        );
+        let manifest = GOOD
+            .replace("format = \"csv\"", "format = \"parquet\"")
+            .replace("data/*.csv", "data/*.parquet");
+        let spec = fx.load(&manifest).unwrap();
+        assert_eq!(spec.files.len(), 2);
+        let layout = spec.task.parquet.as_ref().expect("a Parquet layout");
+        assert_eq!(
+            (layout.id_column.as_str(), layout.feature_columns.len()),
+            ("id", 3)
+        );
+        assert!(spec.task.jsonl.is_none());
+        // Missing columns, a text feature and a float id are each named with the file.
+        write(
+            "b.parquet",
+            vec![("id", one()), ("f0", id()), ("f1", one())],
+        );
+        fs::write(fx.dir.path().join("data/c.parquet"), "id,f0\n").unwrap();
+        let err = problems(fx.load(&manifest));
+        for want in [
+            "b.parquet: has no column f2",
+            "id column id is Float64 (use a string or integer column)",
+            "feature column f0 is Utf8 (features must be integers or floats)",
+            "c.parquet: is not a readable Parquet file",
+        ] {
+            assert!(err.contains(want), "{want} not in {err}");
+        }
     }
 
     #[test]

@@ -8,6 +8,10 @@
 //! machine-written CSV — is cut by searching for line ends alone (`memchr`,
 //! several GB/s); any other file goes through the full CSV parser. Both give
 //! the same ranges (a test checks them against each other).
+//!
+//! JSON Lines files are cut at line ends the same way. Parquet files are cut
+//! at row-group boundaries from the footer alone (no data is read): runs of
+//! consecutive row groups of about the item size each.
 
 use crate::manifest::{ItemSizing, JobSpec};
 use batchfleet_shared::message::{Envelope, InputSlice, WorkItem};
@@ -54,8 +58,8 @@ impl Plan {
     }
 }
 
-/// One file's length and ranges, or why it could not be planned.
-type FilePlan = Result<(u64, Vec<Range>), PlanError>;
+/// One file's slices, or why it could not be planned.
+type FilePlan = Result<Vec<InputSlice>, PlanError>;
 
 /// Plans every input file of a job, files scanned in parallel (one thread
 /// per core) and numbered in file order, so the plan is the same every time.
@@ -77,33 +81,50 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
                 let Some(path) = spec.files.get(i) else {
                     return;
                 };
-                let result = std::fs::metadata(path)
-                    .map_err(|e| err(path, e))
-                    .and_then(|m| {
-                        let ranges = if spec.task.jsonl.is_some() {
-                            plan_jsonl(path, spec.sizing)?
-                        } else {
-                            plan_csv(path, spec.task.csv.delimiter, spec.sizing)?
-                        };
-                        Ok((m.len(), ranges))
-                    });
+                let result = plan_one(spec, path);
                 *per_file[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
             });
         }
     });
     let mut items = Vec::new();
     let mut rows_total = 0;
-    for (path, slot) in spec.files.iter().zip(per_file) {
-        let (file_len, ranges) = slot
+    for slot in per_file {
+        let slices = slot
             .into_inner()
             .unwrap_or_else(|p| p.into_inner())
             .expect("every file was planned")?;
-        for range in ranges {
-            rows_total += range.rows;
-            let path = path.to_string_lossy().into_owned();
-            let (start, end, first_line, rows) =
-                (range.start, range.end, range.first_line, range.rows);
-            let input = if spec.task.jsonl.is_some() {
+        for input in slices {
+            rows_total += input.rows();
+            items.push(WorkItem {
+                job_id: spec.job_id.clone(),
+                seq: items.len() as u32,
+                input,
+                task: spec.task.clone(),
+            });
+        }
+    }
+    Ok(Plan { items, rows_total })
+}
+
+/// The slices of one input file, in the job's input format.
+fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
+    let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
+    let name = path.to_string_lossy().into_owned();
+    if spec.task.parquet.is_some() {
+        return plan_parquet(path, spec.sizing);
+    }
+    let jsonl = spec.task.jsonl.is_some();
+    let ranges = if jsonl {
+        plan_jsonl(path, spec.sizing)?
+    } else {
+        plan_csv(path, spec.task.csv.delimiter, spec.sizing)?
+    };
+    Ok(ranges
+        .into_iter()
+        .map(|r| {
+            let (path, start, end, first_line, rows) =
+                (name.clone(), r.start, r.end, r.first_line, r.rows);
+            if jsonl {
                 InputSlice::JsonlRange {
                     path,
                     start,
@@ -121,16 +142,80 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
                     rows,
                     file_len,
                 }
-            };
-            items.push(WorkItem {
-                job_id: spec.job_id.clone(),
-                seq: items.len() as u32,
-                input,
-                task: spec.task.clone(),
-            });
+            }
+        })
+        .collect())
+}
+
+/// Splits a sequence of weights into consecutive runs of about `per_run`
+/// in total each, never splitting one element: `n = ⌈total / per_run⌉` runs
+/// at most, the k-th ending at the first element that reaches `k/n` of the
+/// total. An element heavier than `per_run` is a run of its own.
+pub fn even_runs(weights: &[u64], per_run: u64) -> Vec<std::ops::Range<usize>> {
+    let total: u128 = weights.iter().map(|w| u128::from(*w)).sum();
+    let n = total.div_ceil(u128::from(per_run.max(1))).max(1);
+    let mut runs = Vec::new();
+    let (mut start, mut acc, mut k) = (0, 0u128, 1u128);
+    for (i, w) in weights.iter().enumerate() {
+        if i > start && k < n && acc >= total * k / n {
+            runs.push(start..i);
+            start = i;
+            while k < n && acc >= total * k / n {
+                k += 1;
+            }
         }
+        acc += u128::from(*w);
     }
-    Ok(Plan { items, rows_total })
+    if start < weights.len() {
+        runs.push(start..weights.len());
+    }
+    runs
+}
+
+/// Cuts one Parquet file into runs of consecutive row groups, from its
+/// footer: about `item_rows` rows or `item_bytes` compressed bytes each.
+/// Row groups with no rows are skipped; a file with none has no items.
+pub fn plan_parquet(path: &Path, sizing: ItemSizing) -> Result<Vec<InputSlice>, PlanError> {
+    use parquet::file::reader::FileReader;
+    let file = File::open(path).map_err(|e| err(path, e))?;
+    let file_len = file.metadata().map_err(|e| err(path, e))?.len();
+    let reader = parquet::file::reader::SerializedFileReader::new(file)
+        .map_err(|e| err(path, format!("not a readable Parquet file: {e}")))?;
+    let groups = reader.metadata().row_groups();
+    let rows: Vec<u64> = groups.iter().map(|g| g.num_rows().max(0) as u64).collect();
+    let (weights, per_run): (Vec<u64>, u64) = match sizing {
+        ItemSizing::Rows(n) => (rows.clone(), n),
+        ItemSizing::Bytes(n) => (
+            groups
+                .iter()
+                .map(|g| g.compressed_size().max(0) as u64)
+                .collect(),
+            n,
+        ),
+    };
+    let mut first_row = 0;
+    let mut slices = Vec::new();
+    let mut row_starts = Vec::with_capacity(rows.len());
+    for r in &rows {
+        row_starts.push(first_row);
+        first_row += r;
+    }
+    for run in even_runs(&weights, per_run) {
+        // Trim empty row groups off both ends; a run of only empty ones is dropped.
+        let Some(a) = run.clone().find(|&g| rows[g] > 0) else {
+            continue;
+        };
+        let b = run.clone().rev().find(|&g| rows[g] > 0).unwrap_or(a);
+        slices.push(InputSlice::ParquetRowGroups {
+            path: path.to_string_lossy().into_owned(),
+            first_group: a as u32,
+            groups: (b - a + 1) as u32,
+            first_row: row_starts[a],
+            rows: rows[a..=b].iter().sum(),
+            file_len,
+        });
+    }
+    Ok(slices)
 }
 
 /// A small valid work item, for tests and examples of the wire format.
@@ -170,6 +255,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
             jsonl: None,
+            parquet: None,
         },
     }
 }
@@ -641,6 +727,97 @@ mod tests {
         let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
         assert!(max - min <= 20, "uneven items: {sizes:?}");
         assert_eq!(records_of(&content, &ranges).concat().len(), 1000);
+    }
+
+    #[test]
+    fn even_runs_never_split_an_element_and_cover_all() {
+        assert_eq!(even_runs(&[10; 8], 20), vec![0..2, 2..4, 4..6, 6..8]);
+        // ⌈80 / 25⌉ = 4 runs: as even as the budget allows, not 25 + 25 + 25 + 5.
+        assert_eq!(even_runs(&[10; 8], 25), vec![0..2, 2..4, 4..6, 6..8]);
+        // A heavy element is a run of its own; the rest still balance.
+        assert_eq!(even_runs(&[1, 100, 1, 1, 1, 1], 50), vec![0..2, 2..6]);
+        assert_eq!(even_runs(&[5, 5], 1000), vec![0..2]);
+        assert!(even_runs(&[], 10).is_empty());
+        assert_eq!(even_runs(&[0, 0, 0], 10), vec![0..3]);
+        for (n, per) in [(97usize, 7u64), (1000, 333), (13, 1)] {
+            let w: Vec<u64> = (0..n as u64).map(|i| 1 + i % 5).collect();
+            let runs = even_runs(&w, per);
+            assert_eq!(runs.first().unwrap().start, 0);
+            assert_eq!(runs.last().unwrap().end, n);
+            assert!(runs
+                .windows(2)
+                .all(|p| p[0].end == p[1].start && p[0].start < p[0].end));
+            let total: u64 = w.iter().sum();
+            assert!(runs.len() as u64 <= total.div_ceil(per));
+        }
+    }
+
+    fn parquet_file(rows: usize, group: usize) -> (tempfile::TempDir, PathBuf) {
+        use batchfleet_loadtest::fixtures::{f64_column, string_column, write_parquet};
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("in.parquet");
+        let ids: Vec<Option<String>> = (0..rows).map(|i| Some(format!("r{i}"))).collect();
+        let x = f64_column((0..rows).map(|i| Some(i as f64)));
+        write_parquet(&p, vec![("id", string_column(ids)), ("x", x)], group).unwrap();
+        (dir, p)
+    }
+
+    fn groups_of(slices: &[InputSlice]) -> Vec<(u32, u32, u64, u64)> {
+        slices
+            .iter()
+            .map(|s| match s {
+                InputSlice::ParquetRowGroups {
+                    first_group,
+                    groups,
+                    first_row,
+                    rows,
+                    ..
+                } => (*first_group, *groups, *first_row, *rows),
+                other => panic!("not a Parquet slice: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parquet_items_are_runs_of_row_groups_from_the_footer() {
+        // 10 groups of 100 rows and one of 50.
+        let (_d, p) = parquet_file(1050, 100);
+        let by_rows = groups_of(&plan_parquet(&p, ItemSizing::Rows(300)).unwrap());
+        assert_eq!(
+            by_rows,
+            vec![
+                (0, 3, 0, 300),
+                (3, 3, 300, 300),
+                (6, 2, 600, 200),
+                (8, 3, 800, 250)
+            ]
+        );
+        // Smaller than a row group: one group per item, never a split group.
+        let single = groups_of(&plan_parquet(&p, ItemSizing::Rows(10)).unwrap());
+        assert_eq!(single.len(), 11);
+        assert_eq!(single[10], (10, 1, 1000, 50));
+        // By compressed bytes: about as many items as the budget asks.
+        let len = std::fs::metadata(&p).unwrap().len();
+        let by_bytes = plan_parquet(&p, ItemSizing::Bytes(len / 4)).unwrap();
+        assert!((3..=6).contains(&by_bytes.len()), "{by_bytes:?}");
+        assert_eq!(by_bytes.iter().map(InputSlice::rows).sum::<u64>(), 1050);
+        assert!(by_bytes.iter().all(|s| match s {
+            InputSlice::ParquetRowGroups { file_len, .. } => *file_len == len,
+            _ => false,
+        }));
+    }
+
+    #[test]
+    fn empty_parquet_files_have_no_items_and_garbage_is_named() {
+        let (_d, p) = parquet_file(0, 100);
+        assert!(plan_parquet(&p, ItemSizing::Rows(10)).unwrap().is_empty());
+        let (_d2, bad) = file("id,x\n1,2\n");
+        let e = plan_parquet(&bad, ItemSizing::Rows(10)).unwrap_err();
+        assert!(
+            e.to_string().contains("in.csv")
+                && e.to_string().contains("not a readable Parquet file"),
+            "{e}"
+        );
     }
 
     #[test]

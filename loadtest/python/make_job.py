@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate a batchfleet job: CSV or JSON Lines input files, a TorchScript MLP, golden predictions and a manifest.
+"""Generate a batchfleet job: CSV, JSON Lines or Parquet input files, a TorchScript MLP, golden predictions and a manifest.
 
 The golden file holds what PyTorch itself computes for every row, from the
 same text the input files contain, so a batchfleet run can be checked row by row.
@@ -7,10 +7,13 @@ same text the input files contain, so a batchfleet run can be checked row by row
     python make_job.py --out DIR [--rows N] [--files K] [--features F]
                        [--hidden H] [--outputs O] [--seed S] [--name NAME] [--pool POOL]
                        [--item-rows N] [--batch-size B] [--checkpoint-every K]
-                       [--format csv|jsonl]
+                       [--format csv|jsonl|parquet] [--row-group-rows N]
 
-Writes DIR/data/part-XX.csv (header: id,f0..f{F-1}) or DIR/data/part-XX.jsonl
-(one object per line: "id" and "f0".."f{F-1}" as JSON numbers), DIR/model.pt,
+Writes DIR/data/part-XX.csv (header: id,f0..f{F-1}), DIR/data/part-XX.jsonl
+(one object per line: "id" and "f0".."f{F-1}" as JSON numbers) or
+DIR/data/part-XX.parquet (columns id (string), f0..f{F-1} (even ones float64,
+odd ones float32) and an unused "note" string column; row groups of
+--row-group-rows rows, default a quarter of --item-rows), DIR/model.pt,
 DIR/golden.csv (id plus score or score_0..), DIR/job.toml (output to DIR/out).
 """
 import argparse
@@ -44,6 +47,19 @@ def score_columns(outputs: int):
     return ["score"] if outputs == 1 else [f"score_{i}" for i in range(outputs)]
 
 
+def write_parquet(path, header, ids, text, row_group_rows):
+    """The same values as the CSV text, as numbers (float(text), then float32 for odd columns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"id": pa.array(ids, type=pa.string())}
+    for j, name in enumerate(header[1:]):
+        values = [float(row[j]) for row in text]
+        columns[name] = pa.array(values, type=pa.float32() if j % 2 else pa.float64())
+    columns["note"] = pa.array([f"not read {i}" for i in ids], type=pa.string())
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_rows, compression="snappy")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -60,7 +76,8 @@ def main() -> None:
     ap.add_argument("--poison-rows", default="", help="global row numbers whose f0 becomes -999 (make_faulty_models.py's poison sentinel)")
     ap.add_argument("--hang-rows", default="", help="global row numbers whose f0 becomes -777 (the hang sentinel)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="[batching] checkpoint_every in the manifest (default: unset)")
-    ap.add_argument("--format", choices=["csv", "jsonl"], default="csv", help="input file format")
+    ap.add_argument("--format", choices=["csv", "jsonl", "parquet"], default="csv", help="input file format")
+    ap.add_argument("--row-group-rows", type=int, default=None, help="Parquet row group size (default: item rows / 4)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -84,7 +101,10 @@ def main() -> None:
                 text[r][0] = sentinels[next_id + r]
         ids = [f"r{next_id + i:08d}" for i in range(n)]
         next_id += n
-        if args.format == "jsonl":
+        if args.format == "parquet":
+            write_parquet(os.path.join(args.out, "data", f"part-{f:02d}.parquet"), header, ids, text,
+                          args.row_group_rows or max(1, args.item_rows // 4))
+        elif args.format == "jsonl":
             with open(os.path.join(args.out, "data", f"part-{f:02d}.jsonl"), "w") as fh:
                 for i, row in zip(ids, text):
                     # The numbers' text verbatim, as JSON numbers.

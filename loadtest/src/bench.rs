@@ -41,7 +41,7 @@ pub struct BenchConfig {
     pub dir: Option<PathBuf>,
     /// Write the figures here as JSON.
     pub json: Option<PathBuf>,
-    /// Input formats of the small-model job beyond CSV (`jsonl`), run on
+    /// Input formats of the small-model job beyond CSV (`jsonl`, `parquet`), run on
     /// the same rows for rows/s per format side by side.
     pub formats: Vec<String>,
 }

@@ -7,9 +7,11 @@
 //! # Layout
 //! - [`verify`]: checks a job's output folder against golden predictions
 //!   (every id exactly once, every score within tolerance) — the INV-ROWS check.
+//! - [`fixtures`]: small input files written from Rust (Parquet with chosen row groups).
 //! - [`python`]: runs the project's Python generator (`loadtest/python/make_job.py`).
 //! - [`services`]: makes sure local RabbitMQ and Redis are up; unique test names.
 
+pub mod fixtures;
 pub mod python;
 pub mod services;
 pub mod verify;

@@ -132,7 +132,7 @@ enum Command {
         json: Option<PathBuf>,
         /// Input formats to run the small-model job in besides CSV, on the
         /// same rows (rows/s per format side by side); empty for none.
-        #[arg(long, value_delimiter = ',', default_value = "jsonl")]
+        #[arg(long, value_delimiter = ',', default_value = "jsonl,parquet")]
         formats: Vec<String>,
     },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.

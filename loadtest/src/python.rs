@@ -55,7 +55,7 @@ pub struct JobGen {
     pub hang_rows: Vec<u64>,
     /// `checkpoint_every` in the manifest (unset: the default).
     pub checkpoint_every: Option<u32>,
-    /// Input format: `csv` or `jsonl`.
+    /// Input format: `csv`, `jsonl` or `parquet`.
     pub format: String,
 }
 

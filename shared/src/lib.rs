@@ -7,6 +7,7 @@
 //!   only counts a message as sent once the broker confirmed it.
 //! - [`store`]: the Redis keys of a job (record, done set, per-item stats) and the
 //!   atomic "first commit wins" script that keeps counters exact under redelivery.
+//! - [`columns`]: the Arrow column types a Parquet input may use.
 //! - [`config`]: the command-line flags both binaries share.
 //! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
 //! - [`fsutil`]: file digests and atomic publication of output files.
@@ -14,6 +15,7 @@
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
 
 pub mod broker;
+pub mod columns;
 pub mod config;
 pub mod fsutil;
 pub mod message;

@@ -86,20 +86,40 @@ pub enum InputSlice {
         /// File length when planned; a different length means the file changed.
         file_len: u64,
     },
+    /// Consecutive row groups `[first_group, first_group + groups)` of a
+    /// Parquet file; only the task's id and feature columns are read.
+    ParquetRowGroups {
+        /// Absolute path of the file.
+        path: String,
+        /// Index of the first row group.
+        first_group: u32,
+        /// Number of row groups.
+        groups: u32,
+        /// 0-based index in the file of the first row, for error messages.
+        first_row: u64,
+        /// Rows in the row groups, from the file's metadata.
+        rows: u64,
+        /// File length when planned; a different length means the file changed.
+        file_len: u64,
+    },
 }
 
 impl InputSlice {
     /// Number of input rows the planner counted in this slice.
     pub fn rows(&self) -> u64 {
         match self {
-            InputSlice::CsvRange { rows, .. } | InputSlice::JsonlRange { rows, .. } => *rows,
+            InputSlice::CsvRange { rows, .. }
+            | InputSlice::JsonlRange { rows, .. }
+            | InputSlice::ParquetRowGroups { rows, .. } => *rows,
         }
     }
 
     /// The input file this slice reads.
     pub fn path(&self) -> &str {
         match self {
-            InputSlice::CsvRange { path, .. } | InputSlice::JsonlRange { path, .. } => path,
+            InputSlice::CsvRange { path, .. }
+            | InputSlice::JsonlRange { path, .. }
+            | InputSlice::ParquetRowGroups { path, .. } => path,
         }
     }
 }
@@ -125,6 +145,18 @@ pub struct TaskSpec {
     /// Keys of the id and the features, for JSON Lines input (absent for CSV).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub jsonl: Option<JsonLayout>,
+    /// Names of the id and feature columns, for Parquet input (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parquet: Option<ParquetLayout>,
+}
+
+/// Which columns of a Parquet file hold the id and the features.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParquetLayout {
+    /// Column of the id (string or integer).
+    pub id_column: String,
+    /// Columns of the features (numeric), in model input order.
+    pub feature_columns: Vec<String>,
 }
 
 /// Which keys of a JSON Lines record hold the id and the features.
@@ -404,6 +436,7 @@ pub(crate) fn sample_item() -> WorkItem {
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
             jsonl: None,
+            parquet: None,
         },
     }
 }
@@ -440,6 +473,28 @@ mod tests {
         let csv: serde_json::Value =
             rmp_serde::from_slice(&Envelope::V1(sample_item()).encode()).unwrap();
         assert!(csv["V1"]["task"].get("jsonl").is_none());
+        assert!(csv["V1"]["task"].get("parquet").is_none());
+    }
+
+    #[test]
+    fn parquet_items_round_trip() {
+        let mut item = sample_item();
+        item.input = InputSlice::ParquetRowGroups {
+            path: "/data/in.parquet".into(),
+            first_group: 4,
+            groups: 2,
+            first_row: 40_000,
+            rows: 20_000,
+            file_len: 1 << 20,
+        };
+        item.task.parquet = Some(ParquetLayout {
+            id_column: "id".into(),
+            feature_columns: vec!["a".into(), "b".into()],
+        });
+        let env = Envelope::V1(item);
+        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
+        assert_eq!(env.clone().into_item().input.rows(), 20_000);
+        assert_eq!(env.into_item().input.path(), "/data/in.parquet");
     }
 
     #[test]

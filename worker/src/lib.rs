@@ -11,6 +11,7 @@
 //!
 //! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
 
+pub mod columnar;
 pub mod config;
 pub mod consumer;
 pub mod error;

@@ -6,7 +6,9 @@
 //! rejected row can be reported with its exact raw text and line.
 
 use crate::error::ItemError;
-use batchfleet_shared::message::{CsvLayout, InputSlice, JsonLayout, OnBadRow, TaskSpec};
+use batchfleet_shared::message::{
+    CsvLayout, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
+};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -63,7 +65,7 @@ impl Batch {
         self.push_row(id, features, 0, (0, 0));
     }
 
-    fn push_row(&mut self, id: &str, features: &[f32], line: u64, span: (usize, usize)) {
+    pub(crate) fn push_row(&mut self, id: &str, features: &[f32], line: u64, span: (usize, usize)) {
         // `id` may borrow from a record, so it is copied here, once.
         debug_assert_eq!(features.len(), self.cols);
         self.ids.push_str(id);
@@ -84,12 +86,18 @@ impl Batch {
         &self.ids[start..self.id_ends[i]]
     }
 
-    /// A reject record for row `i`, which the model raised on.
+    /// A reject record for row `i`, which the model raised on. Its `raw` is
+    /// the record's text, or the row's id for input with no text (Parquet).
     pub fn model_reject(&self, i: usize, reason: &str) -> Reject {
+        let raw = if self.spans[i].0 == self.spans[i].1 {
+            self.id(i).to_owned()
+        } else {
+            raw_text(&self.raw, self.spans[i])
+        };
         Reject {
             file: self.file.clone(),
             line: self.lines[i],
-            raw: raw_text(&self.raw, self.spans[i]),
+            raw,
             reason: reason.to_owned(),
             stage: "model".into(),
         }
@@ -110,14 +118,17 @@ pub enum Layout {
     Csv(CsvLayout),
     /// JSON Lines keys.
     Jsonl(JsonLayout),
+    /// Parquet column names.
+    Parquet(ParquetLayout),
 }
 
 impl Layout {
     /// The layout of `task`'s input.
     pub fn of(task: &TaskSpec) -> Self {
-        match &task.jsonl {
-            Some(j) => Layout::Jsonl(j.clone()),
-            None => Layout::Csv(task.csv.clone()),
+        match (&task.jsonl, &task.parquet) {
+            (Some(j), _) => Layout::Jsonl(j.clone()),
+            (None, Some(p)) => Layout::Parquet(p.clone()),
+            (None, None) => Layout::Csv(task.csv.clone()),
         }
     }
 }
@@ -125,7 +136,39 @@ impl Layout {
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.
 pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
+    let mismatch = |path: &str| {
+        ItemError::poison(format!(
+            "{path}: the item's input format and its task's column layout disagree; the message is malformed"
+        ))
+    };
     match slice {
+        InputSlice::ParquetRowGroups {
+            path,
+            first_group,
+            groups,
+            first_row,
+            rows,
+            file_len,
+        } => {
+            let Layout::Parquet(layout) = layout else {
+                return Err(mismatch(path));
+            };
+            let at = crate::columnar::RowGroups {
+                path,
+                first_group: *first_group,
+                groups: *groups,
+                first_row: *first_row,
+                file_len: *file_len,
+            };
+            let batch =
+                crate::columnar::read_parquet(at, layout, *rows as usize, on_bad_row, |e| {
+                    io_error(path, e)
+                })?;
+            check_count(&batch, *rows, || {
+                format!("{path} row groups {first_group}+{groups}")
+            })?;
+            Ok(batch)
+        }
         InputSlice::CsvRange {
             path,
             start,
@@ -162,21 +205,24 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 (InputSlice::JsonlRange { .. }, Layout::Jsonl(l)) => {
                     parse_jsonl(raw, l, path, *first_line, *rows as usize, on_bad_row)?
                 }
-                _ => {
-                    return Err(ItemError::poison(format!(
-                        "{path}: the item's input format and its task's column layout disagree; the message is malformed"
-                    )))
-                }
+                _ => return Err(mismatch(path)),
             };
-            let seen = (batch.rows() + batch.rejects.len()) as u64;
-            if seen != *rows {
-                return Err(ItemError::poison(format!(
-                    "{path} bytes {start}..{end} hold {seen} rows but the planner counted {rows}; the input changed under the job"
-                )));
-            }
+            check_count(&batch, *rows, || format!("{path} bytes {start}..{end}"))?;
             Ok(batch)
         }
     }
+}
+
+/// Poison unless the batch saw (read or rejected) the `rows` the planner counted.
+fn check_count(batch: &Batch, rows: u64, what: impl Fn() -> String) -> Result<(), ItemError> {
+    let seen = (batch.rows() + batch.rejects.len()) as u64;
+    if seen == rows {
+        return Ok(());
+    }
+    Err(ItemError::poison(format!(
+        "{} hold {seen} rows but the planner counted {rows}; the input changed under the job",
+        what()
+    )))
 }
 
 fn io_error(path: &str, e: std::io::Error) -> ItemError {

@@ -280,3 +280,69 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parquet_input_scores_every_row_matching_pytorch() {
+    let env = TestEnv::new("parquet");
+    let gen = JobGen {
+        rows: 12_000,
+        files: 3,
+        features: 8,
+        hidden: 32,
+        outputs: 2,
+        name: batchfleet_loadtest::services::unique("parquet"),
+        pool: env.pool.clone(),
+        item_rows: 1_500,
+        batch_size: 256,
+        // Row groups of 375 rows (a quarter of an item), mixed float64/float32 features.
+        format: "parquet".into(),
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("[output]\n", "[output]\nmerge = true\n"),
+    )
+    .expect("manifest");
+
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(300),
+        run_job(&env.run_config(), &manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job finished within 5 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed { job_id, report, .. } = outcome else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    assert_eq!(report.status, "completed");
+    // 3 files × 4000 rows in 11 row groups each, cut into runs of ~1500 rows: 3 items per file.
+    assert_eq!(
+        (
+            report.rows_total,
+            report.rows_predicted,
+            report.rows_rejected
+        ),
+        (12_000, 12_000, 0)
+    );
+    assert_eq!((report.items_total, report.items_completed), (9, 9));
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, 12_000);
+    // The merged file lists the ids in input order: files sorted, rows as written.
+    let merged = std::fs::read_to_string(out.join("predictions.csv")).expect("merged output");
+    let ids: Vec<&str> = merged
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').next().expect("id"))
+        .collect();
+    let expected: Vec<String> = (0..12_000).map(|i| format!("r{i:08}")).collect();
+    assert_eq!(ids, expected);
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
