@@ -36,6 +36,8 @@ pub struct Manifest {
     pub batching: BatchingSection,
     /// `[output]`
     pub output: OutputSection,
+    /// `[preprocess]` (for `files` input)
+    pub preprocess: Option<PreprocessSection>,
     /// `[failure]`
     #[serde(default)]
     pub failure: FailureSection,
@@ -151,6 +153,8 @@ pub enum InputFormat {
     /// Apache Parquet; items are runs of row groups, and only the id and
     /// feature columns are read.
     Parquet,
+    /// One file per record (images); the id is the path relative to `root`.
+    Files,
 }
 
 /// `[input]`
@@ -160,11 +164,19 @@ pub struct InputSection {
     /// Input format.
     pub format: InputFormat,
     /// Glob patterns; each must match at least one file.
+    #[serde(default)]
     pub paths: Vec<String>,
-    /// Header name of the id column.
+    /// `files` input: a text file listing input files, one per line
+    /// (relative to the listing's folder), instead of or besides `paths`.
+    pub listing: Option<String>,
+    /// `files` input: the folder ids are relative to. Default: the manifest's folder.
+    pub root: Option<String>,
+    /// Header name of the id column (not for `files`).
+    #[serde(default)]
     pub id_column: String,
     /// Header names of the feature columns in model input order; an entry
-    /// `"f0..f31"` stands for `f0, f1, …, f31`.
+    /// `"f0..f31"` stands for `f0, f1, …, f31` (not for `files`).
+    #[serde(default)]
     pub feature_columns: Vec<String>,
     /// Field delimiter, one ASCII character. Default `,`.
     #[serde(default = "default_delimiter")]
@@ -173,6 +185,20 @@ pub struct InputSection {
 
 fn default_delimiter() -> String {
     ",".into()
+}
+
+/// `[preprocess]`: how image files become a model input.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreprocessSection {
+    /// `[height, width]` the model takes.
+    pub size: Vec<u32>,
+    /// 3 (RGB) or 1 (grey). Default 3.
+    pub channels: Option<u32>,
+    /// Per-channel mean subtracted from the 0–1 values. Default 0.
+    pub mean: Option<Vec<f32>>,
+    /// Per-channel standard deviation divided by. Default 1.
+    pub std: Option<Vec<f32>>,
 }
 
 /// `[model]`
@@ -273,6 +299,8 @@ pub struct JobSpec {
     pub on_complete: OnComplete,
     /// Write the merged output when the job completes.
     pub merge: bool,
+    /// `files` input: the folder the files' ids are relative to.
+    pub root: Option<PathBuf>,
 }
 
 impl JobSpec {
@@ -454,12 +482,6 @@ pub fn validate(
 
     // Input files.
     let mut files = Vec::new();
-    if m.input.paths.is_empty() {
-        problem(
-            "[input] paths",
-            "is empty; list at least one file or glob such as \"data/*.csv\"".into(),
-        );
-    }
     for pattern in &m.input.paths {
         let full = resolve(base, pattern);
         match glob::glob(&full.to_string_lossy()) {
@@ -491,8 +513,66 @@ pub fn validate(
             }
         }
     }
+    let files_input = m.input.format == InputFormat::Files;
+    if let Some(listing) = &m.input.listing {
+        if files_input {
+            files.extend(read_listing(&resolve(base, listing), roots, &mut problem));
+        } else {
+            problem(
+                "[input] listing",
+                "applies to format = \"files\" only; list tables under paths".into(),
+            );
+        }
+    }
+    if m.input.paths.is_empty() && m.input.listing.is_none() {
+        problem(
+            "[input] paths",
+            "is empty; list at least one file or glob such as \"data/*.csv\"".into(),
+        );
+    }
     files.sort();
     files.dedup();
+    let root = files_input.then(|| {
+        let root = m.input.root.as_deref().map_or_else(|| std::path::absolute(base).unwrap_or_else(|_| base.to_owned()), |r| resolve(base, r));
+        if let Some(outside) = files.iter().find(|f| !f.starts_with(&root)) {
+            problem(
+                "[input] root",
+                format!(
+                    "{} is not under {}; ids are paths relative to root, so set root to a folder holding every input file",
+                    outside.display(),
+                    root.display()
+                ),
+            );
+        }
+        root
+    });
+    let preprocess = match (&m.preprocess, files_input) {
+        (Some(p), true) => image_spec(p, &mut problem),
+        (None, true) => {
+            problem(
+                "[preprocess]",
+                "is required for format = \"files\": give at least size = [height, width]".into(),
+            );
+            None
+        }
+        (Some(_), false) => {
+            problem("[preprocess]", "applies to format = \"files\" only".into());
+            None
+        }
+        (None, false) => None,
+    };
+    if files_input && (!m.input.id_column.is_empty() || !m.input.feature_columns.is_empty()) {
+        problem(
+            "[input] id_column",
+            "and feature_columns do not apply to format = \"files\": a record's id is its path relative to root and its input the preprocessed image".into(),
+        );
+    }
+    if !files_input && m.input.id_column.is_empty() {
+        problem(
+            "[input] id_column",
+            "is required: name the column holding each row's id".into(),
+        );
+    }
 
     let delimiter = match m.input.delimiter.as_bytes() {
         [b] if b.is_ascii() && *b != b'"' && *b != b'\n' && *b != b'\r' => *b,
@@ -509,7 +589,7 @@ pub fn validate(
     };
 
     let features = match expand_columns(&m.input.feature_columns) {
-        Ok(f) if f.is_empty() => {
+        Ok(f) if f.is_empty() && !files_input => {
             problem(
                 "[input] feature_columns",
                 "is empty; list the columns the model takes, e.g. [\"f0..f31\"]".into(),
@@ -578,7 +658,10 @@ pub fn validate(
                 .collect();
         }
     }
-    for f in files.iter().filter(|_| !jsonl && !parquet) {
+    if files_input {
+        header = vec!["path".into()];
+    }
+    for f in files.iter().filter(|_| !jsonl && !parquet && !files_input) {
         match read_header(f, delimiter) {
             Err(e) => problem("[input] paths", format!("{}: {e}", f.display())),
             Ok(h) if header.is_empty() => header = h,
@@ -592,7 +675,7 @@ pub fn validate(
     let column = |name: &str| header.iter().position(|h| h == name);
     let mut id_index = 0;
     let mut feature_indices = Vec::with_capacity(features.len());
-    if !header.is_empty() {
+    if !header.is_empty() && !files_input {
         let shown = summarize_header(&header);
         match column(&m.input.id_column) {
             Some(i) => id_index = i as u32,
@@ -906,6 +989,7 @@ pub fn validate(
             id_column: m.input.id_column.clone(),
             feature_columns: features.clone(),
         }),
+        image: preprocess,
     };
     let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
     Ok(JobSpec {
@@ -921,7 +1005,113 @@ pub fn validate(
         budget,
         on_complete,
         merge: m.output.merge,
+        root,
     })
+}
+
+/// Reads a `files` listing: one path per line, relative to the listing's
+/// folder (blank lines and `#` comments skipped); each must be a file under
+/// the data roots.
+fn read_listing(
+    listing: &Path,
+    roots: &DataRoots,
+    problem: &mut impl FnMut(&str, String),
+) -> Vec<PathBuf> {
+    let field = "[input] listing";
+    if let Err(e) = roots.check(listing) {
+        problem(field, e.to_string());
+        return Vec::new();
+    }
+    let text = match std::fs::read_to_string(listing) {
+        Ok(t) => t,
+        Err(e) => {
+            problem(field, format!("cannot read {}: {e}", listing.display()));
+            return Vec::new();
+        }
+    };
+    let folder = listing.parent().unwrap_or(Path::new("."));
+    let mut files = Vec::new();
+    let mut bad = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let path = resolve(folder, line);
+        match roots.check(&path) {
+            Ok(_) if path.is_file() => files.push(path),
+            Ok(_) => bad.push(format!("line {}: {} is not a file", n + 1, path.display())),
+            Err(e) => bad.push(format!("line {}: {e}", n + 1)),
+        }
+    }
+    if bad.len() > 5 {
+        let more = bad.len() - 5;
+        bad.truncate(5);
+        bad.push(format!("and {more} more"));
+    }
+    if !bad.is_empty() {
+        problem(field, format!("{}: {}", listing.display(), bad.join("; ")));
+    } else if files.is_empty() {
+        problem(field, format!("{} lists no file", listing.display()));
+    }
+    files
+}
+
+/// The image preprocessing of `[preprocess]`, or problems.
+fn image_spec(
+    p: &PreprocessSection,
+    problem: &mut impl FnMut(&str, String),
+) -> Option<batchfleet_shared::message::ImageSpec> {
+    let mut ok = true;
+    let (height, width) = match p.size.as_slice() {
+        [h, w] if (1..=8192).contains(h) && (1..=8192).contains(w) => (*h, *w),
+        _ => {
+            problem(
+                "[preprocess] size",
+                format!("{:?} must be [height, width], each 1 to 8192", p.size),
+            );
+            ok = false;
+            (1, 1)
+        }
+    };
+    let channels = p.channels.unwrap_or(3);
+    if channels != 1 && channels != 3 {
+        problem(
+            "[preprocess] channels",
+            format!("{channels} must be 3 (RGB) or 1 (grey)"),
+        );
+        return None;
+    }
+    let per_channel =
+        |field: &str, v: &Option<Vec<f32>>, default: f32, problem: &mut dyn FnMut(&str, String)| {
+            match v {
+                None => Some(vec![default; channels as usize]),
+                Some(v) if v.len() == channels as usize && v.iter().all(|x| x.is_finite()) => {
+                    Some(v.clone())
+                }
+                Some(v) => {
+                    problem(
+                        field,
+                        format!("{v:?} must hold {channels} finite number(s), one per channel"),
+                    );
+                    None
+                }
+            }
+        };
+    let mean = per_channel("[preprocess] mean", &p.mean, 0.0, problem);
+    let std = per_channel("[preprocess] std", &p.std, 1.0, problem);
+    if std.as_ref().is_some_and(|s| s.iter().any(|x| *x <= 0.0)) {
+        problem("[preprocess] std", "every value must be above 0".into());
+        ok = false;
+    }
+    Some(batchfleet_shared::message::ImageSpec {
+        height,
+        width,
+        channels,
+        mean: mean?,
+        std: std?,
+    })
+    .filter(|_| ok)
 }
 
 /// A webhook URL: http or https with a host. Kept secret (it may hold a token).
@@ -1084,6 +1274,7 @@ fn check_torchscript(path: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batchfleet_shared::message::InputSlice;
     use std::fs;
 
     struct Fixture {
@@ -1261,6 +1452,111 @@ dir = "out"
         ] {
             assert!(err.contains(want), "{want} not in {err}");
         }
+    }
+
+    const FILES: &str = r#"
+[job]
+name = "pics"
+[input]
+format = "files"
+paths = ["img/**/*.png"]
+root = "img"
+[preprocess]
+size = [8, 6]
+mean = [0.5, 0.5, 0.5]
+std = [0.25, 0.25, 0.25]
+[model]
+path = "model.pt"
+[batching]
+item_rows = 2
+[output]
+dir = "out"
+"#;
+
+    #[test]
+    fn files_input_lists_files_relative_to_root_with_preprocessing() {
+        let fx = Fixture::new();
+        let img = fx.dir.path().join("img");
+        fs::create_dir_all(img.join("a")).unwrap();
+        for f in ["a/1.png", "a/2.png", "3.png"] {
+            fs::write(img.join(f), b"png").unwrap();
+        }
+        let spec = fx.load(FILES).unwrap();
+        assert_eq!(spec.files.len(), 3);
+        assert_eq!(spec.root.as_deref(), Some(img.as_path()));
+        let image = spec.task.image.as_ref().expect("an image spec");
+        assert_eq!((image.height, image.width, image.channels), (8, 6, 3));
+        // A listing instead of globs: relative to its folder, comments skipped.
+        fs::write(
+            fx.dir.path().join("list.txt"),
+            "# two files\nimg/a/1.png\n\nimg/3.png\n",
+        )
+        .unwrap();
+        let listed = FILES.replace("paths = [\"img/**/*.png\"]", "listing = \"list.txt\"");
+        let spec = fx.load(&listed).unwrap();
+        assert_eq!(spec.files, vec![img.join("3.png"), img.join("a/1.png")]);
+        // Planned: ids relative to root, two files per item.
+        let plan = crate::planner::plan(&spec).unwrap();
+        assert_eq!((plan.items.len(), plan.rows_total), (1, 2));
+        match &plan.items[0].input {
+            InputSlice::Files { files, sizes, .. } => {
+                assert_eq!(
+                    (files.clone(), sizes.clone()),
+                    (vec!["3.png".to_owned(), "a/1.png".to_owned()], vec![3, 3])
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn files_input_problems_are_each_named() {
+        let fx = Fixture::new();
+        fs::create_dir_all(fx.dir.path().join("img")).unwrap();
+        fs::write(fx.dir.path().join("img/1.png"), b"png").unwrap();
+        fs::write(
+            fx.dir.path().join("list.txt"),
+            "img/1.png\nimg/nope.png\n../escape.png\n",
+        )
+        .unwrap();
+        let bad = FILES
+            .replace(
+                "paths = [\"img/**/*.png\"]",
+                "paths = [\"data/*.csv\"]\nlisting = \"list.txt\"\nid_column = \"id\"",
+            )
+            .replace("size = [8, 6]", "size = [8]")
+            .replace("mean = [0.5, 0.5, 0.5]", "mean = [0.5]")
+            .replace("std = [0.25, 0.25, 0.25]", "std = [0.25, 0.25, 0.0]");
+        let err = problems(fx.load(&bad));
+        for want in [
+            "[input] listing:",
+            "line 2:",
+            "nope.png is not a file",
+            "line 3:",
+            "contains `..`",
+            "[input] root:",
+            "a.csv is not under",
+            "[preprocess] size: [8] must be [height, width]",
+            "[preprocess] mean: [0.5] must hold 3 finite number(s)",
+            "[preprocess] std: every value must be above 0",
+            "[input] id_column: and feature_columns do not apply to format = \"files\"",
+        ] {
+            assert!(err.contains(want), "{want} not in {err}");
+        }
+        // Tables need no [preprocess], and files need one.
+        let err =
+            problems(fx.load(&GOOD.replace("[model]", "[preprocess]\nsize = [1, 1]\n[model]")));
+        assert!(
+            err.contains("[preprocess]: applies to format = \"files\" only"),
+            "{err}"
+        );
+        let start = FILES.find("[preprocess]").unwrap();
+        let end = FILES.find("[model]").unwrap();
+        let err = problems(fx.load(&(FILES[..start].to_owned() + &FILES[end..])));
+        assert!(
+            err.contains("[preprocess]: is required for format = \"files\""),
+            "{err}"
+        );
     }
 
     #[test]

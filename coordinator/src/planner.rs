@@ -65,6 +65,9 @@ type FilePlan = Result<Vec<InputSlice>, PlanError>;
 /// per core) and numbered in file order, so the plan is the same every time.
 /// Files with no data rows produce no items.
 pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
+    if let Some(root) = &spec.root {
+        return plan_files(spec, root);
+    }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(spec.files.len().max(1));
@@ -145,6 +148,56 @@ fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
             }
         })
         .collect())
+}
+
+/// Plans a `files` job: the files in order, cut into runs of about
+/// `item_rows` files, balanced by bytes (each run about the same total
+/// size), or about `item_bytes` bytes each.
+fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
+    let mut sizes = Vec::with_capacity(spec.files.len());
+    let mut names = Vec::with_capacity(spec.files.len());
+    for path in &spec.files {
+        sizes.push(std::fs::metadata(path).map_err(|e| err(path, e))?.len());
+        let rel = path
+            .strip_prefix(root)
+            .map_err(|_| err(path, format!("is not under {}", root.display())))?;
+        names.push(rel.to_string_lossy().into_owned());
+    }
+    let runs = file_runs(&sizes, spec.sizing);
+    let items = runs
+        .into_iter()
+        .enumerate()
+        .map(|(seq, run)| WorkItem {
+            job_id: spec.job_id.clone(),
+            seq: seq as u32,
+            input: InputSlice::Files {
+                root: root.to_string_lossy().into_owned(),
+                files: names[run.clone()].to_vec(),
+                sizes: sizes[run.clone()].to_vec(),
+                first_index: run.start as u64,
+            },
+            task: spec.task.clone(),
+        })
+        .collect();
+    Ok(Plan {
+        items,
+        rows_total: spec.files.len() as u64,
+    })
+}
+
+/// Runs of consecutive files for items: by count (`Rows(n)`: ⌈files / n⌉
+/// items, each about the same total bytes) or by bytes.
+pub fn file_runs(sizes: &[u64], sizing: ItemSizing) -> Vec<std::ops::Range<usize>> {
+    match sizing {
+        ItemSizing::Rows(n) => {
+            let items = (sizes.len() as u64).div_ceil(n.max(1)).max(1);
+            // Every file weighs at least a byte, so empty files still spread out.
+            let weights: Vec<u64> = sizes.iter().map(|s| s + 1).collect();
+            let total: u64 = weights.iter().sum();
+            even_runs(&weights, total.div_ceil(items))
+        }
+        ItemSizing::Bytes(b) => even_runs(sizes, b),
+    }
 }
 
 /// Splits a sequence of weights into consecutive runs of about `per_run`
@@ -256,6 +309,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             checkpoint_rows: 0,
             jsonl: None,
             parquet: None,
+            image: None,
         },
     }
 }
@@ -750,6 +804,28 @@ mod tests {
             let total: u64 = w.iter().sum();
             assert!(runs.len() as u64 <= total.div_ceil(per));
         }
+    }
+
+    #[test]
+    fn file_items_balance_bytes_not_counts() {
+        // Two big files and ten small ones, two items by count: one big file
+        // and the small ones ahead of it in one item, the other big file in the other.
+        let mut sizes = vec![1000];
+        sizes.extend([2; 10]);
+        sizes.push(1000);
+        let runs = file_runs(&sizes, ItemSizing::Rows(6));
+        assert_eq!(runs.len(), 2);
+        let bytes: Vec<u64> = runs.iter().map(|r| sizes[r.clone()].iter().sum()).collect();
+        assert!(bytes[0].abs_diff(bytes[1]) <= 20, "{runs:?} {bytes:?}");
+        // Equal files: equal counts; by bytes: about that many bytes per item.
+        assert_eq!(
+            file_runs(&[10; 9], ItemSizing::Rows(3)),
+            vec![0..3, 3..6, 6..9]
+        );
+        assert_eq!(file_runs(&[10; 9], ItemSizing::Bytes(45)).len(), 2);
+        // Empty files still count.
+        assert_eq!(file_runs(&[0; 4], ItemSizing::Rows(2)), vec![0..2, 2..4]);
+        assert!(file_runs(&[], ItemSizing::Rows(2)).is_empty());
     }
 
     fn parquet_file(rows: usize, group: usize) -> (tempfile::TempDir, PathBuf) {

@@ -165,3 +165,66 @@ pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
     }
     Ok(())
 }
+
+/// Options of `make_images.py`.
+#[derive(Debug, Clone)]
+pub struct ImageGen {
+    /// Decodable images.
+    pub images: u32,
+    /// `[height, width]`.
+    pub size: (u32, u32),
+    /// Model outputs (classes).
+    pub classes: u32,
+    /// Job name in the manifest.
+    pub name: String,
+    /// Pool in the manifest.
+    pub pool: String,
+    /// `item_rows` (files per item) in the manifest.
+    pub item_rows: u64,
+    /// `inference_batch_size` in the manifest.
+    pub batch_size: u32,
+    /// Undecodable files under `images/broken/`.
+    pub broken: u32,
+}
+
+impl Default for ImageGen {
+    fn default() -> Self {
+        Self {
+            images: 200,
+            size: (32, 32),
+            classes: 4,
+            name: "images".into(),
+            pool: "default".into(),
+            item_rows: 25,
+            batch_size: 16,
+            broken: 1,
+        }
+    }
+}
+
+/// Writes images, labels, model, golden predictions and `job.toml` into `out`.
+pub fn make_image_job(out: &Path, g: &ImageGen) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_images.py");
+    let status = Command::new(interpreter())
+        .arg(&script)
+        .arg("--out")
+        .arg(out)
+        .args(["--images", &g.images.to_string()])
+        .args(["--size", &g.size.0.to_string(), &g.size.1.to_string()])
+        .args(["--classes", &g.classes.to_string()])
+        .args(["--name", &g.name, "--pool", &g.pool])
+        .args(["--item-rows", &g.item_rows.to_string()])
+        .args(["--batch-size", &g.batch_size.to_string()])
+        .args(["--broken", &g.broken.to_string()])
+        .status()
+        .with_context(|| {
+            format!(
+                "running {}; create the venv with `make venv`",
+                script.display()
+            )
+        })?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    Ok(())
+}

@@ -102,6 +102,18 @@ pub enum InputSlice {
         /// File length when planned; a different length means the file changed.
         file_len: u64,
     },
+    /// Whole files, one record each (images): `files[i]` is a path relative
+    /// to `root` and is also the record's id.
+    Files {
+        /// Absolute folder the files are named relative to.
+        root: String,
+        /// Relative paths, in the job's order.
+        files: Vec<String>,
+        /// Each file's length when planned; a different length means it changed.
+        sizes: Vec<u64>,
+        /// 0-based position of the first file in the job's list, for messages.
+        first_index: u64,
+    },
 }
 
 impl InputSlice {
@@ -111,15 +123,28 @@ impl InputSlice {
             InputSlice::CsvRange { rows, .. }
             | InputSlice::JsonlRange { rows, .. }
             | InputSlice::ParquetRowGroups { rows, .. } => *rows,
+            InputSlice::Files { files, .. } => files.len() as u64,
         }
     }
 
-    /// The input file this slice reads.
+    /// The input file this slice reads (for files, their root folder).
     pub fn path(&self) -> &str {
         match self {
             InputSlice::CsvRange { path, .. }
             | InputSlice::JsonlRange { path, .. }
             | InputSlice::ParquetRowGroups { path, .. } => path,
+            InputSlice::Files { root, .. } => root,
+        }
+    }
+
+    /// Every file this slice reads, as absolute paths.
+    pub fn input_files(&self) -> Vec<std::path::PathBuf> {
+        match self {
+            InputSlice::Files { root, files, .. } => files
+                .iter()
+                .map(|f| std::path::Path::new(root).join(f))
+                .collect(),
+            other => vec![other.path().into()],
         }
     }
 }
@@ -148,6 +173,26 @@ pub struct TaskSpec {
     /// Names of the id and feature columns, for Parquet input (absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parquet: Option<ParquetLayout>,
+    /// How image files become a model input, for `files` input (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
+}
+
+/// Image preprocessing (from `[preprocess]`): decode, convert to `channels`,
+/// resize to `height × width`, scale to [0, 1], then `(x - mean[c]) / std[c]`,
+/// laid out channels-first (CHW) — what torchvision's `ToTensor` + `Normalize` give.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageSpec {
+    /// Output height in pixels.
+    pub height: u32,
+    /// Output width in pixels.
+    pub width: u32,
+    /// 3 (RGB) or 1 (grayscale).
+    pub channels: u32,
+    /// Per-channel mean subtracted after scaling to [0, 1].
+    pub mean: Vec<f32>,
+    /// Per-channel standard deviation divided by.
+    pub std: Vec<f32>,
 }
 
 /// Which columns of a Parquet file hold the id and the features.
@@ -437,6 +482,7 @@ pub(crate) fn sample_item() -> WorkItem {
             checkpoint_rows: 0,
             jsonl: None,
             parquet: None,
+            image: None,
         },
     }
 }
@@ -474,6 +520,7 @@ mod tests {
             rmp_serde::from_slice(&Envelope::V1(sample_item()).encode()).unwrap();
         assert!(csv["V1"]["task"].get("jsonl").is_none());
         assert!(csv["V1"]["task"].get("parquet").is_none());
+        assert!(csv["V1"]["task"].get("image").is_none());
     }
 
     #[test]

@@ -158,23 +158,7 @@ impl ItemContext {
 
     /// Refuses an item whose input, model or output path is not allowed.
     fn check_paths(&self, item: &WorkItem) -> Result<(), ItemError> {
-        for (what, p) in [
-            ("input file", item.input.path()),
-            ("model", item.task.model.path.as_str()),
-            ("output folder", item.task.output.dir.as_str()),
-        ] {
-            if let Err(e) = self.data_roots.check(Path::new(p)) {
-                return Err(ItemError::poison(format!(
-                    "refusing the item's {what} {e} (this worker's data roots: {})",
-                    if self.data_roots.is_confined() {
-                        self.data_roots.describe()
-                    } else {
-                        "none set".into()
-                    }
-                )));
-            }
-        }
-        Ok(())
+        check_paths(&self.data_roots, item)
     }
 
     /// The current publisher.
@@ -312,6 +296,29 @@ impl ItemContext {
             );
         }
     }
+}
+
+/// Refuses an item whose input files (every one, for `files` items), model
+/// or output folder is not under `roots`: queue contents are not trusted.
+fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), ItemError> {
+    let inputs = item.input.input_files();
+    let paths = inputs.iter().map(|p| ("input file", p.as_path())).chain([
+        ("model", Path::new(&item.task.model.path)),
+        ("output folder", Path::new(&item.task.output.dir)),
+    ]);
+    for (what, p) in paths {
+        if let Err(e) = roots.check(p) {
+            return Err(ItemError::poison(format!(
+                "refusing the item's {what} {e} (this worker's data roots: {})",
+                if roots.is_confined() {
+                    roots.describe()
+                } else {
+                    "none set".into()
+                }
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What [`ItemContext::predict`] came back with.
@@ -1125,6 +1132,43 @@ async fn dead_letter(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_file_of_a_files_item_is_checked_against_the_roots() {
+        let data = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(data.path()).unwrap();
+        std::fs::write(root.join("ok.png"), b"x").unwrap();
+        std::fs::write(elsewhere.path().join("secret.png"), b"x").unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("secret.png"), root.join("link.png"))
+            .unwrap();
+        let roots = DataRoots::new(std::slice::from_ref(&root)).unwrap();
+        let item = |files: &[&str]| {
+            let mut item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);
+            item.task.model.path = root.join("ok.png").to_string_lossy().into_owned();
+            item.task.output.dir = root.to_string_lossy().into_owned();
+            item.input = batchfleet_shared::message::InputSlice::Files {
+                root: root.to_string_lossy().into_owned(),
+                files: files.iter().map(|f| (*f).to_owned()).collect(),
+                sizes: vec![1; files.len()],
+                first_index: 0,
+            };
+            item
+        };
+        assert!(check_paths(&roots, &item(&["ok.png"])).is_ok());
+        for (files, why) in [
+            (&["ok.png", "../x.png"][..], "contains `..`"),
+            (&["ok.png", "link.png"][..], "is outside the data roots"),
+        ] {
+            let e = check_paths(&roots, &item(files)).unwrap_err();
+            assert_eq!(e.class, crate::error::FailureClass::Poison);
+            assert!(
+                e.message.contains("refusing the item's input file") && e.message.contains(why),
+                "{}",
+                e.message
+            );
+        }
+    }
 
     fn reject(line: u64) -> reader::Reject {
         reader::Reject {

@@ -3,7 +3,9 @@
 //! # Layout
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
 //! - [`consumer`]: what happens to one delivery, from decode to ack, retry or dead letter.
-//! - [`reader`]: a CSV byte range parsed into one contiguous `f32` buffer; bad rows rejected.
+//! - [`reader`]: a CSV or JSON Lines byte range parsed into one contiguous `f32`
+//!   buffer; bad rows rejected. Dispatches to [`columnar`] (Parquet row groups,
+//!   projected columns) and [`images`] (image files, decoded and normalised).
 //! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait;
 //!   mini-batching, out-of-memory halving and poison-row isolation.
 //! - [`writer`]: part and rejects files staged, fsynced and linked into place.
@@ -15,6 +17,7 @@ pub mod columnar;
 pub mod config;
 pub mod consumer;
 pub mod error;
+pub mod images;
 pub mod reader;
 pub mod runner;
 pub mod writer;

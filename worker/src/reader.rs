@@ -7,7 +7,7 @@
 
 use crate::error::ItemError;
 use batchfleet_shared::message::{
-    CsvLayout, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
+    CsvLayout, ImageSpec, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
 };
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -35,6 +35,9 @@ pub struct Batch {
     pub features: Vec<f32>,
     /// Features per row.
     pub cols: usize,
+    /// Shape of one row's features when it is not flat (`[channels, height,
+    /// width]` for images); empty means `[cols]`.
+    pub shape: Vec<usize>,
     ids: String,
     id_ends: Vec<usize>,
     /// Line and byte span (in `raw`) of each row, for reporting rejects.
@@ -73,6 +76,15 @@ impl Batch {
         self.features.extend_from_slice(features);
         self.lines.push(line);
         self.spans.push(span);
+    }
+
+    /// The shape of one row as the model takes it.
+    pub fn row_shape(&self) -> Vec<usize> {
+        if self.shape.is_empty() {
+            vec![self.cols]
+        } else {
+            self.shape.clone()
+        }
     }
 
     /// Number of rows (not counting parse rejects).
@@ -120,11 +132,16 @@ pub enum Layout {
     Jsonl(JsonLayout),
     /// Parquet column names.
     Parquet(ParquetLayout),
+    /// Image files.
+    Image(ImageSpec),
 }
 
 impl Layout {
     /// The layout of `task`'s input.
     pub fn of(task: &TaskSpec) -> Self {
+        if let Some(image) = &task.image {
+            return Layout::Image(image.clone());
+        }
         match (&task.jsonl, &task.parquet) {
             (Some(j), _) => Layout::Jsonl(j.clone()),
             (None, Some(p)) => Layout::Parquet(p.clone()),
@@ -142,6 +159,23 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
         ))
     };
     match slice {
+        InputSlice::Files {
+            root,
+            files,
+            sizes,
+            first_index,
+        } => {
+            let Layout::Image(spec) = layout else {
+                return Err(mismatch(root));
+            };
+            let list = crate::images::FileList {
+                root,
+                files,
+                sizes,
+                first_index: *first_index,
+            };
+            crate::images::read_files(list, spec, on_bad_row, io_error)
+        }
         InputSlice::ParquetRowGroups {
             path,
             first_group,

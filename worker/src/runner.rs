@@ -38,15 +38,17 @@ pub enum ForwardError {
     Raised(String),
 }
 
-/// Runs one `forward` on `rows × cols` features. Implementations live on one
-/// thread and may keep state (loaded models) between calls.
+/// Runs one `forward` on rows of features, each of shape `row_shape`
+/// (`[features]` for tables, `[channels, height, width]` for images), held
+/// row-major in one slice. Implementations live on one thread and may keep
+/// state (loaded models) between calls.
 pub trait Backend {
     /// Returns `(values, outputs per row)`.
     fn forward(
         &mut self,
         model: &ModelRef,
         features: &[f32],
-        cols: usize,
+        row_shape: &[usize],
     ) -> Result<(Vec<f32>, usize), ForwardError>;
 
     /// Loads `model` ahead of its first item (a worker's `--preload-model`).
@@ -68,10 +70,11 @@ pub fn predict<B: Backend + ?Sized>(
     backend: &mut B,
     model: &ModelRef,
     features: &[f32],
-    cols: usize,
+    row_shape: &[usize],
     batch_size: usize,
     policy: &FailurePolicy,
 ) -> Result<Predictions, ItemError> {
+    let cols = row_shape.iter().product::<usize>();
     let rows = features.len().checked_div(cols).unwrap_or(0);
     let mut out = Predictions::default();
     let mut run = Run {
@@ -79,6 +82,7 @@ pub fn predict<B: Backend + ?Sized>(
         model,
         features,
         cols,
+        row_shape,
         policy,
         out: &mut out,
         rows,
@@ -99,6 +103,7 @@ struct Run<'a, B: Backend + ?Sized> {
     model: &'a ModelRef,
     features: &'a [f32],
     cols: usize,
+    row_shape: &'a [usize],
     policy: &'a FailurePolicy,
     out: &'a mut Predictions,
     rows: usize,
@@ -110,7 +115,7 @@ impl<B: Backend + ?Sized> Run<'_, B> {
     fn range(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
         let chunk = &self.features[lo * self.cols..hi * self.cols];
         let started = std::time::Instant::now();
-        let result = self.backend.forward(self.model, chunk, self.cols);
+        let result = self.backend.forward(self.model, chunk, self.row_shape);
         metrics::histogram!(names::WORKER_INFERENCE).record(started.elapsed().as_secs_f64());
         metrics::histogram!(names::WORKER_BATCH_SIZE).record((hi - lo) as f64);
         match result {
@@ -252,7 +257,7 @@ impl ModelRunner {
                         &mut backend,
                         &req.model,
                         features,
-                        cols,
+                        &req.batch.row_shape(),
                         req.batch_size,
                         &req.policy,
                     );
@@ -349,10 +354,10 @@ impl<B: Backend> Backend for Delayed<B> {
         &mut self,
         model: &ModelRef,
         features: &[f32],
-        cols: usize,
+        row_shape: &[usize],
     ) -> Result<(Vec<f32>, usize), ForwardError> {
         std::thread::sleep(self.delay);
-        self.inner.forward(model, features, cols)
+        self.inner.forward(model, features, row_shape)
     }
 
     fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
@@ -463,12 +468,16 @@ impl Backend for TorchBackend {
         &mut self,
         model: &ModelRef,
         features: &[f32],
-        cols: usize,
+        row_shape: &[usize],
     ) -> Result<(Vec<f32>, usize), ForwardError> {
         let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
         let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
+        let cols = row_shape.iter().product::<usize>();
         let n = (features.len() / cols.max(1)) as i64;
+        let dims: Vec<i64> = std::iter::once(n)
+            .chain(row_shape.iter().map(|d| *d as i64))
+            .collect();
         let classify = |e: tch::TchError| {
             let full = e.to_string();
             let line = error_summary(&full);
@@ -481,7 +490,7 @@ impl Backend for TorchBackend {
             }
         };
         let input = tch::Tensor::f_from_slice(features)
-            .and_then(|t| t.f_view([n, cols as i64]))
+            .and_then(|t| t.f_view(dims.as_slice()))
             .and_then(|t| t.f_to_device(device))
             .map_err(classify)?;
         let y = module.forward_ts(&[input]).map_err(classify)?;
@@ -522,8 +531,9 @@ mod tests {
             &mut self,
             _m: &ModelRef,
             f: &[f32],
-            cols: usize,
+            shape: &[usize],
         ) -> Result<(Vec<f32>, usize), ForwardError> {
+            let cols = shape[0];
             self.calls += 1;
             if f.len() / cols > self.max_rows {
                 return Err(ForwardError::OutOfMemory("CUDA out of memory".into()));
@@ -554,7 +564,7 @@ mod tests {
             max_rows: 100,
             calls: 0,
         };
-        let p = predict(&mut b, &model(), &f, 2, 8, &FailurePolicy::default()).unwrap();
+        let p = predict(&mut b, &model(), &f, &[2], 8, &FailurePolicy::default()).unwrap();
         assert_eq!(
             p.failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
             vec![1, 6]
@@ -583,7 +593,7 @@ mod tests {
             },
             &model(),
             &f,
-            2,
+            &[2],
             8,
             &policy,
         )
@@ -596,7 +606,7 @@ mod tests {
             },
             &model(),
             &rows(&[-999.0, -999.0]),
-            2,
+            &[2],
             8,
             &FailurePolicy::default(),
         )
@@ -617,7 +627,7 @@ mod tests {
             max_rows: 3,
             calls: 0,
         };
-        let p = predict(&mut fake, &model(), &f, 2, 12, &FailurePolicy::default()).unwrap();
+        let p = predict(&mut fake, &model(), &f, &[2], 12, &FailurePolicy::default()).unwrap();
         assert_eq!(
             p.values,
             (1..=12).map(|v| v as f32 + 1.0).collect::<Vec<_>>()
@@ -632,7 +642,7 @@ mod tests {
             },
             &model(),
             &f,
-            2,
+            &[2],
             5,
             &FailurePolicy::default(),
         )
@@ -663,7 +673,7 @@ mod tests {
             },
             &model(),
             &rows(&[-999.0]),
-            2,
+            &[2],
             8,
             &policy,
         )

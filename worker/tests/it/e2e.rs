@@ -346,3 +346,61 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
+    use batchfleet_loadtest::python::{make_image_job, ImageGen};
+    let env = TestEnv::new("images");
+    let gen = ImageGen {
+        images: 240,
+        name: batchfleet_loadtest::services::unique("images"),
+        pool: env.pool.clone(),
+        item_rows: 25,
+        batch_size: 16,
+        broken: 2,
+        ..ImageGen::default()
+    };
+    make_image_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(300),
+        run_job(&env.run_config(), &manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job finished within 5 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed { job_id, report, .. } = outcome else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    // 242 files (2 undecodable) in ⌈242 / 25⌉ = 10 items.
+    assert_eq!(
+        (
+            report.rows_total,
+            report.rows_predicted,
+            report.rows_rejected
+        ),
+        (242, 240, 2)
+    );
+    assert_eq!(report.items_total, 10);
+    // Every image once, ids relative to the root, scores as PyTorch's within 1e-5.
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, 240);
+    let rejects: String = std::fs::read_dir(out.join("rejects"))
+        .expect("rejects")
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
+        .map(|e| std::fs::read_to_string(e.path()).expect("rejects file"))
+        .collect();
+    assert!(
+        rejects.contains("\"raw\":\"broken/bad_0.png\"")
+            && rejects.contains("\"raw\":\"broken/bad_1.png\"")
+            && rejects.contains("cannot decode the image"),
+        "{rejects}"
+    );
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
