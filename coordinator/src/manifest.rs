@@ -247,6 +247,21 @@ pub struct OutputSection {
     /// order (`predictions.csv`).
     #[serde(default)]
     pub merge: bool,
+    /// Names of the model's output columns (default `score` / `score_0 …`).
+    #[serde(default)]
+    pub columns: Vec<String>,
+    /// A text file of class names, one per line, one per model output.
+    pub labels: Option<String>,
+    /// Add a `label` column: the class of the largest output.
+    #[serde(default)]
+    pub argmax: bool,
+    /// Add the `top_k` largest outputs' classes and scores.
+    pub top_k: Option<u32>,
+    /// Keep the raw output columns. Default true.
+    pub scores: Option<bool>,
+    /// Input columns copied next to the id in every part file.
+    #[serde(default)]
+    pub include_columns: Vec<String>,
 }
 
 /// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`
@@ -612,6 +627,11 @@ pub fn validate(
         let wanted: Vec<&str> = std::iter::once(m.input.id_column.as_str())
             .chain(features.iter().map(String::as_str))
             .collect();
+        let required: Vec<&str> = wanted
+            .iter()
+            .copied()
+            .chain(m.output.include_columns.iter().map(String::as_str))
+            .collect();
         let mut all_there = !files.is_empty();
         for f in &files {
             match read_jsonl_keys(f) {
@@ -620,7 +640,7 @@ pub fn validate(
                     problem("[input] paths", format!("{}: {e}", f.display()));
                 }
                 Ok(keys) => {
-                    let missing: Vec<&str> = wanted
+                    let missing: Vec<&str> = required
                         .iter()
                         .copied()
                         .filter(|k| !keys.contains(*k))
@@ -647,7 +667,9 @@ pub fn validate(
     if parquet {
         let mut all_there = !files.is_empty();
         for f in &files {
-            if let Err(e) = check_parquet_columns(f, &m.input.id_column, &features) {
+            if let Err(e) =
+                check_parquet_columns(f, &m.input.id_column, &features, &m.output.include_columns)
+            {
                 all_there = false;
                 problem("[input] paths", format!("{}: {e}", f.display()));
             }
@@ -887,6 +909,77 @@ pub fn validate(
         );
     }
 
+    let labels = match &m.output.labels {
+        None => Vec::new(),
+        Some(p) => read_labels(&resolve(base, p), roots).unwrap_or_else(|e| {
+            problem("[output] labels", e);
+            Vec::new()
+        }),
+    };
+    let top_k = m.output.top_k.unwrap_or(0);
+    if m.output.top_k == Some(0) || top_k > 1000 {
+        problem("[output] top_k", format!("{top_k} must be 1 to 1000"));
+    } else if !labels.is_empty() && top_k as usize > labels.len() {
+        problem(
+            "[output] top_k",
+            format!(
+                "{top_k} is more than the {} classes in the labels file",
+                labels.len()
+            ),
+        );
+    }
+    let drop_scores = m.output.scores == Some(false);
+    if drop_scores && !m.output.argmax && top_k == 0 {
+        problem(
+            "[output] scores",
+            "= false leaves no prediction column; set argmax = true or top_k as well".into(),
+        );
+    }
+    if !m.output.columns.is_empty() && !labels.is_empty() && m.output.columns.len() != labels.len()
+    {
+        problem(
+            "[output] columns",
+            format!(
+                "names {} outputs but the labels file {}; they name the same outputs",
+                m.output.columns.len(),
+                labels.len()
+            ),
+        );
+    }
+    let mut seen = std::collections::HashSet::new();
+    for name in m.output.columns.iter().chain(&m.output.include_columns) {
+        let reserved = name == "id"
+            || name == "label"
+            || (name.starts_with("top") && (name.ends_with("_label") || name.ends_with("_score")));
+        if name.is_empty() || reserved || !seen.insert(name.as_str()) {
+            problem(
+                "[output] columns",
+                format!("\"{name}\" cannot name an output column: names must be non-empty, unique across columns and include_columns, and not id, label or top<k>_label/_score"),
+            );
+        }
+    }
+    if files_input && !m.output.include_columns.is_empty() {
+        problem(
+            "[output] include_columns",
+            "does not apply to format = \"files\" (a file has no columns to copy)".into(),
+        );
+    }
+    let mut include_indices = Vec::new();
+    if matches!(m.input.format, InputFormat::Csv) && !header.is_empty() {
+        for name in &m.output.include_columns {
+            match column(name) {
+                Some(i) => include_indices.push(i as u32),
+                None => problem(
+                    "[output] include_columns",
+                    format!(
+                        "\"{name}\" is not in the header of {}; fix the name",
+                        files[0].display()
+                    ),
+                ),
+            }
+        }
+    }
+
     // On completion.
     let oc = &m.on_complete;
     let command_timeout = match oc.command_timeout.as_deref().map(humantime::parse_duration) {
@@ -972,22 +1065,31 @@ pub fn validate(
             fields: header.len() as u32,
             id_column: id_index,
             feature_columns: feature_indices,
+            include_columns: include_indices,
         },
         batch_size,
         output: OutputSpec {
             dir: out_dir.to_string_lossy().into_owned(),
             format: m.output.format,
             histogram,
+            columns: m.output.columns.clone(),
+            labels,
+            argmax: m.output.argmax,
+            top_k,
+            drop_scores,
+            include_columns: m.output.include_columns.clone(),
         },
         failure,
         checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
         jsonl: jsonl.then(|| batchfleet_shared::message::JsonLayout {
             id_key: m.input.id_column.clone(),
             feature_keys: features.clone(),
+            include_keys: m.output.include_columns.clone(),
         }),
         parquet: parquet.then(|| batchfleet_shared::message::ParquetLayout {
             id_column: m.input.id_column.clone(),
             feature_columns: features.clone(),
+            include_columns: m.output.include_columns.clone(),
         }),
         image: preprocess,
     };
@@ -1007,6 +1109,32 @@ pub fn validate(
         merge: m.output.merge,
         root,
     })
+}
+
+/// Reads a labels file: one class name per line (surrounding blanks
+/// trimmed, trailing empty lines ignored), at least one.
+fn read_labels(path: &Path, roots: &DataRoots) -> Result<Vec<String>, String> {
+    roots.check(path).map_err(|e| e.to_string())?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut labels: Vec<String> = text.lines().map(|l| l.trim().to_owned()).collect();
+    while labels.last().is_some_and(String::is_empty) {
+        labels.pop();
+    }
+    if labels.is_empty() {
+        return Err(format!(
+            "{} holds no class name; write one per line",
+            path.display()
+        ));
+    }
+    if let Some(n) = labels.iter().position(String::is_empty) {
+        return Err(format!(
+            "{} line {} is empty; every output needs a name",
+            path.display(),
+            n + 1
+        ));
+    }
+    Ok(labels)
 }
 
 /// Reads a `files` listing: one path per line, relative to the listing's
@@ -1209,7 +1337,12 @@ pub fn read_jsonl_keys(path: &Path) -> Result<std::collections::HashSet<String>,
 /// Checks that a Parquet file's schema has the id column (string or
 /// integer) and every feature column (numeric), naming what is missing or
 /// of the wrong type.
-pub fn check_parquet_columns(path: &Path, id: &str, features: &[String]) -> Result<(), String> {
+pub fn check_parquet_columns(
+    path: &Path,
+    id: &str,
+    features: &[String],
+    include: &[String],
+) -> Result<(), String> {
     use batchfleet_shared::columns::{is_feature_type, is_id_type};
     let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
     let meta = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, Default::default())
@@ -1233,6 +1366,12 @@ pub fn check_parquet_columns(path: &Path, id: &str, features: &[String]) -> Resu
             Ok(_) => {}
         }
     }
+    missing.extend(
+        include
+            .iter()
+            .map(String::as_str)
+            .filter(|n| schema.field_with_name(n).is_err()),
+    );
     if !missing.is_empty() {
         let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         let shown = if names.len() > 12 {
@@ -1557,6 +1696,54 @@ dir = "out"
             err.contains("[preprocess]: is required for format = \"files\""),
             "{err}"
         );
+    }
+
+    #[test]
+    fn output_labels_top_k_and_copied_columns() {
+        let fx = Fixture::new();
+        fs::write(fx.dir.path().join("labels.txt"), "cat\n dog \nbird\n\n").unwrap();
+        let with = |extra: &str| GOOD.replace("dir = \"out\"", &format!("dir = \"out\"\n{extra}"));
+        let spec = fx
+            .load(&with("format = \"parquet\"\nlabels = \"labels.txt\"\nargmax = true\ntop_k = 2\nscores = false\ninclude_columns = [\"f2\", \"id\"]"))
+            .map(|_| ())
+            .unwrap_err();
+        // "id" cannot be copied under its own name; the rest is fine.
+        assert!(
+            spec.to_string()
+                .contains("\"id\" cannot name an output column"),
+            "{spec}"
+        );
+        let spec = fx
+            .load(&with("format = \"parquet\"\nlabels = \"labels.txt\"\nargmax = true\ntop_k = 2\nscores = false\ninclude_columns = [\"f2\"]"))
+            .unwrap();
+        let o = &spec.task.output;
+        assert_eq!(o.labels, ["cat", "dog", "bird"]);
+        assert_eq!(
+            (o.argmax, o.top_k, o.drop_scores, o.format.as_str()),
+            (true, 2, true, "parquet")
+        );
+        assert_eq!(spec.task.csv.include_columns, vec![3]);
+        assert_eq!(o.include_columns, ["f2"]);
+        // Each bad option is named.
+        let err = problems(fx.load(&with(
+            "labels = \"labels.txt\"\ntop_k = 4\ncolumns = [\"a\", \"b\"]\ninclude_columns = [\"nope\", \"a\"]",
+        )));
+        for want in [
+            "[output] top_k: 4 is more than the 3 classes",
+            "[output] columns: names 2 outputs but the labels file 3",
+            "\"a\" cannot name an output column",
+            "[output] include_columns: \"nope\" is not in the header",
+        ] {
+            assert!(err.contains(want), "{want} not in {err}");
+        }
+        let err = problems(fx.load(&with("scores = false")));
+        assert!(
+            err.contains("[output] scores: = false leaves no prediction column"),
+            "{err}"
+        );
+        fs::write(fx.dir.path().join("empty.txt"), "\n").unwrap();
+        let err = problems(fx.load(&with("labels = \"empty.txt\"\nargmax = true")));
+        assert!(err.contains("holds no class name"), "{err}");
     }
 
     #[test]

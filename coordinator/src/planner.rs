@@ -298,12 +298,14 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 fields: 2,
                 id_column: 0,
                 feature_columns: vec![1],
+                include_columns: Vec::new(),
             },
             batch_size: 1,
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
                 histogram: Default::default(),
+                ..OutputSpec::default()
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,

@@ -275,9 +275,9 @@ pub async fn finish(
                 .iter()
                 .map(|s| out.join(part_file_name(s.seq, format)))
                 .collect();
-            let merged = out.join(batchfleet_shared::output::MERGED_FILE);
+            let merged = out.join(batchfleet_shared::output::merged_file_name(format));
             publish_atomically(&merged, "coordinator", true, |w| {
-                batchfleet_shared::output::concat_csv(w, &parts)
+                batchfleet_shared::table::concat_parts(w, format, &parts)
             })
             .map_err(|e| RunError::Output(format!("cannot write {}: {e}", merged.display())))?;
             tracing::info!(job = %job_id, path = %merged.display(), parts = parts.len(), "merged output written");

@@ -23,7 +23,6 @@ use crate::manifest::JobSpec;
 use crate::planner::Plan;
 use crate::{Connections, RunError};
 use batchfleet_shared::broker::{self, ConfirmedPublisher, Outgoing, PoolQueues};
-use batchfleet_shared::message::OutputFormat;
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -402,10 +401,9 @@ impl Supervisor {
         };
         let dead = crate::dlq::list(conn, &record.pool, &filter).await?;
         let out = spec.output_dir().to_owned();
-        let format = spec.task.output.format;
-        let hspec = spec.task.output.histogram;
+        let output = spec.task.output.clone();
         let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
-        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, format, &hspec, &items))
+        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items))
             .await
             .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
 
@@ -463,21 +461,20 @@ pub type Recovered = (ItemStats, Vec<Vec<u64>>);
 /// folder was changed under the job).
 pub fn scan_outputs(
     out: &Path,
-    format: OutputFormat,
-    hspec: &batchfleet_shared::message::HistogramSpec,
+    spec: &batchfleet_shared::message::OutputSpec,
     items: &[(u32, u64)],
 ) -> Result<Vec<Recovered>, RunError> {
     let now = batchfleet_shared::now_ms();
     let mut found = Vec::new();
     for &(seq, rows) in items {
-        let part = out.join(batchfleet_shared::message::part_file_name(seq, format));
+        let part = out.join(spec.part_name(seq));
         if !part.is_file() {
             continue;
         }
         let read =
             |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
         let (predicted, hist) =
-            batchfleet_shared::output::histogram_of_part(&part, hspec).map_err(read)?;
+            batchfleet_shared::output::histogram_of_part(&part, spec).map_err(read)?;
         let rejected = batchfleet_shared::output::count_rejects(
             &batchfleet_shared::output::rejects_path(out, seq),
         )
@@ -540,21 +537,22 @@ mod tests {
         std::fs::write(out.join("part-000000.csv"), "id,score\na,1\nb,2\n").unwrap();
         std::fs::create_dir_all(out.join("rejects")).unwrap();
         std::fs::write(out.join("rejects/part-000000.jsonl"), "{}\n").unwrap();
-        let spec = batchfleet_shared::message::HistogramSpec {
-            min: 0.0,
-            max: 2.0,
-            bins: 2,
+        let spec = batchfleet_shared::message::OutputSpec {
+            histogram: batchfleet_shared::message::HistogramSpec {
+                min: 0.0,
+                max: 2.0,
+                bins: 2,
+            },
+            ..Default::default()
         };
-        let found = scan_outputs(out, OutputFormat::Csv, &spec, &[(0, 3), (1, 4)]).unwrap();
+        let found = scan_outputs(out, &spec, &[(0, 3), (1, 4)]).unwrap();
         assert_eq!(found.len(), 1, "item 1 has no part file");
         let (stats, hist) = &found[0];
         assert_eq!((stats.seq, stats.rows, stats.rows_rejected), (0, 2, 1));
         assert!(stats.recovered);
         // Scores 1 and 2 over [0, 2) in 2 bins: one in the second bin, one above.
         assert_eq!(hist, &vec![vec![0, 0, 1, 1]]);
-        let err = scan_outputs(out, OutputFormat::Csv, &spec, &[(0, 5)])
-            .unwrap_err()
-            .to_string();
+        let err = scan_outputs(out, &spec, &[(0, 5)]).unwrap_err().to_string();
         assert!(
             err.contains("part-000000.csv") && err.contains("item 0 has 5"),
             "{err}"

@@ -321,8 +321,14 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         failed: Vec::new(),
                     };
                     let dest = out.join(item.task.output.part_name(item.seq));
-                    batchfleet_worker::writer::write_csv(&dest, "io", &batch, &preds)
-                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    batchfleet_worker::writer::write_part(
+                        &dest,
+                        "io",
+                        &item.task.output,
+                        &batch,
+                        &preds,
+                    )
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
                 }
             }));
         }

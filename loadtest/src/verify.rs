@@ -55,36 +55,67 @@ impl Verification {
 
 type Rows = (Vec<String>, Vec<(String, Vec<f64>)>);
 
-fn read_scores(path: &Path) -> Result<Rows> {
-    let mut rdr =
-        csv::Reader::from_path(path).with_context(|| format!("opening {}", path.display()))?;
-    let header: Vec<String> = rdr.headers()?.iter().map(str::to_owned).collect();
-    if header.first().map(String::as_str) != Some("id") {
+/// The id and the numbers of the columns `wanted` (all but the id when
+/// `None`) of every row of a part file of any format (or the golden CSV).
+fn read_scores(path: &Path, wanted: Option<&[String]>) -> Result<Rows> {
+    let mut rows = Vec::new();
+    let mut picked: Option<Result<(Vec<String>, Vec<usize>)>> = None;
+    let mut bad = None;
+    let names = batchfleet_shared::table::read_part(path, |names, row| {
+        let pick = picked.get_or_insert_with(|| pick_columns(path, names, wanted));
+        let Ok((_, cols)) = pick else { return };
+        let scores: Vec<f64> = cols
+            .iter()
+            .map(|c| row[*c].as_f64().unwrap_or(f64::NAN))
+            .collect();
+        if bad.is_none() && cols.iter().any(|c| matches!(row[*c], batchfleet_shared::table::Value::Text(ref t) if t.parse::<f64>().is_err())) {
+            bad = Some(format!("{}: a score of row {} is not a number", path.display(), rows.len() + 1));
+        }
+        rows.push((row[0].text(), scores));
+    })
+    .with_context(|| format!("reading {}", path.display()))?;
+    if let Some(b) = bad {
+        bail!(b);
+    }
+    let (columns, _) = match picked {
+        Some(p) => p?,
+        None => pick_columns(path, &names, wanted)?,
+    };
+    Ok((columns, rows))
+}
+
+fn pick_columns(
+    path: &Path,
+    names: &[String],
+    wanted: Option<&[String]>,
+) -> Result<(Vec<String>, Vec<usize>)> {
+    if names.first().map(String::as_str) != Some("id") {
         bail!(
-            "{}: first column must be id, header is {header:?}",
+            "{}: first column must be id, columns are {names:?}",
             path.display()
         );
     }
-    let mut rows = Vec::new();
-    for (i, rec) in rdr.records().enumerate() {
-        let rec = rec.with_context(|| format!("{} record {}", path.display(), i + 1))?;
-        let scores = rec
-            .iter()
-            .skip(1)
-            .map(|v| {
-                v.parse::<f64>().with_context(|| {
-                    format!("{} record {}: {v:?} is not a number", path.display(), i + 1)
+    match wanted {
+        None => Ok((names[1..].to_vec(), (1..names.len()).collect())),
+        Some(w) => {
+            let cols = w
+                .iter()
+                .map(|n| {
+                    names.iter().position(|h| h == n).with_context(|| {
+                        format!("{} has no column {n} (columns: {names:?})", path.display())
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        rows.push((rec[0].to_owned(), scores));
+                .collect::<Result<Vec<_>>>()?;
+            Ok((w.to_vec(), cols))
+        }
     }
-    Ok((header[1..].to_vec(), rows))
 }
 
-/// Compares every `part-*.csv` in `output_dir` with `golden`.
+/// Compares every `part-*` file (CSV, JSON Lines or Parquet) in
+/// `output_dir` with `golden`, column by golden column name (other columns,
+/// such as labels or copied input columns, are not compared).
 pub fn verify(output_dir: &Path, golden: &Path, tolerance: f64) -> Result<Verification> {
-    let (columns, golden_rows) = read_scores(golden)?;
+    let (columns, golden_rows) = read_scores(golden, None)?;
     let mut want: HashMap<String, Vec<f64>> = HashMap::with_capacity(golden_rows.len());
     let mut v = Verification {
         golden_rows: golden_rows.len(),
@@ -104,13 +135,7 @@ pub fn verify(output_dir: &Path, golden: &Path, tolerance: f64) -> Result<Verifi
         .collect();
     parts.sort();
     for part in &parts {
-        let (cols, rows) = read_scores(part)?;
-        if cols != columns {
-            bail!(
-                "{} has score columns {cols:?}, golden has {columns:?}",
-                part.display()
-            );
-        }
+        let (_, rows) = read_scores(part, Some(&columns))?;
         v.parts += 1;
         for (id, got) in rows {
             v.output_rows += 1;

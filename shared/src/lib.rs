@@ -10,6 +10,7 @@
 //! - [`columns`]: the Arrow column types a Parquet input may use.
 //! - [`config`]: the command-line flags both binaries share.
 //! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
+//! - [`table`]: part files in each output format (CSV, JSON Lines, Parquet), written and read back.
 //! - [`fsutil`]: file digests and atomic publication of output files.
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
@@ -25,6 +26,7 @@ pub mod paths;
 pub mod secret;
 pub mod shutdown;
 pub mod store;
+pub mod table;
 pub mod telemetry;
 
 /// Milliseconds since the Unix epoch, the timestamp unit used in Redis and summaries.

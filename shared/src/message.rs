@@ -202,6 +202,9 @@ pub struct ParquetLayout {
     pub id_column: String,
     /// Columns of the features (numeric), in model input order.
     pub feature_columns: Vec<String>,
+    /// Columns copied to the output (`[output] include_columns`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub include_columns: Vec<String>,
 }
 
 /// Which keys of a JSON Lines record hold the id and the features.
@@ -211,6 +214,9 @@ pub struct JsonLayout {
     pub id_key: String,
     /// Keys of the features (numbers), in model input order.
     pub feature_keys: Vec<String>,
+    /// Keys copied to the output (`[output] include_columns`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub include_keys: Vec<String>,
 }
 
 /// What a bad row does to its item.
@@ -301,21 +307,31 @@ pub struct CsvLayout {
     pub id_column: u32,
     /// Indices of the feature fields, in model input order.
     pub feature_columns: Vec<u32>,
+    /// Indices of fields copied to the output (`[output] include_columns`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub include_columns: Vec<u32>,
 }
 
 /// Output format of part files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OutputFormat {
     /// Comma-separated values with a header row.
+    #[default]
     Csv,
+    /// JSON Lines: one object per row, keys in column order.
+    Jsonl,
+    /// Apache Parquet.
+    Parquet,
 }
 
 impl OutputFormat {
-    /// Parses the lower-case name (`csv`).
+    /// Parses the lower-case name (`csv`, `jsonl`, `parquet`).
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "csv" => Some(OutputFormat::Csv),
+            "jsonl" => Some(OutputFormat::Jsonl),
+            "parquet" => Some(OutputFormat::Parquet),
             _ => None,
         }
     }
@@ -324,19 +340,24 @@ impl OutputFormat {
     pub fn as_str(self) -> &'static str {
         match self {
             OutputFormat::Csv => "csv",
+            OutputFormat::Jsonl => "jsonl",
+            OutputFormat::Parquet => "parquet",
         }
     }
 
-    /// File extension of a part file.
+    /// File extension of a part file (the name).
     pub fn extension(self) -> &'static str {
-        match self {
-            OutputFormat::Csv => "csv",
-        }
+        self.as_str()
+    }
+
+    /// The format whose part files have this extension.
+    pub fn from_extension(ext: &str) -> Option<Self> {
+        Self::parse(ext)
     }
 }
 
 /// Where predictions go.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct OutputSpec {
     /// Absolute output directory of the job.
     pub dir: String,
@@ -345,6 +366,28 @@ pub struct OutputSpec {
     /// Bins of the prediction histogram recorded per output column.
     #[serde(default)]
     pub histogram: HistogramSpec,
+    /// Names of the model's output columns; empty: `score` or `score_0 …`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub columns: Vec<String>,
+    /// Class names, one per model output, for `argmax` and `top_k`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
+    /// Add a `label` column: the class of the largest output.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub argmax: bool,
+    /// Add `top1_label, top1_score, …` for the `top_k` largest outputs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub top_k: u32,
+    /// Leave out the raw output columns (keep only labels).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drop_scores: bool,
+    /// Input columns copied next to the id, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub include_columns: Vec<String>,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// Equal-width bins over `[min, max)` for the distribution of a model
@@ -409,6 +452,28 @@ impl OutputSpec {
     pub fn part_name(&self, seq: u32) -> String {
         part_file_name(seq, self.format)
     }
+
+    /// Names of `width` model outputs: `[output] columns`, else `score` or
+    /// `score_0 … score_{width-1}`.
+    pub fn score_names(&self, width: usize) -> Vec<String> {
+        if !self.columns.is_empty() {
+            self.columns.clone()
+        } else if width == 1 {
+            vec!["score".into()]
+        } else {
+            (0..width).map(|i| format!("score_{i}")).collect()
+        }
+    }
+
+    /// Whether a part file column holds a raw model output (what the
+    /// prediction histogram counts): anything but the id, copied input
+    /// columns and the label columns.
+    pub fn is_score_column(&self, name: &str) -> bool {
+        name != "id"
+            && name != "label"
+            && !self.include_columns.iter().any(|c| c == name)
+            && !(name.starts_with("top") && (name.ends_with("_label") || name.ends_with("_score")))
+    }
 }
 
 /// `part-000042.csv`: the committed output of one item.
@@ -471,12 +536,14 @@ pub(crate) fn sample_item() -> WorkItem {
                 fields: 18,
                 id_column: 0,
                 feature_columns: (1..17).collect(),
+                include_columns: Vec::new(),
             },
             batch_size: 512,
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
                 histogram: HistogramSpec::default(),
+                ..OutputSpec::default()
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
@@ -512,6 +579,7 @@ mod tests {
         item.task.jsonl = Some(JsonLayout {
             id_key: "id".into(),
             feature_keys: vec!["a".into(), "b".into()],
+            include_keys: Vec::new(),
         });
         let env = Envelope::V1(item);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
@@ -537,6 +605,7 @@ mod tests {
         item.task.parquet = Some(ParquetLayout {
             id_column: "id".into(),
             feature_columns: vec!["a".into(), "b".into()],
+            include_columns: Vec::new(),
         });
         let env = Envelope::V1(item);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);

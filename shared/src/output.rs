@@ -4,24 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// The merged output of a job with `[output] merge = true`: every part, in input order.
-pub const MERGED_FILE: &str = "predictions.csv";
-
-/// Writes the CSV files `parts` — each with the same header line — to `w` as
-/// one file: the first part's header, then every part's rows, streamed (no
-/// part is held in memory).
-pub fn concat_csv(w: &mut impl std::io::Write, parts: &[PathBuf]) -> std::io::Result<()> {
-    use std::io::BufRead;
-    for (k, part) in parts.iter().enumerate() {
-        let mut r = std::io::BufReader::with_capacity(1 << 16, std::fs::File::open(part)?);
-        let mut header = Vec::new();
-        r.read_until(b'\n', &mut header)?;
-        if k == 0 {
-            w.write_all(&header)?;
-        }
-        std::io::copy(&mut r, w)?;
-    }
-    Ok(())
+/// The merged output of a job with `[output] merge = true`: every part, in
+/// input order, in the job's output format (`predictions.csv`, …).
+pub fn merged_file_name(format: crate::message::OutputFormat) -> String {
+    format!("predictions.{}", format.extension())
 }
 
 /// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
@@ -35,19 +21,7 @@ pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).
 pub fn count_rows(path: &Path) -> std::io::Result<u64> {
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(std::io::Error::other)?;
-    let mut rec = csv::ByteRecord::new();
-    let mut n = 0;
-    while rdr
-        .read_byte_record(&mut rec)
-        .map_err(std::io::Error::other)?
-    {
-        n += 1;
-    }
-    Ok(n)
+    crate::table::count_rows(path)
 }
 
 /// Counts the lines of a rejects file; 0 if there is none.
@@ -59,26 +33,29 @@ pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
     }
 }
 
-/// Rows of a part file and the histogram of its score columns (`counts[c][bin]`).
+/// Rows of a part file and the histogram of its model-output columns
+/// (`counts[c][bin]`, see [`crate::message::OutputSpec::is_score_column`]).
 pub fn histogram_of_part(
     path: &Path,
-    spec: &crate::message::HistogramSpec,
+    spec: &crate::message::OutputSpec,
 ) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(std::io::Error::other)?;
-    let mut rec = csv::StringRecord::new();
     let mut counts: Vec<Vec<u64>> = Vec::new();
     let mut rows = 0;
     let mut values = Vec::new();
-    while rdr.read_record(&mut rec).map_err(std::io::Error::other)? {
+    let mut scores: Option<Vec<usize>> = None;
+    crate::table::read_part(path, |names, row| {
         rows += 1;
+        let cols = scores.get_or_insert_with(|| {
+            (0..names.len())
+                .filter(|c| spec.is_score_column(&names[*c]))
+                .collect()
+        });
         values.clear();
-        for field in rec.iter().skip(1) {
-            values.push(field.parse::<f32>().unwrap_or(f32::NAN));
-        }
-        spec.add(&mut counts, &values, values.len());
-    }
+        values.extend(
+            cols.iter()
+                .map(|c| row[*c].as_f64().map_or(f32::NAN, |v| v as f32)),
+        );
+        spec.histogram.add(&mut counts, &values, values.len());
+    })?;
     Ok((rows, counts))
 }

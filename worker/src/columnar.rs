@@ -75,7 +75,10 @@ pub fn read_parquet(
     }
     let schema = builder.schema().clone();
     let mut roots = Vec::with_capacity(layout.feature_columns.len() + 1);
-    for name in std::iter::once(&layout.id_column).chain(&layout.feature_columns) {
+    for name in std::iter::once(&layout.id_column)
+        .chain(&layout.feature_columns)
+        .chain(&layout.include_columns)
+    {
         roots.push(
             schema
                 .index_of(name)
@@ -111,6 +114,11 @@ pub fn read_parquet(
             .iter()
             .map(|n| column(n))
             .collect::<Result<_, _>>()?;
+        let includes: Vec<ArrayRef> = layout
+            .include_columns
+            .iter()
+            .map(|n| column(n))
+            .collect::<Result<_, _>>()?;
         let n = rb.num_rows();
         // Column by column into a row-major block; nulls are found per row below.
         values.clear();
@@ -138,7 +146,12 @@ pub fn read_parquet(
                 }
             };
             match reason {
-                None => batch.push_row(&id, &values[r * cols..(r + 1) * cols], line, (0, 0)),
+                None => {
+                    batch.push_row(&id, &values[r * cols..(r + 1) * cols], line, (0, 0));
+                    for col in &includes {
+                        batch.push_extra(&cell_text(col, r));
+                    }
+                }
                 Some(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
                         return Err(ItemError::poison(format!("{path} row {line}: {reason}")))
@@ -214,36 +227,57 @@ fn id_text(col: &ArrayRef, r: usize, out: &mut String) -> Result<(), DataType> {
     Ok(())
 }
 
+/// The text of a copied column's value: strings as they are, numbers in
+/// their shortest form, null as empty, other types as JSON.
+fn cell_text(col: &ArrayRef, r: usize) -> String {
+    match cell_json(col, r) {
+        serde_json::Value::String(s) => s,
+        serde_json::Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
 /// Row `r` of the projected columns as a JSON object (nulls as `null`), for
 /// a rejects file.
 fn row_json(rb: &RecordBatch, r: usize) -> String {
     let mut map = serde_json::Map::new();
     for (field, col) in rb.schema().fields().iter().zip(rb.columns()) {
-        let value = if col.is_null(r) {
-            serde_json::Value::Null
-        } else {
-            let float = |v: f64| {
-                serde_json::Number::from_f64(v)
-                    .map_or_else(|| v.to_string().into(), serde_json::Value::Number)
-            };
-            match col.data_type() {
-                DataType::Float64 => float(col.as_primitive::<Float64Type>().value(r)),
-                DataType::Float32 => float(f64::from(col.as_primitive::<Float32Type>().value(r))),
-                t => {
-                    let mut text = String::new();
-                    match id_text(col, r, &mut text) {
-                        Ok(()) if t.is_integer() => {
-                            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text))
-                        }
-                        Ok(()) => serde_json::Value::String(text),
-                        Err(t) => serde_json::Value::String(format!("<{t}>")),
-                    }
-                }
-            }
-        };
+        let value = cell_json(col, r);
         map.insert(field.name().clone(), value);
     }
     serde_json::Value::Object(map).to_string()
+}
+
+/// One value as JSON (nulls as `null`, other types as `"<type>"`).
+fn cell_json(col: &ArrayRef, r: usize) -> serde_json::Value {
+    if col.is_null(r) {
+        serde_json::Value::Null
+    } else {
+        let float = |v: f64| {
+            serde_json::Number::from_f64(v)
+                .map_or_else(|| v.to_string().into(), serde_json::Value::Number)
+        };
+        match col.data_type() {
+            DataType::Float64 => float(col.as_primitive::<Float64Type>().value(r)),
+            DataType::Float32 => {
+                // The float32's own shortest text, not its f64 expansion.
+                let v = col.as_primitive::<Float32Type>().value(r);
+                serde_json::from_str(ryu::Buffer::new().format(v))
+                    .unwrap_or_else(|_| v.to_string().into())
+            }
+            DataType::Boolean => serde_json::Value::Bool(col.as_boolean().value(r)),
+            t => {
+                let mut text = String::new();
+                match id_text(col, r, &mut text) {
+                    Ok(()) if t.is_integer() => {
+                        serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text))
+                    }
+                    Ok(()) => serde_json::Value::String(text),
+                    Err(t) => serde_json::Value::String(format!("<{t}>")),
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -256,6 +290,7 @@ mod tests {
         ParquetLayout {
             id_column: "id".into(),
             feature_columns: vec!["b".into(), "a".into()],
+            include_columns: Vec::new(),
         }
     }
 
@@ -316,6 +351,15 @@ mod tests {
         assert_eq!(raw, serde_json::json!({"a": null, "id": "r9", "b": 91}));
         // A model reject of a Parquet row names it by id.
         assert_eq!(b.model_reject(1, "boom").raw, "r5");
+        // Copied columns (a string and an integer) come with accepted rows only.
+        let copy = ParquetLayout {
+            include_columns: vec!["note".into(), "b".into()],
+            ..layout()
+        };
+        let b = read_parquet(at(&path, 1, 2, len), &copy, 8, OnBadRow::Reject, io).unwrap();
+        let row = |i| (b.extra(i, 0, 2).to_owned(), b.extra(i, 1, 2).to_owned());
+        assert_eq!(row(0), ("n4".to_owned(), "96".to_owned()));
+        assert_eq!(row(5), ("n11".to_owned(), "89".to_owned()));
     }
 
     #[test]
@@ -376,6 +420,6 @@ mod tests {
         let b = read_parquet(at(&path, 0, 1, len), &layout(), 2, OnBadRow::Reject, io).unwrap();
         assert_eq!(b.id(0), u64::MAX.to_string());
         assert_eq!(b.features, vec![0.1f64 as f32, 1.0]);
-        assert_eq!(b.rejects[0].raw, r#"{"a":2.0,"b":null,"id":7}"#);
+        assert_eq!(b.rejects[0].raw, r#"{"id":7,"a":2.0,"b":null}"#);
     }
 }

@@ -28,6 +28,7 @@ use crate::runner::ModelRunner;
 use crate::{reader, writer};
 use batchfleet_shared::broker::{headers, int_header, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::fsutil::Publish;
+use batchfleet_shared::message::OutputFormat;
 use batchfleet_shared::message::{
     Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
     JOB_HEADER, MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
@@ -696,12 +697,13 @@ async fn process(
     };
     let mut partial = None;
     let hspec = item.task.output.histogram;
+    let format = item.task.output.format;
     let mut hist: Vec<Vec<u64>> = Vec::new();
     if dest.exists() {
         // A previous delivery published the files and died before marking it done.
-        let (d, r) = (dest.clone(), rejects_dest.clone());
+        let (d, r, spec) = (dest.clone(), rejects_dest.clone(), item.task.output.clone());
         let (rows, rejected, h) = blocking(move || {
-            let (rows, h) = batchfleet_shared::output::histogram_of_part(&d, &hspec)?;
+            let (rows, h) = batchfleet_shared::output::histogram_of_part(&d, &spec)?;
             Ok::<_, std::io::Error>((rows, writer::count_rejects(&r)?, h))
         })
         .await?
@@ -751,12 +753,13 @@ async fn process(
             // Failed rows are NaN, which no bin counts.
             hspec.add(&mut hist, &preds.values, preds.width);
             let write_started = Instant::now();
+            let spec = item.task.output.clone();
             let published = blocking(move || {
                 // The part file is the commit point; the rejects file goes first
                 // and reflects this attempt (a stale one from a crashed attempt
                 // with another model is replaced or removed).
                 writer::write_rejects(&rejects_dest, &tag, &rejects)?;
-                writer::write_csv(&dest, &tag, &batch, &preds)
+                writer::write_part(&dest, &tag, &spec, &batch, &preds)
             })
             .await??;
             metrics::histogram!(names::WORKER_WRITE).record(write_started.elapsed().as_secs_f64());
@@ -769,13 +772,16 @@ async fn process(
             ));
             let d = dir.clone();
             let (segments, mut model_rejects) =
-                blocking(move || finished_segments(&d, seg, rows)).await??;
-            let resumed_files: Vec<PathBuf> =
-                segments.iter().map(|s| segment_path(&dir, *s)).collect();
+                blocking(move || finished_segments(&d, seg, rows, format)).await??;
+            let resumed_files: Vec<PathBuf> = segments
+                .iter()
+                .map(|s| segment_path(&dir, *s, format))
+                .collect();
+            let spec = item.task.output.clone();
             hist = blocking(move || {
                 let mut h = Vec::new();
                 for f in &resumed_files {
-                    let (_, part) = batchfleet_shared::output::histogram_of_part(f, &hspec)?;
+                    let (_, part) = batchfleet_shared::output::histogram_of_part(f, &spec)?;
                     merge_histogram(&mut h, &part);
                 }
                 Ok::<_, std::io::Error>(h)
@@ -795,7 +801,10 @@ async fn process(
             }
             lease.rows_resumed.store(resumed as u64, Ordering::Relaxed);
             lease.rows_done.store(resumed as u64, Ordering::Relaxed);
-            let mut files: Vec<PathBuf> = segments.iter().map(|s| segment_path(&dir, *s)).collect();
+            let mut files: Vec<PathBuf> = segments
+                .iter()
+                .map(|s| segment_path(&dir, *s, format))
+                .collect();
             let mut predicted = 0usize;
             let mut failed = model_rejects.len();
             while next < rows {
@@ -830,16 +839,16 @@ async fn process(
                     .collect();
                 failed += seg_rejects.len();
                 hspec.add(&mut hist, &preds.values, preds.width);
-                let path = segment_path(&dir, (next, end));
-                let (p, t, b) = (path.clone(), tag.clone(), batch);
+                let path = segment_path(&dir, (next, end), format);
+                let (p, t, b, spec) = (path.clone(), tag.clone(), batch, item.task.output.clone());
                 let sr = seg_rejects.clone();
                 let write_started = Instant::now();
                 batch = blocking(move || {
-                    // The segment's rejects first: its CSV is what marks it finished.
+                    // The segment's rejects first: its part file is what marks it finished.
                     if !sr.is_empty() {
                         writer::write_rejects(&p.with_extension("rejects.jsonl"), &t, &sr)?;
                     }
-                    writer::write_csv_rows(&p, &t, &b, next..end, &preds)?;
+                    writer::write_part_rows(&p, &t, &spec, &b, next..end, &preds)?;
                     Ok::<_, ItemError>(b)
                 })
                 .await??;
@@ -861,7 +870,7 @@ async fn process(
             partial = Some(dir);
             blocking(move || {
                 writer::write_rejects(&rejects_dest, &tag, &rejects)?;
-                writer::concat_csv(&dest, &tag, &files)
+                writer::concat_parts(&dest, &tag, format, &files)
             })
             .await??
         };
@@ -957,8 +966,8 @@ fn log_rejects(rejects: &[reader::Reject]) {
 }
 
 /// `seg-<start>-<end>.csv` in an item's checkpoint folder.
-fn segment_path(dir: &Path, (start, end): (usize, usize)) -> PathBuf {
-    dir.join(format!("seg-{start:09}-{end:09}.csv"))
+fn segment_path(dir: &Path, (start, end): (usize, usize), format: OutputFormat) -> PathBuf {
+    dir.join(format!("seg-{start:09}-{end:09}.{}", format.extension()))
 }
 
 /// Finished segments (row spans) and the model rejects recorded for them.
@@ -967,13 +976,18 @@ type Checkpoint = (Vec<(usize, usize)>, Vec<reader::Reject>);
 /// The finished segments of an item's checkpoint folder that follow each
 /// other from row 0 on the expected boundaries (anything else is ignored and
 /// recomputed), with the model rejects recorded for them.
-fn finished_segments(dir: &Path, seg: usize, rows: usize) -> Result<Checkpoint, ItemError> {
+fn finished_segments(
+    dir: &Path,
+    seg: usize,
+    rows: usize,
+    format: OutputFormat,
+) -> Result<Checkpoint, ItemError> {
     let mut found = Vec::new();
     let mut rejects = Vec::new();
     let mut start = 0;
     while start < rows {
         let span = (start, (start + seg).min(rows));
-        let path = segment_path(dir, span);
+        let path = segment_path(dir, span, format);
         if !path.exists() {
             break;
         }
@@ -1184,21 +1198,31 @@ mod tests {
     fn a_checkpoint_is_the_run_of_finished_segments_from_row_0() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        assert_eq!(finished_segments(d, 200, 1000).unwrap().0, vec![]);
+        assert_eq!(
+            finished_segments(d, 200, 1000, OutputFormat::Csv)
+                .unwrap()
+                .0,
+            vec![]
+        );
         for span in [(0, 200), (200, 400), (600, 800)] {
-            std::fs::write(segment_path(d, span), "id,score\n").unwrap();
+            std::fs::write(segment_path(d, span, OutputFormat::Csv), "id,score\n").unwrap();
         }
         writer::write_rejects(
-            &segment_path(d, (200, 400)).with_extension("rejects.jsonl"),
+            &segment_path(d, (200, 400), OutputFormat::Csv).with_extension("rejects.jsonl"),
             "t",
             &[reject(250)],
         )
         .unwrap();
         // 600..800 does not follow 400: it is not part of the checkpoint.
-        let (spans, rejects) = finished_segments(d, 200, 1000).unwrap();
+        let (spans, rejects) = finished_segments(d, 200, 1000, OutputFormat::Csv).unwrap();
         assert_eq!(spans, vec![(0, 200), (200, 400)]);
         assert_eq!(rejects, vec![reject(250)]);
         // Boundaries of another segment size do not count.
-        assert_eq!(finished_segments(d, 300, 1000).unwrap().0, vec![]);
+        assert_eq!(
+            finished_segments(d, 300, 1000, OutputFormat::Csv)
+                .unwrap()
+                .0,
+            vec![]
+        );
     }
 }

@@ -40,6 +40,9 @@ pub struct Batch {
     pub shape: Vec<usize>,
     ids: String,
     id_ends: Vec<usize>,
+    /// Copied input columns (`[output] include_columns`), row-major as text.
+    extras: String,
+    extra_ends: Vec<usize>,
     /// Line and byte span (in `raw`) of each row, for reporting rejects.
     lines: Vec<u64>,
     spans: Vec<(usize, usize)>,
@@ -90,6 +93,20 @@ impl Batch {
     /// Number of rows (not counting parse rejects).
     pub fn rows(&self) -> usize {
         self.id_ends.len()
+    }
+
+    /// Appends the text of the next copied input column of the row being
+    /// read (call once per include column, for accepted rows only).
+    pub fn push_extra(&mut self, text: &str) {
+        self.extras.push_str(text);
+        self.extra_ends.push(self.extras.len());
+    }
+
+    /// Copied input column `j` (of `per_row`) of row `i`.
+    pub fn extra(&self, i: usize, j: usize, per_row: usize) -> &str {
+        let k = i * per_row + j;
+        let start = if k == 0 { 0 } else { self.extra_ends[k - 1] };
+        &self.extras[start..self.extra_ends[k]]
     }
 
     /// Id of row `i`.
@@ -310,7 +327,12 @@ pub fn parse_csv(
             starts.push(pos.byte() as usize);
             match parse_record(&rec, layout, &mut row) {
                 // The span holds the record index until the ends are known.
-                Ok(id) => batch.push_row(id, &row, line, (record, 0)),
+                Ok(id) => {
+                    batch.push_row(id, &row, line, (record, 0));
+                    for &i in &layout.include_columns {
+                        batch.push_extra(&String::from_utf8_lossy(&rec[i as usize]));
+                    }
+                }
                 Err(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
                         return Err(ItemError::poison(format!("{path} line {line}: {reason}")))
@@ -370,7 +392,12 @@ pub fn parse_jsonl(
         // Blank exactly as the planner counts it: a line of spaces is a (bad) record.
         if !line_text.is_empty() {
             match keys.record(line_text.trim_ascii(), &mut row) {
-                Ok(id) => batch.push_row(&id, &row, line, (pos, end)),
+                Ok(id) => {
+                    batch.push_row(&id, &row, line, (pos, end));
+                    for e in &keys.extras {
+                        batch.push_extra(e);
+                    }
+                }
                 Err(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
                         return Err(ItemError::poison(format!("{path} line {line}: {reason}")))
@@ -399,6 +426,8 @@ struct JsonKeys<'a> {
     index: std::collections::HashMap<&'a str, usize>,
     /// Which features the current record has set.
     seen: Vec<bool>,
+    /// Text of the include keys of the last record read.
+    extras: Vec<String>,
 }
 
 impl<'a> JsonKeys<'a> {
@@ -412,14 +441,29 @@ impl<'a> JsonKeys<'a> {
                 .map(|(i, k)| (k.as_str(), i))
                 .collect(),
             seen: vec![false; layout.feature_keys.len()],
+            extras: Vec::new(),
         }
     }
 
     /// The id of one JSON object, its features written into `row`. Reads
     /// only the wanted keys straight into `row` and skips the rest; anything
     /// unusual (a bad record, escaped keys) goes to [`parse_json_value`],
-    /// which gives the same result or names what is wrong.
+    /// which gives the same result or names what is wrong. With include
+    /// keys, the record is parsed whole and their text left in `extras`
+    /// (a string as is, a missing key or null as empty, anything else as JSON).
     fn record(&mut self, text: &[u8], row: &mut [f32]) -> Result<String, String> {
+        if !self.layout.include_keys.is_empty() {
+            let map = json_object(text)?;
+            let id = record_of_map(&map, self.layout, row)?;
+            self.extras.clear();
+            self.extras
+                .extend(self.layout.include_keys.iter().map(|k| match map.get(k) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    None | Some(serde_json::Value::Null) => String::new(),
+                    Some(other) => other.to_string(),
+                }));
+            return Ok(id);
+        }
         self.seen.iter_mut().for_each(|s| *s = false);
         let mut de = serde_json::Deserializer::from_slice(text);
         let fast = serde::de::DeserializeSeed::deserialize(
@@ -493,11 +537,24 @@ impl<'de> serde::de::Visitor<'de> for FastRecord<'_, '_, '_> {
 /// [`JsonKeys::record`] through a whole `serde_json::Value`: slower, and
 /// names what is wrong with a bad record.
 fn parse_json_value(text: &[u8], layout: &JsonLayout, row: &mut [f32]) -> Result<String, String> {
+    record_of_map(&json_object(text)?, layout, row)
+}
+
+fn json_object(text: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, String> {
     let value: serde_json::Value =
         serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    let serde_json::Value::Object(map) = value else {
-        return Err("not a JSON object".into());
-    };
+    match value {
+        serde_json::Value::Object(map) => Ok(map),
+        _ => Err("not a JSON object".into()),
+    }
+}
+
+/// The id and features of a parsed JSON record, or what is wrong with it.
+fn record_of_map(
+    map: &serde_json::Map<String, serde_json::Value>,
+    layout: &JsonLayout,
+    row: &mut [f32],
+) -> Result<String, String> {
     let id = match map.get(&layout.id_key) {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(serde_json::Value::Number(n)) => n.to_string(),
@@ -604,6 +661,7 @@ mod tests {
             fields: 4,
             id_column: 1,
             feature_columns: vec![3, 0],
+            include_columns: Vec::new(),
         }
     }
 
@@ -611,7 +669,43 @@ mod tests {
         JsonLayout {
             id_key: "id".into(),
             feature_keys: vec!["b".into(), "a".into()],
+            include_keys: Vec::new(),
         }
+    }
+
+    #[test]
+    fn copied_columns_follow_accepted_rows_only() {
+        let csv = CsvLayout {
+            include_columns: vec![2, 0],
+            ..layout()
+        };
+        let raw = b"1.5,a,\"x, y\",2\n9,b,z,oops\n3,c,,4\n".to_vec();
+        let b = parse_csv(raw, &csv, "in.csv", 2, 3, OnBadRow::Reject).unwrap();
+        assert_eq!((b.rows(), b.rejects.len()), (2, 1));
+        assert_eq!((b.extra(0, 0, 2), b.extra(0, 1, 2)), ("x, y", "1.5"));
+        assert_eq!(
+            (b.id(1), b.extra(1, 0, 2), b.extra(1, 1, 2)),
+            ("c", "", "3")
+        );
+        let json = JsonLayout {
+            include_keys: vec!["name".into(), "tags".into(), "gone".into()],
+            ..json_layout()
+        };
+        let raw = br#"{"id": "p", "a": 1, "b": 2, "name": "Zoe", "tags": [1, "x"]}
+{"id": "q", "a": "bad", "b": 2, "name": "Al"}
+{"id": "r", "a": 3, "b": 4, "name": 7, "gone": null}
+"#
+        .to_vec();
+        let b = parse_jsonl(raw, &json, "in.jsonl", 1, 3, OnBadRow::Reject).unwrap();
+        assert_eq!((b.rows(), b.rejects.len()), (2, 1));
+        assert_eq!(b.features, vec![2.0, 1.0, 4.0, 3.0]);
+        let row = |i| {
+            (0..3)
+                .map(|j| b.extra(i, j, 3).to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(row(0), ["Zoe", "[1,\"x\"]", ""]);
+        assert_eq!(row(1), ["7", "", ""]);
     }
 
     #[test]
@@ -641,6 +735,7 @@ mod tests {
         let both = JsonLayout {
             id_key: "a".into(),
             feature_keys: vec!["a".into(), "b".into()],
+            include_keys: Vec::new(),
         };
         let mut keys = JsonKeys::new(&both);
         let mut row = [0f32; 2];

@@ -6,40 +6,64 @@ use crate::error::ItemError;
 use crate::reader::{Batch, Reject};
 use crate::runner::Predictions;
 use batchfleet_shared::fsutil::{publish_atomically, Publish};
+use batchfleet_shared::message::{OutputFormat, OutputSpec};
+use batchfleet_shared::table::{Cell, Kind, PartWriter};
 use std::io::Write;
 use std::path::Path;
 
 pub use batchfleet_shared::output::{count_rejects, count_rows, REJECTS_DIR};
 
-/// Column names for `width` model outputs: `score`, or `score_0 … score_{k-1}`.
-pub fn score_columns(width: usize) -> Vec<String> {
-    if width == 1 {
-        vec!["score".into()]
+/// The columns of a part file for a model of `width` outputs: `id`, the
+/// copied input columns (`include_columns`), the outputs (unless
+/// `drop_scores`), `label` (`argmax`), then `top1_label, top1_score, …`.
+pub fn part_columns(spec: &OutputSpec, width: usize) -> (Vec<String>, Vec<Kind>) {
+    let label_kind = if spec.labels.is_empty() {
+        Kind::Int
     } else {
-        (0..width).map(|i| format!("score_{i}")).collect()
+        Kind::Text
+    };
+    let mut cols = vec![("id".to_owned(), Kind::Text)];
+    cols.extend(spec.include_columns.iter().map(|c| (c.clone(), Kind::Text)));
+    if !spec.drop_scores {
+        cols.extend(
+            spec.score_names(width)
+                .into_iter()
+                .map(|n| (n, Kind::Float)),
+        );
     }
+    if spec.argmax {
+        cols.push(("label".into(), label_kind));
+    }
+    for k in 1..=(spec.top_k as usize).min(width) {
+        cols.push((format!("top{k}_label"), label_kind));
+        cols.push((format!("top{k}_score"), Kind::Float));
+    }
+    cols.into_iter().unzip()
 }
 
-/// Writes `id` plus one column per model output for every row the model did
-/// not fail on, to `dest` (CSV with a header).
-pub fn write_csv(
+/// Writes `id` (plus copied input columns) and the predictions of every row
+/// the model did not fail on, to `dest` in the job's output format.
+pub fn write_part(
     dest: &Path,
     tag: &str,
+    spec: &OutputSpec,
     batch: &Batch,
     preds: &Predictions,
 ) -> Result<Publish, ItemError> {
-    write_csv_rows(dest, tag, batch, 0..batch.rows(), preds)
+    write_part_rows(dest, tag, spec, batch, 0..batch.rows(), preds)
 }
 
-/// Like [`write_csv`] for rows `rows` of the batch (a checkpoint segment),
+/// Like [`write_part`] for rows `rows` of the batch (a checkpoint segment),
 /// whose predictions `preds` are.
-pub fn write_csv_rows(
+pub fn write_part_rows(
     dest: &Path,
     tag: &str,
+    spec: &OutputSpec,
     batch: &Batch,
     rows: std::ops::Range<usize>,
     preds: &Predictions,
 ) -> Result<Publish, ItemError> {
+    let width = preds.width.max(1);
     if !rows.is_empty() && preds.values.len() != rows.len() * preds.width {
         return Err(ItemError::poison(format!(
             "model returned {} values for {} rows of width {}",
@@ -48,39 +72,79 @@ pub fn write_csv_rows(
             preds.width
         )));
     }
+    for (what, names) in [
+        ("[output] columns", &spec.columns),
+        ("[output] labels", &spec.labels),
+    ] {
+        if !names.is_empty() && !rows.is_empty() && names.len() != width {
+            return Err(ItemError::poison(format!(
+                "the model returns {width} outputs per row but {what} names {}; make them agree",
+                names.len()
+            )));
+        }
+    }
+    let (names, kinds) = part_columns(spec, width);
+    let extras = spec.include_columns.len();
     let result = publish_atomically(dest, tag, false, |w| {
-        let mut csv = csv::WriterBuilder::new().from_writer(w);
-        let mut header = vec!["id".to_owned()];
-        header.extend(score_columns(preds.width.max(1)));
-        csv.write_record(&header)?;
-        let mut fmt = ryu::Buffer::new();
+        let mut part = PartWriter::new(w, spec.format, names, kinds)?;
         let mut failed = preds.failed.iter().map(|(i, _)| *i).peekable();
-        for (i, row) in preds.values.chunks(preds.width.max(1)).enumerate() {
+        let mut cells: Vec<Cell> = Vec::with_capacity(part.kinds().len());
+        let mut order: Vec<usize> = Vec::with_capacity(width);
+        // A class's name, or its index when there is no labels file.
+        let label = |k: usize| -> Cell {
+            spec.labels
+                .get(k)
+                .map_or(Cell::Int(k as i64), |l| Cell::Text(l))
+        };
+        for (i, row) in preds.values.chunks(width).enumerate() {
             if failed.peek() == Some(&i) {
                 failed.next();
                 continue;
             }
-            csv.write_field(batch.id(rows.start + i))?;
-            for v in row {
-                csv.write_field(fmt.format(*v))?;
+            let r = rows.start + i;
+            cells.clear();
+            cells.push(Cell::Text(batch.id(r)));
+            cells.extend((0..extras).map(|j| Cell::Text(batch.extra(r, j, extras))));
+            if !spec.drop_scores {
+                cells.extend(row.iter().map(|v| Cell::Float(*v)));
             }
-            csv.write_record(None::<&[u8]>)?;
+            if spec.argmax || spec.top_k > 0 {
+                // Largest first; NaN last; ties keep the lower index first.
+                order.clear();
+                order.extend(0..row.len());
+                let key = |k: usize| {
+                    if row[k].is_nan() {
+                        f32::NEG_INFINITY
+                    } else {
+                        row[k]
+                    }
+                };
+                order.sort_by(|a, b| key(*b).total_cmp(&key(*a)));
+                if spec.argmax {
+                    cells.push(label(order[0]));
+                }
+                for &k in order.iter().take(spec.top_k as usize) {
+                    cells.push(label(k));
+                    cells.push(Cell::Float(row[k]));
+                }
+            }
+            part.row(&cells)?;
         }
-        csv.flush()?;
-        Ok(())
+        part.finish()
     });
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
 }
 
-/// Publishes `dest` as the concatenation of the CSV files `parts` (each with
-/// the same header, kept once), streamed, first commit wins.
-pub fn concat_csv(
+/// Publishes `dest` as the concatenation of the part files `parts` (all in
+/// `format`, with the same columns), streamed, first commit wins.
+pub fn concat_parts(
     dest: &Path,
     tag: &str,
+    format: OutputFormat,
     parts: &[std::path::PathBuf],
 ) -> Result<Publish, ItemError> {
     let result = publish_atomically(dest, tag, false, |w| {
-        batchfleet_shared::output::concat_csv(w, parts)
+        batchfleet_shared::table::concat_parts(w, format, parts)
     });
     result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
 }
@@ -138,14 +202,122 @@ mod tests {
             width: 2,
             failed: vec![(1, "boom".into())],
         };
-        assert_eq!(write_csv(&dest, "t", &b, &p).unwrap(), Publish::Committed);
+        let spec = OutputSpec::default();
+        assert_eq!(
+            write_part(&dest, "t", &spec, &b, &p).unwrap(),
+            Publish::Committed
+        );
         let text = std::fs::read_to_string(&dest).unwrap();
         assert_eq!(text, "id,score_0,score_1\n\"a,1\",0.1,1e-7\nb,-2.5,3.0\n");
         assert_eq!(count_rows(&dest).unwrap(), 2);
         assert_eq!(
-            write_csv(&dest, "t2", &b, &p).unwrap(),
+            write_part(&dest, "t2", &spec, &b, &p).unwrap(),
             Publish::AlreadyExists
         );
+    }
+
+    fn three_rows() -> (Batch, Predictions) {
+        let mut b = Batch::with_capacity(1, 3);
+        for id in ["a", "b", "c"] {
+            b.push(id, &[0.0]);
+        }
+        let p = Predictions {
+            values: vec![0.1, 0.7, 0.2, 5.0, f32::NAN, 1.0, 0.0, 0.0, 3.0],
+            width: 3,
+            failed: vec![],
+        };
+        (b, p)
+    }
+
+    #[test]
+    fn labels_argmax_and_top_k_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let (b, p) = three_rows();
+        let spec = OutputSpec {
+            labels: vec!["cat".into(), "dog".into(), "bird".into()],
+            argmax: true,
+            top_k: 2,
+            ..OutputSpec::default()
+        };
+        let dest = dir.path().join("p.csv");
+        write_part(&dest, "t", &spec, &b, &p).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "id,score_0,score_1,score_2,label,top1_label,top1_score,top2_label,top2_score\n\
+             a,0.1,0.7,0.2,dog,dog,0.7,bird,0.2\n\
+             b,5.0,NaN,1.0,cat,cat,5.0,bird,1.0\n\
+             c,0.0,0.0,3.0,bird,bird,3.0,cat,0.0\n"
+        );
+        // Named outputs, no raw scores, class indices without a labels file.
+        let spec = OutputSpec {
+            columns: vec!["x".into(), "y".into(), "z".into()],
+            argmax: true,
+            drop_scores: true,
+            ..OutputSpec::default()
+        };
+        let dest = dir.path().join("q.csv");
+        write_part(&dest, "t", &spec, &b, &p).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "id,label\na,1\nb,0\nc,2\n"
+        );
+        assert_eq!(part_columns(&spec, 3).0, ["id", "label"]);
+        // A labels file that does not match the model is poison.
+        let spec = OutputSpec {
+            labels: vec!["cat".into()],
+            argmax: true,
+            ..OutputSpec::default()
+        };
+        let e = write_part(&dir.path().join("r.csv"), "t", &spec, &b, &p).unwrap_err();
+        assert!(
+            e.message
+                .contains("returns 3 outputs per row but [output] labels names 1"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn json_lines_and_parquet_parts_hold_the_same_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let (b, p) = three_rows();
+        let mut tables = Vec::new();
+        for format in [
+            OutputFormat::Csv,
+            OutputFormat::Jsonl,
+            OutputFormat::Parquet,
+        ] {
+            let spec = OutputSpec {
+                format,
+                labels: vec!["cat".into(), "dog".into(), "bird".into()],
+                argmax: true,
+                ..OutputSpec::default()
+            };
+            let dest = dir.path().join(spec.part_name(1));
+            write_part(&dest, "t", &spec, &b, &p).unwrap();
+            let mut rows = Vec::new();
+            let names = batchfleet_shared::table::read_part(&dest, |_, r| {
+                rows.push(
+                    r.iter()
+                        .map(|v| {
+                            v.as_f64()
+                                .map_or_else(|| v.text(), |x| format!("{:.3}", x as f32))
+                        })
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .unwrap();
+            tables.push((names, rows));
+        }
+        let jsonl = std::fs::read_to_string(dir.path().join("part-000001.jsonl")).unwrap();
+        assert!(jsonl.starts_with("{\"id\":\"a\",\"score_0\":0.1,\"score_1\":0.7,\"score_2\":0.2,\"label\":\"dog\"}\n"), "{jsonl}");
+        assert!(jsonl.contains("\"score_1\":null"), "NaN is null: {jsonl}");
+        // NaN reads back as text "NaN" from CSV and as null elsewhere: compare the rest.
+        for (names, rows) in &tables[1..] {
+            assert_eq!(names, &tables[0].0);
+            assert_eq!(rows[0], tables[0].1[0]);
+            assert_eq!(rows[2], tables[0].1[2]);
+        }
     }
 
     #[test]
@@ -155,7 +327,10 @@ mod tests {
         std::fs::write(&a, "id,score\nr1,0.5\nr2,1\n").unwrap();
         std::fs::write(&b, "id,score\nr3,2\n").unwrap();
         let dest = dir.path().join("part-000000.csv");
-        assert_eq!(concat_csv(&dest, "t", &[a, b]).unwrap(), Publish::Committed);
+        assert_eq!(
+            concat_parts(&dest, "t", OutputFormat::Csv, &[a, b]).unwrap(),
+            Publish::Committed
+        );
         assert_eq!(
             std::fs::read_to_string(&dest).unwrap(),
             "id,score\nr1,0.5\nr2,1\nr3,2\n"
@@ -203,9 +378,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut b = Batch::with_capacity(1, 1);
         b.push("a", &[0.0]);
-        let err = write_csv(
+        let err = write_part(
             &dir.path().join("p.csv"),
             "t",
+            &OutputSpec::default(),
             &b,
             &Predictions {
                 values: vec![1.0, 2.0],

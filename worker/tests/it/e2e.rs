@@ -301,9 +301,11 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
     make_job(env.path(), &gen).expect("generate job");
     let manifest = env.path().join("job.toml");
     let text = std::fs::read_to_string(&manifest).expect("manifest");
+    // Parquet in, Parquet out, merged.
     std::fs::write(
         &manifest,
-        text.replace("[output]\n", "[output]\nmerge = true\n"),
+        text.replace("[output]\n", "[output]\nmerge = true\n")
+            .replace("format = \"csv\"\n", "format = \"parquet\"\n"),
     )
     .expect("manifest");
 
@@ -334,13 +336,15 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
     let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
     assert_eq!(v.output_rows, 12_000);
+    assert!(out.join("part-000000.parquet").is_file());
     // The merged file lists the ids in input order: files sorted, rows as written.
-    let merged = std::fs::read_to_string(out.join("predictions.csv")).expect("merged output");
-    let ids: Vec<&str> = merged
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').next().expect("id"))
-        .collect();
+    let mut ids = Vec::new();
+    let columns =
+        batchfleet_shared::table::read_part(&out.join("predictions.parquet"), |_, row| {
+            ids.push(row[0].text())
+        })
+        .expect("merged output");
+    assert_eq!(columns, ["id", "score_0", "score_1"]);
     let expected: Vec<String> = (0..12_000).map(|i| format!("r{i:08}")).collect();
     assert_eq!(ids, expected);
     crate::support::stop_all(&mut workers);
@@ -401,6 +405,101 @@ async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
             && rejects.contains("cannot decode the image"),
         "{rejects}"
     );
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_top_k_and_copied_columns_in_json_lines_output() {
+    let env = TestEnv::new("labels");
+    let gen = JobGen {
+        rows: 6_000,
+        files: 2,
+        features: 8,
+        hidden: 32,
+        outputs: 3,
+        name: batchfleet_loadtest::services::unique("labels"),
+        pool: env.pool.clone(),
+        item_rows: 1_000,
+        batch_size: 256,
+        checkpoint_every: Some(1),
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    std::fs::write(env.path().join("labels.txt"), "low\nmid\nhigh\n").expect("labels");
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace(
+            "dir = \"out\"\nformat = \"csv\"\n",
+            "dir = \"out\"\nformat = \"jsonl\"\nlabels = \"labels.txt\"\nargmax = true\ntop_k = 2\ninclude_columns = [\"f3\"]\nmerge = true\n",
+        ),
+    )
+    .expect("manifest");
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(300),
+        run_job(&env.run_config(), &manifest, CancellationToken::new()),
+    )
+    .await
+    .expect("job finished within 5 minutes")
+    .expect("job ran");
+    let RunOutcome::Completed { job_id, report, .. } = outcome else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    assert_eq!((report.rows_predicted, report.items_completed), (6_000, 6));
+    // Scores as PyTorch's (checkpointed in segments of 256 rows, then joined).
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    // Every row: the copied input text, the argmax class and the top two.
+    let mut inputs = std::collections::HashMap::new();
+    for f in ["part-00.csv", "part-01.csv"] {
+        let text = std::fs::read_to_string(env.path().join("data").join(f)).expect("input");
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split(',').collect();
+            inputs.insert(fields[0].to_owned(), fields[4].to_owned());
+        }
+    }
+    let names = ["low", "mid", "high"];
+    let merged = std::fs::read_to_string(out.join("predictions.jsonl")).expect("merged output");
+    let mut rows = 0;
+    for line in merged.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).expect("a JSON object");
+        let keys: Vec<&String> = row.as_object().expect("object").keys().collect();
+        assert_eq!(
+            keys,
+            [
+                "id",
+                "f3",
+                "score_0",
+                "score_1",
+                "score_2",
+                "label",
+                "top1_label",
+                "top1_score",
+                "top2_label",
+                "top2_score"
+            ]
+        );
+        let scores: Vec<f64> = (0..3)
+            .map(|k| row[format!("score_{k}")].as_f64().expect("score"))
+            .collect();
+        let mut order = [0usize, 1, 2];
+        order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]));
+        let id = row["id"].as_str().expect("id");
+        assert_eq!(row["f3"], inputs[id].as_str(), "{id}");
+        assert_eq!(row["label"], names[order[0]], "{line}");
+        assert_eq!(
+            (&row["top1_label"], &row["top2_label"]),
+            (&names[order[0]].into(), &names[order[1]].into())
+        );
+        assert_eq!(row["top2_score"].as_f64(), Some(scores[order[1]]));
+        rows += 1;
+    }
+    assert_eq!(rows, 6_000);
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
