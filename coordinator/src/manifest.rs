@@ -401,6 +401,9 @@ pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestErro
 }
 
 fn resolve(base: &Path, p: &str) -> PathBuf {
+    if p.starts_with(batchfleet_shared::source::S3_SCHEME) {
+        return PathBuf::from(p);
+    }
     let p = Path::new(p);
     let joined = if p.is_absolute() {
         p.to_path_buf()
@@ -498,6 +501,22 @@ pub fn validate(
     // Input files.
     let mut files = Vec::new();
     for pattern in &m.input.paths {
+        if pattern.starts_with(batchfleet_shared::source::S3_SCHEME) {
+            // Objects: listed under the pattern's literal prefix. The data
+            // roots are local folders; what S3 may be read is the credentials' to say.
+            match batchfleet_shared::source::glob(pattern) {
+                Err(e) => problem(
+                    "[input] paths",
+                    format!("cannot list \"{pattern}\": {e}; check the URL and the AWS_* settings in the environment"),
+                ),
+                Ok(found) if found.is_empty() => problem(
+                    "[input] paths",
+                    format!("\"{pattern}\" matches no object; check the bucket and key pattern"),
+                ),
+                Ok(found) => files.extend(found.into_iter().map(|(url, _)| PathBuf::from(url))),
+            }
+            continue;
+        }
         let full = resolve(base, pattern);
         match glob::glob(&full.to_string_lossy()) {
             Err(e) => problem(
@@ -735,10 +754,17 @@ pub fn validate(
     // Model.
     let model_path = resolve(base, &m.model.path);
     let mut model_sha = String::new();
-    match roots
-        .check(&model_path)
-        .map(|_| check_torchscript(&model_path))
-    {
+    let local_model = if batchfleet_shared::source::is_url(&model_path) {
+        Err(batchfleet_shared::paths::PathError {
+            path: model_path.clone(),
+            reason:
+                "is an s3:// URL; the model must be a local (or shared) file every worker can read"
+                    .into(),
+        })
+    } else {
+        roots.check(&model_path)
+    };
+    match local_model.map(|_| check_torchscript(&model_path)) {
         Err(e) => problem("[model] path", e.to_string()),
         Ok(Err(e)) => problem("[model] path", e),
         Ok(Ok(())) => match sha256_file(&model_path) {
@@ -874,7 +900,12 @@ pub fn validate(
 
     // Output.
     let out_dir = resolve(base, &m.output.dir);
-    if let Err(e) = roots.check(&out_dir) {
+    if batchfleet_shared::source::is_url(&out_dir) {
+        problem(
+            "[output] dir",
+            "s3:// output is not supported yet (inputs may be s3://); write to a local or shared folder".into(),
+        );
+    } else if let Err(e) = roots.check(&out_dir) {
         problem("[output] dir", e.to_string());
     } else if out_dir.exists() && !out_dir.is_dir() {
         problem(
@@ -947,14 +978,31 @@ pub fn validate(
         );
     }
     let mut seen = std::collections::HashSet::new();
-    for name in m.output.columns.iter().chain(&m.output.include_columns) {
+    // Without `columns`, the outputs are `score` / `score_<n>`: a copied
+    // column may not take those names either.
+    let default_score = |name: &str| {
+        m.output.columns.is_empty()
+            && (name == "score"
+                || name
+                    .strip_prefix("score_")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())))
+    };
+    for (k, name) in m
+        .output
+        .columns
+        .iter()
+        .chain(&m.output.include_columns)
+        .enumerate()
+    {
+        let copied = k >= m.output.columns.len();
         let reserved = name == "id"
             || name == "label"
+            || (copied && default_score(name))
             || (name.starts_with("top") && (name.ends_with("_label") || name.ends_with("_score")));
         if name.is_empty() || reserved || !seen.insert(name.as_str()) {
             problem(
                 "[output] columns",
-                format!("\"{name}\" cannot name an output column: names must be non-empty, unique across columns and include_columns, and not id, label or top<k>_label/_score"),
+                format!("\"{name}\" cannot name an output column: names must be non-empty, unique across columns and include_columns, and not id, label, top<k>_label/_score or (for a copied column) the default score/score_<n>"),
             );
         }
     }
@@ -1093,7 +1141,14 @@ pub fn validate(
         }),
         image: preprocess,
     };
-    let job_id = job_id(&m.job.name, &m.job.pool, &files, &sizing, &task);
+    let job_id = job_id(
+        &m.job.name,
+        &m.job.pool,
+        &files,
+        root.as_deref(),
+        &sizing,
+        &task,
+    );
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),
@@ -1274,12 +1329,40 @@ fn job_id(
     name: &str,
     pool: &str,
     files: &[PathBuf],
+    root: Option<&Path>,
     sizing: &ItemSizing,
     task: &TaskSpec,
 ) -> String {
-    let canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
-    let digest = batchfleet_shared::fsutil::sha256_bytes(canonical.to_string().as_bytes());
+    let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
+    // The ids of `files` input are relative to the root (absent otherwise,
+    // so other jobs keep their ids).
+    if let Some(root) = root {
+        canonical["root"] = serde_json::json!(root);
+    }
+    let digest =
+        batchfleet_shared::fsutil::sha256_bytes(sorted_keys(canonical).to_string().as_bytes());
     format!("{name}-{}", &digest[..8])
+}
+
+/// `v` with every object's keys in sorted order, so its text (and a job id
+/// hashed from it) does not depend on field or insertion order.
+fn sorted_keys(v: serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(sorted_keys).collect())
+        }
+        other => other,
+    }
 }
 
 fn summarize_header(h: &[String]) -> String {
@@ -1297,9 +1380,16 @@ fn valid_device(d: &str) -> bool {
             .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
 }
 
+/// A streaming reader of an input file, local or `s3://`.
+fn open_input(path: &Path) -> Result<Box<dyn std::io::Read + Send>, String> {
+    batchfleet_shared::source::Input::open(path)
+        .and_then(|i| i.reader())
+        .map_err(|e| format!("cannot open: {e}"))
+}
+
 /// Reads the header record of a CSV file.
 pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let file = open_input(path)?;
     let mut rdr = csv::ReaderBuilder::new()
         .has_headers(false)
         .delimiter(delimiter)
@@ -1316,7 +1406,7 @@ pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
 /// The keys of the first record of a JSON Lines file.
 pub fn read_jsonl_keys(path: &Path) -> Result<std::collections::HashSet<String>, String> {
     use std::io::BufRead;
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let file = open_input(path)?;
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|e| format!("cannot read line {}: {e}", n + 1))?;
         if line.trim().is_empty() {
@@ -1344,7 +1434,8 @@ pub fn check_parquet_columns(
     include: &[String],
 ) -> Result<(), String> {
     use batchfleet_shared::columns::{is_feature_type, is_id_type};
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let file =
+        batchfleet_shared::source::Input::open(path).map_err(|e| format!("cannot open: {e}"))?;
     let meta = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, Default::default())
         .map_err(|e| format!("is not a readable Parquet file: {e}"))?;
     let schema = meta.schema();
@@ -1473,6 +1564,15 @@ dir = "out"
         assert!(spec.job_id.starts_with("scores-") && spec.job_id.len() == "scores-".len() + 8);
         assert_eq!(spec.task.model.sha256.len(), 64);
         assert!(Path::new(&spec.task.output.dir).is_absolute());
+    }
+
+    #[test]
+    fn job_ids_hash_keys_in_sorted_order() {
+        let v = serde_json::json!({"b": 1, "a": {"d": [{"z": 1, "y": 2}], "c": 2}});
+        assert_eq!(
+            sorted_keys(v).to_string(),
+            r#"{"a":{"c":2,"d":[{"y":2,"z":1}]},"b":1}"#
+        );
     }
 
     #[test]
@@ -1712,6 +1812,11 @@ dir = "out"
             spec.to_string()
                 .contains("\"id\" cannot name an output column"),
             "{spec}"
+        );
+        let err = problems(fx.load(&with("include_columns = [\"score_1\"]")));
+        assert!(
+            err.contains("\"score_1\" cannot name an output column"),
+            "{err}"
         );
         let spec = fx
             .load(&with("format = \"parquet\"\nlabels = \"labels.txt\"\nargmax = true\ntop_k = 2\nscores = false\ninclude_columns = [\"f2\"]"))

@@ -15,7 +15,7 @@
 
 use crate::manifest::{ItemSizing, JobSpec};
 use batchfleet_shared::message::{Envelope, InputSlice, WorkItem};
-use std::fs::File;
+use batchfleet_shared::source::Input;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
@@ -111,7 +111,7 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
 
 /// The slices of one input file, in the job's input format.
 fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
-    let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
+    let file_len = input_len(path)?;
     let name = path.to_string_lossy().into_owned();
     if spec.task.parquet.is_some() {
         return plan_parquet(path, spec.sizing);
@@ -157,7 +157,7 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
     let mut sizes = Vec::with_capacity(spec.files.len());
     let mut names = Vec::with_capacity(spec.files.len());
     for path in &spec.files {
-        sizes.push(std::fs::metadata(path).map_err(|e| err(path, e))?.len());
+        sizes.push(input_len(path)?);
         let rel = path
             .strip_prefix(root)
             .map_err(|_| err(path, format!("is not under {}", root.display())))?;
@@ -230,9 +230,9 @@ pub fn even_runs(weights: &[u64], per_run: u64) -> Vec<std::ops::Range<usize>> {
 /// Row groups with no rows are skipped; a file with none has no items.
 pub fn plan_parquet(path: &Path, sizing: ItemSizing) -> Result<Vec<InputSlice>, PlanError> {
     use parquet::file::reader::FileReader;
-    let file = File::open(path).map_err(|e| err(path, e))?;
-    let file_len = file.metadata().map_err(|e| err(path, e))?.len();
-    let reader = parquet::file::reader::SerializedFileReader::new(file)
+    let input = Input::open(path).map_err(|e| err(path, e))?;
+    let file_len = input.len().map_err(|e| err(path, e))?;
+    let reader = parquet::file::reader::SerializedFileReader::new(input)
         .map_err(|e| err(path, format!("not a readable Parquet file: {e}")))?;
     let groups = reader.metadata().row_groups();
     let rows: Vec<u64> = groups.iter().map(|g| g.num_rows().max(0) as u64).collect();
@@ -316,6 +316,20 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
     }
 }
 
+/// The length of an input file (local or `s3://`).
+fn input_len(path: &Path) -> Result<u64, PlanError> {
+    Input::open(path)
+        .and_then(|i| i.len())
+        .map_err(|e| err(path, e))
+}
+
+/// A streaming reader of an input file (local or `s3://`).
+fn reader(path: &Path) -> Result<Box<dyn std::io::Read + Send>, PlanError> {
+    Input::open(path)
+        .and_then(|i| i.reader())
+        .map_err(|e| err(path, e))
+}
+
 fn err(path: &Path, e: impl std::fmt::Display) -> PlanError {
     PlanError {
         path: path.to_owned(),
@@ -330,7 +344,7 @@ const SCAN_CHUNK: usize = 1 << 20;
 /// record spans lines) and every `\r` directly before a `\n` (the CSV
 /// parser would end a record at a lone `\r`).
 fn lines_are_records(path: &Path, chunk: usize) -> Result<bool, PlanError> {
-    let mut file = File::open(path).map_err(|e| err(path, e))?;
+    let mut file = reader(path)?;
     let mut buf = vec![0u8; chunk];
     let mut cr_pending = false; // the previous chunk ended with `\r`
     loop {
@@ -357,8 +371,7 @@ fn lines_are_records(path: &Path, chunk: usize) -> Result<bool, PlanError> {
 }
 
 /// Fills `buf` as far as the file allows; 0 at end of file.
-fn read_chunk(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    use std::io::Read;
+fn read_chunk(file: &mut dyn std::io::Read, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut filled = 0;
     while filled < buf.len() {
         match file.read(&mut buf[filled..]) {
@@ -381,7 +394,7 @@ fn scan_lines(
     header: bool,
     mut visit: impl FnMut(u64, u64),
 ) -> Result<u64, PlanError> {
-    let mut file = File::open(path).map_err(|e| err(path, e))?;
+    let mut file = reader(path)?;
     let mut buf = vec![0u8; chunk];
     let mut offset = 0u64; // of the chunk in the file
     let mut line = 1u64;
@@ -469,8 +482,8 @@ fn scan_parsed(
     delimiter: u8,
     mut visit: impl FnMut(u64, u64),
 ) -> Result<u64, PlanError> {
-    let file = File::open(path).map_err(|e| err(path, e))?;
-    let len = file.metadata().map_err(|e| err(path, e))?.len();
+    let len = input_len(path)?;
+    let file = reader(path)?;
     let mut rdr = csv::ReaderBuilder::new()
         .has_headers(false)
         .delimiter(delimiter)
@@ -544,7 +557,7 @@ fn plan_file(path: &Path, scan: Scan, sizing: ItemSizing) -> Result<Vec<Range>, 
         }
         ItemSizing::Bytes(per_item) => {
             // Cut at the first record starting at or after each evenly spaced target.
-            let file_len = std::fs::metadata(path).map_err(|e| err(path, e))?.len();
+            let file_len = input_len(path)?;
             let mut body_start = None;
             let mut n = 1;
             let mut next_target = u64::MAX;

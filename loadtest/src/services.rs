@@ -1,7 +1,7 @@
 //! Makes sure the local RabbitMQ and Redis that tests and benchmarks use are
 //! up, starting them with the documented commands when they are not.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -208,5 +208,94 @@ pub fn delete_redis_prefix(prefix: &str) {
         let mut args = vec!["del"];
         args.extend(chunk);
         let _ = redis_cli(&args);
+    }
+}
+
+/// A local S3-compatible server (moto, from the project venv) on a free
+/// loopback port, stopped when dropped. Tests point batchfleet at it through
+/// the usual `AWS_*` settings ([`S3Server::env`]).
+#[derive(Debug)]
+pub struct S3Server {
+    child: std::process::Child,
+    /// `http://127.0.0.1:<port>`.
+    pub endpoint: String,
+}
+
+impl S3Server {
+    /// Starts `moto_server` and waits until it answers.
+    pub fn start() -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let bin = crate::python::repo_root().join(".venv/bin/moto_server");
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| {
+                format!(
+                    "starting {} (the venv installs moto; `make venv`)",
+                    bin.display()
+                )
+            })?;
+        let server = Self {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match ureq::get(&server.endpoint).call() {
+                Ok(_) | Err(ureq::Error::Status(..)) => return Ok(server),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100))
+                }
+                Err(e) => bail!("moto did not answer on {}: {e}", server.endpoint),
+            }
+        }
+    }
+
+    /// The `AWS_*` environment that points a process at this server
+    /// (moto accepts any credentials).
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "testing".into()),
+            ("AWS_SECRET_ACCESS_KEY", "testing".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// Uploads every file under `dir` to `s3://bucket/prefix/…` (creating the bucket).
+    pub fn put_dir(&self, bucket: &str, prefix: &str, dir: &std::path::Path) -> Result<()> {
+        let script = crate::python::repo_root().join("loadtest/python/s3_put.py");
+        let status = Command::new(crate::python::interpreter())
+            .arg(&script)
+            .args([
+                "--endpoint",
+                &self.endpoint,
+                "--bucket",
+                bucket,
+                "--prefix",
+                prefix,
+            ])
+            .arg(dir)
+            .envs(self.env())
+            .stdout(Stdio::null())
+            .status()
+            .with_context(|| format!("running {}", script.display()))?;
+        if !status.success() {
+            bail!("{} failed with {status}", script.display());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

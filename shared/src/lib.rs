@@ -12,6 +12,7 @@
 //! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
 //! - [`table`]: part files in each output format (CSV, JSON Lines, Parquet), written and read back.
 //! - [`fsutil`]: file digests and atomic publication of output files.
+//! - [`source`]: input locations, local files or `s3://` objects, behind one reader.
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
 
@@ -25,6 +26,7 @@ pub mod output;
 pub mod paths;
 pub mod secret;
 pub mod shutdown;
+pub mod source;
 pub mod store;
 pub mod table;
 pub mod telemetry;

@@ -16,9 +16,9 @@ use arrow_array::types::{
 use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::DataType;
 use batchfleet_shared::message::{OnBadRow, ParquetLayout};
+use batchfleet_shared::source::Input;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
-use std::fs::File;
 
 /// Rows decoded per Arrow record batch.
 const DECODE_ROWS: usize = 8192;
@@ -53,8 +53,8 @@ pub fn read_parquet(
             "{path}: {what}; the input changed under the job — restore it or start a new job"
         ))
     };
-    let file = File::open(path).map_err(&io_error)?;
-    let len = file.metadata().map_err(&io_error)?.len();
+    let file = Input::open(std::path::Path::new(path)).map_err(&io_error)?;
+    let len = file.len().map_err(&io_error)?;
     if len != at.file_len {
         return Err(changed(format!(
             "is {len} bytes but was {} when the job was planned",

@@ -303,10 +303,16 @@ impl ItemContext {
 /// or output folder is not under `roots`: queue contents are not trusted.
 fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), ItemError> {
     let inputs = item.input.input_files();
-    let paths = inputs.iter().map(|p| ("input file", p.as_path())).chain([
-        ("model", Path::new(&item.task.model.path)),
-        ("output folder", Path::new(&item.task.output.dir)),
-    ]);
+    // Objects in S3 are not local paths: what may be read there is the
+    // credentials' to say.
+    let paths = inputs
+        .iter()
+        .filter(|p| !batchfleet_shared::source::is_url(p))
+        .map(|p| ("input file", p.as_path()))
+        .chain([
+            ("model", Path::new(&item.task.model.path)),
+            ("output folder", Path::new(&item.task.output.dir)),
+        ]);
     for (what, p) in paths {
         if let Err(e) = roots.check(p) {
             return Err(ItemError::poison(format!(

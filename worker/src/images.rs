@@ -59,7 +59,9 @@ pub fn read_files(
     for (i, (name, planned)) in list.files.iter().zip(list.sizes).enumerate() {
         let path = Path::new(list.root).join(name);
         let shown = path.display().to_string();
-        let bytes = std::fs::read(&path).map_err(|e| io_error(&shown, e))?;
+        let bytes = batchfleet_shared::source::Input::open(&path)
+            .and_then(|i| i.read_all())
+            .map_err(|e| io_error(&shown, e))?;
         if bytes.len() as u64 != *planned {
             return Err(ItemError::poison(format!(
                 "{shown} is {} bytes but was {planned} when the job was planned; the input changed under the job — restore it or start a new job",

@@ -9,9 +9,9 @@ use crate::error::ItemError;
 use batchfleet_shared::message::{
     CsvLayout, ImageSpec, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
 };
+use batchfleet_shared::source::Input;
 use serde::{Deserialize, Serialize};
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
 
 /// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -236,18 +236,15 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
             rows,
             file_len,
         } => {
-            let mut file = File::open(path).map_err(|e| io_error(path, e))?;
-            let len = file.metadata().map_err(|e| io_error(path, e))?.len();
+            let input = Input::open(Path::new(path)).map_err(|e| io_error(path, e))?;
+            let len = input.len().map_err(|e| io_error(path, e))?;
             if len != *file_len {
                 return Err(ItemError::poison(format!(
                     "{path} is {len} bytes but was {file_len} when the job was planned; the input changed under the job — restore it or start a new job"
                 )));
             }
-            file.seek(SeekFrom::Start(*start))
-                .map_err(|e| io_error(path, e))?;
-            let mut raw = Vec::with_capacity((end - start) as usize);
-            file.take(end - start)
-                .read_to_end(&mut raw)
+            let raw = input
+                .read_range(*start..*end)
                 .map_err(|e| io_error(path, e))?;
             let batch = match (slice, layout) {
                 (InputSlice::CsvRange { .. }, Layout::Csv(l)) => {

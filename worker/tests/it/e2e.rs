@@ -239,18 +239,7 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
     lines.insert(200, "{\"id\": \"bad\", \"f0\": \"oops\"}");
     std::fs::write(&file, lines.join("\n") + "\n").expect("data");
 
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(300),
-        run_job(&env.run_config(), &manifest, CancellationToken::new()),
-    )
-    .await
-    .expect("job finished within 5 minutes")
-    .expect("job ran");
-    let RunOutcome::Completed { job_id, report, .. } = outcome else {
-        panic!("expected a completed job, got {outcome:?}");
-    };
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
     assert_eq!(report.status, "completed");
     assert_eq!(
         (
@@ -264,11 +253,9 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
     let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
     assert_eq!(v.output_rows, 12_000);
-    let rejects: String = std::fs::read_dir(out.join("rejects"))
-        .expect("rejects")
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
-        .map(|e| std::fs::read_to_string(e.path()).expect("rejects file"))
+    let rejects: String = crate::support::rejects(&out)
+        .iter()
+        .map(|r| r.to_string())
         .collect();
     // Line 201 of the file (the blank line 101 counts as a line).
     assert!(
@@ -309,18 +296,7 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
     )
     .expect("manifest");
 
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(300),
-        run_job(&env.run_config(), &manifest, CancellationToken::new()),
-    )
-    .await
-    .expect("job finished within 5 minutes")
-    .expect("job ran");
-    let RunOutcome::Completed { job_id, report, .. } = outcome else {
-        panic!("expected a completed job, got {outcome:?}");
-    };
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
     assert_eq!(report.status, "completed");
     // 3 files × 4000 rows in 11 row groups each, cut into runs of ~1500 rows: 3 items per file.
     assert_eq!(
@@ -366,18 +342,7 @@ async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
     };
     make_image_job(env.path(), &gen).expect("generate job");
     let manifest = env.path().join("job.toml");
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(300),
-        run_job(&env.run_config(), &manifest, CancellationToken::new()),
-    )
-    .await
-    .expect("job finished within 5 minutes")
-    .expect("job ran");
-    let RunOutcome::Completed { job_id, report, .. } = outcome else {
-        panic!("expected a completed job, got {outcome:?}");
-    };
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
     // 242 files (2 undecodable) in ⌈242 / 25⌉ = 10 items.
     assert_eq!(
         (
@@ -393,11 +358,9 @@ async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
     let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
     assert_eq!(v.output_rows, 240);
-    let rejects: String = std::fs::read_dir(out.join("rejects"))
-        .expect("rejects")
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
-        .map(|e| std::fs::read_to_string(e.path()).expect("rejects file"))
+    let rejects: String = crate::support::rejects(&out)
+        .iter()
+        .map(|r| r.to_string())
         .collect();
     assert!(
         rejects.contains("\"raw\":\"broken/bad_0.png\"")
@@ -437,18 +400,7 @@ async fn labels_top_k_and_copied_columns_in_json_lines_output() {
         ),
     )
     .expect("manifest");
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(300),
-        run_job(&env.run_config(), &manifest, CancellationToken::new()),
-    )
-    .await
-    .expect("job finished within 5 minutes")
-    .expect("job ran");
-    let RunOutcome::Completed { job_id, report, .. } = outcome else {
-        panic!("expected a completed job, got {outcome:?}");
-    };
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
     assert_eq!((report.rows_predicted, report.items_completed), (6_000, 6));
     // Scores as PyTorch's (checkpointed in segments of 256 rows, then joined).
     let out = env.path().join("out");
@@ -502,4 +454,113 @@ async fn labels_top_k_and_copied_columns_in_json_lines_output() {
     assert_eq!(rows, 6_000);
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
+}
+
+/// Starts two workers and runs the job of `manifest` to completion; the
+/// workers (to stop), the job id and its summary.
+async fn two_workers_complete(
+    env: &TestEnv,
+    manifest: &std::path::Path,
+) -> (Vec<crate::support::Worker>, String, Summary) {
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (job_id, report) =
+        crate::support::run_to_end(env, manifest, Duration::from_secs(300)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    (workers, job_id, report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn csv_parquet_and_image_inputs_are_read_from_s3() {
+    use batchfleet_loadtest::python::{make_image_job, ImageGen};
+    let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
+    let env = TestEnv::new("s3");
+    let bucket = "batchfleet-tests";
+    let prefix = batchfleet_loadtest::services::unique("s3");
+    // The coordinator runs in this process: point its S3 client at moto.
+    let settings = s3.env();
+    let options: Vec<(&str, &str)> = [
+        ("endpoint", 0),
+        ("allow_http", 1),
+        ("access_key_id", 2),
+        ("secret_access_key", 3),
+        ("region", 4),
+    ]
+    .iter()
+    .map(|(k, i)| (*k, settings[*i].1.as_str()))
+    .collect();
+    batchfleet_shared::source::set_s3_options(&options);
+    let mut workers = vec![
+        env.spawn_worker_with_env("w1", &[], &settings),
+        env.spawn_worker_with_env("w2", &[], &settings),
+    ];
+    env.wait_for_consumers(2, &mut workers).await;
+
+    for (format, rows) in [("csv", 6_000), ("parquet", 6_000), ("files", 60)] {
+        let dir = env.path().join(format);
+        let name = batchfleet_loadtest::services::unique(format);
+        if format == "files" {
+            let gen = ImageGen {
+                images: 60,
+                name,
+                pool: env.pool.clone(),
+                item_rows: 10,
+                broken: 0,
+                ..ImageGen::default()
+            };
+            make_image_job(&dir, &gen).expect("generate job");
+        } else {
+            let gen = JobGen {
+                rows,
+                files: 2,
+                features: 8,
+                hidden: 16,
+                name,
+                pool: env.pool.clone(),
+                item_rows: 1_000,
+                batch_size: 256,
+                format: format.into(),
+                ..JobGen::default()
+            };
+            make_job(&dir, &gen).expect("generate job");
+        }
+        // The input goes to the bucket and leaves the disk: only S3 has it.
+        let (local, pattern) = if format == "files" {
+            ("images", "images/**/*.png")
+        } else {
+            (
+                "data",
+                if format == "csv" {
+                    "data/*.csv"
+                } else {
+                    "data/*.parquet"
+                },
+            )
+        };
+        let url = format!("s3://{bucket}/{prefix}/{format}");
+        s3.put_dir(
+            bucket,
+            &format!("{prefix}/{format}/{local}"),
+            &dir.join(local),
+        )
+        .expect("upload");
+        std::fs::remove_dir_all(dir.join(local)).expect("remove local input");
+        let manifest = dir.join("job.toml");
+        let text = std::fs::read_to_string(&manifest).expect("manifest");
+        let quoted = |p: &str| format!("\"{p}\"");
+        let text = text
+            .replace(&quoted(pattern), &quoted(&format!("{url}/{pattern}")))
+            .replace("root = \"images\"", &format!("root = \"{url}/images\""));
+        assert!(text.contains("s3://"), "{text}");
+        std::fs::write(&manifest, text).expect("manifest");
+
+        let (job_id, report) =
+            crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+        assert_eq!(report.status, "completed", "{format}: {report:?}");
+        assert_eq!(report.rows_predicted, rows, "{format}");
+        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+        assert!(v.ok(), "{format}: {}", v.describe());
+        env.cleanup(&[&job_id]).await;
+    }
+    crate::support::stop_all(&mut workers);
 }

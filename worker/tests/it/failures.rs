@@ -45,34 +45,11 @@ fn job(
 }
 
 async fn run(env: &TestEnv, manifest: &Path) -> (String, Summary) {
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(180),
-        run_job(&env.run_config(), manifest, CancellationToken::new()),
-    )
-    .await
-    .expect("job settled within 3 minutes")
-    .expect("job ran");
-    match outcome {
-        RunOutcome::Completed { job_id, report, .. } => (job_id, *report),
-        other => panic!("expected a settled job, got {other:?}"),
-    }
+    crate::support::run_to_end(env, manifest, Duration::from_secs(180)).await
 }
 
 fn rejects(out: &Path) -> Vec<serde_json::Value> {
-    let mut all = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(out.join("rejects")) {
-        for e in entries
-            .flatten()
-            .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
-        {
-            let text = std::fs::read_to_string(e.path()).expect("rejects file");
-            all.extend(
-                text.lines()
-                    .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json line")),
-            );
-        }
-    }
-    all
+    crate::support::rejects(out)
 }
 
 fn id(row: u64) -> String {

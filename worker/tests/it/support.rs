@@ -59,6 +59,16 @@ impl TestEnv {
 
     /// Starts a worker process on this env's pool, logging to a file.
     pub fn spawn_worker(&self, id: &str, extra: &[&str]) -> Worker {
+        self.spawn_worker_with_env(id, extra, &[])
+    }
+
+    /// [`TestEnv::spawn_worker`] with extra environment variables.
+    pub fn spawn_worker_with_env(
+        &self,
+        id: &str,
+        extra: &[&str],
+        envs: &[(&str, String)],
+    ) -> Worker {
         let log = self.path().join(format!("{id}.log"));
         let file = std::fs::File::create(&log).expect("worker log");
         let child = Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
@@ -84,6 +94,7 @@ impl TestEnv {
             .env("BATCHFLEET_AMQP_URL", self.amqp.expose())
             .env("BATCHFLEET_REDIS_URL", self.redis.expose())
             .env_remove("LD_LIBRARY_PATH") // the binary must find libtorch by itself
+            .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::from(file.try_clone().expect("dup log")))
             .stderr(Stdio::from(file))
             .spawn()
@@ -238,4 +249,47 @@ impl Drop for Worker {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Runs the job of `manifest` in this process until it settles (at most
+/// `limit`), expecting it to end completed or with failures; its id and summary.
+pub async fn run_to_end(
+    env: &TestEnv,
+    manifest: &Path,
+    limit: Duration,
+) -> (String, batchfleet_coordinator::reducer::Summary) {
+    use batchfleet_coordinator::{run_job, RunOutcome};
+    let outcome = tokio::time::timeout(
+        limit,
+        run_job(
+            &env.run_config(),
+            manifest,
+            tokio_util::sync::CancellationToken::new(),
+        ),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("job settled within {limit:?}"))
+    .expect("job ran");
+    match outcome {
+        RunOutcome::Completed { job_id, report, .. } => (job_id, *report),
+        other => panic!("expected a settled job, got {other:?}"),
+    }
+}
+
+/// Every rejected row in an output folder's `rejects/*.jsonl` files.
+pub fn rejects(out: &Path) -> Vec<serde_json::Value> {
+    let mut all = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(out.join("rejects")) {
+        for e in entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))
+        {
+            let text = std::fs::read_to_string(e.path()).expect("rejects file");
+            all.extend(
+                text.lines()
+                    .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json line")),
+            );
+        }
+    }
+    all
 }

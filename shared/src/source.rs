@@ -1,0 +1,402 @@
+//! Where input lives: a local file, or an object in S3 or an S3-compatible
+//! store named by an `s3://bucket/key` URL.
+//!
+//! Everything that reads input — manifest checks, the planner, the worker's
+//! readers — opens it through [`Input`], which offers the few operations
+//! they need (length, a byte range, a streaming reader, Parquet's
+//! [`ChunkReader`]) for both kinds. S3 access is configured from the
+//! environment only (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+//! `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL` for a non-AWS
+//! store, `AWS_ALLOW_HTTP=true` for a plain-http one); credentials never
+//! appear in manifests, work items or logs.
+//!
+//! The store's client is async; these calls are made from planner threads
+//! and blocking tasks, so they run on a small runtime of their own.
+
+use bytes::Bytes;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::{ObjectStore, ObjectStoreExt};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The URL scheme of S3 locations.
+pub const S3_SCHEME: &str = "s3://";
+
+/// Bytes fetched per request by a streaming S3 reader.
+const READ_CHUNK: u64 = 8 << 20;
+
+/// Whether `p` names an S3 object or prefix rather than a local path.
+pub fn is_url(p: &Path) -> bool {
+    p.to_str().is_some_and(|s| s.starts_with(S3_SCHEME))
+}
+
+/// An input file, local or in S3.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A local file.
+    Local(PathBuf),
+    /// An S3 object.
+    S3(Object),
+}
+
+impl Input {
+    /// The input named by `path` (`s3://bucket/key` or a local path).
+    pub fn open(path: &Path) -> io::Result<Self> {
+        if is_url(path) {
+            Object::parse(&path.to_string_lossy()).map(Input::S3)
+        } else {
+            Ok(Input::Local(path.to_owned()))
+        }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> io::Result<u64> {
+        match self {
+            Input::Local(p) => Ok(std::fs::metadata(p)?.len()),
+            Input::S3(o) => o.len(),
+        }
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> io::Result<bool> {
+        self.len().map(|n| n == 0)
+    }
+
+    /// Bytes `range` (clamped to the end).
+    pub fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
+        match self {
+            Input::Local(p) => {
+                let mut f = File::open(p)?;
+                f.seek(SeekFrom::Start(range.start))?;
+                let mut buf = Vec::with_capacity((range.end - range.start) as usize);
+                f.take(range.end - range.start).read_to_end(&mut buf)?;
+                Ok(buf)
+            }
+            Input::S3(o) => o.read_range(range).map(|b| b.to_vec()),
+        }
+    }
+
+    /// All of it.
+    pub fn read_all(&self) -> io::Result<Vec<u8>> {
+        match self {
+            Input::Local(p) => std::fs::read(p),
+            Input::S3(o) => o.read_all().map(|b| b.to_vec()),
+        }
+    }
+
+    /// A reader from the start, streaming (S3: ranges of 8 MiB in turn).
+    pub fn reader(&self) -> io::Result<Box<dyn Read + Send>> {
+        match self {
+            Input::Local(p) => Ok(Box::new(File::open(p)?)),
+            Input::S3(o) => Ok(Box::new(o.reader_at(0)?)),
+        }
+    }
+}
+
+impl parquet::file::reader::Length for Input {
+    fn len(&self) -> u64 {
+        // Parquet asks after opening; an error here surfaces on the reads that follow.
+        Input::len(self).unwrap_or(0)
+    }
+}
+
+impl parquet::file::reader::ChunkReader for Input {
+    type T = Box<dyn Read + Send>;
+
+    fn get_read(&self, start: u64) -> parquet::errors::Result<Self::T> {
+        let r: io::Result<Self::T> = match self {
+            Input::Local(p) => File::open(p).and_then(|mut f| {
+                f.seek(SeekFrom::Start(start))?;
+                Ok(Box::new(f) as Self::T)
+            }),
+            Input::S3(o) => o.reader_at(start).map(|r| Box::new(r) as Self::T),
+        };
+        r.map_err(|e| parquet::errors::ParquetError::External(Box::new(e)))
+    }
+
+    fn get_bytes(&self, start: u64, length: usize) -> parquet::errors::Result<Bytes> {
+        let r = match self {
+            Input::Local(_) => self
+                .read_range(start..start + length as u64)
+                .map(Bytes::from),
+            Input::S3(o) => o.read_range(start..start + length as u64),
+        };
+        r.map_err(|e| parquet::errors::ParquetError::External(Box::new(e)))
+    }
+}
+
+/// One object of an S3 bucket.
+#[derive(Clone)]
+pub struct Object {
+    store: Arc<AmazonS3>,
+    bucket: String,
+    key: object_store::path::Path,
+}
+
+impl std::fmt::Debug for Object {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Object({})", self.url())
+    }
+}
+
+impl Object {
+    /// The object of an `s3://bucket/key` URL.
+    pub fn parse(url: &str) -> io::Result<Self> {
+        let (bucket, key) = split_url(url)?;
+        Ok(Self {
+            store: store(&bucket)?,
+            key: object_store::path::Path::parse(&key).map_err(|e| invalid(url, e))?,
+            bucket,
+        })
+    }
+
+    /// `s3://bucket/key`.
+    pub fn url(&self) -> String {
+        format!("{S3_SCHEME}{}/{}", self.bucket, self.key)
+    }
+
+    /// Its size.
+    pub fn len(&self) -> io::Result<u64> {
+        block_on(async { self.store.head(&self.key).await })
+            .map(|m| m.size)
+            .map_err(|e| io_error(&self.url(), e))
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> io::Result<bool> {
+        self.len().map(|n| n == 0)
+    }
+
+    /// Bytes `range`.
+    pub fn read_range(&self, range: Range<u64>) -> io::Result<Bytes> {
+        if range.start >= range.end {
+            return Ok(Bytes::new());
+        }
+        block_on(async { self.store.get_range(&self.key, range).await })
+            .map_err(|e| io_error(&self.url(), e))
+    }
+
+    /// The whole object.
+    pub fn read_all(&self) -> io::Result<Bytes> {
+        block_on(async {
+            let got = self.store.get(&self.key).await?;
+            got.bytes().await
+        })
+        .map_err(|e| io_error(&self.url(), e))
+    }
+
+    fn reader_at(&self, start: u64) -> io::Result<ObjectReader> {
+        Ok(ObjectReader {
+            len: self.len()?,
+            object: self.clone(),
+            pos: start,
+            buf: Bytes::new(),
+        })
+    }
+}
+
+/// Reads an object front to back in [`READ_CHUNK`] ranges.
+struct ObjectReader {
+    object: Object,
+    len: u64,
+    pos: u64,
+    buf: Bytes,
+}
+
+impl Read for ObjectReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.buf.is_empty() {
+            if self.pos >= self.len {
+                return Ok(0);
+            }
+            let end = (self.pos + READ_CHUNK).min(self.len);
+            self.buf = self.object.read_range(self.pos..end)?;
+            self.pos = end;
+        }
+        let n = out.len().min(self.buf.len());
+        out[..n].copy_from_slice(&self.buf[..n]);
+        self.buf = self.buf.slice(n..);
+        Ok(n)
+    }
+}
+
+/// Every object (URL, size) whose key starts with `prefix`, under
+/// `s3://bucket/` — in key order.
+pub fn list(bucket: &str, prefix: &str) -> io::Result<Vec<(String, u64)>> {
+    use futures_lite::StreamExt;
+    let store = store(bucket)?;
+    let at = format!("{S3_SCHEME}{bucket}/{prefix}");
+    let prefix_path = (!prefix.is_empty())
+        .then(|| object_store::path::Path::parse(prefix.trim_end_matches('/')))
+        .transpose()
+        .map_err(|e| invalid(&at, e))?;
+    let mut found: Vec<(String, u64)> = block_on(async {
+        let mut stream = store.list(prefix_path.as_ref());
+        let mut found = Vec::new();
+        while let Some(meta) = stream.next().await {
+            let meta = meta?;
+            found.push((format!("{S3_SCHEME}{bucket}/{}", meta.location), meta.size));
+        }
+        Ok::<_, object_store::Error>(found)
+    })
+    .map_err(|e| io_error(&at, e))?;
+    found.sort();
+    Ok(found)
+}
+
+/// Expands an `s3://bucket/key-pattern` glob (`*`, `?`, `[…]`, `**`) by
+/// listing the bucket under the pattern's literal prefix: matching object
+/// URLs with their sizes.
+pub fn glob(url_pattern: &str) -> io::Result<Vec<(String, u64)>> {
+    let (bucket, pattern) = split_url(url_pattern)?;
+    let literal = pattern
+        .find(['*', '?', '['])
+        .map_or(pattern.as_str(), |i| &pattern[..i]);
+    let prefix = &literal[..literal.rfind('/').map_or(0, |i| i + 1)];
+    let matcher = glob::Pattern::new(&pattern).map_err(|e| invalid(url_pattern, e))?;
+    let options = glob::MatchOptions {
+        require_literal_separator: true,
+        ..Default::default()
+    };
+    Ok(list(&bucket, prefix)?
+        .into_iter()
+        .filter(|(url, _)| {
+            let key = &url[S3_SCHEME.len() + bucket.len() + 1..];
+            matcher.matches_with(key, options)
+        })
+        .collect())
+}
+
+fn split_url(url: &str) -> io::Result<(String, String)> {
+    let rest = url
+        .strip_prefix(S3_SCHEME)
+        .ok_or_else(|| invalid(url, "not an s3:// URL"))?;
+    match rest.split_once('/') {
+        Some((bucket, key)) if !bucket.is_empty() => Ok((bucket.to_owned(), key.to_owned())),
+        _ => Err(invalid(url, "expected s3://bucket/key")),
+    }
+}
+
+fn invalid(url: &str, e: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("{url}: {e}"))
+}
+
+/// An object store error as an `io::Error`: a missing object is `NotFound`
+/// (which readers treat as "input gone"), the rest are `Other` (transient).
+fn io_error(url: &str, e: object_store::Error) -> io::Error {
+    let kind = match e {
+        object_store::Error::NotFound { .. } => io::ErrorKind::NotFound,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, format!("{url}: {e}"))
+}
+
+/// Options applied over the environment's (tests point the stores of one
+/// process at a local server this way; production uses the environment).
+static OVERRIDES: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+
+/// Sets S3 options for this process on top of the `AWS_*` environment
+/// (keys as `AmazonS3ConfigKey` names: `endpoint`, `allow_http`,
+/// `access_key_id`, …); stores already made keep theirs.
+pub fn set_s3_options(options: &[(&str, &str)]) {
+    let mut o = OVERRIDES.lock().unwrap_or_else(|p| p.into_inner());
+    o.extend(
+        options
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    STORES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
+}
+
+static STORES: OnceLock<Mutex<HashMap<String, Arc<AmazonS3>>>> = OnceLock::new();
+
+fn store(bucket: &str) -> io::Result<Arc<AmazonS3>> {
+    let mut stores = STORES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = stores.get(bucket) {
+        return Ok(s.clone());
+    }
+    // reqwest's rustls runs on the process-wide provider: ring (an error
+    // only means one is installed already).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    for (k, v) in OVERRIDES.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let key = k
+            .parse()
+            .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?;
+        builder = builder.with_config(key, v);
+    }
+    let s3 = Arc::new(
+        builder
+            .build()
+            .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?,
+    );
+    stores.insert(bucket.to_owned(), s3.clone());
+    Ok(s3)
+}
+
+/// Runs a store call to completion from synchronous code, on this module's
+/// runtime (from a thread of its own when called inside another runtime).
+fn block_on<F>(f: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    let rt = RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("batchfleet-s3")
+            .enable_all()
+            .build()
+            .expect("a runtime for object store calls")
+    });
+    if tokio::runtime::Handle::try_current().is_ok() {
+        std::thread::scope(|s| {
+            s.spawn(|| rt.block_on(f))
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    } else {
+        rt.block_on(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_local_paths_are_told_apart() {
+        assert!(is_url(Path::new("s3://b/k.csv")));
+        assert!(!is_url(Path::new("/data/s3://x")));
+        assert_eq!(
+            split_url("s3://b/a/k.csv").unwrap(),
+            ("b".into(), "a/k.csv".into())
+        );
+        assert!(split_url("s3:///k").is_err() && split_url("s3://bucket").is_err());
+    }
+
+    #[test]
+    fn local_inputs_read_ranges_and_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f.txt");
+        std::fs::write(&p, b"hello world").unwrap();
+        let input = Input::open(&p).unwrap();
+        assert_eq!(input.len().unwrap(), 11);
+        assert_eq!(input.read_range(6..11).unwrap(), b"world");
+        let mut all = String::new();
+        input.reader().unwrap().read_to_string(&mut all).unwrap();
+        assert_eq!(all, "hello world");
+    }
+}
