@@ -44,7 +44,7 @@ pub enum Dispatched {
 /// Claims the output folder for `job_id`, refusing one that holds another job's output.
 pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
     let owner = dir.join(OWNER_FILE);
-    match std::fs::read_to_string(&owner) {
+    match batchfleet_shared::source::fs::read_to_string(&owner) {
         Ok(existing) if existing.trim() == job_id => return Ok(()),
         Ok(existing) => {
             return Err(RunError::Manifest(crate::manifest::ManifestError {
@@ -62,13 +62,10 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(RunError::Output(format!("cannot read {}: {e}", owner.display()))),
     }
-    let has_parts = std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with("part-"))
-        })
-        .unwrap_or(false);
+    let has_parts = batchfleet_shared::source::fs::list_dir(dir)
+        .map_err(|e| RunError::Output(format!("cannot list {}: {e}", dir.display())))?
+        .iter()
+        .any(|name| name.starts_with("part-"));
     if has_parts {
         return Err(RunError::Manifest(crate::manifest::ManifestError {
             file: dir.to_owned(),
@@ -78,7 +75,7 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
             }],
         }));
     }
-    std::fs::create_dir_all(dir).map_err(|e| {
+    batchfleet_shared::source::fs::create_dir_all(dir).map_err(|e| {
         RunError::Output(format!(
             "cannot create output folder {}: {e}",
             dir.display()
@@ -117,7 +114,7 @@ pub async fn dispatch(
         return Ok(Dispatched::AlreadyCompleted { summary });
     }
     if existing.is_none()
-        && out.join(SUCCESS_FILE).exists()
+        && batchfleet_shared::source::fs::exists(&out.join(SUCCESS_FILE)).unwrap_or(false)
         && summary_job_id(&summary).as_deref() == Some(spec.job_id.as_str())
     {
         tracing::info!(job = %spec.job_id, "output folder holds this job's completed output; nothing to publish");
@@ -253,7 +250,7 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = batchfleet_shared::source::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v.get("job_id")?.as_str().map(str::to_owned)
 }

@@ -218,7 +218,7 @@ async fn follow_with(
                 .unwrap_or_default();
             let (summary, mut report) = reducer::finish(store, job_id, &histogram).await?;
             if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
-                let body = std::fs::read(&summary).unwrap_or_default();
+                let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
                 let cwd = spec
                     .manifest_path
                     .parent()

@@ -901,10 +901,7 @@ pub fn validate(
     // Output.
     let out_dir = resolve(base, &m.output.dir);
     if batchfleet_shared::source::is_url(&out_dir) {
-        problem(
-            "[output] dir",
-            "s3:// output is not supported yet (inputs may be s3://); write to a local or shared folder".into(),
-        );
+        // An S3 prefix: no local root applies (the credentials decide).
     } else if let Err(e) = roots.check(&out_dir) {
         problem("[output] dir", e.to_string());
     } else if out_dir.exists() && !out_dir.is_dir() {
@@ -1849,6 +1846,21 @@ dir = "out"
         fs::write(fx.dir.path().join("empty.txt"), "\n").unwrap();
         let err = problems(fx.load(&with("labels = \"empty.txt\"\nargmax = true")));
         assert!(err.contains("holds no class name"), "{err}");
+    }
+
+    #[test]
+    fn s3_output_needs_no_data_root_but_an_s3_model_is_refused() {
+        let fx = Fixture::new();
+        let spec = fx
+            .load(&GOOD.replace("dir = \"out\"", "dir = \"s3://bucket/jobs/out\""))
+            .unwrap();
+        assert_eq!(spec.task.output.dir, "s3://bucket/jobs/out");
+        let err =
+            problems(fx.load(&GOOD.replace("path = \"model.pt\"", "path = \"s3://bucket/m.pt\"")));
+        assert!(
+            err.contains("[model] path: s3://bucket/m.pt: is an s3:// URL"),
+            "{err}"
+        );
     }
 
     #[test]

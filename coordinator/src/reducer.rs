@@ -208,10 +208,15 @@ pub async fn finish(
         JobStatus::CompletedWithFailures
     };
     let out = std::path::Path::new(&job.output_dir);
+    // One listing of the folder (one request for S3), not a lookup per part.
+    let present: std::collections::HashSet<String> = batchfleet_shared::source::fs::list_dir(out)
+        .map_err(|e| RunError::Output(format!("cannot list {}: {e}", out.display())))?
+        .into_iter()
+        .collect();
     let missing: Vec<String> = stats
         .iter()
         .map(|s| part_file_name(s.seq, format))
-        .filter(|name| !out.join(name).is_file())
+        .filter(|name| !present.contains(name))
         .collect();
     if !missing.is_empty() {
         return Err(RunError::Output(format!(
@@ -295,7 +300,7 @@ pub async fn finish(
         .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
     // Checkpoint segments left by a slower copy of an item that lost the race.
-    let _ = std::fs::remove_dir_all(out.join("_partial"));
+    let _ = batchfleet_shared::source::fs::remove_dir_all(&out.join("_partial"));
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;

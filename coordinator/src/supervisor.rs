@@ -468,7 +468,9 @@ pub fn scan_outputs(
     let mut found = Vec::new();
     for &(seq, rows) in items {
         let part = out.join(spec.part_name(seq));
-        if !part.is_file() {
+        let there = batchfleet_shared::source::fs::exists(&part)
+            .map_err(|e| RunError::Output(format!("cannot look for {}: {e}", part.display())))?;
+        if !there {
             continue;
         }
         let read =

@@ -125,13 +125,12 @@ pub fn verify(output_dir: &Path, golden: &Path, tolerance: f64) -> Result<Verifi
         want.insert(id, s);
     }
     let mut seen: HashMap<String, u32> = HashMap::with_capacity(want.len());
-    let mut parts: Vec<_> = std::fs::read_dir(output_dir)
+    // A local folder or an s3:// prefix.
+    let mut parts: Vec<_> = batchfleet_shared::source::fs::list_dir(output_dir)
         .with_context(|| format!("reading {}", output_dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("part-"))
-        })
+        .into_iter()
+        .filter(|n| n.starts_with("part-"))
+        .map(|n| output_dir.join(n))
         .collect();
     parts.sort();
     for part in &parts {

@@ -1,4 +1,5 @@
-//! File digests and atomic publication of output files (staging → fsync → link into place).
+//! File digests and atomic publication of output files (staging → fsync →
+//! link into place; for an `s3://` destination, one conditional PUT).
 
 use sha2::{Digest, Sha256};
 use std::fs::{self, File};
@@ -54,6 +55,9 @@ pub fn publish_atomically<F>(
 where
     F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
 {
+    if crate::source::is_url(dest) {
+        return publish_object(dest, tag, overwrite, write);
+    }
     let dir = dest.parent().unwrap_or(Path::new("."));
     let staging = dir.join(STAGING_DIR);
     fs::create_dir_all(&staging)?;
@@ -83,6 +87,42 @@ where
     let outcome = result?;
     File::open(dir)?.sync_all()?;
     Ok(outcome)
+}
+
+/// [`publish_atomically`] for an `s3://` destination: staged in a local
+/// temporary file, then uploaded in one PUT — conditional (`If-None-Match`)
+/// unless `overwrite`, so the first writer wins there too. An object
+/// appears whole or not at all.
+fn publish_object<F>(dest: &Path, tag: &str, overwrite: bool, write: F) -> io::Result<Publish>
+where
+    F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
+{
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let tmp = std::env::temp_dir().join(format!(
+        "batchfleet-{}-{}-{}.{tag}.tmp",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        name
+    ));
+    let result = (|| {
+        let file = File::create(&tmp)?;
+        {
+            let mut w = io::BufWriter::with_capacity(1 << 16, &file);
+            write(&mut w)?;
+            w.flush()?;
+        }
+        let bytes = fs::read(&tmp)?;
+        match crate::source::fs::put(dest, bytes, !overwrite)? {
+            true => Ok(Publish::Committed),
+            false => Ok(Publish::AlreadyExists),
+        }
+    })();
+    let _ = fs::remove_file(&tmp);
+    result
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub fn count_rows(path: &Path) -> std::io::Result<u64> {
 
 /// Counts the lines of a rejects file; 0 if there is none.
 pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
-    match std::fs::read(path) {
+    match crate::source::fs::read(path) {
         Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
         Err(e) => Err(e),

@@ -1,10 +1,11 @@
-//! Where input lives: a local file, or an object in S3 or an S3-compatible
+//! Where data lives: a local file, or an object in S3 or an S3-compatible
 //! store named by an `s3://bucket/key` URL.
 //!
 //! Everything that reads input — manifest checks, the planner, the worker's
-//! readers — opens it through [`Input`], which offers the few operations
-//! they need (length, a byte range, a streaming reader, Parquet's
-//! [`ChunkReader`]) for both kinds. S3 access is configured from the
+//! readers, part files read back — opens it through [`Input`], which offers
+//! the few operations they need (length, a byte range, a streaming reader,
+//! Parquet's [`ChunkReader`]) for both kinds; [`fs`] holds the output
+//! folder's operations (exists, list, remove, conditional put). S3 access is configured from the
 //! environment only (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 //! `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL` for a non-AWS
 //! store, `AWS_ALLOW_HTTP=true` for a plain-http one); credentials never
@@ -221,6 +222,129 @@ impl Read for ObjectReader {
         out[..n].copy_from_slice(&self.buf[..n]);
         self.buf = self.buf.slice(n..);
         Ok(n)
+    }
+}
+
+/// File operations on paths that may be `s3://` URLs: the output folder's
+/// part files, rejects, checkpoints and summary live wherever `[output] dir`
+/// says. Local paths go to `std::fs`; in S3 a "folder" is a key prefix.
+pub mod fs {
+    use super::*;
+
+    /// Whether the file exists.
+    pub fn exists(p: &Path) -> io::Result<bool> {
+        if !is_url(p) {
+            return Ok(p.exists());
+        }
+        match Object::parse(&p.to_string_lossy())?.len() {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The file's bytes.
+    pub fn read(p: &Path) -> io::Result<Vec<u8>> {
+        Input::open(p)?.read_all()
+    }
+
+    /// The file's text.
+    pub fn read_to_string(p: &Path) -> io::Result<String> {
+        String::from_utf8(read(p)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    }
+
+    /// Removes a file (`NotFound` if there is none, as `std::fs`).
+    pub fn remove_file(p: &Path) -> io::Result<()> {
+        if !is_url(p) {
+            return std::fs::remove_file(p);
+        }
+        if !exists(p)? {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} does not exist", p.display()),
+            ));
+        }
+        let o = Object::parse(&p.to_string_lossy())?;
+        block_on(async { o.store.delete(&o.key).await }).map_err(|e| io_error(&o.url(), e))
+    }
+
+    /// Removes a folder and everything in it (every object under the prefix).
+    pub fn remove_dir_all(p: &Path) -> io::Result<()> {
+        if !is_url(p) {
+            return std::fs::remove_dir_all(p);
+        }
+        let (bucket, key) = split_url(&p.to_string_lossy())?;
+        let store = store(&bucket)?;
+        let prefix = format!("{}/", key.trim_end_matches('/'));
+        for (url, _) in list(&bucket, &prefix)? {
+            let (_, k) = split_url(&url)?;
+            let path = object_store::path::Path::parse(&k).map_err(|e| invalid(&url, e))?;
+            block_on(async { store.delete(&path).await }).map_err(|e| io_error(&url, e))?;
+        }
+        Ok(())
+    }
+
+    /// Creates a folder (S3 has none to create).
+    pub fn create_dir_all(p: &Path) -> io::Result<()> {
+        if is_url(p) {
+            Ok(())
+        } else {
+            std::fs::create_dir_all(p)
+        }
+    }
+
+    /// Names of the entries directly in a folder (an empty list if it does not exist).
+    pub fn list_dir(p: &Path) -> io::Result<Vec<String>> {
+        if !is_url(p) {
+            return match std::fs::read_dir(p) {
+                Ok(entries) => Ok(entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(e),
+            };
+        }
+        let url = p.to_string_lossy();
+        let (bucket, key) = split_url(&url)?;
+        let store = store(&bucket)?;
+        let prefix = object_store::path::Path::parse(key.trim_end_matches('/'))
+            .map_err(|e| invalid(&url, e))?;
+        let listed = block_on(async { store.list_with_delimiter(Some(&prefix)).await })
+            .map_err(|e| io_error(&url, e))?;
+        let mut names: Vec<String> = listed
+            .objects
+            .iter()
+            .filter_map(|o| o.location.filename().map(str::to_owned))
+            .chain(
+                listed
+                    .common_prefixes
+                    .iter()
+                    .filter_map(|c| c.filename().map(str::to_owned)),
+            )
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// Uploads `bytes` as the object `dest`; with `create_only`, only if it
+    /// does not exist yet (a conditional put): `false` when another writer was first.
+    pub fn put(dest: &Path, bytes: Vec<u8>, create_only: bool) -> io::Result<bool> {
+        let o = Object::parse(&dest.to_string_lossy())?;
+        let mode = if create_only {
+            object_store::PutMode::Create
+        } else {
+            object_store::PutMode::Overwrite
+        };
+        match block_on(async {
+            o.store
+                .put_opts(&o.key, Bytes::from(bytes).into(), mode.into())
+                .await
+        }) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) if create_only => Ok(false),
+            Err(e) => Err(io_error(&o.url(), e)),
+        }
     }
 }
 

@@ -10,6 +10,7 @@
 //!   `Utf8`, floats `Float32`, integers `Int64`. Readers see one table.
 
 use crate::message::OutputFormat;
+use crate::source::Input;
 use arrow_array::builder::{Float32Builder, Int64Builder, StringBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
@@ -282,10 +283,9 @@ pub fn read_part(
     let mut row = Vec::new();
     match format_of(path)? {
         OutputFormat::Csv => {
-            let mut rdr = csv::ReaderBuilder::new()
-                .has_headers(true)
-                .from_path(path)
-                .map_err(io::Error::other)?;
+            let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_reader(
+                io::BufReader::with_capacity(1 << 16, Input::open(path)?.reader()?),
+            );
             let names: Vec<String> = rdr
                 .headers()
                 .map_err(io::Error::other)?
@@ -301,7 +301,7 @@ pub fn read_part(
             Ok(names)
         }
         OutputFormat::Jsonl => {
-            let r = io::BufReader::new(std::fs::File::open(path)?);
+            let r = io::BufReader::with_capacity(1 << 16, Input::open(path)?.reader()?);
             let mut names: Vec<String> = Vec::new();
             for line in r.lines() {
                 let line = line?;
@@ -330,7 +330,7 @@ pub fn read_part(
             use arrow_array::cast::AsArray;
             use arrow_array::types::{Float32Type, Int64Type};
             use arrow_array::Array;
-            let file = std::fs::File::open(path)?;
+            let file = Input::open(path)?;
             let reader =
                 parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
                     .map_err(io::Error::other)?;
@@ -378,7 +378,7 @@ pub fn read_part(
 pub fn count_rows(path: &Path) -> io::Result<u64> {
     if format_of(path)? == OutputFormat::Parquet {
         use parquet::file::reader::FileReader;
-        let reader = parquet::file::reader::SerializedFileReader::new(std::fs::File::open(path)?)
+        let reader = parquet::file::reader::SerializedFileReader::new(Input::open(path)?)
             .map_err(io::Error::other)?;
         return Ok(reader.metadata().file_metadata().num_rows().max(0) as u64);
     }
@@ -398,7 +398,7 @@ pub fn concat_parts(
     match format {
         OutputFormat::Csv => {
             for (k, part) in parts.iter().enumerate() {
-                let mut r = io::BufReader::with_capacity(1 << 16, std::fs::File::open(part)?);
+                let mut r = io::BufReader::with_capacity(1 << 16, Input::open(part)?.reader()?);
                 let mut header = Vec::new();
                 r.read_until(b'\n', &mut header)?;
                 if k == 0 {
@@ -410,7 +410,7 @@ pub fn concat_parts(
         }
         OutputFormat::Jsonl => {
             for part in parts {
-                io::copy(&mut std::fs::File::open(part)?, w)?;
+                io::copy(&mut Input::open(part)?.reader()?, w)?;
             }
             Ok(())
         }
@@ -420,7 +420,7 @@ pub fn concat_parts(
             for part in parts {
                 let reader =
                     parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
-                        std::fs::File::open(part)?,
+                        Input::open(part)?,
                     )
                     .map_err(io::Error::other)?
                     .with_batch_size(PARQUET_ROWS)

@@ -303,16 +303,16 @@ impl ItemContext {
 /// or output folder is not under `roots`: queue contents are not trusted.
 fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), ItemError> {
     let inputs = item.input.input_files();
-    // Objects in S3 are not local paths: what may be read there is the
-    // credentials' to say.
+    // Objects in S3 are not local paths: what may be read or written there
+    // is the credentials' to say.
     let paths = inputs
         .iter()
-        .filter(|p| !batchfleet_shared::source::is_url(p))
         .map(|p| ("input file", p.as_path()))
         .chain([
             ("model", Path::new(&item.task.model.path)),
             ("output folder", Path::new(&item.task.output.dir)),
-        ]);
+        ])
+        .filter(|(_, p)| !batchfleet_shared::source::is_url(p));
     for (what, p) in paths {
         if let Err(e) = roots.check(p) {
             return Err(ItemError::poison(format!(
@@ -705,7 +705,11 @@ async fn process(
     let hspec = item.task.output.histogram;
     let format = item.task.output.format;
     let mut hist: Vec<Vec<u64>> = Vec::new();
-    if dest.exists() {
+    let d = dest.clone();
+    if blocking(move || batchfleet_shared::source::fs::exists(&d))
+        .await?
+        .map_err(|e| ItemError::transient(format!("cannot look for {}: {e}", dest.display())))?
+    {
         // A previous delivery published the files and died before marking it done.
         let (d, r, spec) = (dest.clone(), rejects_dest.clone(), item.task.output.clone());
         let (rows, rejected, h) = blocking(move || {
@@ -818,7 +822,8 @@ async fn process(
                     // A faster copy committed: this copy's segments are not
                     // needed (and the job's summary may already be written).
                     let d = dir.clone();
-                    let _ = blocking(move || std::fs::remove_dir_all(d)).await;
+                    let _ =
+                        blocking(move || batchfleet_shared::source::fs::remove_dir_all(&d)).await;
                     return Ok(Handled::AlreadyDone);
                 }
                 if ctx.shutdown.is_cancelled() {
@@ -890,7 +895,7 @@ async fn process(
         .await?;
     if let Some(dir) = partial {
         // The segments are in the part file now (or a faster copy's is there).
-        let _ = blocking(move || std::fs::remove_dir_all(dir)).await;
+        let _ = blocking(move || batchfleet_shared::source::fs::remove_dir_all(&dir)).await;
     }
     if won {
         let labels = [
@@ -994,7 +999,10 @@ fn finished_segments(
     while start < rows {
         let span = (start, (start + seg).min(rows));
         let path = segment_path(dir, span, format);
-        if !path.exists() {
+        let there = batchfleet_shared::source::fs::exists(&path).map_err(|e| {
+            ItemError::transient(format!("cannot read the checkpoint {}: {e}", dir.display()))
+        })?;
+        if !there {
             break;
         }
         let r = writer::read_rejects(&path.with_extension("rejects.jsonl")).map_err(|e| {

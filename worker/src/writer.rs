@@ -151,7 +151,7 @@ pub fn concat_parts(
 
 /// Reads back a rejects file written by [`write_rejects`]; none if absent.
 pub fn read_rejects(path: &Path) -> std::io::Result<Vec<Reject>> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match batchfleet_shared::source::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
@@ -169,7 +169,7 @@ pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<(), I
     let io_err =
         |e: std::io::Error| ItemError::transient(format!("cannot write {}: {e}", dest.display()));
     if rejects.is_empty() {
-        return match std::fs::remove_file(dest) {
+        return match batchfleet_shared::source::fs::remove_file(dest) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io_err(e)),

@@ -471,7 +471,7 @@ async fn two_workers_complete(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn csv_parquet_and_image_inputs_are_read_from_s3() {
+async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
     use batchfleet_loadtest::python::{make_image_job, ImageGen};
     let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
     let env = TestEnv::new("s3");
@@ -548,9 +548,23 @@ async fn csv_parquet_and_image_inputs_are_read_from_s3() {
         let manifest = dir.join("job.toml");
         let text = std::fs::read_to_string(&manifest).expect("manifest");
         let quoted = |p: &str| format!("\"{p}\"");
-        let text = text
+        let mut text = text
             .replace(&quoted(pattern), &quoted(&format!("{url}/{pattern}")))
             .replace("root = \"images\"", &format!("root = \"{url}/images\""));
+        // The CSV job writes to S3 too (merged), checkpointing there: a round trip.
+        let out = if format == "csv" {
+            text = text.replace(
+                "dir = \"out\"\n",
+                &format!("dir = \"{url}/out\"\nmerge = true\n"),
+            );
+            text = text.replace(
+                "inference_batch_size = 256\n",
+                "inference_batch_size = 256\ncheckpoint_every = 1\n",
+            );
+            std::path::PathBuf::from(format!("{url}/out"))
+        } else {
+            dir.join("out")
+        };
         assert!(text.contains("s3://"), "{text}");
         std::fs::write(&manifest, text).expect("manifest");
 
@@ -558,8 +572,29 @@ async fn csv_parquet_and_image_inputs_are_read_from_s3() {
             crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
         assert_eq!(report.status, "completed", "{format}: {report:?}");
         assert_eq!(report.rows_predicted, rows, "{format}");
-        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+        let v = verify(&out, &dir.join("golden.csv"), 1e-5).expect("verify");
         assert!(v.ok(), "{format}: {}", v.describe());
+        assert_eq!(v.parts as u64, report.items_total, "{format}");
+        if format == "csv" {
+            use batchfleet_shared::source::fs;
+            // Everything a local job leaves, as objects: parts, summary, marker, merged file.
+            let names = fs::list_dir(&out).expect("list the output");
+            for want in [
+                "summary.json",
+                "_SUCCESS",
+                "_JOB",
+                "predictions.csv",
+                "part-000000.csv",
+            ] {
+                assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
+            }
+            assert!(
+                !names.iter().any(|n| n == "_partial"),
+                "checkpoints removed: {names:?}"
+            );
+            let merged = fs::read_to_string(&out.join("predictions.csv")).expect("merged");
+            assert_eq!(merged.lines().count() as u64, rows + 1);
+        }
         env.cleanup(&[&job_id]).await;
     }
     crate::support::stop_all(&mut workers);
