@@ -55,10 +55,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     };
 
     // Every input id exactly once, every score equal to PyTorch's within 1e-5.
-    let out = env.path().join("out");
-    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 50_000);
+    let out = matches_golden(&env, 50_000);
 
     // summary.json agrees with the data and the plan (4 files × 12500 rows at ≤4000 per item: 4 × 4 items).
     let on_disk: Summary =
@@ -249,14 +246,8 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
         ),
         (12_001, 12_000, 1)
     );
-    let out = env.path().join("out");
-    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 12_000);
-    let rejects: String = crate::support::rejects(&out)
-        .iter()
-        .map(|r| r.to_string())
-        .collect();
+    let out = matches_golden(&env, 12_000);
+    let rejects = rejects_text(&out);
     // Line 201 of the file (the blank line 101 counts as a line).
     assert!(
         rejects.contains("\"line\":201")
@@ -308,10 +299,7 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
         (12_000, 12_000, 0)
     );
     assert_eq!((report.items_total, report.items_completed), (9, 9));
-    let out = env.path().join("out");
-    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 12_000);
+    let out = matches_golden(&env, 12_000);
     assert!(out.join("part-000000.parquet").is_file());
     // The merged file lists the ids in input order: files sorted, rows as written.
     let mut ids = Vec::new();
@@ -354,14 +342,8 @@ async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
     );
     assert_eq!(report.items_total, 10);
     // Every image once, ids relative to the root, scores as PyTorch's within 1e-5.
-    let out = env.path().join("out");
-    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 240);
-    let rejects: String = crate::support::rejects(&out)
-        .iter()
-        .map(|r| r.to_string())
-        .collect();
+    let out = matches_golden(&env, 240);
+    let rejects = rejects_text(&out);
     assert!(
         rejects.contains("\"raw\":\"broken/bad_0.png\"")
             && rejects.contains("\"raw\":\"broken/bad_1.png\"")
@@ -598,4 +580,22 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
         env.cleanup(&[&job_id]).await;
     }
     crate::support::stop_all(&mut workers);
+}
+
+/// Checks the env's `out/` against its `golden.csv` (every id once, scores
+/// within 1e-5) and that it holds `rows` rows; the output folder.
+fn matches_golden(env: &TestEnv, rows: usize) -> std::path::PathBuf {
+    let out = env.path().join("out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, rows);
+    out
+}
+
+/// Every rejects record of an output folder, as JSON text.
+fn rejects_text(out: &std::path::Path) -> String {
+    crate::support::rejects(out)
+        .iter()
+        .map(|r| r.to_string())
+        .collect()
 }
