@@ -181,7 +181,8 @@ pub struct FollowArgs {
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
     /// Folder every path of the job (input files, model, output folder)
-    /// must stay under, symlinks resolved; repeat for several, or separate
+    /// must stay under, symlinks resolved, or an s3://bucket/prefix that
+    /// every s3:// location must stay under; repeat for several, or separate
     /// them with ':' in the variable. Default: the manifest's folder.
     #[arg(
         long = "data-root",
@@ -203,7 +204,7 @@ impl FollowArgs {
                 orphan_grace: self.orphan_grace,
                 ..Default::default()
             },
-            data_roots: self.data_roots.clone(),
+            data_roots: batchfleet_shared::paths::rejoin_urls(self.data_roots.clone()),
         }
     }
 }

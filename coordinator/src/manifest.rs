@@ -502,8 +502,8 @@ pub fn validate(
     let mut files = Vec::new();
     for pattern in &m.input.paths {
         if pattern.starts_with(batchfleet_shared::source::S3_SCHEME) {
-            // Objects: listed under the pattern's literal prefix. The data
-            // roots are local folders; what S3 may be read is the credentials' to say.
+            // Objects: listed under the pattern's literal prefix; each must
+            // lie under an s3:// data root.
             match batchfleet_shared::source::glob(pattern) {
                 Err(e) => problem(
                     "[input] paths",
@@ -513,7 +513,14 @@ pub fn validate(
                     "[input] paths",
                     format!("\"{pattern}\" matches no object; check the bucket and key pattern"),
                 ),
-                Ok(found) => files.extend(found.into_iter().map(|(url, _)| PathBuf::from(url))),
+                Ok(found) => {
+                    for (url, _) in found {
+                        match roots.check(Path::new(&url)) {
+                            Ok(p) => files.push(p),
+                            Err(e) => problem("[input] paths", e.to_string()),
+                        }
+                    }
+                }
             }
             continue;
         }
@@ -900,9 +907,7 @@ pub fn validate(
 
     // Output.
     let out_dir = resolve(base, &m.output.dir);
-    if batchfleet_shared::source::is_url(&out_dir) {
-        // An S3 prefix: no local root applies (the credentials decide).
-    } else if let Err(e) = roots.check(&out_dir) {
+    if let Err(e) = roots.check(&out_dir) {
         problem("[output] dir", e.to_string());
     } else if out_dir.exists() && !out_dir.is_dir() {
         problem(
@@ -1849,11 +1854,19 @@ dir = "out"
     }
 
     #[test]
-    fn s3_output_needs_no_data_root_but_an_s3_model_is_refused() {
+    fn s3_output_needs_an_s3_data_root_and_an_s3_model_is_refused() {
         let fx = Fixture::new();
-        let spec = fx
-            .load(&GOOD.replace("dir = \"out\"", "dir = \"s3://bucket/jobs/out\""))
-            .unwrap();
+        let manifest = GOOD.replace("dir = \"out\"", "dir = \"s3://bucket/jobs/out\"");
+        // The default root is the manifest's folder: S3 is outside it.
+        let err = problems(fx.load(&manifest));
+        assert!(
+            err.contains("[output] dir: s3://bucket/jobs/out: is outside the data roots"),
+            "{err}"
+        );
+        let path = fx.dir.path().join("job.toml");
+        fs::write(&path, &manifest).unwrap();
+        let roots = [fx.dir.path().to_owned(), PathBuf::from("s3://bucket/jobs")];
+        let spec = load(&path, &roots).unwrap();
         assert_eq!(spec.task.output.dir, "s3://bucket/jobs/out");
         let err =
             problems(fx.load(&GOOD.replace("path = \"model.pt\"", "path = \"s3://bucket/m.pt\"")));

@@ -6,6 +6,10 @@
 //! paths of every work item again, because queue contents are not trusted.
 //! A path is rejected when it is relative, has a `..` component, or resolves
 //! (symlinks followed) to somewhere outside every root.
+//!
+//! Locations in S3 (`s3://bucket/key`) are confined the same way by roots
+//! that are `s3://bucket` or `s3://bucket/prefix` URLs: once any root is
+//! set, an `s3://` location must lie under an `s3://` root.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -14,6 +18,8 @@ use std::path::{Component, Path, PathBuf};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DataRoots {
     roots: Vec<PathBuf>,
+    /// `s3://bucket/prefix/` roots, each ending with `/`.
+    url_roots: Vec<String>,
 }
 
 /// A path that is not allowed, and why.
@@ -27,23 +33,34 @@ pub struct PathError {
 }
 
 impl DataRoots {
-    /// Resolves each root (it must exist).
+    /// Resolves each local root (it must exist); `s3://` roots are kept as prefixes.
     pub fn new(roots: &[PathBuf]) -> Result<Self, PathError> {
-        let roots = roots
-            .iter()
-            .map(|r| {
-                std::fs::canonicalize(r).map_err(|e| PathError {
+        let mut out = Self::default();
+        for r in roots {
+            let text = r.to_string_lossy();
+            if let Some(rest) = text.strip_prefix(crate::source::S3_SCHEME) {
+                if rest.is_empty() || rest.starts_with('/') || rest.split('/').any(|s| s == "..") {
+                    return Err(PathError {
+                        path: r.clone(),
+                        reason: "cannot use it as a data root: expected s3://bucket or s3://bucket/prefix".into(),
+                    });
+                }
+                out.url_roots
+                    .push(format!("{}/", text.trim_end_matches('/')));
+                continue;
+            }
+            out.roots
+                .push(std::fs::canonicalize(r).map_err(|e| PathError {
                     path: r.clone(),
                     reason: format!("cannot use it as a data root: {e}"),
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { roots })
+                })?);
+        }
+        Ok(out)
     }
 
     /// Whether paths are confined to roots at all.
     pub fn is_confined(&self) -> bool {
-        !self.roots.is_empty()
+        !self.roots.is_empty() || !self.url_roots.is_empty()
     }
 
     /// The roots, for messages.
@@ -51,8 +68,35 @@ impl DataRoots {
         self.roots
             .iter()
             .map(|r| r.display().to_string())
+            .chain(
+                self.url_roots
+                    .iter()
+                    .map(|u| u.trim_end_matches('/').to_owned()),
+            )
             .collect::<Vec<_>>()
             .join(", ")
+    }
+
+    /// Checks an `s3://` location against the `s3://` roots.
+    fn check_url(&self, path: &Path) -> Result<PathBuf, PathError> {
+        let url = path.to_string_lossy();
+        let refuse = |reason: String| PathError {
+            path: path.to_owned(),
+            reason,
+        };
+        if url.split('/').any(|s| s == "..") {
+            return Err(refuse(
+                "contains `..`; name the object without climbing out of its prefix".into(),
+            ));
+        }
+        let under = |root: &String| url.starts_with(root.as_str()) || format!("{url}/") == *root;
+        if self.is_confined() && !self.url_roots.iter().any(under) {
+            return Err(refuse(format!(
+                "is outside the data roots ({}); add its bucket or prefix with --data-root s3://bucket/prefix",
+                self.describe()
+            )));
+        }
+        Ok(path.to_owned())
     }
 
     /// Checks `path` and returns it resolved (symlinks followed in the part
@@ -63,6 +107,9 @@ impl DataRoots {
             path: path.to_owned(),
             reason,
         };
+        if crate::source::is_url(path) {
+            return self.check_url(path);
+        }
         if !path.is_absolute() {
             return Err(refuse("is not an absolute path".into()));
         }
@@ -107,9 +154,53 @@ fn resolve_existing(path: &Path) -> Result<PathBuf, String> {
     Err("none of it exists".into())
 }
 
+/// Data roots as given to a `:`-separated variable and split there: puts
+/// back together `s3` and `//bucket/prefix`, which the split tore apart.
+pub fn rejoin_urls(roots: Vec<PathBuf>) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::with_capacity(roots.len());
+    for r in roots {
+        let text = r.to_string_lossy().into_owned();
+        if text.starts_with("//") && out.last().is_some_and(|p| p.as_os_str() == "s3") {
+            out.pop();
+            out.push(PathBuf::from(format!("s3:{text}")));
+        } else {
+            out.push(r);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn s3_locations_need_an_s3_root_once_roots_are_set() {
+        let f = fixture();
+        let roots = DataRoots::new(&[f.root.clone(), PathBuf::from("s3://bucket/jobs")]).unwrap();
+        assert!(roots.check(Path::new("s3://bucket/jobs/a/x.csv")).is_ok());
+        assert!(roots.check(Path::new("s3://bucket/jobs")).is_ok());
+        for bad in [
+            "s3://bucket/jobsX/x.csv",
+            "s3://other/jobs/x.csv",
+            "s3://bucket/jobs/../x",
+        ] {
+            assert!(roots.check(Path::new(bad)).is_err(), "{bad}");
+        }
+        let local_only = DataRoots::new(std::slice::from_ref(&f.root)).unwrap();
+        let e = local_only
+            .check(Path::new("s3://bucket/x.csv"))
+            .unwrap_err();
+        assert!(e.reason.contains("--data-root s3://"), "{e}");
+        assert!(DataRoots::default().check(Path::new("s3://any/x")).is_ok());
+        assert!(DataRoots::new(&[PathBuf::from("s3://")]).is_err());
+        // "/data:s3://b/p" split at ':' comes back whole.
+        let split: Vec<PathBuf> = "/data:s3://b/p".split(':').map(PathBuf::from).collect();
+        assert_eq!(
+            rejoin_urls(split),
+            vec![PathBuf::from("/data"), PathBuf::from("s3://b/p")]
+        );
+    }
 
     struct Fixture {
         _dir: tempfile::TempDir,

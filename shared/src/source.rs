@@ -9,7 +9,8 @@
 //! environment only (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 //! `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL` for a non-AWS
 //! store, `AWS_ALLOW_HTTP=true` for a plain-http one); credentials never
-//! appear in manifests, work items or logs.
+//! appear in manifests, work items or logs. Which buckets and prefixes a job
+//! may touch is the data roots' to say ([`crate::paths`]).
 //!
 //! The store's client is async; these calls are made from planner threads
 //! and blocking tasks, so they run on a small runtime of their own.

@@ -58,7 +58,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "BATCHFLEET_READY_FILE")]
     pub ready_file: Option<std::path::PathBuf>,
     /// Folder every path of an item (input file, model, output folder) must
-    /// stay under, symlinks resolved; repeat for several, or separate them
+    /// stay under, symlinks resolved, or an s3://bucket/prefix that every
+    /// s3:// location must stay under; repeat for several, or separate them
     /// with ':' in the variable. Items naming other paths are dead-lettered.
     /// Unset: paths need only be absolute and free of `..` — set it in
     /// production, queue contents are not trusted.

@@ -303,16 +303,10 @@ impl ItemContext {
 /// or output folder is not under `roots`: queue contents are not trusted.
 fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), ItemError> {
     let inputs = item.input.input_files();
-    // Objects in S3 are not local paths: what may be read or written there
-    // is the credentials' to say.
-    let paths = inputs
-        .iter()
-        .map(|p| ("input file", p.as_path()))
-        .chain([
-            ("model", Path::new(&item.task.model.path)),
-            ("output folder", Path::new(&item.task.output.dir)),
-        ])
-        .filter(|(_, p)| !batchfleet_shared::source::is_url(p));
+    let paths = inputs.iter().map(|p| ("input file", p.as_path())).chain([
+        ("model", Path::new(&item.task.model.path)),
+        ("output folder", Path::new(&item.task.output.dir)),
+    ]);
     for (what, p) in paths {
         if let Err(e) = roots.check(p) {
             return Err(ItemError::poison(format!(
@@ -1196,6 +1190,18 @@ mod tests {
                 e.message
             );
         }
+        // An S3 output needs an s3:// root too: queue contents are not trusted.
+        let mut to_s3 = item(&["ok.png"]);
+        to_s3.task.output.dir = "s3://elsewhere/out".into();
+        let e = check_paths(&roots, &to_s3).unwrap_err();
+        assert!(
+            e.message
+                .contains("refusing the item's output folder s3://elsewhere/out"),
+            "{}",
+            e.message
+        );
+        let with_s3 = DataRoots::new(&[root.clone(), "s3://elsewhere/out".into()]).unwrap();
+        assert!(check_paths(&with_s3, &to_s3).is_ok());
     }
 
     fn reject(line: u64) -> reader::Reject {

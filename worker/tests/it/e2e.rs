@@ -472,10 +472,16 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
     .map(|(k, i)| (*k, settings[*i].1.as_str()))
     .collect();
     batchfleet_shared::source::set_s3_options(&options);
+    // Confined to the test's folder and the test's bucket, locally and in S3.
+    let local_root = env.path().to_str().expect("utf-8").to_owned();
+    let s3_root = format!("s3://{bucket}/{prefix}");
+    let roots = ["--data-root", &local_root, "--data-root", &s3_root];
     let mut workers = vec![
-        env.spawn_worker_with_env("w1", &[], &settings),
-        env.spawn_worker_with_env("w2", &[], &settings),
+        env.spawn_worker_with_env("w1", &roots, &settings),
+        env.spawn_worker_with_env("w2", &roots, &settings),
     ];
+    let mut cfg = env.run_config();
+    cfg.data_roots = vec![env.path().to_owned(), std::path::PathBuf::from(&s3_root)];
     env.wait_for_consumers(2, &mut workers).await;
 
     for (format, rows) in [("csv", 6_000), ("parquet", 6_000), ("files", 60)] {
@@ -551,7 +557,7 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
         std::fs::write(&manifest, text).expect("manifest");
 
         let (job_id, report) =
-            crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+            crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(300)).await;
         assert_eq!(report.status, "completed", "{format}: {report:?}");
         assert_eq!(report.rows_predicted, rows, "{format}");
         let v = verify(&out, &dir.join("golden.csv"), 1e-5).expect("verify");

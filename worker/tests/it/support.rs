@@ -258,14 +258,19 @@ pub async fn run_to_end(
     manifest: &Path,
     limit: Duration,
 ) -> (String, batchfleet_coordinator::reducer::Summary) {
+    run_with_config_to_end(&env.run_config(), manifest, limit).await
+}
+
+/// [`run_to_end`] with a coordinator configuration of the test's own.
+pub async fn run_with_config_to_end(
+    cfg: &RunConfig,
+    manifest: &Path,
+    limit: Duration,
+) -> (String, batchfleet_coordinator::reducer::Summary) {
     use batchfleet_coordinator::{run_job, RunOutcome};
     let outcome = tokio::time::timeout(
         limit,
-        run_job(
-            &env.run_config(),
-            manifest,
-            tokio_util::sync::CancellationToken::new(),
-        ),
+        run_job(cfg, manifest, tokio_util::sync::CancellationToken::new()),
     )
     .await
     .unwrap_or_else(|_| panic!("job settled within {limit:?}"))
