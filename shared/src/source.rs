@@ -137,6 +137,8 @@ pub struct Object {
     store: Arc<AmazonS3>,
     bucket: String,
     key: object_store::path::Path,
+    /// Its size once asked (one HEAD per opened object, not per read).
+    size: Arc<OnceLock<u64>>,
 }
 
 impl std::fmt::Debug for Object {
@@ -153,6 +155,7 @@ impl Object {
             store: store(&bucket)?,
             key: object_store::path::Path::parse(&key).map_err(|e| invalid(url, e))?,
             bucket,
+            size: Arc::default(),
         })
     }
 
@@ -163,9 +166,13 @@ impl Object {
 
     /// Its size.
     pub fn len(&self) -> io::Result<u64> {
-        block_on(async { self.store.head(&self.key).await })
+        if let Some(n) = self.size.get() {
+            return Ok(*n);
+        }
+        let n = block_on(async { self.store.head(&self.key).await })
             .map(|m| m.size)
-            .map_err(|e| io_error(&self.url(), e))
+            .map_err(|e| io_error(&self.url(), e))?;
+        Ok(*self.size.get_or_init(|| n))
     }
 
     /// Whether it has no bytes.
@@ -428,8 +435,8 @@ static OVERRIDES: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 /// (keys as `AmazonS3ConfigKey` names: `endpoint`, `allow_http`,
 /// `access_key_id`, …); stores already made keep theirs.
 pub fn set_s3_options(options: &[(&str, &str)]) {
-    let mut o = OVERRIDES.lock().unwrap_or_else(|p| p.into_inner());
-    o.extend(
+    // One lock at a time: `store` takes STORES, then OVERRIDES.
+    OVERRIDES.lock().unwrap_or_else(|p| p.into_inner()).extend(
         options
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
