@@ -14,6 +14,7 @@ Writes DIR/data/part-XX.csv (header: id,f0..f{F-1}), DIR/data/part-XX.jsonl
 DIR/data/part-XX.parquet (columns id (string), f0..f{F-1} (even ones float64,
 odd ones float32) and an unused "note" string column; row groups of
 --row-group-rows rows, default a quarter of --item-rows), DIR/model.pt,
+DIR/classes.pt (the same model returning int64 classes: score > 0),
 DIR/golden.csv (id plus score or score_0..), DIR/job.toml (output to DIR/out).
 """
 import argparse
@@ -41,6 +42,17 @@ class Mlp(torch.nn.Module):
         if self.outputs == 1:
             return y.squeeze(1)
         return y
+
+
+class Positive(torch.nn.Module):
+    """The same model's outputs as integer classes: 1 where the score is above 0."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner(x) > 0).to(torch.int64)
 
 
 def score_columns(outputs: int):
@@ -86,6 +98,7 @@ def main() -> None:
     model = torch.jit.script(Mlp(args.features, args.hidden, args.outputs).eval())
     model_path = os.path.join(args.out, "model.pt")
     torch.jit.save(model, model_path)
+    torch.jit.save(torch.jit.script(Positive(model)), os.path.join(args.out, "classes.pt"))
 
     sentinels = {int(r): "-999.000000" for r in args.poison_rows.split(",") if r}
     sentinels.update({int(r): "-777.000000" for r in args.hang_rows.split(",") if r})

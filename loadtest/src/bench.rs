@@ -319,6 +319,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         values: vec![0.0; batch.rows()],
                         width: 1,
                         failed: Vec::new(),
+                        integer: false,
                     };
                     let dest = out.join(item.task.output.part_name(item.seq));
                     batchfleet_worker::writer::write_part(

@@ -68,7 +68,7 @@ impl Input {
         self.len().map(|n| n == 0)
     }
 
-    /// Bytes `range` (clamped to the end).
+    /// Bytes `range` (a local file clamps it to its end; S3 refuses one past the end).
     pub fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
         match self {
             Input::Local(p) => {

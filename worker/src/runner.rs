@@ -25,6 +25,20 @@ pub struct Predictions {
     pub width: usize,
     /// Rows the model raised on, with its message, in row order.
     pub failed: Vec<(usize, String)>,
+    /// The model returned integers (class ids, counts, flags): written as
+    /// integers, not floats.
+    pub integer: bool,
+}
+
+/// What one `forward` call returned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forwarded {
+    /// Values, row-major (integers converted exactly up to 2^24).
+    pub values: Vec<f32>,
+    /// Outputs per row.
+    pub width: usize,
+    /// The output tensor held integers (or booleans).
+    pub integer: bool,
 }
 
 /// Why one `forward` call failed.
@@ -43,13 +57,13 @@ pub enum ForwardError {
 /// row-major in one slice. Implementations live on one thread and may keep
 /// state (loaded models) between calls.
 pub trait Backend {
-    /// Returns `(values, outputs per row)`.
+    /// Returns the outputs, row-major.
     fn forward(
         &mut self,
         model: &ModelRef,
         features: &[f32],
         row_shape: &[usize],
-    ) -> Result<(Vec<f32>, usize), ForwardError>;
+    ) -> Result<Forwarded, ForwardError>;
 
     /// Loads `model` ahead of its first item (a worker's `--preload-model`).
     fn load(&mut self, _model: &ModelRef) -> Result<(), ItemError> {
@@ -119,7 +133,10 @@ impl<B: Backend + ?Sized> Run<'_, B> {
         metrics::histogram!(names::WORKER_INFERENCE).record(started.elapsed().as_secs_f64());
         metrics::histogram!(names::WORKER_BATCH_SIZE).record((hi - lo) as f64);
         match result {
-            Ok((values, width)) => self.store(lo, hi, &values, width),
+            Ok(f) => {
+                self.out.integer = f.integer;
+                self.store(lo, hi, &f.values, f.width)
+            }
             Err(ForwardError::Unusable(e)) => Err(e),
             Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
                 let half = (hi - lo).div_ceil(2);
@@ -355,7 +372,7 @@ impl<B: Backend> Backend for Delayed<B> {
         model: &ModelRef,
         features: &[f32],
         row_shape: &[usize],
-    ) -> Result<(Vec<f32>, usize), ForwardError> {
+    ) -> Result<Forwarded, ForwardError> {
         std::thread::sleep(self.delay);
         self.inner.forward(model, features, row_shape)
     }
@@ -469,7 +486,7 @@ impl Backend for TorchBackend {
         model: &ModelRef,
         features: &[f32],
         row_shape: &[usize],
-    ) -> Result<(Vec<f32>, usize), ForwardError> {
+    ) -> Result<Forwarded, ForwardError> {
         let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
         let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
@@ -504,6 +521,7 @@ impl Backend for TorchBackend {
                 ))))
             }
         };
+        let integer = !y.is_floating_point();
         let y = y
             .f_to_kind(tch::Kind::Float)
             .and_then(|t| t.f_to_device(tch::Device::Cpu))
@@ -512,7 +530,11 @@ impl Backend for TorchBackend {
         let mut values = vec![0f32; n as usize * width];
         y.f_copy_data(&mut values, n as usize * width)
             .map_err(classify)?;
-        Ok((values, width))
+        Ok(Forwarded {
+            values,
+            width,
+            integer,
+        })
     }
 }
 
@@ -532,7 +554,7 @@ mod tests {
             _m: &ModelRef,
             f: &[f32],
             shape: &[usize],
-        ) -> Result<(Vec<f32>, usize), ForwardError> {
+        ) -> Result<Forwarded, ForwardError> {
             let cols = shape[0];
             self.calls += 1;
             if f.len() / cols > self.max_rows {
@@ -541,7 +563,11 @@ mod tests {
             if f.contains(&-999.0) {
                 return Err(ForwardError::Raised("RuntimeError: sentinel".into()));
             }
-            Ok((f.chunks(cols).map(|r| r.iter().sum()).collect(), 1))
+            Ok(Forwarded {
+                values: f.chunks(cols).map(|r| r.iter().sum()).collect(),
+                width: 1,
+                integer: false,
+            })
         }
     }
 

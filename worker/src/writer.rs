@@ -16,7 +16,10 @@ pub use batchfleet_shared::output::{count_rejects, count_rows, REJECTS_DIR};
 /// The columns of a part file for a model of `width` outputs: `id`, the
 /// copied input columns (`include_columns`), the outputs (unless
 /// `drop_scores`), `label` (`argmax`), then `top1_label, top1_score, …`.
-pub fn part_columns(spec: &OutputSpec, width: usize) -> (Vec<String>, Vec<Kind>) {
+/// The outputs are floats, or integers when `integer` (a model returning
+/// class ids or counts).
+pub fn part_columns(spec: &OutputSpec, width: usize, integer: bool) -> (Vec<String>, Vec<Kind>) {
+    let output_kind = if integer { Kind::Int } else { Kind::Float };
     let label_kind = if spec.labels.is_empty() {
         Kind::Int
     } else {
@@ -28,7 +31,7 @@ pub fn part_columns(spec: &OutputSpec, width: usize) -> (Vec<String>, Vec<Kind>)
         cols.extend(
             spec.score_names(width)
                 .into_iter()
-                .map(|n| (n, Kind::Float)),
+                .map(|n| (n, output_kind)),
         );
     }
     if spec.argmax {
@@ -36,7 +39,7 @@ pub fn part_columns(spec: &OutputSpec, width: usize) -> (Vec<String>, Vec<Kind>)
     }
     for k in 1..=(spec.top_k as usize).min(width) {
         cols.push((format!("top{k}_label"), label_kind));
-        cols.push((format!("top{k}_score"), Kind::Float));
+        cols.push((format!("top{k}_score"), output_kind));
     }
     cols.into_iter().unzip()
 }
@@ -83,7 +86,14 @@ pub fn write_part_rows(
             )));
         }
     }
-    let (names, kinds) = part_columns(spec, width);
+    let (names, kinds) = part_columns(spec, width, preds.integer);
+    let output = |v: f32| {
+        if preds.integer {
+            Cell::Int(v as i64)
+        } else {
+            Cell::Float(v)
+        }
+    };
     let extras = spec.include_columns.len();
     let result = publish_atomically(dest, tag, false, |w| {
         let mut part = PartWriter::new(w, spec.format, names, kinds)?;
@@ -106,7 +116,7 @@ pub fn write_part_rows(
             cells.push(Cell::Text(batch.id(r)));
             cells.extend((0..extras).map(|j| Cell::Text(batch.extra(r, j, extras))));
             if !spec.drop_scores {
-                cells.extend(row.iter().map(|v| Cell::Float(*v)));
+                cells.extend(row.iter().map(|v| output(*v)));
             }
             if spec.argmax || spec.top_k > 0 {
                 // Largest first; NaN last; ties keep the lower index first.
@@ -125,7 +135,7 @@ pub fn write_part_rows(
                 }
                 for &k in order.iter().take(spec.top_k as usize) {
                     cells.push(label(k));
-                    cells.push(Cell::Float(row[k]));
+                    cells.push(output(row[k]));
                 }
             }
             part.row(&cells)?;
@@ -201,6 +211,7 @@ mod tests {
             values: vec![0.1, 1e-7, f32::NAN, f32::NAN, -2.5, 3.0],
             width: 2,
             failed: vec![(1, "boom".into())],
+            integer: false,
         };
         let spec = OutputSpec::default();
         assert_eq!(
@@ -225,6 +236,7 @@ mod tests {
             values: vec![0.1, 0.7, 0.2, 5.0, f32::NAN, 1.0, 0.0, 0.0, 3.0],
             width: 3,
             failed: vec![],
+            integer: false,
         };
         (b, p)
     }
@@ -261,7 +273,20 @@ mod tests {
             std::fs::read_to_string(&dest).unwrap(),
             "id,label\na,1\nb,0\nc,2\n"
         );
-        assert_eq!(part_columns(&spec, 3).0, ["id", "label"]);
+        assert_eq!(part_columns(&spec, 3, false).0, ["id", "label"]);
+        // A model returning integers (class ids) writes integers.
+        let ints = Predictions {
+            values: vec![3.0, 0.0, 7.0],
+            width: 1,
+            failed: vec![],
+            integer: true,
+        };
+        let dest = dir.path().join("i.csv");
+        write_part(&dest, "t", &OutputSpec::default(), &b, &ints).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "id,score\na,3\nb,0\nc,7\n"
+        );
         // A labels file that does not match the model is poison.
         let spec = OutputSpec {
             labels: vec!["cat".into()],
@@ -387,6 +412,7 @@ mod tests {
                 values: vec![1.0, 2.0],
                 width: 1,
                 failed: vec![],
+                integer: false,
             },
         )
         .unwrap_err();

@@ -605,3 +605,75 @@ fn rejects_text(out: &std::path::Path) -> String {
         .map(|r| r.to_string())
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_returning_integers_writes_integers() {
+    let env = TestEnv::new("ints");
+    let gen = JobGen {
+        rows: 3_000,
+        files: 1,
+        features: 8,
+        hidden: 16,
+        outputs: 2,
+        name: batchfleet_loadtest::services::unique("ints"),
+        pool: env.pool.clone(),
+        item_rows: 1_000,
+        batch_size: 256,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    // classes.pt: the same model returning int64 (score > 0), as Parquet.
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("path = \"model.pt\"", "path = \"classes.pt\"")
+            .replace(
+                "dir = \"out\"\nformat = \"csv\"",
+                "dir = \"out\"\nformat = \"parquet\"\nmerge = true",
+            ),
+    )
+    .expect("manifest");
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
+    assert_eq!(report.rows_predicted, 3_000);
+    let golden = std::fs::read_to_string(env.path().join("golden.csv")).expect("golden");
+    let want: std::collections::HashMap<String, Vec<i64>> = golden
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let mut f = l.split(',');
+            let id = f.next().expect("id").to_owned();
+            (
+                id,
+                f.map(|v| i64::from(v.parse::<f64>().expect("score") > 0.0))
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut seen = 0;
+    let columns = batchfleet_shared::table::read_part(
+        &env.path().join("out/predictions.parquet"),
+        |_, row| {
+            let got: Vec<i64> = row[1..]
+                .iter()
+                .map(|v| match v {
+                    batchfleet_shared::table::Value::Number(n) => *n as i64,
+                    other => panic!("not a number: {other:?}"),
+                })
+                .collect();
+            assert_eq!(got, want[&row[0].text()], "{:?}", row[0]);
+            seen += 1;
+        },
+    )
+    .expect("merged output");
+    assert_eq!((columns.len(), seen), (3, 3_000));
+    // The Parquet columns are integers, not floats.
+    let file = std::fs::File::open(env.path().join("out/part-000000.parquet")).expect("part");
+    let schema = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+        .expect("parquet")
+        .schema()
+        .clone();
+    assert_eq!(schema.field(1).data_type(), &arrow_schema::DataType::Int64);
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
