@@ -216,7 +216,11 @@ async fn follow_with(
                 .as_ref()
                 .map(|s| s.task.output.histogram)
                 .unwrap_or_default();
-            let (summary, mut report) = reducer::finish(store, job_id, &histogram).await?;
+            let names = spec
+                .as_ref()
+                .map(|s| s.task.output.columns.clone())
+                .unwrap_or_default();
+            let (summary, mut report) = reducer::finish(store, job_id, &histogram, &names).await?;
             if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
                 let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
                 let cwd = spec

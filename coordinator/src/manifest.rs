@@ -316,6 +316,9 @@ pub struct JobSpec {
     pub merge: bool,
     /// `files` input: the folder the files' ids are relative to.
     pub root: Option<PathBuf>,
+    /// Sizes of `s3://` input objects as listed (so planning a `files` job
+    /// needs no request per object).
+    pub listed_sizes: std::collections::HashMap<PathBuf, u64>,
 }
 
 impl JobSpec {
@@ -500,6 +503,7 @@ pub fn validate(
 
     // Input files.
     let mut files = Vec::new();
+    let mut listed_sizes = std::collections::HashMap::new();
     for pattern in &m.input.paths {
         if pattern.starts_with(batchfleet_shared::source::S3_SCHEME) {
             // Objects: listed under the pattern's literal prefix; each must
@@ -514,9 +518,12 @@ pub fn validate(
                     format!("\"{pattern}\" matches no object; check the bucket and key pattern"),
                 ),
                 Ok(found) => {
-                    for (url, _) in found {
+                    for (url, size) in found {
                         match roots.check(Path::new(&url)) {
-                            Ok(p) => files.push(p),
+                            Ok(p) => {
+                                listed_sizes.insert(p.clone(), size);
+                                files.push(p);
+                            }
                             Err(e) => problem("[input] paths", e.to_string()),
                         }
                     }
@@ -1165,6 +1172,7 @@ pub fn validate(
         on_complete,
         merge: m.output.merge,
         root,
+        listed_sizes,
     })
 }
 

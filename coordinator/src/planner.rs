@@ -157,7 +157,10 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
     let mut sizes = Vec::with_capacity(spec.files.len());
     let mut names = Vec::with_capacity(spec.files.len());
     for path in &spec.files {
-        sizes.push(input_len(path)?);
+        sizes.push(match spec.listed_sizes.get(path) {
+            Some(n) => *n,
+            None => input_len(path)?,
+        });
         let rel = path
             .strip_prefix(root)
             .map_err(|_| err(path, format!("is not under {}", root.display())))?;

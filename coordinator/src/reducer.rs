@@ -112,8 +112,9 @@ pub struct ColumnDistribution {
 }
 
 impl Distribution {
-    /// From `counts[column][bin]` as stored in Redis.
-    pub fn new(spec: &HistogramSpec, counts: Vec<Vec<u64>>) -> Option<Self> {
+    /// From `counts[column][bin]` as stored in Redis; `names` are the
+    /// output columns' names (`[output] columns`), empty for the defaults.
+    pub fn new(spec: &HistogramSpec, counts: Vec<Vec<u64>>, names: &[String]) -> Option<Self> {
         if counts.is_empty() {
             return None;
         }
@@ -126,10 +127,10 @@ impl Distribution {
                 .into_iter()
                 .enumerate()
                 .map(|(i, c)| ColumnDistribution {
-                    name: if width == 1 {
-                        "score".into()
-                    } else {
-                        format!("score_{i}")
+                    name: match names.get(i) {
+                        Some(n) if names.len() == width => n.clone(),
+                        _ if width == 1 => "score".into(),
+                        _ => format!("score_{i}"),
                     },
                     rows: c.iter().sum(),
                     counts: c,
@@ -187,6 +188,7 @@ pub async fn finish(
     store: &Store,
     job_id: &str,
     histogram: &HistogramSpec,
+    output_names: &[String],
 ) -> Result<(PathBuf, Summary), RunError> {
     let job = store.job(job_id).await?.ok_or_else(|| {
         RunError::Output(format!("job {job_id} vanished from Redis while finishing"))
@@ -269,6 +271,7 @@ pub async fn finish(
         predictions: Distribution::new(
             histogram,
             store.histogram(job_id, histogram.bins as usize + 2).await?,
+            output_names,
         ),
         on_complete: None,
         merged: None,
@@ -320,6 +323,33 @@ pub async fn finish(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn distributions_name_columns_as_the_part_files_do() {
+        let spec = HistogramSpec::default();
+        let counts = || vec![vec![1; 22], vec![2; 22]];
+        let names = |d: Option<Distribution>| {
+            d.unwrap()
+                .columns
+                .into_iter()
+                .map(|c| c.name)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(Distribution::new(&spec, counts(), &[])),
+            ["score_0", "score_1"]
+        );
+        let named = ["cat".to_owned(), "dog".to_owned()];
+        assert_eq!(
+            names(Distribution::new(&spec, counts(), &named)),
+            ["cat", "dog"]
+        );
+        assert_eq!(
+            names(Distribution::new(&spec, vec![vec![0; 22]], &[])),
+            ["score"]
+        );
+        assert!(Distribution::new(&spec, Vec::new(), &named).is_none());
+    }
 
     fn stat(seq: u32, ms: u64) -> ItemStats {
         ItemStats {
