@@ -204,7 +204,7 @@ impl FollowArgs {
                 orphan_grace: self.orphan_grace,
                 ..Default::default()
             },
-            data_roots: batchfleet_shared::paths::rejoin_urls(self.data_roots.clone()),
+            data_roots: self.data_roots.clone(),
         }
     }
 }

@@ -14,7 +14,7 @@
 //! consecutive row groups of about the item size each.
 
 use crate::manifest::{ItemSizing, JobSpec};
-use batchfleet_shared::message::{Envelope, InputSlice, WorkItem};
+use batchfleet_shared::message::{ByteRange, Envelope, InputSlice, WorkItem};
 use batchfleet_shared::source::Input;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -111,11 +111,11 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
 
 /// The slices of one input file, in the job's input format.
 fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
-    let file_len = input_len(path)?;
-    let name = path.to_string_lossy().into_owned();
     if spec.task.parquet.is_some() {
         return plan_parquet(path, spec.sizing);
     }
+    let file_len = input_len(path)?;
+    let name = path.to_string_lossy().into_owned();
     let jsonl = spec.task.jsonl.is_some();
     let ranges = if jsonl {
         plan_jsonl(path, spec.sizing)?
@@ -125,26 +125,18 @@ fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
     Ok(ranges
         .into_iter()
         .map(|r| {
-            let (path, start, end, first_line, rows) =
-                (name.clone(), r.start, r.end, r.first_line, r.rows);
+            let range = ByteRange {
+                path: name.clone(),
+                start: r.start,
+                end: r.end,
+                first_line: r.first_line,
+                rows: r.rows,
+                file_len,
+            };
             if jsonl {
-                InputSlice::JsonlRange {
-                    path,
-                    start,
-                    end,
-                    first_line,
-                    rows,
-                    file_len,
-                }
+                InputSlice::JsonlRange(range)
             } else {
-                InputSlice::CsvRange {
-                    path,
-                    start,
-                    end,
-                    first_line,
-                    rows,
-                    file_len,
-                }
+                InputSlice::CsvRange(range)
             }
         })
         .collect())
@@ -282,14 +274,14 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
     WorkItem {
         job_id: job_id.to_owned(),
         seq,
-        input: InputSlice::CsvRange {
+        input: InputSlice::CsvRange(ByteRange {
             path: "/data/in.csv".into(),
             start: 3,
             end: 9,
             first_line: 2,
             rows: 1,
             file_len: 9,
-        },
+        }),
         task: TaskSpec {
             model: ModelRef {
                 path: "/models/m.pt".into(),

@@ -66,13 +66,7 @@ where
     })?;
     let tmp: PathBuf = staging.join(format!("{}.{}.tmp", name.to_string_lossy(), tag));
     let result = (|| {
-        let file = File::create(&tmp)?;
-        {
-            let mut w = io::BufWriter::with_capacity(1 << 16, &file);
-            write(&mut w)?;
-            w.flush()?;
-        }
-        file.sync_all()?;
+        stage(&tmp, write)?.sync_all()?;
         if overwrite {
             fs::rename(&tmp, dest)?;
             return Ok(Publish::Committed);
@@ -87,6 +81,20 @@ where
     let outcome = result?;
     File::open(dir)?.sync_all()?;
     Ok(outcome)
+}
+
+/// Creates `tmp` and fills it through a buffered writer; the file, flushed.
+fn stage<F>(tmp: &Path, write: F) -> io::Result<File>
+where
+    F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
+{
+    let file = File::create(tmp)?;
+    {
+        let mut w = io::BufWriter::with_capacity(1 << 16, &file);
+        write(&mut w)?;
+        w.flush()?;
+    }
+    Ok(file)
 }
 
 /// [`publish_atomically`] for an `s3://` destination: staged in a local
@@ -109,12 +117,7 @@ where
         name
     ));
     let result = (|| {
-        let file = File::create(&tmp)?;
-        {
-            let mut w = io::BufWriter::with_capacity(1 << 16, &file);
-            write(&mut w)?;
-            w.flush()?;
-        }
+        stage(&tmp, write)?;
         let bytes = fs::read(&tmp)?;
         match crate::source::fs::put(dest, bytes, !overwrite)? {
             true => Ok(Publish::Committed),

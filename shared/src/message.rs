@@ -51,41 +51,37 @@ pub struct WorkItem {
     pub task: TaskSpec,
 }
 
+/// Records of a text file (CSV or JSON Lines) whose bytes lie in
+/// `[start, end)`: `start` is the first byte of a record and `end` the first
+/// byte after the last one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ByteRange {
+    /// Absolute path of the file.
+    pub path: String,
+    /// Byte offset of the first record.
+    pub start: u64,
+    /// Byte offset just past the last record.
+    pub end: u64,
+    /// 1-based line number of the first record, for error messages.
+    pub first_line: u64,
+    /// Number of records in the range, as counted by the planner.
+    pub rows: u64,
+    /// File length when planned; a different length means the file changed.
+    pub file_len: u64,
+}
+
 /// A slice of one input file.
+///
+/// The byte-range variants wrap a [`ByteRange`]; encoded they are the same
+/// map as a variant with those fields inline (`{"CsvRange": {"path": …}}`),
+/// so messages of either shape decode.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum InputSlice {
-    /// Records of a CSV file whose bytes lie in `[start, end)`; `start` is the
-    /// first byte of a record and `end` the first byte after the last one.
-    CsvRange {
-        /// Absolute path of the file.
-        path: String,
-        /// Byte offset of the first record.
-        start: u64,
-        /// Byte offset just past the last record.
-        end: u64,
-        /// 1-based line number of the first record, for error messages.
-        first_line: u64,
-        /// Number of records in the range, as counted by the planner.
-        rows: u64,
-        /// File length when planned; a different length means the file changed.
-        file_len: u64,
-    },
-    /// Records of a JSON Lines file (one JSON object per line) whose bytes
-    /// lie in `[start, end)`, cut at line boundaries like [`InputSlice::CsvRange`].
-    JsonlRange {
-        /// Absolute path of the file.
-        path: String,
-        /// Byte offset of the first record.
-        start: u64,
-        /// Byte offset just past the last record.
-        end: u64,
-        /// 1-based line number of the first record, for error messages.
-        first_line: u64,
-        /// Number of records in the range, as counted by the planner.
-        rows: u64,
-        /// File length when planned; a different length means the file changed.
-        file_len: u64,
-    },
+    /// Records of a CSV file (after its header).
+    CsvRange(ByteRange),
+    /// Records of a JSON Lines file (one JSON object per line), cut at line
+    /// boundaries like [`InputSlice::CsvRange`].
+    JsonlRange(ByteRange),
     /// Consecutive row groups `[first_group, first_group + groups)` of a
     /// Parquet file; only the task's id and feature columns are read.
     ParquetRowGroups {
@@ -120,9 +116,8 @@ impl InputSlice {
     /// Number of input rows the planner counted in this slice.
     pub fn rows(&self) -> u64 {
         match self {
-            InputSlice::CsvRange { rows, .. }
-            | InputSlice::JsonlRange { rows, .. }
-            | InputSlice::ParquetRowGroups { rows, .. } => *rows,
+            InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => r.rows,
+            InputSlice::ParquetRowGroups { rows, .. } => *rows,
             InputSlice::Files { files, .. } => files.len() as u64,
         }
     }
@@ -130,9 +125,8 @@ impl InputSlice {
     /// The input file this slice reads (for files, their root folder).
     pub fn path(&self) -> &str {
         match self {
-            InputSlice::CsvRange { path, .. }
-            | InputSlice::JsonlRange { path, .. }
-            | InputSlice::ParquetRowGroups { path, .. } => path,
+            InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => &r.path,
+            InputSlice::ParquetRowGroups { path, .. } => path,
             InputSlice::Files { root, .. } => root,
         }
     }
@@ -517,14 +511,14 @@ pub(crate) fn sample_item() -> WorkItem {
     WorkItem {
         job_id: "scores-1a2b3c4d".into(),
         seq: 7,
-        input: InputSlice::CsvRange {
+        input: InputSlice::CsvRange(ByteRange {
             path: "/data/in/part-a.csv".into(),
             start: 18,
             end: 4096,
             first_line: 2,
             rows: 100,
             file_len: 8192,
-        },
+        }),
         task: TaskSpec {
             model: ModelRef {
                 path: "/models/mlp.pt".into(),
@@ -568,14 +562,14 @@ mod tests {
     #[test]
     fn json_lines_items_round_trip_and_csv_items_carry_no_json_layout() {
         let mut item = sample_item();
-        item.input = InputSlice::JsonlRange {
+        item.input = InputSlice::JsonlRange(ByteRange {
             path: "/data/in.jsonl".into(),
             start: 0,
             end: 40,
             first_line: 1,
             rows: 2,
             file_len: 40,
-        };
+        });
         item.task.jsonl = Some(JsonLayout {
             id_key: "id".into(),
             feature_keys: vec!["a".into(), "b".into()],
@@ -611,6 +605,41 @@ mod tests {
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
         assert_eq!(env.clone().into_item().input.rows(), 20_000);
         assert_eq!(env.into_item().input.path(), "/data/in.parquet");
+    }
+
+    #[test]
+    fn byte_ranges_encode_as_the_inline_fields_they_replaced() {
+        // The shape of the byte-range variants before `ByteRange` existed.
+        #[derive(Serialize)]
+        enum Inline {
+            CsvRange {
+                path: String,
+                start: u64,
+                end: u64,
+                first_line: u64,
+                rows: u64,
+                file_len: u64,
+            },
+        }
+        let inline = Inline::CsvRange {
+            path: "/data/in.csv".into(),
+            start: 18,
+            end: 4096,
+            first_line: 2,
+            rows: 100,
+            file_len: 8192,
+        };
+        let wrapped = InputSlice::CsvRange(ByteRange {
+            path: "/data/in.csv".into(),
+            start: 18,
+            end: 4096,
+            first_line: 2,
+            rows: 100,
+            file_len: 8192,
+        });
+        let old = rmp_serde::to_vec_named(&inline).unwrap();
+        assert_eq!(rmp_serde::to_vec_named(&wrapped).unwrap(), old);
+        assert_eq!(rmp_serde::from_slice::<InputSlice>(&old).unwrap(), wrapped);
     }
 
     #[test]

@@ -20,9 +20,7 @@ pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {
 
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).
-pub fn count_rows(path: &Path) -> std::io::Result<u64> {
-    crate::table::count_rows(path)
-}
+pub use crate::table::count_rows;
 
 /// Counts the lines of a rejects file; 0 if there is none.
 pub fn count_rejects(path: &Path) -> std::io::Result<u64> {

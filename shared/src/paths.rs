@@ -33,10 +33,12 @@ pub struct PathError {
 }
 
 impl DataRoots {
-    /// Resolves each local root (it must exist); `s3://` roots are kept as prefixes.
+    /// Resolves each local root (it must exist); `s3://` roots are kept as
+    /// prefixes. Roots split at `:` (a `:`-separated variable) that tore an
+    /// `s3://` URL apart are put back together first.
     pub fn new(roots: &[PathBuf]) -> Result<Self, PathError> {
         let mut out = Self::default();
-        for r in roots {
+        for r in &rejoin_urls(roots) {
             let text = r.to_string_lossy();
             if let Some(rest) = text.strip_prefix(crate::source::S3_SCHEME) {
                 if rest.is_empty() || rest.starts_with('/') || rest.split('/').any(|s| s == "..") {
@@ -156,15 +158,15 @@ fn resolve_existing(path: &Path) -> Result<PathBuf, String> {
 
 /// Data roots as given to a `:`-separated variable and split there: puts
 /// back together `s3` and `//bucket/prefix`, which the split tore apart.
-pub fn rejoin_urls(roots: Vec<PathBuf>) -> Vec<PathBuf> {
+fn rejoin_urls(roots: &[PathBuf]) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = Vec::with_capacity(roots.len());
     for r in roots {
-        let text = r.to_string_lossy().into_owned();
+        let text = r.to_string_lossy();
         if text.starts_with("//") && out.last().is_some_and(|p| p.as_os_str() == "s3") {
             out.pop();
             out.push(PathBuf::from(format!("s3:{text}")));
         } else {
-            out.push(r);
+            out.push(r.clone());
         }
     }
     out
@@ -197,9 +199,13 @@ mod tests {
         // "/data:s3://b/p" split at ':' comes back whole.
         let split: Vec<PathBuf> = "/data:s3://b/p".split(':').map(PathBuf::from).collect();
         assert_eq!(
-            rejoin_urls(split),
+            rejoin_urls(&split),
             vec![PathBuf::from("/data"), PathBuf::from("s3://b/p")]
         );
+        // DataRoots takes the split form as it comes from the variable.
+        let from_var =
+            DataRoots::new(&[f.root.clone(), "s3".into(), "//bucket/jobs".into()]).unwrap();
+        assert!(from_var.check(Path::new("s3://bucket/jobs/x.csv")).is_ok());
     }
 
     struct Fixture {

@@ -89,10 +89,8 @@ where
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
-    let data_roots = batchfleet_shared::paths::DataRoots::new(
-        &batchfleet_shared::paths::rejoin_urls(cfg.data_roots.clone()),
-    )
-    .context("--data-root")?;
+    let data_roots =
+        batchfleet_shared::paths::DataRoots::new(&cfg.data_roots).context("--data-root")?;
     if data_roots.is_confined() {
         tracing::info!(roots = %data_roots.describe(), "item paths confined to the data roots");
     } else {

@@ -7,7 +7,7 @@
 
 use crate::error::ItemError;
 use batchfleet_shared::message::{
-    CsvLayout, ImageSpec, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
+    ByteRange, CsvLayout, ImageSpec, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
 };
 use batchfleet_shared::source::Input;
 use serde::{Deserialize, Serialize};
@@ -220,22 +220,15 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
             })?;
             Ok(batch)
         }
-        InputSlice::CsvRange {
-            path,
-            start,
-            end,
-            first_line,
-            rows,
-            file_len,
-        }
-        | InputSlice::JsonlRange {
-            path,
-            start,
-            end,
-            first_line,
-            rows,
-            file_len,
-        } => {
+        InputSlice::CsvRange(range) | InputSlice::JsonlRange(range) => {
+            let ByteRange {
+                path,
+                start,
+                end,
+                first_line,
+                rows,
+                file_len,
+            } = range;
             let input = Input::open(Path::new(path)).map_err(|e| io_error(path, e))?;
             let len = input.len().map_err(|e| io_error(path, e))?;
             if len != *file_len {
@@ -247,10 +240,10 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 .read_range(*start..*end)
                 .map_err(|e| io_error(path, e))?;
             let batch = match (slice, layout) {
-                (InputSlice::CsvRange { .. }, Layout::Csv(l)) => {
+                (InputSlice::CsvRange(_), Layout::Csv(l)) => {
                     parse_csv(raw, l, path, *first_line, *rows as usize, on_bad_row)?
                 }
-                (InputSlice::JsonlRange { .. }, Layout::Jsonl(l)) => {
+                (InputSlice::JsonlRange(_), Layout::Jsonl(l)) => {
                     parse_jsonl(raw, l, path, *first_line, *rows as usize, on_bad_row)?
                 }
                 _ => return Err(mismatch(path)),
@@ -935,13 +928,15 @@ mod tests {
         let content = "h1,h2,h3,h4\n1,a,x,2\n3,b,y,4\n5,c,z,6\n";
         std::fs::write(&p, content).unwrap();
         let path = p.to_string_lossy().into_owned();
-        let slice = |rows, file_len| InputSlice::CsvRange {
-            path: path.clone(),
-            start: 20,
-            end: 28,
-            first_line: 3,
-            rows,
-            file_len,
+        let slice = |rows, file_len| {
+            InputSlice::CsvRange(ByteRange {
+                path: path.clone(),
+                start: 20,
+                end: 28,
+                first_line: 3,
+                rows,
+                file_len,
+            })
         };
         let b = read(
             &slice(1, content.len() as u64),
