@@ -19,6 +19,7 @@ fi
 
 echo "== docker-compose config"
 export RABBITMQ_PASSWORD=check REDIS_PASSWORD=check GRAFANA_PASSWORD=check
+export BATCHFLEET_SIGNING_KEY=check-check-check-check
 docker-compose -p batchfleet -f docker/compose.yaml config -q
 docker-compose -p batchfleet -f docker/compose.yaml -f docker/compose.gpu.yaml config -q
 echo "== hadolint"

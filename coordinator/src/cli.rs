@@ -4,7 +4,10 @@
 //! Redis, I/O), 2 invalid manifest or usage (nothing was published), 3 job
 //! finished but some items failed for good (listed in `summary.json`, no
 //! `_SUCCESS`), 4 job failed (error budget exceeded, remaining items skipped),
-//! 130 interrupted while following a job (the workers carry on).
+//! 5 job failed at once because nobody can run it (the model is not
+//! TorchScript, changed or raises on load, or no worker could take its items
+//! within `--unable-timeout`), 130 interrupted while following a job (the
+//! workers carry on).
 
 use crate::{status, Connections, RunConfig, RunError, RunOutcome};
 use batchfleet_shared::config::ServiceArgs;
@@ -21,6 +24,8 @@ pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_COMPLETED_WITH_FAILURES: u8 = 3;
 /// Exit code: the error budget was exceeded; the job failed and its remaining items were skipped.
 pub const EXIT_JOB_FAILED: u8 = 4;
+/// Exit code: nobody can run the job (its model, or no able worker): it failed at once.
+pub const EXIT_JOB_UNRUNNABLE: u8 = 5;
 /// Exit code: interrupted by a signal while following a job.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -47,13 +52,14 @@ pub struct GlobalArgs {
 }
 
 impl GlobalArgs {
-    fn connections(&self) -> Connections {
-        Connections {
+    fn connections(&self) -> Result<Connections, batchfleet_shared::signing::KeyError> {
+        Ok(Connections {
             amqp_url: self.services.amqp_url.clone(),
             redis_url: self.services.redis_url.clone(),
             redis_prefix: self.services.redis_prefix.clone(),
             connect_timeout: self.connect_timeout,
-        }
+            signing_key: self.services.signing_key()?,
+        })
     }
 }
 
@@ -96,7 +102,7 @@ pub enum DlqCommand {
         /// Only this job.
         #[arg(long)]
         job: Option<String>,
-        /// Only this failure class (poison, transient, timeout, infra).
+        /// Only this failure class (poison, transient, timeout, panic, infra, rejected).
         #[arg(long)]
         class: Option<String>,
         /// Print JSON.
@@ -104,7 +110,8 @@ pub enum DlqCommand {
         json: bool,
     },
     /// Publish dead items of a job to the work queue again (attempts reset),
-    /// then follow the job and rewrite its summary.
+    /// then follow the job and rewrite its summary. Rejected messages (class
+    /// `rejected`: forged or impossible) are never replayed; purge them.
     Replay {
         /// The job whose dead items to replay.
         #[arg(long)]
@@ -180,6 +187,11 @@ pub struct FollowArgs {
     /// nor settled for this long (a lost message).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
+    /// Fail the job when workers said they cannot run it (no CUDA device,
+    /// model unreadable there, out of memory on one row) and no item was
+    /// committed for this long: no able worker is taking its items.
+    #[arg(long, env = "BATCHFLEET_UNABLE_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub unable_timeout: Duration,
     /// Folder every path of the job (input files, model, output folder)
     /// must stay under, symlinks resolved, or an s3://bucket/prefix that
     /// every s3:// location must stay under; repeat for several, or separate
@@ -202,6 +214,7 @@ impl FollowArgs {
             supervise: crate::supervisor::SuperviseConfig {
                 speculate_after: self.speculate_after,
                 orphan_grace: self.orphan_grace,
+                unable_timeout: self.unable_timeout,
                 ..Default::default()
             },
             data_roots: self.data_roots.clone(),
@@ -248,7 +261,13 @@ pub struct StatusArgs {
 /// Runs a parsed command line and returns the process exit code.
 pub async fn main(cli: Cli) -> ExitCode {
     cli.global.services.init_logging();
-    let connections = cli.global.connections();
+    let connections = match cli.global.connections() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_INVALID);
+        }
+    };
     // Commands that follow a job serve metrics while they do.
     if matches!(cli.command, Command::Run(_) | Command::Resume(_)) {
         if let Err(e) = batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
@@ -393,7 +412,10 @@ pub fn exit_code(outcome: &RunOutcome) -> u8 {
     match outcome {
         RunOutcome::Completed { report, .. } => match report.status.as_str() {
             "completed" => 0,
-            "failed" => EXIT_JOB_FAILED,
+            "failed" if report.failed_class.as_deref().unwrap_or("budget") == "budget" => {
+                EXIT_JOB_FAILED
+            }
+            "failed" => EXIT_JOB_UNRUNNABLE,
             _ => EXIT_COMPLETED_WITH_FAILURES,
         },
         RunOutcome::AlreadyCompleted { .. } => 0,
@@ -440,6 +462,11 @@ fn report_outcome(outcome: &RunOutcome) -> ExitCode {
                 }
             }
             match code {
+                EXIT_JOB_UNRUNNABLE => eprintln!(
+                    "the job failed at once: {}\nno worker process stopped; {} item(s) were skipped. Fix the cause and run the manifest again",
+                    report.failed_reason.as_deref().unwrap_or("nobody can run it"),
+                    report.items_skipped
+                ),
                 EXIT_JOB_FAILED => eprintln!(
                     "the error budget was exceeded: the job failed and {} item(s) were skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again",
                     report.items_skipped, report.pool
@@ -528,11 +555,19 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 class,
                 item,
             };
-            let replayed =
-                match crate::dlq::replay(&conn, &store, &pool, &filter, update_model).await {
-                    Ok(r) => r,
-                    Err(e) => return report_error(&e),
-                };
+            let replayed = match crate::dlq::replay(
+                &conn,
+                &store,
+                &pool,
+                &filter,
+                update_model,
+                connections.signing_key.as_ref(),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(e) => return report_error(&e),
+            };
             println!(
                 "replayed {} item(s) of job {job} to bf.{pool}.work",
                 replayed.items.len()
@@ -624,6 +659,18 @@ mod tests {
         assert_eq!(exit_code(&completed("completed")), 0);
         assert_eq!(exit_code(&completed("completed_with_failures")), 3);
         assert_eq!(exit_code(&completed("failed")), 4);
+        for (class, code) in [("budget", 4), ("unrunnable", 5), ("unable", 5)] {
+            let RunOutcome::Completed { mut report, .. } = completed("failed") else {
+                unreachable!()
+            };
+            report.failed_class = Some(class.into());
+            let outcome = RunOutcome::Completed {
+                job_id: "j-1".into(),
+                summary: "s".into(),
+                report,
+            };
+            assert_eq!(exit_code(&outcome), code, "{class}");
+        }
         assert_eq!(
             exit_code(&RunOutcome::AlreadyCompleted {
                 job_id: "j".into(),

@@ -81,15 +81,10 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
             dir.display()
         ))
     })?;
-    batchfleet_shared::fsutil::publish_atomically(
-        &dir.join(OWNER_FILE),
-        "coordinator",
-        true,
-        |w| {
-            use std::io::Write;
-            writeln!(w, "{job_id}")
-        },
-    )
+    batchfleet_shared::fsutil::publish_atomically(&dir.join(OWNER_FILE), true, |w| {
+        use std::io::Write;
+        writeln!(w, "{job_id}")
+    })
     .map_err(|e| RunError::Output(format!("cannot write {}: {e}", owner.display())))?;
     Ok(())
 }
@@ -144,6 +139,7 @@ pub async fn dispatch(
             // Items that failed before are published again below; forget the
             // old verdicts so they do not count as settled.
             store.clear_failures(&spec.job_id).await?;
+            store.clear_unable_notes(&spec.job_id).await?;
             // Only the status (and whether to merge, which the manifest may
             // have changed): the done counters belong to the workers' commits.
             store
@@ -152,6 +148,8 @@ pub async fn dispatch(
                     &[
                         ("status", JobStatus::Planning.as_str().to_owned()),
                         ("merge", u8::from(spec.merge).to_string()),
+                        ("failed_reason", String::new()),
+                        ("failed_class", String::new()),
                     ],
                 )
                 .await?;
@@ -177,7 +175,11 @@ pub async fn dispatch(
             !done.contains(&item.seq)
                 && (u64::from(item.seq) >= watermark || again.contains(&item.seq))
         }) {
-            messages.push(Outgoing::work_item(item, 1));
+            messages.push(Outgoing::work_item(
+                item,
+                1,
+                cfg.connections.signing_key.as_ref(),
+            ));
         }
         if messages.is_empty() {
             continue;
@@ -193,14 +195,12 @@ pub async fn dispatch(
         crash_point(published);
     }
     tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), already_queued = watermark, queue = %queues.work(), "items published and confirmed");
+    // Running now — unless a worker found meanwhile that nobody can run it.
     store
-        .set_job_fields(
+        .mark_published(
             &spec.job_id,
-            &[
-                ("status", JobStatus::Running.as_str().to_owned()),
-                ("published_ms", batchfleet_shared::now_ms().to_string()),
-                ("items_published", plan.items.len().to_string()),
-            ],
+            batchfleet_shared::now_ms(),
+            plan.items.len() as u64,
         )
         .await?;
     let _ = publisher.channel().close(200, "published".into()).await;
@@ -246,6 +246,8 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         finished_ms: 0,
         items_published: 0,
         merge: spec.merge,
+        failed_reason: String::new(),
+        failed_class: String::new(),
     }
 }
 

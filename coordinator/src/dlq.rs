@@ -28,7 +28,8 @@ pub struct DeadItem {
     pub job: String,
     /// Item seq, if known.
     pub item: Option<u32>,
-    /// `poison`, `transient`, `timeout`, or `infra` (dead-lettered by the
+    /// `poison`, `transient`, `timeout`, `panic`, `rejected` (a forged or
+    /// impossible message, never replayed), or `infra` (dead-lettered by the
     /// broker after too many deliveries: workers died on it).
     pub class: String,
     /// Last error.
@@ -158,26 +159,35 @@ pub struct Replayed {
 }
 
 /// Publishes the matching dead items of `pool` to its work queue with the
-/// attempt count reset, acknowledging each dead copy only after the publish
-/// is confirmed, and marks their jobs running again. With `update_model`, the
-/// model digest in each item is replaced by the current digest of its file
-/// (for replays after a fixed model was swapped in under the same path).
+/// attempt count reset (signed with `key` when set), acknowledging each dead
+/// copy only after the publish is confirmed. Their jobs are marked running
+/// first, so no worker finds a replayed item's job finished. With
+/// `update_model`, the model digest in each item — and in the job record —
+/// is replaced by the current digest of its file (for replays after a fixed
+/// model was swapped in under the same path). Rejected messages (forged or
+/// impossible) are never replayed.
 pub async fn replay(
     conn: &Connection,
     store: &Store,
     pool: &str,
     filter: &Filter,
     update_model: bool,
+    key: Option<&batchfleet_shared::signing::SigningKey>,
 ) -> Result<Replayed, RunError> {
     let queues = PoolQueues::new(pool);
     let publisher = ConfirmedPublisher::open(conn).await?;
     let channel = publisher.channel();
     let taken = take_all(channel, &queues.dead()).await?;
     let mut digests: HashMap<String, String> = HashMap::new();
-    let mut out = Replayed::default();
+    let mut chosen = Vec::new();
+    let mut rejected = 0;
     for msg in &taken {
         let dead = describe(msg);
         if !filter.matches(&dead) {
+            continue;
+        }
+        if dead.class == "rejected" {
+            rejected += 1;
             continue;
         }
         let Some(mut item) = Envelope::decode(&msg.delivery.data)
@@ -204,10 +214,38 @@ pub async fn replay(
             };
             item.task.model.sha256 = sha;
         }
+        chosen.push((msg, dead, item));
+    }
+    if rejected > 0 {
+        tracing::warn!(rejected, "rejected messages (forged or impossible) are not replayed; `batchfleet dlq purge` removes them");
+    }
+    let mut out = Replayed::default();
+    for (_, _, item) in &chosen {
+        if !out.jobs.contains(&item.job_id) {
+            out.jobs.push(item.job_id.clone());
+        }
+    }
+    for job in &out.jobs {
+        let mut fields = vec![
+            ("status", JobStatus::Running.as_str().to_owned()),
+            ("finished_ms", "0".to_owned()),
+            ("failed_reason", String::new()),
+            ("failed_class", String::new()),
+        ];
+        let sha = chosen
+            .iter()
+            .find(|(_, _, i)| &i.job_id == job)
+            .map(|(_, _, i)| i.task.model.sha256.clone());
+        if let (true, Some(sha)) = (update_model, sha) {
+            fields.push(("model_sha256", sha));
+        }
+        store.set_job_fields(job, &fields).await?;
+    }
+    for (msg, dead, item) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
-        let outgoing = Outgoing::work_item(&item, 1);
+        let outgoing = Outgoing::work_item(&item, 1, key);
         if let Err(e) = publisher
             .publish_all(&queues.work(), [outgoing], 1, |_| {})
             .await
@@ -229,20 +267,7 @@ pub async fn replay(
             .ack(BasicAckOptions::default())
             .await
             .map_err(BrokerError::op("basic.ack (dead copy)"))?;
-        if !out.jobs.contains(&item.job_id) {
-            out.jobs.push(item.job_id.clone());
-        }
         out.items.push(item.seq);
-    }
-    for job in &out.jobs {
-        let mut fields = vec![
-            ("status", JobStatus::Running.as_str().to_owned()),
-            ("finished_ms", "0".to_owned()),
-        ];
-        if let (true, Some(sha)) = (update_model, digests.values().next()) {
-            fields.push(("model_sha256", sha.clone()));
-        }
-        store.set_job_fields(job, &fields).await?;
     }
     let _ = channel.close(200, "replayed".into()).await;
     Ok(out)

@@ -46,6 +46,9 @@ pub struct Connections {
     pub redis_prefix: String,
     /// How long to wait for RabbitMQ or Redis to answer before giving up.
     pub connect_timeout: Duration,
+    /// Signs every published work item when set (workers holding the same
+    /// key refuse anything else).
+    pub signing_key: Option<batchfleet_shared::signing::SigningKey>,
 }
 
 impl Connections {
@@ -210,7 +213,9 @@ async fn follow_with(
         monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
             job_id: job_id.to_owned(),
         }),
-        monitor::Followed::AllDone | monitor::Followed::BudgetExceeded => {
+        monitor::Followed::AllDone
+        | monitor::Followed::BudgetExceeded
+        | monitor::Followed::JobFailed => {
             let spec = supervisor.spec().await.ok();
             let histogram = spec
                 .as_ref()

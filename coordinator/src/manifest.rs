@@ -1495,19 +1495,25 @@ pub fn check_parquet_columns(
     }
 }
 
-/// Checks a model file exists and is a TorchScript archive (a zip file).
+/// Checks a model file exists and is a TorchScript archive — `code/` and
+/// `constants.pkl` inside — naming what it is otherwise (a `state_dict`, a
+/// pickled module, a `torch.export` package) with the one-line fix.
 fn check_torchscript(path: &Path) -> Result<(), String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| {
+    use batchfleet_shared::model_file::{inspect_file, EXPORT_FIX};
+    let kind = inspect_file(path).map_err(|e| {
         format!(
             "cannot open model {}: {e}; check the path, which is relative to the manifest's folder",
             path.display()
         )
     })?;
-    let mut magic = [0u8; 4];
-    match f.read_exact(&mut magic) {
-        Ok(()) if &magic == b"PK\x03\x04" => Ok(()),
-        Ok(()) | Err(_) => Err(format!("{} is not a TorchScript file (expected the zip archive torch.jit.save writes); export the model with torch.jit.script(...) and torch.jit.save(...)", path.display())),
+    if kind.is_torchscript() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is {}; {EXPORT_FIX}",
+            path.display(),
+            kind.describe()
+        ))
     }
 }
 
@@ -1535,7 +1541,11 @@ mod tests {
                 "id,f0,f1,f2\n2,0.1,0.2,0.3\n",
             )
             .unwrap();
-            fs::write(dir.path().join("model.pt"), b"PK\x03\x04rest-of-zip").unwrap();
+            fs::write(
+                dir.path().join("model.pt"),
+                batchfleet_shared::model_file::torchscript_like_zip(),
+            )
+            .unwrap();
             Self { dir }
         }
         fn load(&self, toml: &str) -> Result<JobSpec, ManifestError> {
@@ -1890,7 +1900,11 @@ dir = "out"
         let elsewhere = tempfile::tempdir().unwrap();
         let far = elsewhere.path().join("far.csv");
         fs::write(&far, "id,f0,f1,f2\n3,0.1,0.2,0.3\n").unwrap();
-        fs::write(elsewhere.path().join("m.pt"), b"PK\x03\x04rest-of-zip").unwrap();
+        fs::write(
+            elsewhere.path().join("m.pt"),
+            batchfleet_shared::model_file::torchscript_like_zip(),
+        )
+        .unwrap();
         std::os::unix::fs::symlink(elsewhere.path(), fx.dir.path().join("link")).unwrap();
         // By default the manifest's folder is the root: an absolute path
         // elsewhere, a symlink out of it and `..` are each refused.
@@ -1982,6 +1996,35 @@ dir = "out"
         fs::write(fx.dir.path().join("model.pt"), b"not a zip").unwrap();
         let err = problems(fx.load(GOOD));
         assert!(err.contains("is not a TorchScript file"), "{err}");
+        // The files PyTorch users mistake for TorchScript are each named, with the fix.
+        use batchfleet_shared::model_file::stored_zip;
+        for (bytes, named) in [
+            (
+                stored_zip(&[
+                    ("m/data.pkl", b"\x80\x02ccollections\nOrderedDict\n"),
+                    ("m/data/0", b"w"),
+                ]),
+                "is a state_dict",
+            ),
+            (
+                stored_zip(&[
+                    ("m/data.pkl", b"\x80\x02c__main__\nNet\n_modules"),
+                    ("m/data/0", b"w"),
+                ]),
+                "is a pickled Python module",
+            ),
+            (
+                stored_zip(&[("m/archive_format", b"pt2"), ("m/models/model.json", b"{}")]),
+                "is a torch.export package",
+            ),
+        ] {
+            fs::write(fx.dir.path().join("model.pt"), bytes).unwrap();
+            let err = problems(fx.load(GOOD));
+            assert!(
+                err.contains(named) && err.contains("torch.jit.save"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

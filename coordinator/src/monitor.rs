@@ -21,6 +21,10 @@ pub enum Followed {
     /// More items failed than the error budget allows; the job is marked
     /// `failed` and workers skip its remaining items.
     BudgetExceeded,
+    /// The job was failed at once because nobody can run it (a worker found
+    /// its model unusable, or no able worker took its items in time); its
+    /// remaining items are skipped.
+    JobFailed,
     /// A shutdown signal arrived first.
     Interrupted,
 }
@@ -135,11 +139,27 @@ pub async fn follow(
             }
         }
         last = p;
-        if budget.exceeded(p.items_failed, p.items_total) {
-            if let Err(e) = store
-                .set_job_fields(job_id, &[("status", JobStatus::Failed.as_str().to_owned())])
+        if p.status == Some(JobStatus::Failed) {
+            let why = store
+                .job(job_id)
                 .await
-            {
+                .ok()
+                .flatten()
+                .map(|j| j.failed_reason)
+                .unwrap_or_default();
+            bar.abandon_with_message(format!("the job failed: {why}"));
+            tracing::error!(job = %job_id, reason = %why, "the job failed; its remaining items are skipped");
+            return Ok(Followed::JobFailed);
+        }
+        if budget.exceeded(p.items_failed, p.items_total) {
+            let reason = format!(
+                "error budget exceeded: {} of {} items failed for good (max_failed_items = {}, max_failed_percent = {})",
+                p.items_failed,
+                p.items_total,
+                budget.max_failed_items.map_or("unset".into(), |v| v.to_string()),
+                budget.max_failed_percent.map_or("unset".into(), |v| v.to_string()),
+            );
+            if let Err(e) = store.fail_job(job_id, "budget", &reason).await {
                 tracing::warn!(error = %e, "could not mark the job failed; trying again");
                 continue;
             }
@@ -226,6 +246,7 @@ mod tests {
             items_total: 4,
             rows_total: 400,
             items_failed: 0,
+            status: None,
         };
         assert_eq!(eta(&p, 100.0), 3);
         assert_eq!(eta(&p, 0.0), 0);

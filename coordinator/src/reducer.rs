@@ -73,6 +73,13 @@ pub struct Summary {
     pub items_failed: u64,
     /// Items neither committed nor failed: skipped after the job failed.
     pub items_skipped: u64,
+    /// Why the job failed (`failed` status only): the error budget, or what
+    /// made it unrunnable (the model, or no able worker), naming them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_reason: Option<String>,
+    /// `budget`, `unrunnable` or `unable` (`failed` status only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_class: Option<String>,
     /// Each failed item with its class and reason.
     pub failed_items: Vec<ItemFailure>,
     /// Distribution of each model output over the committed rows.
@@ -174,11 +181,9 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
 /// Replaces `summary.json` (after the completion hooks added their outcome).
 pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError> {
     let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
-    publish_atomically(path, "coordinator", true, |w| {
-        std::io::Write::write_all(w, &json)
-    })
-    .map(|_| ())
-    .map_err(|e| RunError::Output(format!("cannot write {}: {e}", path.display())))
+    publish_atomically(path, true, |w| std::io::Write::write_all(w, &json))
+        .map(|_| ())
+        .map_err(|e| RunError::Output(format!("cannot write {}: {e}", path.display())))
 }
 
 /// Writes the merged output (for a job recorded with `merge`, when every
@@ -267,6 +272,15 @@ pub async fn finish(
         items_skipped: job
             .items_total
             .saturating_sub(job.items_done + failures.len() as u64),
+        failed_reason: (status == JobStatus::Failed && !job.failed_reason.is_empty())
+            .then(|| job.failed_reason.clone()),
+        failed_class: (status == JobStatus::Failed).then(|| {
+            if job.failed_class.is_empty() {
+                "budget".to_owned()
+            } else {
+                job.failed_class.clone()
+            }
+        }),
         failed_items: failures,
         predictions: Distribution::new(
             histogram,
@@ -279,12 +293,23 @@ pub async fn finish(
     if job.merge {
         if status == JobStatus::Completed {
             // Seq order is input order: items are numbered file by file, range by range.
-            let parts: Vec<PathBuf> = stats
+            let parts = stats
                 .iter()
-                .map(|s| out.join(part_file_name(s.seq, format)))
-                .collect();
+                .map(|s| {
+                    batchfleet_shared::fsutil::open_under(
+                        out,
+                        std::path::Path::new(&part_file_name(s.seq, format)),
+                    )
+                })
+                .collect::<std::io::Result<Vec<_>>>()
+                .map_err(|e| {
+                    RunError::Output(format!(
+                        "cannot read the part files in {}: {e}",
+                        out.display()
+                    ))
+                })?;
             let merged = out.join(batchfleet_shared::output::merged_file_name(format));
-            publish_atomically(&merged, "coordinator", true, |w| {
+            publish_atomically(&merged, true, |w| {
                 batchfleet_shared::table::concat_parts(w, format, &parts)
             })
             .map_err(|e| RunError::Output(format!("cannot write {}: {e}", merged.display())))?;
@@ -297,13 +322,11 @@ pub async fn finish(
     let path = out.join(SUMMARY_FILE);
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
     let write = |p: &std::path::Path, bytes: &[u8]| {
-        publish_atomically(p, "coordinator", true, |w| {
-            std::io::Write::write_all(w, bytes)
-        })
-        .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
+        publish_atomically(p, true, |w| std::io::Write::write_all(w, bytes))
+            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
     // Checkpoint segments left by a slower copy of an item that lost the race.
-    let _ = batchfleet_shared::source::fs::remove_dir_all(&out.join("_partial"));
+    let _ = batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new("_partial"));
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;

@@ -26,6 +26,22 @@ pub struct JobStatusReport {
     pub failures_by_class: std::collections::BTreeMap<String, u64>,
     /// Workers that committed items or hold one now.
     pub workers: Vec<WorkerReport>,
+    /// Workers that leave the job's items to others now: they cannot run it
+    /// (`unable`: no CUDA device, model unreadable there, out of memory on
+    /// one row) or their output disk is full (`disk_full`, paused).
+    pub workers_unable: Vec<UnableReport>,
+}
+
+/// A worker that cannot take the job's items for now.
+#[derive(Debug, Clone, Serialize)]
+pub struct UnableReport {
+    /// Worker id.
+    pub worker: String,
+    /// The note it left.
+    #[serde(flatten)]
+    pub note: batchfleet_shared::store::UnableNote,
+    /// Seconds until it tries again (0: it may be trying now).
+    pub for_s: f64,
 }
 
 /// One worker's part in a job.
@@ -138,7 +154,18 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
     };
     let secs = end.saturating_sub(job.created_ms) as f64 / 1000.0;
     let items_failed = store.progress(job_id).await?.items_failed;
-    let now = batchfleet_shared::now_ms();
+    // Leases and workers' notes are on Redis's clock.
+    let now = store.now_ms().await?;
+    let workers_unable = store
+        .unable(job_id)
+        .await?
+        .into_iter()
+        .map(|(worker, note)| UnableReport {
+            for_s: note.until_ms.saturating_sub(now) as f64 / 1000.0,
+            worker,
+            note,
+        })
+        .collect();
     let done = store.done_items(job_id).await?;
     let in_flight: Vec<InFlight> = store
         .leases(job_id)
@@ -179,6 +206,7 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
     }
     in_flight.sort_by_key(|f| std::cmp::Reverse(f.held_ms));
     Ok(Some(JobStatusReport {
+        workers_unable,
         failures_by_class,
         workers: by_worker.into_values().collect(),
         in_flight,
@@ -207,6 +235,9 @@ pub fn render(r: &JobStatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "job       {}", j.id);
     let _ = writeln!(s, "status    {}", j.status);
+    if !j.failed_reason.is_empty() {
+        let _ = writeln!(s, "why       {} ({})", j.failed_reason, j.failed_class);
+    }
     let _ = writeln!(s, "pool      {}", j.pool);
     let _ = writeln!(
         s,
@@ -241,6 +272,26 @@ pub fn render(r: &JobStatusReport) -> String {
     }
     let _ = writeln!(s, "output    {}", j.output_dir);
     let _ = write!(s, "manifest  {}", j.manifest);
+    if !r.workers_unable.is_empty() {
+        let _ = write!(
+            s,
+            "\nworkers that could not take its items ({}):",
+            r.workers_unable.len()
+        );
+        for u in &r.workers_unable {
+            let what = if u.note.class == "disk_full" {
+                "paused, output disk full"
+            } else {
+                "cannot run it"
+            };
+            let when = if u.for_s > 0.0 {
+                format!("for {:.0}s more", u.for_s)
+            } else {
+                "until recently".to_owned()
+            };
+            let _ = write!(s, "\n  {:<24} {what} ({when}): {}", u.worker, u.note.reason);
+        }
+    }
     if !r.workers.is_empty() {
         let _ = write!(s, "\nworkers ({}):", r.workers.len());
         for w in &r.workers {

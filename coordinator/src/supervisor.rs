@@ -18,6 +18,17 @@
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
 //!   queued for `orphan_grace` is published again.
+//! - **Bounded copies**: a copy after a stale lease carries the next attempt
+//!   number, and an item published again [`MAX_COPIES`] times without a
+//!   result (its workers keep dying on it, or its message keeps being
+//!   refused) is recorded failed, class `infra`, instead of being published
+//!   without end.
+//! - **No able worker**: when workers said they cannot run the job (no CUDA
+//!   device, model unreadable there, out of memory on one row) and no item
+//!   was committed for `unable_timeout`, the job fails with their reasons.
+//!
+//! Lease times are Redis's clock, and so is `now` here: no machine's clock
+//! decides whether a lease is stale.
 
 use crate::manifest::JobSpec;
 use crate::planner::Plan;
@@ -30,6 +41,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Copies of one item (after stale leases or as a lost message) the
+/// coordinator publishes before it gives the item up as failed (class `infra`).
+pub const MAX_COPIES: u64 = 5;
+
 /// Straggler and orphan settings.
 #[derive(Debug, Clone)]
 pub struct SuperviseConfig {
@@ -41,6 +56,8 @@ pub struct SuperviseConfig {
     pub orphan_grace: Duration,
     /// How often the fleet is checked.
     pub every: Duration,
+    /// Fail the job when workers cannot run it and nothing was committed for this long.
+    pub unable_timeout: Duration,
 }
 
 impl Default for SuperviseConfig {
@@ -50,6 +67,7 @@ impl Default for SuperviseConfig {
             speculate_min: Duration::from_secs(2),
             orphan_grace: Duration::from_secs(10),
             every: Duration::from_secs(1),
+            unable_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -78,6 +96,8 @@ pub struct SuperviseReport {
     pub rebuilds: u64,
     /// Items found committed in the output folder during rebuilds.
     pub rebuilt_items: u64,
+    /// Items given up after [`MAX_COPIES`] copies (recorded failed, `infra`).
+    pub copies_exhausted: u64,
 }
 
 /// The supervisor of one job.
@@ -92,6 +112,8 @@ pub struct Supervisor {
     last_tick: Option<Instant>,
     unseen_since: HashMap<u32, Instant>,
     median_cache: Option<(Instant, u64)>,
+    /// Items committed at the last check, and since when that count holds.
+    progress_mark: Option<(u64, Instant)>,
     /// Where the job's paths must stay, for re-reading its manifest.
     data_roots: Vec<std::path::PathBuf>,
     /// What it did.
@@ -128,6 +150,7 @@ impl Supervisor {
             last_tick: None,
             unseen_since: HashMap::new(),
             median_cache: None,
+            progress_mark: None,
             report: SuperviseReport::default(),
         }
     }
@@ -170,10 +193,13 @@ impl Supervisor {
         if progress.settled() {
             return Ok(());
         }
+        let now = store.now_ms().await?;
+        if self.no_able_worker(store, &progress, now).await? {
+            return Ok(());
+        }
         let queues = PoolQueues::new(&record.pool);
         let drained = self.queues_drained(&queues).await?;
         let leases = store.leases(&self.job_id).await?;
-        let now = batchfleet_shared::now_ms();
         let mut by_seq: BTreeMap<u32, Vec<Lease>> = BTreeMap::new();
         for l in leases {
             by_seq.entry(l.seq).or_default().push(l);
@@ -206,7 +232,8 @@ impl Supervisor {
                 let acked = stale.iter().any(|l| l.acked);
                 let newest_beat = stale.iter().map(|l| l.heartbeat_ms).max().unwrap_or(0);
                 if (drained || acked) && last_copy < newest_beat {
-                    let attempt = stale.iter().map(|l| l.attempt).max().unwrap_or(1);
+                    // The worker died on this attempt: the copy is the next one.
+                    let attempt = stale.iter().map(|l| l.attempt).max().unwrap_or(1) + 1;
                     to_send.push((*seq, attempt, Redispatch::StaleLease));
                     dead_leases.extend(stale.iter().map(|l| format!("{}@{}", l.seq, l.worker)));
                 }
@@ -271,7 +298,39 @@ impl Supervisor {
         if to_send.is_empty() {
             return Ok(());
         }
+        // An item that keeps coming back without a result is given up, not
+        // published without end.
+        let copies = store.copies(&self.job_id).await?;
+        let (exhausted, to_send): (Vec<_>, Vec<_>) =
+            to_send.into_iter().partition(|(seq, _, why)| {
+                *why != Redispatch::Straggler && copies.get(seq).copied().unwrap_or(0) >= MAX_COPIES
+            });
+        for (seq, attempt, why) in exhausted {
+            let reason = format!(
+                "published again {MAX_COPIES} times without a result ({}); giving it up — its workers kept dying on it or its message kept being refused",
+                match why {
+                    Redispatch::StaleLease => "the last time its worker went silent",
+                    _ => "the last time it was nowhere to be found",
+                }
+            );
+            tracing::error!(job = %self.job_id, item = seq, "{reason}");
+            let failure = ItemFailure {
+                seq,
+                class: "infra".into(),
+                reason,
+                worker: String::new(),
+                attempt,
+                at_ms: now,
+            };
+            if store.fail_item(&self.job_id, &failure).await? {
+                self.report.copies_exhausted += 1;
+            }
+        }
+        if to_send.is_empty() {
+            return Ok(());
+        }
         let plan = self.plan().await?;
+        let key = self.connections.signing_key.clone();
         let mut messages = Vec::new();
         for (seq, attempt, why) in &to_send {
             let Some(item) = plan.items.get(*seq as usize) else {
@@ -280,16 +339,14 @@ impl Supervisor {
             if *why == Redispatch::StaleLease {
                 tracing::warn!(job = %self.job_id, item = seq, "worker holding the item went silent; publishing it again");
             }
-            messages.push(Outgoing::work_item(item, *attempt));
+            messages.push(Outgoing::work_item(item, *attempt, key.as_ref()));
         }
         let publisher = self.publisher().await?;
         publisher
             .publish_all(&queues.work(), messages, 64, |_| {})
             .await?;
         for (seq, _, why) in to_send {
-            store
-                .mark_redispatched(&self.job_id, seq, batchfleet_shared::now_ms())
-                .await?;
+            store.mark_redispatched(&self.job_id, seq, now).await?;
             match why {
                 Redispatch::StaleLease => self.report.stale_redispatched += 1,
                 Redispatch::Straggler => self.report.speculated += 1,
@@ -297,6 +354,56 @@ impl Supervisor {
             }
         }
         Ok(())
+    }
+
+    /// Fails the job when workers said they cannot run it and nothing was
+    /// committed for `unable_timeout`: no able worker takes its items.
+    /// `true` if it failed the job now.
+    async fn no_able_worker(
+        &mut self,
+        store: &Store,
+        progress: &batchfleet_shared::store::Progress,
+        now: u64,
+    ) -> Result<bool, RunError> {
+        let moved = self
+            .progress_mark
+            .is_none_or(|(done, _)| done != progress.items_done);
+        if moved {
+            self.progress_mark = Some((progress.items_done, Instant::now()));
+            return Ok(false);
+        }
+        let stalled = self
+            .progress_mark
+            .map_or(Duration::ZERO, |(_, at)| at.elapsed());
+        if stalled < self.cfg.unable_timeout {
+            return Ok(false);
+        }
+        let notes = store.unable(&self.job_id).await?;
+        let unable: Vec<_> = notes
+            .iter()
+            .filter(|(_, n)| n.class == "unable" && n.until_ms > now)
+            .collect();
+        let oldest = unable.iter().map(|(_, n)| n.since_ms).min();
+        let Some(oldest) = oldest else {
+            return Ok(false);
+        };
+        let timeout_ms = self.cfg.unable_timeout.as_millis() as u64;
+        if now.saturating_sub(oldest) < timeout_ms {
+            return Ok(false);
+        }
+        let who: Vec<String> = unable
+            .iter()
+            .map(|(w, n)| format!("{w}: {}", n.reason))
+            .collect();
+        let reason = format!(
+            "no worker could run the job's items for {}s, and none was committed meanwhile — {}",
+            self.cfg.unable_timeout.as_secs(),
+            who.join("; ")
+        );
+        if store.fail_job(&self.job_id, "unable", &reason).await? {
+            tracing::error!(job = %self.job_id, %reason, "failing the job: no able worker");
+        }
+        Ok(true)
     }
 
     /// The median item time, from the commits' stats, read at most every
@@ -421,6 +528,9 @@ impl Supervisor {
         let mut failures = 0;
         for d in dead {
             let Some(seq) = d.item else { continue };
+            if d.class == "rejected" {
+                continue; // a refused message says nothing about the real item
+            }
             let failure = ItemFailure {
                 seq,
                 class: d.class,

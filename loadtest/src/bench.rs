@@ -321,10 +321,9 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         failed: Vec::new(),
                         integer: false,
                     };
-                    let dest = out.join(item.task.output.part_name(item.seq));
                     batchfleet_worker::writer::write_part(
-                        &dest,
-                        "io",
+                        &out,
+                        std::path::Path::new(&item.task.output.part_name(item.seq)),
                         &item.task.output,
                         &batch,
                         &preds,

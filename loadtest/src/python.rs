@@ -166,6 +166,25 @@ pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
     Ok(())
 }
 
+/// Writes `state_dict.pt`, `pickled.pt` and `exported.pt2` — the files most
+/// often mistaken for TorchScript — from the weights of `out/model.pt` into
+/// `out`; see `loadtest/python/make_wrong_models.py`.
+pub fn make_wrong_models(out: &Path) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_wrong_models.py");
+    let status = Command::new(interpreter())
+        .arg(&script)
+        .arg("--base")
+        .arg(out.join("model.pt"))
+        .arg("--out-dir")
+        .arg(out)
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    Ok(())
+}
+
 /// Options of `make_images.py`.
 #[derive(Debug, Clone)]
 pub struct ImageGen {

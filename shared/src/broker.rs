@@ -8,6 +8,12 @@
 //! - `bf.dlx`: direct exchange receiving dead letters from every pool.
 //! - `bf.P.dead`: durable quorum queue bound to `bf.dlx` with key `P.dead`;
 //!   holds items that failed for good until they are listed and replayed.
+//! - `bf.P.infra`: durable quorum queue also bound to `bf.dlx` with key
+//!   `P.dead`. Workers publish their own dead letters straight to `bf.P.dead`
+//!   (default exchange), so only what the *broker* dead-letters (an item past
+//!   `x-delivery-limit`: its workers kept dying on it) reaches this queue too;
+//!   workers consume it and record those items failed (class `infra`), so the
+//!   job settles instead of waiting for them forever.
 //! - `bf.P.retry.<tier>` ([`RETRY_TIERS_S`]): delayed retry without blocking
 //!   a worker. A failed item is re-published to the smallest tier that fits
 //!   its delay with a per-message expiration; when it expires RabbitMQ
@@ -121,9 +127,14 @@ impl PoolQueues {
     pub fn dead(&self) -> String {
         format!("bf.{}.dead", self.pool)
     }
-    /// Every queue of the pool: work, dead and the retry tiers.
+    /// Copies of what the broker itself dead-lettered (delivery limit), for
+    /// workers to record as failed items.
+    pub fn infra(&self) -> String {
+        format!("bf.{}.infra", self.pool)
+    }
+    /// Every queue of the pool: work, dead, infra and the retry tiers.
     pub fn all(&self) -> Vec<String> {
-        let mut names = vec![self.work(), self.dead()];
+        let mut names = vec![self.work(), self.dead(), self.infra()];
         names.extend(RETRY_TIERS_S.iter().map(|t| self.retry(*t)));
         names
     }
@@ -262,6 +273,22 @@ pub async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<
         .await
         .map_err(BrokerError::op(format!("queue.bind {}", queues.dead())))?;
     channel
+        .queue_declare(queues.infra().into(), durable, quorum_args(None))
+        .await
+        .map_err(BrokerError::op(format!("queue.declare {}", queues.infra())))?;
+    // Same routing key as the dead queue: a direct exchange gives each bound
+    // queue its copy of a broker dead letter.
+    channel
+        .queue_bind(
+            queues.infra().into(),
+            DEAD_LETTER_EXCHANGE.into(),
+            queues.dead_routing_key().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(BrokerError::op(format!("queue.bind {}", queues.infra())))?;
+    channel
         .queue_declare(queues.work().into(), durable, quorum_args(Some(queues)))
         .await
         .map_err(BrokerError::op(format!("queue.declare {}", queues.work())))?;
@@ -307,9 +334,21 @@ pub struct Outgoing {
 }
 
 impl Outgoing {
-    /// A work item for the work queue, at delivery attempt `attempt`.
-    pub fn work_item(item: &crate::message::WorkItem, attempt: u32) -> Self {
+    /// A work item for the work queue, at delivery attempt `attempt`, signed
+    /// with `key` when one is configured.
+    pub fn work_item(
+        item: &crate::message::WorkItem,
+        attempt: u32,
+        key: Option<&crate::signing::SigningKey>,
+    ) -> Self {
+        let body = crate::message::Envelope::V1(item.clone()).encode();
         let mut headers = FieldTable::default();
+        if let Some(key) = key {
+            headers.insert(
+                crate::signing::SIGNATURE_HEADER.into(),
+                AMQPValue::LongString(LongString::from(key.sign(&body))),
+            );
+        }
         headers.insert(
             crate::message::ATTEMPT_HEADER.into(),
             AMQPValue::LongInt(attempt as i32),
@@ -321,7 +360,7 @@ impl Outgoing {
         Self {
             message_id: format!("{}/{}", item.job_id, item.seq),
             kind: crate::message::MESSAGE_TYPE_V1,
-            body: crate::message::Envelope::V1(item.clone()).encode(),
+            body,
             headers,
             expiration_ms: None,
         }

@@ -32,12 +32,25 @@ pub struct ServiceArgs {
         global = true
     )]
     pub redis_prefix: String,
+    /// File holding the key that signs work messages (HMAC-SHA256 over each
+    /// body); or set BATCHFLEET_SIGNING_KEY to the key itself. The
+    /// coordinator signs what it publishes; a worker holding a key refuses
+    /// unsigned or forged messages. Give both the same key (16+ bytes).
+    #[arg(long, env = "BATCHFLEET_SIGNING_KEY_FILE", global = true)]
+    pub signing_key_file: Option<std::path::PathBuf>,
     /// Log format: text or json (logs go to stderr).
     #[arg(long, env = "BATCHFLEET_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
     pub log_format: String,
 }
 
 impl ServiceArgs {
+    /// The message-signing key, if one is configured (see `--signing-key-file`).
+    pub fn signing_key(
+        &self,
+    ) -> Result<Option<crate::signing::SigningKey>, crate::signing::KeyError> {
+        crate::signing::SigningKey::configured(self.signing_key_file.as_deref())
+    }
+
     /// Installs logging as the flags say.
     pub fn init_logging(&self) {
         crate::telemetry::init("info", self.log_format == "json");

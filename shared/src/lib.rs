@@ -11,7 +11,11 @@
 //! - [`config`]: the command-line flags both binaries share.
 //! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
 //! - [`table`]: part files in each output format (CSV, JSON Lines, Parquet), written and read back.
-//! - [`fsutil`]: file digests and atomic publication of output files.
+//! - [`fsutil`]: file digests and atomic publication of output files, through
+//!   directory handles that never follow a symlink under an output folder.
+//! - [`model_file`]: what a model file is (TorchScript, a `state_dict`, a
+//!   pickled module, a `torch.export` package), read from its zip entries.
+//! - [`signing`]: the key that signs work messages (HMAC-SHA256) and checks them.
 //! - [`source`]: input locations, local files or `s3://` objects, behind one reader.
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
@@ -22,10 +26,12 @@ pub mod config;
 pub mod fsutil;
 pub mod message;
 pub mod metrics;
+pub mod model_file;
 pub mod output;
 pub mod paths;
 pub mod secret;
 pub mod shutdown;
+pub mod signing;
 pub mod source;
 pub mod store;
 pub mod table;

@@ -65,6 +65,18 @@ pub mod names {
     pub const WORKER_DRAINING: &str = "batchfleet_worker_draining";
     /// Worker: GPU memory in use (gauge, bytes; gpu).
     pub const WORKER_GPU_MEMORY: &str = "batchfleet_worker_gpu_memory_used_bytes";
+    /// Worker: panics caught while handling an item (counter; where = item, runner).
+    pub const WORKER_PANICS: &str = "batchfleet_worker_panics_total";
+    /// Worker: messages refused before any work, dead-lettered as `rejected` (counter; reason).
+    pub const WORKER_MESSAGES_REJECTED: &str = "batchfleet_worker_messages_rejected_total";
+    /// Worker: items handed back untouched for other workers (counter; class = unable, disk_full, unknown_job, waiting).
+    pub const WORKER_ITEMS_HANDED_BACK: &str = "batchfleet_worker_items_handed_back_total";
+    /// Worker: jobs this worker leaves to others for now (gauge).
+    pub const WORKER_JOBS_BENCHED: &str = "batchfleet_worker_jobs_benched";
+    /// Worker: 1 while it has stopped consuming because its output disk is full (gauge).
+    pub const WORKER_PAUSED: &str = "batchfleet_worker_paused";
+    /// Worker: items the broker dead-lettered at the delivery limit, recorded failed (counter; job).
+    pub const WORKER_BROKER_DEAD_LETTERS: &str = "batchfleet_worker_broker_dead_letters_total";
     /// Coordinator: items of a job by state planned/done/failed (gauge; job, pool, state).
     pub const JOB_ITEMS: &str = "batchfleet_coordinator_job_items";
     /// Coordinator: rows of a job by state planned/done (gauge; job, pool, state).
@@ -104,6 +116,12 @@ pub mod names {
         (WORKER_UP, Kind::Gauge),
         (WORKER_DRAINING, Kind::Gauge),
         (WORKER_GPU_MEMORY, Kind::Gauge),
+        (WORKER_PANICS, Kind::Counter),
+        (WORKER_MESSAGES_REJECTED, Kind::Counter),
+        (WORKER_ITEMS_HANDED_BACK, Kind::Counter),
+        (WORKER_JOBS_BENCHED, Kind::Gauge),
+        (WORKER_PAUSED, Kind::Gauge),
+        (WORKER_BROKER_DEAD_LETTERS, Kind::Counter),
         (JOB_ITEMS, Kind::Gauge),
         (JOB_ROWS, Kind::Gauge),
         (JOB_ROWS_PER_SECOND, Kind::Gauge),

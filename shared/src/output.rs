@@ -22,9 +22,29 @@ pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {
 /// item finds its output already published).
 pub use crate::table::count_rows;
 
+/// The rejects file of item `seq`, relative to its output folder.
+pub fn rejects_rel(seq: u32) -> PathBuf {
+    Path::new(REJECTS_DIR).join(format!("part-{seq:06}.jsonl"))
+}
+
 /// Counts the lines of a rejects file; 0 if there is none.
 pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
     match crate::source::fs::read(path) {
+        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// Counts the rejected rows of item `seq` in output folder `out` (0 if it
+/// has no rejects file), following no link inside the folder.
+pub fn count_rejects_under(out: &Path, seq: u32) -> std::io::Result<u64> {
+    let input = match crate::fsutil::open_under(out, &rejects_rel(seq)) {
+        Ok(i) => i,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    match input.read_all() {
         Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
         Err(e) => Err(e),
@@ -37,11 +57,38 @@ pub fn histogram_of_part(
     path: &Path,
     spec: &crate::message::OutputSpec,
 ) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
+    histogram_of(
+        crate::source::Input::open(path)?,
+        crate::table::format_of(path)?,
+        spec,
+    )
+}
+
+/// [`histogram_of_part`] for the part file `rel` of output folder `out`,
+/// following no link inside the folder.
+pub fn histogram_under(
+    out: &Path,
+    rel: &Path,
+    spec: &crate::message::OutputSpec,
+) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
+    histogram_of(
+        crate::fsutil::open_under(out, rel)?,
+        crate::table::format_of(rel)?,
+        spec,
+    )
+}
+
+/// [`histogram_of_part`] for a part file already opened, in `format`.
+pub fn histogram_of(
+    input: crate::source::Input,
+    format: crate::message::OutputFormat,
+    spec: &crate::message::OutputSpec,
+) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
     let mut counts: Vec<Vec<u64>> = Vec::new();
     let mut rows = 0;
     let mut values = Vec::new();
     let mut scores: Option<Vec<usize>> = None;
-    crate::table::read_part(path, |names, row| {
+    crate::table::read_input(input, format, |names, row| {
         rows += 1;
         let cols = scores.get_or_insert_with(|| {
             (0..names.len())

@@ -41,8 +41,26 @@ pub fn is_url(p: &Path) -> bool {
 pub enum Input {
     /// A local file.
     Local(PathBuf),
+    /// A local file opened already (through an output folder's handle, so
+    /// no link was followed to reach it), read by position; its path is for messages.
+    Opened(Arc<File>, PathBuf),
     /// An S3 object.
     S3(Object),
+}
+
+/// Reads an opened file from a position on, without moving a shared offset.
+struct PositionalReader {
+    file: Arc<File>,
+    pos: u64,
+}
+
+impl Read for PositionalReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
 }
 
 impl Input {
@@ -55,10 +73,16 @@ impl Input {
         }
     }
 
+    /// An input over a file already opened (see [`crate::fsutil::open_under`]).
+    pub fn opened(file: File, path: PathBuf) -> Self {
+        Input::Opened(Arc::new(file), path)
+    }
+
     /// Its length in bytes.
     pub fn len(&self) -> io::Result<u64> {
         match self {
             Input::Local(p) => Ok(std::fs::metadata(p)?.len()),
+            Input::Opened(f, _) => Ok(f.metadata()?.len()),
             Input::S3(o) => o.len(),
         }
     }
@@ -78,6 +102,16 @@ impl Input {
                 f.take(range.end - range.start).read_to_end(&mut buf)?;
                 Ok(buf)
             }
+            Input::Opened(f, _) => {
+                let mut buf = Vec::new();
+                PositionalReader {
+                    file: f.clone(),
+                    pos: range.start,
+                }
+                .take(range.end.saturating_sub(range.start))
+                .read_to_end(&mut buf)?;
+                Ok(buf)
+            }
             Input::S3(o) => o.read_range(range).map(|b| b.to_vec()),
         }
     }
@@ -86,6 +120,11 @@ impl Input {
     pub fn read_all(&self) -> io::Result<Vec<u8>> {
         match self {
             Input::Local(p) => std::fs::read(p),
+            Input::Opened(..) => {
+                let mut buf = Vec::new();
+                self.reader()?.read_to_end(&mut buf)?;
+                Ok(buf)
+            }
             Input::S3(o) => o.read_all().map(|b| b.to_vec()),
         }
     }
@@ -94,6 +133,10 @@ impl Input {
     pub fn reader(&self) -> io::Result<Box<dyn Read + Send>> {
         match self {
             Input::Local(p) => Ok(Box::new(File::open(p)?)),
+            Input::Opened(f, _) => Ok(Box::new(PositionalReader {
+                file: f.clone(),
+                pos: 0,
+            })),
             Input::S3(o) => Ok(Box::new(o.reader_at(0)?)),
         }
     }
@@ -115,6 +158,10 @@ impl parquet::file::reader::ChunkReader for Input {
                 f.seek(SeekFrom::Start(start))?;
                 Ok(Box::new(f) as Self::T)
             }),
+            Input::Opened(f, _) => Ok(Box::new(PositionalReader {
+                file: f.clone(),
+                pos: start,
+            }) as Self::T),
             Input::S3(o) => o.reader_at(start).map(|r| Box::new(r) as Self::T),
         };
         r.map_err(|e| parquet::errors::ParquetError::External(Box::new(e)))
@@ -122,7 +169,7 @@ impl parquet::file::reader::ChunkReader for Input {
 
     fn get_bytes(&self, start: u64, length: usize) -> parquet::errors::Result<Bytes> {
         let r = match self {
-            Input::Local(_) => self
+            Input::Local(_) | Input::Opened(..) => self
                 .read_range(start..start + length as u64)
                 .map(Bytes::from),
             Input::S3(o) => o.read_range(start..start + length as u64),

@@ -12,6 +12,13 @@
 //! | `P:job:{id}:redispatched` | hash | seq → ms when the coordinator last published a copy |
 //! | `P:job:{id}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
 //! | `P:job:{id}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
+//! | `P:job:{id}:copies` | hash | seq → how many copies the coordinator published (bounded: see the supervisor) |
+//! | `P:job:{id}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
+//!
+//! Lease times (`started_ms`, `heartbeat_ms`) are Redis's own clock (`TIME`),
+//! set inside the scripts that write leases, and the coordinator judges
+//! them against the same clock ([`Store::now_ms`]): a worker whose clock is
+//! off cannot make a live lease look stale, or a dead one look alive.
 //!
 //! `items_done` and `rows_done` are only ever changed by [`COMMIT_SCRIPT`], in the
 //! same atomic step that adds the seq to the done set, so a redelivered item can
@@ -186,6 +193,13 @@ pub struct JobRecord {
     pub items_published: u64,
     /// Write the merged output when every item has completed (`[output] merge`).
     pub merge: bool,
+    /// Why the job failed (`failed` status only): what happened, naming the
+    /// model, workers or items; empty otherwise.
+    pub failed_reason: String,
+    /// What made it fail: `budget` (too many items failed), `unrunnable`
+    /// (nobody can run it: the model) or `unable` (no worker could take its
+    /// items in time); empty unless failed.
+    pub failed_class: String,
 }
 
 impl JobRecord {
@@ -222,6 +236,8 @@ impl JobRecord {
             ("finished_ms", self.finished_ms.to_string()),
             ("items_published", self.items_published.to_string()),
             ("merge", u8::from(self.merge).to_string()),
+            ("failed_reason", self.failed_reason.clone()),
+            ("failed_class", self.failed_class.clone()),
         ]
     }
 
@@ -279,6 +295,8 @@ impl JobRecord {
             finished_ms: num("finished_ms")?,
             items_published: num("items_published")?,
             merge: num("merge")? == 1,
+            failed_reason: map.get("failed_reason").cloned().unwrap_or_default(),
+            failed_class: map.get("failed_class").cloned().unwrap_or_default(),
         })
     }
 }
@@ -377,13 +395,61 @@ impl Lease {
     }
 }
 
-/// What a worker checks before it works on an item it holds (not done yet).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ItemGate {
-    /// Failed for good (dead-lettered); a copy arriving now is stale.
-    pub failed: bool,
-    /// The job's status; `None` if the record is missing (Redis lost it).
-    pub status: Option<JobStatus>,
+/// What a work message claims about its job, checked against the job
+/// record by [`Store::start_item`] before anything is written.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The pool the message was consumed from.
+    pub pool: &'a str,
+    /// The model file it names.
+    pub model: &'a str,
+    /// The model digest it names.
+    pub model_sha256: &'a str,
+    /// The output folder it names.
+    pub output_dir: &'a str,
+}
+
+/// What [`Store::start_item`] found. Only [`Start::Started`] wrote anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// The lease is written and the delivery counted; the job is running
+    /// (or still being published). `at_ms` is Redis's time, the lease's start.
+    Started {
+        /// Redis's clock when the lease was written.
+        at_ms: u64,
+    },
+    /// The item is committed already: acknowledge without work.
+    Done,
+    /// The item failed for good (dead-lettered); a copy arriving now is stale.
+    FailedForGood,
+    /// The job failed (error budget, or nobody can run it): skip its items.
+    JobFailed,
+    /// No such job in Redis (unknown, deleted, or Redis lost its data and
+    /// the coordinator has not restored it yet).
+    UnknownJob,
+    /// The job is finished; no message of it can be outstanding.
+    NotRunning(JobStatus),
+    /// The message disagrees with the job record (`field`, what the record says).
+    Mismatch {
+        /// The field of the job record.
+        field: String,
+        /// Its value in the record.
+        recorded: String,
+    },
+}
+
+/// A worker that cannot take a job's items for now, as shown by `batchfleet status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnableNote {
+    /// `unable` (this worker cannot run the job: no CUDA device, model
+    /// missing here, out of memory on one row) or `disk_full` (paused).
+    pub class: String,
+    /// Why, naming the device, file or path.
+    pub reason: String,
+    /// When it first said so (Redis time, ms).
+    pub since_ms: u64,
+    /// Until when it leaves the job's items to others (Redis time, ms).
+    pub until_ms: u64,
 }
 
 /// Counters of a running job, read in one round trip.
@@ -399,6 +465,8 @@ pub struct Progress {
     pub rows_total: u64,
     /// Items that failed for good.
     pub items_failed: u64,
+    /// The job's status (`None` while the record is missing).
+    pub status: Option<JobStatus>,
 }
 
 impl Progress {
@@ -412,7 +480,7 @@ impl Progress {
 /// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
 /// `counts[column][bin]`) and stores the stats (and forgets an earlier
 /// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
-/// a done item needs none, and [`LEASE_SCRIPT`] writes none for it again.
+/// a done item needs none, and [`lease_script`] writes none for it again.
 /// Returns 1 for the winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
 redis.call('HDEL', KEYS[6], ARGV[6])
@@ -435,25 +503,88 @@ end
 return 0
 "#;
 
-/// Writes a lease unless the item is already done. Returns 1 if written.
-pub const LEASE_SCRIPT: &str = r#"
+/// Lua: Redis's clock in ms.
+const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+
+/// Writes a lease unless the item is already done, its `heartbeat_ms` set
+/// to Redis's clock. Returns 1 if written.
+pub fn lease_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
   return 0
 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+local lease = cjson.decode(ARGV[3])
+lease['heartbeat_ms'] = now
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
+return 1
+"#
+    )
+}
+
+/// Starts holding an item in one round trip, after checking the message
+/// against the job record (`ARGV[4..]`: model digest, output folder, pool,
+/// model path). Writes nothing unless the answer is `started`: then the
+/// lease (times from Redis's clock) and the delivery count.
+pub fn start_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model')
+if not job[1] then
+  return {'unknown'}
+end
+local checks = {{'pool', job[4], ARGV[6]}, {'model', job[6], ARGV[7]}, {'model_sha256', job[2], ARGV[4]}, {'output_dir', job[3], ARGV[5]}}
+for _, c in ipairs(checks) do
+  if c[2] ~= c[3] then
+    return {'mismatch', c[1], tostring(c[2] or '')}
+  end
+end
+if tonumber(ARGV[1]) >= (tonumber(job[5]) or 0) then
+  return {'mismatch', 'items_total', tostring(job[5] or '')}
+end
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return {'done'}
+end
+if job[1] == 'failed' then
+  return {'job_failed'}
+end
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
+  return {'failed'}
+end
+if job[1] ~= 'planning' and job[1] ~= 'running' then
+  return {'not_running', job[1]}
+end
+local lease = cjson.decode(ARGV[3])
+lease['started_ms'] = now
+lease['heartbeat_ms'] = now
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
+redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
+return {'started', tostring(now)}
+"#
+    )
+}
+
+/// Marks a job published: `published_ms` and `items_published`, and the
+/// status `running` — unless a worker failed it meanwhile (nobody can run it).
+pub const PUBLISHED_SCRIPT: &str = r#"
+redis.call('HSET', KEYS[1], 'published_ms', ARGV[1], 'items_published', ARGV[2])
+if redis.call('HGET', KEYS[1], 'status') == 'planning' then
+  redis.call('HSET', KEYS[1], 'status', 'running')
+end
 return 1
 "#;
 
-/// Starts holding an item, in one round trip: unless the item is done,
-/// writes the lease, counts the delivery in the work counters and returns
-/// `{1, failed for good?, job status}`; `{0, 0, nil}` if it is done.
-pub const START_SCRIPT: &str = r#"
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
-  return {0, 0, false}
+/// Marks a running job failed with why, unless it is finished or failed
+/// already. Returns 1 if this call failed it.
+pub const FAIL_JOB_SCRIPT: &str = r#"
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'planning' and status ~= 'running' then
+  return 0
 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
-return {1, redis.call('HEXISTS', KEYS[4], ARGV[1]), redis.call('HGET', KEYS[5], 'status')}
+redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_class', ARGV[1], 'failed_reason', ARGV[2])
+return 1
 "#;
 
 /// Records a failure unless the item is already done (a late failure of a
@@ -483,6 +614,8 @@ pub struct Store {
     fail: redis::Script,
     lease: redis::Script,
     start: redis::Script,
+    fail_job: redis::Script,
+    published: redis::Script,
 }
 
 impl fmt::Debug for Store {
@@ -529,8 +662,10 @@ impl Store {
             prefix: prefix.to_owned(),
             commit: redis::Script::new(COMMIT_SCRIPT),
             fail: redis::Script::new(FAIL_SCRIPT),
-            lease: redis::Script::new(LEASE_SCRIPT),
-            start: redis::Script::new(START_SCRIPT),
+            lease: redis::Script::new(&lease_script()),
+            start: redis::Script::new(&start_script()),
+            fail_job: redis::Script::new(FAIL_JOB_SCRIPT),
+            published: redis::Script::new(PUBLISHED_SCRIPT),
         };
         let ping = async {
             let mut conn = store
@@ -582,6 +717,12 @@ impl Store {
     fn work_key(&self, id: &str) -> String {
         format!("{}:job:{id}:work", self.prefix)
     }
+    fn copies_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:copies", self.prefix)
+    }
+    fn unable_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:unable", self.prefix)
+    }
     fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
     }
@@ -630,10 +771,11 @@ impl Store {
     /// Reads the counters of a job in one round trip.
     pub async fn progress(&self, id: &str) -> Result<Progress, StoreError> {
         let mut c = self.conn("HMGET progress").await?;
-        let (vals, items_failed): (Vec<Option<u64>>, u64) = redis::pipe()
+        let (vals, status, items_failed): (Vec<Option<u64>>, Option<String>, u64) = redis::pipe()
             .cmd("HMGET")
             .arg(self.job_key(id))
             .arg(&["items_done", "rows_done", "items_total", "rows_total"])
+            .hget(self.job_key(id), "status")
             .hlen(self.failed_key(id))
             .query_async(&mut c)
             .await
@@ -645,6 +787,7 @@ impl Store {
             items_total: v(2),
             rows_total: v(3),
             items_failed,
+            status: status.as_deref().and_then(JobStatus::parse),
         })
     }
 
@@ -781,17 +924,19 @@ impl Store {
             .collect()
     }
 
-    /// Starts holding an item (see [`START_SCRIPT`]): writes the lease,
-    /// counts the delivery and returns what the worker checks before it
-    /// works — `None`, writing nothing, if the item is done already.
+    /// Starts holding an item (see [`start_script`]): checks the message's
+    /// `claim` against the job record and, only if the job runs and the item
+    /// is neither done nor failed, writes the lease (started and heartbeat
+    /// at Redis's time) and counts the delivery.
     pub async fn start_item(
         &self,
         job: &str,
         lease: &Lease,
-    ) -> Result<Option<ItemGate>, StoreError> {
+        claim: &Claim<'_>,
+    ) -> Result<Start, StoreError> {
         let json = encode("encode lease", lease)?;
         let mut c = self.conn("start item").await?;
-        let reply: (i64, Option<i64>, Option<String>) = self
+        let reply: Vec<String> = self
             .start
             .key(self.done_key(job))
             .key(self.leases_key(job))
@@ -801,20 +946,40 @@ impl Store {
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
+            .arg(claim.model_sha256)
+            .arg(claim.output_dir)
+            .arg(claim.pool)
+            .arg(claim.model)
             .invoke_async(&mut c)
             .await
             .map_err(cmd("start item"))?;
-        Ok(match reply {
-            (0, ..) => None,
-            (_, failed, status) => Some(ItemGate {
-                failed: failed == Some(1),
-                status: status.as_deref().and_then(JobStatus::parse),
-            }),
+        let corrupt = |what: &str| StoreError::Corrupt {
+            key: self.job_key(job),
+            reason: format!("the start script answered {what}"),
+        };
+        let word = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        Ok(match word(0).as_str() {
+            "started" => Start::Started {
+                at_ms: word(1).parse().map_err(|_| corrupt(&word(1)))?,
+            },
+            "done" => Start::Done,
+            "failed" => Start::FailedForGood,
+            "job_failed" => Start::JobFailed,
+            "unknown" => Start::UnknownJob,
+            "not_running" => {
+                Start::NotRunning(JobStatus::parse(&word(1)).ok_or_else(|| corrupt(&word(1)))?)
+            }
+            "mismatch" => Start::Mismatch {
+                field: word(1),
+                recorded: word(2),
+            },
+            other => return Err(corrupt(other)),
         })
     }
 
-    /// Writes or refreshes a lease (the heartbeat). Returns `false`, writing
-    /// nothing, once the item is done: the holder may stop working on it.
+    /// Refreshes a lease (the heartbeat; its `heartbeat_ms` is set to
+    /// Redis's time). Returns `false`, writing nothing, once the item is
+    /// done: the holder may stop working on it.
     pub async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
         let json = encode("encode lease", lease)?;
         let mut c = self.conn("heartbeat").await?;
@@ -829,6 +994,98 @@ impl Store {
             .await
             .map_err(cmd("heartbeat"))?;
         Ok(written == 1)
+    }
+
+    /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
+    pub async fn now_ms(&self) -> Result<u64, StoreError> {
+        let mut c = self.conn("TIME").await?;
+        let (s, us): (u64, u64) = redis::cmd("TIME")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("TIME"))?;
+        Ok(s * 1000 + us / 1000)
+    }
+
+    /// Fails a running job at once with `class` and `reason` (see
+    /// [`JobRecord::failed_class`]). `false` if it was not running (finished,
+    /// or failed already — the first reason stays).
+    pub async fn fail_job(&self, job: &str, class: &str, reason: &str) -> Result<bool, StoreError> {
+        let mut c = self.conn("fail job").await?;
+        let failed: i64 = self
+            .fail_job
+            .key(self.job_key(job))
+            .arg(class)
+            .arg(reason)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("fail job"))?;
+        Ok(failed == 1)
+    }
+
+    /// Marks the job published (every item confirmed by the broker) and
+    /// running, unless it failed meanwhile ([`PUBLISHED_SCRIPT`]).
+    pub async fn mark_published(
+        &self,
+        job: &str,
+        at_ms: u64,
+        items: u64,
+    ) -> Result<(), StoreError> {
+        let mut c = self.conn("mark published").await?;
+        self.published
+            .key(self.job_key(job))
+            .arg(at_ms)
+            .arg(items)
+            .invoke_async::<i64>(&mut c)
+            .await
+            .map(|_| ())
+            .map_err(cmd("mark published"))
+    }
+
+    /// Records that `worker` cannot take the job's items for now.
+    pub async fn note_unable(
+        &self,
+        job: &str,
+        worker: &str,
+        note: &UnableNote,
+    ) -> Result<(), StoreError> {
+        let json = encode("encode unable note", note)?;
+        let mut c = self.conn("HSET unable").await?;
+        c.hset::<_, _, _, ()>(self.unable_key(job), worker, json)
+            .await
+            .map_err(cmd("HSET unable"))
+    }
+
+    /// Forgets that `worker` could not take the job's items.
+    pub async fn clear_unable(&self, job: &str, worker: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL unable").await?;
+        c.hdel::<_, _, ()>(self.unable_key(job), worker)
+            .await
+            .map_err(cmd("HDEL unable"))
+    }
+
+    /// Forgets every worker's note on the job (the job runs again).
+    pub async fn clear_unable_notes(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL unable").await?;
+        c.del::<_, ()>(self.unable_key(job))
+            .await
+            .map_err(cmd("DEL unable"))
+    }
+
+    /// Workers that said they cannot take the job's items, by worker id.
+    pub async fn unable(&self, job: &str) -> Result<BTreeMap<String, UnableNote>, StoreError> {
+        let key = self.unable_key(job);
+        let mut c = self.conn("HGETALL unable").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL unable"))?;
+        map.into_iter()
+            .map(|(w, json)| {
+                serde_json::from_str(&json)
+                    .map(|n| (w, n))
+                    .map_err(|e| StoreError::Corrupt {
+                        key: key.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect()
     }
 
     /// Drops a lease (the holder settled the item or gave it back).
@@ -928,17 +1185,31 @@ impl Store {
             .map_err(cmd("HGETALL redispatched"))
     }
 
-    /// Records that a copy of item `seq` was published at `at_ms`.
+    /// Records that a copy of item `seq` was published at `at_ms` (Redis
+    /// time); returns how many copies of it have been published in all.
     pub async fn mark_redispatched(
         &self,
         job: &str,
         seq: u32,
         at_ms: u64,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let mut c = self.conn("HSET redispatched").await?;
-        c.hset::<_, _, _, ()>(self.redispatched_key(job), seq, at_ms)
+        let (copies,): (u64,) = redis::pipe()
+            .hset(self.redispatched_key(job), seq, at_ms)
+            .ignore()
+            .hincr(self.copies_key(job), seq, 1)
+            .query_async(&mut c)
             .await
-            .map_err(cmd("HSET redispatched"))
+            .map_err(cmd("HSET redispatched"))?;
+        Ok(copies)
+    }
+
+    /// How many copies of each item the coordinator published (seq → count).
+    pub async fn copies(&self, job: &str) -> Result<BTreeMap<u32, u64>, StoreError> {
+        let mut c = self.conn("HGETALL copies").await?;
+        c.hgetall(self.copies_key(job))
+            .await
+            .map_err(cmd("HGETALL copies"))
     }
 
     /// Restores the descriptive fields of a job record lost with Redis's data
@@ -983,6 +1254,8 @@ impl Store {
                 self.redispatched_key(id),
                 self.work_key(id),
                 self.hist_key(id),
+                self.copies_key(id),
+                self.unable_key(id),
             ])
             .ignore()
             .zrem(self.jobs_key(), id)
@@ -1020,6 +1293,8 @@ mod tests {
             finished_ms: 0,
             items_published: 2,
             merge: true,
+            failed_reason: String::new(),
+            failed_class: String::new(),
         }
     }
 

@@ -15,7 +15,7 @@ use arrow_array::builder::{Float32Builder, Int64Builder, StringBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 use std::io::{self, BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 /// What a column holds.
@@ -276,16 +276,22 @@ pub fn format_of(path: &Path) -> io::Result<OutputFormat> {
 
 /// Reads every row of a part file: returns the column names and calls
 /// `visit` with them and each row's values (in column order).
-pub fn read_part(
-    path: &Path,
+pub fn read_part(path: &Path, visit: impl FnMut(&[String], &[Value])) -> io::Result<Vec<String>> {
+    read_input(Input::open(path)?, format_of(path)?, visit)
+}
+
+/// [`read_part`] for a part file already opened, in `format`.
+pub fn read_input(
+    input: Input,
+    format: OutputFormat,
     mut visit: impl FnMut(&[String], &[Value]),
 ) -> io::Result<Vec<String>> {
     let mut row = Vec::new();
-    match format_of(path)? {
+    match format {
         OutputFormat::Csv => {
-            let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_reader(
-                io::BufReader::with_capacity(1 << 16, Input::open(path)?.reader()?),
-            );
+            let mut rdr = csv::ReaderBuilder::new()
+                .has_headers(true)
+                .from_reader(io::BufReader::with_capacity(1 << 16, input.reader()?));
             let names: Vec<String> = rdr
                 .headers()
                 .map_err(io::Error::other)?
@@ -301,7 +307,7 @@ pub fn read_part(
             Ok(names)
         }
         OutputFormat::Jsonl => {
-            let r = io::BufReader::with_capacity(1 << 16, Input::open(path)?.reader()?);
+            let r = io::BufReader::with_capacity(1 << 16, input.reader()?);
             let mut names: Vec<String> = Vec::new();
             for line in r.lines() {
                 let line = line?;
@@ -330,9 +336,8 @@ pub fn read_part(
             use arrow_array::cast::AsArray;
             use arrow_array::types::{Float32Type, Int64Type};
             use arrow_array::Array;
-            let file = Input::open(path)?;
             let reader =
-                parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+                parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(input)
                     .map_err(io::Error::other)?;
             let names: Vec<String> = reader
                 .schema()
@@ -376,14 +381,19 @@ pub fn read_part(
 
 /// Counts the rows of a part file (Parquet: from its footer).
 pub fn count_rows(path: &Path) -> io::Result<u64> {
-    if format_of(path)? == OutputFormat::Parquet {
+    count_input_rows(Input::open(path)?, format_of(path)?)
+}
+
+/// [`count_rows`] for a part file already opened, in `format`.
+pub fn count_input_rows(input: Input, format: OutputFormat) -> io::Result<u64> {
+    if format == OutputFormat::Parquet {
         use parquet::file::reader::FileReader;
-        let reader = parquet::file::reader::SerializedFileReader::new(Input::open(path)?)
-            .map_err(io::Error::other)?;
+        let reader =
+            parquet::file::reader::SerializedFileReader::new(input).map_err(io::Error::other)?;
         return Ok(reader.metadata().file_metadata().num_rows().max(0) as u64);
     }
     let mut n = 0;
-    read_part(path, |_, _| n += 1)?;
+    read_input(input, format, |_, _| n += 1)?;
     Ok(n)
 }
 
@@ -393,12 +403,12 @@ pub fn count_rows(path: &Path) -> io::Result<u64> {
 pub fn concat_parts(
     w: &mut (impl Write + Send),
     format: OutputFormat,
-    parts: &[PathBuf],
+    parts: &[Input],
 ) -> io::Result<()> {
     match format {
         OutputFormat::Csv => {
             for (k, part) in parts.iter().enumerate() {
-                let mut r = io::BufReader::with_capacity(1 << 16, Input::open(part)?.reader()?);
+                let mut r = io::BufReader::with_capacity(1 << 16, part.reader()?);
                 let mut header = Vec::new();
                 r.read_until(b'\n', &mut header)?;
                 if k == 0 {
@@ -410,7 +420,7 @@ pub fn concat_parts(
         }
         OutputFormat::Jsonl => {
             for part in parts {
-                io::copy(&mut Input::open(part)?.reader()?, w)?;
+                io::copy(&mut part.reader()?, w)?;
             }
             Ok(())
         }
@@ -420,7 +430,7 @@ pub fn concat_parts(
             for part in parts {
                 let reader =
                     parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
-                        Input::open(part)?,
+                        part.clone(),
                     )
                     .map_err(io::Error::other)?
                     .with_batch_size(PARQUET_ROWS)
@@ -455,6 +465,7 @@ pub fn concat_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn write(format: OutputFormat, dir: &Path, name: &str, rows: &[(&str, f32, i64)]) -> PathBuf {
         let path = dir.join(format!("{name}.{}", format.extension()));
@@ -507,7 +518,9 @@ mod tests {
             assert_eq!(count_rows(&a).unwrap(), 2);
             let merged = dir.path().join(format!("m.{}", format.extension()));
             let mut out = std::fs::File::create(&merged).unwrap();
-            concat_parts(&mut out, format, &[a, b]).unwrap();
+            // A part by path and one opened already (as through an output folder's handle).
+            let opened = Input::opened(std::fs::File::open(&b).unwrap(), b.clone());
+            concat_parts(&mut out, format, &[Input::open(&a).unwrap(), opened]).unwrap();
             drop(out);
             let mut ids = Vec::new();
             read_part(&merged, |_, r| ids.push(r[0].text())).unwrap();

@@ -69,13 +69,109 @@ pub struct WorkerConfig {
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
+    /// How long this worker leaves a job it cannot run (no such CUDA device
+    /// here, the model unreadable here, out of memory on one row) to other
+    /// workers, handing its items back, before it tries again.
+    #[arg(long, env = "BATCHFLEET_UNABLE_FOR", default_value = "1m", value_parser = humantime::parse_duration)]
+    pub unable_for: Duration,
+    /// An item of a job Redis does not know is handed back for this long
+    /// (Redis may have restarted empty and the coordinator not restored the
+    /// job yet), then dead-lettered as `rejected`.
+    #[arg(long, env = "BATCHFLEET_UNKNOWN_JOB_GRACE", default_value = "2m", value_parser = humantime::parse_duration)]
+    pub unknown_job_grace: Duration,
+    /// Longest pause between tries while the output disk is full (the pause
+    /// starts at 1 s and doubles).
+    #[arg(long, env = "BATCHFLEET_DISK_FULL_MAX_PAUSE", default_value = "1m", value_parser = humantime::parse_duration)]
+    pub disk_full_max_pause: Duration,
+    /// Most input bytes one item may read; a message asking more is rejected.
+    #[arg(long, env = "BATCHFLEET_MAX_ITEM_BYTES", default_value_t = 1 << 30)]
+    pub max_item_bytes: u64,
+    /// Most feature values (rows × values per row, 4 bytes each) one item
+    /// may hold; a message asking more is rejected.
+    #[arg(long, env = "BATCHFLEET_MAX_ITEM_VALUES", default_value_t = 1 << 28)]
+    pub max_item_values: u64,
+    /// Most pixels (height × width) of an item's preprocessed images.
+    #[arg(long, env = "BATCHFLEET_MAX_IMAGE_PIXELS", default_value_t = 8192 * 8192)]
+    pub max_image_pixels: u64,
     /// Testing aid: sleep this long before every forward call, to play a slow
     /// worker (stragglers). 0 = off.
-    #[arg(long, env = "BATCHFLEET_DEBUG_BATCH_DELAY", default_value = "0s", value_parser = humantime::parse_duration, hide_short_help = true)]
+    #[arg(long, env = "BATCHFLEET_DEBUG_BATCH_DELAY", default_value = "0s", value_parser = humantime::parse_duration, hide = true)]
     pub debug_batch_delay: Duration,
+    /// Testing aid: panic while handling chosen items, `item:SEQ[@ATTEMPT]`
+    /// (in item handling) or `runner:SEQ[@ATTEMPT]` (on the model runner
+    /// thread), comma-separated; without `@ATTEMPT`, on every attempt.
+    #[arg(long, env = "BATCHFLEET_DEBUG_PANIC", value_delimiter = ',', value_parser = parse_panic_spec, hide = true)]
+    pub debug_panic: Vec<(PanicSite, u32, u32)>,
+    /// Testing aid: add this to the worker's clock (e.g. `60s`, `-60s`), to
+    /// play a machine whose clock is wrong.
+    #[arg(long, env = "BATCHFLEET_DEBUG_CLOCK_OFFSET", default_value = "0s", value_parser = parse_offset_ms, allow_hyphen_values = true, hide = true)]
+    pub debug_clock_offset: i64,
+    /// Testing aid: while this file exists, writing output fails as on a full disk.
+    #[arg(long, env = "BATCHFLEET_DEBUG_DISK_FULL_WHILE", hide = true)]
+    pub debug_disk_full_while: Option<std::path::PathBuf>,
+}
+
+/// Where `--debug-panic` panics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PanicSite {
+    /// In item handling (async code on the tokio runtime).
+    Item,
+    /// On the model runner thread.
+    Runner,
+}
+
+fn parse_panic_spec(s: &str) -> Result<(PanicSite, u32, u32), String> {
+    let bad = || format!("{s:?}: expected item:SEQ[@ATTEMPT] or runner:SEQ[@ATTEMPT]");
+    let (site, rest) = s.split_once(':').ok_or_else(bad)?;
+    let site = match site {
+        "item" => PanicSite::Item,
+        "runner" => PanicSite::Runner,
+        _ => return Err(bad()),
+    };
+    let (seq, attempt) = rest.split_once('@').unwrap_or((rest, "0"));
+    Ok((
+        site,
+        seq.parse().map_err(|_| bad())?,
+        attempt.parse().map_err(|_| bad())?,
+    ))
+}
+
+fn parse_offset_ms(s: &str) -> Result<i64, String> {
+    let (sign, d) = match s.strip_prefix('-') {
+        Some(rest) => (-1, rest),
+        None => (1, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let d = humantime::parse_duration(d).map_err(|e| e.to_string())?;
+    Ok(sign * d.as_millis() as i64)
 }
 
 impl WorkerConfig {
+    /// The caps on what one work item may ask of this worker.
+    pub fn limits(&self) -> batchfleet_shared::message::ItemLimits {
+        batchfleet_shared::message::ItemLimits {
+            max_item_bytes: self.max_item_bytes,
+            max_item_values: self.max_item_values,
+            max_image_pixels: self.max_image_pixels,
+            ..Default::default()
+        }
+    }
+
+    /// The testing aids configured (all off by default).
+    pub fn debug_hooks(&self) -> crate::context::DebugHooks {
+        let pick = |site| {
+            self.debug_panic
+                .iter()
+                .filter(|(s, ..)| *s == site)
+                .map(|(_, seq, attempt)| (*seq, *attempt))
+                .collect()
+        };
+        crate::context::DebugHooks {
+            panic_in_item: pick(PanicSite::Item),
+            panic_on_runner: pick(PanicSite::Runner),
+            disk_full_while: self.debug_disk_full_while.clone(),
+        }
+    }
+
     /// The configured id, or `<hostname>-<pid>`.
     pub fn worker_id(&self) -> String {
         self.worker_id.clone().unwrap_or_else(|| {

@@ -47,8 +47,12 @@ pub fn read_files(
         spec.height as usize,
         spec.width as usize,
     );
-    if list.sizes.len() != list.files.len() || spec.mean.len() != c || spec.std.len() != c {
-        return Err(ItemError::poison(
+    if list.sizes.len() != list.files.len()
+        || spec.mean.len() != c
+        || spec.std.len() != c
+        || !(c == 1 || c == 3)
+    {
+        return Err(ItemError::rejected(
             "the item's file list or preprocessing is inconsistent; the message is malformed",
         ));
     }
@@ -59,13 +63,20 @@ pub fn read_files(
     for (i, (name, planned)) in list.files.iter().zip(list.sizes).enumerate() {
         let path = Path::new(list.root).join(name);
         let shown = path.display().to_string();
+        // Never more than the planned size (and one byte to see it grew):
+        // the size comes from the plan, not from whatever the file holds now.
         let bytes = batchfleet_shared::source::Input::open(&path)
-            .and_then(|i| i.read_all())
+            .and_then(|i| {
+                if batchfleet_shared::source::is_url(&path) {
+                    i.read_all()
+                } else {
+                    i.read_range(0..planned.saturating_add(1))
+                }
+            })
             .map_err(|e| io_error(&shown, e))?;
         if bytes.len() as u64 != *planned {
             return Err(ItemError::poison(format!(
-                "{shown} is {} bytes but was {planned} when the job was planned; the input changed under the job — restore it or start a new job",
-                bytes.len()
+                "{shown} is no longer the {planned} bytes it was when the job was planned; the input changed under the job — restore it or start a new job"
             )));
         }
         let line = list.first_index + i as u64 + 1;

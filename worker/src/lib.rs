@@ -2,24 +2,40 @@
 //!
 //! # Layout
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
-//! - [`consumer`]: what happens to one delivery, from decode to ack, retry or dead letter.
+//! - [`admission`]: what a message must pass before anything is done for it
+//!   (signature, decoding, caps, data roots).
+//! - [`consumer`]: what happens to one delivery, from admission to commit.
+//! - [`context`]: what item handlers share — Redis, the publisher, the model
+//!   runner and its gate, jobs left to others, the disk-full pause.
+//! - [`lease`]: an item's lease in Redis and its heartbeat.
+//! - [`settle`]: every way a delivery is settled (ack, hand back, retry,
+//!   dead letter, reject), chosen by who is at fault.
+//! - [`checkpoint`]: finished segments of a long item, for resuming it.
+//! - [`infra`]: items the broker dead-lettered itself, recorded as failed.
 //! - [`reader`]: a CSV or JSON Lines byte range parsed into one contiguous `f32`
 //!   buffer; bad rows rejected. Dispatches to [`columnar`] (Parquet row groups,
 //!   projected columns) and [`images`] (image files, decoded and normalised).
 //! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait;
 //!   mini-batching, out-of-memory halving and poison-row isolation.
 //! - [`writer`]: part and rejects files staged, fsynced and linked into place.
-//! - [`error`]: failure classes that say what to do with an item.
+//! - [`error`]: failure classes by owner (item, job, worker, message) that say
+//!   what to do with an item.
 //!
 //! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
 
+pub mod admission;
+pub mod checkpoint;
 pub mod columnar;
 pub mod config;
 pub mod consumer;
+pub mod context;
 pub mod error;
 pub mod images;
+pub mod infra;
+pub mod lease;
 pub mod reader;
 pub mod runner;
+pub mod settle;
 pub mod writer;
 
 use anyhow::Context;
@@ -28,12 +44,13 @@ use batchfleet_shared::broker::{self, BrokerError, ConfirmedPublisher, PoolQueue
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Store, StoreError};
 pub use config::WorkerConfig;
-use consumer::StopReason;
+use context::StopReason;
 use futures_lite::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -80,12 +97,12 @@ where
         .await
 }
 
-/// Runs a worker until `shutdown` is cancelled (then drains), a fatal error,
-/// or a restart request. A lost RabbitMQ connection (broker restart) is
-/// re-established with capped exponential backoff for up to
-/// `--connect-timeout`; items in flight meanwhile finish, and their acks,
-/// which the broker can no longer take, are redone by the redelivery that
-/// finds them done.
+/// Runs a worker until `shutdown` is cancelled (then drains) or a restart
+/// request. A lost RabbitMQ connection (broker restart) is re-established
+/// with capped exponential backoff for up to `--connect-timeout`; items in
+/// flight meanwhile finish, and their acks, which the broker can no longer
+/// take, are redone by the redelivery that finds them done. No work item can
+/// stop a worker: every failure is settled by its owner (see [`error`]).
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
@@ -98,10 +115,21 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             "no --data-root: item paths are not confined to any folder; set it in production"
         );
     }
+    let key = cfg
+        .services
+        .signing_key()
+        .context("--signing-key-file / BATCHFLEET_SIGNING_KEY")?;
+    if key.is_some() {
+        tracing::info!("work messages must be signed with the configured key");
+    } else {
+        tracing::warn!("no signing key: work messages are not authenticated; set BATCHFLEET_SIGNING_KEY (or --signing-key-file) in production");
+    }
     batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
         .map_err(anyhow::Error::msg)?;
     metrics::gauge!(names::WORKER_UP).set(1.0);
     metrics::gauge!(names::WORKER_DRAINING).set(0.0);
+    metrics::gauge!(names::WORKER_PAUSED).set(0.0);
+    metrics::gauge!(names::WORKER_JOBS_BENCHED).set(0.0);
     tokio::spawn(gpu_memory(Duration::from_secs(15)));
     let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
     let store = with_retry("Redis", cfg.connect_timeout, || {
@@ -121,27 +149,39 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             }
         })
     });
-    let tuning = consumer::Tuning {
+    let tuning = context::Tuning {
         heartbeat: cfg.heartbeat,
         lease_ttl: cfg.lease_ttl.max(cfg.heartbeat * 2),
         ack_after: cfg.ack_after,
         store_patience: cfg.connect_timeout,
+        unable_for: cfg.unable_for,
+        unknown_job_grace: cfg.unknown_job_grace,
+        pause_max: cfg.disk_full_max_pause,
+        ..context::Tuning::default()
     };
     let ctx = Arc::new(
-        consumer::ItemContext::new(
+        context::ItemContext::new(context::Parts {
             store,
-            session
+            publisher: session
                 .publisher
                 .take()
                 .expect("a new session has a publisher"),
-            queues.clone(),
-            worker_id.clone(),
-            shutdown.clone(),
+            queues: queues.clone(),
+            worker_id: worker_id.clone(),
+            shutdown: shutdown.clone(),
             tuning,
             make_runner,
-        )
-        .context("starting the model runner thread")?
-        .with_data_roots(data_roots),
+            guard: context::Guard {
+                key,
+                limits: cfg.limits(),
+                roots: data_roots,
+            },
+            clock: context::Clock {
+                offset_ms: cfg.debug_clock_offset,
+            },
+            debug: cfg.debug_hooks(),
+        })
+        .context("starting the model runner thread")?,
     );
 
     if let Some(path) = &cfg.preload_model {
@@ -163,21 +203,14 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             .with_context(|| format!("writing --ready-file {}", ready.display()))?;
     }
 
+    // One permit per item in flight, held until the item is settled: an item
+    // acknowledged early (a long one) still counts, so a worker never holds
+    // more than --prefetch items, whatever the broker would send.
+    let permits = Arc::new(Semaphore::new(usize::from(cfg.prefetch)));
     let tracker = TaskTracker::new();
     let lost = loop {
         tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
-        let mut lost = None;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = ctx.stop.cancelled() => break,
-                next = session.consumer.next() => match next {
-                    Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone())); }
-                    Some(Err(e)) => { lost = Some(e.to_string()); break; }
-                    None => { lost = Some("the broker closed the consumer".into()); break; }
-                },
-            }
-        }
+        let lost = consume(&mut session, &ctx, &permits, &tracker, &shutdown).await;
         let Some(why) = lost else { break None };
         if shutdown.is_cancelled() || ctx.stop.is_cancelled() {
             break None;
@@ -206,10 +239,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
 
     // Drain: no new deliveries; items already started finish (or stop at a
     // checkpoint) within the deadline.
-    let _ = session
-        .channel
-        .basic_cancel(session.tag.as_str().into(), BasicCancelOptions::default())
-        .await;
+    session.cancel_consumers().await;
     tracker.close();
     metrics::gauge!(names::WORKER_DRAINING).set(1.0);
     if let Some(ready) = &cfg.ready_file {
@@ -243,9 +273,6 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     match reason {
-        Some(StopReason::Fatal(reason)) => {
-            anyhow::bail!("stopped consuming after a fatal error: {reason}")
-        }
         Some(StopReason::Restart(reason)) => {
             tracing::warn!(%reason, "stopping so that a fresh process takes over");
             Ok(Exit::Restart(reason))
@@ -255,6 +282,104 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             Ok(Exit::Clean)
         }
     }
+}
+
+/// Consumes the session's queues until shutdown, a stop, or a lost
+/// connection (`Some(why)`). A work delivery is taken only with an
+/// in-flight permit in hand; while the output disk is full the worker
+/// stops consuming (see [`pause`]).
+async fn consume(
+    session: &mut Session,
+    ctx: &Arc<context::ItemContext>,
+    permits: &Arc<Semaphore>,
+    tracker: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> Option<String> {
+    loop {
+        if let Some((until, why)) = ctx.pause.until() {
+            if let Err(e) = pause(session, ctx, until, &why, tracker, shutdown).await {
+                return Some(e);
+            }
+            if shutdown.is_cancelled() {
+                return None;
+            }
+            continue;
+        }
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => p.expect("the permits are never closed"),
+            _ = shutdown.cancelled() => return None,
+            _ = ctx.stop.cancelled() => return None,
+            next = session.infra.next() => match next {
+                Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); continue; }
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+        };
+        let paused = ctx.pause.started.notified();
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = ctx.stop.cancelled() => return None,
+            _ = paused => {}
+            next = session.infra.next() => match next {
+                Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); }
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+            next = session.consumer.next() => match next {
+                Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone(), permit)); }
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+        }
+    }
+}
+
+/// The output disk is full: stop consuming (the deliveries already sent
+/// are handed back by their handlers, which see the pause), wait until
+/// `until`, then consume again. Shown by `batchfleet_worker_paused`.
+async fn pause(
+    session: &mut Session,
+    ctx: &Arc<context::ItemContext>,
+    until: Instant,
+    why: &str,
+    tracker: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> Result<(), String> {
+    tracing::warn!(
+        reason = why,
+        pause_s = until
+            .saturating_duration_since(Instant::now())
+            .as_secs_f64(),
+        "output disk full: not consuming until space is freed"
+    );
+    let _ = session
+        .channel
+        .basic_cancel(session.tag.as_str().into(), BasicCancelOptions::default())
+        .await;
+    // What the broker had sent already comes out of the stream before its end.
+    while let Ok(Some(next)) =
+        tokio::time::timeout(Duration::from_secs(5), session.consumer.next()).await
+    {
+        match next {
+            Ok(delivery) => {
+                let (ctx, permits) = (ctx.clone(), Arc::new(Semaphore::new(1)));
+                let permit = permits.try_acquire_owned().expect("a fresh permit");
+                tracker.spawn(consumer::handle(delivery, ctx, permit));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    tokio::select! {
+        _ = tokio::time::sleep_until(until.into()) => {}
+        _ = shutdown.cancelled() => return Ok(()),
+    }
+    ctx.pause.ended();
+    session.consumer = session
+        .consume_work()
+        .await
+        .map_err(|e| format!("consuming again after the pause: {e:#}"))?;
+    tracing::info!("resuming consumption after the pause; trying the disk again");
+    Ok(())
 }
 
 /// GPU memory in use per device, from `nvidia-smi`, on machines that have it.
@@ -280,13 +405,42 @@ async fn gpu_memory(every: Duration) {
     }
 }
 
-/// One RabbitMQ connection: the consuming channel and a confirm-mode publisher.
+/// One RabbitMQ connection: the consuming channel (work and infra queues)
+/// and a confirm-mode publisher.
 struct Session {
     conn: lapin::Connection,
     channel: lapin::Channel,
     consumer: lapin::Consumer,
+    infra: lapin::Consumer,
     publisher: Option<ConfirmedPublisher>,
     tag: String,
+    infra_tag: String,
+    worker_id: String,
+    work_queue: String,
+}
+
+/// Consumes `queue` on `channel` under a new tag; the consumer and its tag.
+async fn consume_queue(
+    channel: &lapin::Channel,
+    queue: &str,
+    worker_id: &str,
+) -> anyhow::Result<(lapin::Consumer, String)> {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let tag = format!(
+        "{worker_id}-{}-{}",
+        batchfleet_shared::now_ms(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let consumer = channel
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("consuming {queue}"))?;
+    Ok((consumer, tag))
 }
 
 impl Session {
@@ -313,22 +467,45 @@ impl Session {
             .await
             .context("setting prefetch")?;
         let publisher = ConfirmedPublisher::open(&conn).await?;
-        let tag = format!("{worker_id}-{}", batchfleet_shared::now_ms());
-        let consumer = channel
+        let infra_tag = format!("{worker_id}-infra-{}", batchfleet_shared::now_ms());
+        let infra = channel
             .basic_consume(
-                queues.work().into(),
-                tag.as_str().into(),
+                queues.infra().into(),
+                infra_tag.as_str().into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await
-            .with_context(|| format!("consuming {}", queues.work()))?;
+            .with_context(|| format!("consuming {}", queues.infra()))?;
+        let (consumer, tag) = consume_queue(&channel, &queues.work(), worker_id).await?;
         Ok(Self {
             conn,
             channel,
             consumer,
+            infra,
             publisher: Some(publisher),
             tag,
+            infra_tag,
+            worker_id: worker_id.to_owned(),
+            work_queue: queues.work(),
         })
+    }
+
+    /// Starts consuming the work queue again (after a pause), under a fresh tag.
+    async fn consume_work(&mut self) -> anyhow::Result<lapin::Consumer> {
+        let (consumer, tag) =
+            consume_queue(&self.channel, &self.work_queue, &self.worker_id).await?;
+        self.tag = tag;
+        Ok(consumer)
+    }
+
+    /// Stops both consumers (draining).
+    async fn cancel_consumers(&self) {
+        for tag in [&self.tag, &self.infra_tag] {
+            let _ = self
+                .channel
+                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+        }
     }
 }

@@ -146,8 +146,8 @@ impl<B: Backend + ?Sized> Run<'_, B> {
                 }
                 self.in_chunks(lo, hi)
             }
-            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::transient(format!(
-                "out of memory running {} on a single row: {msg}",
+            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::unable(format!(
+                "out of memory running {} on a single row on this worker: {msg}",
                 self.model.path
             ))),
             Err(ForwardError::Raised(msg)) => {
@@ -234,6 +234,8 @@ struct Request {
     policy: FailurePolicy,
     /// Only load the model (no rows).
     load_only: bool,
+    /// Testing aid: panic on the runner thread instead of predicting.
+    inject_panic: bool,
     reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
 }
 
@@ -259,29 +261,57 @@ impl ModelRunner {
             .spawn(move || {
                 let mut backend = make_backend();
                 while let Some(req) = rx.blocking_recv() {
-                    if req.load_only {
-                        let result = backend.load(&req.model).map(|()| Predictions::default());
-                        let _ = req.reply.send((req.batch, result));
-                        continue;
-                    }
-                    let cols = req.batch.cols;
-                    let features = req
-                        .batch
-                        .features
-                        .get(req.rows.start * cols..req.rows.end * cols)
-                        .unwrap_or_default();
-                    let result = predict(
-                        &mut backend,
-                        &req.model,
-                        features,
-                        &req.batch.row_shape(),
-                        req.batch_size,
-                        &req.policy,
-                    );
-                    let _ = req.reply.send((req.batch, result));
+                    let Request {
+                        model,
+                        batch,
+                        rows,
+                        batch_size,
+                        policy,
+                        load_only,
+                        inject_panic,
+                        reply,
+                    } = req;
+                    // A panic in the backend (a bug a model or an input
+                    // reaches) fails this request, not the thread: the item
+                    // is settled like any failed item and the runner goes on.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if inject_panic {
+                            panic!("injected panic on the model runner thread (--debug-panic)");
+                        }
+                        if load_only {
+                            return backend.load(&model).map(|()| Predictions::default());
+                        }
+                        let cols = batch.cols;
+                        let features = batch
+                            .features
+                            .get(rows.start * cols..rows.end * cols)
+                            .unwrap_or_default();
+                        predict(
+                            &mut backend,
+                            &model,
+                            features,
+                            &batch.row_shape(),
+                            batch_size,
+                            &policy,
+                        )
+                    }))
+                    .unwrap_or_else(|payload| {
+                        metrics::counter!(names::WORKER_PANICS, "where" => "runner").increment(1);
+                        Err(ItemError::panic(format!(
+                            "the model runner panicked running {}: {}",
+                            model.path,
+                            crate::error::panic_message(payload.as_ref())
+                        )))
+                    });
+                    let _ = reply.send((batch, result));
                 }
             })?;
         Ok(Self { tx })
+    }
+
+    /// Whether the runner thread is gone (it then takes no more requests).
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
     }
 
     /// Loads (and caches) a model on the runner thread, checking its digest.
@@ -294,13 +324,14 @@ impl ModelRunner {
             batch_size: 1,
             policy: FailurePolicy::default(),
             load_only: true,
+            inject_panic: false,
             reply,
         };
         if self.tx.send(req).await.is_err() {
-            return Err(ItemError::fatal("the model runner thread has stopped"));
+            return Err(ItemError::panic("the model runner thread has stopped"));
         }
         rx.await
-            .map_err(|_| ItemError::fatal("the model runner thread died while loading"))?
+            .map_err(|_| ItemError::panic("the model runner thread died while loading"))?
             .1
             .map(|_| ())
     }
@@ -314,12 +345,13 @@ impl ModelRunner {
         policy: &FailurePolicy,
     ) -> (Batch, Result<Predictions, ItemError>) {
         let rows = 0..batch.rows();
-        self.predict_rows(model, batch, rows, batch_size, policy)
+        self.predict_rows(model, batch, rows, batch_size, policy, false)
             .await
     }
 
     /// Predicts rows `rows` of a batch (a checkpoint segment); the
     /// predictions (and failed row indices) are relative to `rows.start`.
+    /// `inject_panic` (a testing aid) panics on the runner thread instead.
     pub async fn predict_rows(
         &self,
         model: &ModelRef,
@@ -327,6 +359,7 @@ impl ModelRunner {
         rows: std::ops::Range<usize>,
         batch_size: usize,
         policy: &FailurePolicy,
+        inject_panic: bool,
     ) -> (Batch, Result<Predictions, ItemError>) {
         let (reply, rx) = oneshot::channel();
         let req = Request {
@@ -336,19 +369,20 @@ impl ModelRunner {
             batch_size,
             policy: policy.clone(),
             load_only: false,
+            inject_panic,
             reply,
         };
         if let Err(mpsc::error::SendError(req)) = self.tx.send(req).await {
             return (
                 req.batch,
-                Err(ItemError::fatal("the model runner thread has stopped")),
+                Err(ItemError::panic("the model runner thread has stopped")),
             );
         }
         match rx.await {
             Ok(out) => out,
             Err(_) => (
                 Batch::default(),
-                Err(ItemError::fatal(
+                Err(ItemError::panic(
                     "the model runner thread died while predicting",
                 )),
             ),
@@ -417,45 +451,77 @@ impl TorchBackend {
             "cuda" => tch::Device::Cuda(0),
             other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
                 Some(n) => tch::Device::Cuda(n),
-                None => return Err(ItemError::poison(format!("unknown device {other:?}"))),
+                None => return Err(ItemError::rejected(format!("unknown device {other:?}"))),
             },
         };
         if let tch::Device::Cuda(n) = device {
             if !tch::Cuda::is_available() || n >= tch::Cuda::device_count() as usize {
-                return Err(ItemError::fatal(format!("device {spec} requested but this worker has no such CUDA device; run GPU items on a GPU pool")));
+                return Err(ItemError::unable(format!(
+                    "device {spec} requested but this worker has no such CUDA device ({} visible); run GPU jobs on a pool of GPU workers",
+                    if tch::Cuda::is_available() { tch::Cuda::device_count() } else { 0 }
+                )));
             }
         }
         Ok(device)
     }
 
-    /// Loads (or finds cached) the module of `model`, checking its digest.
+    /// Loads (or finds cached) the module of `model`. The file is read once:
+    /// the digest is checked on those bytes and those bytes are loaded, so a
+    /// file swapped in between can never run unpinned.
     pub fn module(&mut self, model: &ModelRef) -> Result<&tch::CModule, ItemError> {
         let key = (model.path.clone(), model.sha256.clone());
         if !self.cache.contains_key(&key) {
             let started = std::time::Instant::now();
-            let actual = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&model.path))
-                .map_err(|e| ItemError::fatal(format!("cannot read model {}: {e}", model.path)))?;
-            if actual != model.sha256 {
-                return Err(ItemError::fatal(format!(
-                    "model {} has sha256 {actual} but the job expects {}; the file changed after the job was planned — restore it, start a new job, or replay with --update-model",
-                    model.path, model.sha256
-                )));
-            }
-            let device = Self::device(&model.device)?;
-            let mut module = tch::CModule::load_on_device(&model.path, device).map_err(|e| {
-                ItemError::fatal(format!(
-                    "cannot load TorchScript model {}: {}",
-                    model.path,
-                    error_summary(&e.to_string())
-                ))
-            })?;
-            module.set_eval();
+            let module = load_pinned(model)?;
             tracing::info!(model = %model.path, device = %model.device, ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
             self.cache.insert(key.clone(), module);
         }
         Ok(&self.cache[&key])
     }
+}
+
+/// Reads `model`'s file once, checks its digest and kind on those bytes,
+/// and loads them onto the model's device. Who is at fault decides the class:
+/// a file this worker cannot read is this worker's problem (`unable`:
+/// another may have it mounted); a file that is not the job's (digest) or not
+/// TorchScript, or that libtorch refuses, fails the job (`unrunnable`).
+fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
+    let bytes = std::fs::read(&model.path).map_err(|e| {
+        ItemError::unable(format!(
+            "cannot read model {} on this worker: {e}",
+            model.path
+        ))
+    })?;
+    let actual = batchfleet_shared::fsutil::sha256_bytes(&bytes);
+    let kind = batchfleet_shared::model_file::inspect_bytes(&bytes);
+    if actual != model.sha256 {
+        return Err(ItemError::unrunnable(format!(
+            "model {} has sha256 {actual} but the job expects {} (it is now {}); the file changed after the job was planned — restore it, start a new job, or replay with --update-model",
+            model.path,
+            model.sha256,
+            kind.describe()
+        )));
+    }
+    if !kind.is_torchscript() {
+        return Err(ItemError::unrunnable(format!(
+            "model {} is {}; {}",
+            model.path,
+            kind.describe(),
+            batchfleet_shared::model_file::EXPORT_FIX
+        )));
+    }
+    let device = TorchBackend::device(&model.device)?;
+    let mut module =
+        tch::CModule::load_data_on_device(&mut bytes.as_slice(), device).map_err(|e| {
+            ItemError::unrunnable(format!(
+                "libtorch cannot load TorchScript model {}: {}",
+                model.path,
+                error_summary(&e.to_string())
+            ))
+        })?;
+    module.set_eval();
+    Ok(module)
 }
 
 /// The informative line of a libtorch error. TorchScript errors carry a
@@ -645,7 +711,7 @@ mod tests {
     }
 
     #[test]
-    fn out_of_memory_halves_the_mini_batch_then_is_transient() {
+    fn out_of_memory_halves_the_mini_batch_then_this_worker_is_unable() {
         let f = rows(&[
             1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0,
         ]);
@@ -673,7 +739,7 @@ mod tests {
             &FailurePolicy::default(),
         )
         .unwrap_err();
-        assert_eq!(err.class, crate::error::FailureClass::Transient);
+        assert_eq!(err.class, crate::error::FailureClass::Unable);
     }
 
     #[test]

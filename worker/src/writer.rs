@@ -1,11 +1,13 @@
 //! Writes an item's predictions as a part file, and its rejected rows as a
 //! rejects file: staged, fsynced and linked into place, so a reader sees a
-//! whole file or none, and the first commit wins.
+//! whole file or none, and the first commit wins. Every path is relative to
+//! the job's output folder and reached through its handle, so a link planted
+//! inside the folder is refused, never followed.
 
 use crate::error::ItemError;
 use crate::reader::{Batch, Reject};
 use crate::runner::Predictions;
-use batchfleet_shared::fsutil::{publish_atomically, Publish};
+use batchfleet_shared::fsutil::{publish_under, Publish};
 use batchfleet_shared::message::{OutputFormat, OutputSpec};
 use batchfleet_shared::table::{Cell, Kind, PartWriter};
 use std::io::Write;
@@ -45,22 +47,22 @@ pub fn part_columns(spec: &OutputSpec, width: usize, integer: bool) -> (Vec<Stri
 }
 
 /// Writes `id` (plus copied input columns) and the predictions of every row
-/// the model did not fail on, to `dest` in the job's output format.
+/// the model did not fail on, to `out/rel` in the job's output format.
 pub fn write_part(
-    dest: &Path,
-    tag: &str,
+    out: &Path,
+    rel: &Path,
     spec: &OutputSpec,
     batch: &Batch,
     preds: &Predictions,
 ) -> Result<Publish, ItemError> {
-    write_part_rows(dest, tag, spec, batch, 0..batch.rows(), preds)
+    write_part_rows(out, rel, spec, batch, 0..batch.rows(), preds)
 }
 
 /// Like [`write_part`] for rows `rows` of the batch (a checkpoint segment),
 /// whose predictions `preds` are.
 pub fn write_part_rows(
-    dest: &Path,
-    tag: &str,
+    out: &Path,
+    rel: &Path,
     spec: &OutputSpec,
     batch: &Batch,
     rows: std::ops::Range<usize>,
@@ -95,7 +97,7 @@ pub fn write_part_rows(
         }
     };
     let extras = spec.include_columns.len();
-    let result = publish_atomically(dest, tag, false, |w| {
+    let result = publish_under(out, rel, false, |w| {
         let mut part = PartWriter::new(w, spec.format, names, kinds)?;
         let mut failed = preds.failed.iter().map(|(i, _)| *i).peekable();
         let mut cells: Vec<Cell> = Vec::with_capacity(part.kinds().len());
@@ -142,50 +144,85 @@ pub fn write_part_rows(
         }
         part.finish()
     });
-    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+    result.map_err(|e| cannot_write(out, rel, &e))
 }
 
-/// Publishes `dest` as the concatenation of the part files `parts` (all in
-/// `format`, with the same columns), streamed, first commit wins.
+fn cannot_write(out: &Path, rel: &Path, e: &std::io::Error) -> ItemError {
+    ItemError::output_io(format!("cannot write {}", out.join(rel).display()), e)
+}
+
+/// Publishes `out/rel` as the concatenation of the part files `parts`
+/// (relative to `out`, all in `format`, with the same columns), streamed,
+/// first commit wins.
 pub fn concat_parts(
-    dest: &Path,
-    tag: &str,
+    out: &Path,
+    rel: &Path,
     format: OutputFormat,
     parts: &[std::path::PathBuf],
 ) -> Result<Publish, ItemError> {
-    let result = publish_atomically(dest, tag, false, |w| {
-        batchfleet_shared::table::concat_parts(w, format, parts)
+    let inputs = match parts
+        .iter()
+        .map(|p| batchfleet_shared::fsutil::open_under(out, p))
+        .collect::<std::io::Result<Vec<_>>>()
+    {
+        Ok(inputs) => inputs,
+        // Another copy of the item joined the same segments first and
+        // removed them: its part file is the item's.
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                && batchfleet_shared::fsutil::exists_under(out, rel).unwrap_or(false) =>
+        {
+            return Ok(Publish::AlreadyExists)
+        }
+        Err(e) => return Err(ItemError::output_io("cannot read a checkpoint segment", &e)),
+    };
+    let result = publish_under(out, rel, false, |w| {
+        batchfleet_shared::table::concat_parts(w, format, &inputs)
     });
-    result.map_err(|e| ItemError::transient(format!("cannot write {}: {e}", dest.display())))
+    result.map_err(|e| cannot_write(out, rel, &e))
 }
 
-/// Reads back a rejects file written by [`write_rejects`]; none if absent.
-pub fn read_rejects(path: &Path) -> std::io::Result<Vec<Reject>> {
-    let text = match batchfleet_shared::source::fs::read_to_string(path) {
+/// Checks (creating it if needed) that the rejects folder of `out` can be
+/// written — a real folder, not a planted link — before the part file
+/// commits the item, so an item is never published without its rejects.
+pub fn rejects_folder_usable(out: &Path) -> Result<(), ItemError> {
+    if batchfleet_shared::source::is_url(out) {
+        return Ok(());
+    }
+    batchfleet_shared::fsutil::Folder::open(out, true)
+        .and_then(|f| f.sub(Path::new(REJECTS_DIR), true))
+        .map(|_| ())
+        .map_err(|e| cannot_write(out, Path::new(REJECTS_DIR), &e))
+}
+
+/// Reads back the rejects file `out/rel` written by [`write_rejects`]; none if absent.
+pub fn read_rejects(out: &Path, rel: &Path) -> std::io::Result<Vec<Reject>> {
+    let bytes = match batchfleet_shared::fsutil::open_under(out, rel).and_then(|i| i.read_all()) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
+    let text = String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     text.lines()
         .filter(|l| !l.is_empty())
         .map(|l| serde_json::from_str(l).map_err(std::io::Error::other))
         .collect()
 }
 
-/// Writes rejected rows as JSON lines (file, line, raw, reason, stage),
-/// replacing any earlier rejects file of the item; with no rejects, removes it.
-/// Call before publishing the part file, which is what commits the item.
-pub fn write_rejects(dest: &Path, tag: &str, rejects: &[Reject]) -> Result<(), ItemError> {
-    let io_err =
-        |e: std::io::Error| ItemError::transient(format!("cannot write {}: {e}", dest.display()));
+/// Writes rejected rows as JSON lines (file, line, raw, reason, stage) to
+/// `out/rel`, replacing any earlier rejects file of the item; with no
+/// rejects, removes it. Only the copy whose part file won writes it.
+pub fn write_rejects(out: &Path, rel: &Path, rejects: &[Reject]) -> Result<(), ItemError> {
+    let io_err = |e: std::io::Error| cannot_write(out, rel, &e);
     if rejects.is_empty() {
-        return match batchfleet_shared::source::fs::remove_file(dest) {
+        return match batchfleet_shared::fsutil::remove_under(out, rel) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io_err(e)),
         };
     }
-    let result = publish_atomically(dest, tag, true, |w| {
+    let result = publish_under(out, rel, true, |w| {
         for r in rejects {
             serde_json::to_writer(&mut *w, r)?;
             w.write_all(b"\n")?;
@@ -202,7 +239,8 @@ mod tests {
     #[test]
     fn writes_header_ids_and_scores_round_trippable_skipping_failed_rows() {
         let dir = tempfile::tempdir().unwrap();
-        let dest = dir.path().join("part-000001.csv");
+        let (out, rel) = (dir.path(), Path::new("part-000001.csv"));
+        let dest = out.join(rel);
         let mut b = Batch::with_capacity(1, 3);
         b.push("a,1", &[0.0]);
         b.push("x", &[0.0]);
@@ -215,14 +253,14 @@ mod tests {
         };
         let spec = OutputSpec::default();
         assert_eq!(
-            write_part(&dest, "t", &spec, &b, &p).unwrap(),
+            write_part(out, rel, &spec, &b, &p).unwrap(),
             Publish::Committed
         );
         let text = std::fs::read_to_string(&dest).unwrap();
         assert_eq!(text, "id,score_0,score_1\n\"a,1\",0.1,1e-7\nb,-2.5,3.0\n");
         assert_eq!(count_rows(&dest).unwrap(), 2);
         assert_eq!(
-            write_part(&dest, "t2", &spec, &b, &p).unwrap(),
+            write_part(out, rel, &spec, &b, &p).unwrap(),
             Publish::AlreadyExists
         );
     }
@@ -252,7 +290,7 @@ mod tests {
             ..OutputSpec::default()
         };
         let dest = dir.path().join("p.csv");
-        write_part(&dest, "t", &spec, &b, &p).unwrap();
+        write_part(dir.path(), Path::new("p.csv"), &spec, &b, &p).unwrap();
         assert_eq!(
             std::fs::read_to_string(&dest).unwrap(),
             "id,score_0,score_1,score_2,label,top1_label,top1_score,top2_label,top2_score\n\
@@ -268,7 +306,7 @@ mod tests {
             ..OutputSpec::default()
         };
         let dest = dir.path().join("q.csv");
-        write_part(&dest, "t", &spec, &b, &p).unwrap();
+        write_part(dir.path(), Path::new("q.csv"), &spec, &b, &p).unwrap();
         assert_eq!(
             std::fs::read_to_string(&dest).unwrap(),
             "id,label\na,1\nb,0\nc,2\n"
@@ -282,7 +320,14 @@ mod tests {
             integer: true,
         };
         let dest = dir.path().join("i.csv");
-        write_part(&dest, "t", &OutputSpec::default(), &b, &ints).unwrap();
+        write_part(
+            dir.path(),
+            Path::new("i.csv"),
+            &OutputSpec::default(),
+            &b,
+            &ints,
+        )
+        .unwrap();
         assert_eq!(
             std::fs::read_to_string(&dest).unwrap(),
             "id,score\na,3\nb,0\nc,7\n"
@@ -293,7 +338,7 @@ mod tests {
             argmax: true,
             ..OutputSpec::default()
         };
-        let e = write_part(&dir.path().join("r.csv"), "t", &spec, &b, &p).unwrap_err();
+        let e = write_part(dir.path(), Path::new("r.csv"), &spec, &b, &p).unwrap_err();
         assert!(
             e.message
                 .contains("returns 3 outputs per row but [output] labels names 1"),
@@ -319,7 +364,7 @@ mod tests {
                 ..OutputSpec::default()
             };
             let dest = dir.path().join(spec.part_name(1));
-            write_part(&dest, "t", &spec, &b, &p).unwrap();
+            write_part(dir.path(), Path::new(&spec.part_name(1)), &spec, &b, &p).unwrap();
             let mut rows = Vec::new();
             let names = batchfleet_shared::table::read_part(&dest, |_, r| {
                 rows.push(
@@ -348,12 +393,19 @@ mod tests {
     #[test]
     fn segments_concatenate_with_one_header_and_rejects_read_back() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (dir.path().join("a.csv"), dir.path().join("b.csv"));
-        std::fs::write(&a, "id,score\nr1,0.5\nr2,1\n").unwrap();
-        std::fs::write(&b, "id,score\nr3,2\n").unwrap();
-        let dest = dir.path().join("part-000000.csv");
+        let out = dir.path();
+        let (a, b) = (Path::new("a.csv"), Path::new("b.csv"));
+        std::fs::write(out.join(a), "id,score\nr1,0.5\nr2,1\n").unwrap();
+        std::fs::write(out.join(b), "id,score\nr3,2\n").unwrap();
+        let dest = out.join("part-000000.csv");
         assert_eq!(
-            concat_parts(&dest, "t", OutputFormat::Csv, &[a, b]).unwrap(),
+            concat_parts(
+                out,
+                Path::new("part-000000.csv"),
+                OutputFormat::Csv,
+                &[a.into(), b.into()]
+            )
+            .unwrap(),
             Publish::Committed
         );
         assert_eq!(
@@ -368,17 +420,17 @@ mod tests {
             reason: "bad".into(),
             stage: "model".into(),
         };
-        let path = dir.path().join("r.jsonl");
-        write_rejects(&path, "t", std::slice::from_ref(&r)).unwrap();
-        assert_eq!(read_rejects(&path).unwrap(), vec![r]);
-        assert!(read_rejects(&dir.path().join("none")).unwrap().is_empty());
+        let path = Path::new("r.jsonl");
+        write_rejects(out, path, std::slice::from_ref(&r)).unwrap();
+        assert_eq!(read_rejects(out, path).unwrap(), vec![r]);
+        assert!(read_rejects(out, Path::new("none")).unwrap().is_empty());
     }
 
     #[test]
     fn rejects_are_json_lines() {
         let dir = tempfile::tempdir().unwrap();
-        let dest = dir.path().join(REJECTS_DIR).join("part-000001.jsonl");
-        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        let rel = batchfleet_shared::output::rejects_rel(1);
+        let dest = dir.path().join(&rel);
         let r = Reject {
             file: "in.csv".into(),
             line: 7,
@@ -386,7 +438,7 @@ mod tests {
             reason: "field 2 is not a number".into(),
             stage: "parse".into(),
         };
-        write_rejects(&dest, "t", &[r.clone(), r]).unwrap();
+        write_rejects(dir.path(), &rel, &[r.clone(), r]).unwrap();
         let text = std::fs::read_to_string(&dest).unwrap();
         let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(first["line"], 7);
@@ -394,7 +446,7 @@ mod tests {
         assert_eq!(count_rejects(&dest).unwrap(), 2);
         assert_eq!(count_rejects(&dir.path().join("none")).unwrap(), 0);
         // A later attempt without rejects removes the stale file.
-        write_rejects(&dest, "t2", &[]).unwrap();
+        write_rejects(dir.path(), &rel, &[]).unwrap();
         assert!(!dest.exists());
     }
 
@@ -404,8 +456,8 @@ mod tests {
         let mut b = Batch::with_capacity(1, 1);
         b.push("a", &[0.0]);
         let err = write_part(
-            &dir.path().join("p.csv"),
-            "t",
+            dir.path(),
+            Path::new("p.csv"),
             &OutputSpec::default(),
             &b,
             &Predictions {

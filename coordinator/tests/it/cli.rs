@@ -188,6 +188,38 @@ async fn missing_model_exits_2_and_publishes_nothing() {
 }
 
 #[tokio::test]
+async fn models_that_are_not_torchscript_are_each_named_exit_2_and_publish_nothing() {
+    // Real files from PyTorch: the weights of the fixture's model saved the
+    // three ways people mistake for TorchScript.
+    static WRONG: OnceLock<()> = OnceLock::new();
+    WRONG.get_or_init(|| {
+        batchfleet_loadtest::python::make_wrong_models(fixture()).expect("wrong models")
+    });
+    for (file, named) in [
+        ("state_dict.pt", "is a state_dict (weights only"),
+        (
+            "pickled.pt",
+            "is a pickled Python module (written by torch.save(model))",
+        ),
+        ("exported.pt2", "is a torch.export package (.pt2"),
+    ] {
+        let case = Case::new(|t| t.replace("/model.pt\"", &format!("/{file}\"")));
+        let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);
+        assert_eq!(out.status.code(), Some(2), "{file}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("[model] path:")
+                && err.contains(file)
+                && err.contains(named)
+                && err.contains("torch.jit.script(model)")
+                && err.contains("torch.jit.save"),
+            "{file}: {err}"
+        );
+        case.assert_nothing_published().await;
+    }
+}
+
+#[tokio::test]
 async fn unreachable_broker_exits_1_with_a_hint_and_publishes_nothing() {
     let case = Case::new(|t| t);
     let out = case.run(&[
@@ -249,6 +281,41 @@ async fn status_of_unknown_job_says_what_ids_look_like() {
         "{}",
         stderr(&out)
     );
+}
+
+#[tokio::test]
+async fn a_signing_key_too_short_or_unreadable_exits_2() {
+    let case = Case::new(|t| t);
+    let manifest = case.manifest();
+    let out = Command::new(env!("CARGO_BIN_EXE_batchfleet"))
+        .args(["run", manifest.to_str().expect("utf8")])
+        .env("BATCHFLEET_SIGNING_KEY", "short-key")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("use at least 16 random bytes"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        !stderr(&out).contains("short-key"),
+        "the key leaked: {}",
+        stderr(&out)
+    );
+    let out = case.run(&[
+        "--signing-key-file",
+        "/nonexistent/key",
+        "run",
+        manifest.to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("cannot read the signing key file /nonexistent/key"),
+        "{}",
+        stderr(&out)
+    );
+    case.assert_nothing_published().await;
 }
 
 #[test]

@@ -1,4 +1,6 @@
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus};
+use batchfleet_shared::store::{
+    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, Start, UnableNote,
+};
 
 fn record(id: &str) -> JobRecord {
     JobRecord {
@@ -23,6 +25,8 @@ fn record(id: &str) -> JobRecord {
         finished_ms: 0,
         items_published: 0,
         merge: false,
+        failed_reason: String::new(),
+        failed_class: String::new(),
     }
 }
 
@@ -119,15 +123,12 @@ async fn failures_settle_a_job_but_never_override_a_commit() {
     store.delete_job("j").await.expect("cleanup");
 }
 
-#[tokio::test]
-async fn starting_an_item_leases_counts_and_gates_in_one_call_and_a_commit_drops_the_lease() {
-    use batchfleet_shared::store::Lease;
-    let store = crate::store("bftest-start").await;
-    store.put_job(&record("j")).await.expect("put");
-    let lease = |seq, worker: &str| Lease {
+fn lease(seq: u32, worker: &str) -> batchfleet_shared::store::Lease {
+    batchfleet_shared::store::Lease {
         seq,
         worker: worker.into(),
         attempt: 1,
+        // A worker's own clock, wrong on purpose: Redis's time replaces it.
         started_ms: 1,
         heartbeat_ms: 1,
         ttl_ms: 15_000,
@@ -135,20 +136,58 @@ async fn starting_an_item_leases_counts_and_gates_in_one_call_and_a_commit_drops
         rows: 100,
         rows_resumed: 0,
         acked: false,
+    }
+}
+
+/// What the messages of `record("j")` claim.
+fn claim() -> Claim<'static> {
+    Claim {
+        pool: "p",
+        model: "/m.pt",
+        model_sha256: "ab",
+        output_dir: "/o",
+    }
+}
+
+#[tokio::test]
+async fn starting_an_item_checks_the_claim_leases_on_redis_time_and_a_commit_drops_the_lease() {
+    let store = crate::store("bftest-start").await;
+    store.put_job(&record("j")).await.expect("put");
+    let before = store.now_ms().await.expect("time");
+    let Start::Started { at_ms } = store
+        .start_item("j", &lease(0, "w"), &claim())
+        .await
+        .expect("start")
+    else {
+        panic!("not started")
     };
-    let gate = store.start_item("j", &lease(0, "w")).await.expect("start");
-    let gate = gate.expect("not done: started");
-    assert!(!gate.failed);
-    assert_eq!(gate.status, Some(JobStatus::Running));
-    assert_eq!(
-        store.leases("j").await.expect("leases"),
-        vec![lease(0, "w")]
+    let after = store.now_ms().await.expect("time");
+    assert!(
+        before <= at_ms && at_ms <= after,
+        "{before} {at_ms} {after}"
     );
+    let leases = store.leases("j").await.expect("leases");
+    assert_eq!(leases.len(), 1);
+    assert_eq!(
+        (leases[0].started_ms, leases[0].heartbeat_ms),
+        (at_ms, at_ms),
+        "lease times are Redis's, not the worker's"
+    );
+    assert_eq!(leases[0].worker, "w");
     assert_eq!(
         store.work("j").await.expect("work").0,
         1,
         "delivery counted"
     );
+    // A heartbeat moves heartbeat_ms on Redis's clock too.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let mut beat = lease(0, "w");
+    beat.started_ms = at_ms;
+    beat.heartbeat_ms = 7;
+    assert!(store.heartbeat("j", &beat).await.expect("beat"));
+    let leases = store.leases("j").await.expect("leases");
+    assert!(leases[0].heartbeat_ms > at_ms, "{:?}", leases[0]);
+    assert_eq!(leases[0].started_ms, at_ms);
     // A commit of the item drops its committer's lease, and nothing starts it again.
     assert!(store
         .commit_item("j", &stats(0, "w"), &[])
@@ -156,16 +195,14 @@ async fn starting_an_item_leases_counts_and_gates_in_one_call_and_a_commit_drops
         .expect("commit"));
     assert!(store.leases("j").await.expect("leases").is_empty());
     assert_eq!(
-        store.start_item("j", &lease(0, "w2")).await.expect("start"),
-        None
+        store
+            .start_item("j", &lease(0, "w2"), &claim())
+            .await
+            .expect("start"),
+        Start::Done
     );
     assert!(store.leases("j").await.expect("leases").is_empty());
-    assert_eq!(
-        store.work("j").await.expect("work").0,
-        1,
-        "no delivery counted for a done item"
-    );
-    // A copy of an item that failed for good sees it, as it sees a failed job.
+    // A copy of an item that failed for good is stale; nothing is written.
     let failure = ItemFailure {
         seq: 1,
         class: "poison".into(),
@@ -175,14 +212,141 @@ async fn starting_an_item_leases_counts_and_gates_in_one_call_and_a_commit_drops
         at_ms: 5,
     };
     store.fail_item("j", &failure).await.expect("fail");
+    assert_eq!(
+        store
+            .start_item("j", &lease(1, "w"), &claim())
+            .await
+            .expect("start"),
+        Start::FailedForGood
+    );
+    assert_eq!(
+        store.work("j").await.expect("work").0,
+        1,
+        "no delivery counted for a done or failed item"
+    );
+    store.delete_job("j").await.expect("cleanup");
+}
+
+#[tokio::test]
+async fn a_message_disagreeing_with_its_job_record_writes_nothing() {
+    let store = crate::store("bftest-claim").await;
+    store.put_job(&record("j")).await.expect("put");
+    let start = |seq, claim: Claim<'static>| {
+        let store = store.clone();
+        async move {
+            store
+                .start_item("j", &lease(seq, "w"), &claim)
+                .await
+                .expect("start")
+        }
+    };
+    for (c, field) in [
+        (
+            Claim {
+                pool: "other",
+                ..claim()
+            },
+            "pool",
+        ),
+        (
+            Claim {
+                model: "/etc/passwd",
+                ..claim()
+            },
+            "model",
+        ),
+        (
+            Claim {
+                model_sha256: "cd",
+                ..claim()
+            },
+            "model_sha256",
+        ),
+        (
+            Claim {
+                output_dir: "/tmp",
+                ..claim()
+            },
+            "output_dir",
+        ),
+    ] {
+        match start(0, c).await {
+            Start::Mismatch { field: f, .. } => assert_eq!(f, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        start(3, claim()).await,
+        Start::Mismatch {
+            field: "items_total".into(),
+            recorded: "3".into()
+        }
+    );
+    assert_eq!(
+        store
+            .start_item("nope", &lease(0, "w"), &claim())
+            .await
+            .expect("start"),
+        Start::UnknownJob
+    );
     store
-        .set_job_fields("j", &[("status", JobStatus::Failed.as_str().to_owned())])
+        .set_job_fields("j", &[("status", JobStatus::Completed.as_str().to_owned())])
         .await
         .expect("status");
-    let gate = store.start_item("j", &lease(1, "w")).await.expect("start");
     assert_eq!(
-        gate.map(|g| (g.failed, g.status)),
-        Some((true, Some(JobStatus::Failed)))
+        start(1, claim()).await,
+        Start::NotRunning(JobStatus::Completed)
     );
+    assert!(store.leases("j").await.expect("leases").is_empty());
+    assert_eq!(store.work("j").await.expect("work").0, 0, "nothing counted");
+    store.delete_job("j").await.expect("cleanup");
+}
+
+#[tokio::test]
+async fn a_job_fails_once_with_its_first_reason_and_its_items_are_skipped() {
+    let store = crate::store("bftest-failjob").await;
+    store.put_job(&record("j")).await.expect("put");
+    assert!(store
+        .fail_job("j", "unrunnable", "model /m.pt is a state_dict")
+        .await
+        .expect("fail"));
+    assert!(!store
+        .fail_job("j", "budget", "too many")
+        .await
+        .expect("fail"));
+    let job = store.job("j").await.expect("job").expect("there");
+    assert_eq!(job.status, JobStatus::Failed);
+    assert_eq!(
+        (job.failed_class.as_str(), job.failed_reason.as_str()),
+        ("unrunnable", "model /m.pt is a state_dict")
+    );
+    assert_eq!(
+        store.progress("j").await.expect("progress").status,
+        Some(JobStatus::Failed)
+    );
+    assert_eq!(
+        store
+            .start_item("j", &lease(0, "w"), &claim())
+            .await
+            .expect("start"),
+        Start::JobFailed
+    );
+    // Workers' notes and copy counts.
+    let note = UnableNote {
+        class: "unable".into(),
+        reason: "no CUDA device".into(),
+        since_ms: 1,
+        until_ms: 2,
+    };
+    store.note_unable("j", "w1", &note).await.expect("note");
+    assert_eq!(
+        store.unable("j").await.expect("notes").get("w1"),
+        Some(&note)
+    );
+    store.clear_unable_notes("j").await.expect("clear");
+    assert!(store.unable("j").await.expect("notes").is_empty());
+    assert_eq!(store.mark_redispatched("j", 2, 10).await.expect("mark"), 1);
+    assert_eq!(store.mark_redispatched("j", 2, 11).await.expect("mark"), 2);
+    assert_eq!(store.copies("j").await.expect("copies").get(&2), Some(&2));
     store.delete_job("j").await.expect("cleanup");
 }

@@ -127,7 +127,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
     let (conn, _) = env.channel().await;
     let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
-    let dup = Outgoing::work_item(&plan.items[0], 2);
+    let dup = Outgoing::work_item(&plan.items[0], 2, None);
     publisher
         .publish_all(&PoolQueues::new(&env.pool).work(), [dup], 1, |_| {})
         .await

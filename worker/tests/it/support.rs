@@ -39,6 +39,7 @@ impl TestEnv {
             redis_url: self.redis.clone(),
             redis_prefix: self.prefix.clone(),
             connect_timeout: Duration::from_secs(10),
+            signing_key: None,
         }
     }
 

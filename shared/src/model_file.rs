@@ -1,0 +1,392 @@
+//! What a model file is, read from its bytes: a TorchScript archive, or one
+//! of the files PyTorch users most often mistake for one.
+//!
+//! `torch.jit.save` (TorchScript), `torch.save` (a `state_dict` or a pickled
+//! module) and `torch.export.save` (a `.pt2` package) all write zip archives,
+//! so the zip signature alone says nothing. The archive's entries do:
+//!
+//! | kind | entries under the archive's one top folder |
+//! | --- | --- |
+//! | TorchScript | `code/…` and `constants.pkl` (plus `data.pkl`, `data/…`) |
+//! | `torch.save(model.state_dict())` | `data.pkl` (an `OrderedDict` of tensors), `data/…`, no `code/` |
+//! | `torch.save(model)` | `data.pkl` holding the module's `_modules`, `_parameters`, …, no `code/` |
+//! | `torch.export.save` | `archive_format` (`pt2`), `models/…`, `data/weights/…` |
+//!
+//! Only the zip central directory (and the head of `data.pkl` when needed) is
+//! read, so inspecting a model of many gigabytes costs a few reads.
+//! ZIP64 archives (models over 4 GiB) are understood.
+
+use std::io::{self, Read, Seek, SeekFrom};
+use std::path::Path;
+
+/// The one-line fix for anything that is not TorchScript.
+pub const EXPORT_FIX: &str = "export it with torch.jit.script(model) (or torch.jit.trace(model, example)) and save that with torch.jit.save(...)";
+
+/// What a model file holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelKind {
+    /// A TorchScript archive (`torch.jit.save`): what batchfleet runs.
+    TorchScript,
+    /// Weights only (`torch.save(model.state_dict())`).
+    StateDict,
+    /// A whole module pickled with `torch.save(model)`: needs its Python class to load.
+    PickledModule,
+    /// A `torch.export` package (`torch.export.save`, `.pt2`).
+    ExportedProgram,
+    /// A pickle written by `torch.save` with the legacy (non-zip) format.
+    LegacyPickle,
+    /// A zip archive, but none of the above.
+    OtherZip,
+    /// Not a zip archive at all.
+    NotAnArchive,
+}
+
+impl ModelKind {
+    /// Whether batchfleet can run it.
+    pub fn is_torchscript(&self) -> bool {
+        matches!(self, ModelKind::TorchScript)
+    }
+
+    /// What the file is, in words, for an error message.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            ModelKind::TorchScript => "a TorchScript archive",
+            ModelKind::StateDict => {
+                "a state_dict (weights only, written by torch.save(model.state_dict())), not TorchScript"
+            }
+            ModelKind::PickledModule => {
+                "a pickled Python module (written by torch.save(model)), not TorchScript"
+            }
+            ModelKind::ExportedProgram => {
+                "a torch.export package (.pt2, written by torch.export.save), not TorchScript"
+            }
+            ModelKind::LegacyPickle => {
+                "a legacy torch.save pickle (not a zip archive), not TorchScript"
+            }
+            ModelKind::OtherZip => {
+                "a zip archive without TorchScript code (no code/ and constants.pkl entries)"
+            }
+            ModelKind::NotAnArchive => {
+                "not a TorchScript file (expected the zip archive torch.jit.save writes)"
+            }
+        }
+    }
+}
+
+/// Inspects the model file at `path`.
+pub fn inspect_file(path: &Path) -> io::Result<ModelKind> {
+    let mut f = std::fs::File::open(path)?;
+    inspect(&mut f)
+}
+
+/// Inspects a model already in memory (the bytes a worker hashed and will load).
+pub fn inspect_bytes(bytes: &[u8]) -> ModelKind {
+    inspect(&mut io::Cursor::new(bytes)).unwrap_or(ModelKind::NotAnArchive)
+}
+
+/// Inspects a model from any seekable reader.
+pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
+    let len = r.seek(SeekFrom::End(0))?;
+    let mut magic = [0u8; 4];
+    r.seek(SeekFrom::Start(0))?;
+    if len < 4 {
+        return Ok(ModelKind::NotAnArchive);
+    }
+    r.read_exact(&mut magic)?;
+    if magic != *b"PK\x03\x04" {
+        // Pickle protocol 2+ starts with PROTO (0x80) and the protocol number.
+        return Ok(if magic[0] == 0x80 && (2..=5).contains(&magic[1]) {
+            ModelKind::LegacyPickle
+        } else {
+            ModelKind::NotAnArchive
+        });
+    }
+    let Some(entries) = central_directory(r, len)? else {
+        return Ok(ModelKind::NotAnArchive);
+    };
+    // Every writer in torch puts the entries under one top folder (the file's stem).
+    let rel = |name: &str| {
+        name.split_once('/')
+            .map_or(name, |(_, rest)| rest)
+            .to_owned()
+    };
+    let names: Vec<String> = entries.iter().map(|e| rel(&e.name)).collect();
+    let has = |n: &str| names.iter().any(|x| x == n);
+    if has("archive_format") || names.iter().any(|n| n.starts_with("models/")) {
+        return Ok(ModelKind::ExportedProgram);
+    }
+    if names.iter().any(|n| n.starts_with("code/")) && has("constants.pkl") {
+        return Ok(ModelKind::TorchScript);
+    }
+    let Some(pkl) = entries.iter().find(|e| rel(&e.name) == "data.pkl") else {
+        return Ok(ModelKind::OtherZip);
+    };
+    // A pickled module stores its attributes (`_modules`, `_parameters`, …)
+    // near the start of data.pkl; a state_dict is an OrderedDict of tensors.
+    let head = entry_head(r, pkl, 1 << 20)?;
+    let contains = |needle: &[u8]| head.windows(needle.len()).any(|w| w == needle);
+    Ok(if contains(b"_modules") || contains(b"_parameters") {
+        ModelKind::PickledModule
+    } else {
+        ModelKind::StateDict
+    })
+}
+
+/// One central directory entry.
+#[derive(Debug)]
+struct Entry {
+    name: String,
+    method: u16,
+    compressed: u64,
+    local_offset: u64,
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Most entries read from a central directory (a TorchScript file has tens to thousands).
+const MAX_ENTRIES: u64 = 1 << 20;
+/// Largest central directory read.
+const MAX_DIRECTORY: u64 = 256 << 20;
+
+/// The archive's entries, `None` if its end records are missing or inconsistent.
+fn central_directory<R: Read + Seek>(r: &mut R, len: u64) -> io::Result<Option<Vec<Entry>>> {
+    // The end-of-central-directory record is in the last 22 + 65535 bytes.
+    let tail_len = len.min(22 + 65_535);
+    let mut tail = vec![0u8; tail_len as usize];
+    r.seek(SeekFrom::Start(len - tail_len))?;
+    r.read_exact(&mut tail)?;
+    let Some(eocd) = (0..tail.len().saturating_sub(21))
+        .rev()
+        .find(|&i| u32_at(&tail, i) == 0x0605_4b50)
+    else {
+        return Ok(None);
+    };
+    let mut count = u64::from(u16_at(&tail, eocd + 10));
+    let mut size = u64::from(u32_at(&tail, eocd + 12));
+    let mut offset = u64::from(u32_at(&tail, eocd + 16));
+    if count == 0xFFFF || size == 0xFFFF_FFFF || offset == 0xFFFF_FFFF {
+        // ZIP64: a locator just before the record points at the ZIP64 end record.
+        let Some(loc) = eocd.checked_sub(20) else {
+            return Ok(None);
+        };
+        if u32_at(&tail, loc) != 0x0706_4b50 {
+            return Ok(None);
+        }
+        let end64 = u64_at(&tail, loc + 8);
+        if end64 + 56 > len {
+            return Ok(None);
+        }
+        let mut rec = [0u8; 56];
+        r.seek(SeekFrom::Start(end64))?;
+        r.read_exact(&mut rec)?;
+        if u32_at(&rec, 0) != 0x0606_4b50 {
+            return Ok(None);
+        }
+        count = u64_at(&rec, 32);
+        size = u64_at(&rec, 40);
+        offset = u64_at(&rec, 48);
+    }
+    if count > MAX_ENTRIES || size > MAX_DIRECTORY || offset.saturating_add(size) > len {
+        return Ok(None);
+    }
+    let mut dir = vec![0u8; size as usize];
+    r.seek(SeekFrom::Start(offset))?;
+    r.read_exact(&mut dir)?;
+    let mut entries = Vec::with_capacity(count as usize);
+    let mut at = 0usize;
+    for _ in 0..count {
+        if at + 46 > dir.len() || u32_at(&dir, at) != 0x0201_4b50 {
+            return Ok(None);
+        }
+        let method = u16_at(&dir, at + 10);
+        let mut compressed = u64::from(u32_at(&dir, at + 20));
+        let uncompressed = u32_at(&dir, at + 24);
+        let name_len = usize::from(u16_at(&dir, at + 28));
+        let extra_len = usize::from(u16_at(&dir, at + 30));
+        let comment_len = usize::from(u16_at(&dir, at + 32));
+        let mut local_offset = u64::from(u32_at(&dir, at + 42));
+        let name_at = at + 46;
+        let end = name_at + name_len + extra_len + comment_len;
+        if end > dir.len() {
+            return Ok(None);
+        }
+        let name = String::from_utf8_lossy(&dir[name_at..name_at + name_len]).into_owned();
+        // ZIP64 extra field (id 1): the 64-bit values of the fields set to all ones, in order.
+        let mut extra = &dir[name_at + name_len..name_at + name_len + extra_len];
+        while extra.len() >= 4 {
+            let (id, n) = (u16_at(extra, 0), usize::from(u16_at(extra, 2)));
+            let body = &extra[4..(4 + n).min(extra.len())];
+            if id == 1 {
+                let mut k = 0;
+                let mut next = || {
+                    let v = body.get(k..k + 8).map(|b| u64_at(b, 0));
+                    k += 8;
+                    v
+                };
+                if uncompressed == 0xFFFF_FFFF {
+                    next();
+                }
+                if compressed == 0xFFFF_FFFF {
+                    compressed = next().unwrap_or(compressed);
+                }
+                if local_offset == 0xFFFF_FFFF {
+                    local_offset = next().unwrap_or(local_offset);
+                }
+            }
+            extra = &extra[(4 + n).min(extra.len())..];
+        }
+        entries.push(Entry {
+            name,
+            method,
+            compressed,
+            local_offset,
+        });
+        at = end;
+    }
+    Ok(Some(entries))
+}
+
+/// The first `max` bytes of a stored (uncompressed) entry; empty for a
+/// compressed one (torch writes every entry stored).
+fn entry_head<R: Read + Seek>(r: &mut R, e: &Entry, max: u64) -> io::Result<Vec<u8>> {
+    if e.method != 0 {
+        return Ok(Vec::new());
+    }
+    let mut local = [0u8; 30];
+    r.seek(SeekFrom::Start(e.local_offset))?;
+    r.read_exact(&mut local)?;
+    if u32_at(&local, 0) != 0x0403_4b50 {
+        return Ok(Vec::new());
+    }
+    let skip = u64::from(u16_at(&local, 26)) + u64::from(u16_at(&local, 28));
+    r.seek(SeekFrom::Current(skip as i64))?;
+    let mut head = Vec::new();
+    r.take(e.compressed.min(max)).read_to_end(&mut head)?;
+    Ok(head)
+}
+
+/// A zip archive of stored (uncompressed) entries, as torch writes them:
+/// for tests that need a model file of a given kind without PyTorch.
+#[doc(hidden)]
+pub fn stored_zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut central = Vec::new();
+    for (name, data) in entries {
+        let offset = out.len() as u32;
+        let crc = 0u32; // not checked by the inspector
+        let mut local = Vec::new();
+        local.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
+        local.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        local.extend_from_slice(&crc.to_le_bytes());
+        local.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        local.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        local.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        local.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&local);
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(data);
+        central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
+        central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        central.extend_from_slice(&crc.to_le_bytes());
+        central.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        central.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        central.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        central.extend_from_slice(&[0; 12]);
+        central.extend_from_slice(&offset.to_le_bytes());
+        central.extend_from_slice(name.as_bytes());
+    }
+    let dir_at = out.len() as u32;
+    out.extend_from_slice(&central);
+    out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(central.len() as u32).to_le_bytes());
+    out.extend_from_slice(&dir_at.to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out
+}
+
+/// The smallest archive [`inspect`] takes for TorchScript (not loadable by libtorch).
+#[doc(hidden)]
+pub fn torchscript_like_zip() -> Vec<u8> {
+    stored_zip(&[
+        ("m/data.pkl", b"x"),
+        ("m/code/__torch__.py", b"def forward"),
+        ("m/constants.pkl", b"c"),
+        ("m/version", b"3"),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
+        stored_zip(entries)
+    }
+
+    #[test]
+    fn each_kind_is_named_from_its_entries() {
+        let ts = zip(&[
+            ("m/data.pkl", b"x"),
+            ("m/code/__torch__.py", b"def forward"),
+            ("m/constants.pkl", b"c"),
+            ("m/version", b"3"),
+        ]);
+        assert_eq!(inspect_bytes(&ts), ModelKind::TorchScript);
+        let sd = zip(&[
+            ("sd/data.pkl", b"\x80\x02ccollections\nOrderedDict\nq\x00"),
+            ("sd/data/0", b"...."),
+        ]);
+        assert_eq!(inspect_bytes(&sd), ModelKind::StateDict);
+        let module = zip(&[
+            (
+                "mod/data.pkl",
+                b"\x80\x02c__main__\nM\nq\x00X\x08\x00\x00\x00_modules",
+            ),
+            ("mod/data/0", b"...."),
+        ]);
+        assert_eq!(inspect_bytes(&module), ModelKind::PickledModule);
+        let pt2 = zip(&[
+            ("ep/models/model.json", b"{}"),
+            ("ep/archive_format", b"pt2"),
+        ]);
+        assert_eq!(inspect_bytes(&pt2), ModelKind::ExportedProgram);
+        assert_eq!(
+            inspect_bytes(&zip(&[("a/readme.txt", b"hi")])),
+            ModelKind::OtherZip
+        );
+        assert_eq!(inspect_bytes(b"not a zip"), ModelKind::NotAnArchive);
+        assert_eq!(inspect_bytes(b"\x80\x02}q\x00"), ModelKind::LegacyPickle);
+        assert_eq!(inspect_bytes(b""), ModelKind::NotAnArchive);
+    }
+
+    #[test]
+    fn truncated_or_forged_archives_are_not_torchscript_and_do_not_panic() {
+        let ts = zip(&[
+            ("m/code/__torch__.py", b"def forward"),
+            ("m/constants.pkl", b"c"),
+        ]);
+        for cut in [4, 10, ts.len() / 2, ts.len() - 3] {
+            let kind = inspect_bytes(&ts[..cut]);
+            assert_ne!(kind, ModelKind::TorchScript, "cut at {cut}");
+        }
+        // A directory claiming more entries and bytes than the file has.
+        let mut forged = ts.clone();
+        let n = forged.len();
+        forged[n - 12..n - 8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_ne!(inspect_bytes(&forged), ModelKind::TorchScript);
+        assert!(ModelKind::StateDict.describe().contains("state_dict"));
+    }
+}

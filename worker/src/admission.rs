@@ -1,0 +1,239 @@
+//! What a message must pass before a worker does anything for it: a
+//! message is data from the network, not an instruction.
+//!
+//! In order, with nothing read, written or allocated by the message's say-so
+//! until all pass:
+//! 1. **Signature** — with a signing key configured, the header
+//!    `x-bf-signature` must be the HMAC-SHA256 of the body.
+//! 2. **Decoding** — a known message version.
+//! 3. **Sanity and caps** — [`WorkItem::check`]: indices inside the layout,
+//!    a byte range inside the file length it names, sizes under the caps.
+//! 4. **Paths** — every input file, the model and the output folder under
+//!    this worker's data roots (symlinks resolved).
+//! 5. **Facts** — a local byte range must end inside the file as it is now
+//!    (its length, from `stat`; nothing is read).
+//!
+//! Then `Store::start_item` checks the message against the job record (the
+//! job exists and runs; model, digest, output folder, pool and item number
+//! agree) in the same round trip that starts the lease. A message failing
+//! any check is dead-lettered as `rejected` with its reason, touching no item.
+
+use crate::context::Guard;
+use batchfleet_shared::broker::str_header;
+use batchfleet_shared::message::{Envelope, WorkItem};
+use batchfleet_shared::paths::DataRoots;
+use batchfleet_shared::signing::SIGNATURE_HEADER;
+use lapin::types::FieldTable;
+use std::path::Path;
+
+/// Why a message was refused, and what went wrong with it (for metrics: a
+/// bounded label).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    /// What it decoded to, if it decoded.
+    pub claimed: Option<Box<WorkItem>>,
+    /// Why, naming the field.
+    pub reason: String,
+    /// `signature`, `undecodable`, `limits` or `paths`.
+    pub label: &'static str,
+}
+
+/// Checks a message's signature, decodes it and checks the item against the
+/// caps and this worker's data roots.
+pub fn admit(
+    body: &[u8],
+    headers: Option<&FieldTable>,
+    guard: &Guard,
+) -> Result<WorkItem, Refusal> {
+    let refuse = |claimed: Option<&WorkItem>, reason: String, label| Refusal {
+        claimed: claimed.map(|i| Box::new(i.clone())),
+        reason,
+        label,
+    };
+    if let Some(key) = &guard.key {
+        match str_header(headers, SIGNATURE_HEADER) {
+            None => {
+                return Err(refuse(
+                    None,
+                    "unsigned message: this worker holds a signing key and takes only messages signed with it (is the coordinator configured with the same BATCHFLEET_SIGNING_KEY?)".into(),
+                    "signature",
+                ))
+            }
+            Some(sig) if !key.verify(body, &sig) => {
+                return Err(refuse(
+                    None,
+                    "bad signature: the message was not signed with this worker's signing key (forged, altered, or signed with another key)".into(),
+                    "signature",
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let item = Envelope::decode(body)
+        .map_err(|e| refuse(None, e.to_string(), "undecodable"))?
+        .into_item();
+    if let Err(why) = item.check(&guard.limits) {
+        return Err(refuse(
+            Some(&item),
+            format!("impossible work item: {why}"),
+            "limits",
+        ));
+    }
+    if let Err(why) = check_paths(&guard.roots, &item) {
+        return Err(refuse(Some(&item), why, "paths"));
+    }
+    if let Err(why) = check_range_end(&item) {
+        return Err(refuse(Some(&item), why, "limits"));
+    }
+    Ok(item)
+}
+
+/// Refuses a byte range that ends past the end of its (local) file as it is
+/// now: no real item asks for bytes a file does not have. (A file whose
+/// length merely changed is the item's problem, found by the reader.)
+fn check_range_end(item: &WorkItem) -> Result<(), String> {
+    use batchfleet_shared::message::InputSlice;
+    let (InputSlice::CsvRange(r) | InputSlice::JsonlRange(r)) = &item.input else {
+        return Ok(());
+    };
+    if batchfleet_shared::source::is_url(Path::new(&r.path)) {
+        return Ok(()); // the reader checks the object's length, in the same request
+    }
+    match std::fs::metadata(&r.path) {
+        Ok(m) if r.end > m.len() => Err(format!(
+            "byte range {}..{} ends past the end of {} ({} bytes)",
+            r.start,
+            r.end,
+            r.path,
+            m.len()
+        )),
+        // Missing or unreadable: the reader names it (the item's problem).
+        _ => Ok(()),
+    }
+}
+
+/// Refuses an item whose input files (every one, for `files` items), model
+/// or output folder is not under `roots`.
+pub fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), String> {
+    let inputs = item.input.input_files();
+    let paths = inputs.iter().map(|p| ("input file", p.as_path())).chain([
+        ("model", Path::new(&item.task.model.path)),
+        ("output folder", Path::new(&item.task.output.dir)),
+    ]);
+    for (what, p) in paths {
+        if let Err(e) = roots.check(p) {
+            return Err(format!(
+                "refusing the item's {what} {e} (this worker's data roots: {})",
+                if roots.is_confined() {
+                    roots.describe()
+                } else {
+                    "none set".into()
+                }
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchfleet_shared::signing::SigningKey;
+
+    fn body() -> (WorkItem, Vec<u8>) {
+        let item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);
+        let body = Envelope::V1(item.clone()).encode();
+        (item, body)
+    }
+
+    fn signed(key: &SigningKey, body: &[u8]) -> FieldTable {
+        batchfleet_shared::broker::headers([(SIGNATURE_HEADER, key.sign(body))], [])
+    }
+
+    #[test]
+    fn signatures_are_required_once_a_key_is_set() {
+        let (item, body) = body();
+        let open = Guard::default();
+        assert_eq!(admit(&body, None, &open).unwrap(), item);
+        let key = SigningKey::new(b"0123456789abcdef-key", "test").unwrap();
+        let guard = Guard {
+            key: Some(key.clone()),
+            ..Guard::default()
+        };
+        assert_eq!(
+            admit(&body, Some(&signed(&key, &body)), &guard).unwrap(),
+            item
+        );
+        let unsigned = admit(&body, None, &guard).unwrap_err();
+        assert!(unsigned.reason.contains("unsigned message"), "{unsigned:?}");
+        let mut altered = body.clone();
+        *altered.last_mut().unwrap() ^= 1;
+        let forged = admit(&altered, Some(&signed(&key, &body)), &guard).unwrap_err();
+        assert_eq!(forged.label, "signature");
+        assert!(
+            forged.claimed.is_none(),
+            "nothing is decoded before the signature passes"
+        );
+        let other = SigningKey::new(b"another-key-0123456789", "test").unwrap();
+        let wrong = admit(&body, Some(&signed(&other, &body)), &guard).unwrap_err();
+        assert!(wrong.reason.contains("bad signature"), "{wrong:?}");
+    }
+
+    #[test]
+    fn garbage_and_impossible_items_are_refused_with_the_field() {
+        let g = Guard::default();
+        let e = admit(b"\x00garbage", None, &g).unwrap_err();
+        assert_eq!(e.label, "undecodable");
+        let (mut item, _) = body();
+        item.task.csv.id_column = 99;
+        let e = admit(&Envelope::V1(item).encode(), None, &g).unwrap_err();
+        assert_eq!(e.label, "limits");
+        assert!(e.reason.contains("index 99"), "{e:?}");
+        assert_eq!(e.claimed.unwrap().job_id, "j-00000000");
+    }
+
+    #[test]
+    fn every_file_of_a_files_item_is_checked_against_the_roots() {
+        let data = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(data.path()).unwrap();
+        std::fs::write(root.join("ok.png"), b"x").unwrap();
+        std::fs::write(elsewhere.path().join("secret.png"), b"x").unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("secret.png"), root.join("link.png"))
+            .unwrap();
+        let roots = DataRoots::new(std::slice::from_ref(&root)).unwrap();
+        let item = |files: &[&str]| {
+            let mut item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);
+            item.task.model.path = root.join("ok.png").to_string_lossy().into_owned();
+            item.task.output.dir = root.to_string_lossy().into_owned();
+            item.input = batchfleet_shared::message::InputSlice::Files {
+                root: root.to_string_lossy().into_owned(),
+                files: files.iter().map(|f| (*f).to_owned()).collect(),
+                sizes: vec![1; files.len()],
+                first_index: 0,
+            };
+            item
+        };
+        assert!(check_paths(&roots, &item(&["ok.png"])).is_ok());
+        for (files, why) in [
+            (&["ok.png", "../x.png"][..], "contains `..`"),
+            (&["ok.png", "link.png"][..], "is outside the data roots"),
+        ] {
+            let e = check_paths(&roots, &item(files)).unwrap_err();
+            assert!(
+                e.contains("refusing the item's input file") && e.contains(why),
+                "{e}"
+            );
+        }
+        // An S3 output needs an s3:// root too: queue contents are not trusted.
+        let mut to_s3 = item(&["ok.png"]);
+        to_s3.task.output.dir = "s3://elsewhere/out".into();
+        let e = check_paths(&roots, &to_s3).unwrap_err();
+        assert!(
+            e.contains("refusing the item's output folder s3://elsewhere/out"),
+            "{e}"
+        );
+        let with_s3 = DataRoots::new(&[root.clone(), "s3://elsewhere/out".into()]).unwrap();
+        assert!(check_paths(&with_s3, &to_s3).is_ok());
+    }
+}

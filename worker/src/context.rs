@@ -1,0 +1,519 @@
+//! What a worker's item handlers share: Redis, the publisher, the model
+//! runner and its gate, the message guard (signing key, caps, data roots),
+//! and the worker-level states that containment adds — jobs this worker
+//! leaves to others for a while ([`Bench`]) and the disk-full pause
+//! ([`Pause`]).
+
+use crate::error::ItemError;
+use crate::reader;
+use crate::runner::{ModelRunner, Predictions};
+use batchfleet_shared::broker::{ConfirmedPublisher, PoolQueues};
+use batchfleet_shared::message::{ItemLimits, WorkItem};
+use batchfleet_shared::metrics::names;
+use batchfleet_shared::paths::DataRoots;
+use batchfleet_shared::signing::SigningKey;
+use batchfleet_shared::store::{Store, StoreError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+/// Runners abandoned to hung `forward` calls before the worker asks to be restarted.
+pub const MAX_ABANDONED_RUNNERS: usize = 2;
+
+/// Why a worker stopped consuming on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// Too many runner threads are stuck in hung `forward` calls: exit 75 so
+    /// the supervisor starts a fresh process.
+    Restart(String),
+}
+
+/// Timing of leases, early acks, hand-backs and waits for Redis.
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// How often a held item's lease is refreshed.
+    pub heartbeat: Duration,
+    /// A lease not refreshed for this long is presumed dead.
+    pub lease_ttl: Duration,
+    /// Acknowledge a delivery held this long (if it reached the model) and
+    /// keep the item by its lease; hand it back if it never did.
+    pub ack_after: Duration,
+    /// How long an item waits for Redis to come back before it is retried later.
+    pub store_patience: Duration,
+    /// How long this worker leaves a job it cannot run to other workers.
+    pub unable_for: Duration,
+    /// Delay before an item handed back by a worker that cannot run it returns.
+    pub hand_back_delay: Duration,
+    /// How long an item of a job unknown to Redis is handed back (Redis
+    /// may have lost its data and the coordinator not restored it yet)
+    /// before it is rejected.
+    pub unknown_job_grace: Duration,
+    /// Longest pause between tries while the output disk is full.
+    pub pause_max: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(2),
+            lease_ttl: Duration::from_secs(15),
+            ack_after: Duration::from_secs(600),
+            store_patience: Duration::from_secs(60),
+            unable_for: Duration::from_secs(60),
+            hand_back_delay: Duration::from_secs(1),
+            unknown_job_grace: Duration::from_secs(120),
+            pause_max: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What a message must pass before anything is read or written for it.
+#[derive(Debug, Clone, Default)]
+pub struct Guard {
+    /// The signing key: with one, unsigned or forged messages are rejected.
+    pub key: Option<SigningKey>,
+    /// Caps on what one item may ask for.
+    pub limits: ItemLimits,
+    /// Where an item's paths must stay (queue contents are not trusted).
+    pub roots: DataRoots,
+}
+
+/// The worker's wall clock (for stats and headers; never for leases, which
+/// use Redis's). A debug offset plays a machine whose clock is wrong.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Clock {
+    /// Milliseconds added to the system clock (may be negative).
+    pub offset_ms: i64,
+}
+
+impl Clock {
+    /// Now, in ms since the epoch, as this worker sees it.
+    pub fn now_ms(&self) -> u64 {
+        batchfleet_shared::now_ms().saturating_add_signed(self.offset_ms)
+    }
+}
+
+/// Testing aids, hidden from `--help`: panics on chosen items.
+#[derive(Debug, Clone, Default)]
+pub struct DebugHooks {
+    /// Panic in item handling for these (seq, attempt — 0 for every attempt).
+    pub panic_in_item: Vec<(u32, u32)>,
+    /// Panic on the runner thread for these (seq, attempt — 0 for every attempt).
+    pub panic_on_runner: Vec<(u32, u32)>,
+    /// While this file exists, writing output fails as a full disk would.
+    pub disk_full_while: Option<std::path::PathBuf>,
+}
+
+impl DebugHooks {
+    fn hits(list: &[(u32, u32)], seq: u32, attempt: u32) -> bool {
+        list.iter()
+            .any(|(s, a)| *s == seq && (*a == 0 || *a == attempt))
+    }
+
+    /// Whether item handling should panic for this item and attempt.
+    pub fn panic_in_item(&self, seq: u32, attempt: u32) -> bool {
+        Self::hits(&self.panic_in_item, seq, attempt)
+    }
+
+    /// Whether the runner should panic for this item and attempt.
+    pub fn panic_on_runner(&self, seq: u32, attempt: u32) -> bool {
+        Self::hits(&self.panic_on_runner, seq, attempt)
+    }
+
+    /// Whether a full disk is being played now.
+    pub fn disk_full(&self) -> bool {
+        self.disk_full_while.as_ref().is_some_and(|p| p.exists())
+    }
+}
+
+/// Jobs this worker cannot run for now (no CUDA device here, model
+/// unreadable here, out of memory on one row): their items are handed back
+/// untouched until the time runs out, so workers that can take them.
+#[derive(Debug, Default)]
+pub struct Bench {
+    jobs: Mutex<HashMap<String, (Instant, String)>>,
+}
+
+impl Bench {
+    /// Leaves `job` to others for `how_long`; returns `how_long`.
+    pub fn add(&self, job: &str, reason: &str, how_long: Duration) -> Duration {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.insert(
+            job.to_owned(),
+            (Instant::now() + how_long, reason.to_owned()),
+        );
+        Self::gauge(&mut jobs);
+        how_long
+    }
+
+    /// Why `job` is left to others now, and for how much longer, if it is.
+    pub fn reason(&self, job: &str) -> Option<(String, Duration)> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        Self::gauge(&mut jobs);
+        jobs.get(job)
+            .map(|(until, why)| (why.clone(), until.saturating_duration_since(Instant::now())))
+    }
+
+    fn gauge(jobs: &mut HashMap<String, (Instant, String)>) {
+        let now = Instant::now();
+        jobs.retain(|_, (until, _)| *until > now);
+        metrics::gauge!(names::WORKER_JOBS_BENCHED).set(jobs.len() as f64);
+    }
+}
+
+/// The disk-full pause: the worker stops consuming until `until`, doubling
+/// the pause (up to a cap) each time the disk is still full, and starts
+/// over once an item commits.
+#[derive(Debug, Default)]
+pub struct Pause {
+    state: Mutex<(Option<Instant>, Duration, String)>,
+    /// Woken when a pause starts, so the consume loop stops pulling at once.
+    pub started: Notify,
+    max: Duration,
+}
+
+impl Pause {
+    /// A pause that never exceeds `max`.
+    pub fn new(max: Duration) -> Self {
+        Self {
+            max,
+            ..Self::default()
+        }
+    }
+
+    /// Starts (or lengthens) a pause because of `why`; its length.
+    pub fn trigger(&self, why: &str) -> Duration {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let next = if s.1.is_zero() {
+            Duration::from_secs(1)
+        } else {
+            (s.1 * 2).min(self.max.max(Duration::from_secs(1)))
+        };
+        let until = Instant::now() + next;
+        if s.0.is_none_or(|u| u < until) {
+            s.0 = Some(until);
+        }
+        s.1 = next;
+        s.2 = why.to_owned();
+        metrics::gauge!(names::WORKER_PAUSED).set(1.0);
+        self.started.notify_waiters();
+        next
+    }
+
+    /// Until when (and why) the worker pauses, if it does now.
+    pub fn until(&self) -> Option<(Instant, String)> {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.0.filter(|u| *u > Instant::now())
+            .map(|u| (u, s.2.clone()))
+    }
+
+    /// The pause is over (the consume loop resumes).
+    pub fn ended(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.0 = None;
+        metrics::gauge!(names::WORKER_PAUSED).set(0.0);
+    }
+
+    /// An item committed: the disk takes writes again; the next pause starts short.
+    pub fn reset(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.1 = Duration::ZERO;
+    }
+}
+
+/// What a worker's item handlers share.
+pub struct ItemContext {
+    /// Redis.
+    pub store: Store,
+    /// Publishes retries and dead letters (confirm mode); replaced on reconnect.
+    publisher: Mutex<Arc<ConfirmedPublisher>>,
+    /// Lease and wait timing.
+    pub tuning: Tuning,
+    /// The pool's queue names.
+    pub queues: PoolQueues,
+    /// This worker's id.
+    pub worker_id: String,
+    /// Cancelled on shutdown: items not started yet go back to the queue.
+    pub shutdown: CancellationToken,
+    /// Cancelled when the worker must stop consuming on its own.
+    pub stop: CancellationToken,
+    /// Why it stopped.
+    pub stop_reason: Mutex<Option<StopReason>>,
+    /// What every message must pass.
+    pub guard: Guard,
+    /// Jobs left to other workers for now.
+    pub bench: Bench,
+    /// The disk-full pause.
+    pub pause: Pause,
+    /// This worker's wall clock.
+    pub clock: Clock,
+    /// Testing aids.
+    pub debug: DebugHooks,
+    runner: Mutex<RunnerSlot>,
+    make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
+    abandoned: AtomicUsize,
+}
+
+impl std::fmt::Debug for ItemContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ItemContext")
+            .field("worker_id", &self.worker_id)
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`ItemContext::predict`] came back with.
+#[derive(Debug)]
+pub enum Predicted {
+    /// The batch and the model's answer.
+    Done(Box<reader::Batch>, Result<Predictions, ItemError>),
+    /// The call ran past its time; the runner was replaced.
+    TimedOut,
+    /// Shutdown came before the item's turn.
+    Shutdown,
+    /// The item waited too long for its first turn: hand it to another worker.
+    WaitedTooLong,
+}
+
+/// The current model runner and the gate that admits one item at a time to
+/// it. Items wait at the gate, not in the runner's queue, so an item timeout
+/// counts only the item's own model time, and when a hung runner is replaced
+/// its gate closes and the waiting items move on to the new one.
+#[derive(Clone)]
+struct RunnerSlot {
+    runner: ModelRunner,
+    gate: Arc<Semaphore>,
+}
+
+impl RunnerSlot {
+    fn new(runner: ModelRunner) -> Self {
+        Self {
+            runner,
+            gate: Arc::new(Semaphore::new(1)),
+        }
+    }
+}
+
+/// Everything [`ItemContext::new`] needs.
+pub struct Parts {
+    /// Redis.
+    pub store: Store,
+    /// The confirm-mode publisher of the current broker connection.
+    pub publisher: ConfirmedPublisher,
+    /// The pool's queues.
+    pub queues: PoolQueues,
+    /// This worker's id.
+    pub worker_id: String,
+    /// Cancelled on shutdown.
+    pub shutdown: CancellationToken,
+    /// Timing.
+    pub tuning: Tuning,
+    /// Makes a model runner (again after a hung one is abandoned).
+    pub make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
+    /// Signing key, caps and data roots.
+    pub guard: Guard,
+    /// The worker's wall clock.
+    pub clock: Clock,
+    /// Testing aids.
+    pub debug: DebugHooks,
+}
+
+impl std::fmt::Debug for Parts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parts")
+            .field("worker_id", &self.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ItemContext {
+    /// A context; starts the first model runner.
+    pub fn new(parts: Parts) -> std::io::Result<Self> {
+        let runner = (parts.make_runner)()?;
+        let pause = Pause::new(parts.tuning.pause_max);
+        Ok(Self {
+            store: parts.store,
+            publisher: Mutex::new(Arc::new(parts.publisher)),
+            tuning: parts.tuning,
+            queues: parts.queues,
+            worker_id: parts.worker_id,
+            shutdown: parts.shutdown,
+            stop: CancellationToken::new(),
+            stop_reason: Mutex::new(None),
+            guard: parts.guard,
+            bench: Bench::default(),
+            pause,
+            clock: parts.clock,
+            debug: parts.debug,
+            runner: Mutex::new(RunnerSlot::new(runner)),
+            make_runner: parts.make_runner,
+            abandoned: AtomicUsize::new(0),
+        })
+    }
+
+    /// The current publisher.
+    pub fn publisher(&self) -> Arc<ConfirmedPublisher> {
+        self.publisher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Swaps in the publisher of a new broker connection.
+    pub fn set_publisher(&self, publisher: ConfirmedPublisher) {
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(publisher);
+    }
+
+    /// Loads a model on the current runner before any item needs it.
+    pub async fn preload(
+        &self,
+        model: &batchfleet_shared::message::ModelRef,
+    ) -> Result<(), ItemError> {
+        self.slot().runner.load(model).await
+    }
+
+    /// Runs a Redis operation, retrying with capped exponential backoff while
+    /// Redis is unreachable, up to `store_patience` (or shutdown).
+    pub async fn patient<T, F, Fut>(&self, what: &str, op: F) -> Result<T, ItemError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        use backon::{ExponentialBuilder, Retryable};
+        let deadline = Instant::now() + self.tuning.store_patience;
+        op.retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(Duration::from_secs(3))
+                .with_jitter()
+                .without_max_times(),
+        )
+        .when(|e: &StoreError| !e.is_permanent() && Instant::now() < deadline && !self.shutdown.is_cancelled())
+        .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "Redis {what} failed; waiting for Redis"))
+        .await
+        .map_err(|e| ItemError::transient(e.to_string()))
+    }
+
+    fn slot(&self) -> RunnerSlot {
+        self.runner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Runs the model on rows `rows` of a batch within what is left of the
+    /// item's model-time `budget`, and takes the time the call took from it
+    /// (waiting for a turn, or between segments, does not count). The
+    /// lease learns when the item reached the model, and ends a wait for a
+    /// first turn that took too long.
+    pub async fn predict(
+        &self,
+        item: &WorkItem,
+        attempt: u32,
+        batch: reader::Batch,
+        rows: std::ops::Range<usize>,
+        budget: &mut Duration,
+        lease: &crate::lease::LeaseGuard,
+    ) -> Predicted {
+        let (at_model, give_up) = (&lease.at_model, &lease.waited_too_long);
+        if budget.is_zero() {
+            // Spent on earlier segments: the runner is fine, the item is too slow.
+            return Predicted::TimedOut;
+        }
+        let mut batch = Some(batch);
+        loop {
+            let slot = self.slot();
+            // A shutdown while waiting for a turn gives the item back untouched.
+            let turn = tokio::select! {
+                turn = slot.gate.clone().acquire_owned() => turn,
+                _ = self.shutdown.cancelled() => return Predicted::Shutdown,
+                _ = give_up.cancelled(), if !at_model.load(Ordering::SeqCst) => return Predicted::WaitedTooLong,
+            };
+            let Ok(_turn) = turn else {
+                continue; // that runner was replaced while we waited; take the new one
+            };
+            at_model.store(true, Ordering::SeqCst);
+            // Counted as it goes in (rows a crash or timeout throws away count
+            // too), alongside the call so that the model never waits for Redis.
+            let counted = self.count_work(&item.job_id, 0, rows.len() as u64);
+            let call = slot.runner.predict_rows(
+                &item.task.model,
+                batch.take().expect("batch is sent once"),
+                rows,
+                item.task.batch_size as usize,
+                &item.task.failure,
+                self.debug.panic_on_runner(item.seq, attempt),
+            );
+            let started = Instant::now();
+            let (timed, ()) = tokio::join!(tokio::time::timeout(*budget, call), counted);
+            return match timed {
+                Ok((batch, result)) => {
+                    *budget = budget.saturating_sub(started.elapsed());
+                    if slot.runner.is_closed() {
+                        // The runner thread is gone (it never should be: it
+                        // contains its panics); start another for the next items.
+                        self.replace_runner(&slot, false);
+                    }
+                    Predicted::Done(Box::new(batch), result)
+                }
+                Err(_) => {
+                    self.replace_runner(&slot, true);
+                    Predicted::TimedOut
+                }
+            };
+        }
+    }
+
+    /// Best effort: the counters measure wasted work, they decide nothing.
+    pub async fn count_work(&self, job: &str, deliveries: u64, rows: u64) {
+        if let Err(e) = self.store.count_work(job, deliveries, rows).await {
+            tracing::debug!(error = %e, "could not count work");
+        }
+    }
+
+    /// Stops consuming on its own, for `reason`.
+    pub fn stop_with(&self, reason: StopReason) {
+        self.stop_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(reason);
+        self.stop.cancel();
+    }
+
+    /// Replaces `old` (a runner in a hung `forward` when `hung`, or a dead
+    /// one) with a fresh runner.
+    fn replace_runner(&self, old: &RunnerSlot, hung: bool) {
+        {
+            let mut current = self.runner.lock().unwrap_or_else(|p| p.into_inner());
+            if !Arc::ptr_eq(&current.gate, &old.gate) {
+                return; // already replaced
+            }
+            match (self.make_runner)() {
+                Ok(fresh) => *current = RunnerSlot::new(fresh),
+                Err(e) => self.stop_with(StopReason::Restart(format!(
+                    "cannot start a new model runner: {e}"
+                ))),
+            }
+        }
+        old.gate.close();
+        if !hung {
+            tracing::warn!("the model runner thread stopped; a fresh one takes over");
+            return;
+        }
+        let n = self.abandoned.fetch_add(1, Ordering::SeqCst) + 1;
+        if n > MAX_ABANDONED_RUNNERS {
+            self.stop_with(StopReason::Restart(format!(
+                "{n} model runner threads are stuck in hung forward calls"
+            )));
+        } else {
+            tracing::warn!(
+                abandoned = n,
+                "model runner abandoned to a hung forward call; a fresh one takes over"
+            );
+        }
+    }
+}
