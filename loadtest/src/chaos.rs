@@ -1,8 +1,13 @@
 //! `batchfleet-loadtest chaos`: a real job on a fleet of worker processes
 //! while workers are killed (-9 and SIGTERM, alternating) and restarted,
-//! the coordinator is killed and resumed, and RabbitMQ and Redis are
-//! restarted; then the invariants are checked. The same job first runs once
-//! without faults, for the wall-time comparison.
+//! the coordinator is killed and resumed, RabbitMQ and Redis are
+//! restarted, bad messages (garbage, unsigned, forged, impossible) are
+//! injected into the work queue, and a second job on the same pool has its
+//! model swapped for a `state_dict` after validation; then the invariants
+//! are checked: the good job exactly, the swapped job failed at once (exit
+//! 5), every bad message rejected, and no worker exited on its own. The
+//! same job first runs once without faults, for the wall-time comparison.
+//! The fleet signs its messages (a signing key for the run).
 //!
 //! Workers get an artificial per-batch delay (`--debug-batch-delay`), which
 //! plays a heavier model so that the job lasts long enough for every fault
@@ -63,6 +68,14 @@ pub struct ChaosReport {
     pub rabbitmq_restarts: u32,
     /// Redis restarts.
     pub redis_restarts: u32,
+    /// Bad messages injected into the work queue.
+    pub bad_messages: u64,
+    /// Of them, dead-lettered as `rejected`.
+    pub bad_messages_rejected: u64,
+    /// Exit code of the job whose model was swapped mid-run (5 expected).
+    pub swapped_model_exit: Option<i32>,
+    /// Worker processes that exited without being killed or stopped.
+    pub workers_exited_on_their_own: u32,
     /// Items started beyond one per item (deliveries − items).
     pub items_redelivered: u64,
     /// Items the coordinator published again (stale lease, straggler, lost).
@@ -76,6 +89,9 @@ pub struct ChaosReport {
     /// Invariant violations found (empty: all hold).
     pub violations: Vec<String>,
 }
+
+/// The message-signing key of a chaos run's fleet (a test key, not a secret).
+const CHAOS_KEY: &str = "chaos-run-signing-key-0123456789";
 
 struct Fleet {
     worker_bin: PathBuf,
@@ -102,6 +118,7 @@ impl Fleet {
                 &id,
             ])
             .args(&self.args)
+            .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .spawn()
@@ -201,6 +218,8 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         "1s",
         "--lease-ttl",
         "6s",
+        "--unknown-job-grace",
+        "3s",
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -212,7 +231,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
 
     let outcome = (|| -> Result<()> {
         // The same data twice (same seed), as two jobs.
-        for name in ["baseline", "chaos"] {
+        for name in ["baseline", "chaos", "swapped"] {
             batchfleet_loadtest::python::make_job(
                 &root.join(name),
                 &batchfleet_loadtest::python::JobGen {
@@ -230,12 +249,15 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
                 },
             )?;
         }
+        // The second job's model is swapped for a state_dict once it is published.
+        batchfleet_loadtest::python::make_wrong_models(&root.join("swapped"))?;
         let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| -> Result<Child> {
             let log = std::fs::File::create(dir.join(log))?;
             Command::new(&coordinator)
                 .args(["--redis-prefix", &prefix])
                 .args(args)
                 .args(["--no-progress", "--speculate-after", "4"])
+                .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
                 .current_dir(dir)
                 .stdout(Stdio::from(log.try_clone()?))
                 .stderr(Stdio::from(log))
@@ -272,7 +294,26 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         }
         println!("chaos: baseline took {:.1}s", report.baseline_s);
 
-        // Under faults.
+        // Under faults. First a second job on the same pool, validated and
+        // published, whose model file is then replaced by a state_dict: its
+        // items wait in the queue ahead of the chaos job's.
+        let swapped_dir = root.join("swapped");
+        let mut swapped = coordinator_cmd(&swapped_dir, &["run", "job.toml"], "coordinator.log")?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !published(&prefix, "swapped-")? {
+            if Instant::now() > deadline || swapped.try_wait()?.is_some() {
+                bail!(
+                    "the second job was not published; see {}",
+                    swapped_dir.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::fs::copy(
+            swapped_dir.join("state_dict.pt"),
+            swapped_dir.join("model.pt"),
+        )?;
+        println!("chaos: a second job on the pool is published; its model is now a state_dict");
         let dir = root.join("chaos");
         fleet.start(cfg.workers)?;
         let started = Instant::now();
@@ -282,6 +323,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         let mut kill9 = true;
         let mut rng = fastrand::Rng::with_seed(u64::from(std::process::id()));
         let (mut coord_done, mut mq_done, mut redis_done) = (false, false, false);
+        let mut bad_done = false;
         let finished = loop {
             if let Some(status) = coord.try_wait()? {
                 break status.success();
@@ -296,7 +338,15 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
                 );
             }
             let at = |fraction: f64| t.as_secs_f64() >= base * fraction;
-            if !coord_done && at(0.2) {
+            if !bad_done && at(0.3) {
+                bad_done = true;
+                report.bad_messages = inject_bad_messages(&pool, &dir)?;
+                println!(
+                    "chaos: {:>5.1}s injected {} bad messages into the work queue",
+                    t.as_secs_f64(),
+                    report.bad_messages
+                );
+            } else if !coord_done && at(0.2) {
                 coord_done = true;
                 let _ = coord.kill();
                 let _ = coord.wait();
@@ -358,6 +408,35 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
             std::thread::sleep(Duration::from_millis(100));
         };
         report.chaos_s = started.elapsed().as_secs_f64();
+        // The swapped job fails at once, whatever else happens.
+        report.swapped_model_exit = match wait_or_kill(&mut swapped, Duration::from_secs(120)) {
+            None => None,
+            Some(_) => swapped.try_wait()?.and_then(|s| s.code()),
+        };
+        // Bad messages queued behind the job's items are settled by the
+        // fleet after it (an unknown job's after its grace): wait for them.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let depths = queue_depths(&pool)?;
+            let dead = batchfleet_shared::broker::PoolQueues::new(&pool).dead();
+            let (dead_n, others): (u32, u32) = depths.iter().fold((0, 0), |(d, o), (q, n)| {
+                if *q == dead {
+                    (d + n, o)
+                } else {
+                    (d, o + n)
+                }
+            });
+            if others == 0 && u64::from(dead_n) >= report.bad_messages {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // No worker may have exited on its own (every exit is one of ours).
+        for w in &mut fleet.workers {
+            if w.try_wait()?.is_some() {
+                report.workers_exited_on_their_own += 1;
+            }
+        }
         fleet.stop();
         if !finished {
             bail!("the coordinator failed under faults; see {}", dir.display());
@@ -372,6 +451,109 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         std::fs::write(root.join("chaos.json"), serde_json::to_vec_pretty(&report)?)?;
     }
     Ok(report)
+}
+
+/// Whether a job whose id starts with `stem` is registered and published
+/// (status `running`) under `prefix`.
+fn published(prefix: &str, stem: &str) -> Result<bool> {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "--scan", "--pattern"])
+        .arg(format!("{prefix}:job:{stem}*"))
+        .output()
+        .context("running redis-cli")?;
+    for key in String::from_utf8_lossy(&out.stdout).lines() {
+        if key.matches(':').count() != 2 {
+            continue; // a job's sub-key, not its record
+        }
+        let status = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "hget", key, "status"])
+            .output()
+            .context("running redis-cli")?;
+        if String::from_utf8_lossy(&status.stdout).trim() == "running" {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Publishes bad messages to the pool's work queue — garbage, a real item
+/// unsigned, a real item with a wrong signature, and signed items that are
+/// impossible (a byte range past the end of the file, a huge row count, an
+/// unknown job, another model digest) — and returns how many.
+fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
+    use batchfleet_shared::broker::{headers, ConfirmedPublisher, Outgoing, PoolQueues};
+    use batchfleet_shared::message::{Envelope, InputSlice, MESSAGE_TYPE_V1};
+    let item = first_item(job_dir)?;
+    let key = batchfleet_shared::signing::SigningKey::new(CHAOS_KEY.as_bytes(), "chaos")?;
+    let raw = |body: Vec<u8>, sig: Option<String>| Outgoing {
+        message_id: "chaos-bad".into(),
+        kind: MESSAGE_TYPE_V1,
+        body,
+        headers: headers(
+            sig.map(|s| (batchfleet_shared::signing::SIGNATURE_HEADER, s)),
+            [],
+        ),
+        expiration_ms: None,
+    };
+    let signed = |i: &batchfleet_shared::message::WorkItem| {
+        let body = Envelope::V1(i.clone()).encode();
+        let sig = key.sign(&body);
+        raw(body, Some(sig))
+    };
+    let mut messages = vec![
+        raw(b"\x00chaos garbage".to_vec(), None),
+        raw(Envelope::V1(item.clone()).encode(), None),
+        raw(
+            Envelope::V1(item.clone()).encode(),
+            Some(key.sign(b"not this body")),
+        ),
+    ];
+    let mut far = item.clone();
+    if let InputSlice::CsvRange(r) = &mut far.input {
+        r.end = r.file_len + (1 << 20);
+        r.file_len = r.end;
+    }
+    messages.push(signed(&far));
+    let mut huge = item.clone();
+    if let InputSlice::CsvRange(r) = &mut huge.input {
+        r.rows = 1 << 40;
+    }
+    messages.push(signed(&huge));
+    let mut unknown = item.clone();
+    unknown.job_id = "chaos-unknown-00000000".into();
+    messages.push(signed(&unknown));
+    let mut digest = item.clone();
+    digest.task.model.sha256 = "ab".repeat(32);
+    messages.push(signed(&digest));
+    let n = messages.len() as u64;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let conn = batchfleet_shared::broker::connect(
+            &services::amqp_url(),
+            "batchfleet-chaos-bad-messages",
+            Duration::from_secs(30),
+        )
+        .await?;
+        let publisher = ConfirmedPublisher::open(&conn).await?;
+        publisher
+            .publish_all(&PoolQueues::new(pool).work(), messages, 16, |_| {})
+            .await?;
+        let _ = conn.close(200, "bye".into()).await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(n)
+}
+
+/// The first work item of the job in `dir`, planned as the coordinator plans it.
+fn first_item(dir: &Path) -> Result<batchfleet_shared::message::WorkItem> {
+    let spec = batchfleet_coordinator::manifest::load(&dir.join("job.toml"), &[])?;
+    let mut plan = batchfleet_coordinator::planner::plan(&spec)?;
+    if plan.items.is_empty() {
+        bail!("the job in {} has no items", dir.display());
+    }
+    Ok(plan.items.swap_remove(0))
 }
 
 /// The id of the chaos job under `prefix` (keys `<prefix>:job:<id>[:…]`).
@@ -441,10 +623,35 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
             report.rows
         ));
     }
+    let dead_queue = batchfleet_shared::broker::PoolQueues::new(pool).dead();
     for (queue, ready) in queue_depths(pool)? {
+        if queue == dead_queue {
+            report.bad_messages_rejected = ready.into();
+            continue;
+        }
         if ready > 0 {
             v.push(format!("INV-ACCT: {queue} still holds {ready} message(s)"));
         }
+    }
+    // INV-CONTAIN: every bad message rejected (and nothing else dead), the
+    // swapped job failed at once, and no worker exited on its own.
+    if report.bad_messages_rejected != report.bad_messages {
+        v.push(format!(
+            "INV-CONTAIN: {} bad messages injected but the dead queue holds {}",
+            report.bad_messages, report.bad_messages_rejected
+        ));
+    }
+    if report.swapped_model_exit != Some(5) {
+        v.push(format!(
+            "INV-CONTAIN: the job whose model was swapped exited {:?}, not 5 (failed at once)",
+            report.swapped_model_exit
+        ));
+    }
+    if report.workers_exited_on_their_own > 0 {
+        v.push(format!(
+            "INV-CONTAIN: {} worker(s) exited on their own",
+            report.workers_exited_on_their_own
+        ));
     }
     // INV-FILES: no temp file outside staging (and staging empty), _SUCCESS iff completed.
     let completed = summary.get("status").and_then(|s| s.as_str()) == Some("completed");
@@ -544,8 +751,15 @@ fn print(r: &ChaosReport) {
         r.baseline_s,
         r.chaos_s / r.baseline_s.max(1e-9)
     );
+    println!(
+        "  contained  {} bad messages injected, {} rejected; the job whose model was swapped exited {}; {} worker(s) exited on their own",
+        r.bad_messages,
+        r.bad_messages_rejected,
+        r.swapped_model_exit.map_or("-".into(), |c| c.to_string()),
+        r.workers_exited_on_their_own
+    );
     if r.violations.is_empty() {
-        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold");
+        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES, INV-CONTAIN hold");
     } else {
         for v in &r.violations {
             println!("  VIOLATED   {v}");

@@ -497,7 +497,7 @@ fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
     let kind = batchfleet_shared::model_file::inspect_bytes(&bytes);
     if actual != model.sha256 {
         return Err(ItemError::unrunnable(format!(
-            "model {} has sha256 {actual} but the job expects {} (it is now {}); the file changed after the job was planned — restore it, start a new job, or replay with --update-model",
+            "model {} has sha256 {actual} but the job expects {} (it is now {}); the file changed after the job was planned — restore it, or run the manifest again to start a job with the new model",
             model.path,
             model.sha256,
             kind.describe()

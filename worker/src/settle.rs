@@ -146,6 +146,20 @@ impl Drop for Held {
     }
 }
 
+/// The delivery's own headers, less those the broker adds on delivery
+/// (`x-delivery-count`, `x-death`): what a re-published copy carries.
+fn own_headers(held: &Held) -> FieldTable {
+    let mut t = FieldTable::default();
+    if let Some(h) = held.headers() {
+        for (k, v) in h.inner() {
+            if !matches!(k.as_str(), "x-delivery-count" | "x-death") {
+                t.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    t
+}
+
 /// The delivery's own headers with `strings` and `ints` set: a re-published
 /// copy keeps everything it came with (the signature among them).
 fn headers_from<'a>(
@@ -153,7 +167,7 @@ fn headers_from<'a>(
     strings: impl IntoIterator<Item = (&'a str, String)>,
     ints: impl IntoIterator<Item = (&'a str, i64)>,
 ) -> FieldTable {
-    let mut t = held.headers().cloned().unwrap_or_default();
+    let mut t = own_headers(held);
     for (k, v) in strings {
         t.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
     }
@@ -375,7 +389,7 @@ pub async fn retry(
     } else {
         (
             held.delivery.data.clone(),
-            held.headers().cloned().unwrap_or_default(),
+            own_headers(held),
         )
     };
     let mut headers = body_and_headers.1;
