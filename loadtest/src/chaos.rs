@@ -419,13 +419,17 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         while Instant::now() < deadline {
             let depths = queue_depths(&pool)?;
             let dead = batchfleet_shared::broker::PoolQueues::new(&pool).dead();
-            let (dead_n, others): (u32, u32) = depths.iter().fold((0, 0), |(d, o), (q, n)| {
-                if *q == dead {
-                    (d + n, o)
-                } else {
-                    (d, o + n)
-                }
-            });
+            let (dead_n, others): (u32, u32) =
+                depths.iter().fold(
+                    (0, 0),
+                    |(d, o), (q, n)| {
+                        if *q == dead {
+                            (d + n, o)
+                        } else {
+                            (d, o + n)
+                        }
+                    },
+                );
             if others == 0 && u64::from(dead_n) >= report.bad_messages {
                 break;
             }

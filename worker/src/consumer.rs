@@ -347,29 +347,35 @@ async fn process(
         ));
     }
     let write_started = Instant::now();
-    let (o, p, any_rejects) = (out.clone(), part.clone(), !rejects.is_empty());
-    let published = blocking(move || {
-        if any_rejects {
+    let (o, p, r, rows_now) = (out.clone(), part.clone(), rejects_rel.clone(), stats.rows);
+    let (won_part, completed) = blocking(move || {
+        if !rejects.is_empty() {
             writer::rejects_folder_usable(&o)?;
         }
-        source.publish(&o, &p)
+        let published = source.publish(&o, &p)?;
+        let won = match (published, publishing) {
+            (Publish::Committed, _) => true,
+            (Publish::AlreadyExists, Publishing::Completing) => {
+                if existing_rows != rows_now {
+                    return Err(ItemError::poison(format!(
+                        "{} holds {existing_rows} rows but the item predicts {rows_now}; the output folder was changed — remove the part file to recompute the item",
+                        o.join(&p).display()
+                    )));
+                }
+                true
+            }
+            (Publish::AlreadyExists, Publishing::Fresh) => false,
+        };
+        // Only the copy whose part counts writes the item's rejects.
+        if won {
+            writer::write_rejects(&o, &r, &rejects)?;
+        }
+        Ok((won, published == Publish::AlreadyExists))
     })
     .await??;
     metrics::histogram!(names::WORKER_WRITE).record(write_started.elapsed().as_secs_f64());
-    let won_part = match (published, publishing) {
-        (Publish::Committed, _) => true,
-        (Publish::AlreadyExists, Publishing::Completing) => {
-            if existing_rows != stats.rows {
-                return Err(ItemError::poison(format!(
-                    "{shown} holds {existing_rows} rows but the item predicts {}; the output folder was changed — remove the part file to recompute the item",
-                    stats.rows
-                )));
-            }
-            stats.recovered = true;
-            true
-        }
-        (Publish::AlreadyExists, Publishing::Fresh) => false,
-    };
+    // Completing the commit of a part another delivery published.
+    stats.recovered = completed && won_part;
     if !won_part {
         // Another copy's part won while this one computed: its rejects and
         // stats are the ones that count (it commits them, or its redelivery does).
@@ -380,8 +386,6 @@ async fn process(
         }
         return Ok(Handled::AlreadyDone);
     }
-    let (o, r) = (out.clone(), rejects_rel.clone());
-    blocking(move || writer::write_rejects(&o, &r, &rejects)).await??;
     let partial = partial.map(|dir| (out, dir));
     commit(item, stats, &hist, partial, ctx).await
 }

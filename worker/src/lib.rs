@@ -369,9 +369,18 @@ async fn pause(
             Err(e) => return Err(e.to_string()),
         }
     }
-    tokio::select! {
-        _ = tokio::time::sleep_until(until.into()) => {}
-        _ = shutdown.cancelled() => return Ok(()),
+    // The pause may grow meanwhile (a handed-back item found the disk full
+    // again): wait until it has run out.
+    let mut until = until;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(until.into()) => {}
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+        match ctx.pause.until() {
+            Some((later, _)) => until = later,
+            None => break,
+        }
     }
     ctx.pause.ended();
     session.consumer = session

@@ -387,10 +387,7 @@ pub async fn retry(
         let fresh = Outgoing::work_item(item, next, ctx.guard.key.as_ref());
         (fresh.body, fresh.headers)
     } else {
-        (
-            held.delivery.data.clone(),
-            own_headers(held),
-        )
+        (held.delivery.data.clone(), own_headers(held))
     };
     let mut headers = body_and_headers.1;
     for (k, v) in [

@@ -951,3 +951,52 @@ async fn a_full_disk_pauses_the_worker_and_the_job_completes_once_space_is_freed
     drop(tmpfs);
     env.cleanup(&[&id]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_acknowledged_early_still_count_against_prefetch() {
+    let env = TestEnv::new("inflight");
+    let manifest = job_in(&env, "f", 4_000, 1_000);
+    // Items of ~1.5 s acknowledged after 200 ms: the broker would send more.
+    let mut workers = vec![env.spawn_worker(
+        "w1",
+        &[
+            "--prefetch",
+            "1",
+            "--debug-batch-delay",
+            "150ms",
+            "--ack-after",
+            "200ms",
+            "--heartbeat",
+            "100ms",
+        ],
+    )];
+    env.wait_for_consumers(1, &mut workers).await;
+    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
+        .expect("manifest")
+        .job_id;
+    let run = {
+        let (cfg, manifest) = (env.run_config(), manifest.clone());
+        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
+    };
+    let store = env.connections().store().await.expect("redis");
+    let (mut most, mut acked) = (0, 0);
+    while !run.is_finished() {
+        let leases = store.leases(&id).await.unwrap_or_default();
+        let done = store.done_items(&id).await.unwrap_or_default();
+        let held = leases.iter().filter(|l| !done.contains(&l.seq)).count();
+        most = most.max(held);
+        acked += leases.iter().filter(|l| l.acked).count();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let RunOutcome::Completed { report, .. } = run.await.expect("task").expect("run") else {
+        panic!("not completed")
+    };
+    assert_eq!(report.status, "completed");
+    assert!(acked > 0, "items were acknowledged early");
+    assert_eq!(most, 1, "never more items in flight than --prefetch");
+    assert_eq!(report.deliveries, 4);
+    assert!(verified(&env.path().join("f")).is_empty());
+    alive(&mut workers);
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}
