@@ -577,8 +577,10 @@ pub fn scan_outputs(
     let now = batchfleet_shared::now_ms();
     let mut found = Vec::new();
     for &(seq, rows) in items {
-        let part = out.join(spec.part_name(seq));
-        let there = batchfleet_shared::source::fs::exists(&part)
+        let name = spec.part_name(seq);
+        let part = out.join(&name);
+        // Read through the folder's handle: a link planted there is refused.
+        let there = batchfleet_shared::fsutil::exists_under(out, Path::new(&name))
             .map_err(|e| RunError::Output(format!("cannot look for {}: {e}", part.display())))?;
         if !there {
             continue;
@@ -586,11 +588,9 @@ pub fn scan_outputs(
         let read =
             |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
         let (predicted, hist) =
-            batchfleet_shared::output::histogram_of_part(&part, spec).map_err(read)?;
-        let rejected = batchfleet_shared::output::count_rejects(
-            &batchfleet_shared::output::rejects_path(out, seq),
-        )
-        .map_err(read)?;
+            batchfleet_shared::output::histogram_under(out, Path::new(&name), spec)
+                .map_err(read)?;
+        let rejected = batchfleet_shared::output::count_rejects_under(out, seq).map_err(read)?;
         if predicted + rejected != rows {
             return Err(RunError::Output(format!(
                 "{} holds {predicted} rows and {rejected} rejects but item {seq} has {rows}; the output folder was changed during the job",

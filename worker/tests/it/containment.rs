@@ -1000,3 +1000,29 @@ async fn items_acknowledged_early_still_count_against_prefetch() {
     stop_all(&mut workers);
     env.cleanup(&[&id]).await;
 }
+
+#[test]
+fn testing_aids_are_hidden_from_help_and_the_signing_key_is_documented() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .arg("--help")
+        .output()
+        .expect("--help");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for hidden in [
+        "--debug-panic",
+        "--debug-clock-offset",
+        "--debug-disk-full-while",
+        "--debug-batch-delay",
+    ] {
+        assert!(!help.contains(hidden), "{hidden} shows in --help:\n{help}");
+    }
+    for shown in [
+        "--signing-key-file",
+        "BATCHFLEET_SIGNING_KEY",
+        "--unable-for",
+        "--max-item-bytes",
+        "--disk-full-max-pause",
+    ] {
+        assert!(help.contains(shown), "{shown} is not in --help:\n{help}");
+    }
+}
