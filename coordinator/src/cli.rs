@@ -9,7 +9,9 @@
 //! within `--unable-timeout`), 130 interrupted while following a job (the
 //! workers carry on).
 
-use crate::{status, Connections, RunConfig, RunError, RunOutcome};
+use crate::config::{Connections, RunConfig};
+use crate::error::RunError;
+use crate::{status, RunOutcome};
 use batchfleet_shared::config::ServiceArgs;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;

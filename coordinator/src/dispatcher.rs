@@ -10,18 +10,15 @@
 //! (Up to one chunk confirmed just before a crash may be published twice;
 //! the done set makes the second copy a no-op.)
 
+use crate::config::RunConfig;
+use crate::error::RunError;
 use crate::manifest::JobSpec;
-use crate::{planner, RunConfig, RunError};
+use crate::planner;
 use batchfleet_shared::broker::{declare_topology, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::store::{JobRecord, JobStatus, Store};
 use std::path::{Path, PathBuf};
 
-/// File in the output folder naming the job that owns it.
-pub const OWNER_FILE: &str = "_JOB";
-/// File written into the output folder when a job completed.
-pub const SUCCESS_FILE: &str = "_SUCCESS";
-/// The job summary.
-pub const SUMMARY_FILE: &str = "summary.json";
+pub use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
 
 /// Items encoded and published per batch of confirms (and per watermark step).
 const PUBLISH_CHUNK: usize = 1024;

@@ -5,7 +5,7 @@
 //! closes, so listing never loses an item. A replayed item is published to
 //! the work queue (confirmed) *before* its dead copy is acknowledged.
 
-use crate::RunError;
+use crate::error::RunError;
 use batchfleet_shared::broker::{
     int_header, str_header, BrokerError, ConfirmedPublisher, Outgoing, PoolQueues,
 };

@@ -1,6 +1,8 @@
 //! The batchfleet coordinator: from a manifest to a finished job.
 //!
 //! # Layout
+//! - [`config`]: where RabbitMQ and Redis are, the signing key, and how `run` follows a job.
+//! - [`error`]: why a run failed, one variant per exit code.
 //! - [`manifest`]: parse and fully validate a job manifest before anything is published.
 //! - [`planner`]: cut input files into evenly sized work items on record boundaries.
 //! - [`dispatcher`]: register the job in Redis and publish its items with confirms.
@@ -18,8 +20,10 @@
 
 pub mod cli;
 pub mod compare;
+pub mod config;
 pub mod dispatcher;
 pub mod dlq;
+pub mod error;
 pub mod hooks;
 pub mod manifest;
 pub mod monitor;
@@ -28,57 +32,11 @@ pub mod reducer;
 pub mod status;
 pub mod supervisor;
 
-use batchfleet_shared::broker::{self, BrokerError};
-use batchfleet_shared::secret::SecretUrl;
-use batchfleet_shared::store::{Store, StoreError};
+use batchfleet_shared::store::Store;
+pub use config::{Connections, RunConfig};
+pub use error::RunError;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-/// Connection settings shared by every coordinator command.
-#[derive(Debug, Clone)]
-pub struct Connections {
-    /// RabbitMQ URL.
-    pub amqp_url: SecretUrl,
-    /// Redis URL.
-    pub redis_url: SecretUrl,
-    /// Prefix of every Redis key.
-    pub redis_prefix: String,
-    /// How long to wait for RabbitMQ or Redis to answer before giving up.
-    pub connect_timeout: Duration,
-    /// Signs every published work item when set (workers holding the same
-    /// key refuse anything else).
-    pub signing_key: Option<batchfleet_shared::signing::SigningKey>,
-}
-
-impl Connections {
-    /// Connects to Redis.
-    pub async fn store(&self) -> Result<Store, StoreError> {
-        Store::connect(&self.redis_url, &self.redis_prefix, self.connect_timeout).await
-    }
-
-    /// Connects to RabbitMQ.
-    pub async fn broker(&self, name: &str) -> Result<lapin::Connection, BrokerError> {
-        broker::connect(&self.amqp_url, name, self.connect_timeout).await
-    }
-}
-
-/// Settings of `batchfleet run`.
-#[derive(Debug, Clone)]
-pub struct RunConfig {
-    /// Broker and store.
-    pub connections: Connections,
-    /// Draw a progress bar on a terminal.
-    pub progress: bool,
-    /// How often progress is read from Redis.
-    pub poll_interval: Duration,
-    /// Unconfirmed publishes allowed in flight.
-    pub publish_window: usize,
-    /// Stragglers, dead workers and lost items.
-    pub supervise: supervisor::SuperviseConfig,
-    /// Folders every path of a job must stay under; empty: the manifest's folder.
-    pub data_roots: Vec<PathBuf>,
-}
 
 /// How a `run` ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,26 +63,6 @@ pub enum RunOutcome {
         /// Job id.
         job_id: String,
     },
-}
-
-/// Why a `run` failed. Each variant maps to an exit code in [`cli`].
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    /// The manifest is invalid; nothing was published.
-    #[error("{0}")]
-    Manifest(#[from] manifest::ManifestError),
-    /// RabbitMQ failed.
-    #[error(transparent)]
-    Broker(#[from] BrokerError),
-    /// Redis failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// Planning failed (unreadable or malformed input).
-    #[error(transparent)]
-    Plan(#[from] planner::PlanError),
-    /// Output could not be written or is inconsistent.
-    #[error("{0}")]
-    Output(String),
 }
 
 /// Runs the job of a manifest to completion: validate, connect, plan,

@@ -4,9 +4,10 @@
 //! [`Supervisor`] act on dead workers, stragglers and lost state. A Redis or
 //! RabbitMQ outage only pauses it: it keeps polling until they are back.
 
+use crate::config::RunConfig;
+use crate::error::RunError;
 use crate::manifest::ErrorBudget;
 use crate::supervisor::Supervisor;
-use crate::{RunConfig, RunError};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{JobStatus, Progress, Store};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};

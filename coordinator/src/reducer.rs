@@ -1,10 +1,10 @@
 //! Closes a job: checks every committed item has its part file, writes
 //! `summary.json` atomically, then `_SUCCESS`, then marks the job completed.
 
-use crate::dispatcher::{SUCCESS_FILE, SUMMARY_FILE};
-use crate::RunError;
+use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat};
+use batchfleet_shared::output::{PARTIAL_DIR, SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -326,7 +326,7 @@ pub async fn finish(
             .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
     // Checkpoint segments left by a slower copy of an item that lost the race.
-    let _ = batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new("_partial"));
+    let _ = batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new(PARTIAL_DIR));
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;

@@ -30,9 +30,10 @@
 //! Lease times are Redis's clock, and so is `now` here: no machine's clock
 //! decides whether a lease is stale.
 
+use crate::config::Connections;
+use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner::Plan;
-use crate::{Connections, RunError};
 use batchfleet_shared::broker::{self, ConfirmedPublisher, Outgoing, PoolQueues};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
@@ -134,7 +135,7 @@ impl Supervisor {
     /// manifest when first needed if not given.
     pub fn new(
         job_id: &str,
-        run: &crate::RunConfig,
+        run: &crate::config::RunConfig,
         spec: Option<Arc<JobSpec>>,
         plan: Option<Arc<Plan>>,
     ) -> Self {

@@ -273,9 +273,10 @@ fn run_job(
         );
     }
     let out = manifest.parent().unwrap_or(Path::new(".")).join("out");
-    let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("summary.json"))?)?;
-    if !out.join("_SUCCESS").is_file() {
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(
+        out.join(batchfleet_shared::output::SUMMARY_FILE),
+    )?)?;
+    if !out.join(batchfleet_shared::output::SUCCESS_FILE).is_file() {
         bail!("no _SUCCESS in {}", out.display());
     }
     let wall = summary["duration_s"].as_f64().unwrap_or(0.0);

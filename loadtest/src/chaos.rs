@@ -15,6 +15,7 @@
 
 use anyhow::{bail, Context, Result};
 use batchfleet_loadtest::services;
+use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -591,7 +592,7 @@ fn job_id(prefix: &str) -> Result<String> {
 fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
     let out = dir.join("out");
     let summary: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(out.join("summary.json")).context("reading summary.json")?,
+        &std::fs::read(out.join(SUMMARY_FILE)).context("reading summary.json")?,
     )?;
     let num = |k: &str| {
         summary
@@ -659,7 +660,7 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
     }
     // INV-FILES: no temp file outside staging (and staging empty), _SUCCESS iff completed.
     let completed = summary.get("status").and_then(|s| s.as_str()) == Some("completed");
-    if completed != out.join("_SUCCESS").is_file() {
+    if completed != out.join(SUCCESS_FILE).is_file() {
         v.push(format!(
             "INV-FILES: status {:?} but _SUCCESS present = {}",
             summary.get("status"),
@@ -678,7 +679,7 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
             .unwrap_or_default();
         let known = rel.starts_with("part-")
             || rel.starts_with("rejects/part-")
-            || matches!(name.as_str(), "_SUCCESS" | "_JOB" | "summary.json");
+            || [SUCCESS_FILE, OWNER_FILE, SUMMARY_FILE].contains(&name.as_str());
         if !known {
             v.push(format!("INV-FILES: unexpected file {rel}"));
         }

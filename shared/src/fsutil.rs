@@ -51,7 +51,7 @@ pub enum Publish {
 
 /// Name of the staging folder inside an output directory. Temp files live only
 /// here, so a crash never leaves a partial file where readers look.
-pub const STAGING_DIR: &str = "_staging";
+pub use crate::output::STAGING_DIR;
 
 /// An entry under an output folder that is a symbolic link (or not what it
 /// should be), refused: nothing under an output folder is followed through

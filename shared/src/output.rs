@@ -1,6 +1,17 @@
-//! The layout of a job's output folder, read back: used by workers that find
-//! an item already published, and by the coordinator when it rebuilds lost
-//! Redis state from the files (which are the truth).
+//! The layout of a job's output folder — every name in it is defined here —
+//! and its files read back: used by workers that find an item already
+//! published, and by the coordinator when it rebuilds lost Redis state from
+//! the files (which are the truth).
+//!
+//! | name | what |
+//! | --- | --- |
+//! | `part-<seq>.<format>` | the committed predictions of item `seq` |
+//! | `rejects/part-<seq>.jsonl` | its rejected rows, with why |
+//! | `_partial/part-<seq>-<digest>/` | checkpoint segments of an item in progress |
+//! | `_staging/` | files being written (random names; never read) |
+//! | `_JOB` | the id of the job that owns the folder |
+//! | `summary.json`, `_SUCCESS` | written when the job settles (`_SUCCESS` only if it completed) |
+//! | `predictions.<format>` | the merged output (`[output] merge = true`) |
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +23,16 @@ pub fn merged_file_name(format: crate::message::OutputFormat) -> String {
 
 /// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
 pub const REJECTS_DIR: &str = "rejects";
+/// File in the output folder naming the job that owns it.
+pub const OWNER_FILE: &str = "_JOB";
+/// File written into the output folder when a job completed.
+pub const SUCCESS_FILE: &str = "_SUCCESS";
+/// The job summary.
+pub const SUMMARY_FILE: &str = "summary.json";
+/// Folder holding the checkpoint segments of items in progress.
+pub const PARTIAL_DIR: &str = "_partial";
+/// Folder holding temporary files while they are written (never read).
+pub const STAGING_DIR: &str = "_staging";
 
 /// The rejects file of item `seq` in output folder `out`.
 pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {

@@ -11,14 +11,13 @@
 //! ([`batchfleet_shared::fsutil`]): a link planted under `_partial/` is
 //! refused, never followed.
 
+use crate::batch::Reject;
 use crate::error::ItemError;
-use crate::reader::Reject;
 use crate::writer;
 use batchfleet_shared::message::OutputFormat;
 use std::path::{Path, PathBuf};
 
-/// Folder (inside the output folder) holding the checkpoint segments of items in progress.
-pub const PARTIAL_DIR: &str = "_partial";
+pub use batchfleet_shared::output::PARTIAL_DIR;
 
 /// The checkpoint folder of item `seq` run with the model of digest `sha256`,
 /// relative to the output folder.

@@ -6,8 +6,8 @@
 //! item, per `on_bad_row`); its `raw` text is the row's values as a JSON
 //! object, and its `line` is the 1-based row number in the file.
 
+use crate::batch::{Batch, Reject};
 use crate::error::ItemError;
-use crate::reader::{Batch, Reject};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,

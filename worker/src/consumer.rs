@@ -439,7 +439,7 @@ struct Computed {
     /// Rows predicted.
     rows: u64,
     /// Rows rejected (parse and model), in line order.
-    rejects: Vec<reader::Reject>,
+    rejects: Vec<crate::batch::Reject>,
     /// Histogram of the predictions.
     hist: Vec<Vec<u64>>,
     /// Rows a checkpoint held.
@@ -454,7 +454,7 @@ struct Computed {
 enum PartSource {
     Rows(
         Box<(
-            reader::Batch,
+            crate::batch::Batch,
             crate::runner::Predictions,
             batchfleet_shared::message::OutputSpec,
         )>,
@@ -699,7 +699,7 @@ fn timed_out(policy: &batchfleet_shared::message::FailurePolicy) -> ItemError {
     ))
 }
 
-fn log_rejects(rejects: &[reader::Reject]) {
+fn log_rejects(rejects: &[crate::batch::Reject]) {
     if let Some(first) = rejects.first() {
         tracing::warn!(rejected = rejects.len(), first = %first.reason, "rows rejected");
     }

@@ -4,8 +4,8 @@
 //! leaves to others for a while ([`Bench`]) and the disk-full pause
 //! ([`Pause`]).
 
+use crate::batch::Batch;
 use crate::error::ItemError;
-use crate::reader;
 use crate::runner::{ModelRunner, Predictions};
 use batchfleet_shared::broker::{ConfirmedPublisher, PoolQueues};
 use batchfleet_shared::message::{ItemLimits, WorkItem};
@@ -270,7 +270,7 @@ impl std::fmt::Debug for ItemContext {
 #[derive(Debug)]
 pub enum Predicted {
     /// The batch and the model's answer.
-    Done(Box<reader::Batch>, Result<Predictions, ItemError>),
+    Done(Box<Batch>, Result<Predictions, ItemError>),
     /// The call ran past its time; the runner was replaced.
     TimedOut,
     /// Shutdown came before the item's turn.
@@ -414,7 +414,7 @@ impl ItemContext {
         &self,
         item: &WorkItem,
         attempt: u32,
-        batch: reader::Batch,
+        batch: Batch,
         rows: std::ops::Range<usize>,
         budget: &mut Duration,
         lease: &crate::lease::LeaseGuard,

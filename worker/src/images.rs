@@ -15,8 +15,8 @@
 //! A file that does not decode is a bad row (rejected or failing the item,
 //! per `on_bad_row`); a file that is gone or changed size since planning is poison.
 
+use crate::batch::{Batch, Reject};
 use crate::error::ItemError;
-use crate::reader::{Batch, Reject};
 use batchfleet_shared::message::{ImageSpec, OnBadRow};
 use image::imageops::FilterType;
 use image::DynamicImage;

@@ -12,8 +12,10 @@
 //!   dead letter, reject), chosen by who is at fault.
 //! - [`checkpoint`]: finished segments of a long item, for resuming it.
 //! - [`infra`]: items the broker dead-lettered itself, recorded as failed.
-//! - [`reader`]: a CSV or JSON Lines byte range parsed into one contiguous `f32`
-//!   buffer; bad rows rejected. Dispatches to [`columnar`] (Parquet row groups,
+//! - [`batch`]: an item's rows as the model takes them (one contiguous `f32`
+//!   buffer, ids beside it) and the rejected rows, with why.
+//! - [`reader`]: a CSV or JSON Lines byte range parsed into a [`batch::Batch`];
+//!   bad rows rejected. Dispatches to [`columnar`] (Parquet row groups,
 //!   projected columns) and [`images`] (image files, decoded and normalised).
 //! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait;
 //!   mini-batching, out-of-memory halving and poison-row isolation.
@@ -24,6 +26,7 @@
 //! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
 
 pub mod admission;
+pub mod batch;
 pub mod checkpoint;
 pub mod columnar;
 pub mod config;

@@ -9,8 +9,8 @@
 //! find the rows that make it raise (poison-row isolation), so one bad record
 //! costs one row, not the item.
 
+use crate::batch::Batch;
 use crate::error::ItemError;
-use crate::reader::Batch;
 use batchfleet_shared::message::{FailurePolicy, ModelRef};
 use batchfleet_shared::metrics::names;
 use std::collections::HashMap;

@@ -4,8 +4,8 @@
 //! the job's output folder and reached through its handle, so a link planted
 //! inside the folder is refused, never followed.
 
+use crate::batch::{Batch, Reject};
 use crate::error::ItemError;
-use crate::reader::{Batch, Reject};
 use crate::runner::Predictions;
 use batchfleet_shared::fsutil::{publish_under, Publish};
 use batchfleet_shared::message::{OutputFormat, OutputSpec};

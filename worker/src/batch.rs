@@ -1,0 +1,133 @@
+//! The rows of one item as the model takes them — one contiguous row-major
+//! `f32` buffer with the row ids (and copied input columns) beside it — and
+//! the rows that were not predicted, with why. Every reader (CSV, JSON Lines,
+//! Parquet, image files) fills a [`Batch`]; the runner and the writer take it.
+
+use serde::{Deserialize, Serialize};
+
+/// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reject {
+    /// Input file.
+    pub file: String,
+    /// 1-based line of the record in the file.
+    pub line: u64,
+    /// The record as it appears in the file (lossy UTF-8, terminator removed).
+    pub raw: String,
+    /// What is wrong with it.
+    pub reason: String,
+    /// `parse` (malformed) or `model` (`forward` raised on it).
+    pub stage: String,
+}
+
+/// The rows of one item, ready for the model.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Batch {
+    /// Features, row-major, `rows × cols`.
+    pub features: Vec<f32>,
+    /// Features per row.
+    pub cols: usize,
+    /// Shape of one row's features when it is not flat (`[channels, height,
+    /// width]` for images); empty means `[cols]`.
+    pub shape: Vec<usize>,
+    pub(crate) ids: String,
+    pub(crate) id_ends: Vec<usize>,
+    /// Copied input columns (`[output] include_columns`), row-major as text.
+    pub(crate) extras: String,
+    pub(crate) extra_ends: Vec<usize>,
+    /// Line and byte span (in `raw`) of each row, for reporting rejects.
+    pub(crate) lines: Vec<u64>,
+    pub(crate) spans: Vec<(usize, usize)>,
+    pub(crate) raw: Vec<u8>,
+    /// Input file, for reporting rejects.
+    pub file: String,
+    /// Rows rejected while parsing.
+    pub rejects: Vec<Reject>,
+}
+
+impl Batch {
+    /// An empty batch of `cols` features per row with room for `rows`.
+    pub fn with_capacity(cols: usize, rows: usize) -> Self {
+        Self {
+            features: Vec::with_capacity(rows * cols),
+            cols,
+            id_ends: Vec::with_capacity(rows),
+            lines: Vec::with_capacity(rows),
+            spans: Vec::with_capacity(rows),
+            ..Self::default()
+        }
+    }
+
+    /// Appends one row (tests and callers without source text).
+    pub fn push(&mut self, id: &str, features: &[f32]) {
+        self.push_row(id, features, 0, (0, 0));
+    }
+
+    pub(crate) fn push_row(&mut self, id: &str, features: &[f32], line: u64, span: (usize, usize)) {
+        // `id` may borrow from a record, so it is copied here, once.
+        debug_assert_eq!(features.len(), self.cols);
+        self.ids.push_str(id);
+        self.id_ends.push(self.ids.len());
+        self.features.extend_from_slice(features);
+        self.lines.push(line);
+        self.spans.push(span);
+    }
+
+    /// The shape of one row as the model takes it.
+    pub fn row_shape(&self) -> Vec<usize> {
+        if self.shape.is_empty() {
+            vec![self.cols]
+        } else {
+            self.shape.clone()
+        }
+    }
+
+    /// Number of rows (not counting parse rejects).
+    pub fn rows(&self) -> usize {
+        self.id_ends.len()
+    }
+
+    /// Appends the text of the next copied input column of the row being
+    /// read (call once per include column, for accepted rows only).
+    pub fn push_extra(&mut self, text: &str) {
+        self.extras.push_str(text);
+        self.extra_ends.push(self.extras.len());
+    }
+
+    /// Copied input column `j` (of `per_row`) of row `i`.
+    pub fn extra(&self, i: usize, j: usize, per_row: usize) -> &str {
+        let k = i * per_row + j;
+        let start = if k == 0 { 0 } else { self.extra_ends[k - 1] };
+        &self.extras[start..self.extra_ends[k]]
+    }
+
+    /// Id of row `i`.
+    pub fn id(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.id_ends[i - 1] };
+        &self.ids[start..self.id_ends[i]]
+    }
+
+    /// A reject record for row `i`, which the model raised on. Its `raw` is
+    /// the record's text, or the row's id for input with no text (Parquet).
+    pub fn model_reject(&self, i: usize, reason: &str) -> Reject {
+        let raw = if self.spans[i].0 == self.spans[i].1 {
+            self.id(i).to_owned()
+        } else {
+            raw_text(&self.raw, self.spans[i])
+        };
+        Reject {
+            file: self.file.clone(),
+            line: self.lines[i],
+            raw,
+            reason: reason.to_owned(),
+            stage: "model".into(),
+        }
+    }
+}
+
+pub(crate) fn raw_text(raw: &[u8], (start, end): (usize, usize)) -> String {
+    let bytes = raw.get(start..end).unwrap_or_default();
+    String::from_utf8_lossy(bytes)
+        .trim_end_matches(['\r', '\n'])
+        .to_owned()
+}
