@@ -150,33 +150,30 @@ fn join(rows: &[u64]) -> String {
 /// Writes the faulty variants of `out/model.pt` (poison.pt, flaky.pt, hang.pt,
 /// slow.pt, oom.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
 pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
-    let script = repo_root().join("loadtest/python/make_faulty_models.py");
-    let status = Command::new(interpreter())
-        .arg(&script)
-        .arg("--base")
-        .arg(out.join("model.pt"))
-        .arg("--out-dir")
-        .arg(out)
-        .args(["--slow-ms", &slow_ms.to_string()])
-        .status()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !status.success() {
-        bail!("{} failed with {status}", script.display());
-    }
-    Ok(())
+    run_model_script(
+        "make_faulty_models.py",
+        out,
+        &["--slow-ms", &slow_ms.to_string()],
+    )
 }
 
 /// Writes `state_dict.pt`, `pickled.pt` and `exported.pt2` — the files most
 /// often mistaken for TorchScript — from the weights of `out/model.pt` into
 /// `out`; see `loadtest/python/make_wrong_models.py`.
 pub fn make_wrong_models(out: &Path) -> Result<()> {
-    let script = repo_root().join("loadtest/python/make_wrong_models.py");
+    run_model_script("make_wrong_models.py", out, &[])
+}
+
+/// Runs `loadtest/python/<script> --base out/model.pt --out-dir out <extra>`.
+fn run_model_script(script: &str, out: &Path, extra: &[&str]) -> Result<()> {
+    let script = repo_root().join("loadtest/python").join(script);
     let status = Command::new(interpreter())
         .arg(&script)
         .arg("--base")
         .arg(out.join("model.pt"))
         .arg("--out-dir")
         .arg(out)
+        .args(extra)
         .status()
         .with_context(|| format!("running {}", script.display()))?;
     if !status.success() {

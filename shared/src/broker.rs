@@ -501,13 +501,22 @@ pub fn headers<'a>(
     ints: impl IntoIterator<Item = (&'a str, i64)>,
 ) -> FieldTable {
     let mut t = FieldTable::default();
+    set_headers(&mut t, strings, ints);
+    t
+}
+
+/// Sets string and integer values in a header table (replacing those there).
+pub fn set_headers<'a>(
+    t: &mut FieldTable,
+    strings: impl IntoIterator<Item = (&'a str, String)>,
+    ints: impl IntoIterator<Item = (&'a str, i64)>,
+) {
     for (k, v) in strings {
         t.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
     }
     for (k, v) in ints {
         t.insert(k.into(), AMQPValue::LongLongInt(v));
     }
-    t
 }
 
 /// Reads an integer header (any AMQP integer type) from a message's headers.

@@ -34,11 +34,6 @@ pub const PARTIAL_DIR: &str = "_partial";
 /// Folder holding temporary files while they are written (never read).
 pub const STAGING_DIR: &str = "_staging";
 
-/// The rejects file of item `seq` in output folder `out`.
-pub fn rejects_path(out: &Path, seq: u32) -> PathBuf {
-    out.join(REJECTS_DIR).join(format!("part-{seq:06}.jsonl"))
-}
-
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).
 pub use crate::table::count_rows;
@@ -48,45 +43,22 @@ pub fn rejects_rel(seq: u32) -> PathBuf {
     Path::new(REJECTS_DIR).join(format!("part-{seq:06}.jsonl"))
 }
 
-/// Counts the lines of a rejects file; 0 if there is none.
-pub fn count_rejects(path: &Path) -> std::io::Result<u64> {
-    match crate::source::fs::read(path) {
-        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
-        Err(e) => Err(e),
-    }
-}
-
-/// Counts the rejected rows of item `seq` in output folder `out` (0 if it
-/// has no rejects file), following no link inside the folder.
+/// Counts the rejected rows of item `seq` in output folder `out` (the
+/// lines of its rejects file; 0 if it has none), following no link inside
+/// the folder.
 pub fn count_rejects_under(out: &Path, seq: u32) -> std::io::Result<u64> {
-    let input = match crate::fsutil::open_under(out, &rejects_rel(seq)) {
-        Ok(i) => i,
+    let bytes = match crate::fsutil::open_under(out, &rejects_rel(seq)).and_then(|i| i.read_all()) {
+        Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(e),
     };
-    match input.read_all() {
-        Ok(bytes) => Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
-        Err(e) => Err(e),
-    }
+    Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64)
 }
 
-/// Rows of a part file and the histogram of its model-output columns
-/// (`counts[c][bin]`, see [`crate::message::OutputSpec::is_score_column`]).
-pub fn histogram_of_part(
-    path: &Path,
-    spec: &crate::message::OutputSpec,
-) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
-    histogram_of(
-        crate::source::Input::open(path)?,
-        crate::table::format_of(path)?,
-        spec,
-    )
-}
-
-/// [`histogram_of_part`] for the part file `rel` of output folder `out`,
-/// following no link inside the folder.
+/// Rows of the part file `rel` of output folder `out` and the histogram of
+/// its model-output columns (`counts[c][bin]`, see
+/// [`crate::message::OutputSpec::is_score_column`]), following no link
+/// inside the folder.
 pub fn histogram_under(
     out: &Path,
     rel: &Path,
@@ -99,7 +71,7 @@ pub fn histogram_under(
     )
 }
 
-/// [`histogram_of_part`] for a part file already opened, in `format`.
+/// [`histogram_under`] for a part file already opened, in `format`.
 pub fn histogram_of(
     input: crate::source::Input,
     format: crate::message::OutputFormat,

@@ -15,7 +15,7 @@
 
 use crate::checkpoint::{self, finished_segments, segment_path, segment_rejects};
 use crate::context::{ItemContext, Predicted};
-use crate::error::{FailureClass, ItemError};
+use crate::error::ItemError;
 use crate::lease::{lease_for, LeaseGuard};
 use crate::settle::{
     give_back, hand_back, reject, settle_error, Handled, Held, UNKNOWN_SINCE_HEADER,
@@ -338,14 +338,7 @@ async fn process(
     stats.rows = rows;
     stats.rows_rejected = rejects.len() as u64;
     stats.rows_resumed = resumed;
-    if ctx.debug.disk_full() {
-        return Err(ItemError::new(
-            FailureClass::DiskFull,
-            format!(
-                "cannot write {shown}: No space left on device (played by --debug-disk-full-while)"
-            ),
-        ));
-    }
+    ctx.debug.check_disk(&out.join(&part))?;
     let write_started = Instant::now();
     let (o, p, r, rows_now) = (out.clone(), part.clone(), rejects_rel.clone(), stats.rows);
     let (won_part, completed) = blocking(move || {
@@ -501,17 +494,15 @@ async fn compute(
     let rows = batch.rows();
     let mut hist: Vec<Vec<u64>> = Vec::new();
     if seg == 0 || rows <= seg {
-        let preds = match ctx
+        let call = ctx
             .predict(item, attempt, batch, 0..rows, &mut budget, lease)
-            .await
-        {
-            Predicted::Done(b, p) => {
-                batch = *b;
-                p?
+            .await;
+        let preds = match turn(call, policy)? {
+            Ok((b, p)) => {
+                batch = b;
+                p
             }
-            Predicted::TimedOut => return Err(timed_out(policy)),
-            Predicted::Shutdown => return Ok(Err(Handled::Released)),
-            Predicted::WaitedTooLong => return Ok(Err(Handled::HandedBack)),
+            Err(early) => return Ok(Err(early)),
         };
         rejects.extend(
             preds
@@ -569,13 +560,19 @@ async fn compute(
             "resuming the item from its checkpoint"
         );
     }
-    lease.rows_resumed.store(resumed as u64, Ordering::Relaxed);
-    lease.rows_done.store(resumed as u64, Ordering::Relaxed);
+    lease
+        .signals
+        .rows_resumed
+        .store(resumed as u64, Ordering::Relaxed);
+    lease
+        .signals
+        .rows_done
+        .store(resumed as u64, Ordering::Relaxed);
     let mut files = resumed_files;
     let mut predicted = 0usize;
     let mut failed = model_rejects.len();
     while next < rows {
-        if lease.done_elsewhere.is_cancelled() {
+        if lease.signals.done_elsewhere.is_cancelled() {
             // A faster copy committed: this copy's segments are not
             // needed (and the job's summary may already be written).
             let (o, d) = (out.to_owned(), dir.clone());
@@ -591,17 +588,15 @@ async fn compute(
             return Ok(Err(Handled::Released));
         }
         let end = (next + seg).min(rows);
-        let preds = match ctx
+        let call = ctx
             .predict(item, attempt, batch, next..end, &mut budget, lease)
-            .await
-        {
-            Predicted::Done(b, p) => {
-                batch = *b;
-                p?
+            .await;
+        let preds = match turn(call, policy)? {
+            Ok((b, p)) => {
+                batch = b;
+                p
             }
-            Predicted::TimedOut => return Err(timed_out(policy)),
-            Predicted::Shutdown => return Ok(Err(Handled::Released)),
-            Predicted::WaitedTooLong => return Ok(Err(Handled::HandedBack)),
+            Err(early) => return Ok(Err(early)),
         };
         let seg_rejects: Vec<_> = preds
             .failed
@@ -611,15 +606,7 @@ async fn compute(
         failed += seg_rejects.len();
         hspec.add(&mut hist, &preds.values, preds.width);
         let path = segment_path(&dir, (next, end), format);
-        if ctx.debug.disk_full() {
-            return Err(ItemError::new(
-                FailureClass::DiskFull,
-                format!(
-                    "cannot write {}: No space left on device (played by --debug-disk-full-while)",
-                    out.join(&path).display()
-                ),
-            ));
-        }
+        ctx.debug.check_disk(&out.join(&path))?;
         let (o, p, b, spec) = (
             out.to_owned(),
             path.clone(),
@@ -642,7 +629,10 @@ async fn compute(
         files.push(path);
         predicted += end - next;
         next = end;
-        lease.rows_done.store(next as u64, Ordering::Relaxed);
+        lease
+            .signals
+            .rows_done
+            .store(next as u64, Ordering::Relaxed);
     }
     rejects.extend(model_rejects);
     rejects.sort_by_key(|r| r.line);
@@ -690,6 +680,21 @@ fn model_label(model: &batchfleet_shared::message::ModelRef) -> String {
     Path::new(&model.path)
         .file_name()
         .map_or_else(|| model.path.clone(), |n| n.to_string_lossy().into_owned())
+}
+
+/// What a model call came back with: the batch and its predictions, or how
+/// the item ends early — a timeout is the item's failure, a shutdown gives it
+/// back, a wait for the model that took too long hands it to another worker.
+fn turn(
+    predicted: Predicted,
+    policy: &batchfleet_shared::message::FailurePolicy,
+) -> Result<Result<(crate::batch::Batch, crate::runner::Predictions), Handled>, ItemError> {
+    match predicted {
+        Predicted::Done(b, p) => Ok(Ok((*b, p?))),
+        Predicted::TimedOut => Err(timed_out(policy)),
+        Predicted::Shutdown => Ok(Err(Handled::Released)),
+        Predicted::WaitedTooLong => Ok(Err(Handled::HandedBack)),
+    }
 }
 
 fn timed_out(policy: &batchfleet_shared::message::FailurePolicy) -> ItemError {

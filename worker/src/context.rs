@@ -123,9 +123,18 @@ impl DebugHooks {
         Self::hits(&self.panic_on_runner, seq, attempt)
     }
 
-    /// Whether a full disk is being played now.
-    pub fn disk_full(&self) -> bool {
-        self.disk_full_while.as_ref().is_some_and(|p| p.exists())
+    /// A full disk when one is being played now (writing `dest` fails).
+    pub fn check_disk(&self, dest: &std::path::Path) -> Result<(), ItemError> {
+        if self.disk_full_while.as_ref().is_some_and(|p| p.exists()) {
+            return Err(ItemError::new(
+                crate::error::FailureClass::DiskFull,
+                format!(
+                    "cannot write {}: No space left on device (played by --debug-disk-full-while)",
+                    dest.display()
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -152,11 +161,15 @@ impl Bench {
     /// Why `job` is left to others now, and for how much longer, if it is.
     pub fn reason(&self, job: &str) -> Option<(String, Duration)> {
         let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if jobs.is_empty() {
+            return None; // every item asks: no map walk, no gauge on the common path
+        }
         Self::gauge(&mut jobs);
         jobs.get(job)
             .map(|(until, why)| (why.clone(), until.saturating_duration_since(Instant::now())))
     }
 
+    /// Drops expired entries and sets the gauge to what is left.
     fn gauge(jobs: &mut HashMap<String, (Instant, String)>) {
         let now = Instant::now();
         jobs.retain(|_, (until, _)| *until > now);
@@ -363,6 +376,18 @@ impl ItemContext {
             .clone()
     }
 
+    /// Publishes one message to `queue` and waits for the broker's confirm.
+    pub async fn publish(
+        &self,
+        queue: &str,
+        msg: batchfleet_shared::broker::Outgoing,
+    ) -> Result<(), batchfleet_shared::broker::BrokerError> {
+        self.publisher()
+            .publish_all(queue, [msg], 1, |_| {})
+            .await
+            .map(|_| ())
+    }
+
     /// Swaps in the publisher of a new broker connection.
     pub fn set_publisher(&self, publisher: ConfirmedPublisher) {
         *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(publisher);
@@ -419,7 +444,7 @@ impl ItemContext {
         budget: &mut Duration,
         lease: &crate::lease::LeaseGuard,
     ) -> Predicted {
-        let (at_model, give_up) = (&lease.at_model, &lease.waited_too_long);
+        let (at_model, give_up) = (&lease.signals.at_model, &lease.signals.waited_too_long);
         if budget.is_zero() {
             // Spent on earlier segments: the runner is fine, the item is too slow.
             return Predicted::TimedOut;

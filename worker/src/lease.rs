@@ -16,14 +16,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-/// The lease on an item and the heartbeat task that keeps it fresh.
-pub struct LeaseGuard {
-    lease: Lease,
-    job: String,
+/// What an item's handler and its heartbeat share.
+#[derive(Debug, Default)]
+pub struct Signals {
     /// Rows of the item finished so far (checkpointed segments), for the heartbeat.
-    pub rows_done: Arc<AtomicU64>,
+    pub rows_done: AtomicU64,
     /// Rows skipped thanks to a checkpoint, for the heartbeat.
-    pub rows_resumed: Arc<AtomicU64>,
+    pub rows_resumed: AtomicU64,
     /// Cancelled when the heartbeat finds the item done elsewhere.
     pub done_elsewhere: CancellationToken,
     /// Cancelled when the item waited longer than `ack_after` without
@@ -31,8 +30,17 @@ pub struct LeaseGuard {
     pub waited_too_long: CancellationToken,
     /// Set once the item had its first turn at the model. Only such an item
     /// is acknowledged early, so unacknowledged items never exceed `--prefetch`.
-    pub at_model: Arc<AtomicBool>,
+    pub at_model: AtomicBool,
+    /// Cancelled to stop the heartbeat.
     stop: CancellationToken,
+}
+
+/// The lease on an item and the heartbeat task that keeps it fresh.
+pub struct LeaseGuard {
+    lease: Lease,
+    job: String,
+    /// Shared with the heartbeat.
+    pub signals: Arc<Signals>,
     task: Option<tokio::task::JoinHandle<()>>,
     ctx: Arc<ItemContext>,
     released: bool,
@@ -58,33 +66,18 @@ impl LeaseGuard {
         ctx: Arc<ItemContext>,
     ) -> Self {
         let lease = lease_for(item, attempt, &ctx, at_ms);
-        let rows_done = Arc::new(AtomicU64::new(0));
-        let rows_resumed = Arc::new(AtomicU64::new(0));
-        let done_elsewhere = CancellationToken::new();
-        let waited_too_long = CancellationToken::new();
-        let at_model = Arc::new(AtomicBool::new(false));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(heartbeat_loop(Heartbeat {
-            job: item.job_id.clone(),
-            lease: lease.clone(),
+        let signals = Arc::new(Signals::default());
+        let task = tokio::spawn(heartbeat_loop(
+            item.job_id.clone(),
+            lease.clone(),
             held,
-            ctx: ctx.clone(),
-            rows_done: rows_done.clone(),
-            rows_resumed: rows_resumed.clone(),
-            done_elsewhere: done_elsewhere.clone(),
-            waited_too_long: waited_too_long.clone(),
-            at_model: at_model.clone(),
-            stop: stop.clone(),
-        }));
+            ctx.clone(),
+            signals.clone(),
+        ));
         Self {
             lease,
             job: item.job_id.clone(),
-            rows_done,
-            rows_resumed,
-            done_elsewhere,
-            waited_too_long,
-            at_model,
-            stop,
+            signals,
             task: Some(task),
             ctx,
             released: false,
@@ -95,7 +88,7 @@ impl LeaseGuard {
     /// could not be handed back, so the stale lease is what makes the
     /// coordinator publish it again, and not after a commit, which dropped it).
     pub async fn finish(mut self, drop: bool) {
-        self.stop.cancel();
+        self.signals.stop.cancel();
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
@@ -112,7 +105,7 @@ impl Drop for LeaseGuard {
     /// The backstop when `finish` was never reached (a panic): the heartbeat
     /// stops and the lease is dropped, so the item is not held by nobody.
     fn drop(&mut self) {
-        self.stop.cancel();
+        self.signals.stop.cancel();
         if self.released {
             return;
         }
@@ -142,42 +135,23 @@ pub fn lease_for(item: &WorkItem, attempt: u32, ctx: &ItemContext, at_ms: u64) -
     }
 }
 
-struct Heartbeat {
+async fn heartbeat_loop(
     job: String,
-    lease: Lease,
+    mut lease: Lease,
     held: Arc<Held>,
     ctx: Arc<ItemContext>,
-    rows_done: Arc<AtomicU64>,
-    rows_resumed: Arc<AtomicU64>,
-    done_elsewhere: CancellationToken,
-    waited_too_long: CancellationToken,
-    at_model: Arc<AtomicBool>,
-    stop: CancellationToken,
-}
-
-async fn heartbeat_loop(hb: Heartbeat) {
-    let Heartbeat {
-        job,
-        mut lease,
-        held,
-        ctx,
-        rows_done,
-        rows_resumed,
-        done_elsewhere,
-        waited_too_long,
-        at_model,
-        stop,
-    } = hb;
+    signals: Arc<Signals>,
+) {
     let mut tick = tokio::time::interval(ctx.tuning.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await; // the first tick is immediate; the lease was just written
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = signals.stop.cancelled() => return,
             _ = tick.tick() => {}
         }
         if !held.is_settled() && held.received.elapsed() >= ctx.tuning.ack_after {
-            if at_model.load(Ordering::SeqCst) {
+            if signals.at_model.load(Ordering::SeqCst) {
                 // From here the lease alone holds the item: if this worker dies,
                 // the coordinator sees the lease go stale and publishes a copy
                 // (at once when the lease says `acked`, else once the queues are
@@ -188,19 +162,19 @@ async fn heartbeat_loop(hb: Heartbeat) {
                     held_s = held.received.elapsed().as_secs(),
                     "long item: acknowledged early, held by its lease"
                 );
-            } else if !waited_too_long.is_cancelled() {
+            } else if !signals.waited_too_long.is_cancelled() {
                 // Never at the model yet (another item holds it): give it to
                 // a worker that is free rather than hold it unacknowledged.
-                waited_too_long.cancel();
+                signals.waited_too_long.cancel();
             }
         }
-        lease.rows_done = rows_done.load(Ordering::Relaxed);
-        lease.rows_resumed = rows_resumed.load(Ordering::Relaxed);
+        lease.rows_done = signals.rows_done.load(Ordering::Relaxed);
+        lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
         match ctx.store.heartbeat(&job, &lease).await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::info!("item committed elsewhere (a faster copy); stopping this one");
-                done_elsewhere.cancel();
+                signals.done_elsewhere.cancel();
             }
             Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
         }

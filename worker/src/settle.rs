@@ -9,7 +9,7 @@
 
 use crate::context::ItemContext;
 use crate::error::{FailureClass, ItemError};
-use batchfleet_shared::broker::{int_header, Outgoing};
+use batchfleet_shared::broker::{int_header, set_headers, Outgoing};
 use batchfleet_shared::message::{
     WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
     MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
@@ -18,7 +18,7 @@ use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, UnableNote};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::FieldTable;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -168,13 +168,48 @@ fn headers_from<'a>(
     ints: impl IntoIterator<Item = (&'a str, i64)>,
 ) -> FieldTable {
     let mut t = own_headers(held);
-    for (k, v) in strings {
-        t.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
-    }
-    for (k, v) in ints {
-        t.insert(k.into(), AMQPValue::LongLongInt(v));
-    }
+    set_headers(&mut t, strings, ints);
     t
+}
+
+/// The message that carries `item` on: the delivery itself (body and
+/// headers), or — once it was acknowledged early and is gone — the item
+/// encoded anew at `attempt`.
+fn carried(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Outgoing {
+    if held.is_settled() {
+        return Outgoing::work_item(item, attempt, ctx.guard.key.as_ref());
+    }
+    Outgoing {
+        message_id: format!("{}/{}", item.job_id, item.seq),
+        kind: MESSAGE_TYPE_V1,
+        body: held.delivery.data.clone(),
+        headers: own_headers(held),
+        expiration_ms: None,
+    }
+}
+
+/// Publishes `msg` to `queue` (confirmed) and only then acks the delivery.
+/// If the publish fails the item goes back to the queue instead: `Err` with
+/// that outcome and whether the lease must be kept.
+async fn publish_then_ack(
+    held: &Held,
+    item: &WorkItem,
+    attempt: u32,
+    queue: &str,
+    msg: Outgoing,
+    ctx: &ItemContext,
+) -> Result<(), (Handled, bool)> {
+    match ctx.publish(queue, msg).await {
+        Ok(()) => {
+            held.ack().await;
+            Ok(())
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "could not publish the item on; returning it to the queue");
+            let returned = give_back(held, item, attempt, ctx).await;
+            Err((Handled::Released, !returned))
+        }
+    }
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -310,12 +345,8 @@ pub async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemCon
         return true;
     }
     let msg = Outgoing::work_item(item, attempt, ctx.guard.key.as_ref());
-    match ctx
-        .publisher()
-        .publish_all(&ctx.queues.work(), [msg], 1, |_| {})
-        .await
-    {
-        Ok(_) => true,
+    match ctx.publish(&ctx.queues.work(), msg).await {
+        Ok(()) => true,
         Err(e) => {
             tracing::warn!(error = %e, "could not hand the item back; its lease will go stale and the coordinator will publish it again");
             false
@@ -336,18 +367,8 @@ pub async fn hand_back(
     class: &'static str,
     ctx: &ItemContext,
 ) -> (Handled, bool) {
-    let mut msg = if held.is_settled() {
-        // Acknowledged early: the delivery is gone, publish the item anew.
-        Outgoing::work_item(item, attempt, ctx.guard.key.as_ref())
-    } else {
-        Outgoing {
-            message_id: format!("{}/{}", item.job_id, item.seq),
-            kind: MESSAGE_TYPE_V1,
-            body: held.delivery.data.clone(),
-            headers: headers_from(held, [], extra.iter().copied()),
-            expiration_ms: None,
-        }
-    };
+    let mut msg = carried(held, item, attempt, ctx);
+    set_headers(&mut msg.headers, [], extra.iter().copied());
     let queue = match delay {
         Some(d) => {
             let ms = d.as_millis().max(1) as u64;
@@ -356,18 +377,11 @@ pub async fn hand_back(
         }
         None => ctx.queues.work(),
     };
-    match ctx.publisher().publish_all(&queue, [msg], 1, |_| {}).await {
-        Ok(_) => {
-            held.ack().await;
-            metrics::counter!(names::WORKER_ITEMS_HANDED_BACK, "class" => class).increment(1);
-            (Handled::HandedBack, false)
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, "could not hand the item back; returning it to the queue");
-            let returned = give_back(held, item, attempt, ctx).await;
-            (Handled::Released, !returned)
-        }
+    if let Err(returned) = publish_then_ack(held, item, attempt, &queue, msg, ctx).await {
+        return returned;
     }
+    metrics::counter!(names::WORKER_ITEMS_HANDED_BACK, "class" => class).increment(1);
+    (Handled::HandedBack, false)
 }
 
 /// Re-publishes the item to a retry tier for attempt `attempt + 1`, then
@@ -383,45 +397,25 @@ pub async fn retry(
     let delay = item.task.failure.retry_delay_ms(next, fastrand::f64());
     let queue = ctx.queues.retry_for(delay);
     tracing::warn!(error = %e.message, class = %e.class, next_attempt = next, delay_ms = delay, "retrying later");
-    let body_and_headers = if held.is_settled() {
-        let fresh = Outgoing::work_item(item, next, ctx.guard.key.as_ref());
-        (fresh.body, fresh.headers)
-    } else {
-        (held.delivery.data.clone(), own_headers(held))
-    };
-    let mut headers = body_and_headers.1;
-    for (k, v) in [
-        (CLASS_HEADER, e.class.to_string()),
-        (ERROR_HEADER, truncate(&e.message, 2000)),
-    ] {
-        headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+    let mut msg = carried(held, item, next, ctx);
+    set_headers(
+        &mut msg.headers,
+        [
+            (CLASS_HEADER, e.class.to_string()),
+            (ERROR_HEADER, truncate(&e.message, 2000)),
+        ],
+        [
+            (ATTEMPT_HEADER, i64::from(next)),
+            // The retry delay is not queue wait: it counts from when the item is due.
+            (PUBLISHED_HEADER, (ctx.clock.now_ms() + delay) as i64),
+        ],
+    );
+    msg.expiration_ms = Some(delay);
+    if let Err(returned) = publish_then_ack(held, item, attempt, &queue, msg, ctx).await {
+        return returned;
     }
-    for (k, v) in [
-        (ATTEMPT_HEADER, i64::from(next)),
-        // The retry delay is not queue wait: it counts from when the item is due.
-        (PUBLISHED_HEADER, (ctx.clock.now_ms() + delay) as i64),
-    ] {
-        headers.insert(k.into(), AMQPValue::LongLongInt(v));
-    }
-    let msg = Outgoing {
-        message_id: format!("{}/{}", item.job_id, item.seq),
-        kind: MESSAGE_TYPE_V1,
-        body: body_and_headers.0,
-        headers,
-        expiration_ms: Some(delay),
-    };
-    match ctx.publisher().publish_all(&queue, [msg], 1, |_| {}).await {
-        Ok(_) => {
-            held.ack().await;
-            metrics::counter!(names::WORKER_ITEMS_RETRIED, "job" => item.job_id.clone(), "class" => e.class.to_string()).increment(1);
-            (Handled::Retried, false)
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, "could not schedule the retry; returning the item to the queue");
-            let returned = give_back(held, item, attempt, ctx).await;
-            (Handled::Released, !returned)
-        }
-    }
+    metrics::counter!(names::WORKER_ITEMS_RETRIED, "job" => item.job_id.clone(), "class" => e.class.to_string()).increment(1);
+    (Handled::Retried, false)
 }
 
 /// Publishes the message to the dead queue with `headers`, then acks.
@@ -439,12 +433,8 @@ async fn publish_dead(
         headers,
         expiration_ms: None,
     };
-    match ctx
-        .publisher()
-        .publish_all(&ctx.queues.dead(), [msg], 1, |_| {})
-        .await
-    {
-        Ok(_) => true,
+    match ctx.publish(&ctx.queues.dead(), msg).await {
+        Ok(()) => true,
         Err(err) => {
             tracing::warn!(error = %err, "could not dead-letter the message; returning it to the queue");
             false

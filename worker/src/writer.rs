@@ -13,7 +13,7 @@ use batchfleet_shared::table::{Cell, Kind, PartWriter};
 use std::io::Write;
 use std::path::Path;
 
-pub use batchfleet_shared::output::{count_rejects, count_rows, REJECTS_DIR};
+pub use batchfleet_shared::output::{count_rejects_under, count_rows, REJECTS_DIR};
 
 /// The columns of a part file for a model of `width` outputs: `id`, the
 /// copied input columns (`include_columns`), the outputs (unless
@@ -443,8 +443,8 @@ mod tests {
         let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(first["line"], 7);
         assert_eq!(first["raw"], "1,\"x\"");
-        assert_eq!(count_rejects(&dest).unwrap(), 2);
-        assert_eq!(count_rejects(&dir.path().join("none")).unwrap(), 0);
+        assert_eq!(count_rejects_under(dir.path(), 1).unwrap(), 2);
+        assert_eq!(count_rejects_under(dir.path(), 2).unwrap(), 0);
         // A later attempt without rejects removes the stale file.
         write_rejects(dir.path(), &rel, &[]).unwrap();
         assert!(!dest.exists());

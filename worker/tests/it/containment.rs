@@ -49,6 +49,45 @@ fn verified(dir: &Path) -> Vec<String> {
     missing
 }
 
+type Run = tokio::task::JoinHandle<Result<RunOutcome, batchfleet_coordinator::RunError>>;
+
+/// Starts `batchfleet run` on `manifest` in this process (a coordinator
+/// validating, publishing and following the job).
+fn start_run(cfg: &batchfleet_coordinator::RunConfig, manifest: &Path) -> Run {
+    let (cfg, manifest) = (cfg.clone(), manifest.to_owned());
+    tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
+}
+
+/// How `run` ended, once it settled (within `within`).
+async fn settled(run: Run, within: Duration) -> RunOutcome {
+    tokio::time::timeout(within, run)
+        .await
+        .expect("settled in time")
+        .expect("task")
+        .expect("run")
+}
+
+/// The summary of `run`, which must have followed its job to the end.
+async fn summary(run: Run, within: Duration) -> batchfleet_coordinator::reducer::Summary {
+    match settled(run, within).await {
+        RunOutcome::Completed { report, .. } => *report,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Makes the 0-based `lines` of a CSV file bad rows (one field too many).
+fn add_a_field(file: &Path, lines: &[usize]) {
+    let mut text: Vec<String> = std::fs::read_to_string(file)
+        .expect("data")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    for &l in lines {
+        text[l] = text[l].replacen(',', ",oops,", 1);
+    }
+    std::fs::write(file, text.join("\n") + "\n").expect("data");
+}
+
 fn alive(workers: &mut [Worker]) {
     for w in workers {
         assert!(
@@ -133,10 +172,8 @@ async fn a_model_swapped_for_a_state_dict_fails_its_job_at_once_and_the_other_jo
     make_wrong_models(&env.path().join("bad")).expect("wrong models");
     // Both jobs are validated and published before any worker runs...
     let cfg = env.run_config();
-    let (c1, c2) = (cfg.clone(), cfg.clone());
-    let (g, b) = (good.clone(), bad.clone());
-    let good_run = tokio::spawn(async move { run_job(&c1, &g, CancellationToken::new()).await });
-    let bad_run = tokio::spawn(async move { run_job(&c2, &b, CancellationToken::new()).await });
+    let good_run = start_run(&cfg, &good);
+    let bad_run = start_run(&cfg, &bad);
     until("both jobs published", Duration::from_secs(60), || async {
         env.work_queue().await.map(|(ready, _)| ready) == Some(12)
     })
@@ -149,11 +186,7 @@ async fn a_model_swapped_for_a_state_dict_fails_its_job_at_once_and_the_other_jo
     .expect("swap");
     let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
     let started = Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(60), bad_run)
-        .await
-        .expect("the bad job settled")
-        .expect("task")
-        .expect("run");
+    let outcome = settled(bad_run, Duration::from_secs(60)).await;
     let failed_in = started.elapsed();
     assert_eq!(batchfleet_coordinator::cli::exit_code(&outcome), 5);
     let RunOutcome::Completed {
@@ -180,11 +213,7 @@ async fn a_model_swapped_for_a_state_dict_fails_its_job_at_once_and_the_other_jo
     assert_eq!(on_disk["failed_reason"].as_str(), Some(reason.as_str()));
     assert!(!env.path().join("bad/out/_SUCCESS").exists());
 
-    let outcome = tokio::time::timeout(Duration::from_secs(120), good_run)
-        .await
-        .expect("the good job settled")
-        .expect("task")
-        .expect("run");
+    let outcome = settled(good_run, Duration::from_secs(120)).await;
     let RunOutcome::Completed {
         report: good_report,
         ..
@@ -219,10 +248,7 @@ async fn a_job_no_worker_can_run_fails_after_a_bounded_time_and_the_worker_goes_
     cfg.supervise.unable_timeout = Duration::from_secs(3);
     let store = env.connections().store().await.expect("redis");
     let started = Instant::now();
-    let run = {
-        let (cfg, gpu) = (cfg.clone(), gpu.clone());
-        tokio::spawn(async move { run_job(&cfg, &gpu, CancellationToken::new()).await })
-    };
+    let run = start_run(&cfg, &gpu);
     let id = batchfleet_coordinator::manifest::load(&gpu, &[])
         .expect("manifest")
         .job_id;
@@ -246,11 +272,7 @@ async fn a_job_no_worker_can_run_fails_after_a_bounded_time_and_the_worker_goes_
         shown.contains("w1") && shown.contains("no such CUDA device"),
         "{shown}"
     );
-    let outcome = tokio::time::timeout(Duration::from_secs(60), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
+    let outcome = settled(run, Duration::from_secs(60)).await;
     assert_eq!(batchfleet_coordinator::cli::exit_code(&outcome), 5);
     let RunOutcome::Completed { report, .. } = outcome else {
         panic!("{outcome:?}")
@@ -403,10 +425,7 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
     }
     let forged_count = messages.len();
     // The real job runs while the forged messages arrive in the same queue.
-    let run = {
-        let (cfg, real) = (cfg.clone(), real.clone());
-        tokio::spawn(async move { run_job(&cfg, &real, CancellationToken::new()).await })
-    };
+    let run = start_run(&cfg, &real);
     until(
         "the real job published",
         Duration::from_secs(60),
@@ -417,14 +436,7 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
     )
     .await;
     publish(&env, messages).await;
-    let outcome = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed", "{report:?}");
     assert_eq!(report.items_failed, 0);
     assert_eq!(report.deliveries, 4, "no forged copy started a real item");
@@ -515,10 +527,7 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     let env = TestEnv::new("limit");
     let manifest = job_in(&env, "l", 4_000, 1_000);
     let cfg = env.run_config();
-    let run = {
-        let (cfg, manifest) = (cfg.clone(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    let run = start_run(&cfg, &manifest);
     until("published", Duration::from_secs(60), || async {
         env.work_queue().await.map(|(ready, _)| ready) == Some(4)
     })
@@ -559,14 +568,7 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     .await;
     let _ = conn.close(200, "bye".into()).await;
     let mut workers = vec![env.spawn_worker("w1", &[])];
-    let outcome = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed_with_failures");
     let failed: Vec<_> = report
         .failed_items
@@ -596,20 +598,8 @@ async fn two_copies_of_one_item_on_one_worker_commit_one_part_one_rejects_file_a
     let env = TestEnv::new("copies");
     let manifest = job_in(&env, "c", 2_000, 2_000);
     // Bad rows, so the item has a rejects file.
-    let data = env.path().join("c/data/part-00.csv");
-    let mut lines: Vec<String> = std::fs::read_to_string(&data)
-        .expect("data")
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    for l in [11, 500, 1999] {
-        lines[l] = lines[l].replacen(',', ",oops,", 1);
-    }
-    std::fs::write(&data, lines.join("\n") + "\n").expect("data");
-    let run = {
-        let (cfg, manifest) = (env.run_config(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    add_a_field(&env.path().join("c/data/part-00.csv"), &[11, 500, 1999]);
+    let run = start_run(&env.run_config(), &manifest);
     until("published", Duration::from_secs(60), || async {
         env.work_queue().await.map(|(ready, _)| ready) == Some(1)
     })
@@ -619,14 +609,7 @@ async fn two_copies_of_one_item_on_one_worker_commit_one_part_one_rejects_file_a
     publish(&env, vec![Outgoing::work_item(&item, 1, None)]).await;
     let mut workers =
         vec![env.spawn_worker("w1", &["--prefetch", "2", "--debug-batch-delay", "100ms"])];
-    let outcome = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed");
     assert_eq!(report.deliveries, 2, "both copies ran");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -688,18 +671,8 @@ async fn two_copies_of_one_item_on_one_worker_commit_one_part_one_rejects_file_a
 async fn links_planted_in_the_output_folder_are_refused_and_nothing_is_written_through_them() {
     let env = TestEnv::new("links");
     let manifest = job_in(&env, "s", 2_000, 1_000);
-    let data = env.path().join("s/data/part-00.csv");
-    let mut lines: Vec<String> = std::fs::read_to_string(&data)
-        .expect("data")
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    lines[5] = lines[5].replacen(',', ",oops,", 1); // item 0 gets a rejects file
-    std::fs::write(&data, lines.join("\n") + "\n").expect("data");
-    let run = {
-        let (cfg, manifest) = (env.run_config(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    add_a_field(&env.path().join("s/data/part-00.csv"), &[5]); // item 0 gets a rejects file
+    let run = start_run(&env.run_config(), &manifest);
     until("published", Duration::from_secs(60), || async {
         env.work_queue().await.map(|(ready, _)| ready) == Some(2)
     })
@@ -712,14 +685,7 @@ async fn links_planted_in_the_output_folder_are_refused_and_nothing_is_written_t
     std::os::unix::fs::symlink(elsewhere.path().join("victim"), out.join("part-000001.csv"))
         .expect("link");
     let mut workers = vec![env.spawn_worker("w1", &[])];
-    let outcome = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed_with_failures");
     let failed: Vec<_> = report
         .failed_items
@@ -798,10 +764,7 @@ async fn workers_with_wrong_clocks_neither_lose_leases_nor_duplicate_work() {
     let id = batchfleet_coordinator::manifest::load(&manifest, &[])
         .expect("manifest")
         .job_id;
-    let run = {
-        let (cfg, manifest) = (env.run_config(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    let run = start_run(&env.run_config(), &manifest);
     // While it runs, every lease's times are Redis's clock, not the workers'.
     let store = env.connections().store().await.expect("redis");
     let mut seen = 0;
@@ -886,10 +849,7 @@ async fn a_full_disk_pauses_the_worker_and_the_job_completes_once_space_is_freed
     let id = batchfleet_coordinator::manifest::load(&manifest, &[])
         .expect("manifest")
         .job_id;
-    let run = {
-        let (cfg, manifest) = (env.run_config(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    let run = start_run(&env.run_config(), &manifest);
     let store = env.connections().store().await.expect("redis");
     // The worker hits the full disk, says so, hands the item back and pauses.
     until(
@@ -927,14 +887,7 @@ async fn a_full_disk_pauses_the_worker_and_the_job_completes_once_space_is_freed
         Some(fs) => fs.resize("64m"),
         None => std::fs::remove_file(&flag).expect("flag"),
     }
-    let outcome = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("settled")
-        .expect("task")
-        .expect("run");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed");
     assert_eq!(report.items_failed, 0, "no item failed");
     assert!(report.failed_items.is_empty());
@@ -974,10 +927,7 @@ async fn items_acknowledged_early_still_count_against_prefetch() {
     let id = batchfleet_coordinator::manifest::load(&manifest, &[])
         .expect("manifest")
         .job_id;
-    let run = {
-        let (cfg, manifest) = (env.run_config(), manifest.clone());
-        tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
-    };
+    let run = start_run(&env.run_config(), &manifest);
     let store = env.connections().store().await.expect("redis");
     let (mut most, mut acked) = (0, 0);
     while !run.is_finished() {
