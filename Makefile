@@ -10,7 +10,7 @@ export LIBTORCH_USE_PYTORCH := 1
 .PHONY: demo test chaos bench deploy-check venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
-demo: venv services release
+demo: venv release
 	.ci/demo.sh
 
 ## test: formatting, lints and every test (unit and integration) against real services

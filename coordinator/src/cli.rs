@@ -61,6 +61,7 @@ impl GlobalArgs {
             redis_prefix: self.services.redis_prefix.clone(),
             connect_timeout: self.connect_timeout,
             signing_key: self.services.signing_key()?,
+            local: None,
         })
     }
 }
@@ -98,6 +99,10 @@ pub enum Command {
 pub enum DlqCommand {
     /// List dead items (nothing is removed).
     List {
+        /// Read the dead items a `batchfleet run --local` wrote to this
+        /// output folder (`_dead/`) instead of a pool's dead queue.
+        #[arg(long, value_name = "OUTPUT")]
+        local: Option<PathBuf>,
         /// Pool whose dead queue to read.
         #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
         pool: String,
@@ -116,8 +121,19 @@ pub enum DlqCommand {
     /// `rejected`: forged or impossible) are never replayed; purge them.
     Replay {
         /// The job whose dead items to replay.
-        #[arg(long)]
-        job: String,
+        #[arg(long, required_unless_present = "local")]
+        job: Option<String>,
+        /// Run the dead items of the `batchfleet run --local` job whose
+        /// output folder this is again, in this process (its manifest, named
+        /// in summary.json, is run with the committed items taken as done).
+        #[arg(long, value_name = "OUTPUT", conflicts_with_all = ["class", "item", "pool", "no_wait"])]
+        local: Option<PathBuf>,
+        /// With --local: worker pipelines (default: one per core).
+        #[arg(long, requires = "local")]
+        workers: Option<usize>,
+        /// With --local: libtorch threads per pipeline (default: the cores shared out).
+        #[arg(long, requires = "local")]
+        threads: Option<usize>,
         /// Only this failure class.
         #[arg(long)]
         class: Option<String>,
@@ -154,6 +170,20 @@ pub enum DlqCommand {
 pub struct RunArgs {
     /// The job manifest (TOML); see docs/manifest.md.
     pub manifest: PathBuf,
+    /// Run the job in this process — the coordinator and `--workers`
+    /// pipelines over in-process queues and job state — with no RabbitMQ
+    /// or Redis. Same outputs, summary and exit codes; dead items go to
+    /// `<output>/_dead/`. Killed and run again, it resumes from the
+    /// committed part files.
+    #[arg(long, env = "BATCHFLEET_LOCAL")]
+    pub local: bool,
+    /// With --local: worker pipelines, each with its own model (default: one per core).
+    #[arg(long, env = "BATCHFLEET_WORKERS", requires = "local")]
+    pub workers: Option<usize>,
+    /// With --local: libtorch intra-op threads per pipeline (default: the
+    /// cores shared out between the pipelines).
+    #[arg(long, env = "BATCHFLEET_THREADS", requires = "local")]
+    pub threads: Option<usize>,
     #[command(flatten)]
     pub follow: FollowArgs,
 }
@@ -207,6 +237,18 @@ pub struct FollowArgs {
 }
 
 impl FollowArgs {
+    /// Following a job with the default settings (`dlq replay`).
+    fn default_config(connections: Connections) -> RunConfig {
+        RunConfig {
+            connections,
+            progress: true,
+            poll_interval: Duration::from_millis(250),
+            publish_window: 512,
+            supervise: Default::default(),
+            data_roots: Vec::new(),
+        }
+    }
+
     fn run_config(&self, connections: Connections) -> RunConfig {
         RunConfig {
             connections,
@@ -282,7 +324,13 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Run(args) => {
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
-            match crate::run_job(&cfg, &args.manifest, shutdown).await {
+            let run = if args.local {
+                let opts = crate::local::LocalOptions::resolve(args.workers, args.threads);
+                crate::local::run_job(&cfg, &args.manifest, opts, shutdown).await
+            } else {
+                crate::run_job(&cfg, &args.manifest, shutdown).await
+            };
+            match run {
                 Ok(outcome) => report_outcome(&outcome),
                 Err(e) => report_error(&e),
             }
@@ -314,7 +362,7 @@ pub async fn main(cli: Cli) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Ok(None) => {
-                    eprintln!("error: no job \"{}\" in Redis (prefix {}); job ids look like <name>-<hash>, as printed by `batchfleet run`", args.job, store.prefix());
+                    eprintln!("error: no job \"{}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`", args.job, store.describe());
                     ExitCode::from(EXIT_FAILURE)
                 }
                 Err(e) => report_error(&RunError::Store(e)),
@@ -500,7 +548,56 @@ fn report_error(e: &RunError) -> ExitCode {
 }
 
 async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
-    let conn = match connections.broker("batchfleet dlq").await {
+    match cmd {
+        DlqCommand::List {
+            local: Some(output),
+            job,
+            class,
+            json,
+            ..
+        } => {
+            let filter = crate::dlq::Filter {
+                job,
+                class,
+                item: None,
+            };
+            match crate::local::list_dead(&output) {
+                Ok(items) => {
+                    let items: Vec<_> = items.into_iter().filter(|d| filter.matches(d)).collect();
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::to_string_pretty(&items).expect("dead items serialize")
+                        );
+                    } else {
+                        println!("{}", crate::dlq::render(&items));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report_error(&e),
+            }
+        }
+        DlqCommand::Replay {
+            local: Some(output),
+            update_model,
+            workers,
+            threads,
+            ..
+        } => {
+            let cfg = FollowArgs::default_config(connections.clone());
+            let opts = crate::local::LocalOptions::resolve(workers, threads);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            match crate::local::replay(&cfg, &output, opts, update_model, shutdown).await {
+                Ok(outcome) => report_outcome(&outcome),
+                Err(e) => report_error(&e),
+            }
+        }
+        cmd => dlq_fleet(cmd, connections).await,
+    }
+}
+
+async fn dlq_fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
+    let broker = match connections.broker("batchfleet dlq").await {
         Ok(c) => c,
         Err(e) => return report_error(&RunError::Broker(e)),
     };
@@ -510,13 +607,14 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             job,
             class,
             json,
+            ..
         } => {
             let filter = crate::dlq::Filter {
                 job,
                 class,
                 item: None,
             };
-            match crate::dlq::list(&conn, &pool, &filter).await {
+            match crate::dlq::list(&*broker, &pool, &filter).await {
                 Ok(items) if json => {
                     println!(
                         "{}",
@@ -538,7 +636,12 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             pool,
             update_model,
             no_wait,
+            ..
         } => {
+            let Some(job) = job else {
+                eprintln!("error: --job (or --local OUTPUT) is required");
+                return ExitCode::from(EXIT_INVALID);
+            };
             let store = match connections.store().await {
                 Ok(s) => s,
                 Err(e) => return report_error(&RunError::Store(e)),
@@ -558,7 +661,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 item,
             };
             let replayed = match crate::dlq::replay(
-                &conn,
+                &*broker,
                 &store,
                 &pool,
                 &filter,
@@ -577,14 +680,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             if no_wait || store.job(&job).await.ok().flatten().is_none() {
                 ExitCode::SUCCESS
             } else {
-                let cfg = RunConfig {
-                    connections: connections.clone(),
-                    progress: true,
-                    poll_interval: Duration::from_millis(250),
-                    publish_window: 512,
-                    supervise: Default::default(),
-                    data_roots: Vec::new(),
-                };
+                let cfg = FollowArgs::default_config(connections.clone());
                 match crate::follow_job(
                     &cfg,
                     &store,
@@ -609,7 +705,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 eprintln!("not purged (pass --yes to skip this question)");
                 return ExitCode::from(EXIT_FAILURE);
             }
-            match crate::dlq::purge(&conn, &pool, job.as_deref()).await {
+            match crate::dlq::purge(&*broker, &pool, job.as_deref()).await {
                 Ok(n) => {
                     println!("purged {n} dead item(s)");
                     ExitCode::SUCCESS
@@ -618,7 +714,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             }
         }
     };
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     code
 }
 

@@ -2,10 +2,11 @@
 //! `batchfleet run` ([`RunConfig`]), built from the command line in [`crate::cli`].
 
 use crate::supervisor;
-use batchfleet_shared::broker::{self, BrokerError};
+use batchfleet_shared::broker::{self, Broker, BrokerError};
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::{Store, StoreError};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Connection settings shared by every coordinator command.
@@ -22,17 +23,52 @@ pub struct Connections {
     /// Signs every published work item when set (workers holding the same
     /// key refuse anything else).
     pub signing_key: Option<batchfleet_shared::signing::SigningKey>,
+    /// In-process queues and store (`batchfleet run --local`) instead of
+    /// RabbitMQ and Redis.
+    pub local: Option<LocalServices>,
+}
+
+/// The queues and job store of a `--local` run, shared by the coordinator
+/// and its in-process workers.
+#[derive(Debug, Clone)]
+pub struct LocalServices {
+    /// The queues.
+    pub queues: broker::local::LocalQueues,
+    /// The job store.
+    pub store: Store,
+}
+
+impl LocalServices {
+    /// Empty queues and an empty store.
+    pub fn new() -> Self {
+        Self {
+            queues: broker::local::LocalQueues::new(),
+            store: Store::local(),
+        }
+    }
+}
+
+impl Default for LocalServices {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Connections {
-    /// Connects to Redis.
+    /// Connects to Redis (or hands out the in-process store).
     pub async fn store(&self) -> Result<Store, StoreError> {
-        Store::connect(&self.redis_url, &self.redis_prefix, self.connect_timeout).await
+        match &self.local {
+            Some(local) => Ok(local.store.clone()),
+            None => Store::connect(&self.redis_url, &self.redis_prefix, self.connect_timeout).await,
+        }
     }
 
-    /// Connects to RabbitMQ.
-    pub async fn broker(&self, name: &str) -> Result<lapin::Connection, BrokerError> {
-        broker::connect(&self.amqp_url, name, self.connect_timeout).await
+    /// Connects to RabbitMQ as `name` (or opens a handle on the in-process queues).
+    pub async fn broker(&self, name: &str) -> Result<Arc<dyn Broker>, BrokerError> {
+        match &self.local {
+            Some(local) => Ok(local.queues.handle()),
+            None => broker::connect(&self.amqp_url, name, self.connect_timeout).await,
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use crate::config::RunConfig;
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner;
-use batchfleet_shared::broker::{declare_topology, ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
 use batchfleet_shared::store::{JobRecord, JobStatus, Store};
 use std::path::{Path, PathBuf};
 
@@ -39,10 +39,10 @@ pub enum Dispatched {
 }
 
 /// Claims the output folder for `job_id`, refusing one that holds another job's output.
-pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
+pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
     let owner = dir.join(OWNER_FILE);
     match batchfleet_shared::source::fs::read_to_string(&owner) {
-        Ok(existing) if existing.trim() == job_id => return Ok(()),
+        Ok(existing) if existing.trim() == job_id => return Ok(true),
         Ok(existing) => {
             return Err(RunError::Manifest(crate::manifest::ManifestError {
                 file: dir.to_owned(),
@@ -83,7 +83,7 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<(), RunError> {
         writeln!(w, "{job_id}")
     })
     .map_err(|e| RunError::Output(format!("cannot write {}: {e}", owner.display())))?;
-    Ok(())
+    Ok(false)
 }
 
 /// Registers the job (or finds it) and publishes every item not yet done.
@@ -92,7 +92,7 @@ pub async fn dispatch(
     cfg: &RunConfig,
     spec: &JobSpec,
     store: &Store,
-    conn: &lapin::Connection,
+    broker: &dyn Broker,
     submitted_ms: u64,
 ) -> Result<Dispatched, RunError> {
     let out = spec.output_dir();
@@ -112,7 +112,7 @@ pub async fn dispatch(
         tracing::info!(job = %spec.job_id, "output folder holds this job's completed output; nothing to publish");
         return Ok(Dispatched::AlreadyCompleted { summary });
     }
-    claim_output_dir(out, &spec.job_id)?;
+    let ours_already = claim_output_dir(out, &spec.job_id)?;
 
     let plan = planner::plan(spec)?;
     tracing::info!(job = %spec.job_id, items = plan.items.len(), rows = plan.rows_total, "planned");
@@ -154,14 +154,16 @@ pub async fn dispatch(
         None => {
             store
                 .put_job(&job_record(spec, &plan, submitted_ms))
-                .await?
+                .await?;
+            if ours_already {
+                seed_from_outputs(spec, &plan, store).await?;
+            }
         }
     }
 
     let done = store.done_items(&spec.job_id).await?;
     let queues = PoolQueues::new(&spec.pool);
-    let publisher = ConfirmedPublisher::open(conn).await?;
-    declare_topology(publisher.channel(), &queues).await?;
+    broker.declare(&queues).await?;
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
     let mut end = 0u64;
@@ -181,8 +183,8 @@ pub async fn dispatch(
         if messages.is_empty() {
             continue;
         }
-        published += publisher
-            .publish_all(&queues.work(), messages, cfg.publish_window, |_| {})
+        published += broker
+            .publish(&queues.work(), messages, cfg.publish_window)
             .await?;
         if end > watermark {
             store
@@ -200,10 +202,39 @@ pub async fn dispatch(
             plan.items.len() as u64,
         )
         .await?;
-    let _ = publisher.channel().close(200, "published".into()).await;
     Ok(Dispatched::Running {
         plan: std::sync::Arc::new(plan),
     })
+}
+
+/// A job the store does not know whose output folder it owns already (a
+/// `--local` run killed and run again, or a store that lost its data while
+/// no coordinator was running): the items whose part files are there are
+/// committed from the files — the output folder is the source of truth —
+/// so that they are not published, let alone computed, again.
+async fn seed_from_outputs(
+    spec: &JobSpec,
+    plan: &planner::Plan,
+    store: &Store,
+) -> Result<(), RunError> {
+    let out = spec.output_dir().to_owned();
+    let output = spec.task.output.clone();
+    let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
+    let found = tokio::task::spawn_blocking(move || {
+        crate::supervisor::scan_outputs(&out, &output, &items, false)
+    })
+    .await
+    .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+    let mut committed = 0u64;
+    for (stats, hist) in &found {
+        if store.commit_item(&spec.job_id, stats, hist).await? {
+            committed += 1;
+        }
+    }
+    if committed > 0 {
+        tracing::info!(job = %spec.job_id, items = committed, "resuming from the output folder: these items are committed there already");
+    }
+    Ok(())
 }
 
 /// Testing aid: `BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED=N` kills the

@@ -1,28 +1,22 @@
 //! The dead-letter queue of a pool: list, replay and purge dead items.
 //!
-//! Dead items are read with `basic.get` without acknowledging them; whatever
-//! is not replayed or purged returns to the dead queue when the channel
-//! closes, so listing never loses an item. A replayed item is published to
+//! Dead items are taken with [`Broker::get`] without acknowledging them;
+//! whatever is not replayed or purged returns to the dead queue when it is
+//! dropped, so listing never loses an item. A replayed item is published to
 //! the work queue (confirmed) *before* its dead copy is acknowledged.
 
 use crate::error::RunError;
-use batchfleet_shared::broker::{
-    int_header, str_header, BrokerError, ConfirmedPublisher, Outgoing, PoolQueues,
-};
+use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Outgoing, PoolQueues};
 use batchfleet_shared::message::{
     Envelope, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
     WORKER_HEADER,
 };
 use batchfleet_shared::store::{ItemFailure, JobStatus, Store};
-use lapin::message::BasicGetMessage;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueuePurgeOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// One dead item as stored in the dead queue.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeadItem {
     /// Job id (empty if the message could not be decoded).
     pub job: String,
@@ -54,45 +48,48 @@ pub struct Filter {
 }
 
 impl Filter {
-    fn matches(&self, d: &DeadItem) -> bool {
+    /// Whether `d` is one of the items the filter names.
+    pub fn matches(&self, d: &DeadItem) -> bool {
         self.job.as_ref().is_none_or(|j| *j == d.job)
             && self.class.as_ref().is_none_or(|c| *c == d.class)
             && self.item.is_none_or(|i| Some(i) == d.item)
     }
 }
 
-fn describe(msg: &BasicGetMessage) -> DeadItem {
-    let h = msg.delivery.properties.headers().as_ref();
-    let decoded = Envelope::decode(&msg.delivery.data)
-        .ok()
-        .map(Envelope::into_item);
-    let job = str_header(h, JOB_HEADER)
+fn describe(msg: &Delivery) -> DeadItem {
+    let h = &msg.headers;
+    let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_item);
+    let job = h
+        .str(JOB_HEADER)
         .filter(|j| !j.is_empty())
+        .map(str::to_owned)
         .or_else(|| decoded.as_ref().map(|i| i.job_id.clone()))
         .unwrap_or_default();
-    let item = int_header(h, ITEM_HEADER)
+    let item = h
+        .int(ITEM_HEADER)
         .filter(|i| *i >= 0)
         .map(|i| i as u32)
         .or_else(|| decoded.as_ref().map(|i| i.seq));
-    match str_header(h, CLASS_HEADER) {
+    let text = |name| h.str(name).unwrap_or_default().to_owned();
+    match h.str(CLASS_HEADER) {
         Some(class) => DeadItem {
             job,
             item,
-            class,
-            error: str_header(h, ERROR_HEADER).unwrap_or_default(),
-            attempts: int_header(h, ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
-            worker: str_header(h, WORKER_HEADER).unwrap_or_default(),
-            dead_at_ms: int_header(h, DEAD_AT_HEADER).unwrap_or(0).max(0) as u64,
+            class: class.to_owned(),
+            error: text(ERROR_HEADER),
+            attempts: h.int(ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
+            worker: text(WORKER_HEADER),
+            dead_at_ms: h.int(DEAD_AT_HEADER).unwrap_or(0).max(0) as u64,
         },
         // No batchfleet headers: RabbitMQ itself dead-lettered it (delivery limit).
         None => {
-            let deliveries = int_header(h, "x-delivery-count").unwrap_or(0);
+            let deliveries = msg.delivery_count();
             DeadItem {
                 job,
                 item,
                 class: "infra".into(),
-                error: format!("dead-lettered by RabbitMQ after {deliveries} deliveries without a result: workers crashed or were killed while processing it"),
-                attempts: int_header(h, ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
+                error: format!("dead-lettered by the broker after {deliveries} deliveries without a result: workers crashed or were killed while processing it"),
+                attempts: h.int(ATTEMPT_HEADER).unwrap_or(1).max(0) as u32,
                 worker: String::new(),
                 dead_at_ms: 0,
             }
@@ -100,26 +97,15 @@ fn describe(msg: &BasicGetMessage) -> DeadItem {
     }
 }
 
-/// Takes every message of the dead queue without acknowledging it.
-async fn take_all(channel: &Channel, queue: &str) -> Result<Vec<BasicGetMessage>, BrokerError> {
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let count = match channel
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-    {
-        Ok(q) => q.message_count(),
-        Err(_) => return Ok(Vec::new()), // no dead queue: nothing ever died in this pool
+/// Takes every message of the dead queue without acknowledging it (what
+/// was there when it started: taken messages stay out until dropped).
+async fn take_all(broker: &dyn Broker, queue: &str) -> Result<Vec<Delivery>, BrokerError> {
+    let Some(count) = broker.ready_count(queue).await? else {
+        return Ok(Vec::new()); // no dead queue: nothing ever died in this pool
     };
     let mut out = Vec::with_capacity(count as usize);
     for _ in 0..count {
-        match channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await
-            .map_err(BrokerError::op(format!("basic.get {queue}")))?
-        {
+        match broker.get(queue).await? {
             Some(m) => out.push(m),
             None => break,
         }
@@ -129,24 +115,17 @@ async fn take_all(channel: &Channel, queue: &str) -> Result<Vec<BasicGetMessage>
 
 /// Lists the dead items of `pool` that match `filter`.
 pub async fn list(
-    conn: &Connection,
+    broker: &dyn Broker,
     pool: &str,
     filter: &Filter,
 ) -> Result<Vec<DeadItem>, BrokerError> {
-    let channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::op("channel.open"))?;
-    let queue = PoolQueues::new(pool).dead();
-    let taken = take_all(&channel, &queue).await?;
-    let items = taken
+    let taken = take_all(broker, &PoolQueues::new(pool).dead()).await?;
+    // Dropped unacknowledged: every message returns to the dead queue.
+    Ok(taken
         .iter()
         .map(describe)
         .filter(|d| filter.matches(d))
-        .collect();
-    // Closing without acks returns every message to the dead queue.
-    let _ = channel.close(200, "listed".into()).await;
-    Ok(items)
+        .collect())
 }
 
 /// What a replay did.
@@ -167,7 +146,7 @@ pub struct Replayed {
 /// model was swapped in under the same path). Rejected messages (forged or
 /// impossible) are never replayed.
 pub async fn replay(
-    conn: &Connection,
+    broker: &dyn Broker,
     store: &Store,
     pool: &str,
     filter: &Filter,
@@ -175,9 +154,7 @@ pub async fn replay(
     key: Option<&batchfleet_shared::signing::SigningKey>,
 ) -> Result<Replayed, RunError> {
     let queues = PoolQueues::new(pool);
-    let publisher = ConfirmedPublisher::open(conn).await?;
-    let channel = publisher.channel();
-    let taken = take_all(channel, &queues.dead()).await?;
+    let taken = take_all(broker, &queues.dead()).await?;
     let mut digests: HashMap<String, String> = HashMap::new();
     let mut chosen = Vec::new();
     let mut rejected = 0;
@@ -190,10 +167,7 @@ pub async fn replay(
             rejected += 1;
             continue;
         }
-        let Some(mut item) = Envelope::decode(&msg.delivery.data)
-            .ok()
-            .map(Envelope::into_item)
-        else {
+        let Some(mut item) = Envelope::decode(&msg.body).ok().map(Envelope::into_item) else {
             tracing::warn!("skipping an undecodable dead message; `dlq purge` removes it");
             continue;
         };
@@ -246,10 +220,7 @@ pub async fn replay(
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
         let outgoing = Outgoing::work_item(&item, 1, key);
-        if let Err(e) = publisher
-            .publish_all(&queues.work(), [outgoing], 1, |_| {})
-            .await
-        {
+        if let Err(e) = broker.publish(&queues.work(), vec![outgoing], 1).await {
             // Put the failure back: the dead copy stays where it is.
             let failure = ItemFailure {
                 seq: item.seq,
@@ -262,49 +233,28 @@ pub async fn replay(
             let _ = store.fail_item(&item.job_id, &failure).await;
             return Err(e.into());
         }
-        msg.delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(BrokerError::op("basic.ack (dead copy)"))?;
+        msg.ack().await?;
         out.items.push(item.seq);
     }
-    let _ = channel.close(200, "replayed".into()).await;
     Ok(out)
 }
 
 /// Removes dead items: the whole dead queue, or only a job's items. Returns how many.
-pub async fn purge(conn: &Connection, pool: &str, job: Option<&str>) -> Result<u64, BrokerError> {
-    let channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::op("channel.open"))?;
+pub async fn purge(broker: &dyn Broker, pool: &str, job: Option<&str>) -> Result<u64, BrokerError> {
     let queue = PoolQueues::new(pool).dead();
-    let removed = match job {
-        None => match channel
-            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-            .await
-        {
-            Ok(n) => u64::from(n),
-            Err(_) => 0,
-        },
+    Ok(match job {
+        None => u64::from(broker.purge(&queue).await?),
         Some(job) => {
             let mut n = 0;
-            for msg in take_all(&channel, &queue).await? {
+            for msg in take_all(broker, &queue).await? {
                 if describe(&msg).job == job {
-                    msg.delivery
-                        .acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .map_err(BrokerError::op("basic.ack"))?;
+                    msg.ack().await?;
                     n += 1;
                 }
             }
             n
         }
-    };
-    let _ = channel.close(200, "purged".into()).await;
-    Ok(removed)
+    })
 }
 
 /// A table for people.

@@ -1,7 +1,8 @@
 //! The batchfleet coordinator: from a manifest to a finished job.
 //!
 //! # Layout
-//! - [`config`]: where RabbitMQ and Redis are, the signing key, and how `run` follows a job.
+//! - [`config`]: where RabbitMQ and Redis are (or the in-process stand-ins of
+//!   `--local`), the signing key, and how `run` follows a job.
 //! - [`error`]: why a run failed, one variant per exit code.
 //! - [`manifest`]: parse and fully validate a job manifest before anything is published.
 //! - [`planner`]: cut input files into evenly sized work items on record boundaries.
@@ -14,6 +15,8 @@
 //! - [`compare`]: prediction distributions of two jobs side by side, with drift.
 //! - [`status`]: read a job's state for `batchfleet status`.
 //! - [`dlq`]: list, replay and purge dead-lettered items.
+//! - [`local`]: `run --local` — the coordinator and worker pipelines in one
+//!   process over the in-process queues and store; `dlq … --local`.
 //! - [`cli`]: the `batchfleet` command line and its exit codes.
 //!
 //! [`run_job`] ties the parts together; `main.rs` only parses flags and calls [`cli::main`].
@@ -25,6 +28,7 @@ pub mod dispatcher;
 pub mod dlq;
 pub mod error;
 pub mod hooks;
+pub mod local;
 pub mod manifest;
 pub mod monitor;
 pub mod planner;
@@ -76,12 +80,23 @@ pub async fn run_job(
     let submitted_ms = batchfleet_shared::now_ms();
     let spec = manifest::load(manifest_path, &cfg.data_roots)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
+    run_spec(cfg, &spec, submitted_ms, shutdown).await
+}
+
+/// [`run_job`] for a manifest validated already; `submitted_ms` is when the
+/// run started.
+pub async fn run_spec(
+    cfg: &RunConfig,
+    spec: &manifest::JobSpec,
+    submitted_ms: u64,
+    shutdown: CancellationToken,
+) -> Result<RunOutcome, RunError> {
     let store = cfg.connections.store().await?;
-    let conn = cfg
+    let broker = cfg
         .connections
         .broker(&format!("batchfleet coordinator {}", spec.job_id))
         .await?;
-    let outcome = dispatcher::dispatch(cfg, &spec, &store, &conn, submitted_ms).await;
+    let outcome = dispatcher::dispatch(cfg, spec, &store, &*broker, submitted_ms).await;
     let outcome = match outcome {
         Ok(dispatcher::Dispatched::AlreadyCompleted { summary }) => {
             Ok(RunOutcome::AlreadyCompleted {
@@ -100,7 +115,7 @@ pub async fn run_job(
         }
         Err(e) => Err(e),
     };
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     outcome
 }
 

@@ -469,7 +469,6 @@ fn regime(
 /// Raw RabbitMQ: confirmed publishes/s and consume+ack/s of `n` small
 /// messages on a quorum queue of the same broker.
 fn raw_broker(n: u64) -> Result<(f64, f64)> {
-    use futures_lite::StreamExt;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -482,8 +481,7 @@ fn raw_broker(n: u64) -> Result<(f64, f64)> {
         .await?;
         let pool = services::unique("bench-raw");
         let queues = batchfleet_shared::broker::PoolQueues::new(&pool);
-        let publisher = batchfleet_shared::broker::ConfirmedPublisher::open(&conn).await?;
-        batchfleet_shared::broker::declare_topology(publisher.channel(), &queues).await?;
+        conn.declare(&queues).await?;
         let body = vec![0u8; 200]; // about a work item's size
         let msgs = (0..n).map(|i| batchfleet_shared::broker::Outgoing {
             message_id: format!("raw/{i}"),
@@ -493,34 +491,24 @@ fn raw_broker(n: u64) -> Result<(f64, f64)> {
             expiration_ms: None,
         });
         let started = Instant::now();
-        publisher
-            .publish_all(&queues.work(), msgs, 512, |_| {})
-            .await?;
+        conn.publish(&queues.work(), msgs.collect(), 512).await?;
         let publish = n as f64 / started.elapsed().as_secs_f64();
-        let ch = conn.create_channel().await?;
-        ch.basic_qos(100, Default::default()).await?;
-        let mut consumer = ch
-            .basic_consume(
-                queues.work().as_str().into(),
-                "raw".into(),
-                Default::default(),
-                Default::default(),
-            )
-            .await?;
+        let mut consumer = conn.consume(&queues.work(), 100).await?;
         let started = Instant::now();
         let mut got = 0;
         while got < n {
             let Some(d) = consumer.next().await else {
                 break;
             };
-            d?.acker.ack(Default::default()).await?;
+            d?.ack().await?;
             got += 1;
         }
         let consume = got as f64 / started.elapsed().as_secs_f64();
+        consumer.cancel().await;
         for q in queues.all() {
-            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            let _ = conn.delete(&q).await;
         }
-        let _ = conn.close(200, "bye".into()).await;
+        conn.close("bye").await;
         Ok::<_, anyhow::Error>((publish, consume))
     })
 }

@@ -486,7 +486,7 @@ fn published(prefix: &str, stem: &str) -> Result<bool> {
 /// impossible (a byte range past the end of the file, a huge row count, an
 /// unknown job, another model digest) — and returns how many.
 fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
-    use batchfleet_shared::broker::{headers, ConfirmedPublisher, Outgoing, PoolQueues};
+    use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
     use batchfleet_shared::message::{Envelope, InputSlice, MESSAGE_TYPE_V1};
     let item = first_item(job_dir)?;
     let key = batchfleet_shared::signing::SigningKey::new(CHAOS_KEY.as_bytes(), "chaos")?;
@@ -494,7 +494,7 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
         message_id: "chaos-bad".into(),
         kind: MESSAGE_TYPE_V1,
         body,
-        headers: headers(
+        headers: Headers::of(
             sig.map(|s| (batchfleet_shared::signing::SIGNATURE_HEADER, s)),
             [],
         ),
@@ -541,11 +541,9 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
             Duration::from_secs(30),
         )
         .await?;
-        let publisher = ConfirmedPublisher::open(&conn).await?;
-        publisher
-            .publish_all(&PoolQueues::new(pool).work(), messages, 16, |_| {})
+        conn.publish(&PoolQueues::new(pool).work(), messages, 16)
             .await?;
-        let _ = conn.close(200, "bye".into()).await;
+        conn.close("bye").await;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(n)
@@ -710,15 +708,12 @@ fn queue_depths(pool: &str) -> Result<Vec<(String, u32)>> {
         let conn =
             batchfleet_shared::broker::connect(&url, "batchfleet-chaos", Duration::from_secs(30))
                 .await?;
-        let ch = conn.create_channel().await?;
         let mut depths = Vec::new();
         for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-            depths.push((
-                q.clone(),
-                batchfleet_shared::broker::ready_count(&ch, &q).await?,
-            ));
+            let ready = conn.ready_count(&q).await?.unwrap_or(0);
+            depths.push((q, ready));
         }
-        let _ = conn.close(200, "bye".into()).await;
+        conn.close("bye").await;
         Ok(depths)
     })
 }

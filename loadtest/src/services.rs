@@ -189,12 +189,10 @@ pub fn delete_pool_queues(pool: &str) {
         else {
             return;
         };
-        if let Ok(ch) = conn.create_channel().await {
-            for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-                let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
-            }
+        for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
+            let _ = conn.delete(&q).await;
         }
-        let _ = conn.close(200, "bye".into()).await;
+        conn.close("bye").await;
     });
 }
 

@@ -3,10 +3,17 @@
 //! # Layout
 //! - [`message`]: the wire format of a work item — a versioned enum encoded with
 //!   rmp-serde (named fields) and the AMQP headers that travel with it.
-//! - [`broker`]: RabbitMQ connection, queue topology per pool and a publisher that
-//!   only counts a message as sent once the broker confirmed it.
-//! - [`store`]: the Redis keys of a job (record, done set, per-item stats) and the
-//!   atomic "first commit wins" script that keeps counters exact under redelivery.
+//! - [`broker`]: the queue interface (`Broker`: confirmed publish, consume
+//!   with ack / requeue, get, purge, counts; plain `Headers`) and the queue
+//!   topology per pool, with two implementations: RabbitMQ (`broker::amqp`)
+//!   and in-process queues (`broker::local`, for `run --local`).
+//! - [`store`]: the job-store interface (`JobStore`: job record, start item,
+//!   "first commit wins", leases, counters, histograms, failures) with two
+//!   implementations: Redis (`store::redis`, atomic Lua scripts) and
+//!   in-process memory (`store::local`).
+//! - [`output`]: every name in a job's output folder, and its files read back.
+//! - [`paths`]: data roots that confine every path of a job.
+//! - [`metrics`]: the Prometheus exporter and every metric's name.
 //! - [`columns`]: the Arrow column types a Parquet input may use.
 //! - [`config`]: the command-line flags both binaries share.
 //! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.

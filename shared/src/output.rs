@@ -12,6 +12,7 @@
 //! | `_JOB` | the id of the job that owns the folder |
 //! | `summary.json`, `_SUCCESS` | written when the job settles (`_SUCCESS` only if it completed) |
 //! | `predictions.<format>` | the merged output (`[output] merge = true`) |
+//! | `_dead/item-<seq>.json` | an item a `--local` run dead-lettered, with why (`batchfleet dlq list --local`) |
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +34,9 @@ pub const SUMMARY_FILE: &str = "summary.json";
 pub const PARTIAL_DIR: &str = "_partial";
 /// Folder holding temporary files while they are written (never read).
 pub const STAGING_DIR: &str = "_staging";
+/// Items a `--local` run dead-lettered, one JSON file each with the reason
+/// (the fleet keeps them in its dead queue instead).
+pub const DEAD_DIR: &str = "_dead";
 
 /// Counts the data rows of a committed part file (used when a redelivered
 /// item finds its output already published).

@@ -19,11 +19,10 @@
 //! any check is dead-lettered as `rejected` with its reason, touching no item.
 
 use crate::context::Guard;
-use batchfleet_shared::broker::str_header;
+use batchfleet_shared::broker::Headers;
 use batchfleet_shared::message::{Envelope, WorkItem};
 use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::signing::SIGNATURE_HEADER;
-use lapin::types::FieldTable;
 use std::path::Path;
 
 /// Why a message was refused, and what went wrong with it (for metrics: a
@@ -40,18 +39,14 @@ pub struct Refusal {
 
 /// Checks a message's signature, decodes it and checks the item against the
 /// caps and this worker's data roots.
-pub fn admit(
-    body: &[u8],
-    headers: Option<&FieldTable>,
-    guard: &Guard,
-) -> Result<WorkItem, Refusal> {
+pub fn admit(body: &[u8], headers: &Headers, guard: &Guard) -> Result<WorkItem, Refusal> {
     let refuse = |claimed: Option<&WorkItem>, reason: String, label| Refusal {
         claimed: claimed.map(|i| Box::new(i.clone())),
         reason,
         label,
     };
     if let Some(key) = &guard.key {
-        match str_header(headers, SIGNATURE_HEADER) {
+        match headers.str(SIGNATURE_HEADER) {
             None => {
                 return Err(refuse(
                     None,
@@ -59,7 +54,7 @@ pub fn admit(
                     "signature",
                 ))
             }
-            Some(sig) if !key.verify(body, &sig) => {
+            Some(sig) if !key.verify(body, sig) => {
                 return Err(refuse(
                     None,
                     "bad signature: the message was not signed with this worker's signing key (forged, altered, or signed with another key)".into(),
@@ -146,47 +141,44 @@ mod tests {
         (item, body)
     }
 
-    fn signed(key: &SigningKey, body: &[u8]) -> FieldTable {
-        batchfleet_shared::broker::headers([(SIGNATURE_HEADER, key.sign(body))], [])
+    fn signed(key: &SigningKey, body: &[u8]) -> Headers {
+        Headers::of([(SIGNATURE_HEADER, key.sign(body))], [])
     }
 
     #[test]
     fn signatures_are_required_once_a_key_is_set() {
         let (item, body) = body();
         let open = Guard::default();
-        assert_eq!(admit(&body, None, &open).unwrap(), item);
+        assert_eq!(admit(&body, &Headers::default(), &open).unwrap(), item);
         let key = SigningKey::new(b"0123456789abcdef-key", "test").unwrap();
         let guard = Guard {
             key: Some(key.clone()),
             ..Guard::default()
         };
-        assert_eq!(
-            admit(&body, Some(&signed(&key, &body)), &guard).unwrap(),
-            item
-        );
-        let unsigned = admit(&body, None, &guard).unwrap_err();
+        assert_eq!(admit(&body, &signed(&key, &body), &guard).unwrap(), item);
+        let unsigned = admit(&body, &Headers::default(), &guard).unwrap_err();
         assert!(unsigned.reason.contains("unsigned message"), "{unsigned:?}");
         let mut altered = body.clone();
         *altered.last_mut().unwrap() ^= 1;
-        let forged = admit(&altered, Some(&signed(&key, &body)), &guard).unwrap_err();
+        let forged = admit(&altered, &signed(&key, &body), &guard).unwrap_err();
         assert_eq!(forged.label, "signature");
         assert!(
             forged.claimed.is_none(),
             "nothing is decoded before the signature passes"
         );
         let other = SigningKey::new(b"another-key-0123456789", "test").unwrap();
-        let wrong = admit(&body, Some(&signed(&other, &body)), &guard).unwrap_err();
+        let wrong = admit(&body, &signed(&other, &body), &guard).unwrap_err();
         assert!(wrong.reason.contains("bad signature"), "{wrong:?}");
     }
 
     #[test]
     fn garbage_and_impossible_items_are_refused_with_the_field() {
         let g = Guard::default();
-        let e = admit(b"\x00garbage", None, &g).unwrap_err();
+        let e = admit(b"\x00garbage", &Headers::default(), &g).unwrap_err();
         assert_eq!(e.label, "undecodable");
         let (mut item, _) = body();
         item.task.csv.id_column = 99;
-        let e = admit(&Envelope::V1(item).encode(), None, &g).unwrap_err();
+        let e = admit(&Envelope::V1(item).encode(), &Headers::default(), &g).unwrap_err();
         assert_eq!(e.label, "limits");
         assert!(e.reason.contains("index 99"), "{e:?}");
         assert_eq!(e.claimed.unwrap().job_id, "j-00000000");

@@ -21,13 +21,12 @@ use crate::settle::{
     give_back, hand_back, reject, settle_error, Handled, Held, UNKNOWN_SINCE_HEADER,
 };
 use crate::{admission, reader, writer};
-use batchfleet_shared::broker::int_header;
+use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{WorkItem, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Claim, ItemStats, Start};
 use futures_lite::FutureExt;
-use lapin::message::Delivery;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -47,7 +46,7 @@ pub async fn handle(
     let held = Arc::new(Held::new(delivery));
     metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).increment(1.0);
     let _in_flight = scopeguard(|| metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).decrement(1.0));
-    if let Some(published) = int_header(held.headers(), PUBLISHED_HEADER) {
+    if let Some(published) = held.headers().int(PUBLISHED_HEADER) {
         let waited = ctx.clock.now_ms().saturating_sub(published.max(0) as u64);
         metrics::histogram!(names::WORKER_QUEUE_WAIT).record(waited as f64 / 1000.0);
     }
@@ -56,7 +55,7 @@ pub async fn handle(
         held.requeue("stopping before start").await;
         return Handled::Released;
     }
-    let item = match admission::admit(&held.delivery.data, held.headers(), &ctx.guard) {
+    let item = match admission::admit(&held.delivery.body, held.headers(), &ctx.guard) {
         Ok(item) => item,
         Err(refusal) => {
             return reject(
@@ -231,7 +230,10 @@ fn mismatch_reason(item: &WorkItem, pool: &str, field: &str, recorded: &str) -> 
 /// yet, so the item is handed back for a while; past the grace it is rejected.
 async fn unknown_job(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Handled {
     let now = ctx.clock.now_ms();
-    let since = int_header(held.headers(), UNKNOWN_SINCE_HEADER).map_or(now, |s| s.max(0) as u64);
+    let since = held
+        .headers()
+        .int(UNKNOWN_SINCE_HEADER)
+        .map_or(now, |s| s.max(0) as u64);
     let waited = Duration::from_millis(now.saturating_sub(since));
     if waited >= ctx.tuning.unknown_job_grace {
         let reason = format!(

@@ -1,4 +1,4 @@
-//! What a worker's item handlers share: Redis, the publisher, the model
+//! What a worker's item handlers share: the job store, the broker, the model
 //! runner and its gate, the message guard (signing key, caps, data roots),
 //! and the worker-level states that containment adds — jobs this worker
 //! leaves to others for a while ([`Bench`]) and the disk-full pause
@@ -7,7 +7,7 @@
 use crate::batch::Batch;
 use crate::error::ItemError;
 use crate::runner::{ModelRunner, Predictions};
-use batchfleet_shared::broker::{ConfirmedPublisher, PoolQueues};
+use batchfleet_shared::broker::{Broker, BrokerError, Outgoing, PoolQueues};
 use batchfleet_shared::message::{ItemLimits, WorkItem};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::paths::DataRoots;
@@ -239,10 +239,11 @@ impl Pause {
 
 /// What a worker's item handlers share.
 pub struct ItemContext {
-    /// Redis.
+    /// The job store.
     pub store: Store,
-    /// Publishes retries and dead letters (confirm mode); replaced on reconnect.
-    publisher: Mutex<Arc<ConfirmedPublisher>>,
+    /// Publishes retries, hand-backs and dead letters (confirmed); replaced
+    /// on reconnect.
+    broker: Mutex<Arc<dyn Broker>>,
     /// Lease and wait timing.
     pub tuning: Tuning,
     /// The pool's queue names.
@@ -313,10 +314,10 @@ impl RunnerSlot {
 
 /// Everything [`ItemContext::new`] needs.
 pub struct Parts {
-    /// Redis.
+    /// The job store.
     pub store: Store,
-    /// The confirm-mode publisher of the current broker connection.
-    pub publisher: ConfirmedPublisher,
+    /// The current broker handle.
+    pub broker: Arc<dyn Broker>,
     /// The pool's queues.
     pub queues: PoolQueues,
     /// This worker's id.
@@ -350,7 +351,7 @@ impl ItemContext {
         let pause = Pause::new(parts.tuning.pause_max);
         Ok(Self {
             store: parts.store,
-            publisher: Mutex::new(Arc::new(parts.publisher)),
+            broker: Mutex::new(parts.broker),
             tuning: parts.tuning,
             queues: parts.queues,
             worker_id: parts.worker_id,
@@ -368,29 +369,22 @@ impl ItemContext {
         })
     }
 
-    /// The current publisher.
-    pub fn publisher(&self) -> Arc<ConfirmedPublisher> {
-        self.publisher
+    /// The current broker handle.
+    pub fn broker(&self) -> Arc<dyn Broker> {
+        self.broker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
 
     /// Publishes one message to `queue` and waits for the broker's confirm.
-    pub async fn publish(
-        &self,
-        queue: &str,
-        msg: batchfleet_shared::broker::Outgoing,
-    ) -> Result<(), batchfleet_shared::broker::BrokerError> {
-        self.publisher()
-            .publish_all(queue, [msg], 1, |_| {})
-            .await
-            .map(|_| ())
+    pub async fn publish(&self, queue: &str, msg: Outgoing) -> Result<(), BrokerError> {
+        self.broker().publish(queue, vec![msg], 1).await.map(|_| ())
     }
 
-    /// Swaps in the publisher of a new broker connection.
-    pub fn set_publisher(&self, publisher: ConfirmedPublisher) {
-        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(publisher);
+    /// Swaps in the handle of a new broker connection.
+    pub fn set_broker(&self, broker: Arc<dyn Broker>) {
+        *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = broker;
     }
 
     /// Loads a model on the current runner before any item needs it.

@@ -1,7 +1,8 @@
 //! Items the broker dead-lettered itself. A message that comes back more
 //! than `x-delivery-limit` times without being settled (its workers keep
 //! dying on it: an abort, an OOM kill) is dead-lettered by RabbitMQ, and a
-//! copy reaches `bf.<pool>.infra` (see `batchfleet_shared::broker`). Workers
+//! copy reaches `bf.<pool>.infra` (see `batchfleet_shared::broker`; the
+//! in-process queues of `--local` do the same). Workers
 //! consume that queue and record each such item as failed for good, class
 //! `infra`, so it counts against the error budget and the job settles
 //! instead of waiting for an item that will never come back.
@@ -11,34 +12,26 @@
 
 use crate::admission;
 use crate::context::ItemContext;
-use batchfleet_shared::broker::int_header;
+use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::ItemFailure;
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use std::sync::Arc;
 
 /// Returns the copy for a later try (Redis is down), after a pause so that
 /// an outage does not spin.
 async fn later(delivery: &Delivery) {
     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    let _ = delivery
-        .acker
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        })
-        .await;
+    let _ = delivery.requeue().await;
 }
 
 /// Records the item of a broker dead letter as failed (class `infra`), then acks.
 pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
-    let headers = delivery.properties.headers().as_ref();
-    let item = match admission::admit(&delivery.data, headers, &ctx.guard) {
+    let headers = &delivery.headers;
+    let item = match admission::admit(&delivery.body, headers, &ctx.guard) {
         Ok(item) => item,
         Err(refusal) => {
             tracing::warn!(reason = %refusal.reason, "ignoring a broker dead letter that is not a valid work item (it stays in the dead queue)");
-            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+            let _ = delivery.ack().await;
             return;
         }
     };
@@ -59,18 +52,19 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
     });
     if !belongs {
         tracing::warn!(job = %item.job_id, item = item.seq, "a broker dead letter of no running job (or disagreeing with its record); nothing recorded");
-        let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+        let _ = delivery.ack().await;
         return;
     }
-    let deliveries = int_header(headers, "x-delivery-count").unwrap_or(0);
+    let deliveries = delivery.delivery_count();
     let failure = ItemFailure {
         seq: item.seq,
         class: "infra".into(),
         reason: format!(
-            "dead-lettered by RabbitMQ after {deliveries} deliveries without a result: workers crashed or were killed while processing it"
+            "dead-lettered by the broker after {deliveries} deliveries without a result: workers crashed or were killed while processing it"
         ),
         worker: String::new(),
-        attempt: int_header(headers, batchfleet_shared::message::ATTEMPT_HEADER)
+        attempt: headers
+            .int(batchfleet_shared::message::ATTEMPT_HEADER)
             .unwrap_or(1)
             .clamp(1, i64::from(u32::MAX)) as u32,
         at_ms: ctx.clock.now_ms(),
@@ -82,7 +76,7 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
                 metrics::counter!(names::WORKER_BROKER_DEAD_LETTERS, "job" => item.job_id.clone())
                     .increment(1);
             }
-            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+            let _ = delivery.ack().await;
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot record a broker dead letter; trying again later");

@@ -43,14 +43,11 @@ pub mod writer;
 
 use anyhow::Context;
 use backon::{ExponentialBuilder, Retryable};
-use batchfleet_shared::broker::{self, BrokerError, ConfirmedPublisher, PoolQueues};
+use batchfleet_shared::broker::{self, Broker, BrokerError, PoolQueues, Subscription};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Store, StoreError};
 pub use config::WorkerConfig;
 use context::StopReason;
-use futures_lite::StreamExt;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -107,7 +104,63 @@ where
 /// take, are redone by the redelivery that finds them done. No work item can
 /// stop a worker: every failure is settled by its owner (see [`error`]).
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
+    run_on(cfg, Backend::Fleet, shutdown).await
+}
+
+/// Where a worker's queues and job state live.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// RabbitMQ and Redis at the configured URLs.
+    Fleet,
+    /// The in-process queues and store of `batchfleet run --local`; the
+    /// process-wide parts (metrics exporter, GPU sampler) are the caller's.
+    Local {
+        /// The queues.
+        queues: broker::local::LocalQueues,
+        /// The job store.
+        store: Store,
+    },
+}
+
+impl Backend {
+    /// A broker handle: a new RabbitMQ connection (retried with backoff up
+    /// to `--connect-timeout`), or a new client of the in-process queues.
+    async fn broker(&self, cfg: &WorkerConfig, worker_id: &str) -> anyhow::Result<Arc<dyn Broker>> {
+        match self {
+            Backend::Fleet => {
+                let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
+                let conn_name = format!("batchfleet-worker {worker_id}");
+                Ok(with_retry("RabbitMQ", cfg.connect_timeout, || {
+                    broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
+                })
+                .await?)
+            }
+            Backend::Local { queues, .. } => Ok(queues.handle()),
+        }
+    }
+
+    async fn store(&self, cfg: &WorkerConfig) -> anyhow::Result<Store> {
+        match self {
+            Backend::Fleet => {
+                let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
+                Ok(with_retry("Redis", cfg.connect_timeout, || {
+                    Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
+                })
+                .await?)
+            }
+            Backend::Local { store, .. } => Ok(store.clone()),
+        }
+    }
+}
+
+/// [`run`] on either backend.
+pub async fn run_on(
+    cfg: WorkerConfig,
+    backend: Backend,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
+    let fleet = matches!(backend, Backend::Fleet);
     let queues = PoolQueues::new(&cfg.pool);
     let data_roots =
         batchfleet_shared::paths::DataRoots::new(&cfg.data_roots).context("--data-root")?;
@@ -127,19 +180,22 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     } else {
         tracing::warn!("no signing key: work messages are not authenticated; set BATCHFLEET_SIGNING_KEY (or --signing-key-file) in production");
     }
-    batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
-        .map_err(anyhow::Error::msg)?;
+    if fleet {
+        batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
+            .map_err(anyhow::Error::msg)?;
+        tokio::spawn(gpu_memory(Duration::from_secs(15)));
+    }
     metrics::gauge!(names::WORKER_UP).set(1.0);
     metrics::gauge!(names::WORKER_DRAINING).set(0.0);
     metrics::gauge!(names::WORKER_PAUSED).set(0.0);
     metrics::gauge!(names::WORKER_JOBS_BENCHED).set(0.0);
-    tokio::spawn(gpu_memory(Duration::from_secs(15)));
-    let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
-    let store = with_retry("Redis", cfg.connect_timeout, || {
-        Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
-    })
+    let store = backend.store(&cfg).await?;
+    let mut session = Session::open(
+        backend.broker(&cfg, &worker_id).await?,
+        &queues,
+        cfg.prefetch,
+    )
     .await?;
-    let mut session = Session::open(&cfg, &worker_id, &queues).await?;
 
     let threads = cfg.threads;
     let delay = cfg.debug_batch_delay;
@@ -165,10 +221,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let ctx = Arc::new(
         context::ItemContext::new(context::Parts {
             store,
-            publisher: session
-                .publisher
-                .take()
-                .expect("a new session has a publisher"),
+            broker: session.broker.clone(),
             queues: queues.clone(),
             worker_id: worker_id.clone(),
             shutdown: shutdown.clone(),
@@ -219,22 +272,21 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             break None;
         }
         let why = batchfleet_shared::secret::scrub(&why, &cfg.services.amqp_url);
-        tracing::warn!(error = %why, in_flight = tracker.len(), "lost RabbitMQ; reconnecting");
+        tracing::warn!(error = %why, in_flight = tracker.len(), "lost the broker; reconnecting");
+        let reopen = async {
+            let broker = backend.broker(&cfg, &worker_id).await?;
+            anyhow::Ok(Session::open(broker, &queues, cfg.prefetch).await?)
+        };
         let reopened = tokio::select! {
-            s = Session::open(&cfg, &worker_id, &queues) => s,
+            s = reopen => s,
             _ = shutdown.cancelled() => break None,
         };
         match reopened {
-            Ok(mut fresh) => {
-                ctx.set_publisher(
-                    fresh
-                        .publisher
-                        .take()
-                        .expect("a new session has a publisher"),
-                );
-                let _ = session.conn.close(200, "replaced".into()).await;
+            Ok(fresh) => {
+                ctx.set_broker(fresh.broker.clone());
+                session.broker.close("replaced").await;
                 session = fresh;
-                tracing::info!("reconnected to RabbitMQ");
+                tracing::info!("reconnected to the broker");
             }
             Err(e) => break Some(format!("{why}; reconnecting failed: {e:#}")),
         }
@@ -262,13 +314,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             "drain timeout; unfinished items stay unacknowledged and return to the queue"
         );
     }
-    // Closing the channel returns every unacknowledged delivery to the queue at once.
-    let _ = session.channel.close(200, "worker stopping".into()).await;
-    let _ = session.conn.close(200, "worker stopping".into()).await;
+    // Closing the handle returns every unacknowledged delivery to the queue at once.
+    session.broker.close("worker stopping").await;
     metrics::gauge!(names::WORKER_UP).set(0.0);
 
     if let Some(why) = lost {
-        anyhow::bail!("lost RabbitMQ: {why}");
+        anyhow::bail!("lost the broker: {why}");
     }
     let reason = ctx
         .stop_reason
@@ -328,7 +379,7 @@ async fn consume(
                 Some(Err(e)) => return Some(e.to_string()),
                 None => return Some("the broker closed the consumer".into()),
             },
-            next = session.consumer.next() => match next {
+            next = session.work.next() => match next {
                 Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone(), permit)); }
                 Some(Err(e)) => return Some(e.to_string()),
                 None => return Some("the broker closed the consumer".into()),
@@ -355,13 +406,10 @@ async fn pause(
             .as_secs_f64(),
         "output disk full: not consuming until space is freed"
     );
-    let _ = session
-        .channel
-        .basic_cancel(session.tag.as_str().into(), BasicCancelOptions::default())
-        .await;
+    session.work.cancel().await;
     // What the broker had sent already comes out of the stream before its end.
     while let Ok(Some(next)) =
-        tokio::time::timeout(Duration::from_secs(5), session.consumer.next()).await
+        tokio::time::timeout(Duration::from_secs(5), session.work.next()).await
     {
         match next {
             Ok(delivery) => {
@@ -386,8 +434,9 @@ async fn pause(
         }
     }
     ctx.pause.ended();
-    session.consumer = session
-        .consume_work()
+    session.work = session
+        .broker
+        .consume(&session.work_queue, session.prefetch)
         .await
         .map_err(|e| format!("consuming again after the pause: {e:#}"))?;
     tracing::info!("resuming consumption after the pause; trying the disk again");
@@ -417,107 +466,37 @@ async fn gpu_memory(every: Duration) {
     }
 }
 
-/// One RabbitMQ connection: the consuming channel (work and infra queues)
-/// and a confirm-mode publisher.
+/// One broker handle consuming the work and infra queues.
 struct Session {
-    conn: lapin::Connection,
-    channel: lapin::Channel,
-    consumer: lapin::Consumer,
-    infra: lapin::Consumer,
-    publisher: Option<ConfirmedPublisher>,
-    tag: String,
-    infra_tag: String,
-    worker_id: String,
+    broker: Arc<dyn Broker>,
+    work: Box<dyn Subscription>,
+    infra: Box<dyn Subscription>,
+    prefetch: u16,
     work_queue: String,
 }
 
-/// Consumes `queue` on `channel` under a new tag; the consumer and its tag.
-async fn consume_queue(
-    channel: &lapin::Channel,
-    queue: &str,
-    worker_id: &str,
-) -> anyhow::Result<(lapin::Consumer, String)> {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tag = format!(
-        "{worker_id}-{}-{}",
-        batchfleet_shared::now_ms(),
-        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    );
-    let consumer = channel
-        .basic_consume(
-            queue.into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("consuming {queue}"))?;
-    Ok((consumer, tag))
-}
-
 impl Session {
-    /// Connects (retrying with backoff up to `--connect-timeout`), declares
-    /// the pool's topology and starts consuming.
+    /// Declares the pool's topology and starts consuming.
     async fn open(
-        cfg: &WorkerConfig,
-        worker_id: &str,
+        broker: Arc<dyn Broker>,
         queues: &PoolQueues,
-    ) -> anyhow::Result<Self> {
-        let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
-        let conn_name = format!("batchfleet-worker {worker_id}");
-        let conn = with_retry("RabbitMQ", cfg.connect_timeout, || {
-            broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
-        })
-        .await?;
-        let channel = conn
-            .create_channel()
-            .await
-            .context("opening a RabbitMQ channel")?;
-        broker::declare_topology(&channel, queues).await?;
-        channel
-            .basic_qos(cfg.prefetch, BasicQosOptions::default())
-            .await
-            .context("setting prefetch")?;
-        let publisher = ConfirmedPublisher::open(&conn).await?;
-        let infra_tag = format!("{worker_id}-infra-{}", batchfleet_shared::now_ms());
-        let infra = channel
-            .basic_consume(
-                queues.infra().into(),
-                infra_tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .with_context(|| format!("consuming {}", queues.infra()))?;
-        let (consumer, tag) = consume_queue(&channel, &queues.work(), worker_id).await?;
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        broker.declare(queues).await?;
+        let infra = broker.consume(&queues.infra(), prefetch).await?;
+        let work = broker.consume(&queues.work(), prefetch).await?;
         Ok(Self {
-            conn,
-            channel,
-            consumer,
+            broker,
+            work,
             infra,
-            publisher: Some(publisher),
-            tag,
-            infra_tag,
-            worker_id: worker_id.to_owned(),
+            prefetch,
             work_queue: queues.work(),
         })
     }
 
-    /// Starts consuming the work queue again (after a pause), under a fresh tag.
-    async fn consume_work(&mut self) -> anyhow::Result<lapin::Consumer> {
-        let (consumer, tag) =
-            consume_queue(&self.channel, &self.work_queue, &self.worker_id).await?;
-        self.tag = tag;
-        Ok(consumer)
-    }
-
     /// Stops both consumers (draining).
-    async fn cancel_consumers(&self) {
-        for tag in [&self.tag, &self.infra_tag] {
-            let _ = self
-                .channel
-                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                .await;
-        }
+    async fn cancel_consumers(&mut self) {
+        self.work.cancel().await;
+        self.infra.cancel().await;
     }
 }

@@ -9,16 +9,13 @@
 
 use crate::context::ItemContext;
 use crate::error::{FailureClass, ItemError};
-use batchfleet_shared::broker::{int_header, set_headers, Outgoing};
+use batchfleet_shared::broker::{Delivery, Headers, Outgoing};
 use batchfleet_shared::message::{
     WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
     MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, UnableNote};
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::types::FieldTable;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -63,7 +60,7 @@ pub struct Held {
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
-            .field("delivery_tag", &self.delivery.delivery_tag)
+            .field("delivery", &self.delivery)
             .field("settled", &self.is_settled())
             .finish()
     }
@@ -85,13 +82,14 @@ impl Held {
     }
 
     /// The delivery's headers.
-    pub fn headers(&self) -> Option<&FieldTable> {
-        self.delivery.properties.headers().as_ref()
+    pub fn headers(&self) -> &Headers {
+        &self.delivery.headers
     }
 
     /// The 1-based attempt in the header (1 if absent).
     pub fn attempt(&self) -> u32 {
-        int_header(self.headers(), ATTEMPT_HEADER)
+        self.headers()
+            .int(ATTEMPT_HEADER)
             .unwrap_or(1)
             .clamp(1, i64::from(u32::MAX)) as u32
     }
@@ -103,7 +101,7 @@ impl Held {
         if self.settled.swap(true, Ordering::SeqCst) {
             return;
         }
-        if let Err(e) = self.delivery.acker.ack(BasicAckOptions::default()).await {
+        if let Err(e) = self.delivery.ack().await {
             tracing::warn!(error = %e, "could not ack; the broker will redeliver the item");
         }
     }
@@ -114,11 +112,7 @@ impl Held {
         if self.settled.swap(true, Ordering::SeqCst) {
             return false;
         }
-        let opts = BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        };
-        if let Err(e) = self.delivery.acker.nack(opts).await {
+        if let Err(e) = self.delivery.requeue().await {
             tracing::warn!(error = %e, why, "could not return the item; the broker will redeliver it");
         }
         true
@@ -133,31 +127,13 @@ impl Drop for Held {
         if self.settled.swap(true, Ordering::SeqCst) {
             return;
         }
-        let acker = self.delivery.acker.clone();
+        let acker = self.delivery.acker();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let opts = BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                };
-                let _ = acker.nack(opts).await;
+                let _ = acker.requeue().await;
             });
         }
     }
-}
-
-/// The delivery's own headers, less those the broker adds on delivery
-/// (`x-delivery-count`, `x-death`): what a re-published copy carries.
-fn own_headers(held: &Held) -> FieldTable {
-    let mut t = FieldTable::default();
-    if let Some(h) = held.headers() {
-        for (k, v) in h.inner() {
-            if !matches!(k.as_str(), "x-delivery-count" | "x-death") {
-                t.insert(k.clone(), v.clone());
-            }
-        }
-    }
-    t
 }
 
 /// The delivery's own headers with `strings` and `ints` set: a re-published
@@ -166,9 +142,9 @@ fn headers_from<'a>(
     held: &Held,
     strings: impl IntoIterator<Item = (&'a str, String)>,
     ints: impl IntoIterator<Item = (&'a str, i64)>,
-) -> FieldTable {
-    let mut t = own_headers(held);
-    set_headers(&mut t, strings, ints);
+) -> Headers {
+    let mut t = held.headers().own();
+    t.set(strings, ints);
     t
 }
 
@@ -182,8 +158,8 @@ fn carried(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Out
     Outgoing {
         message_id: format!("{}/{}", item.job_id, item.seq),
         kind: MESSAGE_TYPE_V1,
-        body: held.delivery.data.clone(),
-        headers: own_headers(held),
+        body: held.delivery.body.clone(),
+        headers: held.headers().own(),
         expiration_ms: None,
     }
 }
@@ -368,7 +344,7 @@ pub async fn hand_back(
     ctx: &ItemContext,
 ) -> (Handled, bool) {
     let mut msg = carried(held, item, attempt, ctx);
-    set_headers(&mut msg.headers, [], extra.iter().copied());
+    msg.headers.set([], extra.iter().copied());
     let queue = match delay {
         Some(d) => {
             let ms = d.as_millis().max(1) as u64;
@@ -398,8 +374,7 @@ pub async fn retry(
     let queue = ctx.queues.retry_for(delay);
     tracing::warn!(error = %e.message, class = %e.class, next_attempt = next, delay_ms = delay, "retrying later");
     let mut msg = carried(held, item, next, ctx);
-    set_headers(
-        &mut msg.headers,
+    msg.headers.set(
         [
             (CLASS_HEADER, e.class.to_string()),
             (ERROR_HEADER, truncate(&e.message, 2000)),
@@ -423,13 +398,13 @@ pub async fn retry(
 async fn publish_dead(
     held: &Held,
     message_id: String,
-    headers: FieldTable,
+    headers: Headers,
     ctx: &ItemContext,
 ) -> bool {
     let msg = Outgoing {
         message_id,
         kind: MESSAGE_TYPE_V1,
-        body: held.delivery.data.clone(),
+        body: held.delivery.body.clone(),
         headers,
         expiration_ms: None,
     };

@@ -3,8 +3,6 @@ use batchfleet_loadtest::services::{ensure_local, unique};
 use batchfleet_shared::broker::PoolQueues;
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::Store;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -89,24 +87,16 @@ impl Case {
         let conn = batchfleet_shared::broker::connect(&url, "cli-test", Duration::from_secs(5))
             .await
             .expect("amqp");
-        let ch = conn.create_channel().await.expect("channel");
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let found = ch
-            .queue_declare(
-                PoolQueues::new(&self.pool).work().into(),
-                passive,
-                FieldTable::default(),
-            )
-            .await;
+        let found = conn
+            .ready_count(&PoolQueues::new(&self.pool).work())
+            .await
+            .expect("passive declare");
         assert!(
-            found.is_err(),
+            found.is_none(),
             "work queue of {} exists: something was published",
             self.pool
         );
-        let _ = conn.close(200, "bye".into()).await;
+        conn.close("bye").await;
         let store = Store::connect(
             &SecretUrl::new("redis://127.0.0.1:6379/"),
             &self.prefix,

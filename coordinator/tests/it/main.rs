@@ -2,3 +2,4 @@
 //! bad input gets a clear error, the documented exit code, and publishes nothing.
 
 mod cli;
+mod local;

@@ -1,8 +1,7 @@
-use batchfleet_shared::broker::{
-    connect, declare_topology, ready_count, BrokerError, ConfirmedPublisher, Outgoing, PoolQueues,
-};
-use lapin::options::QueueDeleteOptions;
-use lapin::types::FieldTable;
+//! The RabbitMQ implementation of the broker interface against the real
+//! broker (the in-process one: `local_broker.rs`).
+
+use batchfleet_shared::broker::{connect, BrokerError, Headers, Outgoing, PoolQueues};
 use std::time::Duration;
 
 fn msg(id: &str) -> Outgoing {
@@ -10,57 +9,61 @@ fn msg(id: &str) -> Outgoing {
         message_id: id.into(),
         kind: "test",
         body: id.as_bytes().to_vec(),
-        headers: FieldTable::default(),
+        headers: Headers::of([("x-test", id.to_owned())], [("x-n", 7)]),
         expiration_ms: None,
     }
 }
 
 #[tokio::test]
 async fn confirmed_publish_counts_only_what_the_broker_stored() {
-    let conn = connect(&crate::amqp(), "shared-tests", Duration::from_secs(10))
+    let broker = connect(&crate::amqp(), "shared-tests", Duration::from_secs(10))
         .await
         .expect("connect");
     let queues = PoolQueues::new(batchfleet_loadtest::services::unique("pub"));
-    let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
-    declare_topology(publisher.channel(), &queues)
-        .await
-        .expect("declare");
+    broker.declare(&queues).await.expect("declare");
     // Declaring again with the same arguments is fine (both binaries do it).
-    declare_topology(publisher.channel(), &queues)
-        .await
-        .expect("re-declare");
+    broker.declare(&queues).await.expect("re-declare");
 
-    let mut seen = Vec::new();
-    let n = publisher
-        .publish_all(
+    let n = broker
+        .publish(
             &queues.work(),
-            (0..25).map(|i| msg(&format!("m{i}"))),
+            (0..25).map(|i| msg(&format!("m{i}"))).collect(),
             4,
-            |m| seen.push(m.message_id.clone()),
         )
         .await
         .expect("publish");
     assert_eq!(n, 25);
     assert_eq!(
-        seen,
-        (0..25).map(|i| format!("m{i}")).collect::<Vec<_>>(),
-        "confirmed in publish order"
+        broker.ready_count(&queues.work()).await.expect("count"),
+        Some(25)
     );
     assert_eq!(
-        ready_count(publisher.channel(), &queues.work())
+        broker
+            .ready_count(&format!("{}-missing", queues.work()))
             .await
-            .expect("count"),
-        25
+            .expect("count of a missing queue"),
+        None
     );
 
+    // Taken in order, headers intact; one dropped unsettled comes back.
+    let first = broker.get(&queues.work()).await.expect("get").expect("m0");
+    assert_eq!(first.body, b"m0");
+    assert_eq!(first.message_id, "m0");
+    assert_eq!(first.headers.str("x-test"), Some("m0"));
+    assert_eq!(first.headers.int("x-n"), Some(7));
+    first.ack().await.expect("ack");
+    let second = broker.get(&queues.work()).await.expect("get").expect("m1");
+    drop(second);
+    let mut sub = broker.consume(&queues.work(), 4).await.expect("consume");
+    let again = sub.next().await.expect("a delivery").expect("ok");
+    assert_eq!(again.body, b"m1", "the dropped delivery came back first");
+    assert_eq!(again.delivery_count(), 1, "its return was counted");
+    again.ack().await.expect("ack");
+    sub.cancel().await;
+
     // A mandatory publish to a queue that does not exist comes back: an error, not a success.
-    let err = publisher
-        .publish_all(
-            &format!("{}-missing", queues.work()),
-            [msg("lost")],
-            4,
-            |_| {},
-        )
+    let err = broker
+        .publish(&format!("{}-missing", queues.work()), vec![msg("lost")], 4)
         .await
         .expect_err("unroutable publish must fail");
     assert!(
@@ -69,13 +72,16 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
     );
     assert!(err.to_string().contains("returned by the broker"), "{err}");
 
+    // The subscription's prefetched deliveries return when the handle closes.
+    broker.close("reopen").await;
+    let broker = connect(&crate::amqp(), "shared-tests", Duration::from_secs(10))
+        .await
+        .expect("connect");
+    assert_eq!(broker.purge(&queues.work()).await.expect("purge"), 23);
     for q in queues.all() {
-        let _ = publisher
-            .channel()
-            .queue_delete(q.into(), QueueDeleteOptions::default())
-            .await;
+        let _ = broker.delete(&q).await;
     }
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
 }
 
 #[tokio::test]
@@ -89,5 +95,6 @@ async fn unreachable_broker_is_a_clear_error() {
         text.contains("cannot connect to RabbitMQ at amqp://user:***@127.0.0.1:1/%2f"),
         "{text}"
     );
+    assert!(text.contains("--local"), "{text}");
     assert!(!text.contains("pw-xyz"), "{text}");
 }

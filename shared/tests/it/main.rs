@@ -1,6 +1,7 @@
 //! Broker and store behaviour against the real RabbitMQ and Redis.
 
 mod broker;
+mod local_broker;
 mod store;
 
 use std::time::Duration;

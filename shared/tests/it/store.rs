@@ -1,6 +1,40 @@
+//! Every test body runs twice, against Redis (`redis::…`, its keys under a
+//! prefix of its own) and against the in-process store (`local::…`): both
+//! implementations of `JobStore` must behave the same.
+
 use batchfleet_shared::store::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, Start, UnableNote,
+    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, Start, Store, UnableNote,
 };
+
+/// Runs each `name: "redis key prefix stem"` test body against both stores.
+macro_rules! on_both_stores {
+    ($($name:ident: $stem:literal),* $(,)?) => {
+        mod redis {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::store($stem).await).await;
+                }
+            )*
+        }
+        mod local {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(batchfleet_shared::store::Store::local()).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores! {
+    concurrent_commits_of_one_item_count_once: "bftest-store",
+    failures_settle_a_job_but_never_override_a_commit: "bftest-fail",
+    starting_an_item_checks_the_claim_leases_on_the_store_clock_and_a_commit_drops_the_lease: "bftest-start",
+    a_message_disagreeing_with_its_job_record_writes_nothing: "bftest-claim",
+    a_job_fails_once_with_its_first_reason_and_its_items_are_skipped: "bftest-failjob",
+}
 
 fn record(id: &str) -> JobRecord {
     JobRecord {
@@ -44,9 +78,7 @@ fn stats(seq: u32, worker: &str) -> ItemStats {
     }
 }
 
-#[tokio::test]
-async fn concurrent_commits_of_one_item_count_once() {
-    let store = crate::store("bftest-store").await;
+async fn concurrent_commits_of_one_item_count_once(store: Store) {
     store.put_job(&record("j")).await.expect("put");
     let commits = (0..16).map(|i| {
         let store = store.clone();
@@ -75,9 +107,7 @@ async fn concurrent_commits_of_one_item_count_once() {
     store.delete_job("j").await.expect("cleanup");
 }
 
-#[tokio::test]
-async fn failures_settle_a_job_but_never_override_a_commit() {
-    let store = crate::store("bftest-fail").await;
+async fn failures_settle_a_job_but_never_override_a_commit(store: Store) {
     store.put_job(&record("j")).await.expect("put");
     let failure = |seq| ItemFailure {
         seq,
@@ -128,7 +158,7 @@ fn lease(seq: u32, worker: &str) -> batchfleet_shared::store::Lease {
         seq,
         worker: worker.into(),
         attempt: 1,
-        // A worker's own clock, wrong on purpose: Redis's time replaces it.
+        // A worker's own clock, wrong on purpose: the store's clock replaces it.
         started_ms: 1,
         heartbeat_ms: 1,
         ttl_ms: 15_000,
@@ -149,9 +179,9 @@ fn claim() -> Claim<'static> {
     }
 }
 
-#[tokio::test]
-async fn starting_an_item_checks_the_claim_leases_on_redis_time_and_a_commit_drops_the_lease() {
-    let store = crate::store("bftest-start").await;
+async fn starting_an_item_checks_the_claim_leases_on_the_store_clock_and_a_commit_drops_the_lease(
+    store: Store,
+) {
     store.put_job(&record("j")).await.expect("put");
     let before = store.now_ms().await.expect("time");
     let Start::Started { at_ms } = store
@@ -171,7 +201,7 @@ async fn starting_an_item_checks_the_claim_leases_on_redis_time_and_a_commit_dro
     assert_eq!(
         (leases[0].started_ms, leases[0].heartbeat_ms),
         (at_ms, at_ms),
-        "lease times are Redis's, not the worker's"
+        "lease times are the store's clock, not the worker's"
     );
     assert_eq!(leases[0].worker, "w");
     assert_eq!(
@@ -179,7 +209,7 @@ async fn starting_an_item_checks_the_claim_leases_on_redis_time_and_a_commit_dro
         1,
         "delivery counted"
     );
-    // A heartbeat moves heartbeat_ms on Redis's clock too.
+    // A heartbeat moves heartbeat_ms on the store's clock too.
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     let mut beat = lease(0, "w");
     beat.started_ms = at_ms;
@@ -227,9 +257,7 @@ async fn starting_an_item_checks_the_claim_leases_on_redis_time_and_a_commit_dro
     store.delete_job("j").await.expect("cleanup");
 }
 
-#[tokio::test]
-async fn a_message_disagreeing_with_its_job_record_writes_nothing() {
-    let store = crate::store("bftest-claim").await;
+async fn a_message_disagreeing_with_its_job_record_writes_nothing(store: Store) {
     store.put_job(&record("j")).await.expect("put");
     let start = |seq, claim: Claim<'static>| {
         let store = store.clone();
@@ -302,9 +330,7 @@ async fn a_message_disagreeing_with_its_job_record_writes_nothing() {
     store.delete_job("j").await.expect("cleanup");
 }
 
-#[tokio::test]
-async fn a_job_fails_once_with_its_first_reason_and_its_items_are_skipped() {
-    let store = crate::store("bftest-failjob").await;
+async fn a_job_fails_once_with_its_first_reason_and_its_items_are_skipped(store: Store) {
     store.put_job(&record("j")).await.expect("put");
     assert!(store
         .fail_job("j", "unrunnable", "model /m.pt is a state_dict")

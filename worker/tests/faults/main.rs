@@ -369,9 +369,9 @@ async fn workers_and_coordinator_ride_out_a_rabbitmq_restart() {
     // it) reconnects on its next try: wait for that, do not race it.
     for w in &workers {
         wait_until(
-            "the worker reconnects to RabbitMQ",
+            "the worker reconnects to the broker",
             Duration::from_secs(60),
-            || async { w.log_text().contains("reconnected to RabbitMQ") },
+            || async { w.log_text().contains("reconnected to the broker") },
         )
         .await;
     }

@@ -8,7 +8,7 @@ use batchfleet_coordinator::{run_job, RunOutcome};
 use batchfleet_loadtest::python::{make_job, make_wrong_models, JobGen};
 use batchfleet_loadtest::services::unique;
 use batchfleet_loadtest::verify::verify;
-use batchfleet_shared::broker::{headers, ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
 use batchfleet_shared::message::{Envelope, InputSlice, WorkItem, MESSAGE_TYPE_V1};
 use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use std::path::{Path, PathBuf};
@@ -99,11 +99,11 @@ fn alive(workers: &mut [Worker]) {
 }
 
 async fn dead_items(env: &TestEnv, filter: Filter) -> Vec<DeadItem> {
-    let (conn, _) = env.channel().await;
-    let items = dlq::list(&conn, &env.pool, &filter)
+    let broker = env.broker().await;
+    let items = dlq::list(&*broker, &env.pool, &filter)
         .await
         .expect("dlq list");
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     items
 }
 
@@ -122,17 +122,14 @@ where
 
 /// Publishes raw messages to the pool's work queue.
 async fn publish(env: &TestEnv, messages: Vec<Outgoing>) {
-    let (conn, ch) = env.channel().await;
+    let broker = env.broker().await;
     let queues = PoolQueues::new(&env.pool);
-    batchfleet_shared::broker::declare_topology(&ch, &queues)
-        .await
-        .expect("topology");
-    let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
-    publisher
-        .publish_all(&queues.work(), messages, 64, |_| {})
+    broker.declare(&queues).await.expect("topology");
+    broker
+        .publish(&queues.work(), messages, 64)
         .await
         .expect("publish");
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
 }
 
 fn raw(body: Vec<u8>, signature: Option<String>) -> Outgoing {
@@ -140,7 +137,7 @@ fn raw(body: Vec<u8>, signature: Option<String>) -> Outgoing {
         message_id: "forged".into(),
         kind: MESSAGE_TYPE_V1,
         body,
-        headers: headers(
+        headers: Headers::of(
             signature.map(|s| (SIGNATURE_HEADER, s)),
             [("x-bf-attempt", 1)],
         ),
@@ -523,7 +520,6 @@ async fn panics_in_item_handling_and_on_the_runner_settle_the_item_and_the_worke
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_again() {
-    use lapin::options::{BasicGetOptions, BasicNackOptions};
     let env = TestEnv::new("limit");
     let manifest = job_in(&env, "l", 4_000, 1_000);
     let cfg = env.run_config();
@@ -534,28 +530,15 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     .await;
     // Item 0 keeps coming back unsettled — what workers dying on it look
     // like to the broker — until the delivery limit dead-letters it.
-    let (conn, ch) = env.channel().await;
+    let broker = env.broker().await;
     let queue = PoolQueues::new(&env.pool).work();
     let mut deliveries = 0;
     loop {
-        let m = ch
-            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-            .await
-            .expect("get")
-            .expect("a message");
-        let item = Envelope::decode(&m.delivery.data)
-            .expect("item")
-            .into_item();
+        let m = broker.get(&queue).await.expect("get").expect("a message");
+        let item = Envelope::decode(&m.body).expect("item").into_item();
         assert_eq!(item.seq, 0, "the head of the queue comes back each time");
         deliveries += 1;
-        m.delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await
-            .expect("nack");
+        m.requeue().await.expect("nack");
         if deliveries > batchfleet_shared::broker::DELIVERY_LIMIT {
             break;
         }
@@ -566,7 +549,7 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
         || async { env.work_queue().await.map(|(ready, _)| ready) == Some(3) },
     )
     .await;
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     let mut workers = vec![env.spawn_worker("w1", &[])];
     let report = summary(run, Duration::from_secs(120)).await;
     assert_eq!(report.status, "completed_with_failures");
@@ -578,7 +561,7 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     assert_eq!(failed, vec![(0, "infra")]);
     assert!(report.failed_items[0]
         .reason
-        .contains("dead-lettered by RabbitMQ after"));
+        .contains("dead-lettered by the broker after"));
     // Settled, not published again: no copy of it, ever.
     assert_eq!(report.items_redispatched, 0);
     let store = env.connections().store().await.expect("redis");

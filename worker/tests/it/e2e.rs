@@ -6,7 +6,7 @@ use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{run_job, RunOutcome};
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::verify::verify;
-use batchfleet_shared::broker::{ConfirmedPublisher, Outgoing, PoolQueues};
+use batchfleet_shared::broker::{Outgoing, PoolQueues};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -125,14 +125,13 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
         .expect("mtime");
     let spec = batchfleet_coordinator::manifest::load(&manifest, &[]).expect("manifest");
     let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
-    let (conn, _) = env.channel().await;
-    let publisher = ConfirmedPublisher::open(&conn).await.expect("publisher");
+    let broker = env.broker().await;
     let dup = Outgoing::work_item(&plan.items[0], 2, None);
-    publisher
-        .publish_all(&PoolQueues::new(&env.pool).work(), [dup], 1, |_| {})
+    broker
+        .publish(&PoolQueues::new(&env.pool).work(), vec![dup], 1)
         .await
         .expect("publish duplicate");
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
 
     // Drain the workers: SIGTERM → finish in-flight → exit 0. Anything left
     // unacked would return to the queue, so an empty queue afterwards proves the ack.

@@ -57,9 +57,9 @@ fn id(row: u64) -> String {
 }
 
 async fn dead(env: &TestEnv, job: &str) -> Vec<dlq::DeadItem> {
-    let (conn, _) = env.channel().await;
+    let broker = env.broker().await;
     let items = dlq::list(
-        &conn,
+        &*broker,
         &env.pool,
         &Filter {
             job: Some(job.to_owned()),
@@ -68,7 +68,7 @@ async fn dead(env: &TestEnv, job: &str) -> Vec<dlq::DeadItem> {
     )
     .await
     .expect("dlq list");
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     items
 }
 
@@ -224,18 +224,18 @@ async fn fail_item_mode_dead_letters_the_item_with_its_reason() {
     assert!(dead[0].dead_at_ms > 0);
 
     // Purging the job's dead items empties the dead queue for good.
-    let (conn, _) = env.channel().await;
+    let broker = env.broker().await;
     assert_eq!(
-        dlq::purge(&conn, &env.pool, Some(&job_id))
+        dlq::purge(&*broker, &env.pool, Some(&job_id))
             .await
             .expect("purge"),
         1
     );
-    assert!(dlq::list(&conn, &env.pool, &Filter::default())
+    assert!(dlq::list(&*broker, &env.pool, &Filter::default())
         .await
         .expect("list")
         .is_empty());
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
@@ -331,7 +331,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
         "{dead_items:?}"
     );
     let classes = dlq::list(
-        &env.channel().await.0,
+        &*env.broker().await,
         &env.pool,
         &Filter {
             job: Some(job_id.clone()),
@@ -345,10 +345,10 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
 
     // Fix the model in place (same path, new content) and replay with the new digest.
     std::fs::copy(env.path().join("model.pt"), env.path().join("poison.pt")).expect("swap model");
-    let (conn, _) = env.channel().await;
+    let broker = env.broker().await;
     let store = env.connections().store().await.expect("redis");
     let replayed = dlq::replay(
-        &conn,
+        &*broker,
         &store,
         &env.pool,
         &Filter {
@@ -393,7 +393,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
 
     // Replaying again is a no-op.
     let again = dlq::replay(
-        &conn,
+        &*broker,
         &store,
         &env.pool,
         &Filter {
@@ -408,7 +408,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
     assert!(again.items.is_empty());
     assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
     assert_outputs(&env, &[]);
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
@@ -709,16 +709,10 @@ async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
 
 #[tokio::test]
 async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
-    use lapin::options::{BasicGetOptions, BasicNackOptions};
     let env = TestEnv::new("deliverylimit");
-    let (conn, ch) = env.channel().await;
+    let broker = env.broker().await;
     let queues = batchfleet_shared::broker::PoolQueues::new(&env.pool);
-    batchfleet_shared::broker::declare_topology(&ch, &queues)
-        .await
-        .expect("topology");
-    let publisher = batchfleet_shared::broker::ConfirmedPublisher::open(&conn)
-        .await
-        .expect("publisher");
+    broker.declare(&queues).await.expect("topology");
     let body = batchfleet_shared::message::Envelope::V1(
         batchfleet_coordinator::planner::sample_item("crashy-job", 7),
     )
@@ -730,26 +724,15 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
         headers: Default::default(),
         expiration_ms: None,
     };
-    publisher
-        .publish_all(&queues.work(), [msg], 1, |_| {})
+    broker
+        .publish(&queues.work(), vec![msg], 1)
         .await
         .expect("publish");
     // Each get + requeue is what a worker dying mid-item looks like to the broker.
     let mut deliveries = 0;
-    while let Some(m) = ch
-        .basic_get(queues.work().into(), BasicGetOptions { no_ack: false })
-        .await
-        .expect("get")
-    {
+    while let Some(m) = broker.get(&queues.work()).await.expect("get") {
         deliveries += 1;
-        m.delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await
-            .expect("nack");
+        m.requeue().await.expect("nack");
         assert!(deliveries <= 100, "the delivery limit never tripped");
     }
     assert_eq!(
@@ -759,7 +742,7 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
     // Dead-lettering happens after the last return, asynchronously: wait for it.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let dead = loop {
-        let dead = dlq::list(&conn, &env.pool, &Filter::default())
+        let dead = dlq::list(&*broker, &env.pool, &Filter::default())
             .await
             .expect("list");
         if !dead.is_empty() || std::time::Instant::now() > deadline {
@@ -777,6 +760,6 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
         "{:?}",
         dead[0]
     );
-    let _ = conn.close(200, "bye".into()).await;
+    broker.close("bye").await;
     env.cleanup(&[]).await;
 }

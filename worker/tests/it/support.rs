@@ -1,12 +1,12 @@
 //! Shared set-up: services, unique names, worker processes, cleanup.
 
 use batchfleet_coordinator::{Connections, RunConfig};
+use batchfleet_shared::broker::Broker;
 use batchfleet_shared::broker::PoolQueues;
 use batchfleet_shared::secret::SecretUrl;
-use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct TestEnv {
@@ -40,6 +40,7 @@ impl TestEnv {
             redis_prefix: self.prefix.clone(),
             connect_timeout: Duration::from_secs(10),
             signing_key: None,
+            local: None,
         }
     }
 
@@ -103,35 +104,21 @@ impl TestEnv {
         Worker { child, log }
     }
 
-    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
-        let conn = batchfleet_shared::broker::connect(
-            &self.amqp,
-            "batchfleet-tests",
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("amqp");
-        let ch = conn.create_channel().await.expect("channel");
-        (conn, ch)
+    /// A handle on the test's RabbitMQ.
+    pub async fn broker(&self) -> Arc<dyn Broker> {
+        batchfleet_shared::broker::connect(&self.amqp, "batchfleet-tests", Duration::from_secs(10))
+            .await
+            .expect("amqp")
     }
 
     /// (ready messages, consumers) of the pool's work queue; None if it does not exist.
     pub async fn work_queue(&self) -> Option<(u32, u32)> {
-        let (conn, ch) = self.channel().await;
-        let q = ch
-            .queue_declare(
-                PoolQueues::new(&self.pool).work().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .ok()
-            .map(|q| (q.message_count(), q.consumer_count()));
-        let _ = conn.close(200, "bye".into()).await;
-        q
+        let broker = self.broker().await;
+        let work = PoolQueues::new(&self.pool).work();
+        let ready = broker.ready_count(&work).await.ok().flatten();
+        let consumers = broker.consumer_count(&work).await.ok().flatten();
+        broker.close("bye").await;
+        ready.zip(consumers)
     }
 
     /// Waits until `n` consumers are attached to the work queue.
@@ -189,14 +176,10 @@ impl Drop for TestEnv {
                 else {
                     return;
                 };
-                if let Ok(ch) = conn.create_channel().await {
-                    for name in PoolQueues::new(&pool).all() {
-                        let _ = ch
-                            .queue_delete(name.into(), QueueDeleteOptions::default())
-                            .await;
-                    }
+                for name in PoolQueues::new(&pool).all() {
+                    let _ = conn.delete(&name).await;
                 }
-                let _ = conn.close(200, "bye".into()).await;
+                conn.close("bye").await;
             });
         });
         let _ = cleanup.join();

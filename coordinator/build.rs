@@ -1,0 +1,10 @@
+//! Embeds libtorch's library folder as an rpath, so `batchfleet` — whose
+//! `run --local` scores items in-process — runs without LD_LIBRARY_PATH.
+//! torch-sys exports the folder to crates that depend on it directly, as
+//! DEP_TCH_LIBTORCH_LIB.
+fn main() {
+    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
+}

@@ -1,0 +1,606 @@
+//! The RabbitMQ implementation of [`Broker`] (lapin).
+//!
+//! - Work, dead and infra queues are durable quorum queues: replicated, and
+//!   fsynced before a publish is confirmed, so a broker restart loses
+//!   nothing. `x-delivery-limit` ([`DELIVERY_LIMIT`]) dead-letters a message
+//!   returned too often through `bf.dlx` (direct) with key `P.dead`, bound to
+//!   both `bf.P.dead` and `bf.P.infra`; workers publish their own dead
+//!   letters straight to `bf.P.dead` (default exchange), so only what the
+//!   broker dead-letters reaches `bf.P.infra`.
+//! - A retry tier dead-letters an expired message through the default
+//!   exchange straight back into `bf.P.work`. Messages expire only at the
+//!   head of a queue, so one tier per order of magnitude bounds how long a
+//!   short delay can wait behind a longer one.
+//! - Declarations are idempotent but their arguments must match exactly on
+//!   every declare, so they exist only here ([`AmqpBroker::declare`]).
+//!
+//! One [`AmqpBroker`] is one connection with a confirm-mode publishing
+//! channel, a consuming channel (opened on first use) and a channel for
+//! `basic.get`; closing it returns every unacknowledged delivery.
+
+use super::{
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing, PoolQueues, Subscription,
+    DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
+};
+use crate::secret::{scrub, SecretUrl};
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+fn op(what: impl Into<String>) -> impl FnOnce(lapin::Error) -> BrokerError {
+    let what = what.into();
+    move |e| BrokerError::Op {
+        op: format!("RabbitMQ {what}"),
+        reason: e.to_string(),
+    }
+}
+
+/// A RabbitMQ connection as a [`Broker`].
+pub struct AmqpBroker {
+    conn: Connection,
+    url: String,
+    publisher: Channel,
+    consuming: OnceCell<Channel>,
+    getting: OnceCell<Channel>,
+}
+
+impl std::fmt::Debug for AmqpBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpBroker")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpBroker {
+    /// Opens a connection, bounded by `timeout`, with errors that say what
+    /// to do, and a publishing channel in confirm mode.
+    pub async fn connect(
+        url: &SecretUrl,
+        connection_name: &str,
+        timeout: Duration,
+    ) -> Result<Self, BrokerError> {
+        let props =
+            ConnectionProperties::default().with_connection_name(LongString::from(connection_name));
+        let attempt = Connection::connect(url.expose(), props);
+        let conn = match tokio::time::timeout(timeout, attempt).await {
+            Err(_) => {
+                return Err(BrokerError::Timeout {
+                    url: url.redacted(),
+                    secs: timeout.as_secs(),
+                })
+            }
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return Err(connect_error(url, &e)),
+        };
+        let publisher = conn.create_channel().await.map_err(op("channel.open"))?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(op("confirm.select"))?;
+        Ok(Self {
+            conn,
+            url: url.redacted(),
+            publisher,
+            consuming: OnceCell::new(),
+            getting: OnceCell::new(),
+        })
+    }
+
+    async fn consuming(&self) -> Result<&Channel, BrokerError> {
+        self.consuming
+            .get_or_try_init(|| async {
+                self.conn.create_channel().await.map_err(op("channel.open"))
+            })
+            .await
+    }
+
+    /// A channel for one passive declare or purge: a failed passive declare
+    /// closes its channel, so it must not be one in use.
+    async fn scratch(&self) -> Result<Channel, BrokerError> {
+        self.conn.create_channel().await.map_err(op("channel.open"))
+    }
+}
+
+fn connect_error(url: &SecretUrl, e: &lapin::Error) -> BrokerError {
+    let reason = scrub(&e.to_string(), url);
+    let lower = reason.to_ascii_lowercase();
+    if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login") {
+        return BrokerError::Auth {
+            url: url.redacted(),
+            reason,
+        };
+    }
+    let hint = if lower.contains("refused") || lower.contains("resolve") || lower.contains("lookup")
+    {
+        "Is RabbitMQ running? Start it (e.g. `rabbitmq-server -detached`), fix BATCHFLEET_AMQP_URL, or run the job in one process with `batchfleet run --local`."
+    } else {
+        "Check BATCHFLEET_AMQP_URL and that RabbitMQ is healthy."
+    };
+    BrokerError::Connect {
+        url: url.redacted(),
+        reason,
+        hint,
+    }
+}
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Arguments of a work or dead queue. Quorum for durability and replication.
+fn quorum_args(dead_letter_to: Option<&PoolQueues>) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), long("quorum"));
+    if let Some(pool) = dead_letter_to {
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(DELIVERY_LIMIT),
+        );
+        args.insert("x-dead-letter-exchange".into(), long(DEAD_LETTER_EXCHANGE));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            long(&pool.dead_routing_key()),
+        );
+        // at-least-once dead-lettering: the message leaves the work queue only once
+        // the dead queue confirmed it, so a dead letter cannot be lost in transit.
+        args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+        // required by at-least-once: publishers get a nack instead of silent drops
+        // when a length limit is ever configured by policy.
+        args.insert("x-overflow".into(), long("reject-publish"));
+    }
+    args
+}
+
+/// Arguments of a retry tier: expired messages go back to the work queue.
+fn retry_args(pool: &PoolQueues) -> FieldTable {
+    let mut args = quorum_args(None);
+    // The default exchange ("") routes by queue name: expiry = re-delivery to work.
+    args.insert("x-dead-letter-exchange".into(), long(""));
+    args.insert("x-dead-letter-routing-key".into(), long(&pool.work()));
+    args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+    args.insert("x-overflow".into(), long("reject-publish"));
+    args
+}
+
+/// Declares the pool's work queue, retry tiers, dead-letter exchange and dead queue.
+async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<(), BrokerError> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            DEAD_LETTER_EXCHANGE.into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op(format!("exchange.declare {DEAD_LETTER_EXCHANGE}")))?;
+    // Same routing key for dead and infra: a direct exchange gives each bound
+    // queue its copy of a broker dead letter.
+    for queue in [queues.dead(), queues.infra()] {
+        channel
+            .queue_declare(queue.as_str().into(), durable, quorum_args(None))
+            .await
+            .map_err(op(format!("queue.declare {queue}")))?;
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                DEAD_LETTER_EXCHANGE.into(),
+                queues.dead_routing_key().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op(format!("queue.bind {queue}")))?;
+    }
+    channel
+        .queue_declare(queues.work().into(), durable, quorum_args(Some(queues)))
+        .await
+        .map_err(op(format!("queue.declare {}", queues.work())))?;
+    for tier in RETRY_TIERS_S {
+        let name = queues.retry(tier);
+        channel
+            .queue_declare(name.as_str().into(), durable, retry_args(queues))
+            .await
+            .map_err(op(format!("queue.declare {name}")))?;
+    }
+    Ok(())
+}
+
+/// Plain headers as an AMQP table.
+fn to_table(headers: &Headers) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in headers.iter() {
+        let v = match v {
+            HeaderValue::Str(s) => long(s),
+            HeaderValue::Int(i) => AMQPValue::LongLongInt(*i),
+        };
+        t.insert(k.into(), v);
+    }
+    t
+}
+
+/// An AMQP table as plain headers: text and integers (of any width) are
+/// kept; what batchfleet never sets (arrays such as `x-death`) is dropped.
+fn from_table(table: Option<&FieldTable>) -> Headers {
+    let mut h = Headers::default();
+    for (k, v) in table.map(|t| t.inner().iter()).into_iter().flatten() {
+        let v = match v {
+            AMQPValue::LongString(s) => {
+                HeaderValue::Str(String::from_utf8_lossy(s.as_bytes()).into_owned())
+            }
+            AMQPValue::ShortString(s) => HeaderValue::Str(s.as_str().to_owned()),
+            AMQPValue::ShortShortInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::ShortShortUInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::ShortInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::ShortUInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::LongInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::LongUInt(v) => HeaderValue::Int(i64::from(*v)),
+            AMQPValue::LongLongInt(v) => HeaderValue::Int(*v),
+            _ => continue,
+        };
+        h.insert(k.as_str(), v);
+    }
+    h
+}
+
+fn delivery(d: lapin::message::Delivery) -> Delivery {
+    let headers = from_table(d.properties.headers().as_ref());
+    let message_id = d
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_owned())
+        .unwrap_or_default();
+    let tag = d.delivery_tag;
+    let acker = AmqpAcker {
+        acker: d.acker,
+        settled: AtomicBool::new(false),
+    };
+    Delivery::new(d.data, headers, message_id, tag, Arc::new(acker))
+}
+
+/// Settles a delivery once; one dropped unsettled is returned (`basic.nack`
+/// with requeue) rather than held until its channel closes.
+struct AmqpAcker {
+    acker: lapin::Acker,
+    settled: AtomicBool,
+}
+
+fn requeue_options() -> BasicNackOptions {
+    BasicNackOptions {
+        requeue: true,
+        ..BasicNackOptions::default()
+    }
+}
+
+#[async_trait::async_trait]
+impl Acker for AmqpAcker {
+    async fn ack(&self) -> Result<(), BrokerError> {
+        if self.settled.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(drop)
+            .map_err(op("basic.ack"))
+    }
+    async fn requeue(&self) -> Result<(), BrokerError> {
+        if self.settled.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.acker
+            .nack(requeue_options())
+            .await
+            .map(drop)
+            .map_err(op("basic.nack"))
+    }
+}
+
+impl Drop for AmqpAcker {
+    fn drop(&mut self) {
+        if self.settled.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let acker = self.acker.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = acker.nack(requeue_options()).await;
+            });
+        }
+    }
+}
+
+struct AmqpSubscription {
+    channel: Channel,
+    consumer: lapin::Consumer,
+    tag: String,
+}
+
+#[async_trait::async_trait]
+impl Subscription for AmqpSubscription {
+    async fn next(&mut self) -> Option<Result<Delivery, BrokerError>> {
+        match self.consumer.next().await? {
+            Ok(d) => Some(Ok(delivery(d))),
+            Err(e) => Some(Err(BrokerError::Closed(e.to_string()))),
+        }
+    }
+    async fn cancel(&mut self) {
+        let _ = self
+            .channel
+            .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+    }
+}
+
+#[async_trait::async_trait]
+impl Broker for AmqpBroker {
+    fn describe(&self) -> String {
+        format!("RabbitMQ at {}", self.url)
+    }
+
+    async fn declare(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
+        declare_topology(&self.publisher, queues).await
+    }
+
+    /// Persistent, mandatory messages on the confirm-mode channel: a message
+    /// counts as sent only when the broker acked it *and* did not return it
+    /// as unroutable.
+    async fn publish(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+        window: usize,
+    ) -> Result<u64, BrokerError> {
+        let window = window.max(1);
+        let mut pending: std::collections::VecDeque<(String, lapin::PublisherConfirm)> =
+            std::collections::VecDeque::with_capacity(window);
+        let mut confirmed = 0u64;
+        for msg in messages {
+            if pending.len() >= window {
+                let (m, confirm) = pending.pop_front().expect("window is non-empty");
+                await_confirm(&m, confirm).await?;
+                confirmed += 1;
+            }
+            let mut props = BasicProperties::default()
+                .with_delivery_mode(2) // persistent: survives a broker restart
+                .with_content_type(ShortString::from(crate::message::CONTENT_TYPE))
+                .with_type(ShortString::from(msg.kind))
+                .with_message_id(ShortString::from(msg.message_id.as_str()))
+                .with_app_id(ShortString::from("batchfleet"))
+                .with_timestamp(crate::now_ms() / 1000)
+                .with_headers(to_table(&msg.headers));
+            if let Some(ms) = msg.expiration_ms {
+                props = props.with_expiration(ShortString::from(ms.to_string()));
+            }
+            let confirm = self
+                .publisher
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    // mandatory: an unroutable message (queue deleted) comes back
+                    // as a return instead of vanishing, and we treat it as an error.
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &msg.body,
+                    props,
+                )
+                .await
+                .map_err(op(format!("basic.publish {}", msg.message_id)))?;
+            pending.push_back((msg.message_id, confirm));
+        }
+        while let Some((m, confirm)) = pending.pop_front() {
+            await_confirm(&m, confirm).await?;
+            confirmed += 1;
+        }
+        Ok(confirmed)
+    }
+
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Box<dyn Subscription>, BrokerError> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let channel = self.consuming().await?.clone();
+        // Per consumer (not global): each subscription gets `prefetch`.
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(op("basic.qos"))?;
+        let tag = format!(
+            "bf-{}-{}-{}",
+            std::process::id(),
+            crate::now_ms(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op(format!("basic.consume {queue}")))?;
+        Ok(Box::new(AmqpSubscription {
+            channel,
+            consumer,
+            tag,
+        }))
+    }
+
+    async fn get(&self, queue: &str) -> Result<Option<Delivery>, BrokerError> {
+        let channel = self
+            .getting
+            .get_or_try_init(|| async {
+                self.conn.create_channel().await.map_err(op("channel.open"))
+            })
+            .await?;
+        let got = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .map_err(op(format!("basic.get {queue}")))?;
+        Ok(got.map(|m| delivery(m.delivery)))
+    }
+
+    async fn purge(&self, queue: &str) -> Result<u32, BrokerError> {
+        if self.ready_count(queue).await?.is_none() {
+            return Ok(0);
+        }
+        let channel = self.scratch().await?;
+        let n = channel
+            .queue_purge(queue.into(), QueuePurgeOptions::default())
+            .await
+            .map_err(op(format!("queue.purge {queue}")))?;
+        let _ = channel.close(200, "purged".into()).await;
+        Ok(n)
+    }
+
+    async fn delete(&self, queue: &str) -> Result<(), BrokerError> {
+        let channel = self.scratch().await?;
+        channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await
+            .map_err(op(format!("queue.delete {queue}")))?;
+        let _ = channel.close(200, "deleted".into()).await;
+        Ok(())
+    }
+
+    async fn ready_count(&self, queue: &str) -> Result<Option<u32>, BrokerError> {
+        Ok(self.inspect(queue).await?.map(|q| q.message_count()))
+    }
+
+    async fn consumer_count(&self, queue: &str) -> Result<Option<u32>, BrokerError> {
+        Ok(self.inspect(queue).await?.map(|q| q.consumer_count()))
+    }
+
+    fn is_open(&self) -> bool {
+        self.conn.status().connected() && self.publisher.status().connected()
+    }
+
+    async fn close(&self, why: &str) {
+        // Closing the channels returns every unacknowledged delivery at once.
+        for channel in [self.consuming.get(), self.getting.get()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = channel.close(200, why.into()).await;
+        }
+        let _ = self.publisher.close(200, why.into()).await;
+        let _ = self.conn.close(200, why.into()).await;
+    }
+}
+
+impl AmqpBroker {
+    /// A passive declare: the queue's counts, `None` when it does not exist.
+    async fn inspect(&self, queue: &str) -> Result<Option<lapin::Queue>, BrokerError> {
+        let channel = self.scratch().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        match channel
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(q) => {
+                let _ = channel.close(200, "counted".into()).await;
+                Ok(Some(q))
+            }
+            // The broker closes the channel on a failed passive declare.
+            Err(e) => {
+                let text = e.to_string();
+                if text.contains("NOT_FOUND") || text.contains("404") {
+                    Ok(None)
+                } else {
+                    Err(BrokerError::Op {
+                        op: format!("RabbitMQ queue.declare (passive) {queue}"),
+                        reason: text,
+                    })
+                }
+            }
+        }
+    }
+}
+
+async fn await_confirm(
+    message_id: &str,
+    confirm: lapin::PublisherConfirm,
+) -> Result<(), BrokerError> {
+    let confirmation = confirm.await.map_err(op(format!("confirm {message_id}")))?;
+    let refused = |reason: String| BrokerError::NotConfirmed {
+        message_id: message_id.to_owned(),
+        reason,
+    };
+    match confirmation {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => Err(refused(format!(
+            "returned by the broker: {} {}",
+            ret.reply_code, ret.reply_text
+        ))),
+        Confirmation::Nack(None) => Err(refused("nacked by the broker".into())),
+        Confirmation::NotRequested => Err(refused(
+            "publisher confirms are not enabled on this channel".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_queue_dead_letters_into_its_pool() {
+        let q = PoolQueues::new("gpu");
+        let args = quorum_args(Some(&q));
+        let inner = args.inner();
+        assert_eq!(
+            inner.get("x-dead-letter-routing-key"),
+            Some(&long("gpu.dead"))
+        );
+        assert_eq!(
+            inner.get("x-delivery-limit"),
+            Some(&AMQPValue::LongLongInt(DELIVERY_LIMIT))
+        );
+        assert!(quorum_args(None)
+            .inner()
+            .get("x-dead-letter-exchange")
+            .is_none());
+    }
+
+    #[test]
+    fn headers_of_any_integer_width_read_back_and_arrays_are_dropped() {
+        let mut t = FieldTable::default();
+        t.insert("a".into(), AMQPValue::LongInt(3));
+        t.insert("b".into(), AMQPValue::ShortShortUInt(4));
+        t.insert("c".into(), long("5"));
+        t.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        let h = from_table(Some(&t));
+        assert_eq!(h.int("a"), Some(3));
+        assert_eq!(h.int("b"), Some(4));
+        assert_eq!(h.str("c"), Some("5"));
+        assert_eq!(h.iter().count(), 3);
+        assert_eq!(from_table(Some(&to_table(&h))), h);
+    }
+}

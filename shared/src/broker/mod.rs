@@ -1,0 +1,448 @@
+//! The work queues: one interface ([`Broker`]) with two implementations —
+//! RabbitMQ ([`amqp`], the fleet's) and in-process memory ([`local`], for
+//! `batchfleet run --local`). Code outside this module holds an
+//! `Arc<dyn Broker>`, plain [`Headers`] and [`Delivery`]s, and never names
+//! either implementation's types.
+//!
+//! # Topology (per pool `P`)
+//! - `bf.P.work`: the queue workers consume. Each message's deliveries are
+//!   counted (`x-delivery-count`); past [`DELIVERY_LIMIT`] returns it is
+//!   dead-lettered by the broker itself (an item that crashes its worker
+//!   cannot loop forever).
+//! - `bf.P.dead`: items that failed for good, until listed and replayed.
+//!   Workers publish their own dead letters here with the reason in headers.
+//! - `bf.P.infra`: a copy of what the *broker* dead-lettered (delivery
+//!   limit); workers consume it and record those items failed (class
+//!   `infra`), so the job settles instead of waiting for them forever.
+//! - `bf.P.retry.<tier>` ([`RETRY_TIERS_S`]): delayed retry without blocking
+//!   a worker. A failed item is published to the smallest tier that fits its
+//!   delay with a per-message expiration; when it expires it goes back to
+//!   `bf.P.work`.
+//!
+//! # Semantics both implementations keep (pinned by `shared/tests/it/broker.rs`)
+//! - A publish returns once every message is confirmed stored; a message to
+//!   a queue that does not exist is an error naming it, never silently lost.
+//! - A delivery is settled once: acked (gone) or returned (requeued, its
+//!   delivery count raised). One dropped unsettled is returned, and so is
+//!   every one still unsettled when its [`Broker`] handle closes.
+//! - [`Broker::get`] takes one ready message without settling it (the DLQ
+//!   commands); what they do not ack returns when they drop it.
+
+pub mod amqp;
+pub mod local;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Exchange that receives dead-lettered messages of all pools (RabbitMQ).
+pub const DEAD_LETTER_EXCHANGE: &str = "bf.dlx";
+
+/// Returns a message may have before the broker dead-letters it on its own.
+/// A backstop for items that kill their worker (abort, OOM kill) before it can
+/// classify the failure; ordinary failures are classified by the worker first.
+pub const DELIVERY_LIMIT: i64 = 20;
+
+/// Upper bounds (seconds) of the retry tiers.
+pub const RETRY_TIERS_S: [u64; 6] = [1, 5, 30, 120, 600, 3600];
+
+/// Header the broker sets on a redelivered message: how often it was
+/// returned before.
+pub const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
+
+/// Errors talking to the broker. Messages never contain credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The broker could not be reached or refused the login.
+    #[error("cannot connect to RabbitMQ at {url}: {reason}. {hint}")]
+    Connect {
+        /// Redacted URL.
+        url: String,
+        /// What the client library said, credentials scrubbed.
+        reason: String,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// The broker refused the credentials; retrying will not help.
+    #[error("RabbitMQ at {url} refused the login: {reason}. Check the user name and password in the AMQP URL (BATCHFLEET_AMQP_URL)")]
+    Auth {
+        /// Redacted URL.
+        url: String,
+        /// What the client library said, credentials scrubbed.
+        reason: String,
+    },
+    /// The broker did not answer in time.
+    #[error("RabbitMQ at {url} did not answer within {secs}s; check the host and port, or that the broker is not overloaded")]
+    Timeout {
+        /// Redacted URL.
+        url: String,
+        /// Seconds waited.
+        secs: u64,
+    },
+    /// A protocol operation failed.
+    #[error("{op} failed: {reason}")]
+    Op {
+        /// The operation, e.g. `queue.declare bf.default.work`.
+        op: String,
+        /// What the broker or client library said.
+        reason: String,
+    },
+    /// The broker refused a publish (nack) or could not route it (return).
+    #[error("the broker did not accept message {message_id}: {reason}")]
+    NotConfirmed {
+        /// Message id of the refused publish.
+        message_id: String,
+        /// nack or unroutable return.
+        reason: String,
+    },
+    /// The handle was closed (or its connection lost).
+    #[error("the broker connection is closed: {0}")]
+    Closed(String),
+}
+
+impl BrokerError {
+    /// Whether retrying cannot help (wrong credentials).
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, BrokerError::Auth { .. })
+    }
+}
+
+/// Queue names of one pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolQueues {
+    /// Pool name.
+    pub pool: String,
+}
+
+impl PoolQueues {
+    /// Names for `pool`.
+    pub fn new(pool: impl Into<String>) -> Self {
+        Self { pool: pool.into() }
+    }
+    /// The work queue workers consume.
+    pub fn work(&self) -> String {
+        format!("bf.{}.work", self.pool)
+    }
+    /// The dead-letter queue.
+    pub fn dead(&self) -> String {
+        format!("bf.{}.dead", self.pool)
+    }
+    /// Copies of what the broker itself dead-lettered (delivery limit), for
+    /// workers to record as failed items.
+    pub fn infra(&self) -> String {
+        format!("bf.{}.infra", self.pool)
+    }
+    /// Every queue of the pool: work, dead, infra and the retry tiers.
+    pub fn all(&self) -> Vec<String> {
+        let mut names = vec![self.work(), self.dead(), self.infra()];
+        names.extend(RETRY_TIERS_S.iter().map(|t| self.retry(*t)));
+        names
+    }
+    /// The retry queue whose tier holds a delay of `delay_ms`.
+    pub fn retry_for(&self, delay_ms: u64) -> String {
+        let tier = RETRY_TIERS_S
+            .iter()
+            .copied()
+            .find(|t| t * 1000 >= delay_ms)
+            .unwrap_or(RETRY_TIERS_S[RETRY_TIERS_S.len() - 1]);
+        self.retry(tier)
+    }
+    /// The retry queue of one tier.
+    pub fn retry(&self, tier_s: u64) -> String {
+        format!("bf.{}.retry.{tier_s}s", self.pool)
+    }
+    /// Routing key under which dead letters of this pool reach [`PoolQueues::dead`].
+    pub fn dead_routing_key(&self) -> String {
+        format!("{}.dead", self.pool)
+    }
+}
+
+/// One header value: text or an integer (all batchfleet sets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderValue {
+    /// Text.
+    Str(String),
+    /// An integer (any width on the wire).
+    Int(i64),
+}
+
+/// A message's headers, by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Headers(BTreeMap<String, HeaderValue>);
+
+impl Headers {
+    /// Headers from string and integer values.
+    pub fn of<'a>(
+        strings: impl IntoIterator<Item = (&'a str, String)>,
+        ints: impl IntoIterator<Item = (&'a str, i64)>,
+    ) -> Self {
+        let mut h = Self::default();
+        h.set(strings, ints);
+        h
+    }
+
+    /// Sets string and integer values (replacing those there).
+    pub fn set<'a>(
+        &mut self,
+        strings: impl IntoIterator<Item = (&'a str, String)>,
+        ints: impl IntoIterator<Item = (&'a str, i64)>,
+    ) {
+        for (k, v) in strings {
+            self.0.insert(k.to_owned(), HeaderValue::Str(v));
+        }
+        for (k, v) in ints {
+            self.0.insert(k.to_owned(), HeaderValue::Int(v));
+        }
+    }
+
+    /// Sets one value.
+    pub fn insert(&mut self, name: &str, value: HeaderValue) {
+        self.0.insert(name.to_owned(), value);
+    }
+
+    /// Removes one value.
+    pub fn remove(&mut self, name: &str) -> Option<HeaderValue> {
+        self.0.remove(name)
+    }
+
+    /// A text header.
+    pub fn str(&self, name: &str) -> Option<&str> {
+        match self.0.get(name)? {
+            HeaderValue::Str(s) => Some(s),
+            HeaderValue::Int(_) => None,
+        }
+    }
+
+    /// An integer header.
+    pub fn int(&self, name: &str) -> Option<i64> {
+        match self.0.get(name)? {
+            HeaderValue::Int(v) => Some(*v),
+            HeaderValue::Str(_) => None,
+        }
+    }
+
+    /// Every header, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &HeaderValue)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// These headers less those a broker adds on delivery
+    /// (`x-delivery-count`, `x-death`): what a re-published copy carries.
+    pub fn own(&self) -> Self {
+        let mut h = self.clone();
+        h.remove(DELIVERY_COUNT_HEADER);
+        h.remove("x-death");
+        h
+    }
+}
+
+/// One message to publish.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// Unique id (`<job>/<seq>`), used in errors and for deduplication by readers.
+    pub message_id: String,
+    /// Message type (`batchfleet.work.v1`).
+    pub kind: &'static str,
+    /// Encoded body.
+    pub body: Vec<u8>,
+    /// Headers (the attempt, the signature, why it died).
+    pub headers: Headers,
+    /// Per-message expiration (retry delay), if any.
+    pub expiration_ms: Option<u64>,
+}
+
+impl Outgoing {
+    /// A work item for the work queue, at delivery attempt `attempt`, signed
+    /// with `key` when one is configured.
+    pub fn work_item(
+        item: &crate::message::WorkItem,
+        attempt: u32,
+        key: Option<&crate::signing::SigningKey>,
+    ) -> Self {
+        let body = crate::message::Envelope::V1(item.clone()).encode();
+        let mut headers = Headers::default();
+        if let Some(key) = key {
+            headers.set([(crate::signing::SIGNATURE_HEADER, key.sign(&body))], []);
+        }
+        headers.set(
+            [],
+            [
+                (crate::message::ATTEMPT_HEADER, i64::from(attempt)),
+                (crate::message::PUBLISHED_HEADER, crate::now_ms() as i64),
+            ],
+        );
+        Self {
+            message_id: format!("{}/{}", item.job_id, item.seq),
+            kind: crate::message::MESSAGE_TYPE_V1,
+            body,
+            headers,
+            expiration_ms: None,
+        }
+    }
+}
+
+/// Settles one delivery; implemented by each broker.
+#[async_trait::async_trait]
+pub trait Acker: Send + Sync {
+    /// Acknowledges: the message is gone.
+    async fn ack(&self) -> Result<(), BrokerError>;
+    /// Returns the message to its queue (its delivery count raised).
+    async fn requeue(&self) -> Result<(), BrokerError>;
+}
+
+/// A message handed to a consumer (or taken by [`Broker::get`]), to be
+/// settled once through its [`Acker`].
+pub struct Delivery {
+    /// The message body.
+    pub body: Vec<u8>,
+    /// Its headers, with `x-delivery-count` on a redelivery.
+    pub headers: Headers,
+    /// Message id, as published.
+    pub message_id: String,
+    /// This handle's number for it (for logs).
+    pub tag: u64,
+    acker: Arc<dyn Acker>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("message_id", &self.message_id)
+            .field("tag", &self.tag)
+            .field("bytes", &self.body.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// A delivery settled through `acker` (for implementations).
+    pub fn new(
+        body: Vec<u8>,
+        headers: Headers,
+        message_id: String,
+        tag: u64,
+        acker: Arc<dyn Acker>,
+    ) -> Self {
+        Self {
+            body,
+            headers,
+            message_id,
+            tag,
+            acker,
+        }
+    }
+    /// Acknowledges it.
+    pub async fn ack(&self) -> Result<(), BrokerError> {
+        self.acker.ack().await
+    }
+    /// Returns it to its queue.
+    pub async fn requeue(&self) -> Result<(), BrokerError> {
+        self.acker.requeue().await
+    }
+    /// Its acker, to settle it from elsewhere (a drop guard).
+    pub fn acker(&self) -> Arc<dyn Acker> {
+        self.acker.clone()
+    }
+    /// How often it was returned before this delivery.
+    pub fn delivery_count(&self) -> i64 {
+        self.headers.int(DELIVERY_COUNT_HEADER).unwrap_or(0)
+    }
+}
+
+/// Deliveries from one queue, at most `prefetch` unsettled at a time.
+#[async_trait::async_trait]
+pub trait Subscription: Send {
+    /// The next delivery; `None` once cancelled (after what was sent
+    /// already) or when the broker ends it; `Err` when the connection is lost.
+    /// Cancel-safe: dropping the future loses nothing.
+    async fn next(&mut self) -> Option<Result<Delivery, BrokerError>>;
+    /// Stops new deliveries; unsettled ones stay with their holders.
+    async fn cancel(&mut self);
+}
+
+/// One handle on a broker: a RabbitMQ connection, or a client of the
+/// in-process queues. Deliveries taken through it and never settled return
+/// to their queues when it closes.
+#[async_trait::async_trait]
+pub trait Broker: Send + Sync + fmt::Debug {
+    /// Where the queues live, for messages.
+    fn describe(&self) -> String;
+    /// Declares the pool's queues (idempotent).
+    async fn declare(&self, queues: &PoolQueues) -> Result<(), BrokerError>;
+    /// Publishes `messages` to `queue`, keeping at most `window` unconfirmed
+    /// at a time; returns how many were confirmed once all are. A message
+    /// the broker refuses or cannot route is an error naming it.
+    async fn publish(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+        window: usize,
+    ) -> Result<u64, BrokerError>;
+    /// Starts consuming `queue`, at most `prefetch` unsettled deliveries.
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Box<dyn Subscription>, BrokerError>;
+    /// Takes one ready message without settling it; `None` when there is
+    /// none. The queue must exist (see [`Broker::ready_count`]).
+    async fn get(&self, queue: &str) -> Result<Option<Delivery>, BrokerError>;
+    /// Drops every ready message of `queue`; how many.
+    async fn purge(&self, queue: &str) -> Result<u32, BrokerError>;
+    /// Deletes `queue` with its messages (tests and tools cleaning up a
+    /// pool). By default only its ready messages are dropped.
+    async fn delete(&self, queue: &str) -> Result<(), BrokerError> {
+        self.purge(queue).await.map(drop)
+    }
+    /// Messages ready in `queue` (not counting unsettled ones); `None` when
+    /// there is no such queue.
+    async fn ready_count(&self, queue: &str) -> Result<Option<u32>, BrokerError>;
+    /// Consumers attached to `queue` (from every handle); `None` when there
+    /// is no such queue.
+    async fn consumer_count(&self, queue: &str) -> Result<Option<u32>, BrokerError>;
+    /// Whether the handle can still be used.
+    fn is_open(&self) -> bool;
+    /// Closes the handle; unsettled deliveries return to their queues.
+    async fn close(&self, why: &str);
+}
+
+/// Connects to RabbitMQ at `url` (see [`amqp::AmqpBroker::connect`]).
+pub async fn connect(
+    url: &crate::secret::SecretUrl,
+    connection_name: &str,
+    timeout: Duration,
+) -> Result<Arc<dyn Broker>, BrokerError> {
+    Ok(Arc::new(
+        amqp::AmqpBroker::connect(url, connection_name, timeout).await?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_delay_goes_to_the_smallest_tier_that_holds_it() {
+        let q = PoolQueues::new("gpu");
+        assert_eq!(q.work(), "bf.gpu.work");
+        assert_eq!(q.retry_for(800), "bf.gpu.retry.1s");
+        assert_eq!(q.retry_for(1_001), "bf.gpu.retry.5s");
+        assert_eq!(q.retry_for(99_000_000), "bf.gpu.retry.3600s");
+    }
+
+    #[test]
+    fn own_headers_drop_what_the_broker_adds() {
+        let h = Headers::of(
+            [("x-death", "x".into()), ("a", "b".into())],
+            [(DELIVERY_COUNT_HEADER, 3)],
+        );
+        assert_eq!(h.int(DELIVERY_COUNT_HEADER), Some(3));
+        assert_eq!(h.str("a"), Some("b"));
+        assert_eq!(h.int("a"), None);
+        let own = h.own();
+        assert_eq!(own.int(DELIVERY_COUNT_HEADER), None);
+        assert_eq!(own.str("x-death"), None);
+        assert_eq!(own.str("a"), Some("b"));
+    }
+}
