@@ -3,7 +3,7 @@
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release -p batchfleet-coordinator --bin batchfleet \
+RUN cargo build --release -p batchfleet-coordinator --no-default-features --bin batchfleet \
  && cp target/release/batchfleet /usr/local/bin/
 
 FROM debian:bookworm-slim

@@ -331,7 +331,11 @@ pub async fn main(cli: Cli) -> ExitCode {
                 crate::run_job(&cfg, &args.manifest, shutdown).await
             };
             match run {
-                Ok(outcome) => report_outcome(&outcome),
+                Ok(RunOutcome::Interrupted { job_id }) if args.local => {
+                    eprintln!("interrupted; the local run of job {job_id} stopped. Its committed items are kept: run the same command again to resume it.");
+                    ExitCode::from(EXIT_INTERRUPTED)
+                }
+                Ok(outcome) => report_outcome_of(&outcome, args.local),
                 Err(e) => report_error(&e),
             }
         }
@@ -474,6 +478,12 @@ pub fn exit_code(outcome: &RunOutcome) -> u8 {
 }
 
 fn report_outcome(outcome: &RunOutcome) -> ExitCode {
+    report_outcome_of(outcome, false)
+}
+
+/// [`report_outcome`]; `local` for a `--local` run (whose dead items are
+/// replayed from its output folder).
+fn report_outcome_of(outcome: &RunOutcome, local: bool) -> ExitCode {
     let code = exit_code(outcome);
     match outcome {
         RunOutcome::Completed {
@@ -517,10 +527,15 @@ fn report_outcome(outcome: &RunOutcome) -> ExitCode {
                     report.failed_reason.as_deref().unwrap_or("nobody can run it"),
                     report.items_skipped
                 ),
+                EXIT_JOB_FAILED if local => eprintln!(
+                    "the error budget was exceeded: the job failed and {} item(s) were skipped. `batchfleet dlq list --local {out}` shows the dead items; fix the cause, then `batchfleet dlq replay --local {out}` or run the manifest again",
+                    report.items_skipped, out = report.output_dir
+                ),
                 EXIT_JOB_FAILED => eprintln!(
                     "the error budget was exceeded: the job failed and {} item(s) were skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again",
                     report.items_skipped, report.pool
                 ),
+                EXIT_COMPLETED_WITH_FAILURES if local => eprintln!("fix the cause, then `batchfleet dlq replay --local {}` (or run the same command again) to retry them", report.output_dir),
                 EXIT_COMPLETED_WITH_FAILURES => eprintln!("fix the cause, then `batchfleet dlq replay --job {job_id}` (or run the same manifest again) to retry them"),
                 _ => {}
             }
@@ -588,7 +603,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             let opts = crate::local::LocalOptions::resolve(workers, threads);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::local::replay(&cfg, &output, opts, update_model, shutdown).await {
-                Ok(outcome) => report_outcome(&outcome),
+                Ok(outcome) => report_outcome_of(&outcome, true),
                 Err(e) => report_error(&e),
             }
         }

@@ -15,24 +15,35 @@
 //!   (as well as listed in `summary.json`); `batchfleet dlq list --local`
 //!   reads them and `batchfleet dlq replay --local` runs them again.
 
-use crate::config::{LocalServices, RunConfig};
+#[cfg(feature = "local")]
+use crate::config::LocalServices;
+use crate::config::RunConfig;
 use crate::dlq::DeadItem;
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::RunOutcome;
 use batchfleet_shared::output::{DEAD_DIR, SUMMARY_FILE};
 use batchfleet_shared::source::fs;
-use std::path::{Path, PathBuf};
-use tokio::task::JoinSet;
+use std::path::Path;
+#[cfg(feature = "local")]
+use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
 
+/// What a build without the `local` feature (the coordinator image) says.
+#[cfg(not(feature = "local"))]
+const NO_LOCAL: &str = "this batchfleet was built without local mode (the coordinator image leaves libtorch out); run --local with a full build (`cargo build --release`, default features) or the worker image";
+
 /// How many pipelines, and how many libtorch threads each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalOptions {
     /// Worker pipelines (each with its own model and runner thread).
     pub workers: usize,
     /// libtorch intra-op threads per pipeline.
     pub threads: usize,
+    /// More `batchfleet-worker` flags per pipeline: pipeline `i` takes
+    /// entry `i` (none when missing). Every `BATCHFLEET_*` variable applies
+    /// to all of them too.
+    pub worker_args: Vec<Vec<String>>,
 }
 
 impl LocalOptions {
@@ -44,7 +55,11 @@ impl LocalOptions {
             .unwrap_or_else(|| threads.map_or(cores, |t| (cores / t.max(1)).max(1)))
             .max(1);
         let threads = threads.unwrap_or((cores / workers).max(1)).max(1);
-        Self { workers, threads }
+        Self {
+            workers,
+            threads,
+            worker_args: Vec::new(),
+        }
     }
 }
 
@@ -61,7 +76,20 @@ pub async fn run_job(
     run_spec(cfg, &spec, opts, submitted_ms, shutdown).await
 }
 
+/// [`run_job`] in a build without local mode: an error saying so.
+#[cfg(not(feature = "local"))]
+pub async fn run_spec(
+    _cfg: &RunConfig,
+    _spec: &JobSpec,
+    _opts: LocalOptions,
+    _submitted_ms: u64,
+    _shutdown: CancellationToken,
+) -> Result<RunOutcome, RunError> {
+    Err(RunError::Output(NO_LOCAL.into()))
+}
+
 /// [`run_job`] for a manifest validated already.
+#[cfg(feature = "local")]
 pub async fn run_spec(
     cfg: &RunConfig,
     spec: &JobSpec,
@@ -81,9 +109,9 @@ pub async fn run_spec(
         cfg.data_roots.clone()
     };
     let stop = CancellationToken::new();
-    let mut workers = JoinSet::new();
+    let mut workers = tokio::task::JoinSet::new();
     for i in 0..opts.workers {
-        let wcfg = worker_config(spec, i, opts, &roots)?;
+        let wcfg = worker_config(spec, i, &opts, &roots)?;
         let backend = batchfleet_worker::Backend::Local {
             queues: services.queues.clone(),
             store: services.store.clone(),
@@ -106,6 +134,14 @@ pub async fn run_spec(
             Err(e) => tracing::warn!(error = %e, "a local worker pipeline panicked"),
         }
     }
+    if matches!(outcome, Ok(RunOutcome::Completed { .. })) {
+        // The job settled: checkpoint segments a slower copy wrote while the
+        // pipelines drained belong to items committed elsewhere.
+        let _ = batchfleet_shared::fsutil::remove_tree_under(
+            spec.output_dir(),
+            Path::new(batchfleet_shared::output::PARTIAL_DIR),
+        );
+    }
     if let Err(e) = write_dead(spec, &services).await {
         tracing::warn!(error = %e, "could not write the dead-lettered items to {DEAD_DIR}/");
     }
@@ -114,10 +150,11 @@ pub async fn run_spec(
 
 /// The settings of pipeline `i`: the flags a `batchfleet-worker` would get
 /// (and, like it, every `BATCHFLEET_*` variable not set here).
+#[cfg(feature = "local")]
 fn worker_config(
     spec: &JobSpec,
     i: usize,
-    opts: LocalOptions,
+    opts: &LocalOptions,
     roots: &[PathBuf],
 ) -> Result<batchfleet_worker::WorkerConfig, RunError> {
     use clap::Parser;
@@ -134,12 +171,22 @@ fn worker_config(
         args.push("--data-root".into());
         args.push(root.clone().into());
     }
+    args.extend(
+        opts.worker_args
+            .get(i)
+            .into_iter()
+            .flatten()
+            .map(Into::into),
+    );
     batchfleet_worker::WorkerConfig::try_parse_from(args)
         .map_err(|e| RunError::Output(format!("local worker settings: {e}")))
 }
 
 /// Waits until every pipeline has ended; what the last one said.
-async fn all_ended(workers: &mut JoinSet<anyhow::Result<batchfleet_worker::Exit>>) -> String {
+#[cfg(feature = "local")]
+async fn all_ended(
+    workers: &mut tokio::task::JoinSet<anyhow::Result<batchfleet_worker::Exit>>,
+) -> String {
     let mut last = "no pipeline started".to_owned();
     while let Some(ended) = workers.join_next().await {
         last = match ended {
@@ -151,7 +198,8 @@ async fn all_ended(workers: &mut JoinSet<anyhow::Result<batchfleet_worker::Exit>
     last
 }
 
-/// A dead item as `_dead/` holds it.
+/// A dead item's file name in `_dead/`.
+#[cfg(feature = "local")]
 fn dead_file(d: &DeadItem, n: usize) -> String {
     match d.item {
         Some(seq) => format!("item-{seq:06}.json"),
@@ -161,6 +209,7 @@ fn dead_file(d: &DeadItem, n: usize) -> String {
 
 /// Rewrites `<output>/_dead/` to hold exactly the items now in the dead
 /// queue (those of an earlier run that were computed since are removed).
+#[cfg(feature = "local")]
 async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunError> {
     let broker = services.queues.handle();
     let dead = crate::dlq::list(&*broker, &spec.pool, &crate::dlq::Filter::default()).await?;
@@ -176,7 +225,10 @@ async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunE
         .collect();
     match fs::list_dir(&dir) {
         Ok(names) => {
-            for name in names.iter().filter(|n| !keep.contains(n)) {
+            for name in names
+                .iter()
+                .filter(|n| n.ends_with(".json") && !keep.contains(n))
+            {
                 let p = dir.join(name);
                 fs::remove_file(&p).map_err(|e| io("remove", &p, e))?;
             }
@@ -191,7 +243,10 @@ async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunE
     for (d, name) in dead.iter().zip(&keep) {
         let p = dir.join(name);
         let body = serde_json::to_vec_pretty(d).expect("a dead item serializes");
-        fs::put(&p, body, false).map_err(|e| io("write", &p, e))?;
+        batchfleet_shared::fsutil::publish_atomically(&p, true, |w| {
+            std::io::Write::write_all(w, &body)
+        })
+        .map_err(|e| io("write", &p, e))?;
     }
     tracing::warn!(items = dead.len(), dir = %dir.display(), "dead-lettered items written");
     Ok(())
@@ -275,20 +330,12 @@ mod tests {
         let d = LocalOptions::resolve(None, None);
         assert_eq!(d.workers, cores);
         assert_eq!(d.threads, 1);
-        assert_eq!(
-            LocalOptions::resolve(Some(3), Some(2)),
-            LocalOptions {
-                workers: 3,
-                threads: 2
-            }
-        );
-        assert_eq!(
-            LocalOptions::resolve(Some(0), Some(0)),
-            LocalOptions {
-                workers: 1,
-                threads: 1
-            }
-        );
+        let pick = |w, t| {
+            let o = LocalOptions::resolve(w, t);
+            (o.workers, o.threads)
+        };
+        assert_eq!(pick(Some(3), Some(2)), (3, 2));
+        assert_eq!(pick(Some(0), Some(0)), (1, 1));
         let one = LocalOptions::resolve(Some(1), None);
         assert_eq!(one.threads, cores);
     }

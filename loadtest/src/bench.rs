@@ -9,7 +9,10 @@
 //!   write part files) with no model, all cores;
 //! - **fleet**: `batchfleet run` against W worker processes already running,
 //!   through the real RabbitMQ and Redis, from submit to `_SUCCESS`; with
-//!   per-stage times scraped from the workers' metrics and peak RSS.
+//!   per-stage times scraped from the workers' metrics and peak RSS;
+//! - **local**: `batchfleet run --local` on the same data — W pipelines of
+//!   cores/W threads in one process, no RabbitMQ or Redis — and the same with
+//!   one pipeline of all cores (one shared model runner), submit to `_SUCCESS`.
 //!
 //! And the **control plane**: tens of thousands of one-row items with a tiny
 //! model (items/s through publish → consume → done → ack), next to raw
@@ -75,6 +78,18 @@ pub struct Regime {
     pub ratio_to_serial_sum: f64,
     /// Fleet / compute ceiling.
     pub ratio_to_compute: f64,
+    /// `run --local` with W pipelines of cores/W threads, submit to `_SUCCESS` (rows/s).
+    pub local_rows_per_s: f64,
+    /// Its wall time (s).
+    pub local_wall_s: f64,
+    /// Its peak RSS (MiB): coordinator and pipelines, one process.
+    pub local_peak_rss_mib: f64,
+    /// `run --local` with one pipeline of all cores (one shared runner) (rows/s).
+    pub local_one_pipeline_rows_per_s: f64,
+    /// Local / fleet.
+    pub local_to_fleet: f64,
+    /// Local / serial-sum ceiling.
+    pub local_to_serial_sum: f64,
     /// Seconds summed over workers per stage: queue wait, read, inference, write.
     pub stage_s: StageTimes,
     /// Peak RSS of each worker (MiB).
@@ -251,9 +266,69 @@ fn run_job(
     manifest: &Path,
     prefix: &str,
 ) -> Result<(f64, f64, serde_json::Value)> {
+    run_job_with(coordinator, manifest, prefix, &[], "out")
+}
+
+/// The manifest of `dir`, copied to write its output to `out` (another job).
+fn manifest_into(dir: &Path, out: &str) -> Result<PathBuf> {
+    let text = std::fs::read_to_string(dir.join("job.toml"))?;
+    if !text.contains("\ndir = \"out\"\n") {
+        bail!("{} has no `dir = \"out\"`", dir.join("job.toml").display());
+    }
+    let copy = dir.join(format!("job-{out}.toml"));
+    std::fs::write(
+        &copy,
+        text.replace("\ndir = \"out\"\n", &format!("\ndir = \"{out}\"\n")),
+    )?;
+    Ok(copy)
+}
+
+/// `batchfleet run --local` with `workers` pipelines of `threads` threads on
+/// the job of `dir`, into `out`, with no service reachable; (wall s, peak RSS MiB).
+fn run_local(
+    coordinator: &Path,
+    dir: &Path,
+    workers: usize,
+    threads: usize,
+    out: &str,
+) -> Result<(f64, f64)> {
+    let manifest = manifest_into(dir, out)?;
+    let args = [
+        "--local".to_owned(),
+        "--workers".into(),
+        workers.to_string(),
+        "--threads".into(),
+        threads.to_string(),
+    ];
+    let (wall, rss, _) = run_job_with(coordinator, &manifest, "bf-unused", &args, out)?;
+    let v = batchfleet_loadtest::verify::verify(&dir.join(out), &dir.join("golden.csv"), 1e-4)?;
+    if !v.ok() {
+        bail!(
+            "local run into {out} does not match PyTorch: {}",
+            v.describe()
+        );
+    }
+    Ok((wall, rss))
+}
+
+/// [`run_job`] with more `run` flags, the output in `out`.
+fn run_job_with(
+    coordinator: &Path,
+    manifest: &Path,
+    prefix: &str,
+    extra: &[String],
+    out: &str,
+) -> Result<(f64, f64, serde_json::Value)> {
     let log = std::fs::File::create(manifest.with_extension("log"))?;
-    let mut child = Command::new(coordinator)
+    let mut cmd = Command::new(coordinator);
+    if !extra.is_empty() {
+        // Nothing listens there: a local run must not need the services.
+        cmd.env("BATCHFLEET_AMQP_URL", "amqp://127.0.0.1:9/%2f")
+            .env("BATCHFLEET_REDIS_URL", "redis://127.0.0.1:9/");
+    }
+    let mut child = cmd
         .args(["--redis-prefix", prefix, "run", "--no-progress"])
+        .args(extra)
         .arg(manifest)
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
@@ -272,7 +347,7 @@ fn run_job(
             manifest.with_extension("log").display()
         );
     }
-    let out = manifest.parent().unwrap_or(Path::new(".")).join("out");
+    let out = manifest.parent().unwrap_or(Path::new(".")).join(out);
     let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(
         out.join(batchfleet_shared::output::SUMMARY_FILE),
     )?)?;
@@ -444,8 +519,15 @@ fn regime(
     if !v.ok() {
         bail!("[{name}] output does not match PyTorch: {}", v.describe());
     }
+    println!(
+        "bench [{name}] run --local, {} pipelines × {threads} thread(s), then 1 × {cores}…",
+        cfg.workers
+    );
+    let (local_wall, local_rss) = run_local(bins.1, &dir, cfg.workers, threads, "out-local")?;
+    let (one_wall, _) = run_local(bins.1, &dir, 1, cores, "out-local-1")?;
     let serial = 1.0 / (1.0 / best_rate + 1.0 / io);
     let fleet_rate = rows as f64 / wall.max(1e-9);
+    let local_rate = rows as f64 / local_wall.max(1e-9);
     Ok(Regime {
         name: name.into(),
         format: format.into(),
@@ -460,6 +542,12 @@ fn regime(
         plan_s,
         ratio_to_serial_sum: fleet_rate / serial,
         ratio_to_compute: fleet_rate / best_rate,
+        local_rows_per_s: local_rate,
+        local_wall_s: local_wall,
+        local_peak_rss_mib: local_rss,
+        local_one_pipeline_rows_per_s: rows as f64 / one_wall.max(1e-9),
+        local_to_fleet: local_rate / fleet_rate,
+        local_to_serial_sum: local_rate / serial,
         stage_s,
         worker_peak_rss_mib: worker_rss,
         coordinator_peak_rss_mib: coord_rss,
@@ -689,6 +777,10 @@ fn print(r: &BenchReport) {
             "          planning {:.2} s; stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {} (the fleet runs it)",
             g.plan_s, g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
             g.worker_peak_rss_mib.iter().map(|m| m.round()).collect::<Vec<_>>(), g.coordinator_peak_rss_mib, g.compute_batch
+        );
+        println!(
+            "          run --local: {:.0} rows/s ({} pipelines; ÷fleet {:.2}, ÷serial {:.2}, wall {:.2} s, peak RSS {:.0} MiB); one pipeline of all cores {:.0} rows/s",
+            g.local_rows_per_s, r.workers, g.local_to_fleet, g.local_to_serial_sum, g.local_wall_s, g.local_peak_rss_mib, g.local_one_pipeline_rows_per_s
         );
     }
     if let Some(c) = &r.control {

@@ -1,5 +1,7 @@
-//! `batchfleet` command-line tests against the real RabbitMQ and Redis:
-//! bad input gets a clear error, the documented exit code, and publishes nothing.
+//! `batchfleet` command-line tests: bad input gets a clear error, the
+//! documented exit code, and publishes nothing (against the real RabbitMQ
+//! and Redis); `run --local` needs neither, and a killed job resumes on both
+//! backends.
 
 mod cli;
-mod local;
+mod local_run;

@@ -20,7 +20,7 @@ use batchfleet_shared::store::{Lease, Store};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use support::{stop_all, TestEnv};
+use support::{stop_all, Backend, TestEnv};
 use tokio_util::sync::CancellationToken;
 
 /// One fault test at a time.
@@ -431,50 +431,40 @@ async fn lost_redis_state_is_rebuilt_from_the_output_files() {
     env.cleanup(&[&job]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins() {
+// Speculative copies on both backends, one body: `fleet::…` and `local::…`.
+crate::on_both_backends! {
+    a_straggler_gets_a_speculative_copy_and_the_first_commit_wins,
+}
+
+async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins(backend: Backend) {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("straggler");
     // 8 items of 500 rows; one checkpoint per mini-batch, so the loser stops early.
     let manifest = job(&env, "straggler", 8, 500, 1);
-    let job = job_id(&manifest);
-    let store = env.connections().store().await.expect("redis");
-    // 5 mini-batches at 2 s each: 10 s for the item the slow worker takes.
-    let mut slow = env.spawn_worker("slow", &["--prefetch", "1", "--debug-batch-delay", "2s"]);
-    env.wait_for_consumers(1, std::slice::from_mut(&mut slow))
+    // The slow worker holds one item at a time, 5 mini-batches at 2 s each:
+    // 10 s for its item, while the fast one does the other 7 in about one.
+    let mut workers = env
+        .workers(
+            backend,
+            &[&["--prefetch", "1", "--debug-batch-delay", "2s"], &[]],
+        )
         .await;
-    let started = Instant::now();
-    let run = start_job(&env, &manifest);
-    wait_until(
-        "the slow worker holds an item",
-        Duration::from_secs(60),
-        || async { !leases(&store, &job).await.is_empty() },
-    )
-    .await;
-    let slow_seq = leases(&store, &job).await[0].seq;
-    let mut fast = vec![env.spawn_worker("fast", &[])];
-
-    let summary = finished(run).await;
-    let took = started.elapsed();
+    let (job, summary) = env.run_on(&workers, &manifest).await;
     assert_exactly_once(&env, &summary);
     assert!(summary.items_redispatched >= 1, "{summary:?}");
-    let stats = store.item_stats(&job).await.expect("stats");
-    let straggler = stats
-        .iter()
-        .find(|s| s.seq == slow_seq)
-        .expect("stats of the slow item");
-    assert_eq!(
-        straggler.worker, "fast",
-        "the speculative copy won (job took {took:?})"
-    );
-    // The slow copy notices at its next checkpoint and drops its work.
-    wait_until("the slow copy stops", Duration::from_secs(30), || async {
-        slow.log_text()
-            .contains("item committed elsewhere (a faster copy); stopping this one")
-    })
-    .await;
-    stop_all(std::slice::from_mut(&mut slow));
-    stop_all(&mut fast);
+    assert!(summary.deliveries > summary.items_total, "{summary:?}");
+    // Every item, the straggler's among them, was committed by the fast
+    // worker: the speculative copy won, the slow original lost.
+    assert_eq!(summary.workers, 1, "{summary:?}");
+    if let Some(slow) = workers.procs.first() {
+        // The slow copy notices at its next checkpoint and drops its work.
+        wait_until("the slow copy stops", Duration::from_secs(30), || async {
+            slow.log_text()
+                .contains("item committed elsewhere (a faster copy); stopping this one")
+        })
+        .await;
+    }
+    workers.stop();
     env.cleanup(&[&job]).await;
 }
 

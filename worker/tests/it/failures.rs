@@ -1,15 +1,13 @@
 //! Failure handling against the real RabbitMQ, Redis and libtorch: bad rows,
 //! models that raise, flake or hang, the dead-letter queue and the error budget.
 
-use crate::support::{stop_all, TestEnv};
+use crate::support::{stop_all, Backend, TestEnv};
 use batchfleet_coordinator::dlq::{self, Filter};
 use batchfleet_coordinator::reducer::Summary;
-use batchfleet_coordinator::{follow_job, RunOutcome};
 use batchfleet_loadtest::python::{make_faulty_models, make_job, JobGen};
 use batchfleet_loadtest::verify::verify;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// A 2000-row job (2 files, items of `item_rows`) with the faulty model variants,
 /// its manifest pointing at `model` and carrying `failure` as its `[failure]` section.
@@ -240,8 +238,16 @@ async fn fail_item_mode_dead_letters_the_item_with_its_reason() {
     env.cleanup(&[&job_id]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_the_model_raises_on_are_isolated_and_rejected_alone() {
+// Failure handling on both backends, one body each: the in-process queues
+// and store of `--local` keep RabbitMQ's and Redis's semantics.
+crate::on_both_backends! {
+    rows_the_model_raises_on_are_isolated_and_rejected_alone,
+    poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix,
+    transient_failures_are_retried_later_until_the_item_succeeds,
+    a_hung_item_times_out_is_dead_lettered_and_the_rest_completes,
+}
+
+async fn rows_the_model_raises_on_are_isolated_and_rejected_alone(backend: Backend) {
     let env = TestEnv::new("isolate");
     let poison = [3, 777, 1501];
     let manifest = job(
@@ -252,9 +258,8 @@ async fn rows_the_model_raises_on_are_isolated_and_rejected_alone() {
         "poison.pt",
         "isolate_poison_rows = true",
     );
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let (job_id, report) = run(&env, &manifest).await;
+    let mut workers = env.workers(backend, &[&[], &[]]).await;
+    let (job_id, report) = env.run_on(&workers, &manifest).await;
     assert_eq!(report.status, "completed");
     assert_eq!(
         (
@@ -288,13 +293,15 @@ async fn rows_the_model_raises_on_are_isolated_and_rejected_alone() {
         "{rej:?}"
     );
     assert_outputs(&env, &ids);
-    assert!(dead(&env, &job_id).await.is_empty());
-    stop_all(&mut workers);
+    assert!(env
+        .dead_on(&workers, &job_id, Filter::default())
+        .await
+        .is_empty());
+    workers.stop();
     env.cleanup(&[&job_id]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
+async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix(backend: Backend) {
     let env = TestEnv::new("replay");
     let manifest = job(
         &env,
@@ -310,17 +317,16 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
         text.replace("[output]\n", "[output]\nmerge = true\n"),
     )
     .expect("manifest");
-    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
-    env.wait_for_consumers(2, &mut workers).await;
-    let (job_id, report) = run(&env, &manifest).await;
+    let mut workers = env.workers(backend, &[&[], &[]]).await;
+    let (job_id, report) = env.run_on(&workers, &manifest).await;
     assert_eq!(report.status, "completed_with_failures");
     assert_eq!((report.items_total, report.items_failed), (8, 2));
     // No merged output while items are missing: it would pass for complete.
     let merged = env.path().join("out/predictions.csv");
     assert!(report.merged.is_none() && !merged.exists());
 
-    // INV-DLQ: the dead queue holds exactly the poisoned items (rows 10 and 1300 → items 0 and 5).
-    let dead_items = dead(&env, &job_id).await;
+    // INV-DLQ: the dead items are exactly the poisoned ones (rows 10 and 1300 → items 0 and 5).
+    let dead_items = env.dead_on(&workers, &job_id, Filter::default()).await;
     let mut seqs: Vec<u32> = dead_items.iter().filter_map(|d| d.item).collect();
     seqs.sort();
     assert_eq!(seqs, vec![0, 5]);
@@ -330,47 +336,18 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
             .all(|d| d.class == "poison" && d.error.contains("poison sentinel")),
         "{dead_items:?}"
     );
-    let classes = dlq::list(
-        &*env.broker().await,
-        &env.pool,
-        &Filter {
-            job: Some(job_id.clone()),
-            class: Some("timeout".into()),
-            item: None,
-        },
-    )
-    .await
-    .expect("list");
-    assert!(classes.is_empty(), "class filter applies");
+    let timeouts = Filter {
+        class: Some("timeout".into()),
+        ..Filter::default()
+    };
+    assert!(
+        env.dead_on(&workers, &job_id, timeouts).await.is_empty(),
+        "class filter applies"
+    );
 
     // Fix the model in place (same path, new content) and replay with the new digest.
     std::fs::copy(env.path().join("model.pt"), env.path().join("poison.pt")).expect("swap model");
-    let broker = env.broker().await;
-    let store = env.connections().store().await.expect("redis");
-    let replayed = dlq::replay(
-        &*broker,
-        &store,
-        &env.pool,
-        &Filter {
-            job: Some(job_id.clone()),
-            ..Filter::default()
-        },
-        true,
-        None,
-    )
-    .await
-    .expect("replay");
-    assert_eq!(replayed.items.len(), 2);
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(120),
-        follow_job(&env.run_config(), &store, &job_id, CancellationToken::new()),
-    )
-    .await
-    .expect("settled")
-    .expect("followed");
-    let RunOutcome::Completed { report, .. } = outcome else {
-        panic!("{outcome:?}")
-    };
+    let report = env.replay_on(&workers, &job_id, true).await;
     assert_eq!(report.status, "completed");
     assert_eq!(
         (
@@ -389,27 +366,84 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix() {
     assert_eq!(rows, 2001, "header and 2000 rows");
     assert!(env.path().join("out/_SUCCESS").exists());
     assert_outputs(&env, &[]);
-    assert!(dead(&env, &job_id).await.is_empty());
+    let left = env.dead_on(&workers, &job_id, Filter::default()).await;
+    assert!(left.is_empty(), "{left:?}");
+    if backend == Backend::Fleet {
+        assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
+    }
+    workers.stop();
+    env.cleanup(&[&job_id]).await;
+}
 
-    // Replaying again is a no-op.
-    let again = dlq::replay(
-        &*broker,
-        &store,
-        &env.pool,
-        &Filter {
-            job: Some(job_id.clone()),
-            ..Filter::default()
-        },
-        true,
-        None,
-    )
-    .await
-    .expect("replay");
-    assert!(again.items.is_empty());
-    assert_eq!(env.work_queue().await.map(|(ready, _)| ready), Some(0));
+async fn transient_failures_are_retried_later_until_the_item_succeeds(backend: Backend) {
+    let env = TestEnv::new("flaky");
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[],
+        "flaky.pt",
+        "transient_errors = [\"flaky backend\"]\nretry_delay = \"300ms\"\nmax_attempts = 3",
+    );
+    let mut workers = env.workers(backend, &[&[]]).await;
+    let (job_id, report) = env.run_on(&workers, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!((report.items_completed, report.items_failed), (4, 0));
     assert_outputs(&env, &[]);
-    broker.close("bye").await;
-    stop_all(&mut workers);
+    // The model fails its first two calls: two deliveries failed and came
+    // back (through a retry tier) as attempt 2.
+    assert_eq!(report.deliveries, 6, "{report:?}");
+    assert!(env
+        .dead_on(&workers, &job_id, Filter::default())
+        .await
+        .is_empty());
+    if let Some(w) = workers.procs.first() {
+        let log = w.log_text();
+        assert!(
+            log.contains("retrying later") && log.contains("next_attempt=2"),
+            "{log}"
+        );
+    }
+    workers.stop();
+    env.cleanup(&[&job_id]).await;
+}
+
+async fn a_hung_item_times_out_is_dead_lettered_and_the_rest_completes(backend: Backend) {
+    let env = TestEnv::new("hang");
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[1234],
+        "hang.pt",
+        "item_timeout = \"1s\"\nmax_attempts = 2\nretry_delay = \"100ms\"",
+    );
+    let mut workers = env.workers(backend, &[&[]]).await;
+    let (job_id, report) = env.run_on(&workers, &manifest).await;
+    assert_eq!(report.status, "completed_with_failures");
+    assert_eq!((report.items_completed, report.items_failed), (3, 1));
+    let f = &report.failed_items[0];
+    assert_eq!(
+        (f.seq, f.class.as_str(), f.attempt),
+        (2, "timeout", 2),
+        "{f:?}"
+    );
+    assert_outputs(&env, &(1000..1500).map(id).collect::<Vec<_>>());
+    let dead = env.dead_on(&workers, &job_id, Filter::default()).await;
+    assert_eq!((dead.len(), dead[0].class.as_str()), (1, "timeout"));
+    // Waiting behind the hung call is not model time: the other items
+    // committed on their first delivery, the hung one took two.
+    assert_eq!(report.deliveries, 5, "{report:?}");
+    if backend == Backend::Fleet {
+        // The worker stayed healthy: still consuming, and drains cleanly.
+        assert_eq!(
+            env.work_queue().await.map(|(_, consumers)| consumers),
+            Some(1),
+            "{}",
+            workers.procs[0].log_text()
+        );
+    }
+    workers.stop();
     env.cleanup(&[&job_id]).await;
 }
 
@@ -439,90 +473,6 @@ async fn out_of_memory_retries_the_mini_batch_at_half_size() {
         workers[0].log_text()
     );
     stop_all(&mut workers);
-    env.cleanup(&[&job_id]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transient_failures_are_retried_later_until_the_item_succeeds() {
-    let env = TestEnv::new("flaky");
-    let manifest = job(
-        &env,
-        500,
-        &[],
-        &[],
-        "flaky.pt",
-        "transient_errors = [\"flaky backend\"]\nretry_delay = \"300ms\"\nmax_attempts = 3",
-    );
-    let mut workers = vec![env.spawn_worker("w1", &[])];
-    env.wait_for_consumers(1, &mut workers).await;
-    let (job_id, report) = run(&env, &manifest).await;
-    assert_eq!(report.status, "completed");
-    assert_eq!((report.items_completed, report.items_failed), (4, 0));
-    assert_outputs(&env, &[]);
-    let store = env.connections().store().await.expect("redis");
-    let stats = store.item_stats(&job_id).await.expect("stats");
-    let retried: Vec<u32> = stats
-        .iter()
-        .filter(|s| s.attempt > 1)
-        .map(|s| s.attempt)
-        .collect();
-    // The model fails its first two calls: two deliveries failed and came back as attempt 2.
-    assert_eq!(retried, vec![2, 2], "{stats:?}");
-    let log = workers[0].log_text();
-    assert!(
-        log.contains("retrying later") && log.contains("next_attempt=2"),
-        "{log}"
-    );
-    assert!(dead(&env, &job_id).await.is_empty());
-    stop_all(&mut workers);
-    env.cleanup(&[&job_id]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hung_item_times_out_is_dead_lettered_and_the_rest_completes() {
-    let env = TestEnv::new("hang");
-    let manifest = job(
-        &env,
-        500,
-        &[],
-        &[1234],
-        "hang.pt",
-        "item_timeout = \"1s\"\nmax_attempts = 2\nretry_delay = \"100ms\"",
-    );
-    let mut workers = vec![env.spawn_worker("w1", &[])];
-    env.wait_for_consumers(1, &mut workers).await;
-    let (job_id, report) = run(&env, &manifest).await;
-    assert_eq!(report.status, "completed_with_failures");
-    assert_eq!((report.items_completed, report.items_failed), (3, 1));
-    let f = &report.failed_items[0];
-    assert_eq!(
-        (f.seq, f.class.as_str(), f.attempt),
-        (2, "timeout", 2),
-        "{f:?}"
-    );
-    assert_outputs(&env, &(1000..1500).map(id).collect::<Vec<_>>());
-    let dead = dead(&env, &job_id).await;
-    assert_eq!((dead.len(), dead[0].class.as_str()), (1, "timeout"));
-    // Waiting behind the hung call is not model time: the other items
-    // committed on their first attempt.
-    let store = env.connections().store().await.expect("redis");
-    let stats = store.item_stats(&job_id).await.expect("stats");
-    assert!(
-        stats.iter().all(|s| s.seq == 2 || s.attempt == 1),
-        "{stats:?}\n{}",
-        workers[0].log_text()
-    );
-    // The worker stayed healthy: still consuming, and drains cleanly.
-    assert_eq!(
-        env.work_queue().await.map(|(_, consumers)| consumers),
-        Some(1),
-        "{}",
-        workers[0].log_text()
-    );
-    for w in &mut workers {
-        let status = w.terminate(Duration::from_secs(30));
-        assert!(status.success(), "{status}: {}", w.log_text());
-    }
     env.cleanup(&[&job_id]).await;
 }
 

@@ -1,5 +1,7 @@
 //! Shared set-up: services, unique names, worker processes, cleanup.
 
+use batchfleet_coordinator::dlq::{DeadItem, Filter};
+use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{Connections, RunConfig};
 use batchfleet_shared::broker::Broker;
 use batchfleet_shared::broker::PoolQueues;
@@ -281,4 +283,198 @@ pub fn rejects(out: &Path) -> Vec<serde_json::Value> {
         }
     }
     all
+}
+
+/// Where a test's job runs: worker processes over the real RabbitMQ and
+/// Redis, or the in-process pipelines, queues and store of `batchfleet run
+/// --local`. A test body taking a `Backend` pins both to the same semantics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `batchfleet-worker` processes; the coordinator in this process.
+    Fleet,
+    /// `batchfleet_coordinator::local`: everything in this process.
+    Local,
+}
+
+/// Runs a test body (`async fn name(backend: Backend)`) once per backend:
+/// `fleet::name` and `local::name`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fleet {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Fleet).await;
+                }
+            )*
+        }
+        mod local {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Local).await;
+                }
+            )*
+        }
+    };
+}
+
+/// The workers of one test: processes (fleet) or the settings of the
+/// pipelines a local run starts.
+pub struct Workers {
+    /// Which backend.
+    pub backend: Backend,
+    /// The worker processes (fleet only).
+    pub procs: Vec<Worker>,
+    local: batchfleet_coordinator::local::LocalOptions,
+}
+
+impl Workers {
+    /// Stops the worker processes, each of which must exit cleanly.
+    pub fn stop(&mut self) {
+        stop_all(&mut self.procs);
+    }
+}
+
+impl TestEnv {
+    /// One worker per entry of `flags`, with those extra flags: processes
+    /// attached to the work queue (fleet), or pipelines to start (local).
+    pub async fn workers(&self, backend: Backend, flags: &[&[&str]]) -> Workers {
+        let mut local =
+            batchfleet_coordinator::local::LocalOptions::resolve(Some(flags.len()), Some(1));
+        let mut procs = Vec::new();
+        match backend {
+            Backend::Fleet => {
+                procs = flags
+                    .iter()
+                    .enumerate()
+                    .map(|(i, f)| self.spawn_worker(&format!("w{}", i + 1), f))
+                    .collect();
+                self.wait_for_consumers(flags.len() as u32, &mut procs)
+                    .await;
+            }
+            Backend::Local => {
+                local.worker_args = flags
+                    .iter()
+                    .map(|f| {
+                        ["--drain-timeout", "20s"]
+                            .iter()
+                            .chain(f.iter())
+                            .map(|s| (*s).to_owned())
+                            .collect()
+                    })
+                    .collect();
+            }
+        }
+        Workers {
+            backend,
+            procs,
+            local,
+        }
+    }
+
+    /// Runs the job of `manifest` to its end on `workers`.
+    pub async fn run_on(&self, workers: &Workers, manifest: &Path) -> (String, Summary) {
+        let limit = Duration::from_secs(180);
+        match workers.backend {
+            Backend::Fleet => run_to_end(self, manifest, limit).await,
+            Backend::Local => settled(
+                tokio::time::timeout(
+                    limit,
+                    batchfleet_coordinator::local::run_job(
+                        &self.run_config(),
+                        manifest,
+                        workers.local.clone(),
+                        tokio_util::sync::CancellationToken::new(),
+                    ),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("job settled within {limit:?}")),
+            ),
+        }
+    }
+
+    /// The dead items of `job`: its pool's dead queue (fleet), or the
+    /// `_dead/` folder a local run wrote.
+    pub async fn dead_on(&self, workers: &Workers, job: &str, filter: Filter) -> Vec<DeadItem> {
+        let filter = Filter {
+            job: Some(job.to_owned()),
+            ..filter
+        };
+        match workers.backend {
+            Backend::Fleet => {
+                let broker = self.broker().await;
+                let items = batchfleet_coordinator::dlq::list(&*broker, &self.pool, &filter)
+                    .await
+                    .expect("dlq list");
+                broker.close("bye").await;
+                items
+            }
+            Backend::Local => batchfleet_coordinator::local::list_dead(&self.path().join("out"))
+                .expect("dlq list --local")
+                .into_iter()
+                .filter(|d| filter.matches(d))
+                .collect(),
+        }
+    }
+
+    /// Replays the dead items of `job` (with the model as it is now when
+    /// `update_model`) and follows the job to its end again.
+    pub async fn replay_on(&self, workers: &Workers, job: &str, update_model: bool) -> Summary {
+        let limit = Duration::from_secs(120);
+        let token = tokio_util::sync::CancellationToken::new;
+        match workers.backend {
+            Backend::Fleet => {
+                let broker = self.broker().await;
+                let store = self.connections().store().await.expect("redis");
+                let filter = Filter {
+                    job: Some(job.to_owned()),
+                    ..Filter::default()
+                };
+                batchfleet_coordinator::dlq::replay(
+                    &*broker,
+                    &store,
+                    &self.pool,
+                    &filter,
+                    update_model,
+                    None,
+                )
+                .await
+                .expect("replay");
+                broker.close("bye").await;
+                let followed = tokio::time::timeout(
+                    limit,
+                    batchfleet_coordinator::follow_job(&self.run_config(), &store, job, token()),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("replay settled within {limit:?}"));
+                settled(followed).1
+            }
+            Backend::Local => {
+                let replayed = tokio::time::timeout(
+                    limit,
+                    batchfleet_coordinator::local::replay(
+                        &self.run_config(),
+                        &self.path().join("out"),
+                        workers.local.clone(),
+                        update_model,
+                        token(),
+                    ),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("replay settled within {limit:?}"));
+                settled(replayed).1
+            }
+        }
+    }
+}
+
+fn settled(
+    outcome: Result<batchfleet_coordinator::RunOutcome, batchfleet_coordinator::RunError>,
+) -> (String, Summary) {
+    match outcome.expect("job ran") {
+        batchfleet_coordinator::RunOutcome::Completed { job_id, report, .. } => (job_id, *report),
+        other => panic!("expected a settled job, got {other:?}"),
+    }
 }
