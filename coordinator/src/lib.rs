@@ -4,7 +4,10 @@
 //! - [`config`]: where RabbitMQ and Redis are (or the in-process stand-ins of
 //!   `--local`), the signing key, and how `run` follows a job.
 //! - [`error`]: why a run failed, one variant per exit code.
-//! - [`manifest`]: parse and fully validate a job manifest before anything is published.
+//! - [`manifest`]: parse and fully validate a job manifest before anything is published:
+//!   the TOML types (`schema`), one check per section (`input`, `preprocess`,
+//!   `model`, `policy` for batching and failure, `output`, `on_complete`), the
+//!   file probes (`probes`) and the validated job with its id (`spec`).
 //! - [`planner`]: cut input files into evenly sized work items on record boundaries.
 //! - [`dispatcher`]: register the job in Redis and publish its items with confirms.
 //! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.

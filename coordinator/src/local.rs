@@ -142,7 +142,10 @@ pub async fn run_spec(
             Path::new(batchfleet_shared::output::PARTIAL_DIR),
         );
     }
-    if let Err(e) = write_dead(spec, &services).await {
+    // Only a settled run knows every dead item: an interrupted or failed
+    // one adds its own and keeps the earlier run's.
+    let settled = matches!(outcome, Ok(RunOutcome::Completed { .. }));
+    if let Err(e) = write_dead(spec, &services, settled).await {
         tracing::warn!(error = %e, "could not write the dead-lettered items to {DEAD_DIR}/");
     }
     outcome
@@ -203,14 +206,19 @@ async fn all_ended(
 fn dead_file(d: &DeadItem, n: usize) -> String {
     match d.item {
         Some(seq) => format!("item-{seq:06}.json"),
-        None => format!("message-{n:06}.json"),
+        None => format!("message-{}-{n:06}.json", d.dead_at_ms),
     }
 }
 
-/// Rewrites `<output>/_dead/` to hold exactly the items now in the dead
-/// queue (those of an earlier run that were computed since are removed).
+/// Writes the items now in the dead queue to `<output>/_dead/`; when the
+/// run `settled`, also removes those of an earlier run (computed since, or
+/// dead again and written anew).
 #[cfg(feature = "local")]
-async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunError> {
+async fn write_dead(
+    spec: &JobSpec,
+    services: &LocalServices,
+    settled: bool,
+) -> Result<(), RunError> {
     let broker = services.queues.handle();
     let dead = crate::dlq::list(&*broker, &spec.pool, &crate::dlq::Filter::default()).await?;
     broker.close("listed").await;
@@ -224,7 +232,7 @@ async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunE
         .map(|(n, d)| dead_file(d, n))
         .collect();
     match fs::list_dir(&dir) {
-        Ok(names) => {
+        Ok(names) if settled => {
             for name in names
                 .iter()
                 .filter(|n| n.ends_with(".json") && !keep.contains(n))
@@ -233,6 +241,7 @@ async fn write_dead(spec: &JobSpec, services: &LocalServices) -> Result<(), RunE
                 fs::remove_file(&p).map_err(|e| io("remove", &p, e))?;
             }
         }
+        Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io("list", &dir, e)),
     }

@@ -350,6 +350,9 @@ async fn consume(
     shutdown: &CancellationToken,
 ) -> Option<String> {
     loop {
+        // Registered before the pause is checked: a pause that starts while
+        // this loop waits for a permit (its handlers hold them all) is seen.
+        let paused = ctx.pause.started.notified();
         if let Some((until, why)) = ctx.pause.until() {
             if let Err(e) = pause(session, ctx, until, &why, tracker, shutdown).await {
                 return Some(e);
@@ -369,7 +372,6 @@ async fn consume(
                 None => return Some("the broker closed the consumer".into()),
             },
         };
-        let paused = ctx.pause.started.notified();
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,

@@ -1,0 +1,346 @@
+//! The job manifest: parsing (unknown keys are errors) and complete validation
+//! against the file system before anything is published.
+//!
+//! Relative paths in a manifest are resolved against the manifest's folder.
+//! Every problem found is reported, one line each, naming the file and field
+//! and saying what to do; see `docs/manifest.md`.
+//!
+//! [`load`] reads and parses a manifest file; [`validate`] checks it section
+//! by section, each check adding what it finds to one list, and resolves it
+//! into a [`JobSpec`] only when that list stays empty.
+//!
+//! # Layout
+//! - `schema`: the TOML types a manifest is parsed into ([`Manifest`] and
+//!   one struct per section, unknown keys refused).
+//! - `spec`: the validated job ([`JobSpec`], [`ItemSizing`], [`ErrorBudget`],
+//!   [`OnComplete`]), the `[job]` name and pool rules, and the job id.
+//! - `input`: `[input]`: globs, `s3://` listings, `files` listings and root,
+//!   formats, delimiter, id and feature columns, the shared header.
+//! - `preprocess`: `[preprocess]`: image size, channels, mean and std.
+//! - `model`: `[model]`: the model file, its digest, the device.
+//! - `policy`: `[batching]` and `[failure]`: item sizing, batch size,
+//!   checkpoints, retries, timeouts, the error budget.
+//! - `output`: `[output]`: folder, histogram, labels, `top_k`, column names,
+//!   copied columns.
+//! - `on_complete`: `[on_complete]`: the command and the webhook, with no
+//!   secret in the manifest.
+//! - `probes`: peeking into files: CSV headers ([`read_header`]), JSON Lines
+//!   keys ([`read_jsonl_keys`]), Parquet columns ([`check_parquet_columns`]),
+//!   the TorchScript archive.
+//! - `testing` (tests only): the fixture folder and manifests the tests share.
+
+mod input;
+mod model;
+mod on_complete;
+mod output;
+mod policy;
+mod preprocess;
+mod probes;
+mod schema;
+mod spec;
+#[cfg(test)]
+mod testing;
+
+pub use input::expand_columns;
+pub use policy::{DEFAULT_BATCH_SIZE, DEFAULT_CHECKPOINT_EVERY, DEFAULT_ITEM_ROWS};
+pub use probes::{check_parquet_columns, read_header, read_jsonl_keys};
+pub use schema::{
+    BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
+    Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
+};
+pub use spec::{ErrorBudget, ItemSizing, JobSpec, OnComplete};
+
+use batchfleet_shared::message::{CsvLayout, TaskSpec};
+use batchfleet_shared::paths::DataRoots;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// One problem found in a manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// `[section] key`, or a line number for syntax errors.
+    pub field: String,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+/// A manifest that failed validation: every problem found, one per line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestError {
+    /// The manifest file.
+    pub file: PathBuf,
+    /// The problems, in manifest order.
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{}: {}: {}", self.file.display(), p.field, p.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ManifestError {}
+
+/// Reads, parses and validates a manifest file. Every path it names must stay
+/// under one of `data_roots` (see [`batchfleet_shared::paths`]); none given:
+/// under the manifest's own folder.
+pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestError> {
+    let fail = |field: &str, message: String| ManifestError {
+        file: path.to_owned(),
+        problems: vec![Problem {
+            field: field.into(),
+            message,
+        }],
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        fail(
+            "file",
+            format!("cannot read the manifest: {e}; check the path"),
+        )
+    })?;
+    let manifest: Manifest = toml::from_str(&text).map_err(|e| {
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let field = line.map_or_else(|| "toml".to_owned(), |l| format!("line {l}"));
+        let msg = e.message().trim().replace('\n', " ");
+        fail(
+            &field,
+            format!("{msg}; see docs/manifest.md for the accepted keys"),
+        )
+    })?;
+    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let base = if base.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        base
+    };
+    let roots = if data_roots.is_empty() {
+        DataRoots::new(std::slice::from_ref(&base))
+    } else {
+        DataRoots::new(data_roots)
+    }
+    .map_err(|e| fail("data roots", e.to_string()))?;
+    validate(&manifest, &base, path, &roots)
+}
+
+/// Validates a parsed manifest; `base` is the folder relative paths start from.
+///
+/// The sections are checked one after another — `[job]`, the `[input]`
+/// files, `[preprocess]`, the `[input]` columns, `[model]`, `[batching]`,
+/// `[failure]`, `[output]`, `[on_complete]` — each adding what it finds to
+/// one list, so the problems always come in that order.
+pub fn validate(
+    m: &Manifest,
+    base: &Path,
+    manifest_path: &Path,
+    roots: &DataRoots,
+) -> Result<JobSpec, ManifestError> {
+    let mut problems = Problems::default();
+    spec::check_job(&m.job, &mut problems);
+    let inputs = input::files(m, base, roots, &mut problems);
+    let image = preprocess::check(m, &mut problems);
+    let layout = input::layout(m, &inputs.files, &mut problems);
+    let model = model::check(&m.model, base, roots, &mut problems);
+    let batching = policy::batching(&m.batching, &mut problems);
+    let (failure, budget) = policy::failure(&m.failure, &mut problems);
+    let output = output::check(m, base, roots, &inputs.files, &layout, &mut problems);
+    let on_complete = on_complete::check(&m.on_complete, &mut problems);
+    if !problems.0.is_empty() {
+        return Err(ManifestError {
+            file: manifest_path.to_owned(),
+            problems: problems.0,
+        });
+    }
+
+    let task = TaskSpec {
+        model,
+        csv: CsvLayout {
+            delimiter: layout.delimiter,
+            fields: layout.header.len() as u32,
+            id_column: layout.id_index,
+            feature_columns: layout.feature_indices,
+            include_columns: output.include_indices,
+        },
+        batch_size: batching.batch_size,
+        output: output.spec,
+        failure,
+        checkpoint_rows: batching.checkpoint_rows,
+        jsonl: layout.jsonl,
+        parquet: layout.parquet,
+        image,
+    };
+    let input::Files {
+        files,
+        listed_sizes,
+        root,
+    } = inputs;
+    let job_id = spec::job_id(
+        &m.job.name,
+        &m.job.pool,
+        &files,
+        root.as_deref(),
+        &batching.sizing,
+        &task,
+    );
+    Ok(JobSpec {
+        job_id,
+        name: m.job.name.clone(),
+        pool: m.job.pool.clone(),
+        manifest_path: std::path::absolute(manifest_path)
+            .unwrap_or_else(|_| manifest_path.to_owned()),
+        files,
+        header: layout.header,
+        sizing: batching.sizing,
+        task,
+        budget,
+        on_complete,
+        merge: m.output.merge,
+        root,
+        listed_sizes,
+    })
+}
+
+/// The problems found so far, in the order the checks found them; every
+/// section check adds to the one list [`validate`] keeps.
+#[derive(Debug, Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    /// Adds a problem with `field` (`[section] key`).
+    fn add(&mut self, field: &str, message: String) {
+        self.0.push(Problem {
+            field: field.into(),
+            message,
+        });
+    }
+}
+
+/// `p` as an absolute path, relative ones from `base`; `s3://` URLs as they are.
+fn resolve(base: &Path, p: &str) -> PathBuf {
+    if p.starts_with(batchfleet_shared::source::S3_SCHEME) {
+        return PathBuf::from(p);
+    }
+    let p = Path::new(p);
+    let joined = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    };
+    std::path::absolute(&joined).unwrap_or(joined)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{problems, Fixture, GOOD};
+    use super::*;
+    use std::fs;
+
+    #[test]
+    fn good_manifest_resolves_paths_and_columns() {
+        let fx = Fixture::new();
+        let spec = fx.load(GOOD).unwrap();
+        assert_eq!(spec.files.len(), 2);
+        assert!(spec.files[0].ends_with("data/a.csv"));
+        assert_eq!(spec.task.csv.feature_columns, vec![1, 2, 3]);
+        assert_eq!(spec.task.csv.fields, 4);
+        assert_eq!(spec.sizing, ItemSizing::Rows(100));
+        assert!(spec.job_id.starts_with("scores-") && spec.job_id.len() == "scores-".len() + 8);
+        assert_eq!(spec.task.model.sha256.len(), 64);
+        assert!(Path::new(&spec.task.output.dir).is_absolute());
+    }
+
+    #[test]
+    fn paths_must_stay_under_the_data_roots() {
+        let fx = Fixture::new();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let far = elsewhere.path().join("far.csv");
+        fs::write(&far, "id,f0,f1,f2\n3,0.1,0.2,0.3\n").unwrap();
+        fs::write(
+            elsewhere.path().join("m.pt"),
+            batchfleet_shared::model_file::torchscript_like_zip(),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), fx.dir.path().join("link")).unwrap();
+        // By default the manifest's folder is the root: an absolute path
+        // elsewhere, a symlink out of it and `..` are each refused.
+        let bad = GOOD
+            .replace(
+                "\"data/*.csv\"",
+                &format!("\"data/*.csv\", \"{}\"", far.display()),
+            )
+            .replace("path = \"model.pt\"", "path = \"link/m.pt\"")
+            .replace("dir = \"out\"", "dir = \"data/../../out\"");
+        let err = problems(fx.load(&bad));
+        assert!(
+            err.contains("[input] paths:")
+                && err.contains("far.csv: is outside the data roots")
+                && err.contains("[model] path:")
+                && err.contains("link/m.pt: is outside the data roots")
+                && err.contains("(it resolves to")
+                && err.contains("[output] dir:")
+                && err.contains("contains `..`"),
+            "{err}"
+        );
+        // Naming both folders as roots lets the same files in (not `..`).
+        let path = fx.dir.path().join("job.toml");
+        let roots = [fx.dir.path().to_owned(), elsewhere.path().to_owned()];
+        let ok = bad.replace("dir = \"data/../../out\"", "dir = \"out\"");
+        fs::write(&path, &ok).unwrap();
+        let spec = load(&path, &roots).unwrap();
+        assert_eq!(spec.files.len(), 3);
+        // A root that does not exist is an error of its own.
+        let err = load(&path, &[fx.dir.path().join("nope")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data roots:") && err.contains("cannot use it as a data root"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_with_line() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&GOOD.replace("item_rows = 100", "item_row = 100")));
+        assert!(
+            err.contains("job.toml: line 12: unknown field `item_row`"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1);
+    }
+
+    #[test]
+    fn empty_glob_missing_columns_and_model_each_reported() {
+        let fx = Fixture::new();
+        let bad = GOOD
+            .replace("\"data/*.csv\"", "\"data/*.csv\", \"nope/*.csv\"")
+            .replace("\"f0..f2\"", "\"f0..f3\"")
+            .replace("id_column = \"id\"", "id_column = \"key\"")
+            .replace("model.pt", "missing.pt");
+        let err = problems(fx.load(&bad));
+        assert!(
+            err.contains("[input] paths: \"nope/*.csv\" matches no file"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[input] id_column: \"key\" is not in the header"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[input] feature_columns: not in the header of") && err.contains("f3"),
+            "{err}"
+        );
+        assert!(
+            err.contains("[model] path: cannot open model") && err.contains("missing.pt"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 4, "{err}");
+    }
+}

@@ -1,0 +1,254 @@
+//! The manifest as written: the TOML types a manifest file is parsed into,
+//! one per section. Every struct denies unknown keys, so a misspelt key is an
+//! error with its line rather than a silently ignored setting. Nothing here
+//! checks values; the other submodules of [`super`] do.
+
+use batchfleet_shared::message::{OnBadRow, OutputFormat};
+use serde::{Deserialize, Serialize};
+
+/// The manifest as written (after TOML parsing, before validation).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// `[job]`
+    pub job: JobSection,
+    /// `[input]`
+    pub input: InputSection,
+    /// `[model]`
+    pub model: ModelSection,
+    /// `[batching]`
+    #[serde(default)]
+    pub batching: BatchingSection,
+    /// `[output]`
+    pub output: OutputSection,
+    /// `[preprocess]` (for `files` input)
+    pub preprocess: Option<PreprocessSection>,
+    /// `[failure]`
+    #[serde(default)]
+    pub failure: FailureSection,
+    /// `[on_complete]`
+    #[serde(default)]
+    pub on_complete: OnCompleteSection,
+}
+
+/// `[on_complete]`: what runs when the job ends (completed, with failures, or failed).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnCompleteSection {
+    /// A command and its arguments (no shell), run in the manifest's folder
+    /// with `BATCHFLEET_SUMMARY`, `BATCHFLEET_JOB_ID`, `BATCHFLEET_JOB_STATUS`
+    /// and `BATCHFLEET_OUTPUT_DIR` in its environment.
+    pub command: Option<Vec<String>>,
+    /// How long the command may run. Default 10m.
+    pub command_timeout: Option<String>,
+    /// URL to POST the summary JSON to (no credentials in it).
+    pub webhook: Option<String>,
+    /// Instead of `webhook`: the environment variable holding the URL (for
+    /// URLs that carry a token).
+    pub webhook_url_env: Option<String>,
+    /// Environment variable holding a bearer token sent as `Authorization`.
+    pub webhook_token_env: Option<String>,
+    /// Attempts before giving up on the webhook (exponential backoff). Default 5.
+    pub webhook_attempts: Option<u32>,
+}
+
+/// `[failure]`: retries, bad rows, timeouts and the error budget.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailureSection {
+    /// Attempts per item for transient failures and timeouts. Default 3.
+    pub max_attempts: Option<u32>,
+    /// Delay before the first retry (`"1s"`); doubles per attempt. Default 1s.
+    pub retry_delay: Option<String>,
+    /// Cap on the retry delay. Default 5m.
+    pub retry_max_delay: Option<String>,
+    /// `"reject"` (default) or `"fail_item"`.
+    pub on_bad_row: Option<OnBadRow>,
+    /// Bisect a mini-batch on which `forward` raises. Default true.
+    pub isolate_poison_rows: Option<bool>,
+    /// Wall-time limit per item on a worker. Default 10m.
+    pub item_timeout: Option<String>,
+    /// Extra substrings of model errors that mean "retry later".
+    #[serde(default)]
+    pub transient_errors: Vec<String>,
+    /// Job fails when more items than this fail for good.
+    pub max_failed_items: Option<u64>,
+    /// Job fails when more than this percent of items fail for good.
+    pub max_failed_percent: Option<f64>,
+}
+
+/// `[job]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// Job name: letters, digits, `-`, `_`, `.`; at most 64 characters.
+    pub name: String,
+    /// Worker pool (queue) the items go to. Default `default`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+}
+
+fn default_pool() -> String {
+    "default".into()
+}
+
+/// Input file formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputFormat {
+    /// CSV with a header row.
+    Csv,
+    /// JSON Lines: one JSON object per line; columns are its keys.
+    Jsonl,
+    /// Apache Parquet; items are runs of row groups, and only the id and
+    /// feature columns are read.
+    Parquet,
+    /// One file per record (images); the id is the path relative to `root`.
+    Files,
+}
+
+/// `[input]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputSection {
+    /// Input format.
+    pub format: InputFormat,
+    /// Glob patterns; each must match at least one file.
+    #[serde(default)]
+    pub paths: Vec<String>,
+    /// `files` input: a text file listing input files, one per line
+    /// (relative to the listing's folder), instead of or besides `paths`.
+    pub listing: Option<String>,
+    /// `files` input: the folder ids are relative to. Default: the manifest's folder.
+    pub root: Option<String>,
+    /// Header name of the id column (not for `files`).
+    #[serde(default)]
+    pub id_column: String,
+    /// Header names of the feature columns in model input order; an entry
+    /// `"f0..f31"` stands for `f0, f1, …, f31` (not for `files`).
+    #[serde(default)]
+    pub feature_columns: Vec<String>,
+    /// Field delimiter, one ASCII character. Default `,`.
+    #[serde(default = "default_delimiter")]
+    pub delimiter: String,
+}
+
+fn default_delimiter() -> String {
+    ",".into()
+}
+
+/// `[preprocess]`: how image files become a model input.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreprocessSection {
+    /// `[height, width]` the model takes.
+    pub size: Vec<u32>,
+    /// 3 (RGB) or 1 (grey). Default 3.
+    pub channels: Option<u32>,
+    /// Per-channel mean subtracted from the 0–1 values. Default 0.
+    pub mean: Option<Vec<f32>>,
+    /// Per-channel standard deviation divided by. Default 1.
+    pub std: Option<Vec<f32>>,
+}
+
+/// `[model]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// TorchScript file (`torch.jit.save`).
+    pub path: String,
+    /// Expected SHA-256 of the file (hex); checked when given.
+    pub sha256: Option<String>,
+    /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
+    #[serde(default = "default_device")]
+    pub device: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+/// `[batching]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchingSection {
+    /// Rows per work item (exclusive with `item_bytes`). Default 10000.
+    pub item_rows: Option<u64>,
+    /// Input bytes per work item (exclusive with `item_rows`).
+    pub item_bytes: Option<u64>,
+    /// Rows per `forward` call. Default 1024.
+    pub inference_batch_size: Option<u32>,
+    /// Mini-batches between checkpoints inside an item (0 = off). Default 4.
+    pub checkpoint_every: Option<u32>,
+}
+
+/// `[output]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Output directory (created if missing).
+    pub dir: String,
+    /// Part file format.
+    #[serde(default = "default_output_format")]
+    pub format: OutputFormat,
+    /// Bins of the prediction histogram kept per output column.
+    pub histogram: Option<HistogramSection>,
+    /// After the job completes, also write every part as one file in input
+    /// order (`predictions.csv`).
+    #[serde(default)]
+    pub merge: bool,
+    /// Names of the model's output columns (default `score` / `score_0 …`).
+    #[serde(default)]
+    pub columns: Vec<String>,
+    /// A text file of class names, one per line, one per model output.
+    pub labels: Option<String>,
+    /// Add a `label` column: the class of the largest output.
+    #[serde(default)]
+    pub argmax: bool,
+    /// Add the `top_k` largest outputs' classes and scores.
+    pub top_k: Option<u32>,
+    /// Keep the raw output columns. Default true.
+    pub scores: Option<bool>,
+    /// Input columns copied next to the id in every part file.
+    #[serde(default)]
+    pub include_columns: Vec<String>,
+}
+
+/// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistogramSection {
+    /// Lower edge of the first bin. Default 0.
+    pub min: Option<f64>,
+    /// Upper edge of the last bin. Default 1.
+    pub max: Option<f64>,
+    /// Equal-width bins between them (1–1000). Default 20.
+    pub bins: Option<u32>,
+}
+
+fn default_output_format() -> OutputFormat {
+    OutputFormat::Csv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::path::Path;
+
+    #[test]
+    fn documented_example_manifests_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
+        let mut seen = 0;
+        for entry in fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                let text = fs::read_to_string(&path).unwrap();
+                toml::from_str::<Manifest>(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(seen >= 2, "examples in {}", dir.display());
+    }
+}

@@ -1,0 +1,196 @@
+//! The validated job: [`JobSpec`] and the parts it carries besides the
+//! worker's [`TaskSpec`] ([`ItemSizing`], [`ErrorBudget`], [`OnComplete`]),
+//! the `[job]` name and pool rules, and the job id — a digest of everything
+//! that determines the job's output.
+
+use super::schema::JobSection;
+use super::Problems;
+use batchfleet_shared::message::TaskSpec;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// How input is cut into work items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ItemSizing {
+    /// About this many rows per item.
+    Rows(u64),
+    /// About this many input bytes per item.
+    Bytes(u64),
+}
+
+/// A manifest that passed validation, with every path resolved.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// Stable job id: `<name>-<first 8 hex of the content hash>`.
+    pub job_id: String,
+    /// Job name.
+    pub name: String,
+    /// Pool.
+    pub pool: String,
+    /// Manifest file.
+    pub manifest_path: PathBuf,
+    /// Input files, sorted, deduplicated.
+    pub files: Vec<PathBuf>,
+    /// Header of the input files.
+    pub header: Vec<String>,
+    /// Work item sizing.
+    pub sizing: ItemSizing,
+    /// What every work item of the job carries.
+    pub task: TaskSpec,
+    /// When the job as a whole fails.
+    pub budget: ErrorBudget,
+    /// What runs when the job ends.
+    pub on_complete: OnComplete,
+    /// Write the merged output when the job completes.
+    pub merge: bool,
+    /// `files` input: the folder the files' ids are relative to.
+    pub root: Option<PathBuf>,
+    /// Sizes of `s3://` input objects as listed (so planning a `files` job
+    /// needs no request per object).
+    pub listed_sizes: std::collections::HashMap<PathBuf, u64>,
+}
+
+impl JobSpec {
+    /// Output directory.
+    pub fn output_dir(&self) -> &Path {
+        Path::new(&self.task.output.dir)
+    }
+}
+
+/// The validated `[on_complete]` section.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OnComplete {
+    /// Command and arguments.
+    pub command: Option<Vec<String>>,
+    /// Command time limit.
+    pub command_timeout: std::time::Duration,
+    /// Webhook URL (kept secret: it may carry a token).
+    pub webhook: Option<batchfleet_shared::secret::SecretUrl>,
+    /// Name of the environment variable with the bearer token.
+    pub webhook_token_env: Option<String>,
+    /// Attempts.
+    pub webhook_attempts: u32,
+}
+
+/// Error budget of a job (Azure's `error_threshold`): exceeded → job `failed`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ErrorBudget {
+    /// Most items that may fail.
+    pub max_failed_items: Option<u64>,
+    /// Most percent of items that may fail.
+    pub max_failed_percent: Option<f64>,
+}
+
+impl ErrorBudget {
+    /// Whether `failed` of `total` items exceeds the budget.
+    pub fn exceeded(&self, failed: u64, total: u64) -> bool {
+        let by_count = self.max_failed_items.is_some_and(|max| failed > max);
+        let by_share = self
+            .max_failed_percent
+            .is_some_and(|pct| total > 0 && (failed as f64) * 100.0 > pct * total as f64);
+        by_count || by_share
+    }
+}
+
+/// Checks the `[job]` name and pool.
+pub(super) fn check_job(job: &JobSection, problems: &mut Problems) {
+    if !valid_name(&job.name) {
+        problems.add(
+            "[job] name",
+            format!(
+                "\"{}\" is not a valid job name; use 1-64 letters, digits, '-', '_' or '.'",
+                job.name
+            ),
+        );
+    }
+    if !valid_name(&job.pool) {
+        problems.add(
+            "[job] pool",
+            format!(
+                "\"{}\" is not a valid pool name; use 1-64 letters, digits, '-', '_' or '.'",
+                job.pool
+            ),
+        );
+    }
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `<name>-<8 hex>`: a digest of everything that determines the job's output
+/// (resolved inputs, model digest, layout, sizing, output), so the same
+/// manifest maps to the same job and resumes instead of starting over.
+pub(super) fn job_id(
+    name: &str,
+    pool: &str,
+    files: &[PathBuf],
+    root: Option<&Path>,
+    sizing: &ItemSizing,
+    task: &TaskSpec,
+) -> String {
+    let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
+    // The ids of `files` input are relative to the root (absent otherwise,
+    // so other jobs keep their ids).
+    if let Some(root) = root {
+        canonical["root"] = serde_json::json!(root);
+    }
+    let digest =
+        batchfleet_shared::fsutil::sha256_bytes(sorted_keys(canonical).to_string().as_bytes());
+    format!("{name}-{}", &digest[..8])
+}
+
+/// `v` with every object's keys in sorted order, so its text (and a job id
+/// hashed from it) does not depend on field or insertion order.
+fn sorted_keys(v: serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(sorted_keys).collect())
+        }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::testing::{Fixture, GOOD};
+
+    #[test]
+    fn job_ids_hash_keys_in_sorted_order() {
+        let v = serde_json::json!({"b": 1, "a": {"d": [{"z": 1, "y": 2}], "c": 2}});
+        assert_eq!(
+            sorted_keys(v).to_string(),
+            r#"{"a":{"c":2,"d":[{"y":2,"z":1}]},"b":1}"#
+        );
+    }
+
+    #[test]
+    fn same_manifest_same_job_id_and_changes_change_it() {
+        let fx = Fixture::new();
+        let a = fx.load(GOOD).unwrap().job_id;
+        let b = fx
+            .load(&GOOD.replace("\n[job]", "# a comment\n[job]"))
+            .unwrap()
+            .job_id;
+        let c = fx
+            .load(&GOOD.replace("item_rows = 100", "item_rows = 50"))
+            .unwrap()
+            .job_id;
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+}
