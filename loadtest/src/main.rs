@@ -104,10 +104,11 @@ enum Command {
     },
     /// Measure the fleet against the machine's ceilings, side by side: for a
     /// small (I/O-bound) and a large (compute-bound) MLP, the libtorch compute
-    /// ceiling, the read+parse+write I/O ceiling and the fleet end to end;
-    /// then the control plane (one-row items/s vs raw RabbitMQ) and worker
-    /// memory after 1k and 10k items. Needs the release binaries (`make
-    /// release`) and the local RabbitMQ and Redis.
+    /// ceiling, the read+parse+write I/O ceiling, the fleet end to end and
+    /// `batchfleet run --local` (W pipelines, and one of all cores) on the
+    /// same data; then the control plane (one-row items/s vs raw RabbitMQ)
+    /// and worker memory after 1k and 10k items. Needs the release binaries
+    /// (`make release`) and the local RabbitMQ and Redis.
     Bench {
         /// Rows of the small-model job.
         #[arg(long, default_value_t = 2_000_000)]

@@ -1,4 +1,7 @@
-//! The batchfleet worker: pulls work items from RabbitMQ and scores them.
+//! The batchfleet worker: pulls work items from a queue and scores them — as
+//! a `batchfleet-worker` process over RabbitMQ and Redis, or as one of the
+//! pipelines of `batchfleet run --local` over in-process queues and state
+//! (the same code; see [`Backend`]).
 //!
 //! # Layout
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
@@ -23,7 +26,8 @@
 //! - [`error`]: failure classes by owner (item, job, worker, message) that say
 //!   what to do with an item.
 //!
-//! [`run`] connects, consumes until shutdown, then drains; `main.rs` only parses flags.
+//! [`run`] (the fleet) and [`run_on`] (either backend) connect, consume until
+//! shutdown, then drain; `main.rs` only parses flags.
 
 pub mod admission;
 pub mod batch;
