@@ -14,7 +14,7 @@
 //! consecutive row groups of about the item size each.
 
 use crate::manifest::{ItemSizing, JobSpec};
-use batchfleet_shared::message::{ByteRange, Envelope, InputSlice, WorkItem};
+use batchfleet_shared::message::{ByteRange, Envelope, InputSlice, Layout, WorkItem};
 use batchfleet_shared::source::Input;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -54,7 +54,7 @@ pub struct Plan {
 impl Plan {
     /// Encoded message bodies, in seq order.
     pub fn envelopes(&self) -> impl Iterator<Item = Envelope> + '_ {
-        self.items.iter().cloned().map(Envelope::V1)
+        self.items.iter().cloned().map(Envelope::V2)
     }
 }
 
@@ -111,16 +111,23 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
 
 /// The slices of one input file, in the job's input format.
 fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
-    if spec.task.parquet.is_some() {
-        return plan_parquet(path, spec.sizing);
-    }
+    let delimiter = match &spec.task.layout {
+        Layout::Parquet(_) => return plan_parquet(path, spec.sizing),
+        Layout::Csv(csv) => Some(csv.delimiter),
+        Layout::Jsonl(_) => None,
+        Layout::Image(_) => {
+            return Err(err(
+                path,
+                "image files are planned as a listing (the job's root), not file by file",
+            ))
+        }
+    };
     let file_len = input_len(path)?;
     let name = path.to_string_lossy().into_owned();
-    let jsonl = spec.task.jsonl.is_some();
-    let ranges = if jsonl {
-        plan_jsonl(path, spec.sizing)?
-    } else {
-        plan_csv(path, spec.task.csv.delimiter, spec.sizing)?
+    let jsonl = delimiter.is_none();
+    let ranges = match delimiter {
+        None => plan_jsonl(path, spec.sizing)?,
+        Some(d) => plan_csv(path, d, spec.sizing)?,
     };
     Ok(ranges
         .into_iter()
@@ -288,13 +295,13 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 sha256: "00".repeat(32),
                 device: "cpu".into(),
             },
-            csv: CsvLayout {
+            layout: Layout::Csv(CsvLayout {
                 delimiter: b',',
                 fields: 2,
                 id_column: 0,
                 feature_columns: vec![1],
                 include_columns: Vec::new(),
-            },
+            }),
             batch_size: 1,
             output: OutputSpec {
                 dir: "/data/out".into(),
@@ -304,9 +311,6 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
-            jsonl: None,
-            parquet: None,
-            image: None,
         },
     }
 }

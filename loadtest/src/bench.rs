@@ -387,7 +387,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                     };
                     let batch = batchfleet_worker::reader::read(
                         &item.input,
-                        &batchfleet_worker::reader::Layout::of(&item.task),
+                        &item.task.layout,
                         item.task.failure.on_bad_row,
                     )
                     .map_err(|e| anyhow::anyhow!("{e}"))?;

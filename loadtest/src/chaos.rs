@@ -487,12 +487,12 @@ fn published(prefix: &str, stem: &str) -> Result<bool> {
 /// unknown job, another model digest) — and returns how many.
 fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
     use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
-    use batchfleet_shared::message::{Envelope, InputSlice, MESSAGE_TYPE_V1};
+    use batchfleet_shared::message::{Envelope, InputSlice, MESSAGE_TYPE_V2};
     let item = first_item(job_dir)?;
     let key = batchfleet_shared::signing::SigningKey::new(CHAOS_KEY.as_bytes(), "chaos")?;
     let raw = |body: Vec<u8>, sig: Option<String>| Outgoing {
         message_id: "chaos-bad".into(),
-        kind: MESSAGE_TYPE_V1,
+        kind: MESSAGE_TYPE_V2,
         body,
         headers: Headers::of(
             sig.map(|s| (batchfleet_shared::signing::SIGNATURE_HEADER, s)),
@@ -501,15 +501,15 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
         expiration_ms: None,
     };
     let signed = |i: &batchfleet_shared::message::WorkItem| {
-        let body = Envelope::V1(i.clone()).encode();
+        let body = Envelope::V2(i.clone()).encode();
         let sig = key.sign(&body);
         raw(body, Some(sig))
     };
     let mut messages = vec![
         raw(b"\x00chaos garbage".to_vec(), None),
-        raw(Envelope::V1(item.clone()).encode(), None),
+        raw(Envelope::V2(item.clone()).encode(), None),
         raw(
-            Envelope::V1(item.clone()).encode(),
+            Envelope::V2(item.clone()).encode(),
             Some(key.sign(b"not this body")),
         ),
     ];

@@ -137,7 +137,7 @@ mod tests {
 
     fn body() -> (WorkItem, Vec<u8>) {
         let item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);
-        let body = Envelope::V1(item.clone()).encode();
+        let body = Envelope::V2(item.clone()).encode();
         (item, body)
     }
 
@@ -172,13 +172,46 @@ mod tests {
     }
 
     #[test]
+    fn a_version_1_message_is_admitted_as_the_same_item() {
+        let (item, _) = body();
+        let batchfleet_shared::message::Layout::Csv(csv) = item.task.layout.clone() else {
+            unreachable!("a CSV sample")
+        };
+        let v1 = batchfleet_shared::message::v1::WorkItem {
+            job_id: item.job_id.clone(),
+            seq: item.seq,
+            input: item.input.clone(),
+            task: batchfleet_shared::message::v1::TaskSpec {
+                model: item.task.model.clone(),
+                csv,
+                batch_size: item.task.batch_size,
+                output: item.task.output.clone(),
+                failure: item.task.failure.clone(),
+                checkpoint_rows: item.task.checkpoint_rows,
+                jsonl: None,
+                parquet: None,
+                image: None,
+            },
+        };
+        let body = Envelope::V1(v1).encode();
+        let key = SigningKey::new(b"0123456789abcdef-key", "test").unwrap();
+        let guard = Guard {
+            key: Some(key.clone()),
+            ..Guard::default()
+        };
+        assert_eq!(admit(&body, &signed(&key, &body), &guard).unwrap(), item);
+    }
+
+    #[test]
     fn garbage_and_impossible_items_are_refused_with_the_field() {
         let g = Guard::default();
         let e = admit(b"\x00garbage", &Headers::default(), &g).unwrap_err();
         assert_eq!(e.label, "undecodable");
         let (mut item, _) = body();
-        item.task.csv.id_column = 99;
-        let e = admit(&Envelope::V1(item).encode(), &Headers::default(), &g).unwrap_err();
+        if let batchfleet_shared::message::Layout::Csv(l) = &mut item.task.layout {
+            l.id_column = 99;
+        }
+        let e = admit(&Envelope::V2(item).encode(), &Headers::default(), &g).unwrap_err();
         assert_eq!(e.label, "limits");
         assert!(e.reason.contains("index 99"), "{e:?}");
         assert_eq!(e.claimed.unwrap().job_id, "j-00000000");

@@ -484,7 +484,7 @@ async fn compute(
     let format = item.task.output.format;
     let (slice, layout, on_bad_row) = (
         item.input.clone(),
-        reader::Layout::of(&item.task),
+        item.task.layout.clone(),
         policy.on_bad_row,
     );
     let read_started = Instant::now();

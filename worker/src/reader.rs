@@ -7,38 +7,11 @@
 
 use crate::batch::{raw_text, Batch, Reject};
 use crate::error::ItemError;
-use batchfleet_shared::message::{
-    ByteRange, CsvLayout, ImageSpec, InputSlice, JsonLayout, OnBadRow, ParquetLayout, TaskSpec,
-};
+use batchfleet_shared::message::{ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow};
 use batchfleet_shared::source::Input;
 use std::path::Path;
 
-/// Where a task's id and features are in a record.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Layout {
-    /// CSV fields by index.
-    Csv(CsvLayout),
-    /// JSON Lines keys.
-    Jsonl(JsonLayout),
-    /// Parquet column names.
-    Parquet(ParquetLayout),
-    /// Image files.
-    Image(ImageSpec),
-}
-
-impl Layout {
-    /// The layout of `task`'s input.
-    pub fn of(task: &TaskSpec) -> Self {
-        if let Some(image) = &task.image {
-            return Layout::Image(image.clone());
-        }
-        match (&task.jsonl, &task.parquet) {
-            (Some(j), _) => Layout::Jsonl(j.clone()),
-            (None, Some(p)) => Layout::Parquet(p.clone()),
-            (None, None) => Layout::Csv(task.csv.clone()),
-        }
-    }
-}
+pub use batchfleet_shared::message::Layout;
 
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.

@@ -11,8 +11,8 @@ use crate::context::ItemContext;
 use crate::error::{FailureClass, ItemError};
 use batchfleet_shared::broker::{Delivery, Headers, Outgoing};
 use batchfleet_shared::message::{
-    WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
-    MESSAGE_TYPE_V1, PUBLISHED_HEADER, WORKER_HEADER,
+    Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
+    JOB_HEADER, MESSAGE_TYPE_V2, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, UnableNote};
@@ -148,6 +148,12 @@ fn headers_from<'a>(
     t
 }
 
+/// The AMQP `type` of a body carried on as it came: its version's (a body
+/// that does not decode — a rejected one — is labelled as what is published).
+fn kind_of(body: &[u8]) -> &'static str {
+    Envelope::decode(body).map_or(MESSAGE_TYPE_V2, |e| e.kind())
+}
+
 /// The message that carries `item` on: the delivery itself (body and
 /// headers), or — once it was acknowledged early and is gone — the item
 /// encoded anew at `attempt`.
@@ -157,7 +163,7 @@ fn carried(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Out
     }
     Outgoing {
         message_id: format!("{}/{}", item.job_id, item.seq),
-        kind: MESSAGE_TYPE_V1,
+        kind: kind_of(&held.delivery.body),
         body: held.delivery.body.clone(),
         headers: held.headers().own(),
         expiration_ms: None,
@@ -403,7 +409,7 @@ async fn publish_dead(
 ) -> bool {
     let msg = Outgoing {
         message_id,
-        kind: MESSAGE_TYPE_V1,
+        kind: kind_of(&held.delivery.body),
         body: held.delivery.body.clone(),
         headers,
         expiration_ms: None,

@@ -510,7 +510,7 @@ mod tests {
         let spec = fx.load(FILES).unwrap();
         assert_eq!(spec.files.len(), 3);
         assert_eq!(spec.root.as_deref(), Some(img.as_path()));
-        let image = spec.task.image.as_ref().expect("an image spec");
+        let image = spec.task.layout.image().expect("an image spec");
         assert_eq!((image.height, image.width, image.channels), (8, 6, 3));
         // A listing instead of globs: relative to its folder, comments skipped.
         fs::write(

@@ -159,7 +159,9 @@ pub fn validate(
         });
     }
 
-    let task = TaskSpec {
+    // Built in version 1's shape first: the job id hashes it, so a job keeps
+    // its id across the wire format's change (see `message::v1`).
+    let task_v1 = batchfleet_shared::message::v1::TaskSpec {
         model,
         csv: CsvLayout {
             delimiter: layout.delimiter,
@@ -187,8 +189,9 @@ pub fn validate(
         &files,
         root.as_deref(),
         &batching.sizing,
-        &task,
+        &task_v1,
     );
+    let task = TaskSpec::from(task_v1);
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),
@@ -248,8 +251,15 @@ mod tests {
         let spec = fx.load(GOOD).unwrap();
         assert_eq!(spec.files.len(), 2);
         assert!(spec.files[0].ends_with("data/a.csv"));
-        assert_eq!(spec.task.csv.feature_columns, vec![1, 2, 3]);
-        assert_eq!(spec.task.csv.fields, 4);
+        assert_eq!(
+            spec.task
+                .layout
+                .csv()
+                .expect("a CSV layout")
+                .feature_columns,
+            vec![1, 2, 3]
+        );
+        assert_eq!(spec.task.layout.csv().expect("a CSV layout").fields, 4);
         assert_eq!(spec.sizing, ItemSizing::Rows(100));
         assert!(spec.job_id.starts_with("scores-") && spec.job_id.len() == "scores-".len() + 8);
         assert_eq!(spec.task.model.sha256.len(), 64);

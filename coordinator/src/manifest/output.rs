@@ -249,7 +249,14 @@ mod tests {
             (o.argmax, o.top_k, o.drop_scores, o.format.as_str()),
             (true, 2, true, "parquet")
         );
-        assert_eq!(spec.task.csv.include_columns, vec![3]);
+        assert_eq!(
+            spec.task
+                .layout
+                .csv()
+                .expect("a CSV layout")
+                .include_columns,
+            vec![3]
+        );
         assert_eq!(o.include_columns, ["f2"]);
         // Each bad option is named.
         let err = problems(fx.load(&with(

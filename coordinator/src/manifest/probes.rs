@@ -149,7 +149,7 @@ mod tests {
             .replace("data/*.csv", "data/*.jsonl");
         let spec = fx.load(&manifest).unwrap();
         assert_eq!(spec.files.len(), 2);
-        let layout = spec.task.jsonl.as_ref().expect("a JSON layout");
+        let layout = spec.task.layout.jsonl().expect("a JSON layout");
         assert_eq!(layout.id_key, "id");
         assert_eq!(layout.feature_keys, vec!["f0", "f1", "f2"]);
         // The same manifest as CSV is another job.
@@ -197,12 +197,12 @@ mod tests {
             .replace("data/*.csv", "data/*.parquet");
         let spec = fx.load(&manifest).unwrap();
         assert_eq!(spec.files.len(), 2);
-        let layout = spec.task.parquet.as_ref().expect("a Parquet layout");
+        let layout = spec.task.layout.parquet().expect("a Parquet layout");
         assert_eq!(
             (layout.id_column.as_str(), layout.feature_columns.len()),
             ("id", 3)
         );
-        assert!(spec.task.jsonl.is_none());
+        assert!(spec.task.layout.jsonl().is_none());
         // Missing columns, a text feature and a float id are each named with the file.
         write(
             "b.parquet",

@@ -130,7 +130,7 @@ pub(super) fn job_id(
     files: &[PathBuf],
     root: Option<&Path>,
     sizing: &ItemSizing,
-    task: &TaskSpec,
+    task: &batchfleet_shared::message::v1::TaskSpec,
 ) -> String {
     let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
     // The ids of `files` input are relative to the root (absent otherwise,

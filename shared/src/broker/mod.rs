@@ -260,7 +260,7 @@ impl Outgoing {
         attempt: u32,
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
-        let body = crate::message::Envelope::V1(item.clone()).encode();
+        let body = crate::message::Envelope::V2(item.clone()).encode();
         let mut headers = Headers::default();
         if let Some(key) = key {
             headers.set([(crate::signing::SIGNATURE_HEADER, key.sign(&body))], []);
@@ -274,7 +274,7 @@ impl Outgoing {
         );
         Self {
             message_id: format!("{}/{}", item.job_id, item.seq),
-            kind: crate::message::MESSAGE_TYPE_V1,
+            kind: crate::message::MESSAGE_TYPE_V2,
             body,
             headers,
             expiration_ms: None,

@@ -9,7 +9,7 @@ use batchfleet_loadtest::python::{make_job, make_wrong_models, JobGen};
 use batchfleet_loadtest::services::unique;
 use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
-use batchfleet_shared::message::{Envelope, InputSlice, WorkItem, MESSAGE_TYPE_V1};
+use batchfleet_shared::message::{Envelope, InputSlice, WorkItem, MESSAGE_TYPE_V2};
 use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -135,7 +135,7 @@ async fn publish(env: &TestEnv, messages: Vec<Outgoing>) {
 fn raw(body: Vec<u8>, signature: Option<String>) -> Outgoing {
     Outgoing {
         message_id: "forged".into(),
-        kind: MESSAGE_TYPE_V1,
+        kind: MESSAGE_TYPE_V2,
         body,
         headers: Headers::of(
             signature.map(|s| (SIGNATURE_HEADER, s)),
@@ -323,7 +323,7 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
     let input = items[0].input.path().to_owned();
     let file_len = std::fs::metadata(&input).expect("input").len();
     let signed = |item: &WorkItem| {
-        let body = Envelope::V1(item.clone()).encode();
+        let body = Envelope::V2(item.clone()).encode();
         let sig = key.sign(&body);
         raw(body, Some(sig))
     };
@@ -350,12 +350,12 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
             "undecodable work message",
         ),
         (
-            raw(Envelope::V1(items[1].clone()).encode(), None),
+            raw(Envelope::V2(items[1].clone()).encode(), None),
             "unsigned message",
         ),
         (
             raw(
-                Envelope::V1(items[1].clone()).encode(),
+                Envelope::V2(items[1].clone()).encode(),
                 Some(key.sign(b"other")),
             ),
             "bad signature",
@@ -395,7 +395,11 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
             "is item 1000000 but the job has 4 items",
         ),
         (
-            signed(&forged(&|i| i.task.csv.id_column = 99)),
+            signed(&forged(&|i| {
+                if let batchfleet_shared::message::Layout::Csv(l) = &mut i.task.layout {
+                    l.id_column = 99;
+                }
+            })),
             "index 99 is outside",
         ),
         (

@@ -663,7 +663,7 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
     let broker = env.broker().await;
     let queues = batchfleet_shared::broker::PoolQueues::new(&env.pool);
     broker.declare(&queues).await.expect("topology");
-    let body = batchfleet_shared::message::Envelope::V1(
+    let body = batchfleet_shared::message::Envelope::V2(
         batchfleet_coordinator::planner::sample_item("crashy-job", 7),
     )
     .encode();

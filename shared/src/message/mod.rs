@@ -4,6 +4,13 @@
 //! is a versioned enum encoded with rmp-serde using named fields, so fields can
 //! be added without breaking old workers; the delivery attempt travels in the
 //! AMQP header [`ATTEMPT_HEADER`] because a retried message body is immutable.
+//!
+//! Version 2 (what is published) carries the input's layout as one tagged
+//! [`Layout`] — CSV columns, JSON Lines keys, Parquet columns or image
+//! preprocessing — next to the tagged [`InputSlice`]; version 1 ([`v1`]: a
+//! CSV layout always, the others as optional fields) is still decoded.
+
+pub mod v1;
 
 use serde::{Deserialize, Serialize};
 
@@ -11,6 +18,8 @@ use serde::{Deserialize, Serialize};
 pub const CONTENT_TYPE: &str = "application/msgpack";
 /// AMQP `type` property of a [`Envelope::V1`] work item.
 pub const MESSAGE_TYPE_V1: &str = "batchfleet.work_item.v1";
+/// AMQP `type` property of a [`Envelope::V2`] work item (what is published).
+pub const MESSAGE_TYPE_V2: &str = "batchfleet.work_item.v2";
 /// Header with the 1-based delivery attempt, maintained by batchfleet itself
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
@@ -34,8 +43,10 @@ pub const DEAD_AT_HEADER: &str = "x-bf-dead-at";
 /// variants; a worker rejects (dead-letters) a variant it does not know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Envelope {
-    /// Version 1 of the work item.
-    V1(WorkItem),
+    /// Version 1 of the work item (a CSV layout plus optional ones), still decoded.
+    V1(v1::WorkItem),
+    /// Version 2: the layout as one tagged enum.
+    V2(WorkItem),
 }
 
 /// One independently processable unit of a job.
@@ -148,8 +159,8 @@ impl InputSlice {
 pub struct TaskSpec {
     /// The model to run.
     pub model: ModelRef,
-    /// Field layout of the CSV input.
-    pub csv: CsvLayout,
+    /// Where the id and the features are in a record, by input format.
+    pub layout: Layout,
     /// Rows per `forward` call.
     pub batch_size: u32,
     /// Where and how predictions are written.
@@ -161,15 +172,75 @@ pub struct TaskSpec {
     /// 0 = none. A redelivered item resumes after its last checkpoint.
     #[serde(default)]
     pub checkpoint_rows: u32,
-    /// Keys of the id and the features, for JSON Lines input (absent for CSV).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub jsonl: Option<JsonLayout>,
-    /// Names of the id and feature columns, for Parquet input (absent otherwise).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parquet: Option<ParquetLayout>,
-    /// How image files become a model input, for `files` input (absent otherwise).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<ImageSpec>,
+}
+
+/// Where a task's id and features are in a record: one variant per input
+/// format, each with only what that format needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Layout {
+    /// CSV fields by index.
+    Csv(CsvLayout),
+    /// JSON Lines keys.
+    Jsonl(JsonLayout),
+    /// Parquet column names.
+    Parquet(ParquetLayout),
+    /// Image files: how each becomes a model input.
+    Image(ImageSpec),
+}
+
+impl Layout {
+    /// The layout's name in messages (`CSV`, `JSON Lines`, …).
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Layout::Csv(_) => "CSV",
+            Layout::Jsonl(_) => "JSON Lines",
+            Layout::Parquet(_) => "Parquet",
+            Layout::Image(_) => "image",
+        }
+    }
+
+    /// The CSV layout, if this is one.
+    pub fn csv(&self) -> Option<&CsvLayout> {
+        match self {
+            Layout::Csv(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The JSON Lines layout, if this is one.
+    pub fn jsonl(&self) -> Option<&JsonLayout> {
+        match self {
+            Layout::Jsonl(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The Parquet layout, if this is one.
+    pub fn parquet(&self) -> Option<&ParquetLayout> {
+        match self {
+            Layout::Parquet(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The image preprocessing, if this is an image layout.
+    pub fn image(&self) -> Option<&ImageSpec> {
+        match self {
+            Layout::Image(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// Whether `slice` is of this layout's input format.
+    pub fn fits(&self, slice: &InputSlice) -> bool {
+        matches!(
+            (slice, self),
+            (InputSlice::CsvRange(_), Layout::Csv(_))
+                | (InputSlice::JsonlRange(_), Layout::Jsonl(_))
+                | (InputSlice::ParquetRowGroups { .. }, Layout::Parquet(_))
+                | (InputSlice::Files { .. }, Layout::Image(_))
+        )
+    }
 }
 
 /// Image preprocessing (from `[preprocess]`): decode, convert to `channels`,
@@ -569,39 +640,38 @@ impl WorkItem {
                 )),
             }
         };
-        match &self.input {
-            InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => {
+        if !t.layout.fits(&self.input) {
+            return Err(format!(
+                "{} with a {} layout",
+                match &self.input {
+                    InputSlice::CsvRange(_) => "a CSV range",
+                    InputSlice::JsonlRange(_) => "a JSON Lines range",
+                    InputSlice::ParquetRowGroups { .. } => "Parquet row groups",
+                    InputSlice::Files { .. } => "image files",
+                },
+                t.layout.describe()
+            ));
+        }
+        match (&self.input, &t.layout) {
+            (InputSlice::CsvRange(r), Layout::Csv(l)) => {
                 check_range(r, limits)?;
-                let per_row = match (&self.input, &t.jsonl) {
-                    (InputSlice::JsonlRange(_), Some(j)) => {
-                        if j.feature_keys.is_empty() {
-                            return Err("the JSON Lines layout names no feature".into());
-                        }
-                        j.feature_keys.len()
-                    }
-                    (InputSlice::JsonlRange(_), None) => {
-                        return Err("a JSON Lines range without a JSON Lines layout".into())
-                    }
-                    _ => {
-                        check_csv_layout(&t.csv)?;
-                        t.csv.feature_columns.len()
-                    }
-                };
-                values(r.rows, per_row as u64)?;
+                check_csv_layout(l)?;
+                values(r.rows, l.feature_columns.len() as u64)?;
             }
-            InputSlice::ParquetRowGroups { groups, rows, .. } => {
-                let Some(p) = &t.parquet else {
-                    return Err("Parquet row groups without a Parquet layout".into());
-                };
+            (InputSlice::JsonlRange(r), Layout::Jsonl(j)) => {
+                check_range(r, limits)?;
+                if j.feature_keys.is_empty() {
+                    return Err("the JSON Lines layout names no feature".into());
+                }
+                values(r.rows, j.feature_keys.len() as u64)?;
+            }
+            (InputSlice::ParquetRowGroups { groups, rows, .. }, Layout::Parquet(p)) => {
                 if *groups == 0 || p.feature_columns.is_empty() {
                     return Err("no row group or no feature column".into());
                 }
                 values(*rows, p.feature_columns.len() as u64)?;
             }
-            InputSlice::Files { files, sizes, .. } => {
-                let Some(img) = &t.image else {
-                    return Err("image files without preprocessing settings".into());
-                };
+            (InputSlice::Files { files, sizes, .. }, Layout::Image(img)) => {
                 if files.is_empty() || files.len() != sizes.len() {
                     return Err(format!("{} files with {} sizes", files.len(), sizes.len()));
                 }
@@ -633,6 +703,7 @@ impl WorkItem {
                 }
                 values(files.len() as u64, pixels * u64::from(img.channels))?;
             }
+            _ => unreachable!("the layout fits the slice (checked above)"),
         }
         Ok(())
     }
@@ -713,10 +784,19 @@ impl Envelope {
         })
     }
 
+    /// The AMQP `type` of a message of this version.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Envelope::V1(_) => MESSAGE_TYPE_V1,
+            Envelope::V2(_) => MESSAGE_TYPE_V2,
+        }
+    }
+
     /// The work item inside, whatever the version.
     pub fn into_item(self) -> WorkItem {
         match self {
-            Envelope::V1(item) => item,
+            Envelope::V1(item) => item.into(),
+            Envelope::V2(item) => item,
         }
     }
 }
@@ -740,13 +820,13 @@ pub(crate) fn sample_item() -> WorkItem {
                 sha256: "ab".repeat(32),
                 device: "cpu".into(),
             },
-            csv: CsvLayout {
+            layout: Layout::Csv(CsvLayout {
                 delimiter: b',',
                 fields: 18,
                 id_column: 0,
                 feature_columns: (1..17).collect(),
                 include_columns: Vec::new(),
-            },
+            }),
             batch_size: 512,
             output: OutputSpec {
                 dir: "/data/out".into(),
@@ -756,9 +836,6 @@ pub(crate) fn sample_item() -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
-            jsonl: None,
-            parquet: None,
-            image: None,
         },
     }
 }
@@ -767,37 +844,78 @@ pub(crate) fn sample_item() -> WorkItem {
 mod tests {
     use super::*;
 
-    #[test]
-    fn v1_round_trips() {
-        let env = Envelope::V1(sample_item());
-        let bytes = env.encode();
-        assert_eq!(Envelope::decode(&bytes).unwrap(), env);
+    /// `sample_item` as version 1 encoded it: the CSV layout as `csv`.
+    fn sample_v1() -> v1::WorkItem {
+        let item = sample_item();
+        let Layout::Csv(csv) = item.task.layout.clone() else {
+            unreachable!("the sample is a CSV item")
+        };
+        v1::WorkItem {
+            job_id: item.job_id,
+            seq: item.seq,
+            input: item.input,
+            task: v1::TaskSpec {
+                model: item.task.model,
+                csv,
+                batch_size: item.task.batch_size,
+                output: item.task.output,
+                failure: item.task.failure,
+                checkpoint_rows: item.task.checkpoint_rows,
+                jsonl: None,
+                parquet: None,
+                image: None,
+            },
+        }
     }
 
     #[test]
-    fn json_lines_items_round_trip_and_csv_items_carry_no_json_layout() {
-        let mut item = sample_item();
-        item.input = InputSlice::JsonlRange(ByteRange {
-            path: "/data/in.jsonl".into(),
-            start: 0,
-            end: 40,
-            first_line: 1,
-            rows: 2,
-            file_len: 40,
-        });
-        item.task.jsonl = Some(JsonLayout {
+    fn v2_round_trips_with_the_layout_as_one_tagged_enum() {
+        let env = Envelope::V2(sample_item());
+        let bytes = env.encode();
+        assert_eq!(Envelope::decode(&bytes).unwrap(), env);
+        let as_json: serde_json::Value = rmp_serde::from_slice(&bytes).unwrap();
+        let task = &as_json["V2"]["task"];
+        assert_eq!(task["layout"]["Csv"]["fields"], 18);
+        for gone in ["csv", "jsonl", "parquet", "image"] {
+            assert!(task.get(gone).is_none(), "{gone} in {task}");
+        }
+    }
+
+    #[test]
+    fn version_1_messages_still_decode_into_the_same_item() {
+        let bytes = Envelope::V1(sample_v1()).encode();
+        let item = Envelope::decode(&bytes).unwrap().into_item();
+        assert_eq!(item, sample_item());
+        // Each optional layout of version 1 picks its variant, images first.
+        let mut v1 = sample_v1();
+        let keys = JsonLayout {
             id_key: "id".into(),
             feature_keys: vec!["a".into(), "b".into()],
             include_keys: Vec::new(),
-        });
-        let env = Envelope::V1(item);
-        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
-        // A CSV item's encoding has no `jsonl` key at all (job ids hash the task).
-        let csv: serde_json::Value =
-            rmp_serde::from_slice(&Envelope::V1(sample_item()).encode()).unwrap();
-        assert!(csv["V1"]["task"].get("jsonl").is_none());
-        assert!(csv["V1"]["task"].get("parquet").is_none());
-        assert!(csv["V1"]["task"].get("image").is_none());
+        };
+        v1.task.jsonl = Some(keys.clone());
+        let task: TaskSpec = v1.task.clone().into();
+        assert_eq!(task.layout, Layout::Jsonl(keys));
+        v1.task.jsonl = None;
+        let columns = ParquetLayout {
+            id_column: "id".into(),
+            feature_columns: vec!["a".into()],
+            include_columns: Vec::new(),
+        };
+        v1.task.parquet = Some(columns.clone());
+        assert_eq!(
+            TaskSpec::from(v1.task.clone()).layout,
+            Layout::Parquet(columns)
+        );
+        let image = ImageSpec {
+            height: 8,
+            width: 8,
+            channels: 1,
+            mean: vec![0.0],
+            std: vec![1.0],
+        };
+        v1.task.image = Some(image.clone());
+        assert_eq!(TaskSpec::from(v1.task).layout, Layout::Image(image));
     }
 
     #[test]
@@ -811,12 +929,12 @@ mod tests {
             rows: 20_000,
             file_len: 1 << 20,
         };
-        item.task.parquet = Some(ParquetLayout {
+        item.task.layout = Layout::Parquet(ParquetLayout {
             id_column: "id".into(),
             feature_columns: vec!["a".into(), "b".into()],
             include_columns: Vec::new(),
         });
-        let env = Envelope::V1(item);
+        let env = Envelope::V2(item);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
         assert_eq!(env.clone().into_item().input.rows(), 20_000);
         assert_eq!(env.into_item().input.path(), "/data/in.parquet");
@@ -859,10 +977,10 @@ mod tests {
 
     #[test]
     fn encoding_uses_named_fields() {
-        let bytes = Envelope::V1(sample_item()).encode();
+        let bytes = Envelope::V2(sample_item()).encode();
         let as_json: serde_json::Value = rmp_serde::from_slice(&bytes).unwrap();
-        assert_eq!(as_json["V1"]["input"]["CsvRange"]["first_line"], 2);
-        assert_eq!(as_json["V1"]["task"]["output"]["format"], "csv");
+        assert_eq!(as_json["V2"]["input"]["CsvRange"]["first_line"], 2);
+        assert_eq!(as_json["V2"]["task"]["output"]["format"], "csv");
     }
 
     #[test]
@@ -902,11 +1020,28 @@ mod tests {
             let err = item.check(&limits).expect_err(what);
             assert!(err.contains(what), "{what}: {err}");
         };
+        let csv = |f: fn(&mut CsvLayout)| {
+            move |i: &mut WorkItem| {
+                if let Layout::Csv(l) = &mut i.task.layout {
+                    f(l);
+                }
+            }
+        };
         refused(
-            &|i| i.task.csv.id_column = 99,
+            &csv(|l| l.id_column = 99),
             "index 99 is outside the 18 fields",
         );
-        refused(&|i| i.task.csv.include_columns = vec![40], "index 40");
+        refused(&csv(|l| l.include_columns = vec![40]), "index 40");
+        refused(
+            &|i| {
+                i.task.layout = Layout::Jsonl(JsonLayout {
+                    id_key: "id".into(),
+                    feature_keys: vec!["a".into()],
+                    include_keys: Vec::new(),
+                })
+            },
+            "a CSV range with a JSON Lines layout",
+        );
         refused(
             &|i| {
                 if let InputSlice::CsvRange(r) = &mut i.input {
@@ -943,7 +1078,7 @@ mod tests {
                     rows: u64::MAX / 2,
                     file_len: 10,
                 };
-                i.task.parquet = Some(ParquetLayout {
+                i.task.layout = Layout::Parquet(ParquetLayout {
                     id_column: "id".into(),
                     feature_columns: vec!["a".into(), "b".into()],
                     include_columns: Vec::new(),
@@ -959,7 +1094,7 @@ mod tests {
                     sizes: vec![10],
                     first_index: 0,
                 };
-                i.task.image = Some(ImageSpec {
+                i.task.layout = Layout::Image(ImageSpec {
                     height: side,
                     width: side,
                     channels,
