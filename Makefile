@@ -17,6 +17,7 @@ demo: venv release
 test: venv services tools
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo build --workspace --bins
 	cargo test --workspace --all-targets
 
 ## chaos: a 200k-row job while workers, the coordinator, RabbitMQ and Redis are killed/restarted; checks the invariants

@@ -163,7 +163,7 @@ impl Attempt {
                 let worker = bin.join("batchfleet-worker");
                 assert!(
                     worker.exists(),
-                    "build every binary first (`cargo test --workspace --all-targets` does)"
+                    "build every binary first: `cargo build --workspace --bins` (`make test` does)"
                 );
                 for i in 0..2 {
                     workers.push(
@@ -367,7 +367,7 @@ fn the_readmes_first_command_runs_with_no_services_reachable() {
         .to_owned();
     assert!(
         bin.join("batchfleet-loadtest").exists(),
-        "build every binary first (`cargo test --workspace --all-targets` does)"
+        "build every binary first: `cargo build --workspace --bins` (`make test` does)"
     );
     let demo = tempfile::tempdir().expect("temp dir");
     let out = Command::new(repo().join(".ci/demo.sh"))
