@@ -178,11 +178,12 @@ pub struct RunArgs {
     #[arg(long, env = "BATCHFLEET_LOCAL")]
     pub local: bool,
     /// With --local: worker pipelines, each with its own model (default: one per core).
-    #[arg(long, env = "BATCHFLEET_WORKERS", requires = "local")]
+    #[arg(long, env = "BATCHFLEET_LOCAL_WORKERS", requires = "local")]
     pub workers: Option<usize>,
     /// With --local: libtorch intra-op threads per pipeline (default: the
-    /// cores shared out between the pipelines).
-    #[arg(long, env = "BATCHFLEET_THREADS", requires = "local")]
+    /// cores shared out between the pipelines). Its variable is not the
+    /// workers' BATCHFLEET_THREADS, which deployments share with the coordinator.
+    #[arg(long, env = "BATCHFLEET_LOCAL_THREADS", requires = "local")]
     pub threads: Option<usize>,
     #[command(flatten)]
     pub follow: FollowArgs,

@@ -128,6 +128,19 @@ fn a_fleet_run_never_turns_local_on_its_own() {
         .output()
         .expect("run batchfleet");
     assert_eq!(out.status.code(), Some(2));
+    // The workers' own settings, shared with the coordinator in deployments
+    // (the Kubernetes ConfigMap), do not touch a fleet run.
+    let out = batchfleet(dir.path())
+        .args(["--connect-timeout", "2s", "run", "job.toml"])
+        .env("BATCHFLEET_THREADS", "2")
+        .output()
+        .expect("run batchfleet");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Where a killed-and-resumed job runs.
