@@ -12,8 +12,8 @@ DEMO=${DEMO_DIR:-demo}
 ROWS=${DEMO_ROWS:-200000}
 WORKERS=${DEMO_WORKERS:-2}
 export BATCHFLEET_REDIS_PREFIX=${BATCHFLEET_REDIS_PREFIX:-bf-demo}
-AMQP_URL="${BATCHFLEET_AMQP_URL:-amqp://127.0.0.1:5672/%2f}"
-REDIS_URL="${BATCHFLEET_REDIS_URL:-redis://127.0.0.1:6379/}"
+# shellcheck source=.ci/service-urls.sh
+. .ci/service-urls.sh
 
 if [ ! -f "$DEMO/job.toml" ] || [ "$(cat "$DEMO/.rows" 2>/dev/null)" != "$ROWS" ]; then
   rm -rf "$DEMO"
@@ -32,17 +32,6 @@ echo "== in one process: batchfleet run --local (no RabbitMQ, no Redis)"
 "$BIN/batchfleet" run "$DEMO/job.toml" --local --workers "$WORKERS" --threads "$threads"
 "$BIN/batchfleet-loadtest" verify --output "$DEMO/out" --golden "$DEMO/golden.csv"
 local_rate=$(rate "$DEMO/out")
-
-# host and port of a URL, credentials dropped (they are never printed)
-hostport() {
-  local rest="${1#*://}" default_port="$2"
-  rest="${rest##*@}"; rest="${rest%%/*}"; rest="${rest%%\?*}"
-  local host="${rest%:*}" port="${rest##*:}"
-  [ "$host" = "$rest" ] && port="$default_port"
-  [ -z "$host" ] && host=127.0.0.1
-  echo "$host $port"
-}
-reachable() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
 
 # shellcheck disable=SC2046
 if ! reachable $(hostport "$AMQP_URL" 5672) || ! reachable $(hostport "$REDIS_URL" 6379); then

@@ -6,20 +6,8 @@
 # exact thing to do.
 set -euo pipefail
 
-AMQP_URL="${BATCHFLEET_AMQP_URL:-amqp://127.0.0.1:5672/%2f}"
-REDIS_URL="${BATCHFLEET_REDIS_URL:-redis://127.0.0.1:6379/}"
-
-# host and port of a URL, credentials dropped (they are never printed)
-hostport() {
-  local rest="${1#*://}" default_port="$2"
-  rest="${rest##*@}"; rest="${rest%%/*}"; rest="${rest%%\?*}"
-  local host="${rest%:*}" port="${rest##*:}"
-  [ "$host" = "$rest" ] && port="$default_port"
-  [ -z "$host" ] && host=127.0.0.1
-  echo "$host $port"
-}
-
-reachable() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
+# shellcheck source=.ci/service-urls.sh
+. "$(dirname "$0")/service-urls.sh"
 
 wait_for() { # host port seconds
   local deadline=$((SECONDS + $3))

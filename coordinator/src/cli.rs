@@ -563,6 +563,19 @@ fn report_error(e: &RunError) -> ExitCode {
     }
 }
 
+/// `dlq list`'s output: JSON, or a table for people.
+fn print_dead(items: &[crate::dlq::DeadItem], json: bool) -> ExitCode {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(items).expect("dead items serialize")
+        );
+    } else {
+        println!("{}", crate::dlq::render(items));
+    }
+    ExitCode::SUCCESS
+}
+
 async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
     match cmd {
         DlqCommand::List {
@@ -580,15 +593,7 @@ async fn dlq_main(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             match crate::local::list_dead(&output) {
                 Ok(items) => {
                     let items: Vec<_> = items.into_iter().filter(|d| filter.matches(d)).collect();
-                    if json {
-                        println!(
-                            "{}",
-                            serde_json::to_string_pretty(&items).expect("dead items serialize")
-                        );
-                    } else {
-                        println!("{}", crate::dlq::render(&items));
-                    }
-                    ExitCode::SUCCESS
+                    print_dead(&items, json)
                 }
                 Err(e) => report_error(&e),
             }
@@ -631,17 +636,7 @@ async fn dlq_fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 item: None,
             };
             match crate::dlq::list(&*broker, &pool, &filter).await {
-                Ok(items) if json => {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&items).expect("dead items serialize")
-                    );
-                    ExitCode::SUCCESS
-                }
-                Ok(items) => {
-                    println!("{}", crate::dlq::render(&items));
-                    ExitCode::SUCCESS
-                }
+                Ok(items) => print_dead(&items, json),
                 Err(e) => report_error(&RunError::Broker(e)),
             }
         }
