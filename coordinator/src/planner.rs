@@ -301,6 +301,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 id_column: 0,
                 feature_columns: vec![1],
                 include_columns: Vec::new(),
+                missing: Default::default(),
             }),
             batch_size: 1,
             output: OutputSpec {

@@ -132,8 +132,9 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
         /// Input formats to run the small-model job in besides CSV, on the
-        /// same rows (rows/s per format side by side); empty for none.
-        #[arg(long, value_delimiter = ',', default_value = "jsonl,parquet")]
+        /// same rows (rows/s per format side by side; `pandas`: CSV written by
+        /// `DataFrame.to_csv`, full-precision floats); empty for none.
+        #[arg(long, value_delimiter = ',', default_value = "jsonl,parquet,pandas")]
         formats: Vec<String>,
     },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.

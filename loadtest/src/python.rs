@@ -55,8 +55,12 @@ pub struct JobGen {
     pub hang_rows: Vec<u64>,
     /// `checkpoint_every` in the manifest (unset: the default).
     pub checkpoint_every: Option<u32>,
-    /// Input format: `csv`, `jsonl` or `parquet`.
+    /// Input format: `csv`, `jsonl`, `parquet` or `pandas` (CSV written by
+    /// `DataFrame.to_csv` with its defaults).
     pub format: String,
+    /// Every this many feature values is missing, and the manifest sets
+    /// `[input] missing = 0` (0: none missing).
+    pub missing_every: u32,
 }
 
 impl Default for JobGen {
@@ -76,6 +80,7 @@ impl Default for JobGen {
             hang_rows: Vec::new(),
             checkpoint_every: None,
             format: "csv".into(),
+            missing_every: 0,
         }
     }
 }
@@ -126,6 +131,7 @@ pub fn make_job(out: &Path, g: &JobGen) -> Result<()> {
                 .unwrap_or_default(),
         )
         .args(["--format", &g.format])
+        .args(["--missing-every", &g.missing_every.to_string()])
         .status()
         .with_context(|| {
             format!(

@@ -34,6 +34,7 @@ pub mod fsutil;
 pub mod message;
 pub mod metrics;
 pub mod model_file;
+pub mod numbers;
 pub mod output;
 pub mod paths;
 pub mod secret;

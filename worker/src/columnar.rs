@@ -2,12 +2,14 @@
 //! and feature columns (column projection), decoded by the Arrow reader and
 //! copied into the same row-major batch the text formats produce.
 //!
-//! A row with a null id or feature is a bad row (rejected or failing the
-//! item, per `on_bad_row`); its `raw` text is the row's values as a JSON
+//! A row with a null id is a bad row (rejected or failing the item, per
+//! `on_bad_row`), and so is a null feature unless `[input] missing` gives
+//! it a value; its `raw` text is the row's values as a JSON
 //! object, and its `line` is the 1-based row number in the file.
 
 use crate::batch::{Batch, Reject};
 use crate::error::ItemError;
+use crate::reader::MISSING_HINT;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,
@@ -127,12 +129,21 @@ pub fn read_parquet(
             fill_column(col, &mut values, cols, j)
                 .map_err(|t| changed(format!("feature column {name} is {t}, not a number")))?;
         }
+        let fill = layout.missing.fill();
         for r in 0..n {
             let line = next_row + r as u64 + 1;
-            let bad = std::iter::once((&layout.id_column, &ids))
-                .chain(layout.feature_columns.iter().zip(&features))
-                .find(|(_, c)| c.is_null(r))
-                .map(|(name, _)| format!("column {name} is null"));
+            let mut bad = ids
+                .is_null(r)
+                .then(|| format!("column {} is null", layout.id_column));
+            for (j, (name, col)) in layout.feature_columns.iter().zip(&features).enumerate() {
+                if bad.is_some() || !col.is_null(r) {
+                    continue;
+                }
+                match fill {
+                    Some(v) => values[r * cols + j] = v,
+                    None => bad = Some(format!("column {name} is null; {MISSING_HINT}")),
+                }
+            }
             let reason = match bad {
                 Some(reason) => Some(reason),
                 None => {
@@ -291,6 +302,7 @@ mod tests {
             id_column: "id".into(),
             feature_columns: vec!["b".into(), "a".into()],
             include_columns: Vec::new(),
+            missing: Default::default(),
         }
     }
 
@@ -346,9 +358,24 @@ mod tests {
         assert_eq!(b.rejects.len(), 2);
         assert_eq!((b.rejects[0].line, b.rejects[1].line), (7, 10));
         assert_eq!(b.rejects[0].reason, "column id is null");
-        assert_eq!(b.rejects[1].reason, "column a is null");
+        assert!(
+            b.rejects[1]
+                .reason
+                .starts_with("column a is null; set [input] missing"),
+            "{}",
+            b.rejects[1].reason
+        );
         let raw: serde_json::Value = serde_json::from_str(&b.rejects[1].raw).unwrap();
         assert_eq!(raw, serde_json::json!({"a": null, "id": "r9", "b": 91}));
+        // With a fill value the null feature takes it; a null id is still bad.
+        let filled = ParquetLayout {
+            missing: batchfleet_shared::message::Missing::Value(-2.0),
+            ..layout()
+        };
+        let b = read_parquet(at(&path, 1, 2, len), &filled, 8, OnBadRow::Reject, io).unwrap();
+        assert_eq!((b.rows(), b.rejects.len()), (7, 1));
+        assert_eq!(b.id(4), "r9");
+        assert_eq!(&b.features[8..10], &[91.0, -2.0]);
         // A model reject of a Parquet row names it by id.
         assert_eq!(b.model_reject(1, "boom").raw, "r5");
         // Copied columns (a string and an integer) come with accepted rows only.

@@ -8,6 +8,7 @@
 use crate::batch::{raw_text, Batch, Reject};
 use crate::error::ItemError;
 use batchfleet_shared::message::{ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow};
+use batchfleet_shared::numbers::{self, Field};
 use batchfleet_shared::source::Input;
 use std::path::Path;
 
@@ -99,6 +100,10 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
         }
     }
 }
+
+/// How a rejected row's reason says what to do about a missing value.
+pub const MISSING_HINT: &str =
+    "set [input] missing = \"nan\" or a number to score rows with missing values";
 
 /// Poison unless the batch saw (read or rejected) the `rows` the planner counted.
 fn check_count(batch: &Batch, rows: u64, what: impl Fn() -> String) -> Result<(), ItemError> {
@@ -359,8 +364,14 @@ impl<'de> serde::de::Visitor<'de> for FastRecord<'_, '_, '_> {
                     self.keys.seen[i] = true;
                 }
             } else if let Some(i) = feature {
-                // As for CSV: the correctly rounded f64, then f32.
-                self.row[i] = map.next_value::<f64>()? as f32;
+                // As for CSV: the correctly rounded f64, then f32; null is missing.
+                let fill = self.keys.layout.missing.fill();
+                self.row[i] = match (map.next_value::<Option<f64>>()?, fill) {
+                    (Some(v), _) => v as f32,
+                    (None, Some(v)) => v,
+                    // The value path names the null.
+                    (None, None) => return Ok(None),
+                };
                 self.keys.seen[i] = true;
             } else {
                 map.next_value::<serde::de::IgnoredAny>()?;
@@ -406,6 +417,12 @@ fn record_of_map(
         *slot = match map.get(key) {
             // As for CSV: the correctly rounded f64, then f32.
             Some(serde_json::Value::Number(n)) => n.as_f64().map(|v| v as f32),
+            Some(serde_json::Value::Null) => Some(
+                layout
+                    .missing
+                    .fill()
+                    .ok_or_else(|| format!("\"{key}\" is null; {MISSING_HINT}"))?,
+            ),
             Some(_) => None,
             None => return Err(format!("no key \"{key}\" (a feature)")),
         }
@@ -430,66 +447,33 @@ fn parse_record<'r>(
         .map_err(|_| format!("id (field {}) is not valid UTF-8", layout.id_column + 1))?;
     for (slot, &idx) in row.iter_mut().zip(&layout.feature_columns) {
         let raw = &rec[idx as usize];
-        *slot = parse_f32(raw).ok_or_else(|| {
-            format!(
-                "field {} is not a number: {:?}",
-                idx + 1,
-                String::from_utf8_lossy(raw)
-            )
-        })?;
+        *slot = match numbers::parse_field(raw) {
+            Some(Field::Number(v)) => v,
+            Some(Field::Missing) => layout.missing.fill().ok_or_else(|| {
+                let shown = String::from_utf8_lossy(raw);
+                let what = if shown.trim().is_empty() {
+                    "is empty".to_owned()
+                } else {
+                    format!("is missing ({shown:?})")
+                };
+                format!("field {} {what}; {MISSING_HINT}", idx + 1)
+            })?,
+            None => {
+                return Err(format!(
+                    "field {} is not a number: {:?}",
+                    idx + 1,
+                    String::from_utf8_lossy(raw)
+                ))
+            }
+        };
     }
     Ok(id)
-}
-
-fn parse_f32(raw: &[u8]) -> Option<f32> {
-    plain_decimal(raw).or_else(|| std::str::from_utf8(raw).ok()?.trim().parse().ok())
-}
-
-/// Powers of ten that are exact in `f64`.
-const POW10: [f64; 16] = [
-    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
-];
-
-/// The fast path for the common field `[+-]digits[.digits]` (ASCII blanks
-/// around it allowed) with at most 15 digits: the digits as an integer
-/// (< 2^53, exact) divided by an exact power of ten is the correctly rounded
-/// `f64` of the text, then rounded to `f32` — the value Python's `float()`
-/// followed by a float32 tensor gives. Anything else (exponents, `inf`,
-/// more digits, junk) returns `None` and goes to the general parser. It
-/// skips the UTF-8 check, trimming and generic float parsing that dominated
-/// a worker's profile.
-fn plain_decimal(raw: &[u8]) -> Option<f32> {
-    let s = raw.trim_ascii();
-    let (negative, body) = match s.first()? {
-        b'-' => (true, &s[1..]),
-        b'+' => (false, &s[1..]),
-        _ => (false, s),
-    };
-    let (mut mantissa, mut digits, mut decimals, mut dot) = (0u64, 0usize, 0usize, false);
-    for &b in body {
-        match b {
-            b'0'..=b'9' => {
-                mantissa = mantissa * 10 + u64::from(b - b'0');
-                digits += 1;
-                decimals += usize::from(dot);
-            }
-            b'.' if !dot => dot = true,
-            _ => return None,
-        }
-        if digits > 15 {
-            return None;
-        }
-    }
-    if digits == 0 {
-        return None;
-    }
-    let v = mantissa as f64 / POW10[decimals];
-    Some((if negative { -v } else { v }) as f32)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batchfleet_shared::message::Missing;
 
     fn layout() -> CsvLayout {
         CsvLayout {
@@ -498,6 +482,7 @@ mod tests {
             id_column: 1,
             feature_columns: vec![3, 0],
             include_columns: Vec::new(),
+            missing: Default::default(),
         }
     }
 
@@ -506,6 +491,7 @@ mod tests {
             id_key: "id".into(),
             feature_keys: vec!["b".into(), "a".into()],
             include_keys: Vec::new(),
+            missing: Default::default(),
         }
     }
 
@@ -572,6 +558,7 @@ mod tests {
             id_key: "a".into(),
             feature_keys: vec!["a".into(), "b".into()],
             include_keys: Vec::new(),
+            missing: Default::default(),
         };
         let mut keys = JsonKeys::new(&both);
         let mut row = [0f32; 2];
@@ -669,7 +656,11 @@ mod tests {
     }
 
     #[test]
-    fn the_fast_decimal_path_equals_parsing_as_f64_then_f32() {
+    fn every_field_reads_as_parsing_as_f64_then_f32() {
+        let number = |text: &str| match numbers::parse_field(text.as_bytes()) {
+            Some(Field::Number(v)) => Some(v),
+            _ => None,
+        };
         let cases = [
             "0",
             "-0",
@@ -680,44 +671,101 @@ mod tests {
             " 4e-1 ",
             "12345.678901",
             "0.000001",
-            "-999.000000",
             "123456789012345",
             "1234567890123456",
             "1.",
             ".5",
             "3.14159265358979",
             "0.1",
-            "0.2",
-            "0.3",
             "16777217",
             "-0.000000",
         ];
         for c in cases {
             let expected = c.trim().parse::<f64>().ok().map(|v| v as f32);
             assert_eq!(
-                parse_f32(c.as_bytes()).map(f32::to_bits),
+                number(c).map(f32::to_bits),
                 expected.map(f32::to_bits),
                 "{c}"
             );
         }
-        // Many random decimals of the shape the generator writes.
+        // Many random values, both as the generator writes them (6 decimals)
+        // and as pandas' to_csv does (the shortest text that round-trips).
         let mut x: u64 = 0x9e3779b97f4a7c15;
         for _ in 0..100_000 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let text = format!("{:.6}", (x % 20_000_000) as f64 / 1e6 - 10.0);
-            let expected = text.parse::<f64>().map(|v| v as f32).expect("valid");
-            assert_eq!(parse_f32(text.as_bytes()), Some(expected), "{text}");
+            let v = (x >> 11) as f64 / (1u64 << 53) as f64 * 20.0 - 10.0;
+            for text in [
+                format!("{v:.6}"),
+                format!("{v:?}"),
+                format!("{:e}", v * 1e-30),
+            ] {
+                let expected = text.parse::<f64>().map(|v| v as f32).expect("valid");
+                assert_eq!(
+                    number(&text).map(f32::to_bits),
+                    Some(expected.to_bits()),
+                    "{text}"
+                );
+            }
         }
-        for bad in ["", " ", "-", ".", "1.2.3", "1,5", "abc", "--1"] {
-            assert_eq!(parse_f32(bad.as_bytes()), None, "{bad:?}");
+        for bad in ["-", ".", "1.2.3", "1,5", "abc", "--1"] {
+            assert_eq!(numbers::parse_field(bad.as_bytes()), None, "{bad:?}");
         }
+        assert_eq!(number("inf"), Some(f32::INFINITY));
+    }
+
+    #[test]
+    fn missing_values_follow_the_policy_in_every_text_format() {
+        let raw = b"1,a,x,\n,b,x,2\nNaN,c,x,NA\n2,d,x,3\n";
+        let csv = |missing| {
+            let layout = CsvLayout {
+                missing,
+                ..layout()
+            };
+            parse_csv(raw.to_vec(), &layout, "in.csv", 2, 4, OnBadRow::Reject).unwrap()
+        };
+        let b = csv(Missing::Reject);
+        assert_eq!((b.rows(), b.rejects.len()), (1, 3));
+        assert_eq!(b.id(0), "d");
         assert!(
-            parse_f32(b"nan").is_some_and(f32::is_nan),
-            "the general parser still takes NaN"
+            b.rejects[0]
+                .reason
+                .starts_with("field 4 is empty; set [input] missing"),
+            "{}",
+            b.rejects[0].reason
         );
-        assert_eq!(parse_f32(b"inf"), Some(f32::INFINITY));
+        assert!(b.rejects[2]
+            .reason
+            .starts_with("field 4 is missing (\"NA\")"));
+        assert_eq!(b.rejects[1].line, 3);
+        let b = csv(Missing::Value(-1.0));
+        assert_eq!((b.rows(), b.rejects.len()), (4, 0));
+        assert_eq!(b.features, vec![-1.0, 1.0, 2.0, -1.0, -1.0, -1.0, 3.0, 2.0]);
+        let b = csv(Missing::Nan);
+        assert_eq!(b.features.iter().filter(|v| v.is_nan()).count(), 4);
+
+        let raw = br#"{"id": "p", "a": null, "b": 2}
+{"id": "q", "a": 1, "b": null}
+{"id": "r", "a": 1}
+"#;
+        let jsonl = |missing| {
+            let layout = JsonLayout {
+                missing,
+                ..json_layout()
+            };
+            parse_jsonl(raw.to_vec(), &layout, "in.jsonl", 1, 3, OnBadRow::Reject).unwrap()
+        };
+        let b = jsonl(Missing::Reject);
+        assert_eq!((b.rows(), b.rejects.len()), (0, 3));
+        assert!(b.rejects[0]
+            .reason
+            .starts_with("\"a\" is null; set [input] missing"));
+        // An absent key is a malformed record, not a missing value.
+        assert_eq!(b.rejects[2].reason, "no key \"b\" (a feature)");
+        let b = jsonl(Missing::Value(0.5));
+        assert_eq!((b.rows(), b.rejects.len()), (2, 1));
+        assert_eq!(b.features, vec![2.0, 0.5, 0.5, 1.0]);
     }
 
     #[test]

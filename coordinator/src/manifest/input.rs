@@ -7,9 +7,9 @@
 //! files hold (see [`super::probes`]) and finds the columns' positions.
 
 use super::probes::{check_parquet_columns, read_header, read_jsonl_keys};
-use super::schema::{InputFormat, Manifest};
+use super::schema::{InputFormat, Manifest, MissingSetting};
 use super::{resolve, Problems};
-use batchfleet_shared::message::{JsonLayout, ParquetLayout};
+use batchfleet_shared::message::{JsonLayout, Missing, ParquetLayout};
 use batchfleet_shared::paths::DataRoots;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +41,8 @@ pub(super) struct Layout {
     pub(super) jsonl: Option<JsonLayout>,
     /// Parquet input: the columns to read.
     pub(super) parquet: Option<ParquetLayout>,
+    /// What a missing feature becomes (`[input] missing`).
+    pub(super) missing: Missing,
 }
 
 impl Layout {
@@ -277,6 +279,7 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
         InputFormat::Files => vec!["path".into()],
         InputFormat::Csv => csv_header(files, delimiter, problems),
     };
+    let missing = missing(m, problems);
     let mut layout = Layout {
         delimiter,
         header,
@@ -286,12 +289,15 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
             id_key: m.input.id_column.clone(),
             feature_keys: features.clone(),
             include_keys: m.output.include_columns.clone(),
+            missing,
         }),
         parquet: (m.input.format == InputFormat::Parquet).then(|| ParquetLayout {
             id_column: m.input.id_column.clone(),
             feature_columns: features.clone(),
             include_columns: m.output.include_columns.clone(),
+            missing,
         }),
+        missing,
     };
     if !layout.header.is_empty() && !files_input {
         find_columns(m, files, &features, &mut layout, problems);
@@ -377,6 +383,42 @@ fn parquet_header(
 }
 
 /// The header row of the first CSV file; every other file must have the same.
+/// `[input] missing`: `"reject"` (the default), `"nan"` or a finite number.
+fn missing(m: &Manifest, problems: &mut Problems) -> Missing {
+    let Some(setting) = &m.input.missing else {
+        return Missing::Reject;
+    };
+    if m.input.format == InputFormat::Files {
+        problems.add(
+            "[input] missing",
+            "applies to table input (csv, jsonl, parquet); remove it for format = \"files\"".into(),
+        );
+        return Missing::Reject;
+    }
+    match setting {
+        MissingSetting::Word(w) if w == "reject" => Missing::Reject,
+        MissingSetting::Word(w) if w == "nan" => Missing::Nan,
+        MissingSetting::Number(v) if v.is_nan() => Missing::Nan,
+        MissingSetting::Number(v) if v.is_finite() && v.abs() <= f64::from(f32::MAX) => {
+            Missing::Value(*v as f32)
+        }
+        MissingSetting::Number(v) => {
+            problems.add(
+                "[input] missing",
+                format!("{v} is not a finite float32; give a number such as 0.0, or \"nan\""),
+            );
+            Missing::Reject
+        }
+        MissingSetting::Word(w) => {
+            problems.add(
+                "[input] missing",
+                format!("\"{w}\" is not a policy; use \"reject\" (the row is bad), \"nan\" or a number such as 0.0"),
+            );
+            Missing::Reject
+        }
+    }
+}
+
 fn csv_header(files: &[PathBuf], delimiter: u8, problems: &mut Problems) -> Vec<String> {
     let mut header: Vec<String> = Vec::new();
     for f in files {
@@ -542,6 +584,63 @@ mod tests {
         assert!(problems(fx.load(GOOD)).contains("all input files of a job must share one header"));
         fs::write(fx.dir.path().join("data/b.csv"), "").unwrap();
         assert!(problems(fx.load(GOOD)).contains("b.csv: is empty; a CSV input needs a header row"));
+    }
+
+    #[test]
+    fn missing_policies_parse_reach_the_layout_and_change_the_job_id() {
+        let fx = Fixture::new();
+        let with = |setting: &str| {
+            GOOD.replace(
+                "feature_columns = [\"f0..f2\"]",
+                &format!("feature_columns = [\"f0..f2\"]\nmissing = {setting}"),
+            )
+        };
+        let csv_missing = |toml: &str| {
+            let spec = fx.load(toml).unwrap();
+            (spec.task.layout.csv().unwrap().missing, spec.job_id)
+        };
+        let (default, id) = csv_missing(GOOD);
+        assert_eq!(default, Missing::Reject);
+        assert_eq!(
+            csv_missing(&with("\"reject\"")),
+            (Missing::Reject, id.clone())
+        );
+        let (nan, nan_id) = csv_missing(&with("\"nan\""));
+        assert_eq!(nan, Missing::Nan);
+        assert_ne!(nan_id, id);
+        assert_eq!(csv_missing(&with("0")).0, Missing::Value(0.0));
+        let (value, value_id) = csv_missing(&with("-1.5"));
+        assert_eq!(value, Missing::Value(-1.5));
+        assert_ne!(value_id, nan_id);
+        for (bad, says) in [
+            ("\"zero\"", "\"zero\" is not a policy; use \"reject\""),
+            ("inf", "inf is not a finite float32"),
+            ("1e39", "is not a finite float32"),
+        ] {
+            let p = problems(fx.load(&with(bad)));
+            assert!(
+                p.contains("[input] missing") && p.contains(says),
+                "{bad}: {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn pandas_unnamed_index_column_is_named_as_pandas_names_it() {
+        let fx = Fixture::new();
+        for f in ["a", "b"] {
+            fs::write(
+                fx.dir.path().join(format!("data/{f}.csv")),
+                ",id,f0,f1,f2\n0,x,0.1,,0.30000000000000004\n",
+            )
+            .unwrap();
+        }
+        let spec = fx
+            .load(&GOOD.replace("id_column = \"id\"", "id_column = \"Unnamed: 0\""))
+            .unwrap();
+        let layout = spec.task.layout.csv().unwrap();
+        assert_eq!((layout.fields, layout.id_column), (5, 0));
+        assert_eq!(layout.feature_columns, vec![2, 3, 4]);
     }
 
     #[test]

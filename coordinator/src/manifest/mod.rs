@@ -50,7 +50,7 @@ pub use schema::{
 };
 pub use spec::{ErrorBudget, ItemSizing, JobSpec, OnComplete};
 
-use batchfleet_shared::message::{CsvLayout, TaskSpec};
+use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec};
 use batchfleet_shared::paths::DataRoots;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -169,6 +169,12 @@ pub fn validate(
             id_column: layout.id_index,
             feature_columns: layout.feature_indices,
             include_columns: output.include_indices,
+            // Only the layout of the job's format carries it.
+            missing: if m.input.format == schema::InputFormat::Csv {
+                layout.missing
+            } else {
+                Missing::Reject
+            },
         },
         batch_size: batching.batch_size,
         output: output.spec,

@@ -23,7 +23,16 @@ pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
         .from_reader(file);
     let mut rec = csv::StringRecord::new();
     match rdr.read_record(&mut rec) {
-        Ok(true) => Ok(rec.iter().map(|s| s.trim().to_owned()).collect()),
+        // An empty name is pandas' unnamed index column (what `to_csv` writes
+        // by default): named as `pandas.read_csv` names it, `Unnamed: <i>`.
+        Ok(true) => Ok(rec
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match s.trim() {
+                "" => format!("Unnamed: {i}"),
+                name => name.to_owned(),
+            })
+            .collect()),
         Ok(false) => Err("is empty; a CSV input needs a header row naming its columns".into()),
         Err(e) => Err(format!("cannot read the header row: {e}")),
     }

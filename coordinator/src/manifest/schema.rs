@@ -131,6 +131,18 @@ pub struct InputSection {
     /// Field delimiter, one ASCII character. Default `,`.
     #[serde(default = "default_delimiter")]
     pub delimiter: String,
+    /// What a missing feature becomes: `"reject"` (default), `"nan"` or a number.
+    pub missing: Option<MissingSetting>,
+}
+
+/// `[input] missing`, as written: a word or a number.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum MissingSetting {
+    /// `"reject"` or `"nan"`.
+    Word(String),
+    /// An imputation constant.
+    Number(f64),
 }
 
 fn default_delimiter() -> String {

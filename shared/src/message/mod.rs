@@ -42,6 +42,9 @@ pub const DEAD_AT_HEADER: &str = "x-bf-dead-at";
 /// Every message version a worker understands. New versions are added as new
 /// variants; a worker rejects (dead-letters) a variant it does not know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+// Decoded once per message and turned into its item at once: boxing a
+// variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Envelope {
     /// Version 1 of the work item (a CSV layout plus optional ones), still decoded.
     V1(v1::WorkItem),
@@ -270,6 +273,9 @@ pub struct ParquetLayout {
     /// Columns copied to the output (`[output] include_columns`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_columns: Vec<String>,
+    /// What a null feature becomes (`[input] missing`).
+    #[serde(default, skip_serializing_if = "Missing::is_reject")]
+    pub missing: Missing,
 }
 
 /// Which keys of a JSON Lines record hold the id and the features.
@@ -282,6 +288,42 @@ pub struct JsonLayout {
     /// Keys copied to the output (`[output] include_columns`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_keys: Vec<String>,
+    /// What a `null` feature becomes (`[input] missing`).
+    #[serde(default, skip_serializing_if = "Missing::is_reject")]
+    pub missing: Missing,
+}
+
+/// What a missing feature value becomes (`[input] missing`): a CSV field
+/// that is empty or one of the markers pandas reads as missing (`NaN`,
+/// `nan`, `NA`, `null`, …; see [`crate::numbers`]), a JSON `null`, a
+/// Parquet null. Serialized only when it is not the default, so a task
+/// without it keeps its encoding (and its job id).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Missing {
+    /// The row is bad (`[failure] on_bad_row` decides: rejected or failing the item).
+    #[default]
+    Reject,
+    /// The value is NaN (for models that handle missing values themselves).
+    Nan,
+    /// The value is this number (an imputation constant).
+    Value(f32),
+}
+
+impl Missing {
+    /// Whether this is the default, [`Missing::Reject`].
+    pub fn is_reject(&self) -> bool {
+        matches!(self, Missing::Reject)
+    }
+
+    /// The value a missing field takes, or `None` when it rejects its row.
+    pub fn fill(self) -> Option<f32> {
+        match self {
+            Missing::Reject => None,
+            Missing::Nan => Some(f32::NAN),
+            Missing::Value(v) => Some(v),
+        }
+    }
 }
 
 /// What a bad row does to its item.
@@ -375,6 +417,9 @@ pub struct CsvLayout {
     /// Indices of fields copied to the output (`[output] include_columns`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_columns: Vec<u32>,
+    /// What an empty or missing-marker feature field becomes (`[input] missing`).
+    #[serde(default, skip_serializing_if = "Missing::is_reject")]
+    pub missing: Missing,
 }
 
 /// Output format of part files.
@@ -826,6 +871,7 @@ pub(crate) fn sample_item() -> WorkItem {
                 id_column: 0,
                 feature_columns: (1..17).collect(),
                 include_columns: Vec::new(),
+                missing: Default::default(),
             }),
             batch_size: 512,
             output: OutputSpec {
@@ -892,6 +938,7 @@ mod tests {
             id_key: "id".into(),
             feature_keys: vec!["a".into(), "b".into()],
             include_keys: Vec::new(),
+            missing: Default::default(),
         };
         v1.task.jsonl = Some(keys.clone());
         let task: TaskSpec = v1.task.clone().into();
@@ -901,6 +948,7 @@ mod tests {
             id_column: "id".into(),
             feature_columns: vec!["a".into()],
             include_columns: Vec::new(),
+            missing: Default::default(),
         };
         v1.task.parquet = Some(columns.clone());
         assert_eq!(
@@ -933,6 +981,7 @@ mod tests {
             id_column: "id".into(),
             feature_columns: vec!["a".into(), "b".into()],
             include_columns: Vec::new(),
+            missing: Default::default(),
         });
         let env = Envelope::V2(item);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
@@ -1038,6 +1087,7 @@ mod tests {
                     id_key: "id".into(),
                     feature_keys: vec!["a".into()],
                     include_keys: Vec::new(),
+                    missing: Default::default(),
                 })
             },
             "a CSV range with a JSON Lines layout",
@@ -1082,6 +1132,7 @@ mod tests {
                     id_column: "id".into(),
                     feature_columns: vec!["a".into(), "b".into()],
                     include_columns: Vec::new(),
+                    missing: Default::default(),
                 });
             },
             "exceed the 268435456 values",

@@ -223,6 +223,8 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
         item_rows: 1_500,
         batch_size: 256,
         format: "jsonl".into(),
+        // Some features null, scored as 0 (`[input] missing = 0`).
+        missing_every: 11,
         ..JobGen::default()
     };
     make_job(env.path(), &gen).expect("generate job");
@@ -258,6 +260,72 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
     env.cleanup(&[&job_id]).await;
 }
 
+/// CSV as pandas users write it: `DataFrame.to_csv` with its defaults — an
+/// unnamed index column, 17-digit floats and exponents, NaN as an empty
+/// field — with `missing = 0`; then the same files with the index as the id
+/// and the default policy, which rejects the rows with a missing value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pandas_to_csv_input_with_missing_values_matches_pytorch() {
+    let env = TestEnv::new("pandas");
+    let gen = JobGen {
+        rows: 12_000,
+        files: 3,
+        features: 8,
+        hidden: 32,
+        outputs: 2,
+        name: batchfleet_loadtest::services::unique("pandas"),
+        pool: env.pool.clone(),
+        item_rows: 1_500,
+        batch_size: 256,
+        format: "pandas".into(),
+        missing_every: 7,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    let data = std::fs::read_to_string(env.path().join("data/part-00.csv")).expect("data");
+    let mut lines = data.lines();
+    assert!(lines.next().is_some_and(|h| h.starts_with(",id,f0,")));
+    let first = lines.next().expect("a row");
+    assert!(
+        first.starts_with("0,r00000000,,") && first.split(',').any(|f| f.len() >= 18),
+        "to_csv writes the index, NaN as empty and full-precision floats: {first}"
+    );
+
+    let (mut workers, job_id, report) = two_workers_complete(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!((report.rows_predicted, report.rows_rejected), (12_000, 0));
+    matches_golden(&env, 12_000);
+
+    // The default policy: every row with a missing value is a bad row, named.
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("missing = 0\n", "")
+            .replace("dir = \"out\"", "dir = \"out-reject\"")
+            .replace("id_column = \"id\"", "id_column = \"Unnamed: 0\""),
+    )
+    .expect("manifest");
+    let (rejecting_job, report) =
+        crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+    assert_ne!(rejecting_job, job_id, "the policy is part of the job");
+    assert_eq!(report.status, "completed", "{report:?}");
+    let with_missing = (0..12_000u64)
+        .filter(|r| (0..8).any(|j| (r * 8 + j) % 7 == 0))
+        .count() as u64;
+    assert_eq!(
+        (report.rows_predicted, report.rows_rejected),
+        (12_000 - with_missing, with_missing)
+    );
+    let rejects = rejects_text(&env.path().join("out-reject"));
+    assert!(
+        rejects.contains("is empty; set [input] missing"),
+        "{rejects}"
+    );
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id, &rejecting_job]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parquet_input_scores_every_row_matching_pytorch() {
     let env = TestEnv::new("parquet");
@@ -271,8 +339,10 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
         pool: env.pool.clone(),
         item_rows: 1_500,
         batch_size: 256,
-        // Row groups of 375 rows (a quarter of an item), mixed float64/float32 features.
+        // Row groups of 375 rows (a quarter of an item), mixed float64/float32
+        // features, some null (scored as 0: `[input] missing = 0`).
         format: "parquet".into(),
+        missing_every: 13,
         ..JobGen::default()
     };
     make_job(env.path(), &gen).expect("generate job");
