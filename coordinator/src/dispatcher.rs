@@ -219,7 +219,11 @@ async fn seed_from_outputs(
 ) -> Result<(), RunError> {
     let out = spec.output_dir().to_owned();
     let output = spec.task.output.clone();
-    let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
+    let items: Vec<(u32, batchfleet_shared::split::ItemRows)> = plan
+        .items
+        .iter()
+        .map(|i| (i.seq, batchfleet_shared::split::ItemRows::of(i)))
+        .collect();
     let found = tokio::task::spawn_blocking(move || {
         crate::supervisor::scan_outputs(&out, &output, &items, false)
     })
@@ -266,6 +270,7 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         max_failed_percent: spec.budget.max_failed_percent,
         items_total: plan.items.len() as u64,
         rows_total: plan.rows_total,
+        rows_estimated: plan.rows_estimated,
         items_done: 0,
         rows_done: 0,
         rows_rejected: 0,

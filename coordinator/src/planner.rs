@@ -16,6 +16,7 @@
 use crate::manifest::{ItemSizing, JobSpec};
 use batchfleet_shared::message::{ByteRange, Envelope, InputSlice, Layout, WorkItem};
 use batchfleet_shared::source::Input;
+use batchfleet_shared::split;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
@@ -47,8 +48,12 @@ pub struct PlanError {
 pub struct Plan {
     /// Items in seq order.
     pub items: Vec<WorkItem>,
-    /// Rows over all items.
+    /// Rows over all items (an estimate when `rows_estimated`).
     pub rows_total: u64,
+    /// The items were cut blind: `rows_total` is estimated from the bytes
+    /// and the sample's mean record size, and each item's rows are known
+    /// once it is read.
+    pub rows_estimated: bool,
 }
 
 impl Plan {
@@ -97,7 +102,17 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
             .unwrap_or_else(|p| p.into_inner())
             .expect("every file was planned")?;
         for input in slices {
-            rows_total += input.rows();
+            rows_total += match (&input, spec.blind) {
+                // Counted once per file, on its first range.
+                (InputSlice::CsvRange(r) | InputSlice::JsonlRange(r), Some(b)) if r.align => {
+                    if r.start == 0 {
+                        b.rows_of(r.file_len)
+                    } else {
+                        0
+                    }
+                }
+                _ => input.rows(),
+            };
             items.push(WorkItem {
                 job_id: spec.job_id.clone(),
                 seq: items.len() as u32,
@@ -106,7 +121,11 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
             });
         }
     }
-    Ok(Plan { items, rows_total })
+    Ok(Plan {
+        items,
+        rows_total,
+        rows_estimated: spec.blind.is_some(),
+    })
 }
 
 /// The slices of one input file, in the job's input format.
@@ -122,9 +141,37 @@ fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
             ))
         }
     };
-    let file_len = input_len(path)?;
+    let file_len = match spec.listed_sizes.get(path) {
+        Some(n) => *n,
+        None => input_len(path)?,
+    };
     let name = path.to_string_lossy().into_owned();
     let jsonl = delimiter.is_none();
+    let slice = |range: ByteRange| {
+        if jsonl {
+            InputSlice::JsonlRange(range)
+        } else {
+            InputSlice::CsvRange(range)
+        }
+    };
+    if let Some(blind) = spec.blind {
+        // From the size alone: the worker finds the records each range owns.
+        let items = blind.items_of(file_len, spec.sizing);
+        return Ok(split::cuts(file_len, blind.header_bytes, items)
+            .into_iter()
+            .map(|(start, end)| {
+                slice(ByteRange {
+                    path: name.clone(),
+                    start,
+                    end,
+                    first_line: 0,
+                    rows: 0,
+                    file_len,
+                    align: true,
+                })
+            })
+            .collect());
+    }
     let ranges = match delimiter {
         None => plan_jsonl(path, spec.sizing)?,
         Some(d) => plan_csv(path, d, spec.sizing)?,
@@ -132,19 +179,15 @@ fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
     Ok(ranges
         .into_iter()
         .map(|r| {
-            let range = ByteRange {
+            slice(ByteRange {
                 path: name.clone(),
                 start: r.start,
                 end: r.end,
                 first_line: r.first_line,
                 rows: r.rows,
                 file_len,
-            };
-            if jsonl {
-                InputSlice::JsonlRange(range)
-            } else {
-                InputSlice::CsvRange(range)
-            }
+                align: false,
+            })
         })
         .collect())
 }
@@ -184,6 +227,7 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
     Ok(Plan {
         items,
         rows_total: spec.files.len() as u64,
+        rows_estimated: false,
     })
 }
 
@@ -288,6 +332,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             first_line: 2,
             rows: 1,
             file_len: 9,
+            align: false,
         }),
         task: TaskSpec {
             model: ModelRef {

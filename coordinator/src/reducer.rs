@@ -29,8 +29,12 @@ pub struct Summary {
     pub model_sha256: String,
     /// Output folder.
     pub output_dir: String,
-    /// Rows planned from the input.
+    /// Rows of the input: as planned, or, for items cut blind, as read.
     pub rows_total: u64,
+    /// `rows_total` is still the planner's estimate: items cut blind that
+    /// never ran (failed or skipped) were never read.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rows_total_estimated: bool,
     /// Rows predicted (committed).
     pub rows_predicted: u64,
     /// Rows rejected: malformed, or the model raised on them (see `rejects/`).
@@ -247,7 +251,13 @@ pub async fn finish(
         model: job.model.clone(),
         model_sha256: job.model_sha256.clone(),
         output_dir: job.output_dir.clone(),
-        rows_total: job.rows_total,
+        // Items cut blind: every committed one counted its rows.
+        rows_total: if job.rows_estimated && job.items_done == job.items_total {
+            job.rows_done
+        } else {
+            job.rows_total
+        },
+        rows_total_estimated: job.rows_estimated && job.items_done < job.items_total,
         rows_predicted,
         rows_rejected: job.rows_rejected,
         items_total: job.items_total,

@@ -215,10 +215,12 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
         items_remaining: job
             .items_total
             .saturating_sub(job.items_done + items_failed),
-        percent_done: if job.rows_total == 0 {
-            100.0
-        } else {
-            100.0 * job.rows_done as f64 / job.rows_total as f64
+        // Items cut blind hold equal bytes: progress by items is progress
+        // by bytes, while the rows are an estimate.
+        percent_done: match (job.rows_estimated, job.items_total, job.rows_total) {
+            (true, 0, _) | (false, _, 0) => 100.0,
+            (true, items, _) => 100.0 * job.items_done as f64 / items as f64,
+            (false, _, rows) => 100.0 * job.rows_done as f64 / rows as f64,
         },
         rows_per_s: if secs > 0.0 {
             (job.rows_done as f64 / secs).round()
@@ -246,8 +248,13 @@ pub fn render(r: &JobStatusReport) -> String {
     );
     let _ = writeln!(
         s,
-        "rows      {}/{} settled ({:.1}%), {} rejected",
-        j.rows_done, j.rows_total, r.percent_done, j.rows_rejected
+        "rows      {}/{}{} settled ({:.1}%{}), {} rejected",
+        j.rows_done,
+        if j.rows_estimated { "≈" } else { "" },
+        j.rows_total,
+        r.percent_done,
+        if j.rows_estimated { " by bytes" } else { "" },
+        j.rows_rejected
     );
     let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
     if !r.failures_by_class.is_empty() {
@@ -327,7 +334,12 @@ pub fn render(r: &JobStatusReport) -> String {
                 l.worker,
                 l.attempt,
                 f.held_ms as f64 / 1000.0,
-                format!("{}/{}", l.rows_done, l.rows),
+                // A range cut blind: its rows are known once it is read.
+                if l.rows == 0 {
+                    format!("{}/?", l.rows_done)
+                } else {
+                    format!("{}/{}", l.rows_done, l.rows)
+                },
             );
         }
     }

@@ -36,6 +36,7 @@ use crate::manifest::JobSpec;
 use crate::planner::Plan;
 use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
 use batchfleet_shared::metrics::names;
+use batchfleet_shared::split::ItemRows;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -506,7 +507,11 @@ impl Supervisor {
         let dead = crate::dlq::list(&*broker, &record.pool, &filter).await?;
         let out = spec.output_dir().to_owned();
         let output = spec.task.output.clone();
-        let items: Vec<(u32, u64)> = plan.items.iter().map(|i| (i.seq, i.input.rows())).collect();
+        let items: Vec<(u32, ItemRows)> = plan
+            .items
+            .iter()
+            .map(|i| (i.seq, ItemRows::of(i)))
+            .collect();
         let found = tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, true))
             .await
             .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
@@ -570,12 +575,13 @@ pub type Recovered = (ItemStats, Vec<Vec<u64>>);
 pub fn scan_outputs(
     out: &Path,
     spec: &batchfleet_shared::message::OutputSpec,
-    items: &[(u32, u64)],
+    items: &[(u32, ItemRows)],
     strict: bool,
 ) -> Result<Vec<Recovered>, RunError> {
     let now = batchfleet_shared::now_ms();
     let mut found = Vec::new();
-    for &(seq, rows) in items {
+    for (seq, rows) in items {
+        let seq = *seq;
         let name = spec.part_name(seq);
         let part = out.join(&name);
         // Read through the folder's handle: a link planted there is refused.
@@ -590,6 +596,9 @@ pub fn scan_outputs(
             batchfleet_shared::output::histogram_under(out, Path::new(&name), spec)
                 .map_err(read)?;
         let rejected = batchfleet_shared::output::count_rejects_under(out, seq).map_err(read)?;
+        let rows = rows.get().map_err(|e| {
+            RunError::Output(format!("cannot count the input rows of item {seq}: {e}"))
+        })?;
         if predicted + rejected != rows && !strict {
             tracing::warn!(part = %part.display(), predicted, rejected, rows, "a part file whose rows do not add up; its item is computed again");
             continue;
@@ -660,14 +669,20 @@ mod tests {
             },
             ..Default::default()
         };
-        let found = scan_outputs(out, &spec, &[(0, 3), (1, 4)], true).unwrap();
+        let found = scan_outputs(
+            out,
+            &spec,
+            &[(0, ItemRows::Known(3)), (1, ItemRows::Known(4))],
+            true,
+        )
+        .unwrap();
         assert_eq!(found.len(), 1, "item 1 has no part file");
         let (stats, hist) = &found[0];
         assert_eq!((stats.seq, stats.rows, stats.rows_rejected), (0, 2, 1));
         assert!(stats.recovered);
         // Scores 1 and 2 over [0, 2) in 2 bins: one in the second bin, one above.
         assert_eq!(hist, &vec![vec![0, 0, 1, 1]]);
-        let err = scan_outputs(out, &spec, &[(0, 5)], true)
+        let err = scan_outputs(out, &spec, &[(0, ItemRows::Known(5))], true)
             .unwrap_err()
             .to_string();
         assert!(
@@ -675,7 +690,7 @@ mod tests {
             "{err}"
         );
         // Not strict (a resume): the item whose part does not add up is left out.
-        assert!(scan_outputs(out, &spec, &[(0, 5)], false)
+        assert!(scan_outputs(out, &spec, &[(0, ItemRows::Known(5))], false)
             .unwrap()
             .is_empty());
     }

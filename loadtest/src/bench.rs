@@ -44,9 +44,11 @@ pub struct BenchConfig {
     pub dir: Option<PathBuf>,
     /// Write the figures here as JSON.
     pub json: Option<PathBuf>,
-    /// Input formats of the small-model job beyond CSV (`jsonl`, `parquet`), run on
-    /// the same rows for rows/s per format side by side.
+    /// Input formats of the small-model job beyond CSV (`jsonl`, `parquet`, `pandas`),
+    /// run on the same rows for rows/s per format side by side.
     pub formats: Vec<String>,
+    /// Planning time by file count and size (`None`: not measured).
+    pub planning: Option<crate::planning::PlanningConfig>,
 }
 
 /// One model regime's figures.
@@ -141,6 +143,8 @@ pub struct BenchReport {
     pub regimes: Vec<Regime>,
     /// The control plane.
     pub control: Option<ControlPlane>,
+    /// Planning times, cut blind and by reading.
+    pub planning: Vec<crate::planning::PlanTime>,
 }
 
 fn free_port() -> Result<u16> {
@@ -737,6 +741,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }
+        if let Some(p) = cfg.planning {
+            report.planning = crate::planning::run(p, &root)?;
+        }
         Ok(())
     })();
     // Job state of the bench's own prefix.
@@ -781,6 +788,12 @@ fn print(r: &BenchReport) {
         println!(
             "          run --local: {:.0} rows/s ({} pipelines; ÷fleet {:.2}, ÷serial {:.2}, wall {:.2} s, peak RSS {:.0} MiB); one pipeline of all cores {:.0} rows/s",
             g.local_rows_per_s, r.workers, g.local_to_fleet, g.local_to_serial_sum, g.local_wall_s, g.local_peak_rss_mib, g.local_one_pipeline_rows_per_s
+        );
+    }
+    for p in &r.planning {
+        println!(
+            "  planning ({}): {} files, {:.1} MB: cut blind {:.3} s ({} items), by reading every record {:.3} s ({} items)",
+            p.place, p.files, p.bytes as f64 / 1e6, p.blind_s, p.items_blind, p.read_s, p.items_read
         );
     }
     if let Some(c) = &r.control {

@@ -4,6 +4,7 @@ use batchfleet_loadtest::{python, verify};
 mod bench;
 mod chaos;
 mod forward;
+mod planning;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -122,9 +123,22 @@ enum Command {
         /// Worker processes (each gets cores / workers libtorch threads).
         #[arg(long, default_value_t = 2)]
         workers: usize,
-        /// Short form for CI: 200k small rows, 10k large rows, 12k items.
+        /// Short form for CI: 200k small rows, 10k large rows, 12k items;
+        /// planning on 1,000 files, 200 MB, and 100 files, 20 MB in S3.
         #[arg(long)]
         quick: bool,
+        /// Planning: small CSV files of the many-files job (0: skip planning).
+        #[arg(long, default_value_t = 10_000)]
+        plan_files: usize,
+        /// Planning: gigabytes of the one-big-file job.
+        #[arg(long, default_value_t = 10.0)]
+        plan_gb: f64,
+        /// Planning on the local S3 server: files of the many-files job (0: skip S3).
+        #[arg(long, default_value_t = 1_000)]
+        plan_s3_files: usize,
+        /// Planning on the local S3 server: megabytes of the big object (moto holds it in memory).
+        #[arg(long, default_value_t = 1_000)]
+        plan_s3_mb: u64,
         /// Keep data and logs here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -234,6 +248,10 @@ fn main() -> Result<()> {
             control_items,
             workers,
             quick,
+            plan_files,
+            plan_gb,
+            plan_s3_files,
+            plan_s3_mb,
             dir,
             json,
             formats,
@@ -243,6 +261,23 @@ fn main() -> Result<()> {
             } else {
                 (small_rows, large_rows, control_items)
             };
+            let planning = (plan_files > 0).then(|| {
+                if quick {
+                    planning::PlanningConfig {
+                        files: 1_000,
+                        big_bytes: 200_000_000,
+                        s3_files: 100,
+                        s3_big_bytes: 20_000_000,
+                    }
+                } else {
+                    planning::PlanningConfig {
+                        files: plan_files,
+                        big_bytes: (plan_gb * 1e9) as u64,
+                        s3_files: plan_s3_files,
+                        s3_big_bytes: plan_s3_mb * 1_000_000,
+                    }
+                }
+            });
             bench::run(&bench::BenchConfig {
                 small_rows,
                 large_rows,
@@ -251,6 +286,7 @@ fn main() -> Result<()> {
                 dir,
                 json,
                 formats: formats.into_iter().filter(|f| !f.is_empty()).collect(),
+                planning,
             })?;
             Ok(())
         }

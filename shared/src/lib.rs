@@ -41,6 +41,7 @@ pub mod secret;
 pub mod shutdown;
 pub mod signing;
 pub mod source;
+pub mod split;
 pub mod store;
 pub mod table;
 pub mod telemetry;

@@ -41,6 +41,10 @@ pub struct Batch {
     pub(crate) raw: Vec<u8>,
     /// Input file, for reporting rejects.
     pub file: String,
+    /// A range cut blind: `lines` count from 1 at this byte of `file`, whose
+    /// line number is read the first time a row must be named.
+    pub(crate) lines_from: Option<u64>,
+    pub(crate) line_base: std::sync::OnceLock<u64>,
     /// Rows rejected while parsing.
     pub rejects: Vec<Reject>,
 }
@@ -107,6 +111,25 @@ impl Batch {
         &self.ids[start..self.id_ends[i]]
     }
 
+    /// The 1-based line of row `i` in its file (0 when it cannot be read).
+    pub fn line(&self, i: usize) -> u64 {
+        match self.lines_from {
+            None => self.lines[i],
+            Some(at) => {
+                let base = *self.line_base.get_or_init(|| {
+                    batchfleet_shared::source::Input::open(std::path::Path::new(&self.file))
+                        .and_then(|input| batchfleet_shared::split::line_of(&input, at))
+                        .unwrap_or(0)
+                });
+                if base == 0 {
+                    0
+                } else {
+                    base + self.lines[i] - 1
+                }
+            }
+        }
+    }
+
     /// A reject record for row `i`, which the model raised on. Its `raw` is
     /// the record's text, or the row's id for input with no text (Parquet).
     pub fn model_reject(&self, i: usize, reason: &str) -> Reject {
@@ -117,7 +140,7 @@ impl Batch {
         };
         Reject {
             file: self.file.clone(),
-            line: self.lines[i],
+            line: self.line(i),
             raw,
             reason: reason.to_owned(),
             stage: "model".into(),

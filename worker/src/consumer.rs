@@ -310,18 +310,22 @@ async fn process(
             item.task.output.clone(),
             item.seq,
         );
-        let (rows, rejected, hist) = blocking(move || {
+        let item_rows = batchfleet_shared::split::ItemRows::of(item);
+        let (rows, rejected, hist, expected) = blocking(move || {
             let (rows, h) = batchfleet_shared::output::histogram_under(&o, &p, &spec)?;
             let rejected = batchfleet_shared::output::count_rejects_under(&o, seq)?;
-            Ok::<_, std::io::Error>((rows, rejected, h))
+            // A range cut blind is read to count its rows; if it cannot be,
+            // the item is computed again.
+            let expected = item_rows.get().ok();
+            Ok::<_, std::io::Error>((rows, rejected, h, expected))
         })
         .await?
         .map_err(|e| ItemError::output_io(format!("cannot read {shown}"), &e))?;
-        if rows + rejected == item.input.rows() {
+        if Some(rows + rejected) == expected {
             (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
             return commit(item, stats, &hist, None, ctx).await;
         }
-        tracing::warn!(rows, rejected, item_rows = item.input.rows(), "the part file is there but its rejects do not add up (its writer died between the two); recomputing the item to complete it");
+        tracing::warn!(rows, rejected, item_rows = ?expected, "the part file is there but its rejects do not add up (its writer died between the two); recomputing the item to complete it");
         publishing = Publishing::Completing;
         existing_rows = rows;
     }

@@ -10,6 +10,7 @@ use crate::error::ItemError;
 use batchfleet_shared::message::{ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow};
 use batchfleet_shared::numbers::{self, Field};
 use batchfleet_shared::source::Input;
+use batchfleet_shared::split;
 use std::path::Path;
 
 pub use batchfleet_shared::message::Layout;
@@ -75,6 +76,7 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 first_line,
                 rows,
                 file_len,
+                align,
             } = range;
             let input = Input::open(Path::new(path)).map_err(|e| io_error(path, e))?;
             let len = input.len().map_err(|e| io_error(path, e))?;
@@ -82,6 +84,9 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 return Err(ItemError::poison(format!(
                     "{path} is {len} bytes but was {file_len} when the job was planned; the input changed under the job — restore it or start a new job"
                 )));
+            }
+            if *align {
+                return read_aligned(&input, range, layout, on_bad_row);
             }
             let raw = input
                 .read_range(*start..*end)
@@ -97,6 +102,72 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
             };
             check_count(&batch, *rows, || format!("{path} bytes {start}..{end}"))?;
             Ok(batch)
+        }
+    }
+}
+
+/// Reads a range cut blind: the records that start in it
+/// ([`split::align`]), parsed as a scanned range is. CSV whose quoted fields
+/// hold line breaks cannot be cut so; finding one is poison that says what
+/// to set. Line numbers are counted from the file's start only when a row
+/// is bad (to name it), by parsing again.
+fn read_aligned(
+    input: &Input,
+    range: &ByteRange,
+    layout: &Layout,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
+    let path = &range.path;
+    let csv = match layout {
+        Layout::Csv(l) => Some(l),
+        Layout::Jsonl(_) => None,
+        _ => {
+            return Err(ItemError::poison(format!(
+                "{path}: a byte range with a {} layout; the message is malformed",
+                layout.describe()
+            )))
+        }
+    };
+    let aligned = split::align(input, range, csv.is_some()).map_err(|e| io_error(path, e))?;
+    if csv.is_some() {
+        if let Some(at) = aligned.lone_cr {
+            return Err(ItemError::poison(format!(
+                "{path}: byte {at} is a carriage return not followed by a line feed (old Mac line ends?), so the file cannot be cut at byte offsets; set [input] quoted_newlines = true in the manifest (the planner then reads the file to cut it) and run the job again"
+            )));
+        }
+        if let Some(at) = split::quoted_line_break(&aligned.bytes) {
+            return Err(ItemError::poison(format!(
+                "{path}: the line at byte {} has an unpaired quote — a quoted field with a line break, or a stray quote — so the file cannot be cut at byte offsets; set [input] quoted_newlines = true in the manifest (the planner then reads the file to cut it) and run the job again",
+                aligned.begin + at as u64
+            )));
+        }
+    }
+    let parse = |raw: Vec<u8>, first_line: u64| match (csv, layout) {
+        (Some(l), _) => parse_csv(raw, l, path, first_line, 0, on_bad_row),
+        (None, Layout::Jsonl(l)) => parse_jsonl(raw, l, path, first_line, 0, on_bad_row),
+        _ => unreachable!("checked above"),
+    };
+    // Lines count from 1 at `begin`; the file's line of `begin` is read only
+    // to name a bad row.
+    let begin = aligned.begin;
+    let base = || split::line_of(input, begin).map_err(|e| io_error(path, e));
+    match parse(aligned.bytes, 1) {
+        Ok(mut batch) => {
+            batch.lines_from = Some(begin);
+            if !batch.rejects.is_empty() {
+                let base = base()?;
+                for r in &mut batch.rejects {
+                    r.line += base - 1;
+                }
+                let _ = batch.line_base.set(base);
+            }
+            Ok(batch)
+        }
+        // The item fails on a bad row: read it again to name the row's line.
+        Err(_) => {
+            let line = base()?;
+            let again = split::align(input, range, csv.is_some()).map_err(|e| io_error(path, e))?;
+            parse(again.bytes, line)
         }
     }
 }
@@ -830,6 +901,7 @@ mod tests {
                 first_line: 3,
                 rows,
                 file_len,
+                align: false,
             })
         };
         let b = read(
@@ -848,5 +920,91 @@ mod tests {
         assert!(err.message.contains("planner counted 2"), "{}", err.message);
         let err = read(&slice(1, 5), &Layout::Csv(layout()), OnBadRow::Reject).unwrap_err();
         assert!(err.message.contains("input changed"), "{}", err.message);
+    }
+
+    /// A range cut blind at `start..end` of the file at `path`.
+    fn blind(path: &std::path::Path, start: u64, end: u64) -> InputSlice {
+        let file_len = std::fs::metadata(path).unwrap().len();
+        InputSlice::CsvRange(ByteRange {
+            path: path.to_string_lossy().into_owned(),
+            start,
+            end,
+            first_line: 0,
+            rows: 0,
+            file_len,
+            align: true,
+        })
+    }
+
+    #[test]
+    fn blind_ranges_read_the_records_starting_in_them_and_name_file_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("in.csv");
+        // Header, then rows 0..9 on lines 2..11; row 6 (line 8) is bad.
+        let mut text = "f0,id,x,f3\n".to_owned();
+        for i in 0..10 {
+            let f3 = if i == 6 {
+                "oops".to_owned()
+            } else {
+                i.to_string()
+            };
+            text.push_str(&format!("{i}.5,r{i},\"q, {i}\",{f3}\n"));
+        }
+        std::fs::write(&p, &text).unwrap();
+        let len = text.len() as u64;
+        let csv = Layout::Csv(layout());
+        // Three cuts at arbitrary offsets: every row once, in order.
+        let (a, b) = (len / 3, 2 * len / 3);
+        let mut ids = Vec::new();
+        let mut rejects = Vec::new();
+        for (s, e) in [(0, a), (a, b), (b, len)] {
+            let batch = read(&blind(&p, s, e), &csv, OnBadRow::Reject).unwrap();
+            ids.extend((0..batch.rows()).map(|i| batch.id(i).to_owned()));
+            rejects.extend(batch.rejects.iter().map(|r| (r.line, r.raw.clone())));
+            // A model reject of any row names its line in the file.
+            for i in 0..batch.rows() {
+                let n: u64 = batch.id(i)[1..].parse().unwrap();
+                assert_eq!(batch.model_reject(i, "m").line, n + 2, "{}", batch.id(i));
+            }
+        }
+        let want: Vec<String> = (0..10)
+            .filter(|i| *i != 6)
+            .map(|i| format!("r{i}"))
+            .collect();
+        assert_eq!(ids, want);
+        assert_eq!(rejects, vec![(8, "6.5,r6,\"q, 6\",oops".to_owned())]);
+        // fail_item names the line too.
+        let at = text.find("6.5,").unwrap() as u64;
+        let err = read(&blind(&p, at - 1, len), &csv, OnBadRow::FailItem).unwrap_err();
+        assert!(
+            err.message
+                .contains("in.csv line 8: field 4 is not a number"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn a_quoted_line_break_in_a_blind_range_is_poison_saying_what_to_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("in.csv");
+        let text = "f0,id,x,f3\n1,a,\"two\nlines\",2\n3,b,c,4\n";
+        std::fs::write(&p, text).unwrap();
+        let len = text.len() as u64;
+        // Whether the range starts before, inside or after the field.
+        for start in [0, 15, 20] {
+            let err = read(
+                &blind(&p, start, len),
+                &Layout::Csv(layout()),
+                OnBadRow::Reject,
+            )
+            .unwrap_err();
+            assert_eq!(err.class, crate::error::FailureClass::Poison);
+            assert!(
+                err.message.contains("set [input] quoted_newlines = true"),
+                "{start}: {}",
+                err.message
+            );
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! columns with their `f0..f31` ranges, the delimiter) against what the
 //! files hold (see [`super::probes`]) and finds the columns' positions.
 
-use super::probes::{check_parquet_columns, read_header, read_jsonl_keys};
+use super::probes::{check_parquet_columns, probe_all, read_header, read_jsonl_keys};
 use super::schema::{InputFormat, Manifest, MissingSetting};
 use super::{resolve, Problems};
 use batchfleet_shared::message::{JsonLayout, Missing, ParquetLayout};
@@ -323,8 +323,9 @@ fn jsonl_header(
         .chain(m.output.include_columns.iter().map(String::as_str))
         .collect();
     let mut all_there = !files.is_empty();
-    for f in files {
-        match read_jsonl_keys(f) {
+    let keys_of = probe_all(files, read_jsonl_keys);
+    for (f, read) in files.iter().zip(keys_of) {
+        match read {
             Err(e) => {
                 all_there = false;
                 problems.add("[input] paths", format!("{}: {e}", f.display()));
@@ -365,10 +366,11 @@ fn parquet_header(
     problems: &mut Problems,
 ) -> Vec<String> {
     let mut all_there = !files.is_empty();
-    for f in files {
-        if let Err(e) =
-            check_parquet_columns(f, &m.input.id_column, features, &m.output.include_columns)
-        {
+    let checks = probe_all(files, |f| {
+        check_parquet_columns(f, &m.input.id_column, features, &m.output.include_columns)
+    });
+    for (f, check) in files.iter().zip(checks) {
+        if let Err(e) = check {
             all_there = false;
             problems.add("[input] paths", format!("{}: {e}", f.display()));
         }
@@ -421,8 +423,9 @@ fn missing(m: &Manifest, problems: &mut Problems) -> Missing {
 
 fn csv_header(files: &[PathBuf], delimiter: u8, problems: &mut Problems) -> Vec<String> {
     let mut header: Vec<String> = Vec::new();
-    for f in files {
-        match read_header(f, delimiter) {
+    let headers = probe_all(files, |f| read_header(f, delimiter));
+    for (f, read) in files.iter().zip(headers) {
+        match read {
             Err(e) => problems.add("[input] paths", format!("{}: {e}", f.display())),
             Ok(h) if header.is_empty() => header = h,
             Ok(h) if h != header => problems.add(

@@ -29,6 +29,7 @@
 //!   the TorchScript archive.
 //! - `testing` (tests only): the fixture folder and manifests the tests share.
 
+mod cut;
 mod input;
 mod model;
 mod on_complete;
@@ -48,7 +49,7 @@ pub use schema::{
     BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
     Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
 };
-pub use spec::{ErrorBudget, ItemSizing, JobSpec, OnComplete};
+pub use spec::{BlindCut, ErrorBudget, ItemSizing, JobSpec, OnComplete};
 
 use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec};
 use batchfleet_shared::paths::DataRoots;
@@ -149,6 +150,7 @@ pub fn validate(
     let layout = input::layout(m, &inputs.files, &mut problems);
     let model = model::check(&m.model, base, roots, &mut problems);
     let batching = policy::batching(&m.batching, &mut problems);
+    let blind = cut::blind_cut(m, &inputs.files, &mut problems);
     let (failure, budget) = policy::failure(&m.failure, &mut problems);
     let output = output::check(m, base, roots, &inputs.files, &layout, &mut problems);
     let on_complete = on_complete::check(&m.on_complete, &mut problems);
@@ -195,6 +197,7 @@ pub fn validate(
         &files,
         root.as_deref(),
         &batching.sizing,
+        blind.as_ref(),
         &task_v1,
     );
     let task = TaskSpec::from(task_v1);
@@ -207,6 +210,7 @@ pub fn validate(
         files,
         header: layout.header,
         sizing: batching.sizing,
+        blind,
         task,
         budget,
         on_complete,

@@ -4,13 +4,44 @@
 //! TorchScript archive. Inputs are read through
 //! [`batchfleet_shared::source`], so `s3://` objects are probed the same way.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A streaming reader of an input file, local or `s3://`.
 fn open_input(path: &Path) -> Result<Box<dyn std::io::Read + Send>, String> {
     batchfleet_shared::source::Input::open(path)
         .and_then(|i| i.reader())
         .map_err(|e| format!("cannot open: {e}"))
+}
+
+/// Files probed at once: the probes wait on storage (an S3 GET each), not
+/// on the CPU.
+const PROBE_THREADS: usize = 16;
+
+/// `probe` of every file, in the files' order, several files at a time.
+pub fn probe_all<T: Send>(files: &[PathBuf], probe: impl Fn(&Path) -> T + Sync) -> Vec<T> {
+    let slots: Vec<std::sync::Mutex<Option<T>>> =
+        files.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..PROBE_THREADS.min(files.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(f) = files.get(i) else {
+                    return;
+                };
+                let result = probe(f);
+                *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .expect("every file was probed")
+        })
+        .collect()
 }
 
 /// Reads the header record of a CSV file.

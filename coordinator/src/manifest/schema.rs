@@ -133,6 +133,10 @@ pub struct InputSection {
     pub delimiter: String,
     /// What a missing feature becomes: `"reject"` (default), `"nan"` or a number.
     pub missing: Option<MissingSetting>,
+    /// CSV: quoted fields may hold line breaks, so files are cut by reading
+    /// them rather than at byte offsets. Default false.
+    #[serde(default)]
+    pub quoted_newlines: bool,
 }
 
 /// `[input] missing`, as written: a word or a number.

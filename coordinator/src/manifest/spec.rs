@@ -18,6 +18,36 @@ pub enum ItemSizing {
     Bytes(u64),
 }
 
+/// How a CSV or JSON Lines job is cut when its files are cut blind, at
+/// byte offsets from their sizes alone (no data read to plan): each range
+/// owns the records that start in it, found by the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct BlindCut {
+    /// Mean bytes of a record in the sample the coordinator read.
+    pub bytes_per_row: f64,
+    /// Bytes of the header line (CSV; 0 for JSON Lines), as sampled: all
+    /// files of a job share one header.
+    pub header_bytes: u64,
+}
+
+impl BlindCut {
+    /// Rows of a `len`-byte file, estimated from its size.
+    pub fn rows_of(&self, len: u64) -> u64 {
+        (len.saturating_sub(self.header_bytes) as f64 / self.bytes_per_row).round() as u64
+    }
+
+    /// Items of a `len`-byte file: `⌈rows / item_rows⌉` of the estimated
+    /// rows, or the nearest whole number of `item_bytes` ranges; at least one.
+    pub fn items_of(&self, len: u64, sizing: ItemSizing) -> u64 {
+        let data = len.saturating_sub(self.header_bytes);
+        match sizing {
+            ItemSizing::Rows(r) => self.rows_of(len).div_ceil(r.max(1)),
+            ItemSizing::Bytes(b) => (data + b.max(1) / 2) / b.max(1),
+        }
+        .max(1)
+    }
+}
+
 /// A manifest that passed validation, with every path resolved.
 #[derive(Debug, Clone)]
 pub struct JobSpec {
@@ -35,6 +65,9 @@ pub struct JobSpec {
     pub header: Vec<String>,
     /// Work item sizing.
     pub sizing: ItemSizing,
+    /// CSV and JSON Lines: cut blind (`None`: planned by reading every
+    /// record, for `[input] quoted_newlines` or a sample that has them).
+    pub blind: Option<BlindCut>,
     /// What every work item of the job carries.
     pub task: TaskSpec,
     /// When the job as a whole fails.
@@ -130,9 +163,14 @@ pub(super) fn job_id(
     files: &[PathBuf],
     root: Option<&Path>,
     sizing: &ItemSizing,
+    blind: Option<&BlindCut>,
     task: &batchfleet_shared::message::v1::TaskSpec,
 ) -> String {
     let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
+    // Items cut blind are other items than scanned ones of the same input.
+    if let Some(b) = blind {
+        canonical["cut"] = serde_json::json!({ "blind": b });
+    }
     // The ids of `files` input are relative to the root (absent otherwise,
     // so other jobs keep their ids).
     if let Some(root) = root {

@@ -65,23 +65,31 @@ pub struct WorkItem {
     pub task: TaskSpec,
 }
 
-/// Records of a text file (CSV or JSON Lines) whose bytes lie in
-/// `[start, end)`: `start` is the first byte of a record and `end` the first
-/// byte after the last one.
+/// Records of a text file (CSV or JSON Lines) in the bytes `[start, end)`.
+///
+/// Planned by scanning (`align` false): `start` is the first byte of a
+/// record, `end` the first byte after the last one, and `first_line` and
+/// `rows` are what the planner counted. Cut blind from the file's size
+/// (`align` true): the range owns every record that starts in it, which its
+/// reader finds ([`crate::split::align`]); `first_line` and `rows` are 0
+/// (unknown until the item is read).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ByteRange {
     /// Absolute path of the file.
     pub path: String,
-    /// Byte offset of the first record.
+    /// Byte offset of the first record (`align`: where the range starts).
     pub start: u64,
-    /// Byte offset just past the last record.
+    /// Byte offset just past the last record (`align`: where the range ends).
     pub end: u64,
-    /// 1-based line number of the first record, for error messages.
+    /// 1-based line number of the first record, for error messages (0: unknown).
     pub first_line: u64,
-    /// Number of records in the range, as counted by the planner.
+    /// Number of records in the range, as counted by the planner (0 when `align`).
     pub rows: u64,
     /// File length when planned; a different length means the file changed.
     pub file_len: u64,
+    /// Cut blind: the reader aligns the range to record boundaries.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub align: bool,
 }
 
 /// A slice of one input file.
@@ -127,7 +135,17 @@ pub enum InputSlice {
 }
 
 impl InputSlice {
-    /// Number of input rows the planner counted in this slice.
+    /// Number of input rows the planner counted in this slice; `None` for
+    /// a range cut blind (known once it is read).
+    pub fn known_rows(&self) -> Option<u64> {
+        match self {
+            InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) if r.align => None,
+            other => Some(other.rows()),
+        }
+    }
+
+    /// Number of input rows the planner counted in this slice (0 for a
+    /// range cut blind: see [`InputSlice::known_rows`]).
     pub fn rows(&self) -> u64 {
         match self {
             InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => r.rows,
@@ -858,6 +876,7 @@ pub(crate) fn sample_item() -> WorkItem {
             first_line: 2,
             rows: 100,
             file_len: 8192,
+            align: false,
         }),
         task: TaskSpec {
             model: ModelRef {
@@ -1018,6 +1037,7 @@ mod tests {
             first_line: 2,
             rows: 100,
             file_len: 8192,
+            align: false,
         });
         let old = rmp_serde::to_vec_named(&inline).unwrap();
         assert_eq!(rmp_serde::to_vec_named(&wrapped).unwrap(), old);

@@ -585,6 +585,7 @@ mod tests {
             max_failed_percent: Some(2.5),
             items_total: 3,
             rows_total: 300,
+            rows_estimated: false,
             items_done: 0,
             rows_done: 0,
             rows_rejected: 0,

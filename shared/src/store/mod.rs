@@ -168,6 +168,9 @@ pub struct JobRecord {
     pub items_total: u64,
     /// Rows planned.
     pub rows_total: u64,
+    /// `rows_total` is an estimate (items cut blind): the rows are known
+    /// once every item is read.
+    pub rows_estimated: bool,
     /// Items committed.
     pub items_done: u64,
     /// Rows settled: predicted or rejected.
@@ -220,6 +223,7 @@ impl JobRecord {
             ),
             ("items_total", self.items_total.to_string()),
             ("rows_total", self.rows_total.to_string()),
+            ("rows_estimated", u8::from(self.rows_estimated).to_string()),
             ("items_done", self.items_done.to_string()),
             ("rows_done", self.rows_done.to_string()),
             ("rows_rejected", self.rows_rejected.to_string()),
@@ -282,6 +286,7 @@ impl JobRecord {
             max_failed_percent: opt_f("max_failed_percent")?,
             items_total: num("items_total")?,
             rows_total: num("rows_total")?,
+            rows_estimated: num("rows_estimated")? == 1,
             items_done: num("items_done")?,
             rows_done: num("rows_done")?,
             rows_rejected: num("rows_rejected")?,
@@ -668,6 +673,7 @@ mod tests {
             max_failed_percent: None,
             items_total: 3,
             rows_total: 30,
+            rows_estimated: false,
             items_done: 1,
             rows_done: 10,
             rows_rejected: 1,

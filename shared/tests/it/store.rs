@@ -51,6 +51,7 @@ fn record(id: &str) -> JobRecord {
         max_failed_percent: None,
         items_total: 3,
         rows_total: 300,
+        rows_estimated: false,
         items_done: 0,
         rows_done: 0,
         rows_rejected: 0,

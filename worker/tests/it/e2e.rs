@@ -326,6 +326,78 @@ async fn pandas_to_csv_input_with_missing_values_matches_pytorch() {
     env.cleanup(&[&job_id, &rejecting_job]).await;
 }
 
+/// CSV is cut blind at byte offsets; a quoted field with a line break in a
+/// file past the planner's sample fails only the items that meet it, with
+/// what to set, and the job with `quoted_newlines = true` (planned by
+/// reading) scores every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quoted_line_breaks_past_the_sample_fail_their_items_with_the_fix_named() {
+    let env = TestEnv::new("quoted");
+    let gen = JobGen {
+        rows: 2_000,
+        files: 20,
+        features: 8,
+        hidden: 16,
+        name: batchfleet_loadtest::services::unique("quoted"),
+        pool: env.pool.clone(),
+        item_rows: 50,
+        batch_size: 64,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    // A text column in every file; one value in the 19th file spans two lines.
+    for f in 0..20 {
+        let file = env.path().join(format!("data/part-{f:02}.csv"));
+        let text = std::fs::read_to_string(&file).expect("data");
+        let mut out = String::new();
+        for (i, line) in text.lines().enumerate() {
+            let note = match (i, f) {
+                (0, _) => "note",
+                (40, 18) => "\"two\nlines\"",
+                _ => "plain",
+            };
+            out.push_str(&format!("{line},{note}\n"));
+        }
+        std::fs::write(&file, out).expect("data");
+    }
+    let manifest = env.path().join("job.toml");
+    let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (blind_job, report) =
+        crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+    assert_eq!(report.status, "completed_with_failures", "{report:?}");
+    assert!(
+        (1..=2).contains(&report.items_failed),
+        "only the items holding the line break: {:?}",
+        report.failed_items
+    );
+    assert!(report.failed_items.iter().all(|f| f.class == "poison"
+        && f.reason.contains("part-18.csv")
+        && f.reason.contains("set [input] quoted_newlines = true")));
+
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("id_column", "quoted_newlines = true\nid_column")
+            .replace("dir = \"out\"", "dir = \"out-read\""),
+    )
+    .expect("manifest");
+    let (read_job, report) =
+        crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+    assert_ne!(read_job, blind_job);
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!((report.rows_total, report.rows_predicted), (2_000, 2_000));
+    let v = verify(
+        &env.path().join("out-read"),
+        &env.path().join("golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&blind_job, &read_job]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parquet_input_scores_every_row_matching_pytorch() {
     let env = TestEnv::new("parquet");

@@ -478,3 +478,28 @@ fn settled(
         other => panic!("expected a settled job, got {other:?}"),
     }
 }
+
+/// The ids (first field) of the CSV records item `seq` of the manifest's
+/// job holds, as the planner cuts it and its reader reads it.
+pub fn item_ids(manifest: &Path, seq: usize) -> Vec<String> {
+    use batchfleet_shared::message::InputSlice;
+    let spec = batchfleet_coordinator::manifest::load(manifest, &[]).expect("manifest");
+    let plan = batchfleet_coordinator::planner::plan(&spec).expect("plan");
+    let InputSlice::CsvRange(r) = &plan.items[seq].input else {
+        panic!("item {seq} is not a CSV range")
+    };
+    let input = batchfleet_shared::source::Input::open(Path::new(&r.path)).expect("input");
+    let bytes = if r.align {
+        batchfleet_shared::split::align(&input, r, true)
+            .expect("align")
+            .bytes
+    } else {
+        input.read_range(r.start..r.end).expect("read")
+    };
+    csv::ReaderBuilder::new()
+        .has_headers(false)
+        .from_reader(bytes.as_slice())
+        .records()
+        .map(|rec| rec.expect("a record")[0].to_owned())
+        .collect()
+}
