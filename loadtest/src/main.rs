@@ -151,6 +151,26 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_value = "jsonl,parquet,pandas")]
         formats: Vec<String>,
     },
+    /// Measure planning alone (the `bench` planning figures): many small CSV
+    /// files and one big one, locally and on a local S3 server, cut blind
+    /// and by reading every record.
+    Plan {
+        /// Small CSV files of the many-files job.
+        #[arg(long, default_value_t = 10_000)]
+        files: usize,
+        /// Gigabytes of the one-big-file job.
+        #[arg(long, default_value_t = 10.0)]
+        gb: f64,
+        /// Files of the many-files job in S3 (0: skip S3).
+        #[arg(long, default_value_t = 1_000)]
+        s3_files: usize,
+        /// Megabytes of the big S3 object.
+        #[arg(long, default_value_t = 1_000)]
+        s3_mb: u64,
+        /// Work folder (default: a temporary one).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
     Forward {
         /// TorchScript model.
@@ -288,6 +308,28 @@ fn main() -> Result<()> {
                 formats: formats.into_iter().filter(|f| !f.is_empty()).collect(),
                 planning,
             })?;
+            Ok(())
+        }
+        Command::Plan {
+            files,
+            gb,
+            s3_files,
+            s3_mb,
+            dir,
+        } => {
+            let tmp = tempfile::tempdir()?;
+            let root = dir.unwrap_or_else(|| tmp.path().to_owned());
+            std::fs::create_dir_all(&root)?;
+            let figures = planning::run(
+                planning::PlanningConfig {
+                    files,
+                    big_bytes: (gb * 1e9) as u64,
+                    s3_files,
+                    s3_big_bytes: s3_mb * 1_000_000,
+                },
+                &root,
+            )?;
+            println!("{}", serde_json::to_string_pretty(&figures)?);
             Ok(())
         }
         Command::Forward {
