@@ -2,8 +2,10 @@
 //! from the files' sizes alone (the default: planning reads no data), or by
 //! reading every record (`[input] quoted_newlines = true`, or when the
 //! sample shows a quoted field with a line break, which a blind cut could
-//! split). The sample — the first MiB of input, from the first files — also
-//! turns `item_rows` into bytes per item.
+//! split; or a lone carriage return, where a blind cut finds no line end).
+//! The sample — the first MiB of input, from the first files — gives the
+//! mean record size and the header's length, from which each file's rows,
+//! and so its items for `item_rows`, are estimated.
 
 use super::schema::{InputFormat, Manifest};
 use super::spec::BlindCut;
@@ -68,11 +70,11 @@ pub(super) fn blind_cut(
             }
         };
         let (len, data) = sample;
-        // Whole lines only (the last one may be cut by the sample's size).
         if csv && batchfleet_shared::split::lone_cr(&data).is_some() {
             tracing::info!(file = %path.display(), "a lone carriage return (old Mac line ends?): the job is planned by reading its files");
             return None;
         }
+        // Whole lines only (the last one may be cut by the sample's size).
         let data = if (data.len() as u64) < len {
             match memchr::memrchr(b'\n', &data) {
                 Some(i) => &data[..=i],

@@ -135,17 +135,9 @@ pub enum InputSlice {
 }
 
 impl InputSlice {
-    /// Number of input rows the planner counted in this slice; `None` for
-    /// a range cut blind (known once it is read).
-    pub fn known_rows(&self) -> Option<u64> {
-        match self {
-            InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) if r.align => None,
-            other => Some(other.rows()),
-        }
-    }
-
     /// Number of input rows the planner counted in this slice (0 for a
-    /// range cut blind: see [`InputSlice::known_rows`]).
+    /// range cut blind, whose rows are known once it is read: see
+    /// [`crate::split::ItemRows`]).
     pub fn rows(&self) -> u64 {
         match self {
             InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => r.rows,
