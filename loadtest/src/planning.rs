@@ -25,6 +25,9 @@ pub struct PlanningConfig {
     pub s3_big_bytes: u64,
 }
 
+/// Bytes of each file of the many-files job: about ten rows.
+const SMALL_FILE_BYTES: u64 = 3_000;
+
 /// One planning figure.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PlanTime {
@@ -77,6 +80,17 @@ fn write_csv(path: &Path, bytes: u64, first_row: u64) -> Result<()> {
     }
     f.flush()?;
     Ok(())
+}
+
+/// `files` CSV files of about `each` bytes in `data`; their total bytes.
+fn write_files(data: &Path, files: usize, each: u64) -> Result<u64> {
+    let mut bytes = 0;
+    for f in 0..files {
+        let p = data.join(format!("part-{f:05}.csv"));
+        write_csv(&p, each.max(1), (f as u64) * 10)?;
+        bytes += std::fs::metadata(&p)?.len();
+    }
+    Ok(bytes)
 }
 
 fn manifest(dir: &Path, paths: &str, read: bool) -> Result<PathBuf> {
@@ -142,18 +156,15 @@ fn measure(
 pub fn run(cfg: PlanningConfig, root: &Path) -> Result<Vec<PlanTime>> {
     let mut out = Vec::new();
     let model = batchfleet_shared::model_file::torchscript_like_zip();
-    for (name, files, each) in [("many", cfg.files, 3_000u64), ("big", 1, cfg.big_bytes)] {
+    for (name, files, each) in [
+        ("many", cfg.files, SMALL_FILE_BYTES),
+        ("big", 1, cfg.big_bytes),
+    ] {
         let dir = root.join(format!("planning-{name}"));
         std::fs::create_dir_all(dir.join("data"))?;
         std::fs::write(dir.join("model.pt"), &model)?;
         println!("bench [planning] writing {files} file(s)…");
-        let mut bytes = 0;
-        for f in 0..files {
-            let p = dir.join(format!("data/part-{f:05}.csv"));
-            // Many files: about ten rows (3 kB) each.
-            write_csv(&p, each.max(1), (f as u64) * 10)?;
-            bytes += std::fs::metadata(&p)?.len();
-        }
+        let bytes = write_files(&dir.join("data"), files, each)?;
         out.push(measure("local", &dir, "data/*.csv", files, bytes, &[])?);
         if cfg.s3_files == 0 {
             let _ = std::fs::remove_dir_all(&dir);
@@ -170,33 +181,17 @@ pub fn run(cfg: PlanningConfig, root: &Path) -> Result<Vec<PlanTime>> {
 
 fn on_s3(cfg: PlanningConfig, root: &Path, model: &[u8]) -> Result<Vec<PlanTime>> {
     let s3 = batchfleet_loadtest::services::S3Server::start()?;
-    let settings = s3.env();
-    let options: Vec<(&str, &str)> = [
-        ("endpoint", 0),
-        ("allow_http", 1),
-        ("access_key_id", 2),
-        ("secret_access_key", 3),
-        ("region", 4),
-    ]
-    .iter()
-    .map(|(k, i)| (*k, settings[*i].1.as_str()))
-    .collect();
-    batchfleet_shared::source::set_s3_options(&options);
+    s3.configure_this_process();
     let mut out = Vec::new();
     for (name, files, each) in [
-        ("many", cfg.s3_files, 3_000u64),
+        ("many", cfg.s3_files, SMALL_FILE_BYTES),
         ("big", 1, cfg.s3_big_bytes),
     ] {
         let dir = root.join(format!("planning-s3-{name}"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data)?;
         std::fs::write(dir.join("model.pt"), model)?;
-        let mut bytes = 0;
-        for f in 0..files {
-            let p = data.join(format!("part-{f:05}.csv"));
-            write_csv(&p, each.max(1), (f as u64) * 10)?;
-            bytes += std::fs::metadata(&p)?.len();
-        }
+        let bytes = write_files(&data, files, each)?;
         println!("bench [planning] uploading {files} file(s) to the local S3 server…");
         let prefix = batchfleet_loadtest::services::unique(name);
         s3.put_dir("batchfleet-bench", &prefix, &data)?;

@@ -266,6 +266,23 @@ impl S3Server {
         ]
     }
 
+    /// Points this process's S3 client (the coordinator's, when it runs
+    /// in-process) at this server.
+    pub fn configure_this_process(&self) {
+        let settings = self.env();
+        let options: Vec<(&str, &str)> = [
+            ("endpoint", 0),
+            ("allow_http", 1),
+            ("access_key_id", 2),
+            ("secret_access_key", 3),
+            ("region", 4),
+        ]
+        .iter()
+        .map(|(k, i)| (*k, settings[*i].1.as_str()))
+        .collect();
+        batchfleet_shared::source::set_s3_options(&options);
+    }
+
     /// Uploads every file under `dir` to `s3://bucket/prefix/…` (creating the bucket).
     pub fn put_dir(&self, bucket: &str, prefix: &str, dir: &std::path::Path) -> Result<()> {
         let script = crate::python::repo_root().join("loadtest/python/s3_put.py");

@@ -26,29 +26,19 @@ pub(super) fn blind_cut(
     files: &[PathBuf],
     problems: &mut Problems,
 ) -> Option<BlindCut> {
+    if m.input.quoted_newlines && m.input.format != InputFormat::Csv {
+        problems.add(
+            "[input] quoted_newlines",
+            "applies to format = \"csv\" only (JSON Lines records never hold a raw line break)"
+                .into(),
+        );
+    }
     let csv = match m.input.format {
+        _ if m.input.quoted_newlines => return None,
         InputFormat::Csv => true,
         InputFormat::Jsonl => false,
-        _ => {
-            if m.input.quoted_newlines {
-                problems.add(
-                    "[input] quoted_newlines",
-                    "applies to format = \"csv\" only".into(),
-                );
-            }
-            return None;
-        }
+        InputFormat::Parquet | InputFormat::Files => return None,
     };
-    if m.input.quoted_newlines {
-        if !csv {
-            problems.add(
-                "[input] quoted_newlines",
-                "applies to format = \"csv\" only (JSON Lines records never hold a raw line break)"
-                    .into(),
-            );
-        }
-        return None;
-    }
     let (mut bytes, mut rows, mut header_bytes) = (0u64, 0u64, None);
     for path in files.iter().take(SAMPLE_FILES) {
         let left = SAMPLE_BYTES.saturating_sub(bytes);

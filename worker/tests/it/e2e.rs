@@ -601,18 +601,8 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
     let bucket = "batchfleet-tests";
     let prefix = batchfleet_loadtest::services::unique("s3");
     // The coordinator runs in this process: point its S3 client at moto.
+    s3.configure_this_process();
     let settings = s3.env();
-    let options: Vec<(&str, &str)> = [
-        ("endpoint", 0),
-        ("allow_http", 1),
-        ("access_key_id", 2),
-        ("secret_access_key", 3),
-        ("region", 4),
-    ]
-    .iter()
-    .map(|(k, i)| (*k, settings[*i].1.as_str()))
-    .collect();
-    batchfleet_shared::source::set_s3_options(&options);
     // Confined to the test's folder and the test's bucket, locally and in S3.
     let local_root = env.path().to_str().expect("utf-8").to_owned();
     let s3_root = format!("s3://{bucket}/{prefix}");
