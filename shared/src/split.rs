@@ -14,6 +14,11 @@ use std::io;
 /// Bytes read past a range's end at a time, looking for its last record's end.
 const OVERRUN: u64 = 64 << 10;
 
+/// How far past its range's end a last record may run. A file with no line
+/// end for longer (not line-delimited text, or one giant record) is refused
+/// rather than read whole into one worker's memory.
+pub const MAX_PAST_END: u64 = 64 << 20;
+
 /// The records a blind range owns: the bytes `[begin, stop)` of the file,
 /// every record in them starting inside the range.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +35,8 @@ pub struct Aligned {
 }
 
 /// Reads the records `range` owns. `header`: the file starts with a header
-/// line (CSV), which the range starting at 0 skips.
+/// line (CSV), which the range starting at 0 skips. A last record running
+/// more than [`MAX_PAST_END`] past the range's end is an `InvalidData` error.
 pub fn align(input: &Input, range: &ByteRange, header: bool) -> io::Result<Aligned> {
     let len = range.file_len;
     let (start, end) = (range.start.min(len), range.end.min(len));
@@ -73,6 +79,15 @@ pub fn align(input: &Input, range: &ByteRange, header: bool) -> io::Result<Align
         let have = from + buf.len() as u64;
         if have >= len {
             break len; // the last record has no line end
+        }
+        if have - end >= MAX_PAST_END {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "no line end within {} MiB after byte {end}: a record that long, or a file that is not line-delimited text, is refused",
+                    MAX_PAST_END >> 20
+                ),
+            ));
         }
         scanned = buf.len();
         let more = input.read_range(have..(have + OVERRUN).min(len))?;
@@ -306,6 +321,22 @@ mod tests {
         let a = align(&input, &range("f", 0, 8, 15), true).unwrap();
         assert!(a.bytes.is_empty());
         assert_eq!(a.lone_cr, Some(4));
+    }
+
+    #[test]
+    fn a_record_running_far_past_its_range_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let len = MAX_PAST_END + 200;
+        std::fs::write(&path, vec![b'x'; len as usize]).unwrap();
+        let input = Input::open(&path).unwrap();
+        let err = align(&input, &range("f", 0, 100, len), false).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            err.to_string()
+                .contains("no line end within 64 MiB after byte 100"),
+            "{err}"
+        );
     }
 
     #[test]

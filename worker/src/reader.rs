@@ -128,7 +128,7 @@ fn read_aligned(
             )))
         }
     };
-    let aligned = split::align(input, range, csv.is_some()).map_err(|e| io_error(path, e))?;
+    let aligned = split::align(input, range, csv.is_some()).map_err(|e| align_error(path, e))?;
     if csv.is_some() {
         if let Some(at) = aligned.lone_cr {
             return Err(ItemError::poison(format!(
@@ -166,9 +166,20 @@ fn read_aligned(
         // The item fails on a bad row: read it again to name the row's line.
         Err(_) => {
             let line = base()?;
-            let again = split::align(input, range, csv.is_some()).map_err(|e| io_error(path, e))?;
+            let again =
+                split::align(input, range, csv.is_some()).map_err(|e| align_error(path, e))?;
             parse(again.bytes, line)
         }
+    }
+}
+
+/// [`io_error`], except that a range whose last record never ends
+/// ([`split::MAX_PAST_END`]) is poison: reading it again would not help.
+fn align_error(path: &str, e: std::io::Error) -> ItemError {
+    if e.kind() == std::io::ErrorKind::InvalidData {
+        ItemError::poison(format!("{path}: {e}"))
+    } else {
+        io_error(path, e)
     }
 }
 
