@@ -713,10 +713,19 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             format: "csv",
             compute: None,
         };
-        let csv = regime(cfg, &root, &small, bins, &prefix)?;
-        let measured = Some((csv.compute_rows_per_s, csv.compute_batch));
-        report.regimes.push(csv);
-        for format in &cfg.formats {
+        // 0 rows skips a regime (to measure one part alone).
+        let formats: &[String] = if cfg.small_rows > 0 {
+            &cfg.formats
+        } else {
+            &[]
+        };
+        let mut measured = None;
+        if cfg.small_rows > 0 {
+            let csv = regime(cfg, &root, &small, bins, &prefix)?;
+            measured = Some((csv.compute_rows_per_s, csv.compute_batch));
+            report.regimes.push(csv);
+        }
+        for format in formats {
             let name = format!("small-{format}");
             let spec = RegimeSpec {
                 name: &name,
@@ -735,9 +744,11 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             format: "csv",
             compute: None,
         };
-        report
-            .regimes
-            .push(regime(cfg, &root, &large, bins, &prefix)?);
+        if cfg.large_rows > 0 {
+            report
+                .regimes
+                .push(regime(cfg, &root, &large, bins, &prefix)?);
+        }
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }

@@ -111,10 +111,10 @@ enum Command {
     /// and worker memory after 1k and 10k items. Needs the release binaries
     /// (`make release`) and the local RabbitMQ and Redis.
     Bench {
-        /// Rows of the small-model job.
+        /// Rows of the small-model jobs (0 skips them).
         #[arg(long, default_value_t = 2_000_000)]
         small_rows: u64,
-        /// Rows of the large-model job.
+        /// Rows of the large-model job (0 skips it).
         #[arg(long, default_value_t = 100_000)]
         large_rows: u64,
         /// One-row items of the control-plane job (0 skips it).

@@ -63,6 +63,8 @@ pub mod names {
     pub const WORKER_UP: &str = "batchfleet_worker_up";
     /// Worker: 1 while draining after SIGTERM (gauge; pool).
     pub const WORKER_DRAINING: &str = "batchfleet_worker_draining";
+    /// Worker: unacknowledged deliveries it holds at most now, sized from its item rate (gauge; pool).
+    pub const WORKER_PREFETCH: &str = "batchfleet_worker_prefetch";
     /// Worker: GPU memory in use (gauge, bytes; gpu).
     pub const WORKER_GPU_MEMORY: &str = "batchfleet_worker_gpu_memory_used_bytes";
     /// Worker: panics caught while handling an item (counter; where = item, runner).
@@ -115,6 +117,7 @@ pub mod names {
         (WORKER_MODEL_LOAD, Kind::Histogram),
         (WORKER_UP, Kind::Gauge),
         (WORKER_DRAINING, Kind::Gauge),
+        (WORKER_PREFETCH, Kind::Gauge),
         (WORKER_GPU_MEMORY, Kind::Gauge),
         (WORKER_PANICS, Kind::Counter),
         (WORKER_MESSAGES_REJECTED, Kind::Counter),

@@ -15,10 +15,17 @@ pub struct WorkerConfig {
     /// Pool (work queue) to consume.
     #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
     pub pool: String,
-    /// Unacknowledged items held at once. Two keep the pipeline full (one
-    /// parsing or writing while one runs the model) without hoarding work.
+    /// Unacknowledged items held at once, at least. Two keep the pipeline
+    /// full (one parsing or writing while one runs the model) without
+    /// hoarding work; short items raise it up to --prefetch-max.
     #[arg(long, env = "BATCHFLEET_PREFETCH", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
+    /// Unacknowledged items held at once, at most: every second the worker
+    /// holds as many items as it settled in the last 100 ms (rounded up to a
+    /// power of two), so short items overlap their fixed costs and long ones
+    /// stay at --prefetch. Equal to --prefetch (or below) fixes the prefetch.
+    #[arg(long, env = "BATCHFLEET_PREFETCH_MAX", default_value_t = 32)]
+    pub prefetch_max: u16,
     /// libtorch intra-op threads; 0 lets libtorch pick (all cores). With N
     /// workers on a node, give each cores / N.
     #[arg(long, env = "BATCHFLEET_THREADS", default_value_t = 0)]

@@ -40,6 +40,7 @@ pub mod error;
 pub mod images;
 pub mod infra;
 pub mod lease;
+pub mod prefetch;
 pub mod reader;
 pub mod runner;
 pub mod settle;
@@ -265,21 +266,38 @@ pub async fn run_on(
 
     // One permit per item in flight, held until the item is settled: an item
     // acknowledged early (a long one) still counts, so a worker never holds
-    // more than --prefetch items, whatever the broker would send.
+    // more items than the prefetch in force, whatever the broker would send.
     let permits = Arc::new(Semaphore::new(usize::from(cfg.prefetch)));
     let tracker = TaskTracker::new();
+    let mut sizing = Sizing {
+        prefetch: prefetch::Prefetch::new(cfg.prefetch, cfg.prefetch_max),
+        next_review: Instant::now() + prefetch::PERIOD,
+        backlog: std::collections::VecDeque::new(),
+    };
+    metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(sizing.prefetch.current()));
     let lost = loop {
-        tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = cfg.prefetch, threads = cfg.threads, "worker consuming");
-        let lost = consume(&mut session, &ctx, &permits, &tracker, &shutdown).await;
+        tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = session.prefetch, prefetch_max = cfg.prefetch_max.max(cfg.prefetch), threads = cfg.threads, "worker consuming");
+        let lost = consume(
+            &mut session,
+            &ctx,
+            &permits,
+            &tracker,
+            &shutdown,
+            &mut sizing,
+        )
+        .await;
         let Some(why) = lost else { break None };
         if shutdown.is_cancelled() || ctx.stop.is_cancelled() {
             break None;
         }
         let why = batchfleet_shared::secret::scrub(&why, &cfg.services.amqp_url);
         tracing::warn!(error = %why, in_flight = tracker.len(), "lost the broker; reconnecting");
+        // Deliveries of the lost connection can no longer be acknowledged.
+        sizing.backlog.clear();
+        let prefetch = session.prefetch;
         let reopen = async {
             let broker = backend.broker(&cfg, &worker_id).await?;
-            anyhow::Ok(Session::open(broker, &queues, cfg.prefetch).await?)
+            anyhow::Ok(Session::open(broker, &queues, prefetch).await?)
         };
         let reopened = tokio::select! {
             s = reopen => s,
@@ -299,6 +317,10 @@ pub async fn run_on(
     // Drain: no new deliveries; items already started finish (or stop at a
     // checkpoint) within the deadline.
     session.cancel_consumers().await;
+    // Never started: back to the queue for another worker.
+    for delivery in sizing.backlog.drain(..) {
+        let _ = delivery.requeue().await;
+    }
     tracker.close();
     metrics::gauge!(names::WORKER_DRAINING).set(1.0);
     if let Some(ready) = &cfg.ready_file {
@@ -352,8 +374,18 @@ async fn consume(
     permits: &Arc<Semaphore>,
     tracker: &TaskTracker,
     shutdown: &CancellationToken,
+    sizing: &mut Sizing,
 ) -> Option<String> {
     loop {
+        let now = Instant::now();
+        if sizing.prefetch.adapts() && now >= sizing.next_review {
+            sizing.next_review = now + prefetch::PERIOD;
+            if let Some(size) = sizing.prefetch.review(now) {
+                if let Err(e) = resize(session, permits, sizing, size).await {
+                    return Some(e);
+                }
+            }
+        }
         // Registered before the pause is checked: a pause that starts while
         // this loop waits for a permit (its handlers hold them all) is seen.
         let paused = ctx.pause.started.notified();
@@ -376,6 +408,11 @@ async fn consume(
                 None => return Some("the broker closed the consumer".into()),
             },
         };
+        // What the last subscription had sent goes first.
+        if let Some(delivery) = sizing.backlog.pop_front() {
+            spawn_item(tracker, delivery, ctx, permit, sizing);
+            continue;
+        }
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
@@ -386,12 +423,91 @@ async fn consume(
                 None => return Some("the broker closed the consumer".into()),
             },
             next = session.work.next() => match next {
-                Some(Ok(delivery)) => { tracker.spawn(consumer::handle(delivery, ctx.clone(), permit)); }
+                Some(Ok(delivery)) => spawn_item(tracker, delivery, ctx, permit, sizing),
                 Some(Err(e)) => return Some(e.to_string()),
                 None => return Some("the broker closed the consumer".into()),
             },
         }
     }
+}
+
+/// The prefetch in force, how it is sized, and the deliveries of a
+/// subscription it replaced that are still to be handled.
+struct Sizing {
+    prefetch: prefetch::Prefetch,
+    next_review: Instant,
+    backlog: std::collections::VecDeque<batchfleet_shared::broker::Delivery>,
+}
+
+/// Handles a work delivery on its own task; an item settled with its work
+/// done counts towards the prefetch's sizing.
+fn spawn_item(
+    tracker: &TaskTracker,
+    delivery: batchfleet_shared::broker::Delivery,
+    ctx: &Arc<context::ItemContext>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    sizing: &Sizing,
+) {
+    let settled = sizing.prefetch.settled();
+    let handled = consumer::handle(delivery, ctx.clone(), permit);
+    tracker.spawn(async move {
+        let outcome = handled.await;
+        if matches!(
+            outcome,
+            settle::Handled::Committed | settle::Handled::AlreadyDone
+        ) {
+            settled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+}
+
+/// Consumes the work queue again with `size` deliveries (quorum queues take
+/// a consumer's prefetch when it subscribes): the old subscription is
+/// cancelled and what it had sent already is kept, to be handled first with
+/// the in-flight permits like any other delivery — none is returned to the
+/// queue, which would count as a delivery against the item's limit.
+async fn resize(
+    session: &mut Session,
+    permits: &Arc<Semaphore>,
+    sizing: &mut Sizing,
+    size: u16,
+) -> Result<(), String> {
+    let old = session.prefetch;
+    session.work.cancel().await;
+    // What the broker had sent already comes out of the stream before its end.
+    while let Ok(Some(next)) =
+        tokio::time::timeout(Duration::from_secs(5), session.work.next()).await
+    {
+        match next {
+            Ok(delivery) => sizing.backlog.push_back(delivery),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    session.work = session
+        .broker
+        .consume(&session.work_queue, size)
+        .await
+        .map_err(|e| format!("consuming again with prefetch {size}: {e:#}"))?;
+    session.prefetch = size;
+    if size > old {
+        permits.add_permits(usize::from(size - old));
+    } else {
+        // Taken as the items in flight finish, and never given back.
+        let (permits, fewer) = (permits.clone(), u32::from(old - size));
+        tokio::spawn(async move {
+            if let Ok(taken) = permits.acquire_many_owned(fewer).await {
+                taken.forget();
+            }
+        });
+    }
+    metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(size));
+    tracing::info!(
+        from = old,
+        to = size,
+        held = sizing.backlog.len(),
+        "prefetch sized from the items settled in the last second"
+    );
+    Ok(())
 }
 
 /// The output disk is full: stop consuming (the deliveries already sent

@@ -11,7 +11,76 @@ use deadpool_redis::{Config, Pool, Runtime};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use deadpool_redis::redis::aio::MultiplexedConnection;
+
+/// A handle on the store's shared connection. A failure that breaks the
+/// connection (not a command's own error) drops it from the store, so the
+/// next operation takes a checked one from the pool.
+struct Conn<'a> {
+    inner: MultiplexedConnection,
+    generation: u64,
+    shared: &'a Mutex<Shared>,
+}
+
+/// The shared connection and how many times it was replaced.
+#[derive(Default)]
+struct Shared {
+    generation: u64,
+    conn: Option<MultiplexedConnection>,
+}
+
+impl Conn<'_> {
+    fn check<T>(&self, result: redis::RedisResult<T>) -> redis::RedisResult<T> {
+        if let Err(e) = &result {
+            if e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_unrecoverable_error()
+                || e.is_timeout()
+            {
+                let mut shared = self.shared.lock().expect("not poisoned");
+                // A handle on an older connection leaves a newer one alone.
+                if shared.generation == self.generation {
+                    shared.conn = None;
+                }
+            }
+        }
+        result
+    }
+}
+
+impl redis::aio::ConnectionLike for Conn<'_> {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let r = self.inner.req_packed_command(cmd).await;
+            self.check(r)
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let r = self
+                .inner
+                .req_packed_commands(pipeline, offset, count)
+                .await;
+            self.check(r)
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
 
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
     move |e| StoreError::Command {
@@ -160,6 +229,8 @@ fn encode<T: Serialize + ?Sized>(op: &'static str, value: &T) -> Result<String, 
 #[derive(Clone)]
 pub struct RedisStore {
     pool: Pool,
+    /// The connection every operation shares (see [`RedisStore::conn`]).
+    shared: Arc<Mutex<Shared>>,
     prefix: String,
     commit: redis::Script,
     fail: redis::Script,
@@ -210,6 +281,7 @@ impl RedisStore {
             .map_err(|e| connect_err(e.to_string()))?;
         let store = Self {
             pool,
+            shared: Arc::default(),
             prefix: prefix.to_owned(),
             commit: redis::Script::new(COMMIT_SCRIPT),
             fail: redis::Script::new(FAIL_SCRIPT),
@@ -278,8 +350,33 @@ impl RedisStore {
         format!("{}:jobs", self.prefix)
     }
 
-    async fn conn(&self, op: &'static str) -> Result<deadpool_redis::Connection, StoreError> {
-        self.pool.get().await.map_err(pool_err(op))
+    /// The connection for one operation. Every operation shares one
+    /// multiplexed connection: concurrent commands (the items a worker has in
+    /// flight, their heartbeats) are pipelined on its socket, and none pays
+    /// the `UNWATCH`+`PING` round trip the pool makes on each checkout. The
+    /// pool is asked again, and its check made, only after the shared
+    /// connection failed (Redis restarted, the network dropped it).
+    async fn conn(&self, op: &'static str) -> Result<Conn<'_>, StoreError> {
+        {
+            let shared = self.shared.lock().expect("not poisoned");
+            if let Some(conn) = &shared.conn {
+                return Ok(Conn {
+                    inner: conn.clone(),
+                    generation: shared.generation,
+                    shared: &self.shared,
+                });
+            }
+        }
+        let fresh: MultiplexedConnection = (*self.pool.get().await.map_err(pool_err(op))?).clone();
+        let mut shared = self.shared.lock().expect("not poisoned");
+        shared.generation += 1;
+        let generation = shared.generation;
+        shared.conn = Some(fresh.clone());
+        Ok(Conn {
+            inner: fresh,
+            generation,
+            shared: &self.shared,
+        })
     }
 
     /// The JSON values of a hash keyed by item seq, decoded, in seq order.

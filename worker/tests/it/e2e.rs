@@ -808,3 +808,55 @@ async fn a_model_returning_integers_writes_integers() {
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_id]).await;
 }
+
+/// One-row items: each worker deepens its prefetch from the items it
+/// settles (`--prefetch 2 --prefetch-max 16`), changing its subscription
+/// mid-job, and every row is still scored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_items_deepen_the_prefetch_and_every_row_is_scored_once() {
+    let env = TestEnv::new("prefetch");
+    let gen = JobGen {
+        rows: 3_000,
+        files: 1,
+        features: 2,
+        hidden: 4,
+        outputs: 1,
+        name: batchfleet_loadtest::services::unique("prefetch"),
+        pool: env.pool.clone(),
+        item_rows: 1,
+        batch_size: 1,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    let args = ["--prefetch", "2", "--prefetch-max", "16"];
+    let mut workers = vec![env.spawn_worker("w1", &args), env.spawn_worker("w2", &args)];
+    env.wait_for_consumers(2, &mut workers).await;
+    let (job_id, report) =
+        crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    matches_golden(&env, 3_000);
+    crate::support::stop_all(&mut workers);
+    let sizes: Vec<u16> = workers
+        .iter()
+        .flat_map(|w| {
+            w.log_text()
+                .lines()
+                .filter(|l| l.contains("prefetch sized"))
+                .filter_map(|l| {
+                    l.split(" to=")
+                        .nth(1)?
+                        .split_whitespace()
+                        .next()?
+                        .parse()
+                        .ok()
+                })
+                .collect::<Vec<u16>>()
+        })
+        .collect();
+    assert!(
+        sizes.iter().any(|&s| s > 2) && sizes.iter().all(|&s| s <= 16),
+        "prefetch sizes logged: {sizes:?}"
+    );
+    env.cleanup(&[&job_id]).await;
+}
