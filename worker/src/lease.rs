@@ -29,7 +29,7 @@ pub struct Signals {
     /// reaching the model: it goes back to the queue for another worker.
     pub waited_too_long: CancellationToken,
     /// Set once the item had its first turn at the model. Only such an item
-    /// is acknowledged early, so unacknowledged items never exceed `--prefetch`.
+    /// is acknowledged early, so unacknowledged items never exceed the prefetch in force.
     pub at_model: AtomicBool,
     /// Cancelled to stop the heartbeat.
     stop: CancellationToken,
