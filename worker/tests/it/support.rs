@@ -376,14 +376,25 @@ impl TestEnv {
 
     /// Runs the job of `manifest` to its end on `workers`.
     pub async fn run_on(&self, workers: &Workers, manifest: &Path) -> (String, Summary) {
+        self.run_on_with(workers, manifest, &self.run_config())
+            .await
+    }
+
+    /// [`TestEnv::run_on`] with a coordinator configuration of the test's own.
+    pub async fn run_on_with(
+        &self,
+        workers: &Workers,
+        manifest: &Path,
+        cfg: &RunConfig,
+    ) -> (String, Summary) {
         let limit = Duration::from_secs(180);
         match workers.backend {
-            Backend::Fleet => run_to_end(self, manifest, limit).await,
+            Backend::Fleet => run_with_config_to_end(cfg, manifest, limit).await,
             Backend::Local => settled(
                 tokio::time::timeout(
                     limit,
                     batchfleet_coordinator::local::run_job(
-                        &self.run_config(),
+                        cfg,
                         manifest,
                         workers.local.clone(),
                         tokio_util::sync::CancellationToken::new(),
