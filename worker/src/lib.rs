@@ -473,16 +473,7 @@ async fn resize(
     size: u16,
 ) -> Result<(), String> {
     let old = session.prefetch;
-    session.work.cancel().await;
-    // What the broker had sent already comes out of the stream before its end.
-    while let Ok(Some(next)) =
-        tokio::time::timeout(Duration::from_secs(5), session.work.next()).await
-    {
-        match next {
-            Ok(delivery) => sizing.backlog.push_back(delivery),
-            Err(e) => return Err(e.to_string()),
-        }
-    }
+    sizing.backlog.extend(session.stop_work().await?);
     session.work = session
         .broker
         .consume(&session.work_queue, size)
@@ -528,19 +519,10 @@ async fn pause(
             .as_secs_f64(),
         "output disk full: not consuming until space is freed"
     );
-    session.work.cancel().await;
-    // What the broker had sent already comes out of the stream before its end.
-    while let Ok(Some(next)) =
-        tokio::time::timeout(Duration::from_secs(5), session.work.next()).await
-    {
-        match next {
-            Ok(delivery) => {
-                let (ctx, permits) = (ctx.clone(), Arc::new(Semaphore::new(1)));
-                let permit = permits.try_acquire_owned().expect("a fresh permit");
-                tracker.spawn(consumer::handle(delivery, ctx, permit));
-            }
-            Err(e) => return Err(e.to_string()),
-        }
+    for delivery in session.stop_work().await? {
+        let (ctx, permits) = (ctx.clone(), Arc::new(Semaphore::new(1)));
+        let permit = permits.try_acquire_owned().expect("a fresh permit");
+        tracker.spawn(consumer::handle(delivery, ctx, permit));
     }
     // The pause may grow meanwhile (a handed-back item found the disk full
     // again): wait until it has run out.
@@ -614,6 +596,19 @@ impl Session {
             prefetch,
             work_queue: queues.work(),
         })
+    }
+
+    /// Cancels the work subscription; the deliveries the broker had sent
+    /// already, which come out of the stream before its end.
+    async fn stop_work(&mut self) -> Result<Vec<batchfleet_shared::broker::Delivery>, String> {
+        self.work.cancel().await;
+        let mut sent = Vec::new();
+        while let Ok(Some(next)) =
+            tokio::time::timeout(Duration::from_secs(5), self.work.next()).await
+        {
+            sent.push(next.map_err(|e| e.to_string())?);
+        }
+        Ok(sent)
     }
 
     /// Stops both consumers (draining).
