@@ -347,6 +347,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 feature_columns: vec![1],
                 include_columns: Vec::new(),
                 missing: Default::default(),
+                header: Vec::new(),
             }),
             batch_size: 1,
             output: OutputSpec {

@@ -1,8 +1,62 @@
-//! Which Arrow column types a Parquet input's id and features may have:
-//! checked by the coordinator when it validates a manifest, and again by the
-//! worker that reads the file.
+//! The columns of an input: the header row of a CSV file, and which Arrow
+//! column types a Parquet input's id and features may have. Both are checked
+//! by the coordinator when it validates a manifest (for a sample of the
+//! files, when they are remote) and again by the worker that reads the file.
 
+use crate::source::Input;
 use arrow_schema::DataType;
+use std::io;
+
+/// Bytes of a CSV file read at a time looking for the end of its header.
+const HEADER_CHUNK: u64 = 64 << 10;
+/// A header row longer than this is refused (not a CSV file, most likely).
+const MAX_HEADER: u64 = 4 << 20;
+
+/// The header row of a CSV file: its column names, trimmed. An empty name is
+/// pandas' unnamed index column (what `DataFrame.to_csv` writes by default),
+/// named as `pandas.read_csv` names it, `Unnamed: <i>`. `None` for an empty
+/// file. Reads only as far as the header's end, in 64 KiB ranges (one ranged
+/// GET for an `s3://` object with a header of usual length).
+pub fn csv_header(input: &Input, delimiter: u8) -> io::Result<Option<Vec<String>>> {
+    let len = input.len()?;
+    let mut buf = Vec::new();
+    loop {
+        let have = buf.len() as u64;
+        let more = input.read_range(have..(have + HEADER_CHUNK).min(len))?;
+        buf.extend_from_slice(&more);
+        let whole = buf.len() as u64 >= len || more.is_empty();
+        let mut rdr = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .delimiter(delimiter)
+            .flexible(true)
+            .from_reader(&buf[..]);
+        let mut rec = csv::StringRecord::new();
+        let found = rdr
+            .read_record(&mut rec)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        // The record is whole when the parser stopped before the bytes ran out.
+        if whole || rdr.position().byte() < buf.len() as u64 {
+            return Ok(found.then(|| {
+                rec.iter()
+                    .enumerate()
+                    .map(|(i, s)| match s.trim() {
+                        "" => format!("Unnamed: {i}"),
+                        name => name.to_owned(),
+                    })
+                    .collect()
+            }));
+        }
+        if buf.len() as u64 >= MAX_HEADER {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "no end of the header row within its first {} MiB",
+                    MAX_HEADER >> 20
+                ),
+            ));
+        }
+    }
+}
 
 /// Whether a feature column of this type can be read as `f32` (integers
 /// and floats; integers go through `f64`, exactly as CSV text does).
@@ -35,6 +89,32 @@ pub fn is_id_type(t: &DataType) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn header_of(text: &[u8]) -> Option<Vec<String>> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.csv");
+        std::fs::write(&path, text).unwrap();
+        csv_header(&Input::open(&path).unwrap(), b',').unwrap()
+    }
+
+    #[test]
+    fn the_header_row_is_read_trimmed_with_pandas_names_for_empty_ones() {
+        assert_eq!(
+            header_of(b",id, f0 ,\"f,1\"\n0,a,1,2\n"),
+            Some(vec![
+                "Unnamed: 0".into(),
+                "id".into(),
+                "f0".into(),
+                "f,1".into()
+            ])
+        );
+        assert_eq!(header_of(b"id,f0"), Some(vec!["id".into(), "f0".into()]));
+        assert_eq!(header_of(b""), None);
+        // Longer than one read: the header is read on to its end.
+        let wide: Vec<String> = (0..20_000).map(|i| format!("column_{i}")).collect();
+        let text = format!("{}\n{}\n", wide.join(","), vec!["1"; 20_000].join(","));
+        assert_eq!(header_of(text.as_bytes()), Some(wide));
+    }
 
     #[test]
     fn numbers_are_features_and_strings_or_integers_are_ids() {

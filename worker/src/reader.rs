@@ -85,6 +85,9 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                     "{path} is {len} bytes but was {file_len} when the job was planned; the input changed under the job — restore it or start a new job"
                 )));
             }
+            if let Layout::Csv(l) = layout {
+                check_header(&input, path, *file_len, l)?;
+            }
             if *align {
                 return read_aligned(&input, range, layout, on_bad_row);
             }
@@ -171,6 +174,73 @@ fn read_aligned(
             parse(again.bytes, line)
         }
     }
+}
+
+/// Headers of the CSV files this process has read, by path and length:
+/// items of one file check it once per worker, not once per item.
+type HeaderCache = std::collections::HashMap<(String, u64), std::sync::Arc<Vec<String>>>;
+
+/// Files whose headers [`check_header`] remembers; more start it over.
+const HEADERS_KEPT: usize = 4096;
+
+/// Checks that the CSV file has the header the job was planned with
+/// (validation reads a sample of the files when they are remote, so the
+/// worker is where every other file is checked). A different header is
+/// poison naming the file and both headers; an empty expected header (an
+/// item published before the check) checks nothing.
+fn check_header(
+    input: &Input,
+    path: &str,
+    file_len: u64,
+    layout: &CsvLayout,
+) -> Result<(), ItemError> {
+    static SEEN: std::sync::OnceLock<std::sync::Mutex<HeaderCache>> = std::sync::OnceLock::new();
+    if layout.header.is_empty() {
+        return Ok(());
+    }
+    let seen = SEEN.get_or_init(Default::default);
+    let key = (path.to_owned(), file_len);
+    let known = seen
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+        .cloned();
+    let header = match known {
+        Some(h) => h,
+        None => {
+            let read = batchfleet_shared::columns::csv_header(input, layout.delimiter)
+                .map_err(|e| align_error(path, e))?
+                .unwrap_or_default();
+            let read = std::sync::Arc::new(read);
+            let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+            if seen.len() >= HEADERS_KEPT {
+                seen.clear();
+            }
+            seen.insert(key, read.clone());
+            read
+        }
+    };
+    if *header == layout.header {
+        return Ok(());
+    }
+    let (got, want) = (&*header, &layout.header);
+    let difference = match got.iter().zip(want).position(|(a, b)| a != b) {
+        Some(i) => format!(
+            "its column {} is \"{}\" where the job's input files have \"{}\"",
+            i + 1,
+            got[i],
+            want[i]
+        ),
+        None if got.is_empty() => "it is empty".to_owned(),
+        None => format!(
+            "it has {} columns where the job's input files have {}",
+            got.len(),
+            want.len()
+        ),
+    };
+    Err(ItemError::poison(format!(
+        "{path}: the header row differs from the job's ({difference}); all input files of a job must share one header: fix the file or leave it out of the job, and run the job again"
+    )))
 }
 
 /// [`io_error`], except that a range whose last record never ends
@@ -565,6 +635,7 @@ mod tests {
             feature_columns: vec![3, 0],
             include_columns: Vec::new(),
             missing: Default::default(),
+            header: Vec::new(),
         }
     }
 
@@ -1017,5 +1088,44 @@ mod tests {
                 err.message
             );
         }
+    }
+
+    #[test]
+    fn a_file_whose_header_differs_from_the_jobs_is_poison_for_every_range_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, bad) = (dir.path().join("good.csv"), dir.path().join("bad.csv"));
+        std::fs::write(&good, "f0,id,x,f3\n1,a,b,2\n3,c,d,4\n").unwrap();
+        // The same width, two columns swapped: read blind, f0 and f3 would
+        // be taken from the wrong fields.
+        std::fs::write(&bad, "f3,id,x,f0\n1,a,b,2\n3,c,d,4\n").unwrap();
+        let checked = Layout::Csv(CsvLayout {
+            header: ["f0", "id", "x", "f3"].map(String::from).to_vec(),
+            ..layout()
+        });
+        let len = std::fs::metadata(&good).unwrap().len();
+        assert_eq!(
+            read(&blind(&good, 0, len), &checked, OnBadRow::Reject)
+                .unwrap()
+                .rows(),
+            2
+        );
+        // Every range of the file, not only the one holding its header.
+        for start in [0, 15] {
+            let err = read(&blind(&bad, start, len), &checked, OnBadRow::Reject).unwrap_err();
+            assert_eq!(err.class, crate::error::FailureClass::Poison);
+            assert!(
+                err.message.contains("bad.csv: the header row differs from the job's (its column 1 is \"f3\" where the job's input files have \"f0\")"),
+                "{}",
+                err.message
+            );
+        }
+        // An item published before the check (no header in its layout) reads on.
+        let unchecked = Layout::Csv(layout());
+        assert_eq!(
+            read(&blind(&bad, 0, len), &unchecked, OnBadRow::Reject)
+                .unwrap()
+                .rows(),
+            2
+        );
     }
 }

@@ -6,7 +6,7 @@
 //! columns with their `f0..f31` ranges, the delimiter) against what the
 //! files hold (see [`super::probes`]) and finds the columns' positions.
 
-use super::probes::{check_parquet_columns, probe_all, read_header, read_jsonl_keys};
+use super::probes::{check_parquet_columns, probe_all, read_header, read_jsonl_keys, sample};
 use super::schema::{InputFormat, Manifest, MissingSetting};
 use super::{resolve, Problems};
 use batchfleet_shared::message::{JsonLayout, Missing, ParquetLayout};
@@ -305,9 +305,10 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
     layout
 }
 
-/// JSON Lines has no header: every file's first record must hold the keys
-/// (the output's copied columns too), which then stand as the header (id,
-/// then features).
+/// JSON Lines has no header: every file's first record (of remote files,
+/// those of the [`sample`]) must hold the keys (the output's copied columns
+/// too), which then stand as the header (id, then features). A record of
+/// another file without them is rejected by the worker, naming the key.
 fn jsonl_header(
     m: &Manifest,
     files: &[PathBuf],
@@ -323,7 +324,8 @@ fn jsonl_header(
         .chain(m.output.include_columns.iter().map(String::as_str))
         .collect();
     let mut all_there = !files.is_empty();
-    let keys_of = probe_all(files, read_jsonl_keys);
+    let files = sample(files);
+    let keys_of = probe_all(&files, read_jsonl_keys);
     for (f, read) in files.iter().zip(keys_of) {
         match read {
             Err(e) => {
@@ -384,7 +386,6 @@ fn parquet_header(
     }
 }
 
-/// The header row of the first CSV file; every other file must have the same.
 /// `[input] missing`: `"reject"` (the default), `"nan"` or a finite number.
 fn missing(m: &Manifest, problems: &mut Problems) -> Missing {
     let Some(setting) = &m.input.missing else {
@@ -421,9 +422,12 @@ fn missing(m: &Manifest, problems: &mut Problems) -> Missing {
     }
 }
 
+/// The header row of the first CSV file; every other file must have the same
+/// (of remote files, those of the [`sample`]; workers check the rest).
 fn csv_header(files: &[PathBuf], delimiter: u8, problems: &mut Problems) -> Vec<String> {
     let mut header: Vec<String> = Vec::new();
-    let headers = probe_all(files, |f| read_header(f, delimiter));
+    let files = sample(files);
+    let headers = probe_all(&files, |f| read_header(f, delimiter));
     for (f, read) in files.iter().zip(headers) {
         match read {
             Err(e) => problems.add("[input] paths", format!("{}: {e}", f.display())),

@@ -44,7 +44,7 @@ mod testing;
 
 pub use input::expand_columns;
 pub use policy::{DEFAULT_BATCH_SIZE, DEFAULT_CHECKPOINT_EVERY, DEFAULT_ITEM_ROWS};
-pub use probes::{check_parquet_columns, read_header, read_jsonl_keys};
+pub use probes::{check_parquet_columns, read_header, read_jsonl_keys, sample, SAMPLE_FILES};
 pub use schema::{
     BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
     Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
@@ -177,6 +177,7 @@ pub fn validate(
             } else {
                 Missing::Reject
             },
+            header: Vec::new(),
         },
         batch_size: batching.batch_size,
         output: output.spec,
@@ -200,7 +201,11 @@ pub fn validate(
         blind.as_ref(),
         &task_v1,
     );
-    let task = TaskSpec::from(task_v1);
+    let mut task = TaskSpec::from(task_v1);
+    // Workers check each file's header against the one validation read.
+    if let batchfleet_shared::message::Layout::Csv(csv) = &mut task.layout {
+        csv.header = layout.header.clone();
+    }
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),

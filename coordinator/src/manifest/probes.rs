@@ -46,27 +46,37 @@ pub fn probe_all<T: Send>(files: &[PathBuf], probe: impl Fn(&Path) -> T + Sync) 
 
 /// Reads the header record of a CSV file.
 pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
-    let file = open_input(path)?;
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(false)
-        .delimiter(delimiter)
-        .flexible(true)
-        .from_reader(file);
-    let mut rec = csv::StringRecord::new();
-    match rdr.read_record(&mut rec) {
-        // An empty name is pandas' unnamed index column (what `to_csv` writes
-        // by default): named as `pandas.read_csv` names it, `Unnamed: <i>`.
-        Ok(true) => Ok(rec
-            .iter()
-            .enumerate()
-            .map(|(i, s)| match s.trim() {
-                "" => format!("Unnamed: {i}"),
-                name => name.to_owned(),
-            })
-            .collect()),
-        Ok(false) => Err("is empty; a CSV input needs a header row naming its columns".into()),
+    let input =
+        batchfleet_shared::source::Input::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    match batchfleet_shared::columns::csv_header(&input, delimiter) {
+        Ok(Some(header)) => Ok(header),
+        Ok(None) => Err("is empty; a CSV input needs a header row naming its columns".into()),
         Err(e) => Err(format!("cannot read the header row: {e}")),
     }
+}
+
+/// Remote files whose first record validation reads at most: the rest are
+/// checked by the worker that reads them (a CSV header that differs fails
+/// that file's items, naming the file and both headers).
+pub const SAMPLE_FILES: usize = 64;
+
+/// The files validation probes: every local file (a probe is a small read),
+/// and of `s3://` objects the first half of [`SAMPLE_FILES`] and the other
+/// half spread evenly over the rest, so planning costs a bounded number of
+/// requests however many objects there are.
+pub fn sample(files: &[PathBuf]) -> Vec<PathBuf> {
+    let remote = files.iter().any(|f| batchfleet_shared::source::is_url(f));
+    if !remote || files.len() <= SAMPLE_FILES {
+        return files.to_vec();
+    }
+    let head = SAMPLE_FILES / 2;
+    let rest = &files[head..];
+    let spread = SAMPLE_FILES - head;
+    files[..head]
+        .iter()
+        .chain((0..spread).map(|k| &rest[k * rest.len() / spread]))
+        .cloned()
+        .collect()
 }
 
 /// The keys of the first record of a JSON Lines file.

@@ -430,6 +430,13 @@ pub struct CsvLayout {
     /// What an empty or missing-marker feature field becomes (`[input] missing`).
     #[serde(default, skip_serializing_if = "Missing::is_reject")]
     pub missing: Missing,
+    /// The header row every input file must have (as
+    /// [`crate::columns::csv_header`] reads it), checked by the worker
+    /// before it reads a file's records; empty: not checked (items published
+    /// before the check existed). Not part of the version-1 task a job id
+    /// hashes: the files' names and layout already are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub header: Vec<String>,
 }
 
 /// Output format of part files.
@@ -883,6 +890,7 @@ pub(crate) fn sample_item() -> WorkItem {
                 feature_columns: (1..17).collect(),
                 include_columns: Vec::new(),
                 missing: Default::default(),
+                header: Vec::new(),
             }),
             batch_size: 512,
             output: OutputSpec {

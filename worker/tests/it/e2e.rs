@@ -596,6 +596,7 @@ async fn two_workers_complete(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
     use batchfleet_loadtest::python::{make_image_job, ImageGen};
+    let _turn = crate::support::s3_turn().await;
     let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
     let env = TestEnv::new("s3");
     let bucket = "batchfleet-tests";
@@ -716,6 +717,90 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
         }
         env.cleanup(&[&job_id]).await;
     }
+    crate::support::stop_all(&mut workers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_file_outside_the_validation_sample_with_another_header_fails_only_its_items() {
+    let _turn = crate::support::s3_turn().await;
+    let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
+    let env = TestEnv::new("s3hdr");
+    let bucket = "batchfleet-tests";
+    let prefix = batchfleet_loadtest::services::unique("s3hdr");
+    s3.configure_this_process();
+    let settings = s3.env();
+    let s3_root = format!("s3://{bucket}/{prefix}");
+    // The model and the output stay local.
+    let local_root = env.path().to_str().expect("utf-8").to_owned();
+    let roots = ["--data-root", &local_root, "--data-root", &s3_root];
+    let mut workers = vec![env.spawn_worker_with_env("w1", &roots, &settings)];
+    let mut cfg = env.run_config();
+    cfg.data_roots = vec![env.path().to_owned(), std::path::PathBuf::from(&s3_root)];
+    env.wait_for_consumers(1, &mut workers).await;
+
+    // More objects than validation probes, ten rows each.
+    let files = batchfleet_coordinator::manifest::SAMPLE_FILES as u32 + 6;
+    let gen = JobGen {
+        rows: u64::from(files) * 10,
+        files,
+        features: 4,
+        hidden: 8,
+        name: batchfleet_loadtest::services::unique("s3hdr"),
+        pool: env.pool.clone(),
+        item_rows: 1_000,
+        batch_size: 64,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let url = format!("{s3_root}/data");
+    let mut names: Vec<String> = std::fs::read_dir(env.path().join("data"))
+        .expect("data")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .collect();
+    names.sort();
+    let objects: Vec<std::path::PathBuf> =
+        names.iter().map(|n| format!("{url}/{n}").into()).collect();
+    let probed = batchfleet_coordinator::manifest::sample(&objects);
+    let unprobed = objects
+        .iter()
+        .rposition(|o| !probed.contains(o))
+        .expect("a file validation does not probe");
+    // Its feature columns swapped: same width, so only the header tells.
+    let path = env.path().join("data").join(&names[unprobed]);
+    let text = std::fs::read_to_string(&path).expect("data");
+    let (header, rows) = text.split_once('\n').expect("a header");
+    assert!(header.starts_with("id,f0,f1,"), "{header}");
+    let swapped = header.replacen("id,f0,f1,", "id,f1,f0,", 1);
+    std::fs::write(&path, format!("{swapped}\n{rows}")).expect("write");
+    s3.put_dir(bucket, &format!("{prefix}/data"), &env.path().join("data"))
+        .expect("upload");
+    std::fs::remove_dir_all(env.path().join("data")).expect("remove local input");
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    let text = text.replace("\"data/*.csv\"", &format!("\"{url}/*.csv\""));
+    assert!(text.contains("s3://"), "{text}");
+    std::fs::write(&manifest, text).expect("manifest");
+
+    let (job_id, report) =
+        crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(300)).await;
+    assert_eq!(report.status, "completed_with_failures", "{report:?}");
+    assert_eq!(
+        report.rows_predicted,
+        u64::from(files - 1) * 10,
+        "{report:?}"
+    );
+    assert_eq!(report.items_failed, 1, "{report:?}");
+    let failure = &report.failed_items[0];
+    assert_eq!(failure.class, "poison");
+    assert!(
+        failure.reason.contains(&format!(
+            "{}: the header row differs from the job's (its column 2 is \"f1\" where the job's input files have \"f0\")",
+            names[unprobed]
+        )),
+        "{}",
+        failure.reason
+    );
+    env.cleanup(&[&job_id]).await;
     crate::support::stop_all(&mut workers);
 }
 

@@ -514,3 +514,10 @@ pub fn item_ids(manifest: &Path, seq: usize) -> Vec<String> {
         .map(|rec| rec.expect("a record")[0].to_owned())
         .collect()
 }
+
+/// Held by a test that points this process's S3 client at its own S3
+/// server: the client's endpoint is process-wide, so such tests take turns.
+pub async fn s3_turn() -> tokio::sync::MutexGuard<'static, ()> {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
+}
