@@ -15,46 +15,70 @@ const MAX_HEADER: u64 = 4 << 20;
 /// The header row of a CSV file: its column names, trimmed. An empty name is
 /// pandas' unnamed index column (what `DataFrame.to_csv` writes by default),
 /// named as `pandas.read_csv` names it, `Unnamed: <i>`. `None` for an empty
-/// file. Reads only as far as the header's end, in 64 KiB ranges (one ranged
-/// GET for an `s3://` object with a header of usual length).
+/// file. Reads only as far as the header's end: a local file through one
+/// buffered reader, an `s3://` object in 64 KiB ranges (one ranged GET for a
+/// header of usual length).
 pub fn csv_header(input: &Input, delimiter: u8) -> io::Result<Option<Vec<String>>> {
-    let len = input.len()?;
-    let mut buf = Vec::new();
-    loop {
-        let have = buf.len() as u64;
-        let more = input.read_range(have..(have + HEADER_CHUNK).min(len))?;
-        buf.extend_from_slice(&more);
-        let whole = buf.len() as u64 >= len || more.is_empty();
-        let mut rdr = csv::ReaderBuilder::new()
-            .has_headers(false)
-            .delimiter(delimiter)
-            .flexible(true)
-            .from_reader(&buf[..]);
-        let mut rec = csv::StringRecord::new();
-        let found = rdr
-            .read_record(&mut rec)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        // The record is whole when the parser stopped before the bytes ran out.
-        if whole || rdr.position().byte() < buf.len() as u64 {
-            return Ok(found.then(|| {
-                rec.iter()
-                    .enumerate()
-                    .map(|(i, s)| match s.trim() {
-                        "" => format!("Unnamed: {i}"),
-                        name => name.to_owned(),
-                    })
-                    .collect()
-            }));
+    use std::io::Read;
+    let (source, buffer): (Box<dyn Read + '_>, u64) = match input {
+        Input::S3(_) => (
+            Box::new(Ranged {
+                input,
+                pos: 0,
+                len: input.len()?,
+            }),
+            HEADER_CHUNK,
+        ),
+        _ => (input.reader()?, 8 << 10),
+    };
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .delimiter(delimiter)
+        .flexible(true)
+        .buffer_capacity(buffer as usize)
+        .from_reader(source.take(MAX_HEADER));
+    let mut rec = csv::StringRecord::new();
+    let found = rdr
+        .read_record(&mut rec)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if rdr.position().byte() >= MAX_HEADER {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "no end of the header row within its first {} MiB",
+                MAX_HEADER >> 20
+            ),
+        ));
+    }
+    Ok(found.then(|| {
+        rec.iter()
+            .enumerate()
+            .map(|(i, s)| match s.trim() {
+                "" => format!("Unnamed: {i}"),
+                name => name.to_owned(),
+            })
+            .collect()
+    }))
+}
+
+/// An input read front to back in [`HEADER_CHUNK`] ranges.
+struct Ranged<'a> {
+    input: &'a Input,
+    pos: u64,
+    len: u64,
+}
+
+impl std::io::Read for Ranged<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let end = (self.pos + (out.len() as u64).min(HEADER_CHUNK)).min(self.len);
+        if end <= self.pos {
+            return Ok(0);
         }
-        if buf.len() as u64 >= MAX_HEADER {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "no end of the header row within its first {} MiB",
-                    MAX_HEADER >> 20
-                ),
-            ));
-        }
+        let bytes = self.input.read_range(self.pos..end)?;
+        let n = bytes.len().min(out.len());
+        out[..n].copy_from_slice(&bytes[..n]);
+        self.pos += n as u64;
+        Ok(n)
     }
 }
 
