@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos bench deploy-check venv services tools build release fmt lint clean
+.PHONY: demo test chaos bench gpu-check deploy-check venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -27,6 +27,10 @@ chaos: venv services release
 ## bench: the fleet against the compute and I/O ceilings, the control plane and memory (a few minutes; BENCH_ARGS=--quick for the short form)
 bench: venv services release
 	target/release/batchfleet-loadtest bench $(BENCH_ARGS)
+
+## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so
+gpu-check: venv services release
+	target/release/batchfleet-loadtest gpu-check
 
 ## deploy-check: docker/ validated without Docker (compose config, hadolint, kubernetes-validate, systemd-analyze)
 deploy-check: venv release

@@ -161,12 +161,12 @@ fn proc_mib(pid: u32, field: &str) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-struct Fleet {
+pub(crate) struct Fleet {
     children: Vec<(Child, u16)>,
 }
 
 impl Fleet {
-    fn start(
+    pub(crate) fn start(
         bin: &Path,
         dir: &Path,
         pool: &str,
@@ -215,7 +215,7 @@ impl Fleet {
     }
 
     /// Sums a metric over the workers.
-    fn metric_sum(&self, name: &str) -> f64 {
+    pub(crate) fn metric_sum(&self, name: &str) -> f64 {
         let mut total = 0.0;
         for (_, port) in &self.children {
             let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call() else {
@@ -235,14 +235,14 @@ impl Fleet {
         total
     }
 
-    fn rss(&self, field: &str) -> Vec<f64> {
+    pub(crate) fn rss(&self, field: &str) -> Vec<f64> {
         self.children
             .iter()
             .filter_map(|(c, _)| proc_mib(c.id(), field))
             .collect()
     }
 
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         for (c, _) in &self.children {
             let _ = Command::new("kill")
                 .args(["-TERM", &c.id().to_string()])
@@ -265,7 +265,7 @@ impl Drop for Fleet {
 }
 
 /// Runs `batchfleet run` and returns (wall seconds from the summary, peak RSS MiB).
-fn run_job(
+pub(crate) fn run_job(
     coordinator: &Path,
     manifest: &Path,
     prefix: &str,
@@ -483,10 +483,17 @@ fn regime(
             } else {
                 vec![1024, 4096, 16384]
             };
-            let best = forward::measure(&dir.join("model.pt"), &features, &sizes, cores, 3)?
-                .into_iter()
-                .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
-                .context("no batch size measured")?;
+            let best = forward::measure(
+                &dir.join("model.pt"),
+                &features,
+                &sizes,
+                cores,
+                3,
+                tch::Device::Cpu,
+            )?
+            .into_iter()
+            .max_by(|a, b| a.median_rows_per_s.total_cmp(&b.median_rows_per_s))
+            .context("no batch size measured")?;
             (best.median_rows_per_s, best.batch_size)
         }
     };

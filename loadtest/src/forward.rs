@@ -70,29 +70,37 @@ pub struct ForwardResult {
 }
 
 /// Runs `forward` over all rows `repeats` times per batch size (after one
-/// warm-up pass) and returns the median rows/s of each.
+/// warm-up pass) and returns the median rows/s of each. On a GPU `device`
+/// the rows start in host memory and each mini-batch is copied to the
+/// device and its output back, one after the other, as a plain script does.
 pub fn measure(
     model: &Path,
     features: &Features,
     batch_sizes: &[usize],
     threads: usize,
     repeats: usize,
+    device: tch::Device,
 ) -> Result<Vec<ForwardResult>> {
     if threads > 0 {
         tch::set_num_threads(threads as i32);
     }
-    let mut module =
-        tch::CModule::load(model).with_context(|| format!("loading {}", model.display()))?;
+    let mut module = tch::CModule::load_on_device(model, device)
+        .with_context(|| format!("loading {} on {device:?}", model.display()))?;
     module.set_eval();
     let _guard = tch::no_grad_guard();
     let pass = |bs: usize| -> Result<f64> {
         let started = Instant::now();
         for chunk in features.values.chunks(bs * features.cols) {
             let n = (chunk.len() / features.cols) as i64;
-            let x = tch::Tensor::f_from_slice(chunk)?.f_view([n, features.cols as i64])?;
+            let x = tch::Tensor::f_from_slice(chunk)?
+                .f_view([n, features.cols as i64])?
+                .f_to_device(device)?;
             let y = module.forward_ts(&[x])?;
             // Copy out as a worker does, so the figure includes that cost.
-            let y = y.f_to_kind(tch::Kind::Float)?.f_contiguous()?;
+            let y = y
+                .f_to_kind(tch::Kind::Float)?
+                .f_to_device(tch::Device::Cpu)?
+                .f_contiguous()?;
             let mut out = vec![0f32; y.numel()];
             y.f_copy_data(&mut out, y.numel())?;
         }

@@ -4,6 +4,7 @@ use batchfleet_loadtest::{python, verify};
 mod bench;
 mod chaos;
 mod forward;
+mod gpu;
 mod planning;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -167,6 +168,10 @@ enum Command {
         /// Megabytes of the big S3 object.
         #[arg(long, default_value_t = 1_000)]
         s3_mb: u64,
+        /// Measure only the blind cut (planning by reading every record takes
+        /// minutes on thousands of S3 objects).
+        #[arg(long)]
+        blind_only: bool,
         /// Work folder (default: a temporary one).
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -188,6 +193,21 @@ enum Command {
         /// Timed passes per batch size (median reported).
         #[arg(long, default_value_t = 5)]
         repeats: usize,
+    },
+    /// On a machine with a GPU: the fleet's rows/s on the GPU next to raw
+    /// libtorch forward on it, for a compute-bound and an I/O-bound model,
+    /// and the share of the job the GPU sat idle (under four minutes). On a
+    /// machine without one it says so and exits 0.
+    GpuCheck {
+        /// Rows of each model's job.
+        #[arg(long, default_value_t = 1_000_000)]
+        rows: u64,
+        /// Write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Work folder (default: a temporary one).
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
 }
 
@@ -288,6 +308,7 @@ fn main() -> Result<()> {
                         big_bytes: 200_000_000,
                         s3_files: 100,
                         s3_big_bytes: 20_000_000,
+                        read: true,
                     }
                 } else {
                     planning::PlanningConfig {
@@ -295,6 +316,7 @@ fn main() -> Result<()> {
                         big_bytes: (plan_gb * 1e9) as u64,
                         s3_files: plan_s3_files,
                         s3_big_bytes: plan_s3_mb * 1_000_000,
+                        read: true,
                     }
                 }
             });
@@ -310,11 +332,20 @@ fn main() -> Result<()> {
             })?;
             Ok(())
         }
+        Command::GpuCheck { rows, json, dir } => {
+            let figures = gpu::run(&gpu::GpuCheckConfig { rows, dir })?;
+            if let (Some(path), Some(figures)) = (json, figures) {
+                std::fs::write(&path, serde_json::to_vec_pretty(&figures)?)?;
+                println!("figures written to {}", path.display());
+            }
+            Ok(())
+        }
         Command::Plan {
             files,
             gb,
             s3_files,
             s3_mb,
+            blind_only,
             dir,
         } => {
             let tmp = tempfile::tempdir()?;
@@ -326,6 +357,7 @@ fn main() -> Result<()> {
                     big_bytes: (gb * 1e9) as u64,
                     s3_files,
                     s3_big_bytes: s3_mb * 1_000_000,
+                    read: !blind_only,
                 },
                 &root,
             )?;
@@ -345,7 +377,14 @@ fn main() -> Result<()> {
                 features.rows(),
                 features.cols
             );
-            for r in forward::measure(&model, &features, &batch_size, threads, repeats)? {
+            for r in forward::measure(
+                &model,
+                &features,
+                &batch_size,
+                threads,
+                repeats,
+                tch::Device::Cpu,
+            )? {
                 println!(
                     "  batch {:>6}: {:>12.0} rows/s",
                     r.batch_size, r.median_rows_per_s

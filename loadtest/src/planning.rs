@@ -23,6 +23,8 @@ pub struct PlanningConfig {
     pub s3_files: usize,
     /// Bytes of the big S3 object.
     pub s3_big_bytes: u64,
+    /// Also plan by reading every record (false: the blind cut alone).
+    pub read: bool,
 }
 
 /// Bytes of each file of the many-files job: about ten rows.
@@ -43,8 +45,12 @@ pub struct PlanTime {
     pub blind_s: f64,
     /// Items planned by reading.
     pub items_read: usize,
-    /// Seconds to validate and plan by reading every record (median of 3).
+    /// Seconds to validate and plan by reading every record (median of 3;
+    /// 0 when not measured).
     pub read_s: f64,
+    /// S3: seconds the bare listing of the objects takes (median of 3),
+    /// part of every figure above: what the object store costs, not the planner.
+    pub list_s: f64,
 }
 
 /// 32 features, like the bench's small model.
@@ -128,9 +134,26 @@ fn measure(
     files: usize,
     bytes: u64,
     roots: &[PathBuf],
+    read: bool,
 ) -> Result<PlanTime> {
     let (blind_s, items_blind) = time_plan(&manifest(dir, paths, false)?, roots)?;
-    let (read_s, items_read) = time_plan(&manifest(dir, paths, true)?, roots)?;
+    let (read_s, items_read) = if read {
+        time_plan(&manifest(dir, paths, true)?, roots)?
+    } else {
+        (0.0, 0)
+    };
+    let list_s = if batchfleet_shared::source::is_url(Path::new(paths)) {
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            batchfleet_shared::source::glob(paths)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        times[1]
+    } else {
+        0.0
+    };
     let t = PlanTime {
         place: place.into(),
         files,
@@ -139,9 +162,15 @@ fn measure(
         blind_s,
         items_read,
         read_s,
+        list_s,
+    };
+    let listing = if place == "s3" {
+        format!("; the listing alone {:.3} s", t.list_s)
+    } else {
+        String::new()
     };
     println!(
-        "bench [planning] {place}: {files} files, {:.1} MB: cut blind {:.3} s ({} items), by reading {:.3} s ({} items)",
+        "bench [planning] {place}: {files} files, {:.1} MB: cut blind {:.3} s ({} items), by reading {:.3} s ({} items){listing}",
         bytes as f64 / 1e6,
         t.blind_s,
         t.items_blind,
@@ -165,7 +194,15 @@ pub fn run(cfg: PlanningConfig, root: &Path) -> Result<Vec<PlanTime>> {
         std::fs::write(dir.join("model.pt"), &model)?;
         println!("bench [planning] writing {files} file(s)…");
         let bytes = write_files(&dir.join("data"), files, each)?;
-        out.push(measure("local", &dir, "data/*.csv", files, bytes, &[])?);
+        out.push(measure(
+            "local",
+            &dir,
+            "data/*.csv",
+            files,
+            bytes,
+            &[],
+            cfg.read,
+        )?);
         if cfg.s3_files == 0 {
             let _ = std::fs::remove_dir_all(&dir);
         }
@@ -204,6 +241,7 @@ fn on_s3(cfg: PlanningConfig, root: &Path, model: &[u8]) -> Result<Vec<PlanTime>
             files,
             bytes,
             &roots,
+            cfg.read,
         )?);
         let _ = std::fs::remove_dir_all(&dir);
     }

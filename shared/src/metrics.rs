@@ -55,6 +55,11 @@ pub mod names {
     pub const WORKER_INFERENCE: &str = "batchfleet_worker_inference_seconds";
     /// Worker: writing and publishing a part or segment file (histogram, seconds; pool).
     pub const WORKER_WRITE: &str = "batchfleet_worker_write_seconds";
+    /// Worker: time an item's rows (or a checkpoint segment of them) kept
+    /// the model's device busy, from the first mini-batch sent to the last
+    /// output back (histogram, seconds; device). The rate of its sum is the
+    /// share of time the device was busy.
+    pub const WORKER_DEVICE_SECONDS: &str = "batchfleet_worker_device_seconds";
     /// Worker: rows per `forward` call (histogram, rows; pool).
     pub const WORKER_BATCH_SIZE: &str = "batchfleet_worker_batch_size_rows";
     /// Worker: loading a model (histogram, seconds; pool).
@@ -67,6 +72,9 @@ pub mod names {
     pub const WORKER_PREFETCH: &str = "batchfleet_worker_prefetch";
     /// Worker: GPU memory in use (gauge, bytes; gpu).
     pub const WORKER_GPU_MEMORY: &str = "batchfleet_worker_gpu_memory_used_bytes";
+    /// Worker: share of the last sample period a GPU ran kernels, as the
+    /// driver reports it (gauge, 0–1; gpu).
+    pub const WORKER_GPU_UTILIZATION: &str = "batchfleet_worker_gpu_utilization_ratio";
     /// Worker: panics caught while handling an item (counter; where = item, runner).
     pub const WORKER_PANICS: &str = "batchfleet_worker_panics_total";
     /// Worker: messages refused before any work, dead-lettered as `rejected` (counter; reason).
@@ -112,6 +120,7 @@ pub mod names {
         (WORKER_QUEUE_WAIT, Kind::Histogram),
         (WORKER_READ, Kind::Histogram),
         (WORKER_INFERENCE, Kind::Histogram),
+        (WORKER_DEVICE_SECONDS, Kind::Histogram),
         (WORKER_WRITE, Kind::Histogram),
         (WORKER_BATCH_SIZE, Kind::Histogram),
         (WORKER_MODEL_LOAD, Kind::Histogram),
@@ -119,6 +128,7 @@ pub mod names {
         (WORKER_DRAINING, Kind::Gauge),
         (WORKER_PREFETCH, Kind::Gauge),
         (WORKER_GPU_MEMORY, Kind::Gauge),
+        (WORKER_GPU_UTILIZATION, Kind::Gauge),
         (WORKER_PANICS, Kind::Counter),
         (WORKER_MESSAGES_REJECTED, Kind::Counter),
         (WORKER_ITEMS_HANDED_BACK, Kind::Counter),
@@ -186,6 +196,7 @@ pub fn install(
         (names::WORKER_QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
         (names::WORKER_READ, STAGE_BUCKETS),
         (names::WORKER_INFERENCE, STAGE_BUCKETS),
+        (names::WORKER_DEVICE_SECONDS, STAGE_BUCKETS),
         (names::WORKER_WRITE, STAGE_BUCKETS),
         (names::WORKER_BATCH_SIZE, BATCH_BUCKETS),
         (names::WORKER_MODEL_LOAD, LOAD_BUCKETS),

@@ -547,27 +547,43 @@ async fn pause(
     Ok(())
 }
 
-/// GPU memory in use per device, from `nvidia-smi`, on machines that have it.
+/// GPU memory in use and utilisation per device, from `nvidia-smi`, on
+/// machines that have it.
 async fn gpu_memory(every: Duration) {
     loop {
         let out = tokio::process::Command::new("nvidia-smi")
             .args([
-                "--query-gpu=index,memory.used",
+                "--query-gpu=index,memory.used,utilization.gpu",
                 "--format=csv,noheader,nounits",
             ])
             .output()
             .await;
         let Ok(out) = out else { return }; // no NVIDIA driver here: nothing to report
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some((gpu, mib)) = line.split_once(',') {
-                if let Ok(mib) = mib.trim().parse::<f64>() {
-                    metrics::gauge!(names::WORKER_GPU_MEMORY, "gpu" => gpu.trim().to_owned())
-                        .set(mib * 1024.0 * 1024.0);
-                }
+        for (gpu, mib, busy) in parse_nvidia_smi(&String::from_utf8_lossy(&out.stdout)) {
+            if let Some(mib) = mib {
+                metrics::gauge!(names::WORKER_GPU_MEMORY, "gpu" => gpu.clone())
+                    .set(mib * 1024.0 * 1024.0);
+            }
+            if let Some(percent) = busy {
+                metrics::gauge!(names::WORKER_GPU_UTILIZATION, "gpu" => gpu).set(percent / 100.0);
             }
         }
         tokio::time::sleep(every).await;
     }
+}
+
+/// `index, memory.used (MiB), utilization.gpu (%)` lines of `nvidia-smi`;
+/// a field it cannot read (`[N/A]`) is `None`.
+fn parse_nvidia_smi(text: &str) -> Vec<(String, Option<f64>, Option<f64>)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split(',').map(str::trim);
+            let gpu = fields.next().filter(|g| !g.is_empty())?.to_owned();
+            let mib = fields.next().and_then(|f| f.parse().ok());
+            let busy = fields.next().and_then(|f| f.parse().ok());
+            Some((gpu, mib, busy))
+        })
+        .collect()
 }
 
 /// One broker handle consuming the work and infra queues.
@@ -615,5 +631,20 @@ impl Session {
     async fn cancel_consumers(&mut self) {
         self.work.cancel().await;
         self.infra.cancel().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn nvidia_smi_lines_give_memory_and_utilisation_per_gpu() {
+        let text = "0, 1024, 87\n1, 512, [N/A]\n\n";
+        assert_eq!(
+            super::parse_nvidia_smi(text),
+            vec![
+                ("0".to_owned(), Some(1024.0), Some(87.0)),
+                ("1".to_owned(), Some(512.0), None),
+            ]
+        );
     }
 }

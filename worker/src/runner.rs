@@ -69,6 +69,41 @@ pub trait Backend {
     fn load(&mut self, _model: &ModelRef) -> Result<(), ItemError> {
         Ok(())
     }
+
+    /// Runs `features` in consecutive mini-batches of `rows_per_call` rows:
+    /// the outputs of every mini-batch in order up to the first that fails,
+    /// then that failure. The default calls [`Backend::forward`] once per
+    /// mini-batch; a GPU backend queues them all on the device instead, so
+    /// the device never waits for the host between mini-batches.
+    fn forward_run(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        row_shape: &[usize],
+        rows_per_call: usize,
+    ) -> Ran {
+        let cols = row_shape.iter().product::<usize>().max(1);
+        let mut ran = Ran::default();
+        for chunk in features.chunks(rows_per_call.max(1) * cols) {
+            match self.forward(model, chunk, row_shape) {
+                Ok(f) => ran.done.push(f),
+                Err(e) => {
+                    ran.failed = Some(e);
+                    break;
+                }
+            }
+        }
+        ran
+    }
+}
+
+/// What [`Backend::forward_run`] returned.
+#[derive(Debug, Default)]
+pub struct Ran {
+    /// Outputs of the mini-batches that ran, in order from the first.
+    pub done: Vec<Forwarded>,
+    /// Why the next mini-batch failed (`None`: all ran).
+    pub failed: Option<ForwardError>,
 }
 
 /// Error messages that mean the allocator ran out, on CPU or GPU.
@@ -126,6 +161,7 @@ struct Run<'a, B: Backend + ?Sized> {
 }
 
 impl<B: Backend + ?Sized> Run<'_, B> {
+    /// One `forward` on rows `[lo, hi)`, its failure handled.
     fn range(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
         let chunk = &self.features[lo * self.cols..hi * self.cols];
         let started = std::time::Instant::now();
@@ -133,12 +169,22 @@ impl<B: Backend + ?Sized> Run<'_, B> {
         metrics::histogram!(names::WORKER_INFERENCE).record(started.elapsed().as_secs_f64());
         metrics::histogram!(names::WORKER_BATCH_SIZE).record((hi - lo) as f64);
         match result {
-            Ok(f) => {
-                self.out.integer = f.integer;
-                self.store(lo, hi, &f.values, f.width)
-            }
-            Err(ForwardError::Unusable(e)) => Err(e),
-            Err(ForwardError::OutOfMemory(msg)) if hi - lo > 1 => {
+            Ok(f) => self.keep(lo, hi, f),
+            Err(e) => self.failed(lo, hi, e),
+        }
+    }
+
+    fn keep(&mut self, lo: usize, hi: usize, f: Forwarded) -> Result<(), ItemError> {
+        self.out.integer = f.integer;
+        self.store(lo, hi, &f.values, f.width)
+    }
+
+    /// Handles a failed `forward` on rows `[lo, hi)`: smaller mini-batches
+    /// after an out-of-memory, bisection to the rows the model raises on.
+    fn failed(&mut self, lo: usize, hi: usize, error: ForwardError) -> Result<(), ItemError> {
+        match error {
+            ForwardError::Unusable(e) => Err(e),
+            ForwardError::OutOfMemory(msg) if hi - lo > 1 => {
                 let half = (hi - lo).div_ceil(2);
                 if half < self.fit {
                     tracing::warn!(rows = hi - lo, now = half, error = %msg, "out of memory; retrying the mini-batch in halves");
@@ -146,11 +192,11 @@ impl<B: Backend + ?Sized> Run<'_, B> {
                 }
                 self.in_chunks(lo, hi)
             }
-            Err(ForwardError::OutOfMemory(msg)) => Err(ItemError::unable(format!(
+            ForwardError::OutOfMemory(msg) => Err(ItemError::unable(format!(
                 "out of memory running {} on a single row on this worker: {msg}",
                 self.model.path
             ))),
-            Err(ForwardError::Raised(msg)) => {
+            ForwardError::Raised(msg) => {
                 if let Some(p) = self
                     .policy
                     .transient_errors
@@ -180,12 +226,40 @@ impl<B: Backend + ?Sized> Run<'_, B> {
 
     /// Runs `[lo, hi)` in mini-batches of the current `fit`, which shrinks
     /// after an out-of-memory so later mini-batches do not repeat it.
+    /// The mini-batches go to the backend as one run ([`Backend::forward_run`]);
+    /// from a failed one on, they are handled one by one.
     fn in_chunks(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
         let mut at = lo;
         while at < hi {
-            let end = (at + self.fit).min(hi);
-            self.range(at, end)?;
-            at = end;
+            let fit = self.fit;
+            let features = &self.features[at * self.cols..hi * self.cols];
+            let started = std::time::Instant::now();
+            let ran = self
+                .backend
+                .forward_run(self.model, features, self.row_shape, fit);
+            let calls = ran.done.len() + usize::from(ran.failed.is_some());
+            if calls == 0 {
+                return Err(ItemError::panic(format!(
+                    "the model backend ran none of {} rows of {}",
+                    hi - at,
+                    self.model.path
+                )));
+            }
+            let each = started.elapsed().as_secs_f64() / calls.max(1) as f64;
+            for f in ran.done {
+                let end = (at + fit).min(hi);
+                metrics::histogram!(names::WORKER_INFERENCE).record(each);
+                metrics::histogram!(names::WORKER_BATCH_SIZE).record((end - at) as f64);
+                self.keep(at, end, f)?;
+                at = end;
+            }
+            if let Some(e) = ran.failed {
+                let end = (at + fit).min(hi);
+                metrics::histogram!(names::WORKER_INFERENCE).record(each);
+                metrics::histogram!(names::WORKER_BATCH_SIZE).record((end - at) as f64);
+                self.failed(at, end, e)?;
+                at = end;
+            }
         }
         Ok(())
     }
@@ -414,6 +488,33 @@ impl<B: Backend> Backend for Delayed<B> {
     fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
         self.inner.load(model)
     }
+
+    fn forward_run(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        row_shape: &[usize],
+        rows_per_call: usize,
+    ) -> Ran {
+        if self.delay.is_zero() {
+            return self
+                .inner
+                .forward_run(model, features, row_shape, rows_per_call);
+        }
+        // Delayed call by call, as `forward` is.
+        let cols = row_shape.iter().product::<usize>().max(1);
+        let mut ran = Ran::default();
+        for chunk in features.chunks(rows_per_call.max(1) * cols) {
+            match self.forward(model, chunk, row_shape) {
+                Ok(f) => ran.done.push(f),
+                Err(e) => {
+                    ran.failed = Some(e);
+                    break;
+                }
+            }
+        }
+        ran
+    }
 }
 
 /// libtorch through `tch`: TorchScript modules, cached by path and digest.
@@ -542,6 +643,94 @@ pub fn error_summary(full: &str) -> String {
     pick.to_owned()
 }
 
+/// Classifies a libtorch error by the exception's own line: the traceback
+/// around it quotes source code, which may mention any error text.
+fn classify(e: tch::TchError) -> ForwardError {
+    let line = error_summary(&e.to_string());
+    if is_out_of_memory(&line) {
+        ForwardError::OutOfMemory(line)
+    } else {
+        ForwardError::Raised(line)
+    }
+}
+
+/// One `forward` launched: its output on its way to host memory.
+struct Launched {
+    /// `float32`, `[rows, width]` or `[rows]`, on the host (or, after a
+    /// non-blocking copy, arriving there).
+    y: tch::Tensor,
+    rows: usize,
+    width: usize,
+    integer: bool,
+}
+
+impl Launched {
+    /// The values, once the copy to the host has landed.
+    fn collect(self) -> Result<Forwarded, ForwardError> {
+        let y = self.y.f_contiguous().map_err(classify)?;
+        let mut values = vec![0f32; self.rows * self.width];
+        y.f_copy_data(&mut values, self.rows * self.width)
+            .map_err(classify)?;
+        Ok(Forwarded {
+            values,
+            width: self.width,
+            integer: self.integer,
+        })
+    }
+}
+
+/// Launches `forward` on `features` on `device`. `queued`: the device is a
+/// GPU and the call must not wait for it: the rows go through pinned host
+/// memory with a non-blocking copy, and the output comes back the same way
+/// (read it after the device is synchronized). Otherwise the call returns
+/// with the output on the host.
+fn launch(
+    module: &tch::CModule,
+    model: &ModelRef,
+    features: &[f32],
+    row_shape: &[usize],
+    device: tch::Device,
+    queued: bool,
+) -> Result<Launched, ForwardError> {
+    let cols = row_shape.iter().product::<usize>();
+    let n = (features.len() / cols.max(1)) as i64;
+    let dims: Vec<i64> = std::iter::once(n)
+        .chain(row_shape.iter().map(|d| *d as i64))
+        .collect();
+    let host = tch::Tensor::f_from_slice(features)
+        .and_then(|t| t.f_view(dims.as_slice()))
+        .map_err(classify)?;
+    let input = if queued {
+        host.f_pin_memory(device)
+            .and_then(|t| t.f_to_device_(device, tch::Kind::Float, true, false))
+    } else {
+        host.f_to_device(device)
+    }
+    .map_err(classify)?;
+    let y = module.forward_ts(&[input]).map_err(classify)?;
+    let width = match y.size().as_slice() {
+        [m] if *m == n => 1,
+        [m, k] if *m == n => *k as usize,
+        other => {
+            return Err(ForwardError::Unusable(ItemError::poison(format!(
+                "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows] or [rows, outputs]",
+                model.path
+            ))))
+        }
+    };
+    let integer = !y.is_floating_point();
+    let y = y
+        .f_to_kind(tch::Kind::Float)
+        .and_then(|t| t.f_to_device_(tch::Device::Cpu, tch::Kind::Float, queued, false))
+        .map_err(classify)?;
+    Ok(Launched {
+        y,
+        rows: n as usize,
+        width,
+        integer,
+    })
+}
+
 impl Backend for TorchBackend {
     fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
         self.module(model).map(|_| ())
@@ -556,51 +745,104 @@ impl Backend for TorchBackend {
         let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
         let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
-        let cols = row_shape.iter().product::<usize>();
-        let n = (features.len() / cols.max(1)) as i64;
-        let dims: Vec<i64> = std::iter::once(n)
-            .chain(row_shape.iter().map(|d| *d as i64))
-            .collect();
-        let classify = |e: tch::TchError| {
-            let full = e.to_string();
-            let line = error_summary(&full);
-            // Classify by the exception's own line: the traceback around it
-            // quotes source code, which may mention any error text.
-            if is_out_of_memory(&line) {
-                ForwardError::OutOfMemory(line)
-            } else {
-                ForwardError::Raised(line)
+        launch(module, model, features, row_shape, device, false)?.collect()
+    }
+
+    /// On a GPU, every mini-batch is launched before any result is read:
+    /// the host stages mini-batch k+1 into pinned memory while the device
+    /// runs k, the copies in and out are non-blocking, and the host waits
+    /// for the device once, at the end. On the CPU, call by call. The run's
+    /// time on its device goes to [`names::WORKER_DEVICE_SECONDS`]: its sum's
+    /// rate is the share of time the device was kept busy.
+    fn forward_run(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        row_shape: &[usize],
+        rows_per_call: usize,
+    ) -> Ran {
+        let device = match Self::device(&model.device) {
+            Ok(d) => d,
+            Err(e) => {
+                return Ran {
+                    done: Vec::new(),
+                    failed: Some(ForwardError::Unusable(e)),
+                }
             }
         };
-        let input = tch::Tensor::f_from_slice(features)
-            .and_then(|t| t.f_view(dims.as_slice()))
-            .and_then(|t| t.f_to_device(device))
-            .map_err(classify)?;
-        let y = module.forward_ts(&[input]).map_err(classify)?;
-        let width = match y.size().as_slice() {
-            [m] if *m == n => 1,
-            [m, k] if *m == n => *k as usize,
-            other => {
-                return Err(ForwardError::Unusable(ItemError::poison(format!(
-                    "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows] or [rows, outputs]",
-                    model.path
-                ))))
+        let started = std::time::Instant::now();
+        let ran = if let tch::Device::Cuda(index) = device {
+            self.queued_run(model, features, row_shape, rows_per_call, index)
+        } else {
+            let cols = row_shape.iter().product::<usize>().max(1);
+            let mut ran = Ran::default();
+            for chunk in features.chunks(rows_per_call.max(1) * cols) {
+                match self.forward(model, chunk, row_shape) {
+                    Ok(f) => ran.done.push(f),
+                    Err(e) => {
+                        ran.failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            ran
+        };
+        metrics::histogram!(names::WORKER_DEVICE_SECONDS, "device" => model.device.clone())
+            .record(started.elapsed().as_secs_f64());
+        ran
+    }
+}
+
+impl TorchBackend {
+    /// [`Backend::forward_run`] on CUDA device `index`: all launched, then
+    /// one wait. A failure to launch keeps what was launched before it.
+    fn queued_run(
+        &mut self,
+        model: &ModelRef,
+        features: &[f32],
+        row_shape: &[usize],
+        rows_per_call: usize,
+        index: usize,
+    ) -> Ran {
+        let device = tch::Device::Cuda(index);
+        let module = match self.module(model) {
+            Ok(m) => m,
+            Err(e) => {
+                return Ran {
+                    done: Vec::new(),
+                    failed: Some(ForwardError::Unusable(e)),
+                }
             }
         };
-        let integer = !y.is_floating_point();
-        let y = y
-            .f_to_kind(tch::Kind::Float)
-            .and_then(|t| t.f_to_device(tch::Device::Cpu))
-            .and_then(|t| t.f_contiguous())
-            .map_err(classify)?;
-        let mut values = vec![0f32; n as usize * width];
-        y.f_copy_data(&mut values, n as usize * width)
-            .map_err(classify)?;
-        Ok(Forwarded {
-            values,
-            width,
-            integer,
-        })
+        let _guard = tch::no_grad_guard();
+        let cols = row_shape.iter().product::<usize>().max(1);
+        let mut launched = Vec::new();
+        let mut failed = None;
+        for chunk in features.chunks(rows_per_call.max(1) * cols) {
+            match launch(module, model, chunk, row_shape, device, true) {
+                Ok(l) => launched.push(l),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        tch::Cuda::synchronize(index as i64);
+        let mut ran = Ran {
+            done: Vec::with_capacity(launched.len()),
+            failed: None,
+        };
+        for l in launched {
+            match l.collect() {
+                Ok(f) => ran.done.push(f),
+                Err(e) => {
+                    ran.failed = Some(e);
+                    return ran;
+                }
+            }
+        }
+        ran.failed = failed;
+        ran
     }
 }
 
@@ -669,6 +911,72 @@ mod tests {
             "bisection stays logarithmic: {} calls",
             b.calls
         );
+    }
+
+    /// Like [`Fake`], but runs mini-batches as one run the way a GPU
+    /// backend does, counting runs; a run stops at the first failure.
+    struct Queued {
+        inner: Fake,
+        runs: Vec<usize>,
+    }
+    impl Backend for Queued {
+        fn forward(
+            &mut self,
+            m: &ModelRef,
+            f: &[f32],
+            shape: &[usize],
+        ) -> Result<Forwarded, ForwardError> {
+            self.inner.forward(m, f, shape)
+        }
+        fn forward_run(
+            &mut self,
+            m: &ModelRef,
+            f: &[f32],
+            shape: &[usize],
+            rows_per_call: usize,
+        ) -> Ran {
+            self.runs.push(f.len() / shape[0]);
+            let mut ran = Ran::default();
+            for chunk in f.chunks(rows_per_call * shape[0]) {
+                match self.inner.forward(m, chunk, shape) {
+                    Ok(out) => ran.done.push(out),
+                    Err(e) => {
+                        ran.failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            ran
+        }
+    }
+
+    #[test]
+    fn a_run_of_mini_batches_keeps_what_ran_and_handles_the_failed_one_alone() {
+        // Mini-batches of 2: [1 2] [3 -999] [5 6] [7 8] — and out of memory
+        // above 2 rows, so halving never applies.
+        let f = rows(&[1.0, 2.0, 3.0, -999.0, 5.0, 6.0, 7.0, 8.0]);
+        let mut b = Queued {
+            inner: Fake {
+                max_rows: 2,
+                calls: 0,
+            },
+            runs: Vec::new(),
+        };
+        let p = predict(&mut b, &model(), &f, &[2], 2, &FailurePolicy::default()).unwrap();
+        assert_eq!(
+            p.failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            vec![3]
+        );
+        let want = [2.0, 3.0, 4.0, f32::NAN, 6.0, 7.0, 8.0, 9.0];
+        for (i, (got, want)) in p.values.iter().zip(want).enumerate() {
+            assert!(
+                got == &want || (got.is_nan() && want.is_nan()),
+                "row {i}: {got}"
+            );
+        }
+        // One run of all 8 rows, stopped at the second mini-batch; that one
+        // bisected call by call; the rest (4 rows) again as one run.
+        assert_eq!(b.runs, vec![8, 4]);
     }
 
     #[test]
