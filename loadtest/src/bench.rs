@@ -694,17 +694,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     services::ensure_local()?;
     let worker = sibling("batchfleet-worker")?;
     let coordinator = sibling("batchfleet")?;
-    let tmp;
-    let root = match &cfg.dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            d.clone()
-        }
-        None => {
-            tmp = tempfile::tempdir()?;
-            tmp.path().to_owned()
-        }
-    };
+    let (root, _tmp) = crate::chaos::work_dir(cfg.dir.as_deref())?;
     let prefix = services::unique("bfbench");
     let bins = (worker.as_path(), coordinator.as_path());
     let mut report = BenchReport {

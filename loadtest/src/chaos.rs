@@ -182,22 +182,27 @@ pub(crate) fn sibling(name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The work folder `dir` (created), or a temporary one, kept as long as the
+/// returned guard lives.
+pub(crate) fn work_dir(dir: Option<&Path>) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
+    match dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            Ok((d.to_owned(), None))
+        }
+        None => {
+            let tmp = tempfile::tempdir()?;
+            Ok((tmp.path().to_owned(), Some(tmp)))
+        }
+    }
+}
+
 /// Runs the baseline and the chaos run; prints and returns the figures.
 pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     services::ensure_local()?;
     let worker_bin = sibling("batchfleet-worker")?;
     let coordinator = sibling("batchfleet")?;
-    let tmp;
-    let root = match &cfg.dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            d.clone()
-        }
-        None => {
-            tmp = tempfile::tempdir()?;
-            tmp.path().to_owned()
-        }
-    };
+    let (root, _tmp) = work_dir(cfg.dir.as_deref())?;
     let pool = services::unique("chaos");
     let prefix = services::unique("bfchaos");
     let mut report = ChaosReport {

@@ -63,17 +63,7 @@ pub fn run(cfg: &GpuCheckConfig) -> Result<Option<Vec<GpuFigures>>> {
     }
     services::ensure_local()?;
     let (worker, coordinator) = (sibling("batchfleet-worker")?, sibling("batchfleet")?);
-    let tmp;
-    let root = match &cfg.dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            d.clone()
-        }
-        None => {
-            tmp = tempfile::tempdir()?;
-            tmp.path().to_owned()
-        }
-    };
+    let (root, _tmp) = crate::chaos::work_dir(cfg.dir.as_deref())?;
     let prefix = services::unique("bfgpu");
     println!(
         "gpu-check: {} CUDA device(s); measuring on cuda:0, {} rows per model",

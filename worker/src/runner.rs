@@ -82,19 +82,30 @@ pub trait Backend {
         row_shape: &[usize],
         rows_per_call: usize,
     ) -> Ran {
-        let cols = row_shape.iter().product::<usize>().max(1);
-        let mut ran = Ran::default();
-        for chunk in features.chunks(rows_per_call.max(1) * cols) {
-            match self.forward(model, chunk, row_shape) {
-                Ok(f) => ran.done.push(f),
-                Err(e) => {
-                    ran.failed = Some(e);
-                    break;
-                }
+        call_by_call(self, model, features, row_shape, rows_per_call)
+    }
+}
+
+/// [`Backend::forward_run`] as one [`Backend::forward`] per mini-batch.
+pub fn call_by_call<B: Backend + ?Sized>(
+    backend: &mut B,
+    model: &ModelRef,
+    features: &[f32],
+    row_shape: &[usize],
+    rows_per_call: usize,
+) -> Ran {
+    let cols = row_shape.iter().product::<usize>().max(1);
+    let mut ran = Ran::default();
+    for chunk in features.chunks(rows_per_call.max(1) * cols) {
+        match backend.forward(model, chunk, row_shape) {
+            Ok(f) => ran.done.push(f),
+            Err(e) => {
+                ran.failed = Some(e);
+                break;
             }
         }
-        ran
     }
+    ran
 }
 
 /// What [`Backend::forward_run`] returned.
@@ -502,18 +513,7 @@ impl<B: Backend> Backend for Delayed<B> {
                 .forward_run(model, features, row_shape, rows_per_call);
         }
         // Delayed call by call, as `forward` is.
-        let cols = row_shape.iter().product::<usize>().max(1);
-        let mut ran = Ran::default();
-        for chunk in features.chunks(rows_per_call.max(1) * cols) {
-            match self.forward(model, chunk, row_shape) {
-                Ok(f) => ran.done.push(f),
-                Err(e) => {
-                    ran.failed = Some(e);
-                    break;
-                }
-            }
-        }
-        ran
+        call_by_call(self, model, features, row_shape, rows_per_call)
     }
 }
 
@@ -770,22 +770,18 @@ impl Backend for TorchBackend {
                 }
             }
         };
+        // Loaded first: loading is not device time.
+        if let Err(e) = self.module(model) {
+            return Ran {
+                done: Vec::new(),
+                failed: Some(ForwardError::Unusable(e)),
+            };
+        }
         let started = std::time::Instant::now();
         let ran = if let tch::Device::Cuda(index) = device {
             self.queued_run(model, features, row_shape, rows_per_call, index)
         } else {
-            let cols = row_shape.iter().product::<usize>().max(1);
-            let mut ran = Ran::default();
-            for chunk in features.chunks(rows_per_call.max(1) * cols) {
-                match self.forward(model, chunk, row_shape) {
-                    Ok(f) => ran.done.push(f),
-                    Err(e) => {
-                        ran.failed = Some(e);
-                        break;
-                    }
-                }
-            }
-            ran
+            call_by_call(self, model, features, row_shape, rows_per_call)
         };
         metrics::histogram!(names::WORKER_DEVICE_SECONDS, "device" => model.device.clone())
             .record(started.elapsed().as_secs_f64());
@@ -793,9 +789,14 @@ impl Backend for TorchBackend {
     }
 }
 
+/// Input bytes a GPU run stages ahead of the device at most (in pinned host
+/// memory) before it waits for the device to catch up.
+const MAX_QUEUED_BYTES: usize = 256 << 20;
+
 impl TorchBackend {
     /// [`Backend::forward_run`] on CUDA device `index`: all launched, then
-    /// one wait. A failure to launch keeps what was launched before it.
+    /// one wait (or one per [`MAX_QUEUED_BYTES`] of input). A failure to
+    /// launch keeps what was launched before it.
     fn queued_run(
         &mut self,
         model: &ModelRef,
@@ -818,7 +819,15 @@ impl TorchBackend {
         let cols = row_shape.iter().product::<usize>().max(1);
         let mut launched = Vec::new();
         let mut failed = None;
+        let mut queued_bytes = 0;
         for chunk in features.chunks(rows_per_call.max(1) * cols) {
+            // Pinned staging buffers are reused once their copy has run:
+            // bound what is staged ahead of the device.
+            queued_bytes += std::mem::size_of_val(chunk);
+            if queued_bytes > MAX_QUEUED_BYTES {
+                tch::Cuda::synchronize(index as i64);
+                queued_bytes = std::mem::size_of_val(chunk);
+            }
             match launch(module, model, chunk, row_shape, device, true) {
                 Ok(l) => launched.push(l),
                 Err(e) => {
