@@ -368,6 +368,26 @@ pub fn remove_under(root: &Path, rel: &Path) -> io::Result<()> {
         .remove_file(name)
 }
 
+/// Removes the folder `root/rel` if it is empty (a folder holding anything,
+/// or none there, is left as it is), following no link below `root`. In
+/// S3 a "folder" is a key prefix, gone with its last object: nothing to do.
+pub fn remove_empty_dir_under(root: &Path, rel: &Path) -> io::Result<()> {
+    if crate::source::is_url(root) {
+        return Ok(());
+    }
+    let (dir, name) = split_name(rel)?;
+    let parent = match Folder::open(root, false).and_then(|f| f.sub(dir, false)) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    match unlinkat(&parent.fd, name, AtFlags::REMOVEDIR) {
+        Ok(()) => Ok(()),
+        Err(e) if e == Errno::NOTEMPTY || e == Errno::EXIST || e == Errno::NOENT => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Removes the folder `root/rel` and its contents, following no link below `root`.
 pub fn remove_tree_under(root: &Path, rel: &Path) -> io::Result<()> {
     if crate::source::is_url(root) {
@@ -518,6 +538,14 @@ mod tests {
         assert!(elsewhere.path().join("keep").exists());
         // Removing what is not there is not an error.
         remove_tree_under(dir.path(), Path::new("_partial/none")).unwrap();
+        // An empty folder goes, one holding anything stays.
+        fs::create_dir_all(dir.path().join("_partial/part-000002-abc")).unwrap();
+        remove_empty_dir_under(dir.path(), Path::new("_partial")).unwrap();
+        assert!(dir.path().join("_partial/part-000002-abc").is_dir());
+        remove_tree_under(dir.path(), Path::new("_partial/part-000002-abc")).unwrap();
+        remove_empty_dir_under(dir.path(), Path::new("_partial")).unwrap();
+        assert!(!dir.path().join("_partial").exists());
+        remove_empty_dir_under(dir.path(), Path::new("_partial")).unwrap();
         remove_tree_under(dir.path(), Path::new("nowhere/none")).unwrap();
     }
 

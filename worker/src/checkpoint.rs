@@ -26,6 +26,15 @@ pub fn item_dir(seq: u32, sha256: &str) -> PathBuf {
     Path::new(PARTIAL_DIR).join(format!("part-{seq:06}-{short}"))
 }
 
+/// Removes an item's checkpoint folder `dir` (relative to the output folder
+/// `out`), and `_partial/` itself once it holds no other item's: a copy
+/// that loses the race may write its segments after the job's summary
+/// removed `_partial/`, and must not leave it behind.
+pub fn remove(out: &Path, dir: &Path) -> std::io::Result<()> {
+    batchfleet_shared::fsutil::remove_tree_under(out, dir)?;
+    batchfleet_shared::fsutil::remove_empty_dir_under(out, Path::new(PARTIAL_DIR))
+}
+
 /// `seg-<start>-<end>.csv` in an item's checkpoint folder `dir` (relative).
 pub fn segment_path(dir: &Path, (start, end): (usize, usize), format: OutputFormat) -> PathBuf {
     dir.join(format!("seg-{start:09}-{end:09}.{}", format.extension()))

@@ -380,8 +380,7 @@ async fn process(
         // stats are the ones that count (it commits them, or its redelivery does).
         tracing::info!("another copy published the item first; discarding this one");
         if let Some(dir) = partial {
-            let _ =
-                blocking(move || batchfleet_shared::fsutil::remove_tree_under(&out, &dir)).await;
+            let _ = blocking(move || checkpoint::remove(&out, &dir)).await;
         }
         return Ok(Handled::AlreadyDone);
     }
@@ -406,7 +405,7 @@ async fn commit(
         .await?;
     if let Some((out, dir)) = partial {
         // The segments are in the part file now.
-        let _ = blocking(move || batchfleet_shared::fsutil::remove_tree_under(&out, &dir)).await;
+        let _ = blocking(move || checkpoint::remove(&out, &dir)).await;
     }
     if won {
         let labels = [
@@ -582,7 +581,7 @@ async fn compute(
             // A faster copy committed: this copy's segments are not
             // needed (and the job's summary may already be written).
             let (o, d) = (out.to_owned(), dir.clone());
-            let _ = blocking(move || batchfleet_shared::fsutil::remove_tree_under(&o, &d)).await;
+            let _ = blocking(move || checkpoint::remove(&o, &d)).await;
             return Ok(Err(Handled::AlreadyDone));
         }
         if ctx.shutdown.is_cancelled() {
