@@ -186,7 +186,7 @@ const HEADERS_KEPT: usize = 4096;
 /// Checks that the CSV file has the header the job was planned with
 /// (validation reads a sample of the files when they are remote, so the
 /// worker is where every other file is checked). A different header is
-/// poison naming the file and both headers; an empty expected header (an
+/// poison naming the file and the first column that differs; an empty expected header (an
 /// item published before the check) checks nothing.
 fn check_header(
     input: &Input,

@@ -57,7 +57,7 @@ pub fn read_header(path: &Path, delimiter: u8) -> Result<Vec<String>, String> {
 
 /// Remote files whose first record validation reads at most: the rest are
 /// checked by the worker that reads them (a CSV header that differs fails
-/// that file's items, naming the file and both headers).
+/// that file's items, naming the file and the first column that differs).
 pub const SAMPLE_FILES: usize = 64;
 
 /// The files validation probes: every local file (a probe is a small read),
