@@ -17,7 +17,9 @@
 //! And the **control plane**: tens of thousands of one-row items with a tiny
 //! model (items/s through publish → consume → done → ack), next to raw
 //! RabbitMQ confirmed-publish and consume+ack rates measured in the same
-//! run, with worker RSS after 1k and 10k items.
+//! run, with worker RSS after 1k and 10k items and the CPU per item each
+//! process used (workers, coordinator, RabbitMQ, Redis): on a machine whose
+//! cores the services share, that CPU is what bounds items/s.
 
 use crate::chaos::sibling;
 use crate::forward;
@@ -130,6 +132,79 @@ pub struct ControlPlane {
     pub rss_after_1k_mib: Vec<f64>,
     /// Each worker's RSS (MiB) after 10,000 items.
     pub rss_after_10k_mib: Vec<f64>,
+    /// CPU per item by process, while the job ran.
+    pub cpu: CpuPerItem,
+}
+
+/// Milliseconds of CPU (user + system) per item each part of the system used
+/// during the control-plane job, and the rate they allow on this machine.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuPerItem {
+    /// Each worker process.
+    pub workers_ms: Vec<f64>,
+    /// The coordinator (planning, publishing, monitoring, the summary).
+    pub coordinator_ms: f64,
+    /// The RabbitMQ node(s) on this machine.
+    pub rabbitmq_ms: f64,
+    /// The Redis server.
+    pub redis_ms: f64,
+    /// All of them.
+    pub total_ms: f64,
+    /// Cores × 1000 ÷ `total_ms`: items/s if every core did nothing else.
+    pub ceiling_items_per_s: f64,
+    /// The same for RabbitMQ and Redis alone: what no worker change can pass.
+    pub services_ceiling_items_per_s: f64,
+}
+
+/// CPU seconds by part, read before and after a job.
+#[derive(Debug, Clone)]
+struct CpuSample {
+    workers: Vec<f64>,
+    coordinator: f64,
+    rabbitmq: f64,
+    redis: f64,
+}
+
+impl CpuSample {
+    fn take(worker_pids: &[u32]) -> Self {
+        Self {
+            workers: worker_pids
+                .iter()
+                .map(|p| services::cpu_s(*p).unwrap_or(0.0))
+                .collect(),
+            // The coordinator is the only child waited for during the job.
+            coordinator: services::ended_children_cpu_s().unwrap_or(0.0),
+            rabbitmq: services::rabbitmq_cpu_s().unwrap_or(0.0),
+            redis: services::redis_cpu_s().unwrap_or(0.0),
+        }
+    }
+
+    /// Per item, from `self` (before) to `after`.
+    fn per_item(&self, after: &CpuSample, items: u64, cores: usize) -> CpuPerItem {
+        let ms = |a: f64, b: f64| (b - a).max(0.0) * 1000.0 / items.max(1) as f64;
+        let workers_ms: Vec<f64> = self
+            .workers
+            .iter()
+            .zip(&after.workers)
+            .map(|(a, b)| ms(*a, *b))
+            .collect();
+        let (coordinator_ms, rabbitmq_ms, redis_ms) = (
+            ms(self.coordinator, after.coordinator),
+            ms(self.rabbitmq, after.rabbitmq),
+            ms(self.redis, after.redis),
+        );
+        let total_ms = workers_ms.iter().sum::<f64>() + coordinator_ms + rabbitmq_ms + redis_ms;
+        let ceiling = |ms: f64| cores as f64 * 1000.0 / ms.max(1e-9);
+        CpuPerItem {
+            workers_ms,
+            coordinator_ms,
+            rabbitmq_ms,
+            redis_ms,
+            total_ms,
+            ceiling_items_per_s: ceiling(total_ms),
+            services_ceiling_items_per_s: ceiling(rabbitmq_ms + redis_ms),
+        }
+    }
 }
 
 /// Everything a bench run measured.
@@ -240,6 +315,10 @@ impl Fleet {
             .iter()
             .filter_map(|(c, _)| proc_mib(c.id(), field))
             .collect()
+    }
+
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|(c, _)| c.id()).collect()
     }
 
     pub(crate) fn stop(&mut self) {
@@ -643,7 +722,8 @@ fn control_plane(
     let threads = (cores / cfg.workers).max(1);
     let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, cfg.workers, threads)?;
     let done = std::sync::atomic::AtomicBool::new(false);
-    let (wall, summary, rss_1k, rss_10k) = std::thread::scope(|s| -> Result<_> {
+    let cpu_before = CpuSample::take(&fleet.pids());
+    let (wall, summary, rss_1k, rss_10k, cpu_after) = std::thread::scope(|s| -> Result<_> {
         let fleet = &fleet;
         let done_ref = &done;
         let watcher = s.spawn(move || {
@@ -662,12 +742,13 @@ fn control_plane(
             (at_1k, at_10k)
         });
         let r = run_job(bins.1, &dir.join("job.toml"), prefix);
+        let cpu_after = CpuSample::take(&fleet.pids());
         done.store(true, std::sync::atomic::Ordering::Relaxed);
         let (a, b) = watcher
             .join()
             .map_err(|_| anyhow::anyhow!("watcher panicked"))?;
         let (wall, _, summary) = r?;
-        Ok((wall, summary, a, b))
+        Ok((wall, summary, a, b, cpu_after))
     })?;
     fleet.stop();
     services::delete_pool_queues(&pool);
@@ -686,6 +767,7 @@ fn control_plane(
         ratio_to_raw_consume: items_per_s / raw_consume,
         rss_after_1k_mib: rss_1k,
         rss_after_10k_mib: rss_10k,
+        cpu: cpu_before.per_item(&cpu_after, items, cores),
     })
 }
 
@@ -819,6 +901,13 @@ fn print(r: &BenchReport) {
                 .iter()
                 .map(|m| m.round())
                 .collect::<Vec<_>>()
+        );
+        let cpu = &c.cpu;
+        println!(
+            "  CPU per item: workers {:?} ms, coordinator {:.3} ms, RabbitMQ {:.3} ms, Redis {:.3} ms; {:.3} ms in all → at most {:.0} items/s on {} cores (RabbitMQ and Redis alone: {:.0})",
+            cpu.workers_ms.iter().map(|m| (m * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
+            cpu.coordinator_ms, cpu.rabbitmq_ms, cpu.redis_ms, cpu.total_ms,
+            cpu.ceiling_items_per_s, r.cores, cpu.services_ceiling_items_per_s
         );
     }
 }

@@ -108,8 +108,9 @@ enum Command {
     /// small (I/O-bound) and a large (compute-bound) MLP, the libtorch compute
     /// ceiling, the read+parse+write I/O ceiling, the fleet end to end and
     /// `batchfleet run --local` (W pipelines, and one of all cores) on the
-    /// same data; then the control plane (one-row items/s vs raw RabbitMQ)
-    /// and worker memory after 1k and 10k items. Needs the release binaries
+    /// same data; then the control plane (one-row items/s vs raw RabbitMQ,
+    /// CPU per item by process and the rate it allows on this machine's
+    /// cores) and worker memory after 1k and 10k items. Needs the release binaries
     /// (`make release`) and the local RabbitMQ and Redis.
     Bench {
         /// Rows of the small-model jobs (0 skips them).

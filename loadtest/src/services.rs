@@ -102,6 +102,74 @@ fn redis_cli(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
+/// CPU seconds (user + system, all threads) the local Redis has used since it started.
+pub fn redis_cpu_s() -> Option<f64> {
+    let info = redis_cli(&["info", "cpu"]).ok()?;
+    let field = |name: &str| -> Option<f64> {
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))?
+            .parse()
+            .ok()
+    };
+    Some(field("used_cpu_user")? + field("used_cpu_sys")?)
+}
+
+/// CPU seconds (user + system) every RabbitMQ node on this machine (the
+/// `beam.smp` processes) has used since it started.
+pub fn rabbitmq_cpu_s() -> Option<f64> {
+    let mut total = None;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.trim() == "beam.smp" {
+            *total.get_or_insert(0.0) += cpu_s(pid).unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+/// CPU seconds (user + system) process `pid` has used, from `/proc/<pid>/stat`.
+pub fn cpu_s(pid: u32) -> Option<f64> {
+    stat_ticks(&format!("/proc/{pid}/stat"), 11)
+}
+
+/// CPU seconds (user + system) of this process's children that have ended
+/// and been waited for (`cutime` + `cstime` of `/proc/self/stat`).
+pub fn ended_children_cpu_s() -> Option<f64> {
+    stat_ticks("/proc/self/stat", 13)
+}
+
+/// The sum of two clock-tick fields of a `stat` file, `at` and the next, in
+/// seconds; fields count from the one after the command name.
+fn stat_ticks(file: &str, at: usize) -> Option<f64> {
+    let stat = std::fs::read_to_string(file).ok()?;
+    // The command name, in parentheses, may hold spaces: count from after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(at)?.parse::<f64>().ok()? + fields.get(at + 1)?.parse::<f64>().ok()?;
+    Some(ticks / clock_ticks())
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .filter(|t: &f64| *t > 0.0)
+            .unwrap_or(100.0)
+    })
+}
+
 /// Restarts the local Redis (fault injection for tests and the chaos run).
 /// With `keep_data` it saves a snapshot on shutdown, loads it on start and
 /// then deletes the snapshot file (the machine's Redis keeps nothing on disk);
