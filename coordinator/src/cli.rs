@@ -204,8 +204,9 @@ pub struct FollowArgs {
     /// Do not draw a progress bar (it is drawn only on a terminal anyway).
     #[arg(long, env = "BATCHFLEET_NO_PROGRESS")]
     pub no_progress: bool,
-    /// How often progress is read from Redis (every 20 ms, at most, once
-    /// only the last 8 items remain, so that the job's end is seen at once).
+    /// How often progress is read from Redis, at most: sooner as the end
+    /// nears (within half the time the remaining items should take, and
+    /// every 20 ms for the last 8), so that the job's end is seen at once.
     #[arg(long, default_value = "250ms", value_parser = humantime::parse_duration)]
     pub poll_interval: Duration,
     /// Publishes allowed in flight before waiting for the broker's confirms.

@@ -38,6 +38,23 @@ const IDLE_WARNING: Duration = Duration::from_secs(30);
 /// Items left at which [`follow`] polls every [`FAST_POLL`].
 const FAST_POLL_REMAINING: u64 = 8;
 
+/// How long [`follow`] waits before its next poll: `poll_interval`, but no
+/// more than half the time the remaining items should take at the rate
+/// items have settled so far (and [`FAST_POLL`] for the last few), so that
+/// the end of a short job is seen within [`FAST_POLL`] of it rather than up
+/// to a whole `poll_interval` later.
+fn next_wait(poll_interval: Duration, remaining: u64, items_per_s: f64) -> Duration {
+    let fast = poll_interval.min(FAST_POLL);
+    if remaining <= FAST_POLL_REMAINING {
+        return fast;
+    }
+    if items_per_s <= 0.0 || !items_per_s.is_finite() {
+        return poll_interval;
+    }
+    let half_left = Duration::from_secs_f64((remaining as f64 / items_per_s / 2.0).min(3600.0));
+    half_left.clamp(fast, poll_interval)
+}
+
 /// Poll interval once only the last few items remain.
 const FAST_POLL: Duration = Duration::from_millis(20);
 
@@ -74,6 +91,7 @@ pub async fn follow(
     let bar = progress_bar(cfg.progress, first.rows_total);
     let started = Instant::now();
     let start_rows = first.rows_done;
+    let start_items = first.items_done + first.items_failed;
     let mut last_change = Instant::now();
     let mut last_log = Instant::now();
     let mut last = first;
@@ -86,10 +104,13 @@ pub async fn follow(
         let remaining = last
             .items_total
             .saturating_sub(last.items_done + last.items_failed);
+        let settled_since =
+            (last.items_done + last.items_failed).saturating_sub(start_items) as f64;
         let wait = if std::mem::take(&mut first_poll) {
             Duration::ZERO
-        } else if last.items_total > 0 && remaining <= FAST_POLL_REMAINING {
-            cfg.poll_interval.min(FAST_POLL)
+        } else if last.items_total > 0 {
+            let items_per_s = settled_since / started.elapsed().as_secs_f64().max(1e-3);
+            next_wait(cfg.poll_interval, remaining, items_per_s)
         } else {
             cfg.poll_interval
         };
@@ -251,5 +272,22 @@ mod tests {
         };
         assert_eq!(eta(&p, 100.0), 3);
         assert_eq!(eta(&p, 0.0), 0);
+    }
+
+    #[test]
+    fn polls_sooner_as_the_end_of_the_job_nears() {
+        let every = Duration::from_millis(250);
+        // Far from the end, or no rate yet: the configured interval.
+        assert_eq!(next_wait(every, 10_000, 100.0), every);
+        assert_eq!(next_wait(every, 100, 0.0), every);
+        // 30 items at 100 items/s: 0.3 s left, so poll again in 0.15 s.
+        assert_eq!(next_wait(every, 30, 100.0), Duration::from_millis(150));
+        // Almost there: the fast poll, never less.
+        assert_eq!(next_wait(every, 9, 1_000.0), FAST_POLL);
+        assert_eq!(next_wait(every, 3, 0.0), FAST_POLL);
+        // A configured interval shorter than the fast poll is kept.
+        let short = Duration::from_millis(5);
+        assert_eq!(next_wait(short, 3, 0.0), short);
+        assert_eq!(next_wait(short, 10_000, 1.0), short);
     }
 }
