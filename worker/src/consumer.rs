@@ -295,15 +295,9 @@ async fn process(
         recovered: false,
         rows_resumed: 0,
     };
-    let shown = out.join(&part).display().to_string();
-    let (o, p) = (out.clone(), part.clone());
-    let exists = blocking(move || batchfleet_shared::fsutil::exists_under(&o, &p))
-        .await?
-        .map_err(|e| ItemError::output_io(format!("cannot look for {shown}"), &e))?;
-    let mut publishing = Publishing::Fresh;
-    let mut existing_rows = 0;
-    if exists {
-        // A previous delivery published the part and died before marking it done.
+    // One trip to the blocking pool: look for the part file and, unless a
+    // previous delivery's part can be committed as it is, read the item.
+    let looked = {
         let (o, p, spec, seq) = (
             out.clone(),
             part.clone(),
@@ -311,25 +305,42 @@ async fn process(
             item.seq,
         );
         let item_rows = batchfleet_shared::split::ItemRows::of(item);
-        let (rows, rejected, hist, expected) = blocking(move || {
-            let (rows, h) = batchfleet_shared::output::histogram_under(&o, &p, &spec)?;
-            let rejected = batchfleet_shared::output::count_rejects_under(&o, seq)?;
-            // A range cut blind is read to count its rows; if it cannot be,
-            // the item is computed again.
-            let expected = item_rows.get().ok();
-            Ok::<_, std::io::Error>((rows, rejected, h, expected))
+        let (slice, layout, on_bad_row) = (
+            item.input.clone(),
+            item.task.layout.clone(),
+            item.task.failure.on_bad_row,
+        );
+        let span = tracing::Span::current();
+        blocking(move || {
+            let _in_item = span.enter();
+            look_and_read(&o, &p, &spec, seq, &item_rows, || {
+                let started = Instant::now();
+                let batch = reader::read(&slice, &layout, on_bad_row);
+                metrics::histogram!(names::WORKER_READ).record(started.elapsed().as_secs_f64());
+                batch
+            })
         })
-        .await?
-        .map_err(|e| ItemError::output_io(format!("cannot read {shown}"), &e))?;
-        if Some(rows + rejected) == expected {
+        .await??
+    };
+    let (batch, publishing, existing_rows) = match looked {
+        Looked::Recovered {
+            rows,
+            rejected,
+            hist,
+        } => {
             (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
             return commit(item, stats, &hist, None, ctx).await;
         }
-        tracing::warn!(rows, rejected, item_rows = ?expected, "the part file is there but its rejects do not add up (its writer died between the two); recomputing the item to complete it");
-        publishing = Publishing::Completing;
-        existing_rows = rows;
-    }
-    let computed = compute(item, attempt, lease, ctx, &out).await?;
+        Looked::Read {
+            batch,
+            existing_rows: None,
+        } => (*batch, Publishing::Fresh, 0),
+        Looked::Read {
+            batch,
+            existing_rows: Some(rows),
+        } => (*batch, Publishing::Completing, rows),
+    };
+    let computed = compute(item, attempt, batch, lease, ctx, &out).await?;
     let Computed {
         rows,
         rejects,
@@ -386,6 +397,67 @@ async fn process(
     }
     let partial = partial.map(|dir| (out, dir));
     commit(item, stats, &hist, partial, ctx).await
+}
+
+/// What [`look_and_read`] found.
+enum Looked {
+    /// A previous delivery's part file and rejects are complete: commit them.
+    Recovered {
+        rows: u64,
+        rejected: u64,
+        hist: Vec<Vec<u64>>,
+    },
+    /// The item's rows, to compute; `existing_rows`: a previous delivery's
+    /// part file is there with this many rows but its rejects do not add up.
+    Read {
+        batch: Box<crate::batch::Batch>,
+        existing_rows: Option<u64>,
+    },
+}
+
+/// Looks for the item's part file `part` under `out` and, unless a previous
+/// delivery's part and rejects add up to the item's rows (then they are
+/// committed as they are), reads the item with `read`. Blocking.
+fn look_and_read(
+    out: &Path,
+    part: &Path,
+    spec: &batchfleet_shared::message::OutputSpec,
+    seq: u32,
+    item_rows: &batchfleet_shared::split::ItemRows,
+    read: impl FnOnce() -> Result<crate::batch::Batch, ItemError>,
+) -> Result<Looked, ItemError> {
+    let shown = || out.join(part).display().to_string();
+    let exists = batchfleet_shared::fsutil::exists_under(out, part)
+        .map_err(|e| ItemError::output_io(format!("cannot look for {}", shown()), &e))?;
+    if !exists {
+        return Ok(Looked::Read {
+            batch: Box::new(read()?),
+            existing_rows: None,
+        });
+    }
+    // A previous delivery published the part and died before marking it done.
+    let found = (|| {
+        let (rows, hist) = batchfleet_shared::output::histogram_under(out, part, spec)?;
+        let rejected = batchfleet_shared::output::count_rejects_under(out, seq)?;
+        Ok::<_, std::io::Error>((rows, rejected, hist))
+    })();
+    let (rows, rejected, hist) =
+        found.map_err(|e| ItemError::output_io(format!("cannot read {}", shown()), &e))?;
+    // A range cut blind is read to count its rows; if it cannot be, the item
+    // is computed again.
+    let expected = item_rows.get().ok();
+    if Some(rows + rejected) == expected {
+        return Ok(Looked::Recovered {
+            rows,
+            rejected,
+            hist,
+        });
+    }
+    tracing::warn!(rows, rejected, item_rows = ?expected, "the part file is there but its rejects do not add up (its writer died between the two); recomputing the item to complete it");
+    Ok(Looked::Read {
+        batch: Box::new(read()?),
+        existing_rows: Some(rows),
+    })
 }
 
 /// Marks the item done in Redis (first commit wins), then removes its
@@ -472,12 +544,13 @@ impl PartSource {
     }
 }
 
-/// Reads and predicts the item (segment by segment when it checkpoints).
+/// Predicts the item's rows (segment by segment when it checkpoints).
 /// `Ok(Err(outcome))` when it ended early (shutdown, a faster copy, a wait
 /// for the model that took too long).
 async fn compute(
     item: &WorkItem,
     attempt: u32,
+    mut batch: crate::batch::Batch,
     lease: &LeaseGuard,
     ctx: &ItemContext,
     out: &Path,
@@ -485,14 +558,6 @@ async fn compute(
     let policy = &item.task.failure;
     let hspec = item.task.output.histogram;
     let format = item.task.output.format;
-    let (slice, layout, on_bad_row) = (
-        item.input.clone(),
-        item.task.layout.clone(),
-        policy.on_bad_row,
-    );
-    let read_started = Instant::now();
-    let mut batch = blocking(move || reader::read(&slice, &layout, on_bad_row)).await??;
-    metrics::histogram!(names::WORKER_READ).record(read_started.elapsed().as_secs_f64());
     let mut budget = Duration::from_millis(policy.item_timeout_ms);
     let seg = item.task.checkpoint_rows as usize;
     let mut rejects = std::mem::take(&mut batch.rejects);
