@@ -5,5 +5,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+        // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
+        println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
     }
 }

@@ -307,6 +307,10 @@ pub struct StatusArgs {
 /// Runs a parsed command line and returns the process exit code.
 pub async fn main(cli: Cli) -> ExitCode {
     cli.global.services.init_logging();
+    // Before any libtorch call (`run --local` and validation use it).
+    batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
+        "BATCHFLEET_LIBTORCH_LIB"
+    )));
     let connections = match cli.global.connections() {
         Ok(c) => c,
         Err(e) => {

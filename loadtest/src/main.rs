@@ -213,6 +213,11 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    // Before any libtorch call (gpu-check needs CUDA where there is a GPU).
+    let cuda = batchfleet_shared::cuda::load(option_env!("BATCHFLEET_LIBTORCH_LIB"));
+    if let batchfleet_shared::cuda::CudaSupport::Failed(why) = &cuda {
+        eprintln!("warning: CUDA devices are unavailable: {why}");
+    }
     match Cli::parse().command {
         Command::Gen {
             out,

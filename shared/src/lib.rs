@@ -30,6 +30,7 @@
 pub mod broker;
 pub mod columns;
 pub mod config;
+pub mod cuda;
 pub mod fsutil;
 pub mod message;
 pub mod metrics;

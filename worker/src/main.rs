@@ -5,6 +5,10 @@ use std::process::ExitCode;
 async fn main() -> ExitCode {
     let cfg = batchfleet_worker::WorkerConfig::parse();
     cfg.services.init_logging();
+    // Before any libtorch call.
+    batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
+        "BATCHFLEET_LIBTORCH_LIB"
+    )));
     let shutdown = batchfleet_shared::shutdown::on_signals();
     match batchfleet_worker::run(cfg, shutdown).await {
         Ok(batchfleet_worker::Exit::Clean) => ExitCode::SUCCESS,
