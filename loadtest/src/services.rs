@@ -136,38 +136,13 @@ pub fn rabbitmq_cpu_s() -> Option<f64> {
 
 /// CPU seconds (user + system) process `pid` has used, from `/proc/<pid>/stat`.
 pub fn cpu_s(pid: u32) -> Option<f64> {
-    stat_ticks(&format!("/proc/{pid}/stat"), 11)
+    batchfleet_shared::metrics::stat_cpu_s(&format!("/proc/{pid}/stat"), false)
 }
 
 /// CPU seconds (user + system) of this process's children that have ended
-/// and been waited for (`cutime` + `cstime` of `/proc/self/stat`).
+/// and been waited for.
 pub fn ended_children_cpu_s() -> Option<f64> {
-    stat_ticks("/proc/self/stat", 13)
-}
-
-/// The sum of two clock-tick fields of a `stat` file, `at` and the next, in
-/// seconds; fields count from the one after the command name.
-fn stat_ticks(file: &str, at: usize) -> Option<f64> {
-    let stat = std::fs::read_to_string(file).ok()?;
-    // The command name, in parentheses, may hold spaces: count from after it.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = fields.get(at)?.parse::<f64>().ok()? + fields.get(at + 1)?.parse::<f64>().ok()?;
-    Some(ticks / clock_ticks())
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
-fn clock_ticks() -> f64 {
-    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-            .filter(|t: &f64| *t > 0.0)
-            .unwrap_or(100.0)
-    })
+    batchfleet_shared::metrics::stat_cpu_s("/proc/self/stat", true)
 }
 
 /// Restarts the local Redis (fault injection for tests and the chaos run).

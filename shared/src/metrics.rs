@@ -228,16 +228,25 @@ async fn sample_process(every: Duration) {
 
 /// (CPU seconds, resident bytes) of this process, from `/proc/self`.
 pub fn process_usage() -> Option<(f64, u64)> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the command name (which may hold spaces) start after ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the file (index 11, 12 here), in clock ticks.
-    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    let cpu = ticks / 100.0;
+    let cpu = stat_cpu_s("/proc/self/stat", false)?;
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some((cpu, pages * 4096))
+}
+
+/// CPU seconds (user + system) from a `/proc/<pid>/stat` file: the
+/// process's own, or with `children` those of its children that ended and
+/// were waited for (`cutime` + `cstime`).
+pub fn stat_cpu_s(stat_file: &str, children: bool) -> Option<f64> {
+    let stat = std::fs::read_to_string(stat_file).ok()?;
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime, stime, cutime, cstime are fields 14–17 of the file (index 11–14
+    // here), in clock ticks: USER_HZ, which Linux fixes at 100 for /proc.
+    let at = if children { 13 } else { 11 };
+    let ticks = fields.get(at)?.parse::<f64>().ok()? + fields.get(at + 1)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 #[cfg(test)]
@@ -276,6 +285,15 @@ mod tests {
         let (cpu, rss) = process_usage().expect("/proc/self");
         assert!(cpu >= 0.0);
         assert!(rss > 1_000_000, "a test process uses more than 1 MB: {rss}");
+        // A child that burns CPU counts among the ended children once waited for.
+        let before = stat_cpu_s("/proc/self/stat", true).expect("children");
+        let status = std::process::Command::new("sh")
+            .args(["-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"])
+            .status()
+            .expect("sh");
+        assert!(status.success());
+        let after = stat_cpu_s("/proc/self/stat", true).expect("children");
+        assert!(after > before, "children's CPU {before} → {after}");
     }
 }
 
