@@ -358,6 +358,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
+            text: None,
         },
     }
 }

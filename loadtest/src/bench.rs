@@ -471,6 +471,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                     let batch = batchfleet_worker::reader::read(
                         &item.input,
                         &item.task.layout,
+                        item.task.text.as_ref(),
                         item.task.failure.on_bad_row,
                     )
                     .map_err(|e| anyhow::anyhow!("{e}"))?;

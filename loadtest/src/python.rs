@@ -250,3 +250,66 @@ pub fn make_image_job(out: &Path, g: &ImageGen) -> Result<()> {
     }
     Ok(())
 }
+
+/// Options of `make_text_job.py`: a corpus, a WordPiece `tokenizer.json`
+/// trained on it, a small scripted TransformerEncoder and PyTorch's outputs.
+#[derive(Debug, Clone)]
+pub struct TextGen {
+    /// Rows of the corpus.
+    pub rows: u32,
+    /// Embedding width (outputs per row).
+    pub dim: u32,
+    /// Encoder layers.
+    pub layers: u32,
+    /// Tokens per row at most.
+    pub max_length: u32,
+    /// Rows per mini-batch of the reference run.
+    pub batch: u32,
+    /// `csv`, `jsonl`, `parquet` or `all`.
+    pub format: String,
+    /// Skip PyTorch's outputs (for benchmarks).
+    pub no_expected: bool,
+}
+
+impl Default for TextGen {
+    fn default() -> Self {
+        Self {
+            rows: 2_000,
+            dim: 32,
+            layers: 2,
+            max_length: 128,
+            batch: 32,
+            format: "all".into(),
+            no_expected: false,
+        }
+    }
+}
+
+/// Writes `corpus.<format>`, `tokenizer.json`, `encoder.pt`,
+/// `expected_ids.jsonl` and `expected.csv` into `out`; see
+/// `loadtest/python/make_text_job.py`.
+pub fn make_text_job(out: &Path, g: &TextGen) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_text_job.py");
+    let mut cmd = Command::new(interpreter());
+    cmd.arg(&script)
+        .arg(out)
+        .args(["--rows", &g.rows.to_string()])
+        .args(["--dim", &g.dim.to_string()])
+        .args(["--layers", &g.layers.to_string()])
+        .args(["--max-length", &g.max_length.to_string()])
+        .args(["--batch", &g.batch.to_string()])
+        .args(["--format", &g.format]);
+    if g.no_expected {
+        cmd.arg("--no-expected");
+    }
+    let status = cmd.status().with_context(|| {
+        format!(
+            "running {}; create the venv with `make venv`",
+            script.display()
+        )
+    })?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    Ok(())
+}

@@ -23,6 +23,8 @@
 //! - [`model_file`]: what a model file is (TorchScript, a `state_dict`, a
 //!   pickled module, a `torch.export` package), read from its zip entries.
 //! - [`signing`]: the key that signs work messages (HMAC-SHA256) and checks them.
+//! - [`text`]: text input: a Hugging Face `tokenizer.json` loaded and used
+//!   the same way by validation and by workers.
 //! - [`source`]: input locations, local files or `s3://` objects, behind one reader.
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
@@ -46,6 +48,7 @@ pub mod split;
 pub mod store;
 pub mod table;
 pub mod telemetry;
+pub mod text;
 
 /// Milliseconds since the Unix epoch, the timestamp unit used in Redis and summaries.
 pub fn now_ms() -> u64 {

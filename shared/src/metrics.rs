@@ -51,6 +51,8 @@ pub mod names {
     pub const WORKER_QUEUE_WAIT: &str = "batchfleet_worker_queue_wait_seconds";
     /// Worker: reading and parsing an item's rows (histogram, seconds; pool).
     pub const WORKER_READ: &str = "batchfleet_worker_read_seconds";
+    /// Worker: tokenizing an item's texts (histogram, seconds; pool).
+    pub const WORKER_TOKENIZE: &str = "batchfleet_worker_tokenize_seconds";
     /// Worker: one `forward` call (histogram, seconds; pool).
     pub const WORKER_INFERENCE: &str = "batchfleet_worker_inference_seconds";
     /// Worker: writing and publishing a part or segment file (histogram, seconds; pool).
@@ -119,6 +121,7 @@ pub mod names {
         (WORKER_ITEMS_IN_FLIGHT, Kind::Gauge),
         (WORKER_QUEUE_WAIT, Kind::Histogram),
         (WORKER_READ, Kind::Histogram),
+        (WORKER_TOKENIZE, Kind::Histogram),
         (WORKER_INFERENCE, Kind::Histogram),
         (WORKER_DEVICE_SECONDS, Kind::Histogram),
         (WORKER_WRITE, Kind::Histogram),
@@ -195,6 +198,7 @@ pub fn install(
     let buckets = [
         (names::WORKER_QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
         (names::WORKER_READ, STAGE_BUCKETS),
+        (names::WORKER_TOKENIZE, STAGE_BUCKETS),
         (names::WORKER_INFERENCE, STAGE_BUCKETS),
         (names::WORKER_DEVICE_SECONDS, STAGE_BUCKETS),
         (names::WORKER_WRITE, STAGE_BUCKETS),

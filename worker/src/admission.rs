@@ -107,14 +107,23 @@ fn check_range_end(item: &WorkItem) -> Result<(), String> {
     }
 }
 
-/// Refuses an item whose input files (every one, for `files` items), model
-/// or output folder is not under `roots`.
+/// Refuses an item whose input files (every one, for `files` items), model,
+/// tokenizer or output folder is not under `roots`.
 pub fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), String> {
     let inputs = item.input.input_files();
-    let paths = inputs.iter().map(|p| ("input file", p.as_path())).chain([
-        ("model", Path::new(&item.task.model.path)),
-        ("output folder", Path::new(&item.task.output.dir)),
-    ]);
+    let tokenizer = item
+        .task
+        .text
+        .as_ref()
+        .map(|t| Path::new(&t.tokenizer.path));
+    let paths = inputs
+        .iter()
+        .map(|p| ("input file", p.as_path()))
+        .chain([
+            ("model", Path::new(&item.task.model.path)),
+            ("output folder", Path::new(&item.task.output.dir)),
+        ])
+        .chain(tokenizer.map(|t| ("tokenizer", t)));
     for (what, p) in paths {
         if let Err(e) = roots.check(p) {
             return Err(format!(
@@ -191,6 +200,7 @@ mod tests {
                 jsonl: None,
                 parquet: None,
                 image: None,
+                text: None,
             },
         };
         let body = Envelope::V1(v1).encode();

@@ -2,6 +2,8 @@
 //! `f32` buffer with the row ids (and copied input columns) beside it — and
 //! the rows that were not predicted, with why. Every reader (CSV, JSON Lines,
 //! Parquet, image files) fills a [`Batch`]; the runner and the writer take it.
+//! Text input carries each row's text instead, which the worker turns into
+//! [`Tokens`] before the runner takes them.
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +49,54 @@ pub struct Batch {
     pub(crate) line_base: std::sync::OnceLock<u64>,
     /// Rows rejected while parsing.
     pub rejects: Vec<Reject>,
+    /// Text input: each accepted row's text, back to back.
+    pub(crate) texts: String,
+    pub(crate) text_ends: Vec<usize>,
+    /// Text input, once tokenized: what the model takes instead of `features`.
+    pub tokens: Option<Tokens>,
+}
+
+/// The token ids of an item's rows (special tokens added, truncated, not
+/// padded), back to back: the runner pads each mini-batch to its longest row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tokens {
+    /// Ids of every row, row after row.
+    pub ids: Vec<i64>,
+    /// Where each row's ids end in `ids`.
+    pub ends: Vec<usize>,
+    /// The id padded positions take.
+    pub pad_id: i64,
+    /// Padded lengths are rounded up to a multiple of this (0 or 1: not rounded).
+    pub multiple: usize,
+}
+
+impl Tokens {
+    /// The ids of row `i`.
+    pub fn row(&self, i: usize) -> &[i64] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.ids[start..self.ends[i]]
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Appends a row of ids.
+    pub fn push(&mut self, ids: &[i64]) {
+        self.ids.extend_from_slice(ids);
+        self.ends.push(self.ids.len());
+    }
+
+    /// The padded length of a mini-batch whose longest row has `longest` ids.
+    pub fn padded_len(&self, longest: usize) -> usize {
+        let longest = longest.max(1);
+        if self.multiple > 1 {
+            longest.div_ceil(self.multiple) * self.multiple
+        } else {
+            longest
+        }
+    }
 }
 
 impl Batch {
@@ -103,6 +153,18 @@ impl Batch {
         let k = i * per_row + j;
         let start = if k == 0 { 0 } else { self.extra_ends[k - 1] };
         &self.extras[start..self.extra_ends[k]]
+    }
+
+    /// Appends the text of the row being read (text input; accepted rows only).
+    pub fn push_text(&mut self, text: &str) {
+        self.texts.push_str(text);
+        self.text_ends.push(self.texts.len());
+    }
+
+    /// The text of row `i` (text input).
+    pub fn text(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.text_ends[i - 1] };
+        &self.texts[start..self.text_ends[i]]
     }
 
     /// Id of row `i`.

@@ -17,7 +17,7 @@ use arrow_array::types::{
 };
 use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::DataType;
-use batchfleet_shared::message::{OnBadRow, ParquetLayout};
+use batchfleet_shared::message::{OnBadRow, ParquetLayout, TextSpec};
 use batchfleet_shared::source::Input;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
@@ -45,6 +45,19 @@ pub struct RowGroups<'a> {
 pub fn read_parquet(
     at: RowGroups<'_>,
     layout: &ParquetLayout,
+    expected_rows: usize,
+    on_bad_row: OnBadRow,
+    io_error: impl Fn(std::io::Error) -> ItemError,
+) -> Result<Batch, ItemError> {
+    read_parquet_text(at, layout, None, expected_rows, on_bad_row, io_error)
+}
+
+/// [`read_parquet`] with the text column of text input: a row whose text
+/// is null or not a string is a bad row.
+pub fn read_parquet_text(
+    at: RowGroups<'_>,
+    layout: &ParquetLayout,
+    text: Option<&TextSpec>,
     expected_rows: usize,
     on_bad_row: OnBadRow,
     io_error: impl Fn(std::io::Error) -> ItemError,
@@ -77,9 +90,11 @@ pub fn read_parquet(
     }
     let schema = builder.schema().clone();
     let mut roots = Vec::with_capacity(layout.feature_columns.len() + 1);
+    let text_column = text.map(|t| &t.column);
     for name in std::iter::once(&layout.id_column)
         .chain(&layout.feature_columns)
         .chain(&layout.include_columns)
+        .chain(text_column)
     {
         roots.push(
             schema
@@ -121,6 +136,7 @@ pub fn read_parquet(
             .iter()
             .map(|n| column(n))
             .collect::<Result<_, _>>()?;
+        let texts = text_column.map(|n| column(n)).transpose()?;
         let n = rb.num_rows();
         // Column by column into a row-major block; nulls are found per row below.
         values.clear();
@@ -144,6 +160,26 @@ pub fn read_parquet(
                     None => bad = Some(format!("column {name} is null; {MISSING_HINT}")),
                 }
             }
+            let row_text = match (&texts, bad.is_some()) {
+                (Some(col), false) => match cell_json(col, r) {
+                    serde_json::Value::String(s) => s,
+                    serde_json::Value::Null => {
+                        bad = Some(format!(
+                            "column {} (the text) is null",
+                            text_column.map_or("", |c| c.as_str())
+                        ));
+                        String::new()
+                    }
+                    other => {
+                        bad = Some(format!(
+                            "column {} (the text) is not a string: {other}",
+                            text_column.map_or("", |c| c.as_str())
+                        ));
+                        String::new()
+                    }
+                },
+                _ => String::new(),
+            };
             let reason = match bad {
                 Some(reason) => Some(reason),
                 None => {
@@ -161,6 +197,9 @@ pub fn read_parquet(
                     batch.push_row(&id, &values[r * cols..(r + 1) * cols], line, (0, 0));
                     for col in &includes {
                         batch.push_extra(&cell_text(col, r));
+                    }
+                    if texts.is_some() {
+                        batch.push_text(&row_text);
                     }
                 }
                 Some(reason) => match on_bad_row {

@@ -305,9 +305,10 @@ async fn process(
             item.seq,
         );
         let item_rows = batchfleet_shared::split::ItemRows::of(item);
-        let (slice, layout, on_bad_row) = (
+        let (slice, layout, text, on_bad_row) = (
             item.input.clone(),
             item.task.layout.clone(),
+            item.task.text.clone(),
             item.task.failure.on_bad_row,
         );
         let span = tracing::Span::current();
@@ -315,7 +316,13 @@ async fn process(
             let _in_item = span.enter();
             look_and_read(&o, &p, &spec, seq, &item_rows, || {
                 let started = Instant::now();
-                let batch = reader::read(&slice, &layout, on_bad_row);
+                let batch =
+                    reader::read(&slice, &layout, text.as_ref(), on_bad_row).and_then(|mut b| {
+                        if let Some(t) = &text {
+                            crate::text::tokenize(&mut b, t)?;
+                        }
+                        Ok(b)
+                    });
                 metrics::histogram!(names::WORKER_READ).record(started.elapsed().as_secs_f64());
                 batch
             })

@@ -22,6 +22,8 @@
 //!   projected columns) and [`images`] (image files, decoded and normalised).
 //! - [`runner`]: libtorch on its own thread behind the [`runner::Backend`] trait;
 //!   mini-batching, out-of-memory halving and poison-row isolation.
+//! - [`text`]: text input tokenized into [`batch::Tokens`] (tokenizers loaded
+//!   once per worker, their digests checked).
 //! - [`writer`]: part and rejects files staged, fsynced and linked into place.
 //! - [`error`]: failure classes by owner (item, job, worker, message) that say
 //!   what to do with an item.
@@ -44,6 +46,7 @@ pub mod prefetch;
 pub mod reader;
 pub mod runner;
 pub mod settle;
+pub mod text;
 pub mod writer;
 
 use anyhow::Context;

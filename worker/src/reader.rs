@@ -7,7 +7,9 @@
 
 use crate::batch::{raw_text, Batch, Reject};
 use crate::error::ItemError;
-use batchfleet_shared::message::{ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow};
+use batchfleet_shared::message::{
+    ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow, TextSpec,
+};
 use batchfleet_shared::numbers::{self, Field};
 use batchfleet_shared::source::Input;
 use batchfleet_shared::split;
@@ -17,7 +19,15 @@ pub use batchfleet_shared::message::Layout;
 
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.
-pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result<Batch, ItemError> {
+///
+/// With `text` (text input), each accepted row also carries its text; a row
+/// whose text is missing, null or not a string is a bad row.
+pub fn read(
+    slice: &InputSlice,
+    layout: &Layout,
+    text: Option<&TextSpec>,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
     let mismatch = |path: &str| {
         ItemError::poison(format!(
             "{path}: the item's input format and its task's column layout disagree; the message is malformed"
@@ -59,10 +69,14 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 first_row: *first_row,
                 file_len: *file_len,
             };
-            let batch =
-                crate::columnar::read_parquet(at, layout, *rows as usize, on_bad_row, |e| {
-                    io_error(path, e)
-                })?;
+            let batch = crate::columnar::read_parquet_text(
+                at,
+                layout,
+                text,
+                *rows as usize,
+                on_bad_row,
+                |e| io_error(path, e),
+            )?;
             check_count(&batch, *rows, || {
                 format!("{path} row groups {first_group}+{groups}")
             })?;
@@ -89,17 +103,19 @@ pub fn read(slice: &InputSlice, layout: &Layout, on_bad_row: OnBadRow) -> Result
                 check_header(&input, path, *file_len, l)?;
             }
             if *align {
-                return read_aligned(&input, range, layout, on_bad_row);
+                return read_aligned(&input, range, layout, text, on_bad_row);
             }
             let raw = input
                 .read_range(*start..*end)
                 .map_err(|e| io_error(path, e))?;
             let batch = match (slice, layout) {
                 (InputSlice::CsvRange(_), Layout::Csv(l)) => {
-                    parse_csv(raw, l, path, *first_line, *rows as usize, on_bad_row)?
+                    let at = (path.as_str(), *first_line, *rows as usize);
+                    parse_csv_text(raw, l, text, at, on_bad_row)?
                 }
                 (InputSlice::JsonlRange(_), Layout::Jsonl(l)) => {
-                    parse_jsonl(raw, l, path, *first_line, *rows as usize, on_bad_row)?
+                    let at = (path.as_str(), *first_line, *rows as usize);
+                    parse_jsonl_text(raw, l, text, at, on_bad_row)?
                 }
                 _ => return Err(mismatch(path)),
             };
@@ -118,6 +134,7 @@ fn read_aligned(
     input: &Input,
     range: &ByteRange,
     layout: &Layout,
+    text: Option<&TextSpec>,
     on_bad_row: OnBadRow,
 ) -> Result<Batch, ItemError> {
     let path = &range.path;
@@ -146,8 +163,10 @@ fn read_aligned(
         }
     }
     let parse = |raw: Vec<u8>, first_line: u64| match (csv, layout) {
-        (Some(l), _) => parse_csv(raw, l, path, first_line, 0, on_bad_row),
-        (None, Layout::Jsonl(l)) => parse_jsonl(raw, l, path, first_line, 0, on_bad_row),
+        (Some(l), _) => parse_csv_text(raw, l, text, (path, first_line, 0), on_bad_row),
+        (None, Layout::Jsonl(l)) => {
+            parse_jsonl_text(raw, l, text, (path, first_line, 0), on_bad_row)
+        }
         _ => unreachable!("checked above"),
     };
     // Lines count from 1 at `begin`; the file's line of `begin` is read only
@@ -289,6 +308,19 @@ pub fn parse_csv(
     expected_rows: usize,
     on_bad_row: OnBadRow,
 ) -> Result<Batch, ItemError> {
+    let at = (path, first_line, expected_rows);
+    parse_csv_text(raw, layout, None, at, on_bad_row)
+}
+
+/// [`parse_csv`] with the text column of text input; `(path, first_line,
+/// expected_rows)` as there.
+fn parse_csv_text(
+    raw: Vec<u8>,
+    layout: &CsvLayout,
+    text: Option<&TextSpec>,
+    (path, first_line, expected_rows): (&str, u64, usize),
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
     let cols = layout.feature_columns.len();
     let mut batch = Batch::with_capacity(cols, expected_rows);
     batch.file = path.to_owned();
@@ -318,10 +350,22 @@ pub fn parse_csv(
             let line = first_line + pos.line().saturating_sub(1);
             let record = starts.len();
             starts.push(pos.byte() as usize);
-            match parse_record(&rec, layout, &mut row) {
+            let parsed = parse_record(&rec, layout, &mut row).and_then(|id| {
+                let Some(t) = text else {
+                    return Ok((id, ""));
+                };
+                let field = t.csv_field as usize;
+                std::str::from_utf8(&rec[field])
+                    .map(|s| (id, s))
+                    .map_err(|_| format!("text (field {}) is not valid UTF-8", field + 1))
+            });
+            match parsed {
                 // The span holds the record index until the ends are known.
-                Ok(id) => {
+                Ok((id, row_text)) => {
                     batch.push_row(id, &row, line, (record, 0));
+                    if text.is_some() {
+                        batch.push_text(row_text);
+                    }
                     for &i in &layout.include_columns {
                         batch.push_extra(&String::from_utf8_lossy(&rec[i as usize]));
                     }
@@ -370,11 +414,25 @@ pub fn parse_jsonl(
     expected_rows: usize,
     on_bad_row: OnBadRow,
 ) -> Result<Batch, ItemError> {
+    let at = (path, first_line, expected_rows);
+    parse_jsonl_text(raw, layout, None, at, on_bad_row)
+}
+
+/// [`parse_jsonl`] with the text key of text input; `(path, first_line,
+/// expected_rows)` as there.
+fn parse_jsonl_text(
+    raw: Vec<u8>,
+    layout: &JsonLayout,
+    text: Option<&TextSpec>,
+    (path, first_line, expected_rows): (&str, u64, usize),
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
     let cols = layout.feature_keys.len();
     let mut batch = Batch::with_capacity(cols, expected_rows);
     batch.file = path.to_owned();
     let mut row = vec![0f32; cols];
     let mut keys = JsonKeys::new(layout);
+    keys.text = text.map(|t| t.column.as_str());
     let mut line = first_line;
     let mut pos = 0;
     while pos < raw.len() {
@@ -389,6 +447,9 @@ pub fn parse_jsonl(
                     batch.push_row(&id, &row, line, (pos, end));
                     for e in &keys.extras {
                         batch.push_extra(e);
+                    }
+                    if text.is_some() {
+                        batch.push_text(&keys.text_value);
                     }
                 }
                 Err(reason) => match on_bad_row {
@@ -421,6 +482,9 @@ struct JsonKeys<'a> {
     seen: Vec<bool>,
     /// Text of the include keys of the last record read.
     extras: Vec<String>,
+    /// Text input: the key of the text, and its value in the last record read.
+    text: Option<&'a str>,
+    text_value: String,
 }
 
 impl<'a> JsonKeys<'a> {
@@ -435,6 +499,8 @@ impl<'a> JsonKeys<'a> {
                 .collect(),
             seen: vec![false; layout.feature_keys.len()],
             extras: Vec::new(),
+            text: None,
+            text_value: String::new(),
         }
     }
 
@@ -445,9 +511,18 @@ impl<'a> JsonKeys<'a> {
     /// keys, the record is parsed whole and their text left in `extras`
     /// (a string as is, a missing key or null as empty, anything else as JSON).
     fn record(&mut self, text: &[u8], row: &mut [f32]) -> Result<String, String> {
-        if !self.layout.include_keys.is_empty() {
+        if !self.layout.include_keys.is_empty() || self.text.is_some() {
             let map = json_object(text)?;
             let id = record_of_map(&map, self.layout, row)?;
+            if let Some(key) = self.text {
+                self.text_value = match map.get(key) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    None => return Err(format!("no key \"{key}\" (the text)")),
+                    Some(other) => {
+                        return Err(format!("\"{key}\" (the text) is not a string: {other}"))
+                    }
+                };
+            }
             self.extras.clear();
             self.extras
                 .extend(self.layout.include_keys.iter().map(|k| match map.get(k) {
@@ -989,6 +1064,7 @@ mod tests {
         let b = read(
             &slice(1, content.len() as u64),
             &Layout::Csv(layout()),
+            None,
             OnBadRow::Reject,
         )
         .unwrap();
@@ -996,11 +1072,12 @@ mod tests {
         let err = read(
             &slice(2, content.len() as u64),
             &Layout::Csv(layout()),
+            None,
             OnBadRow::Reject,
         )
         .unwrap_err();
         assert!(err.message.contains("planner counted 2"), "{}", err.message);
-        let err = read(&slice(1, 5), &Layout::Csv(layout()), OnBadRow::Reject).unwrap_err();
+        let err = read(&slice(1, 5), &Layout::Csv(layout()), None, OnBadRow::Reject).unwrap_err();
         assert!(err.message.contains("input changed"), "{}", err.message);
     }
 
@@ -1040,7 +1117,7 @@ mod tests {
         let mut ids = Vec::new();
         let mut rejects = Vec::new();
         for (s, e) in [(0, a), (a, b), (b, len)] {
-            let batch = read(&blind(&p, s, e), &csv, OnBadRow::Reject).unwrap();
+            let batch = read(&blind(&p, s, e), &csv, None, OnBadRow::Reject).unwrap();
             ids.extend((0..batch.rows()).map(|i| batch.id(i).to_owned()));
             rejects.extend(batch.rejects.iter().map(|r| (r.line, r.raw.clone())));
             // A model reject of any row names its line in the file.
@@ -1057,7 +1134,7 @@ mod tests {
         assert_eq!(rejects, vec![(8, "6.5,r6,\"q, 6\",oops".to_owned())]);
         // fail_item names the line too.
         let at = text.find("6.5,").unwrap() as u64;
-        let err = read(&blind(&p, at - 1, len), &csv, OnBadRow::FailItem).unwrap_err();
+        let err = read(&blind(&p, at - 1, len), &csv, None, OnBadRow::FailItem).unwrap_err();
         assert!(
             err.message
                 .contains("in.csv line 8: field 4 is not a number"),
@@ -1078,6 +1155,7 @@ mod tests {
             let err = read(
                 &blind(&p, start, len),
                 &Layout::Csv(layout()),
+                None,
                 OnBadRow::Reject,
             )
             .unwrap_err();
@@ -1104,14 +1182,14 @@ mod tests {
         });
         let len = std::fs::metadata(&good).unwrap().len();
         assert_eq!(
-            read(&blind(&good, 0, len), &checked, OnBadRow::Reject)
+            read(&blind(&good, 0, len), &checked, None, OnBadRow::Reject)
                 .unwrap()
                 .rows(),
             2
         );
         // Every range of the file, not only the one holding its header.
         for start in [0, 15] {
-            let err = read(&blind(&bad, start, len), &checked, OnBadRow::Reject).unwrap_err();
+            let err = read(&blind(&bad, start, len), &checked, None, OnBadRow::Reject).unwrap_err();
             assert_eq!(err.class, crate::error::FailureClass::Poison);
             assert!(
                 err.message.contains("bad.csv: the header row differs from the job's (its column 1 is \"f3\" where the job's input files have \"f0\")"),
@@ -1122,7 +1200,7 @@ mod tests {
         // An item published before the check (no header in its layout) reads on.
         let unchecked = Layout::Csv(layout());
         assert_eq!(
-            read(&blind(&bad, 0, len), &unchecked, OnBadRow::Reject)
+            read(&blind(&bad, 0, len), &unchecked, None, OnBadRow::Reject)
                 .unwrap()
                 .rows(),
             2

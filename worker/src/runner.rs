@@ -9,7 +9,7 @@
 //! find the rows that make it raise (poison-row isolation), so one bad record
 //! costs one row, not the item.
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Tokens};
 use crate::error::ItemError;
 use batchfleet_shared::message::{FailurePolicy, ModelRef};
 use batchfleet_shared::metrics::names;
@@ -64,6 +64,24 @@ pub trait Backend {
         features: &[f32],
         row_shape: &[usize],
     ) -> Result<Forwarded, ForwardError>;
+
+    /// Runs one `forward(input_ids, attention_mask)` on `rows` rows of
+    /// token ids padded to `len` (text input): `ids` and `mask` are `rows ×
+    /// len`, row-major, the mask 1 on real tokens and 0 on padding.
+    fn forward_tokens(
+        &mut self,
+        model: &ModelRef,
+        ids: &[i64],
+        mask: &[i64],
+        rows: usize,
+        len: usize,
+    ) -> Result<Forwarded, ForwardError> {
+        let _ = (ids, mask, rows, len);
+        Err(ForwardError::Unusable(ItemError::unable(format!(
+            "this worker's model backend cannot run {} on token inputs",
+            model.path
+        ))))
+    }
 
     /// Loads `model` ahead of its first item (a worker's `--preload-model`).
     fn load(&mut self, _model: &ModelRef) -> Result<(), ItemError> {
@@ -136,13 +154,160 @@ pub fn predict<B: Backend + ?Sized>(
 ) -> Result<Predictions, ItemError> {
     let cols = row_shape.iter().product::<usize>();
     let rows = features.len().checked_div(cols).unwrap_or(0);
+    let inputs = Inputs::Dense {
+        features,
+        cols,
+        row_shape,
+    };
+    predict_inputs(backend, model, inputs, rows, batch_size, policy)
+}
+
+/// Predicts rows of token ids (text input): the rows are sorted by length
+/// so each mini-batch of `batch_size` is padded only to its own longest row
+/// (dynamic padding), then the predictions are put back in input order.
+pub fn predict_tokens<B: Backend + ?Sized>(
+    backend: &mut B,
+    model: &ModelRef,
+    tokens: &Tokens,
+    rows: std::ops::Range<usize>,
+    batch_size: usize,
+    policy: &FailurePolicy,
+) -> Result<Predictions, ItemError> {
+    let rows = rows.start.min(tokens.rows())..rows.end.min(tokens.rows());
+    let mut order: Vec<usize> = rows.clone().collect();
+    order.sort_by_key(|&i| tokens.row(i).len());
+    let mut sorted = Tokens {
+        ids: Vec::with_capacity(tokens.ids.len()),
+        ends: Vec::with_capacity(order.len()),
+        ..*tokens
+    };
+    for &i in &order {
+        sorted.push(tokens.row(i));
+    }
+    let n = order.len();
+    let by_length = predict_inputs(
+        backend,
+        model,
+        Inputs::Tokens(&sorted),
+        n,
+        batch_size,
+        policy,
+    )?;
+    // Back to input order (rows relative to the range's start).
+    let width = by_length.width;
+    let mut out = Predictions {
+        values: vec![f32::NAN; n * width],
+        width,
+        failed: Vec::with_capacity(by_length.failed.len()),
+        integer: by_length.integer,
+    };
+    for (k, &i) in order.iter().enumerate() {
+        let at = i - rows.start;
+        out.values[at * width..(at + 1) * width]
+            .copy_from_slice(&by_length.values[k * width..(k + 1) * width]);
+    }
+    out.failed = by_length
+        .failed
+        .into_iter()
+        .map(|(k, msg)| (order[k] - rows.start, msg))
+        .collect();
+    out.failed.sort_by_key(|f| f.0);
+    Ok(out)
+}
+
+/// What the model takes: rows of `f32` features, or rows of token ids.
+#[derive(Clone, Copy)]
+enum Inputs<'a> {
+    /// Row-major features, each row of `row_shape` (`cols` values).
+    Dense {
+        features: &'a [f32],
+        cols: usize,
+        row_shape: &'a [usize],
+    },
+    /// Token ids, sorted by length; each mini-batch padded to its longest.
+    Tokens(&'a Tokens),
+}
+
+impl Inputs<'_> {
+    /// One `forward` on rows `[lo, hi)`.
+    fn call<B: Backend + ?Sized>(
+        &self,
+        backend: &mut B,
+        model: &ModelRef,
+        lo: usize,
+        hi: usize,
+    ) -> Result<Forwarded, ForwardError> {
+        match *self {
+            Inputs::Dense {
+                features,
+                cols,
+                row_shape,
+            } => backend.forward(model, &features[lo * cols..hi * cols], row_shape),
+            Inputs::Tokens(tokens) => {
+                let longest = (lo..hi).map(|i| tokens.row(i).len()).max().unwrap_or(0);
+                let len = tokens.padded_len(longest);
+                let n = hi - lo;
+                let mut ids = vec![tokens.pad_id; n * len];
+                let mut mask = vec![0i64; n * len];
+                for (r, i) in (lo..hi).enumerate() {
+                    let row = tokens.row(i);
+                    ids[r * len..r * len + row.len()].copy_from_slice(row);
+                    mask[r * len..r * len + row.len()].fill(1);
+                }
+                backend.forward_tokens(model, &ids, &mask, n, len)
+            }
+        }
+    }
+
+    /// Rows `[lo, hi)` in mini-batches of `fit` rows, as one run.
+    fn run<B: Backend + ?Sized>(
+        &self,
+        backend: &mut B,
+        model: &ModelRef,
+        lo: usize,
+        hi: usize,
+        fit: usize,
+    ) -> Ran {
+        match *self {
+            Inputs::Dense {
+                features,
+                cols,
+                row_shape,
+            } => backend.forward_run(model, &features[lo * cols..hi * cols], row_shape, fit),
+            Inputs::Tokens(_) => {
+                let mut ran = Ran::default();
+                let mut at = lo;
+                while at < hi {
+                    let end = (at + fit.max(1)).min(hi);
+                    match self.call(backend, model, at, end) {
+                        Ok(f) => ran.done.push(f),
+                        Err(e) => {
+                            ran.failed = Some(e);
+                            break;
+                        }
+                    }
+                    at = end;
+                }
+                ran
+            }
+        }
+    }
+}
+
+/// [`predict`] over any [`Inputs`] of `rows` rows.
+fn predict_inputs<B: Backend + ?Sized>(
+    backend: &mut B,
+    model: &ModelRef,
+    inputs: Inputs<'_>,
+    rows: usize,
+    batch_size: usize,
+    policy: &FailurePolicy,
+) -> Result<Predictions, ItemError> {
     let mut out = Predictions::default();
     let mut run = Run {
         backend,
         model,
-        features,
-        cols,
-        row_shape,
+        inputs,
         policy,
         out: &mut out,
         rows,
@@ -161,9 +326,7 @@ pub fn predict<B: Backend + ?Sized>(
 struct Run<'a, B: Backend + ?Sized> {
     backend: &'a mut B,
     model: &'a ModelRef,
-    features: &'a [f32],
-    cols: usize,
-    row_shape: &'a [usize],
+    inputs: Inputs<'a>,
     policy: &'a FailurePolicy,
     out: &'a mut Predictions,
     rows: usize,
@@ -174,9 +337,8 @@ struct Run<'a, B: Backend + ?Sized> {
 impl<B: Backend + ?Sized> Run<'_, B> {
     /// One `forward` on rows `[lo, hi)`, its failure handled.
     fn range(&mut self, lo: usize, hi: usize) -> Result<(), ItemError> {
-        let chunk = &self.features[lo * self.cols..hi * self.cols];
         let started = std::time::Instant::now();
-        let result = self.backend.forward(self.model, chunk, self.row_shape);
+        let result = self.inputs.call(self.backend, self.model, lo, hi);
         metrics::histogram!(names::WORKER_INFERENCE).record(started.elapsed().as_secs_f64());
         metrics::histogram!(names::WORKER_BATCH_SIZE).record((hi - lo) as f64);
         match result {
@@ -243,11 +405,8 @@ impl<B: Backend + ?Sized> Run<'_, B> {
         let mut at = lo;
         while at < hi {
             let fit = self.fit;
-            let features = &self.features[at * self.cols..hi * self.cols];
             let started = std::time::Instant::now();
-            let ran = self
-                .backend
-                .forward_run(self.model, features, self.row_shape, fit);
+            let ran = self.inputs.run(self.backend, self.model, at, hi, fit);
             let calls = ran.done.len() + usize::from(ran.failed.is_some());
             if calls == 0 {
                 return Err(ItemError::panic(format!(
@@ -365,6 +524,16 @@ impl ModelRunner {
                         }
                         if load_only {
                             return backend.load(&model).map(|()| Predictions::default());
+                        }
+                        if let Some(tokens) = &batch.tokens {
+                            return predict_tokens(
+                                &mut backend,
+                                &model,
+                                tokens,
+                                rows.clone(),
+                                batch_size,
+                                &policy,
+                            );
                         }
                         let cols = batch.cols;
                         let features = batch
@@ -498,6 +667,18 @@ impl<B: Backend> Backend for Delayed<B> {
 
     fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
         self.inner.load(model)
+    }
+
+    fn forward_tokens(
+        &mut self,
+        model: &ModelRef,
+        ids: &[i64],
+        mask: &[i64],
+        rows: usize,
+        len: usize,
+    ) -> Result<Forwarded, ForwardError> {
+        std::thread::sleep(self.delay);
+        self.inner.forward_tokens(model, ids, mask, rows, len)
     }
 
     fn forward_run(
@@ -708,6 +889,17 @@ fn launch(
     }
     .map_err(classify)?;
     let y = module.forward_ts(&[input]).map_err(classify)?;
+    landed(y, n, model, queued)
+}
+
+/// `forward`'s output `y` for `n` rows on its way to host memory as `f32`
+/// (`queued`: a non-blocking copy; read it after the device is synchronized).
+fn landed(
+    y: tch::Tensor,
+    n: i64,
+    model: &ModelRef,
+    queued: bool,
+) -> Result<Launched, ForwardError> {
     let width = match y.size().as_slice() {
         [m] if *m == n => 1,
         [m, k] if *m == n => *k as usize,
@@ -734,6 +926,33 @@ fn launch(
 impl Backend for TorchBackend {
     fn load(&mut self, model: &ModelRef) -> Result<(), ItemError> {
         self.module(model).map(|_| ())
+    }
+
+    fn forward_tokens(
+        &mut self,
+        model: &ModelRef,
+        ids: &[i64],
+        mask: &[i64],
+        rows: usize,
+        len: usize,
+    ) -> Result<Forwarded, ForwardError> {
+        let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
+        let module = self.module(model).map_err(ForwardError::Unusable)?;
+        let _guard = tch::no_grad_guard();
+        let dims = [rows as i64, len as i64];
+        let tensor = |v: &[i64]| {
+            tch::Tensor::f_from_slice(v)
+                .and_then(|t| t.f_view(dims))
+                .and_then(|t| t.f_to_device(device))
+                .map_err(classify)
+        };
+        let (ids, mask) = (tensor(ids)?, tensor(mask)?);
+        let started = std::time::Instant::now();
+        let y = module.forward_ts(&[ids, mask]).map_err(classify)?;
+        let landed = landed(y, rows as i64, model, false)?.collect();
+        metrics::histogram!(names::WORKER_DEVICE_SECONDS, "device" => model.device.clone())
+            .record(started.elapsed().as_secs_f64());
+        landed
     }
 
     fn forward(

@@ -43,6 +43,10 @@ pub(super) struct Layout {
     pub(super) parquet: Option<ParquetLayout>,
     /// What a missing feature becomes (`[input] missing`).
     pub(super) missing: Missing,
+    /// `[input] text_column`, when the job has one.
+    pub(super) text: Option<String>,
+    /// Position of the text column in the header (CSV: its field index).
+    pub(super) text_index: u32,
 }
 
 impl Layout {
@@ -257,8 +261,9 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
         }
     };
 
+    let text = text_column(m, problems);
     let features = match expand_columns(&m.input.feature_columns) {
-        Ok(f) if f.is_empty() && !files_input => {
+        Ok(f) if f.is_empty() && !files_input && text.is_none() => {
             problems.add(
                 "[input] feature_columns",
                 "is empty; list the columns the model takes, e.g. [\"f0..f31\"]".into(),
@@ -274,8 +279,8 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
 
     // Header: read from every file, must agree, must contain the columns.
     let header = match m.input.format {
-        InputFormat::Jsonl => jsonl_header(m, files, &features, problems),
-        InputFormat::Parquet => parquet_header(m, files, &features, problems),
+        InputFormat::Jsonl => jsonl_header(m, files, &features, text.as_deref(), problems),
+        InputFormat::Parquet => parquet_header(m, files, &features, text.as_deref(), problems),
         InputFormat::Files => vec!["path".into()],
         InputFormat::Csv => csv_header(files, delimiter, problems),
     };
@@ -298,11 +303,46 @@ pub(super) fn layout(m: &Manifest, files: &[PathBuf], problems: &mut Problems) -
             missing,
         }),
         missing,
+        text,
+        text_index: 0,
     };
     if !layout.header.is_empty() && !files_input {
         find_columns(m, files, &features, &mut layout, problems);
     }
     layout
+}
+
+/// `[input] text_column`: a named column of table input, which then takes
+/// the place of `feature_columns` (the model takes the tokenizer's ids).
+fn text_column(m: &Manifest, problems: &mut Problems) -> Option<String> {
+    let name = m.input.text_column.as_ref()?;
+    if name.is_empty() {
+        problems.add(
+            "[input] text_column",
+            "is empty; name the column holding each row's text".into(),
+        );
+        return None;
+    }
+    if m.input.format == InputFormat::Files {
+        problems.add(
+            "[input] text_column",
+            "applies to table input (csv, jsonl, parquet), not to format = \"files\"".into(),
+        );
+        return None;
+    }
+    if !m.input.feature_columns.is_empty() {
+        problems.add(
+            "[input] text_column",
+            "and feature_columns cannot both feed the model yet: a text job's model takes (input_ids, attention_mask); remove feature_columns, or copy those columns to the output with [output] include_columns".into(),
+        );
+    }
+    if m.model.tokenizer.is_none() {
+        problems.add(
+            "[input] text_column",
+            "needs [model] tokenizer: name the tokenizer.json that turns the text into the model's input ids".into(),
+        );
+    }
+    Some(name.clone())
 }
 
 /// JSON Lines has no header: every file's first record (of remote files,
@@ -313,10 +353,12 @@ fn jsonl_header(
     m: &Manifest,
     files: &[PathBuf],
     features: &[String],
+    text: Option<&str>,
     problems: &mut Problems,
 ) -> Vec<String> {
     let wanted: Vec<&str> = std::iter::once(m.input.id_column.as_str())
         .chain(features.iter().map(String::as_str))
+        .chain(text)
         .collect();
     let required: Vec<&str> = wanted
         .iter()
@@ -365,11 +407,21 @@ fn parquet_header(
     m: &Manifest,
     files: &[PathBuf],
     features: &[String],
+    text: Option<&str>,
     problems: &mut Problems,
 ) -> Vec<String> {
     let mut all_there = !files.is_empty();
+    // The text column is checked for presence like a copied column; a value
+    // that is not a string rejects its row.
+    let copied: Vec<String> = m
+        .output
+        .include_columns
+        .iter()
+        .cloned()
+        .chain(text.map(str::to_owned))
+        .collect();
     let checks = probe_all(files, |f| {
-        check_parquet_columns(f, &m.input.id_column, features, &m.output.include_columns)
+        check_parquet_columns(f, &m.input.id_column, features, &copied)
     });
     for (f, check) in files.iter().zip(checks) {
         if let Err(e) = check {
@@ -380,6 +432,7 @@ fn parquet_header(
     if all_there {
         std::iter::once(m.input.id_column.clone())
             .chain(features.iter().cloned())
+            .chain(text.map(str::to_owned))
             .collect()
     } else {
         Vec::new()
@@ -487,6 +540,18 @@ fn find_columns(
         .map(|i| i as u32)
         .collect();
     layout.feature_indices.extend(indices);
+    if let Some(text) = layout.text.clone() {
+        match layout.column(&text) {
+            Some(i) => layout.text_index = i as u32,
+            None => problems.add(
+                "[input] text_column",
+                format!(
+                    "\"{text}\" is not in the header of {} (columns: {shown}); fix the name",
+                    files[0].display()
+                ),
+            ),
+        }
+    }
 }
 
 fn summarize_header(h: &[String]) -> String {

@@ -17,7 +17,8 @@
 //! - `input`: `[input]`: globs, `s3://` listings, `files` listings and root,
 //!   formats, delimiter, id and feature columns, the shared header.
 //! - `preprocess`: `[preprocess]`: image size, channels, mean and std.
-//! - `model`: `[model]`: the model file, its digest, the device.
+//! - `model`: `[model]`: the model file, its digest, the device; the
+//!   tokenizer of text input (loaded, digested), `max_length`, padding.
 //! - `policy`: `[batching]` and `[failure]`: item sizing, batch size,
 //!   checkpoints, retries, timeouts, the error budget.
 //! - `output`: `[output]`: folder, histogram, labels, `top_k`, column names,
@@ -51,7 +52,7 @@ pub use schema::{
 };
 pub use spec::{BlindCut, ErrorBudget, ItemSizing, JobSpec, OnComplete};
 
-use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec};
+use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec, TextSpec};
 use batchfleet_shared::paths::DataRoots;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -149,6 +150,13 @@ pub fn validate(
     let image = preprocess::check(m, &mut problems);
     let layout = input::layout(m, &inputs.files, &mut problems);
     let model = model::check(&m.model, base, roots, &mut problems);
+    let tokenizer = model::tokenizer(
+        &m.model,
+        m.input.text_column.is_some(),
+        base,
+        roots,
+        &mut problems,
+    );
     let batching = policy::batching(&m.batching, &mut problems);
     let blind = cut::blind_cut(m, &inputs.files, &mut problems);
     let (failure, budget) = policy::failure(&m.failure, &mut problems);
@@ -186,6 +194,16 @@ pub fn validate(
         jsonl: layout.jsonl,
         parquet: layout.parquet,
         image,
+        text: match (&layout.text, tokenizer) {
+            (Some(column), Some(t)) => Some(TextSpec {
+                column: column.clone(),
+                csv_field: layout.text_index,
+                tokenizer: t.file,
+                max_length: t.max_length,
+                pad_to_multiple_of: t.pad_to_multiple_of,
+            }),
+            _ => None,
+        },
     };
     let input::Files {
         files,

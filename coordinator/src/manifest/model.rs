@@ -6,7 +6,7 @@ use super::probes::check_torchscript;
 use super::schema::ModelSection;
 use super::{resolve, Problems};
 use batchfleet_shared::fsutil::sha256_file;
-use batchfleet_shared::message::ModelRef;
+use batchfleet_shared::message::{FileRef, ModelRef};
 use batchfleet_shared::paths::DataRoots;
 use std::path::Path;
 
@@ -61,6 +61,101 @@ pub(super) fn check(
         sha256: model_sha,
         device: model.device.clone(),
     }
+}
+
+/// `[model] tokenizer`, `max_length` and `pad_to_multiple_of`: the tokenizer
+/// file under the data roots, loaded as workers will load it (a file that
+/// does not load is a problem naming why), with its digest.
+pub(super) struct Tokenizer {
+    /// The file and its digest.
+    pub(super) file: FileRef,
+    /// Tokens per row at most.
+    pub(super) max_length: u32,
+    /// Padded lengths rounded up to a multiple of this (0: not rounded).
+    pub(super) pad_to_multiple_of: u32,
+}
+
+/// Checks the tokenizer settings; `None` when the job has no tokenizer (or
+/// it has problems, which are added).
+pub(super) fn tokenizer(
+    model: &ModelSection,
+    text_column: bool,
+    base: &Path,
+    roots: &DataRoots,
+    problems: &mut Problems,
+) -> Option<Tokenizer> {
+    let Some(path) = &model.tokenizer else {
+        for (key, set) in [
+            ("max_length", model.max_length.is_some()),
+            ("pad_to_multiple_of", model.pad_to_multiple_of.is_some()),
+        ] {
+            if set {
+                problems.add(
+                    &format!("[model] {key}"),
+                    "applies to text input; set [model] tokenizer and [input] text_column, or remove it".into(),
+                );
+            }
+        }
+        return None;
+    };
+    if !text_column {
+        problems.add(
+            "[model] tokenizer",
+            "needs [input] text_column: name the string column the tokenizer reads".into(),
+        );
+    }
+    if model.max_length == Some(0) {
+        problems.add(
+            "[model] max_length",
+            "is 0; give the most tokens a row may have, e.g. 512".into(),
+        );
+    }
+    if model.pad_to_multiple_of == Some(0) {
+        problems.add(
+            "[model] pad_to_multiple_of",
+            "is 0; give a length such as 8, or remove it".into(),
+        );
+    }
+    let resolved = resolve(base, path);
+    if batchfleet_shared::source::is_url(&resolved) {
+        problems.add(
+            "[model] tokenizer",
+            format!("{}: is a URL; the tokenizer must be a local (or shared) file every worker can read", resolved.display()),
+        );
+        return None;
+    }
+    if let Err(e) = roots.check(&resolved) {
+        problems.add("[model] tokenizer", e.to_string());
+        return None;
+    }
+    let bytes = match std::fs::read(&resolved) {
+        Ok(b) => b,
+        Err(e) => {
+            problems.add(
+                "[model] tokenizer",
+                format!("cannot read {}: {e}; check the path", resolved.display()),
+            );
+            return None;
+        }
+    };
+    let max_length = model.max_length.filter(|m| *m > 0);
+    if let Err(e) = batchfleet_shared::text::TextEncoder::from_bytes(&bytes, max_length) {
+        problems.add(
+            "[model] tokenizer",
+            format!("{} {e}; save it with tokenizer.save(\"tokenizer.json\") (Python's tokenizers) or take the tokenizer.json of a transformers model folder", resolved.display()),
+        );
+        return None;
+    }
+    Some(Tokenizer {
+        file: FileRef {
+            path: resolved.to_string_lossy().into_owned(),
+            sha256: batchfleet_shared::fsutil::sha256_bytes(&bytes),
+        },
+        max_length: max_length
+            .or_else(|| batchfleet_shared::text::TextEncoder::file_max_length(&bytes))
+            .unwrap_or(batchfleet_shared::text::DEFAULT_MAX_LENGTH),
+        pad_to_multiple_of: model.pad_to_multiple_of.unwrap_or(0),
+    })
 }
 
 fn valid_device(d: &str) -> bool {

@@ -137,6 +137,9 @@ pub struct InputSection {
     /// them rather than at byte offsets. Default false.
     #[serde(default)]
     pub quoted_newlines: bool,
+    /// Name of a string column tokenized by `[model] tokenizer` into the
+    /// model's `input_ids` and `attention_mask` (instead of `feature_columns`).
+    pub text_column: Option<String>,
 }
 
 /// `[input] missing`, as written: a word or a number.
@@ -178,6 +181,13 @@ pub struct ModelSection {
     /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
     #[serde(default = "default_device")]
     pub device: String,
+    /// A Hugging Face `tokenizer.json` for `[input] text_column`.
+    pub tokenizer: Option<String>,
+    /// Tokens per row at most, special tokens included (longer rows are
+    /// truncated). Default: the tokenizer file's truncation, else 512.
+    pub max_length: Option<u32>,
+    /// Round each mini-batch's padded length up to a multiple of this.
+    pub pad_to_multiple_of: Option<u32>,
 }
 
 fn default_device() -> String {

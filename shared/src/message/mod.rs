@@ -185,6 +185,41 @@ pub struct TaskSpec {
     /// 0 = none. A redelivered item resumes after its last checkpoint.
     #[serde(default)]
     pub checkpoint_rows: u32,
+    /// Text input tokenized in the worker (`[input] text_column` with
+    /// `[model] tokenizer`); `None` for numeric features and images.
+    /// Serialized only when set, so other tasks keep their encoding (and
+    /// their job ids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextSpec>,
+}
+
+/// A text column and how the worker turns it into model inputs: the
+/// tokenizer's ids (`input_ids`, `int64`) and an attention mask, truncated
+/// at `max_length` tokens, rows sorted by length into mini-batches each
+/// padded to its longest row (rounded up to `pad_to_multiple_of`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TextSpec {
+    /// Name of the text column (CSV header name, JSON Lines key, Parquet column).
+    pub column: String,
+    /// CSV input: index of the text field in each record.
+    #[serde(default)]
+    pub csv_field: u32,
+    /// The Hugging Face `tokenizer.json`.
+    pub tokenizer: FileRef,
+    /// Tokens per row at most (special tokens included); longer rows are truncated.
+    pub max_length: u32,
+    /// Padded lengths are rounded up to a multiple of this; 0 or 1: not rounded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pad_to_multiple_of: u32,
+}
+
+/// A file a task depends on besides its input, identified by path and content digest.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct FileRef {
+    /// Absolute path.
+    pub path: String,
+    /// SHA-256 of the file (hex); the worker refuses a file that does not match.
+    pub sha256: String,
 }
 
 /// Where a task's id and features are in a record: one variant per input
@@ -714,21 +749,37 @@ impl WorkItem {
                 t.layout.describe()
             ));
         }
+        // Text input feeds the model token ids instead of features.
+        let text = t.text.as_ref();
+        if let Some(x) = text {
+            if x.max_length == 0 || x.max_length > MAX_TOKENS_PER_ROW {
+                return Err(format!(
+                    "max_length {} (1 to {MAX_TOKENS_PER_ROW} tokens per row)",
+                    x.max_length
+                ));
+            }
+            if x.column.is_empty() || x.tokenizer.path.is_empty() {
+                return Err("text input with no column or no tokenizer".into());
+            }
+            if matches!(t.layout, Layout::Image(_)) {
+                return Err("text input with an image layout".into());
+            }
+        }
         match (&self.input, &t.layout) {
             (InputSlice::CsvRange(r), Layout::Csv(l)) => {
                 check_range(r, limits)?;
-                check_csv_layout(l)?;
+                check_csv_layout(l, text)?;
                 values(r.rows, l.feature_columns.len() as u64)?;
             }
             (InputSlice::JsonlRange(r), Layout::Jsonl(j)) => {
                 check_range(r, limits)?;
-                if j.feature_keys.is_empty() {
+                if j.feature_keys.is_empty() && text.is_none() {
                     return Err("the JSON Lines layout names no feature".into());
                 }
                 values(r.rows, j.feature_keys.len() as u64)?;
             }
             (InputSlice::ParquetRowGroups { groups, rows, .. }, Layout::Parquet(p)) => {
-                if *groups == 0 || p.feature_columns.is_empty() {
+                if *groups == 0 || (p.feature_columns.is_empty() && text.is_none()) {
                     return Err("no row group or no feature column".into());
                 }
                 values(*rows, p.feature_columns.len() as u64)?;
@@ -801,10 +852,14 @@ fn check_range(r: &ByteRange, limits: &ItemLimits) -> Result<(), String> {
     Ok(())
 }
 
-fn check_csv_layout(l: &CsvLayout) -> Result<(), String> {
+/// Tokens one row of text input may have at most (`max_length`).
+pub const MAX_TOKENS_PER_ROW: u32 = 1 << 16;
+
+fn check_csv_layout(l: &CsvLayout, text: Option<&TextSpec>) -> Result<(), String> {
     let outside = std::iter::once(l.id_column)
         .chain(l.feature_columns.iter().copied())
         .chain(l.include_columns.iter().copied())
+        .chain(text.map(|t| t.csv_field))
         .find(|c| *c >= l.fields);
     if let Some(c) = outside {
         return Err(format!(
@@ -812,7 +867,7 @@ fn check_csv_layout(l: &CsvLayout) -> Result<(), String> {
             l.fields
         ));
     }
-    if l.feature_columns.is_empty() {
+    if l.feature_columns.is_empty() && text.is_none() {
         return Err("the CSV layout names no feature column".into());
     }
     Ok(())
@@ -901,6 +956,7 @@ pub(crate) fn sample_item() -> WorkItem {
             },
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
+            text: None,
         },
     }
 }
@@ -926,6 +982,7 @@ mod tests {
                 output: item.task.output,
                 failure: item.task.failure,
                 checkpoint_rows: item.task.checkpoint_rows,
+                text: item.task.text.clone(),
                 jsonl: None,
                 parquet: None,
                 image: None,

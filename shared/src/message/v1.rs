@@ -10,7 +10,7 @@
 
 use super::{
     CsvLayout, FailurePolicy, ImageSpec, InputSlice, JsonLayout, Layout, ModelRef, OutputSpec,
-    ParquetLayout,
+    ParquetLayout, TextSpec,
 };
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +53,10 @@ pub struct TaskSpec {
     /// How image files become a model input, for `files` input.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<ImageSpec>,
+    /// Text input and its tokenizer (added with version 2's text input;
+    /// here so a text job's id hashes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextSpec>,
 }
 
 impl From<TaskSpec> for super::TaskSpec {
@@ -70,6 +74,7 @@ impl From<TaskSpec> for super::TaskSpec {
             output: t.output,
             failure: t.failure,
             checkpoint_rows: t.checkpoint_rows,
+            text: t.text,
         }
     }
 }

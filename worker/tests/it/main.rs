@@ -7,3 +7,4 @@ mod e2e;
 mod failures;
 mod reports;
 mod support;
+mod text;
