@@ -14,6 +14,9 @@
 //!   cores/W threads in one process, no RabbitMQ or Redis — and the same with
 //!   one pipeline of all cores (one shared model runner), submit to `_SUCCESS`.
 //!
+//! A **sentence encoder** over a text corpus (`crate::textbench`): the fleet
+//! against a Python loop and the model's compute ceiling.
+//!
 //! And the **control plane**: tens of thousands of one-row items with a tiny
 //! model (items/s through publish → consume → done → ack), next to raw
 //! RabbitMQ confirmed-publish and consume+ack rates measured in the same
@@ -40,6 +43,8 @@ pub struct BenchConfig {
     pub large_rows: u64,
     /// Items of the control-plane job.
     pub control_items: u64,
+    /// Texts of the sentence-encoder job (0: skipped).
+    pub text_rows: u64,
     /// Worker processes.
     pub workers: usize,
     /// Work folder (kept) or a temporary one.
@@ -220,6 +225,8 @@ pub struct BenchReport {
     pub control: Option<ControlPlane>,
     /// Planning times, cut blind and by reading.
     pub planning: Vec<crate::planning::PlanTime>,
+    /// The sentence encoder.
+    pub text: Option<crate::textbench::TextRegime>,
 }
 
 fn free_port() -> Result<u16> {
@@ -829,6 +836,15 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
                 .regimes
                 .push(regime(cfg, &root, &large, bins, &prefix)?);
         }
+        if cfg.text_rows > 0 {
+            report.text = Some(crate::textbench::run(
+                &root,
+                cfg.text_rows,
+                cfg.workers,
+                bins,
+                &prefix,
+            )?);
+        }
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }
@@ -880,6 +896,9 @@ fn print(r: &BenchReport) {
             "          run --local: {:.0} rows/s ({} pipelines; ÷fleet {:.2}, ÷serial {:.2}, wall {:.2} s, peak RSS {:.0} MiB); one pipeline of all cores {:.0} rows/s",
             g.local_rows_per_s, r.workers, g.local_to_fleet, g.local_to_serial_sum, g.local_wall_s, g.local_peak_rss_mib, g.local_one_pipeline_rows_per_s
         );
+    }
+    if let Some(t) = &r.text {
+        crate::textbench::print(t);
     }
     for p in &r.planning {
         println!(

@@ -6,6 +6,7 @@ mod chaos;
 mod forward;
 mod gpu;
 mod planning;
+mod textbench;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -110,7 +111,9 @@ enum Command {
     /// `batchfleet run --local` (W pipelines, and one of all cores) on the
     /// same data; then the control plane (one-row items/s vs raw RabbitMQ,
     /// CPU per item by process and the rate it allows on this machine's
-    /// cores) and worker memory after 1k and 10k items. Needs the release binaries
+    /// cores) and worker memory after 1k and 10k items; a sentence encoder
+    /// over a text corpus against a Python loop and its compute ceiling.
+    /// Needs the release binaries
     /// (`make release`) and the local RabbitMQ and Redis.
     Bench {
         /// Rows of the small-model jobs (0 skips them).
@@ -122,10 +125,14 @@ enum Command {
         /// One-row items of the control-plane job (0 skips it).
         #[arg(long, default_value_t = 50_000)]
         control_items: u64,
+        /// Texts of the sentence-encoder job (fleet vs a Python loop vs the
+        /// compute ceiling; 0 skips it).
+        #[arg(long, default_value_t = 20_000)]
+        text_rows: u64,
         /// Worker processes (each gets cores / workers libtorch threads).
         #[arg(long, default_value_t = 2)]
         workers: usize,
-        /// Short form for CI: 200k small rows, 10k large rows, 12k items;
+        /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts;
         /// planning on 1,000 files, 200 MB, and 100 files, 20 MB in S3.
         #[arg(long)]
         quick: bool,
@@ -292,6 +299,7 @@ fn main() -> Result<()> {
             small_rows,
             large_rows,
             control_items,
+            text_rows,
             workers,
             quick,
             plan_files,
@@ -302,10 +310,10 @@ fn main() -> Result<()> {
             json,
             formats,
         } => {
-            let (small_rows, large_rows, control_items) = if quick {
-                (200_000, 10_000, 12_000)
+            let (small_rows, large_rows, control_items, text_rows) = if quick {
+                (200_000, 10_000, 12_000, 2_000)
             } else {
-                (small_rows, large_rows, control_items)
+                (small_rows, large_rows, control_items, text_rows)
             };
             let planning = (plan_files > 0).then(|| {
                 if quick {
@@ -330,6 +338,7 @@ fn main() -> Result<()> {
                 small_rows,
                 large_rows,
                 control_items,
+                text_rows,
                 workers: workers.max(1),
                 dir,
                 json,

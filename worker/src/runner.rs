@@ -1141,6 +1141,117 @@ mod tests {
         );
     }
 
+    /// Token rows: each row's output is the sum of its real ids and the
+    /// padded length it came with; a row holding id 666 raises; every call's
+    /// (rows, len) is kept.
+    #[derive(Default)]
+    struct Tokenized {
+        calls: Vec<(usize, usize)>,
+    }
+    impl Backend for Tokenized {
+        fn forward(
+            &mut self,
+            _m: &ModelRef,
+            _f: &[f32],
+            _shape: &[usize],
+        ) -> Result<Forwarded, ForwardError> {
+            unreachable!("token rows only")
+        }
+
+        fn forward_tokens(
+            &mut self,
+            _m: &ModelRef,
+            ids: &[i64],
+            mask: &[i64],
+            rows: usize,
+            len: usize,
+        ) -> Result<Forwarded, ForwardError> {
+            self.calls.push((rows, len));
+            assert_eq!((ids.len(), mask.len()), (rows * len, rows * len));
+            if ids.contains(&666) {
+                return Err(ForwardError::Raised("RuntimeError: 666".into()));
+            }
+            let mut values = Vec::new();
+            for r in 0..rows {
+                let row = &ids[r * len..(r + 1) * len];
+                let m = &mask[r * len..(r + 1) * len];
+                let real: i64 = row
+                    .iter()
+                    .zip(m)
+                    .filter(|(_, m)| **m == 1)
+                    .map(|(i, _)| i)
+                    .sum();
+                assert!(
+                    row.iter().zip(m).all(|(i, m)| *m == 1 || *i == 7),
+                    "pads hold the pad id"
+                );
+                values.extend([real as f32, len as f32]);
+            }
+            Ok(Forwarded {
+                values,
+                width: 2,
+                integer: false,
+            })
+        }
+    }
+
+    #[test]
+    fn token_rows_are_sorted_padded_per_mini_batch_and_put_back_in_order() {
+        // Lengths 5, 1, 3, 2, 4, 1 (ids 1 each, row 3 holds a 666).
+        let lengths = [5usize, 1, 3, 2, 4, 1];
+        let mut tokens = crate::batch::Tokens {
+            pad_id: 7,
+            multiple: 0,
+            ..Default::default()
+        };
+        for (r, len) in lengths.iter().enumerate() {
+            let mut row = vec![1i64; *len];
+            if r == 3 {
+                row[0] = 666;
+            }
+            tokens.push(&row);
+        }
+        let mut b = Tokenized::default();
+        let p = predict_tokens(
+            &mut b,
+            &model(),
+            &tokens,
+            0..6,
+            2,
+            &FailurePolicy::default(),
+        )
+        .unwrap();
+        // Sorted by length: [1, 5] (len 1), [3, 2] (2 and 3: padded to 3,
+        // raises, bisected into [3] and [2]), [4, 0] (4 and 5: padded to 5).
+        assert_eq!(b.calls, [(2, 1), (2, 3), (1, 2), (1, 3), (2, 5)]);
+        // The raising mini-batch was bisected to row 3 alone.
+        assert_eq!(p.failed.iter().map(|f| f.0).collect::<Vec<_>>(), [3]);
+        for (r, len) in lengths.iter().enumerate() {
+            if r == 3 {
+                continue;
+            }
+            assert_eq!(p.values[r * 2], *len as f32, "row {r} back in place");
+        }
+        let padded: Vec<f32> = (0..6).map(|r| p.values[r * 2 + 1]).collect();
+        assert_eq!(padded[..3], [5.0, 1.0, 3.0]);
+        assert_eq!(padded[4..], [5.0, 1.0]);
+        // A range of rows (a checkpoint segment) comes back relative to its start;
+        // lengths round up to pad_to_multiple_of.
+        tokens.multiple = 4;
+        let mut b = Tokenized::default();
+        let p = predict_tokens(
+            &mut b,
+            &model(),
+            &tokens,
+            4..6,
+            8,
+            &FailurePolicy::default(),
+        )
+        .unwrap();
+        assert_eq!(b.calls, [(2, 4)]);
+        assert_eq!(p.values, [4.0, 4.0, 1.0, 4.0]);
+    }
+
     /// Like [`Fake`], but runs mini-batches as one run the way a GPU
     /// backend does, counting runs; a run stops at the first failure.
     struct Queued {

@@ -157,7 +157,7 @@ pub fn validate(
         roots,
         &mut problems,
     );
-    let batching = policy::batching(&m.batching, &mut problems);
+    let batching = policy::batching(&m.batching, m.input.text_column.is_some(), &mut problems);
     let blind = cut::blind_cut(m, &inputs.files, &mut problems);
     let (failure, budget) = policy::failure(&m.failure, &mut problems);
     let output = output::check(m, base, roots, &inputs.files, &layout, &mut problems);

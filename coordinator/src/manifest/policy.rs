@@ -27,8 +27,11 @@ pub(super) struct Batching {
 }
 
 /// Checks `[batching]`: one of `item_rows` and `item_bytes`, each at least 1,
-/// and a batch size of at least 1.
-pub(super) fn batching(b: &BatchingSection, problems: &mut Problems) -> Batching {
+/// and a batch size of at least 1. `text`: the job has text input, whose
+/// rows are sorted by length within each model call, so its items are not
+/// cut into checkpoint segments unless `checkpoint_every` says so (a
+/// segment would sort only its own rows).
+pub(super) fn batching(b: &BatchingSection, text: bool, problems: &mut Problems) -> Batching {
     let sizing = match (b.item_rows, b.item_bytes) {
         (Some(_), Some(_)) => {
             problems.add(
@@ -57,7 +60,8 @@ pub(super) fn batching(b: &BatchingSection, problems: &mut Problems) -> Batching
         );
     }
 
-    let checkpoint_every = b.checkpoint_every.unwrap_or(DEFAULT_CHECKPOINT_EVERY);
+    let default_every = if text { 0 } else { DEFAULT_CHECKPOINT_EVERY };
+    let checkpoint_every = b.checkpoint_every.unwrap_or(default_every);
     Batching {
         sizing,
         batch_size,

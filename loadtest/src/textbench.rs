@@ -1,0 +1,182 @@
+//! The text part of `batchfleet-loadtest bench`: a sentence encoder (a
+//! scripted TransformerEncoder taking `input_ids, attention_mask`, pooled
+//! to `[rows, dim]`) over a generated corpus tokenized by a WordPiece
+//! `tokenizer.json`, measured side by side in one run:
+//! - **Python loop**: what a user would write (`loadtest/python/text_loop.py`):
+//!   `tokenizers` batch encode padded to each batch's longest, `torch.no_grad()`
+//!   forward, rows written to CSV, mini-batches in input order;
+//! - **compute ceiling**: the model's forward alone on the corpus
+//!   pre-tokenized, sorted by length and pre-padded per mini-batch (and the
+//!   same unsorted, padded to `max_length`, and with TorchScript's graph
+//!   optimization off: what dynamic padding and the optimizer each give);
+//! - **fleet**: `batchfleet run` on W worker processes through RabbitMQ and
+//!   Redis, submit to `_SUCCESS`; its outputs checked against the Python
+//!   loop's, row by row.
+
+use crate::bench::{run_job, Fleet};
+use anyhow::{bail, Context, Result};
+use batchfleet_loadtest::python::{interpreter, make_text_job, repo_root, TextGen};
+use batchfleet_loadtest::services;
+use serde::Serialize;
+use std::path::Path;
+use std::process::Command;
+
+/// Rows per work item of the text job.
+const ITEM_ROWS: u64 = 2_000;
+/// Rows per `forward`, for the fleet and the Python loop alike.
+const BATCH: u32 = 64;
+/// Tokens per row at most.
+const MAX_LENGTH: u32 = 128;
+
+/// The text regime's figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TextRegime {
+    /// Rows of the corpus.
+    pub rows: u64,
+    /// The model.
+    pub model: String,
+    /// Rows per `forward`.
+    pub batch: u32,
+    /// The user's Python loop (rows/s).
+    pub python_loop_rows_per_s: f64,
+    /// Forward alone, length-sorted, pre-padded per mini-batch (rows/s).
+    pub compute_rows_per_s: f64,
+    /// Forward alone, input order, padded per mini-batch (rows/s).
+    pub unsorted_rows_per_s: f64,
+    /// Forward alone, input order, padded to `max_length` (rows/s).
+    pub max_length_rows_per_s: f64,
+    /// The compute ceiling with graph optimization off (rows/s).
+    pub no_optimize_rows_per_s: f64,
+    /// Real tokens, and tokens once padded: sorted, unsorted, to `max_length`.
+    pub tokens: [u64; 4],
+    /// The fleet, submit to `_SUCCESS` (rows/s).
+    pub fleet_rows_per_s: f64,
+    /// Its wall time (s).
+    pub fleet_wall_s: f64,
+    /// Fleet ÷ Python loop.
+    pub fleet_to_python: f64,
+    /// Fleet ÷ compute ceiling.
+    pub fleet_to_compute: f64,
+    /// Seconds tokenizing, summed over workers.
+    pub tokenize_s: f64,
+    /// Seconds in `forward`, summed over workers.
+    pub inference_s: f64,
+}
+
+/// Runs the text regime on `rows` rows under `root`.
+pub fn run(
+    root: &Path,
+    rows: u64,
+    workers: usize,
+    bins: (&Path, &Path),
+    prefix: &str,
+) -> Result<TextRegime> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = root.join("text");
+    println!("bench [text] encoder over {rows} texts: generating…");
+    make_text_job(
+        &dir,
+        &TextGen {
+            rows: rows as u32,
+            dim: 64,
+            layers: 2,
+            max_length: MAX_LENGTH,
+            batch: BATCH,
+            format: "csv".into(),
+            no_expected: true,
+        },
+    )?;
+    println!("bench [text] Python loop and compute ceilings…");
+    let script = repo_root().join("loadtest/python/text_loop.py");
+    let figures = dir.join("python.json");
+    let status = Command::new(interpreter())
+        .arg(&script)
+        .arg(&dir)
+        .args(["--batch", &BATCH.to_string()])
+        .args(["--threads", &cores.to_string()])
+        .args(["--max-length", &MAX_LENGTH.to_string()])
+        .arg("--json")
+        .arg(&figures)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    let py: serde_json::Value = serde_json::from_slice(&std::fs::read(&figures)?)?;
+    let f = |k: &str| py[k].as_f64().unwrap_or(0.0);
+    let pool = services::unique("bench-text");
+    let manifest = dir.join("job.toml");
+    std::fs::write(
+        &manifest,
+        format!(
+            "[job]\nname = \"bench-text\"\npool = \"{pool}\"\n\n[input]\nformat = \"csv\"\npaths = [\"corpus.csv\"]\nid_column = \"id\"\ntext_column = \"text\"\n\n[model]\npath = \"encoder.pt\"\ntokenizer = \"tokenizer.json\"\nmax_length = {MAX_LENGTH}\n\n[batching]\nitem_rows = {ITEM_ROWS}\ninference_batch_size = {BATCH}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n"
+        ),
+    )?;
+    println!("bench [text] fleet of {workers} workers…");
+    let threads = (cores / workers).max(1);
+    let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, workers, threads)?;
+    let (wall, _, _) = run_job(bins.1, &manifest, prefix)?;
+    let tokenize_s = fleet.metric_sum("batchfleet_worker_tokenize_seconds_sum");
+    let inference_s = fleet.metric_sum("batchfleet_worker_inference_seconds_sum");
+    fleet.stop();
+    services::delete_pool_queues(&pool);
+    // The fleet's embeddings are the Python loop's (its CSV as the golden file).
+    let golden = dir.join("python-golden.csv");
+    let loop_out = std::fs::read_to_string(dir.join("python-loop.csv"))?;
+    let dim = loop_out
+        .lines()
+        .next()
+        .map_or(0, |l| l.split(',').count().saturating_sub(1));
+    let header: Vec<String> = std::iter::once("id".to_owned())
+        .chain((0..dim).map(|j| format!("score_{j}")))
+        .collect();
+    std::fs::write(&golden, format!("{}\n{loop_out}", header.join(",")))?;
+    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &golden, 1e-4)?;
+    if !v.ok() {
+        bail!(
+            "[text] the fleet's output does not match the Python loop's: {}",
+            v.describe()
+        );
+    }
+    let fleet_rate = rows as f64 / wall.max(1e-9);
+    let compute = f("ceiling_rows_per_s");
+    let python = f("python_loop_rows_per_s");
+    let tok = |k: &str| py[k].as_u64().unwrap_or(0);
+    Ok(TextRegime {
+        rows,
+        model: "TransformerEncoder 2 × 64 (4 heads), mean-pooled".into(),
+        batch: BATCH,
+        python_loop_rows_per_s: python,
+        compute_rows_per_s: compute,
+        unsorted_rows_per_s: f("unsorted_rows_per_s"),
+        max_length_rows_per_s: f("max_length_rows_per_s"),
+        no_optimize_rows_per_s: f("ceiling_no_optimize_rows_per_s"),
+        tokens: [
+            tok("tokens_real"),
+            tok("tokens_padded_sorted"),
+            tok("tokens_padded_unsorted"),
+            tok("tokens_padded_max_length"),
+        ],
+        fleet_rows_per_s: fleet_rate,
+        fleet_wall_s: wall,
+        fleet_to_python: fleet_rate / python.max(1e-9),
+        fleet_to_compute: fleet_rate / compute.max(1e-9),
+        tokenize_s,
+        inference_s,
+    })
+}
+
+/// Prints the figures.
+pub fn print(t: &TextRegime) {
+    println!(
+        "  text: {} rows, {}, batch {}: fleet {:.0} rows/s ({:.2} s); Python loop {:.0} (fleet ÷ {:.2}); compute ceiling {:.0} (fleet ÷ {:.2})",
+        t.rows, t.model, t.batch, t.fleet_rows_per_s, t.fleet_wall_s, t.python_loop_rows_per_s,
+        t.fleet_to_python, t.compute_rows_per_s, t.fleet_to_compute
+    );
+    println!(
+        "          forward alone: sorted + padded per batch {:.0} rows/s, input order padded per batch {:.0}, padded to max_length {:.0}, graph optimization off {:.0}; tokens real {} / padded sorted {} / unsorted {} / max_length {}; workers' tokenize {:.2} s, inference {:.2} s",
+        t.compute_rows_per_s, t.unsorted_rows_per_s, t.max_length_rows_per_s, t.no_optimize_rows_per_s,
+        t.tokens[0], t.tokens[1], t.tokens[2], t.tokens[3], t.tokenize_s, t.inference_s
+    );
+}
