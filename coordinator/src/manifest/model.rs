@@ -104,10 +104,11 @@ pub(super) fn tokenizer(
             "needs [input] text_column: name the string column the tokenizer reads".into(),
         );
     }
-    if model.max_length == Some(0) {
+    let most = batchfleet_shared::message::MAX_TOKENS_PER_ROW;
+    if model.max_length == Some(0) || model.max_length.is_some_and(|m| m > most) {
         problems.add(
             "[model] max_length",
-            "is 0; give the most tokens a row may have, e.g. 512".into(),
+            format!("must be 1 to {most} tokens per row, e.g. 512"),
         );
     }
     if model.pad_to_multiple_of == Some(0) {

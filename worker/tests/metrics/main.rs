@@ -201,8 +201,11 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
             .replace("$__range", "5m")
             .replace("$job", ".+")
             .replace("$pool", ".+");
+        // Text input's tokenizing time has no data on this numeric job; its
+        // query must still be one Prometheus answers.
+        let text_only = q.contains(batchfleet_shared::metrics::names::WORKER_TOKENIZE);
         match prom.query(&q) {
-            Ok(r) if !r.is_empty() => {}
+            Ok(r) if !r.is_empty() || text_only => {}
             Ok(_) => empty.push(format!("no data: {q}")),
             Err(e) => empty.push(format!("error: {e}")),
         }
