@@ -227,8 +227,8 @@ impl Default for ImageGen {
 /// Writes images, labels, model, golden predictions and `job.toml` into `out`.
 pub fn make_image_job(out: &Path, g: &ImageGen) -> Result<()> {
     let script = repo_root().join("loadtest/python/make_images.py");
-    let status = Command::new(interpreter())
-        .arg(&script)
+    let mut cmd = Command::new(interpreter());
+    cmd.arg(&script)
         .arg("--out")
         .arg(out)
         .args(["--images", &g.images.to_string()])
@@ -237,14 +237,18 @@ pub fn make_image_job(out: &Path, g: &ImageGen) -> Result<()> {
         .args(["--name", &g.name, "--pool", &g.pool])
         .args(["--item-rows", &g.item_rows.to_string()])
         .args(["--batch-size", &g.batch_size.to_string()])
-        .args(["--broken", &g.broken.to_string()])
-        .status()
-        .with_context(|| {
-            format!(
-                "running {}; create the venv with `make venv`",
-                script.display()
-            )
-        })?;
+        .args(["--broken", &g.broken.to_string()]);
+    run_generator(&mut cmd, &script)
+}
+
+/// Runs a generator script's command, naming the venv when Python is missing.
+fn run_generator(cmd: &mut Command, script: &Path) -> Result<()> {
+    let status = cmd.status().with_context(|| {
+        format!(
+            "running {}; create the venv with `make venv`",
+            script.display()
+        )
+    })?;
     if !status.success() {
         bail!("{} failed with {status}", script.display());
     }
@@ -302,14 +306,5 @@ pub fn make_text_job(out: &Path, g: &TextGen) -> Result<()> {
     if g.no_expected {
         cmd.arg("--no-expected");
     }
-    let status = cmd.status().with_context(|| {
-        format!(
-            "running {}; create the venv with `make venv`",
-            script.display()
-        )
-    })?;
-    if !status.success() {
-        bail!("{} failed with {status}", script.display());
-    }
-    Ok(())
+    run_generator(&mut cmd, &script)
 }
