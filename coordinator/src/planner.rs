@@ -335,11 +335,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             align: false,
         }),
         task: TaskSpec {
-            model: ModelRef {
-                path: "/models/m.pt".into(),
-                sha256: "00".repeat(32),
-                device: "cpu".into(),
-            },
+            model: ModelRef::plain("/models/m.pt", "00".repeat(32), "cpu"),
             layout: Layout::Csv(CsvLayout {
                 delimiter: b',',
                 fields: 2,

@@ -89,6 +89,9 @@ pub struct Summary {
     /// Distribution of each model output over the committed rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predictions: Option<Distribution>,
+    /// The vectors written (`[output] vector`): dimension and norms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vectors: Option<VectorSummary>,
     /// What `[on_complete]` did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_complete: Option<crate::hooks::HookOutcome>,
@@ -147,6 +150,39 @@ impl Distribution {
                     counts: c,
                 })
                 .collect(),
+        })
+    }
+}
+
+/// What an embedding job wrote: how many vectors of what dimension, and
+/// their L2 norms (about 1 throughout when `[output] normalize` is set; a
+/// spread of norms, or zeros, is worth a look otherwise).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VectorSummary {
+    /// Values per vector.
+    pub dim: u32,
+    /// Vectors counted (rows the model failed on are not).
+    pub rows: u64,
+    /// Mean L2 norm.
+    pub mean_norm: f64,
+    /// Least norm.
+    pub min_norm: f64,
+    /// Largest norm.
+    pub max_norm: f64,
+}
+
+impl VectorSummary {
+    /// Over the items' stats.
+    pub fn of(stats: &[ItemStats]) -> Option<Self> {
+        let all = stats.iter().fold(None, |acc, s| {
+            batchfleet_shared::store::VectorStats::merge(acc, s.vector)
+        })?;
+        Some(Self {
+            dim: all.dim,
+            rows: all.rows,
+            mean_norm: all.norm_sum / all.rows.max(1) as f64,
+            min_norm: all.norm_min,
+            max_norm: all.norm_max,
         })
     }
 }
@@ -297,6 +333,7 @@ pub async fn finish(
             store.histogram(job_id, histogram.bins as usize + 2).await?,
             output_names,
         ),
+        vectors: VectorSummary::of(&stats),
         on_complete: None,
         merged: None,
     };
@@ -395,6 +432,7 @@ mod tests {
             attempt: 1,
             recovered: false,
             rows_resumed: 0,
+            vector: None,
         }
     }
 

@@ -592,9 +592,9 @@ pub fn scan_outputs(
         }
         let read =
             |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
-        let (predicted, hist) =
-            batchfleet_shared::output::histogram_under(out, Path::new(&name), spec)
-                .map_err(read)?;
+        let tally = batchfleet_shared::output::histogram_under(out, Path::new(&name), spec)
+            .map_err(read)?;
+        let (predicted, hist) = (tally.rows, tally.counts);
         let rejected = batchfleet_shared::output::count_rejects_under(out, seq).map_err(read)?;
         let rows = rows.get().map_err(|e| {
             RunError::Output(format!("cannot count the input rows of item {seq}: {e}"))
@@ -620,6 +620,7 @@ pub fn scan_outputs(
                 attempt: 0,
                 recovered: true,
                 rows_resumed: 0,
+                vector: tally.vector,
             },
             hist,
         ));
@@ -642,6 +643,7 @@ mod tests {
             attempt: 1,
             recovered: false,
             rows_resumed: 0,
+            vector: None,
         }
     }
 

@@ -4,23 +4,33 @@ it, a small BERT-like encoder (TorchScript) and PyTorch's own outputs.
 
     make_text_job.py OUT [--rows N] [--seed S] [--dim D] [--max-length L]
                          [--format csv|jsonl|parquet|all] [--batch B]
-                         [--output pooled|hidden]
+                         [--output pooled|hidden|dict|typed]
 
 Writes into OUT:
-  corpus.<fmt>       (each format with --format all) id,text rows: varied lengths, some empty strings,
-                     non-ASCII text and a few very long rows (truncated at
-                     --max-length)
+  corpus.<fmt>       (each format with --format all) id,text,f0,f1 rows:
+                     texts of varied lengths, some empty strings, non-ASCII
+                     text and a few very long rows (truncated at
+                     --max-length); f0, f1 two numbers per row
   tokenizer.json     WordPiece trained on the corpus with Python's `tokenizers`
   encoder.pt         torch.jit.script of forward(input_ids, attention_mask):
                      a TransformerEncoder with seeded random weights; returns
                      the masked mean of its last hidden state [rows, D]
-                     (--output pooled, the default) or the hidden state
-                     itself [rows, L, D] (--output hidden)
+                     (--output pooled, the default), the hidden state
+                     itself [rows, L, D] (--output hidden), or a dict
+                     {"pooled": [rows, D], "hidden": [rows, L, D],
+                     "logits": [rows, 3]} (--output dict). --output typed:
+                     forward(input_ids, attention_mask, token_type_ids,
+                     numeric) adds a token type embedding and a projection
+                     of the float32 [rows, 2] numeric columns to the pooled
+                     output
   expected_ids.jsonl {"id", "ids"} per row: Python's token ids (truncated at
                      --max-length, special tokens added, no padding)
   expected.csv       id,score_0..score_{D-1}: PyTorch's pooled output for
                      every row, run in mini-batches of --batch rows padded to
-                     each mini-batch's longest row (pad id 0, mask 0)
+                     each mini-batch's longest row (pad id 0, mask 0); for
+                     hidden and dict, the masked mean of the hidden state
+  expected_cls.csv   (hidden, dict) the hidden state's first position
+  expected_logits.csv (dict) id,score_0..score_2: the logits
 
 Everything is seeded, so the same arguments make the same files.
 """
@@ -30,6 +40,8 @@ import csv
 import json
 import os
 import random
+
+from typing import Dict
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
@@ -99,14 +111,55 @@ class Encoder(torch.nn.Module):
         self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.pooled = pooled
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = self.tok(input_ids) + self.pos(positions)
-        h = self.encoder(x, src_key_padding_mask=attention_mask == 0)
+        return self.encoder(x, src_key_padding_mask=attention_mask == 0)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(input_ids, attention_mask)
         if not self.pooled:
             return h
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return mean_pool(h, attention_mask)
+
+
+def mean_pool(h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    m = attention_mask.unsqueeze(-1).to(h.dtype)
+    return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+class DictEncoder(torch.nn.Module):
+    """Returns several outputs by name, as transformers models do."""
+
+    def __init__(self, base: Encoder, dim: int):
+        super().__init__()
+        self.base = base
+        self.head = torch.nn.Linear(dim, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+        h = self.base.hidden(input_ids, attention_mask)
+        pooled = mean_pool(h, attention_mask)
+        return {"pooled": pooled, "hidden": h, "logits": self.head(pooled)}
+
+
+class TypedEncoder(torch.nn.Module):
+    """Takes token type ids and numeric columns beside the text."""
+
+    def __init__(self, base: Encoder, dim: int):
+        super().__init__()
+        self.base = base
+        self.types = torch.nn.Embedding(2, dim)
+        self.numeric = torch.nn.Linear(2, dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        numeric: torch.Tensor,
+    ) -> torch.Tensor:
+        h = self.base.hidden(input_ids, attention_mask) + self.types(token_type_ids)
+        return mean_pool(h, attention_mask) + self.numeric(numeric)
 
 
 def padded(batch_ids):
@@ -119,24 +172,46 @@ def padded(batch_ids):
     return ids, mask
 
 
-def write_corpus(out, fmt, ids, texts):
+def numbers(texts, seed):
+    rng = random.Random(seed + 1)
+    return [(round(len(t) / 100.0, 4), round(rng.uniform(-1.0, 1.0), 4)) for t in texts]
+
+
+def write_corpus(out, fmt, ids, texts, nums):
     path = os.path.join(out, f"corpus.{fmt}")
     if fmt == "csv":
         with open(path, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
-            w.writerow(["id", "text"])
-            for i, t in zip(ids, texts):
-                w.writerow([i, t])
+            w.writerow(["id", "text", "f0", "f1"])
+            for i, t, (a, b) in zip(ids, texts, nums):
+                w.writerow([i, t, a, b])
     elif fmt == "jsonl":
         with open(path, "w", encoding="utf-8") as f:
-            for i, t in zip(ids, texts):
-                f.write(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n")
+            for i, t, (a, b) in zip(ids, texts, nums):
+                f.write(json.dumps({"id": i, "text": t, "f0": a, "f1": b}, ensure_ascii=False) + "\n")
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.table({"id": ids, "text": texts}), path, row_group_size=2000)
+        table = pa.table(
+            {
+                "id": ids,
+                "text": texts,
+                "f0": pa.array([a for a, _ in nums], pa.float32()),
+                "f1": pa.array([b for _, b in nums], pa.float32()),
+            }
+        )
+        pq.write_table(table, path, row_group_size=2000)
     return path
+
+
+def write_rows(path, ids, lo, rows, width, append):
+    with open(path, "a" if append else "w", newline="") as f:
+        w = csv.writer(f)
+        if not append:
+            w.writerow(["id"] + [f"score_{j}" for j in range(width)])
+        for r, row in enumerate(rows):
+            w.writerow([ids[lo + r]] + [repr(v) for v in row])
 
 
 def main():
@@ -150,42 +225,60 @@ def main():
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--format", choices=["csv", "jsonl", "parquet", "all"], default="csv")
-    ap.add_argument("--output", choices=["pooled", "hidden"], default="pooled")
+    ap.add_argument("--output", choices=["pooled", "hidden", "dict", "typed"], default="pooled")
     ap.add_argument("--no-expected", action="store_true", help="skip PyTorch's outputs (benchmarks)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(a.seed)
     texts = corpus(a.rows, a.seed)
+    nums = numbers(texts, a.seed)
     ids = [f"doc-{i:07d}" for i in range(a.rows)]
     for fmt in ["csv", "jsonl", "parquet"] if a.format == "all" else [a.format]:
-        write_corpus(a.out, fmt, ids, texts)
+        write_corpus(a.out, fmt, ids, texts, nums)
 
     tok = train_tokenizer(texts, a.vocab)
     tok.save(os.path.join(a.out, "tokenizer.json"))
     tok = Tokenizer.from_file(os.path.join(a.out, "tokenizer.json"))
     tok.no_padding()
     tok.enable_truncation(a.max_length)
-    encoded = [e.ids for e in tok.encode_batch(texts)]
+    encodings = tok.encode_batch(texts)
+    encoded = [e.ids for e in encodings]
+    type_ids = [e.type_ids for e in encodings]
     with open(os.path.join(a.out, "expected_ids.jsonl"), "w", encoding="utf-8") as f:
         for i, e in zip(ids, encoded):
             f.write(json.dumps({"id": i, "ids": e}) + "\n")
 
-    model = Encoder(tok.get_vocab_size(), a.dim, a.layers, a.max_length, a.output == "pooled").eval()
+    base = Encoder(tok.get_vocab_size(), a.dim, a.layers, a.max_length, a.output == "pooled")
+    model = {
+        "pooled": lambda: base,
+        "hidden": lambda: base,
+        "dict": lambda: DictEncoder(base, a.dim),
+        "typed": lambda: TypedEncoder(base, a.dim),
+    }[a.output]().eval()
     scripted = torch.jit.script(model)
     scripted.save(os.path.join(a.out, "encoder.pt"))
     if a.no_expected:
         return
-    with torch.no_grad(), open(os.path.join(a.out, "expected.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["id"] + [f"score_{j}" for j in range(a.dim)])
+    with torch.no_grad():
         for lo in range(0, a.rows, a.batch):
             x, m = padded(encoded[lo : lo + a.batch])
-            y = model(x, m)
+            t, _ = padded(type_ids[lo : lo + a.batch])
+            if a.output == "typed":
+                numeric = torch.tensor(nums[lo : lo + a.batch], dtype=torch.float32)
+                y = model(x, m, t, numeric)
+            else:
+                y = model(x, m)
+            outputs = {}
+            if isinstance(y, dict):
+                outputs["expected_logits.csv"] = y["logits"]
+                y = y["hidden"]
             if y.dim() == 3:
-                mm = m.unsqueeze(-1).to(y.dtype)
-                y = (y * mm).sum(1) / mm.sum(1).clamp(min=1.0)
-            for r, row in enumerate(y.tolist()):
-                w.writerow([ids[lo + r]] + [repr(v) for v in row])
+                outputs["expected_cls.csv"] = y[:, 0, :]
+                y = mean_pool(y, m)
+            outputs["expected.csv"] = y
+            for name, values in outputs.items():
+                rows = values.tolist()
+                write_rows(os.path.join(a.out, name), ids, lo, rows, len(rows[0]), lo > 0)
 
 
 if __name__ == "__main__":

@@ -487,6 +487,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         width: 1,
                         failed: Vec::new(),
                         integer: false,
+                        parts: Vec::new(),
                     };
                     batchfleet_worker::writer::write_part(
                         &out,

@@ -273,6 +273,10 @@ pub struct TextGen {
     pub format: String,
     /// Skip PyTorch's outputs (for benchmarks).
     pub no_expected: bool,
+    /// What the model returns: `pooled` (`[rows, D]`), `hidden` (`[rows,
+    /// L, D]`), `dict` (`pooled`, `hidden`, `logits` by name) or `typed`
+    /// (takes token type ids and the numeric columns too).
+    pub output: String,
 }
 
 impl Default for TextGen {
@@ -285,12 +289,14 @@ impl Default for TextGen {
             batch: 32,
             format: "all".into(),
             no_expected: false,
+            output: "pooled".into(),
         }
     }
 }
 
 /// Writes `corpus.<format>`, `tokenizer.json`, `encoder.pt`,
-/// `expected_ids.jsonl` and `expected.csv` into `out`; see
+/// `expected_ids.jsonl` and `expected.csv` (with `expected_cls.csv` and
+/// `expected_logits.csv` for the models that return them) into `out`; see
 /// `loadtest/python/make_text_job.py`.
 pub fn make_text_job(out: &Path, g: &TextGen) -> Result<()> {
     let script = repo_root().join("loadtest/python/make_text_job.py");
@@ -302,7 +308,8 @@ pub fn make_text_job(out: &Path, g: &TextGen) -> Result<()> {
         .args(["--layers", &g.layers.to_string()])
         .args(["--max-length", &g.max_length.to_string()])
         .args(["--batch", &g.batch.to_string()])
-        .args(["--format", &g.format]);
+        .args(["--format", &g.format])
+        .args(["--output", &g.output]);
     if g.no_expected {
         cmd.arg("--no-expected");
     }

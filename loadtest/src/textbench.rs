@@ -84,6 +84,7 @@ pub fn run(
             batch: BATCH,
             format: "csv".into(),
             no_expected: true,
+            ..TextGen::default()
         },
     )?;
     println!("bench [text] Python loop and compute ceilings…");

@@ -61,7 +61,38 @@ fn read_scores(path: &Path, wanted: Option<&[String]>) -> Result<Rows> {
     let mut rows = Vec::new();
     let mut picked: Option<Result<(Vec<String>, Vec<usize>)>> = None;
     let mut bad = None;
+    let mut flat_names: Vec<String> = Vec::new();
+    let mut flat: Vec<batchfleet_shared::table::Value> = Vec::new();
     let names = batchfleet_shared::table::read_part(path, |names, row| {
+        // A vector column stands for its elements, `<name>_0 …` (as in CSV).
+        let (names, row) = if row
+            .iter()
+            .any(|v| matches!(v, batchfleet_shared::table::Value::Vector(_)))
+        {
+            flat.clear();
+            let fresh = flat_names.is_empty();
+            for (n, v) in names.iter().zip(row) {
+                match v {
+                    batchfleet_shared::table::Value::Vector(xs) => {
+                        for (i, x) in xs.iter().enumerate() {
+                            if fresh {
+                                flat_names.push(format!("{n}_{i}"));
+                            }
+                            flat.push(batchfleet_shared::table::Value::Number(*x));
+                        }
+                    }
+                    other => {
+                        if fresh {
+                            flat_names.push(n.clone());
+                        }
+                        flat.push(other.clone());
+                    }
+                }
+            }
+            (flat_names.as_slice(), flat.as_slice())
+        } else {
+            (names, row)
+        };
         let pick = picked.get_or_insert_with(|| pick_columns(path, names, wanted));
         let Ok((_, cols)) = pick else { return };
         let scores: Vec<f64> = cols

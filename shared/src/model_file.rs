@@ -132,6 +132,111 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     })
 }
 
+/// One parameter of a TorchScript module's `forward` (after `self`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Param {
+    /// Its name.
+    pub name: String,
+    /// Its type as TorchScript wrote it (`Tensor`, `Optional[Tensor]`, …).
+    pub ty: String,
+    /// Whether it has a default value (callers may leave it out).
+    pub has_default: bool,
+}
+
+/// The parameters of the root module's `forward` in the TorchScript archive
+/// at `path`, read from the code the archive carries: `data.pkl` names the
+/// root module's class, whose file under `code/` holds `def forward(self:
+/// <class>, …)`. `Ok(None)` when the archive does not say (not TorchScript,
+/// compressed entries, or code this reader does not follow).
+pub fn forward_params(path: &Path) -> io::Result<Option<Vec<Param>>> {
+    let mut f = std::fs::File::open(path)?;
+    let len = f.seek(SeekFrom::End(0))?;
+    let Some(entries) = central_directory(&mut f, len)? else {
+        return Ok(None);
+    };
+    let Some(pkl) = entries
+        .iter()
+        .find(|e| e.name.split_once('/').is_some_and(|(_, r)| r == "data.pkl"))
+    else {
+        return Ok(None);
+    };
+    let top = pkl.name.split_once('/').map_or("", |(t, _)| t).to_owned();
+    // PROTO 2, then GLOBAL `c<module>\n<class>\n`: the root object's class.
+    let head = entry_head(&mut f, pkl, 4096)?;
+    let Some(global) = head.get(2..).filter(|h| h.first() == Some(&b'c')) else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(&global[1..]);
+    let mut lines = text.split('\n');
+    let (Some(module), Some(class)) = (lines.next(), lines.next()) else {
+        return Ok(None);
+    };
+    // `__torch__` lives in code/__torch__.py, `__torch__.a.b` in code/__torch__/a/b.py.
+    let code = format!("{top}/code/{}.py", module.replace('.', "/"));
+    let Some(entry) = entries.iter().find(|e| e.name == code) else {
+        return Ok(None);
+    };
+    let source = entry_head(&mut f, entry, 64 << 20)?;
+    Ok(parse_forward(
+        &String::from_utf8_lossy(&source),
+        &format!("{module}.{class}"),
+    ))
+}
+
+/// The parameters after `self` of `def forward(self: <class>, …)` in
+/// TorchScript's generated code.
+fn parse_forward(source: &str, class: &str) -> Option<Vec<Param>> {
+    let start = source.find(&format!("def forward(self: {class}"))?;
+    let rest = &source[start + "def forward(".len()..];
+    // The parameter list ends at the `)` closing `forward(`.
+    let (mut depth, mut end) = (0i32, None);
+    for (i, c) in rest.char_indices() {
+        match c {
+            '(' | '[' => depth += 1,
+            ']' => depth -= 1,
+            ')' if depth == 0 => {
+                end = Some(i);
+                break;
+            }
+            ')' => depth -= 1,
+            _ => {}
+        }
+    }
+    let list = &rest[..end?];
+    let mut params = Vec::new();
+    let (mut depth, mut from) = (0i32, 0usize);
+    let mut pieces = Vec::new();
+    for (i, c) in list.char_indices() {
+        match c {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                pieces.push(&list[from..i]);
+                from = i + 1;
+            }
+            _ => {}
+        }
+    }
+    pieces.push(&list[from..]);
+    for piece in pieces.into_iter().skip(1) {
+        let piece = piece.trim();
+        if piece.is_empty() {
+            continue;
+        }
+        let (decl, default) = match piece.split_once('=') {
+            Some((d, _)) => (d.trim(), true),
+            None => (piece, false),
+        };
+        let (name, ty) = decl.split_once(':').unwrap_or((decl, ""));
+        params.push(Param {
+            name: name.trim().to_owned(),
+            ty: ty.trim().to_owned(),
+            has_default: default,
+        });
+    }
+    Some(params)
+}
+
 /// One central directory entry.
 #[derive(Debug)]
 struct Entry {
@@ -334,6 +439,45 @@ mod tests {
 
     fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
         stored_zip(entries)
+    }
+
+    #[test]
+    fn forward_parameters_are_read_from_the_archive_code() {
+        let code = "class Net(Module):\n  __parameters__ = []\n  def forward(self: __torch__.Net,\n    input_ids: Tensor,\n    mask: Optional[Tensor]=None,\n    pair: Tuple[Tensor, int]) -> Dict[str, Tensor]:\n    return {}\n";
+        let bytes = zip(&[
+            ("net/data.pkl", b"\x80\x02c__torch__\nNet\nq\x00)"),
+            ("net/code/__torch__.py", code.as_bytes()),
+            ("net/constants.pkl", b"c"),
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("net.pt");
+        std::fs::write(&path, bytes).unwrap();
+        let params = forward_params(&path).unwrap().expect("found");
+        let named: Vec<(&str, &str, bool)> = params
+            .iter()
+            .map(|p| (p.name.as_str(), p.ty.as_str(), p.has_default))
+            .collect();
+        assert_eq!(
+            named,
+            [
+                ("input_ids", "Tensor", false),
+                ("mask", "Optional[Tensor]", true),
+                ("pair", "Tuple[Tensor, int]", false)
+            ]
+        );
+        // A class in a module of its own lives in code/__torch__/<module>.py.
+        let bytes = zip(&[
+            ("m/data.pkl", b"\x80\x02c__torch__.models\nNet\nq\x00)"),
+            (
+                "m/code/__torch__/models.py",
+                code.replace("__torch__.Net", "__torch__.models.Net")
+                    .as_bytes(),
+            ),
+        ]);
+        std::fs::write(&path, bytes).unwrap();
+        assert_eq!(forward_params(&path).unwrap().expect("found").len(), 3);
+        std::fs::write(&path, zip(&[("m/data.pkl", b"\x80\x02}")])).unwrap();
+        assert_eq!(forward_params(&path).unwrap(), None);
     }
 
     #[test]

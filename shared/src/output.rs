@@ -59,15 +59,25 @@ pub fn count_rejects_under(out: &Path, seq: u32) -> std::io::Result<u64> {
     Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64)
 }
 
-/// Rows of the part file `rel` of output folder `out` and the histogram of
-/// its model-output columns (`counts[c][bin]`, see
-/// [`crate::message::OutputSpec::is_score_column`]), following no link
-/// inside the folder.
+/// What a part file holds, as the job's summary counts it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tally {
+    /// Rows.
+    pub rows: u64,
+    /// The histogram of its model-output columns (`counts[c][bin]`, see
+    /// [`crate::message::OutputSpec::is_score_column`]); none for vectors.
+    pub counts: Vec<Vec<u64>>,
+    /// The norms of its vectors (`[output] vector`).
+    pub vector: Option<crate::store::VectorStats>,
+}
+
+/// The [`Tally`] of the part file `rel` of output folder `out`, following
+/// no link inside the folder.
 pub fn histogram_under(
     out: &Path,
     rel: &Path,
     spec: &crate::message::OutputSpec,
-) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
+) -> std::io::Result<Tally> {
     histogram_of(
         crate::fsutil::open_under(out, rel)?,
         crate::table::format_of(rel)?,
@@ -80,24 +90,49 @@ pub fn histogram_of(
     input: crate::source::Input,
     format: crate::message::OutputFormat,
     spec: &crate::message::OutputSpec,
-) -> std::io::Result<(u64, Vec<Vec<u64>>)> {
-    let mut counts: Vec<Vec<u64>> = Vec::new();
-    let mut rows = 0;
+) -> std::io::Result<Tally> {
+    let mut tally = Tally::default();
     let mut values = Vec::new();
     let mut scores: Option<Vec<usize>> = None;
     crate::table::read_input(input, format, |names, row| {
-        rows += 1;
-        let cols = scores.get_or_insert_with(|| {
-            (0..names.len())
+        tally.rows += 1;
+        let cols = scores.get_or_insert_with(|| match &spec.vector {
+            // One column (JSON Lines, Parquet) or `<name>_<i>` (CSV).
+            Some(v) => (0..names.len())
+                .filter(|c| {
+                    names[*c] == *v
+                        || names[*c].strip_prefix(v.as_str()).is_some_and(|rest| {
+                            rest.strip_prefix('_').is_some_and(|n| {
+                                !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
+                            })
+                        })
+                })
+                .collect(),
+            None => (0..names.len())
                 .filter(|c| spec.is_score_column(&names[*c]))
-                .collect()
+                .collect(),
         });
+        if spec.vector.is_some() {
+            let row_stats = match cols.as_slice() {
+                [one] if matches!(row[*one], crate::table::Value::Vector(_)) => {
+                    let crate::table::Value::Vector(v) = &row[*one] else {
+                        unreachable!("matched above")
+                    };
+                    crate::store::VectorStats::of_row(v.iter().copied())
+                }
+                many => crate::store::VectorStats::of_row(
+                    many.iter().map(|c| row[*c].as_f64().unwrap_or(f64::NAN)),
+                ),
+            };
+            tally.vector = crate::store::VectorStats::merge(tally.vector, row_stats);
+            return;
+        }
         values.clear();
         values.extend(
             cols.iter()
                 .map(|c| row[*c].as_f64().map_or(f32::NAN, |v| v as f32)),
         );
-        spec.histogram.add(&mut counts, &values, values.len());
+        spec.histogram.add(&mut tally.counts, &values, values.len());
     })?;
-    Ok((rows, counts))
+    Ok(tally)
 }

@@ -7,11 +7,16 @@
 //! - `jsonl`: one JSON object per row, keys in column order; a float that is
 //!   not finite is `null`.
 //! - `parquet`: one row group per part (per 64k rows), snappy; text columns
-//!   `Utf8`, floats `Float32`, integers `Int64`. Readers see one table.
+//!   `Utf8`, floats `Float32`, integers `Int64`, vectors
+//!   `FixedSizeList<Float32>`. Readers see one table.
+//!
+//! A vector column (an embedding per row) is a JSON array in `jsonl`, a
+//! fixed-size list in `parquet`, and `D` columns `<name>_0 … <name>_{D-1}`
+//! in `csv`.
 
 use crate::message::OutputFormat;
 use crate::source::Input;
-use arrow_array::builder::{Float32Builder, Int64Builder, StringBuilder};
+use arrow_array::builder::{FixedSizeListBuilder, Float32Builder, Int64Builder, StringBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 use std::io::{self, BufRead, Write};
@@ -27,6 +32,8 @@ pub enum Kind {
     Float,
     /// Integers (class indices).
     Int,
+    /// A fixed number of 32-bit floats (an embedding).
+    Vector(u32),
 }
 
 /// One value written to a part file.
@@ -38,6 +45,8 @@ pub enum Cell<'a> {
     Float(f32),
     /// An integer.
     Int(i64),
+    /// A vector of floats (as many as the column's [`Kind::Vector`]).
+    Vector(&'a [f32]),
 }
 
 /// One value read back from a part file.
@@ -47,6 +56,8 @@ pub enum Value {
     Text(String),
     /// A number.
     Number(f64),
+    /// A vector (JSON array, Parquet list; a `null` element is NaN).
+    Vector(Vec<f64>),
     /// Empty (JSON `null`, Parquet null).
     Null,
 }
@@ -57,7 +68,7 @@ impl Value {
         match self {
             Value::Number(v) => Some(*v),
             Value::Text(t) => t.parse().ok(),
-            Value::Null => None,
+            Value::Vector(_) | Value::Null => None,
         }
     }
 
@@ -67,6 +78,7 @@ impl Value {
             Value::Text(t) => t.clone(),
             Value::Number(v) if v.fract() == 0.0 && v.abs() < 1e15 => format!("{}", *v as i64),
             Value::Number(v) => v.to_string(),
+            Value::Vector(v) => serde_json::to_string(v).unwrap_or_default(),
             Value::Null => String::new(),
         }
     }
@@ -107,6 +119,7 @@ enum Builder {
     Text(StringBuilder),
     Float(Float32Builder),
     Int(Int64Builder),
+    Vector(FixedSizeListBuilder<Float32Builder>),
 }
 
 impl<'w, W: Write + Send> PartWriter<'w, W> {
@@ -121,7 +134,14 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
         let inner = match format {
             OutputFormat::Csv => {
                 let mut csv = csv::WriterBuilder::new().from_writer(w);
-                csv.write_record(&names)?;
+                let mut header = Vec::with_capacity(names.len());
+                for (n, k) in names.iter().zip(&kinds) {
+                    match k {
+                        Kind::Vector(d) => header.extend((0..*d).map(|i| format!("{n}_{i}"))),
+                        _ => header.push(n.clone()),
+                    }
+                }
+                csv.write_record(&header)?;
                 Sink::Csv(Box::new(csv), ryu::Buffer::new())
             }
             OutputFormat::Jsonl => Sink::Jsonl(w, ryu::Buffer::new()),
@@ -134,6 +154,7 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
                             Kind::Text => DataType::Utf8,
                             Kind::Float => DataType::Float32,
                             Kind::Int => DataType::Int64,
+                            Kind::Vector(d) => vector_type(*d),
                         };
                         Field::new(n, t, true)
                     })
@@ -171,6 +192,11 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
                         Cell::Text(t) => csv.write_field(t)?,
                         Cell::Float(v) => csv.write_field(fmt.format(*v))?,
                         Cell::Int(v) => csv.write_field(v.to_string())?,
+                        Cell::Vector(v) => {
+                            for x in *v {
+                                csv.write_field(fmt.format(*x))?;
+                            }
+                        }
                     }
                 }
                 csv.write_record(None::<&[u8]>)?;
@@ -190,6 +216,20 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
                         }
                         Cell::Float(_) => w.write_all(b"null")?,
                         Cell::Int(v) => write!(w, "{v}")?,
+                        Cell::Vector(v) => {
+                            w.write_all(b"[")?;
+                            for (i, x) in v.iter().enumerate() {
+                                if i > 0 {
+                                    w.write_all(b",")?;
+                                }
+                                if x.is_finite() {
+                                    w.write_all(fmt.format(*x).as_bytes())?;
+                                } else {
+                                    w.write_all(b"null")?;
+                                }
+                            }
+                            w.write_all(b"]")?;
+                        }
                     }
                 }
                 w.write_all(b"}\n")?;
@@ -200,9 +240,18 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
                         (Builder::Text(b), Cell::Text(t)) => b.append_value(t),
                         (Builder::Float(b), Cell::Float(v)) => b.append_value(*v),
                         (Builder::Int(b), Cell::Int(v)) => b.append_value(*v),
+                        (Builder::Vector(b), Cell::Vector(v)) => {
+                            b.values().append_slice(v);
+                            b.append(true);
+                        }
                         (Builder::Text(b), _) => b.append_null(),
                         (Builder::Float(b), _) => b.append_null(),
                         (Builder::Int(b), _) => b.append_null(),
+                        (Builder::Vector(b), _) => {
+                            let d = b.value_length() as usize;
+                            b.values().append_nulls(d);
+                            b.append(false);
+                        }
                     }
                 }
                 p.rows += 1;
@@ -237,7 +286,19 @@ fn builder(k: Kind) -> Builder {
         Kind::Text => Builder::Text(StringBuilder::new()),
         Kind::Float => Builder::Float(Float32Builder::new()),
         Kind::Int => Builder::Int(Int64Builder::new()),
+        Kind::Vector(d) => Builder::Vector(
+            FixedSizeListBuilder::new(Float32Builder::new(), d as i32)
+                .with_field(Arc::new(Field::new_list_field(DataType::Float32, true))),
+        ),
     }
+}
+
+/// The Arrow type of a vector column of `d` floats.
+fn vector_type(d: u32) -> DataType {
+    DataType::FixedSizeList(
+        Arc::new(Field::new_list_field(DataType::Float32, true)),
+        d as i32,
+    )
 }
 
 impl<W: Write + Send> ParquetSink<'_, W> {
@@ -253,6 +314,7 @@ impl<W: Write + Send> ParquetSink<'_, W> {
                     Builder::Text(b) => Arc::new(b.finish()),
                     Builder::Float(b) => Arc::new(b.finish()),
                     Builder::Int(b) => Arc::new(b.finish()),
+                    Builder::Vector(b) => Arc::new(b.finish()),
                 }
             })
             .collect();
@@ -326,6 +388,11 @@ pub fn read_input(
                         Value::Number(n.as_f64().unwrap_or(f64::NAN))
                     }
                     Some(serde_json::Value::Null) | None => Value::Null,
+                    Some(serde_json::Value::Array(a))
+                        if a.iter().all(|x| x.is_number() || x.is_null()) =>
+                    {
+                        Value::Vector(a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect())
+                    }
                     Some(other) => Value::Text(other.to_string()),
                 }));
                 visit(&names, &row);
@@ -366,6 +433,23 @@ pub fn read_input(
                                 )),
                                 DataType::Int64 => {
                                     Value::Number(col.as_primitive::<Int64Type>().value(r) as f64)
+                                }
+                                DataType::FixedSizeList(f, _)
+                                    if f.data_type() == &DataType::Float32 =>
+                                {
+                                    let v = col.as_fixed_size_list().value(r);
+                                    let v = v.as_primitive::<Float32Type>();
+                                    Value::Vector(
+                                        (0..v.len())
+                                            .map(|i| {
+                                                if v.is_null(i) {
+                                                    f64::NAN
+                                                } else {
+                                                    f64::from(v.value(i))
+                                                }
+                                            })
+                                            .collect(),
+                                    )
                                 }
                                 other => Value::Text(format!("<{other}>")),
                             }

@@ -89,11 +89,25 @@ impl TextEncoder {
 
     /// Appends the ids of `text` (special tokens added, truncated) to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<i64>) -> Result<(), String> {
+        self.encode_with_types(text, out, None)
+    }
+
+    /// [`TextEncoder::encode_into`], also appending each id's type
+    /// (segment) id to `types` when given: `token_type_ids`.
+    pub fn encode_with_types(
+        &self,
+        text: &str,
+        out: &mut Vec<i64>,
+        types: Option<&mut Vec<i64>>,
+    ) -> Result<(), String> {
         let encoding = self
             .tokenizer
             .encode_fast(text, true)
             .map_err(|e| format!("the tokenizer cannot encode it: {e}"))?;
         out.extend(encoding.get_ids().iter().map(|&id| i64::from(id)));
+        if let Some(types) = types {
+            types.extend(encoding.get_type_ids().iter().map(|&t| i64::from(t)));
+        }
         Ok(())
     }
 }
@@ -126,6 +140,10 @@ mod tests {
         ids.clear();
         enc.encode_into("", &mut ids).unwrap();
         assert_eq!(ids, [2, 3]);
+        let (mut ids, mut types) = (Vec::new(), Vec::new());
+        enc.encode_with_types("bad film", &mut ids, Some(&mut types))
+            .unwrap();
+        assert_eq!((ids.len(), types), (4, vec![0; 4]));
         let short = TextEncoder::from_bytes(WORDS.as_bytes(), Some(3)).unwrap();
         ids.clear();
         short.encode_into("good bad film zzz", &mut ids).unwrap();

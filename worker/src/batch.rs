@@ -64,6 +64,9 @@ pub struct Tokens {
     pub ids: Vec<i64>,
     /// Where each row's ids end in `ids`.
     pub ends: Vec<usize>,
+    /// The tokenizer's type (segment) id of each id in `ids`, when the
+    /// model takes `token_type_ids`; empty otherwise.
+    pub types: Vec<i64>,
     /// The id padded positions take.
     pub pad_id: i64,
     /// Padded lengths are rounded up to a multiple of this (0 or 1: not rounded).
@@ -82,10 +85,25 @@ impl Tokens {
         self.ends.len()
     }
 
-    /// Appends a row of ids.
+    /// The type ids of row `i` (empty when the tokens carry none).
+    pub fn row_types(&self, i: usize) -> &[i64] {
+        if self.types.is_empty() {
+            return &[];
+        }
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.types[start..self.ends[i]]
+    }
+
+    /// Appends a row of ids (no type ids).
     pub fn push(&mut self, ids: &[i64]) {
         self.ids.extend_from_slice(ids);
         self.ends.push(self.ids.len());
+    }
+
+    /// Appends row `i` of `other`, type ids included.
+    pub fn push_row(&mut self, other: &Tokens, i: usize) {
+        self.types.extend_from_slice(other.row_types(i));
+        self.push(other.row(i));
     }
 
     /// The padded length of a mini-batch whose longest row has `longest` ids.

@@ -25,7 +25,7 @@ use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{WorkItem, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::store::{Claim, ItemStats, Start};
+use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -294,6 +294,7 @@ async fn process(
         attempt,
         recovered: false,
         rows_resumed: 0,
+        vector: None,
     };
     // One trip to the blocking pool: look for the part file and, unless a
     // previous delivery's part can be committed as it is, read the item.
@@ -305,11 +306,12 @@ async fn process(
             item.seq,
         );
         let item_rows = batchfleet_shared::split::ItemRows::of(item);
-        let (slice, layout, text, on_bad_row) = (
+        let (slice, layout, text, on_bad_row, type_ids) = (
             item.input.clone(),
             item.task.layout.clone(),
             item.task.text.clone(),
             item.task.failure.on_bad_row,
+            item.task.model.wants_type_ids(),
         );
         let span = tracing::Span::current();
         blocking(move || {
@@ -319,7 +321,7 @@ async fn process(
                 let batch =
                     reader::read(&slice, &layout, text.as_ref(), on_bad_row).and_then(|mut b| {
                         if let Some(t) = &text {
-                            crate::text::tokenize(&mut b, t)?;
+                            crate::text::tokenize(&mut b, t, type_ids)?;
                         }
                         Ok(b)
                     });
@@ -334,8 +336,10 @@ async fn process(
             rows,
             rejected,
             hist,
+            vector,
         } => {
             (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
+            stats.vector = vector;
             return commit(item, stats, &hist, None, ctx).await;
         }
         Looked::Read {
@@ -352,6 +356,7 @@ async fn process(
         rows,
         rejects,
         hist,
+        vector,
         resumed,
         source,
         partial,
@@ -360,6 +365,7 @@ async fn process(
         Err(early) => return Ok(early),
     };
     stats.rows = rows;
+    stats.vector = vector;
     stats.rows_rejected = rejects.len() as u64;
     stats.rows_resumed = resumed;
     ctx.debug.check_disk(&out.join(&part))?;
@@ -413,6 +419,7 @@ enum Looked {
         rows: u64,
         rejected: u64,
         hist: Vec<Vec<u64>>,
+        vector: Option<VectorStats>,
     },
     /// The item's rows, to compute; `existing_rows`: a previous delivery's
     /// part file is there with this many rows but its rejects do not add up.
@@ -444,12 +451,13 @@ fn look_and_read(
     }
     // A previous delivery published the part and died before marking it done.
     let found = (|| {
-        let (rows, hist) = batchfleet_shared::output::histogram_under(out, part, spec)?;
+        let tally = batchfleet_shared::output::histogram_under(out, part, spec)?;
         let rejected = batchfleet_shared::output::count_rejects_under(out, seq)?;
-        Ok::<_, std::io::Error>((rows, rejected, hist))
+        Ok::<_, std::io::Error>((tally, rejected))
     })();
-    let (rows, rejected, hist) =
+    let (tally, rejected) =
         found.map_err(|e| ItemError::output_io(format!("cannot read {}", shown()), &e))?;
+    let (rows, hist, vector) = (tally.rows, tally.counts, tally.vector);
     // A range cut blind is read to count its rows; if it cannot be, the item
     // is computed again.
     let expected = item_rows.get().ok();
@@ -458,6 +466,7 @@ fn look_and_read(
             rows,
             rejected,
             hist,
+            vector,
         });
     }
     tracing::warn!(rows, rejected, item_rows = ?expected, "the part file is there but its rejects do not add up (its writer died between the two); recomputing the item to complete it");
@@ -519,6 +528,8 @@ struct Computed {
     rejects: Vec<crate::batch::Reject>,
     /// Histogram of the predictions.
     hist: Vec<Vec<u64>>,
+    /// Norms of the vectors written (`[output] vector`).
+    vector: Option<VectorStats>,
     /// Rows a checkpoint held.
     resumed: u64,
     /// How the part file is made.
@@ -563,7 +574,6 @@ async fn compute(
     out: &Path,
 ) -> Result<Result<Computed, Handled>, ItemError> {
     let policy = &item.task.failure;
-    let hspec = item.task.output.histogram;
     let format = item.task.output.format;
     let mut budget = Duration::from_millis(policy.item_timeout_ms);
     let seg = item.task.checkpoint_rows as usize;
@@ -590,11 +600,12 @@ async fn compute(
         rejects.sort_by_key(|r| r.line);
         log_rejects(&rejects);
         // Failed rows are NaN, which no bin counts.
-        hspec.add(&mut hist, &preds.values, preds.width);
+        let vector = tally(&mut hist, item, &preds);
         return Ok(Ok(Computed {
             rows: (rows - preds.failed.len()) as u64,
             rejects,
             hist,
+            vector,
             resumed: 0,
             source: PartSource::Rows(Box::new((batch, preds, item.task.output.clone()))),
             partial: None,
@@ -613,13 +624,15 @@ async fn compute(
         item.task.output.clone(),
         resumed_files.clone(),
     );
-    hist = blocking(move || {
-        let mut h = Vec::new();
+    let mut vector;
+    (hist, vector) = blocking(move || {
+        let (mut h, mut v) = (Vec::new(), None);
         for f in &files {
-            let (_, part) = batchfleet_shared::output::histogram_under(&o, f, &spec)?;
-            merge_histogram(&mut h, &part);
+            let part = batchfleet_shared::output::histogram_under(&o, f, &spec)?;
+            merge_histogram(&mut h, &part.counts);
+            v = VectorStats::merge(v, part.vector);
         }
-        Ok::<_, std::io::Error>(h)
+        Ok::<_, std::io::Error>((h, v))
     })
     .await?
     .map_err(|e| {
@@ -681,7 +694,7 @@ async fn compute(
             .map(|(i, msg)| batch.model_reject(next + i, msg))
             .collect();
         failed += seg_rejects.len();
-        hspec.add(&mut hist, &preds.values, preds.width);
+        vector = VectorStats::merge(vector, tally(&mut hist, item, &preds));
         let path = segment_path(&dir, (next, end), format);
         ctx.debug.check_disk(&out.join(&path))?;
         let (o, p, b, spec) = (
@@ -719,6 +732,7 @@ async fn compute(
         rows: (rows - failed) as u64,
         rejects,
         hist,
+        vector,
         resumed: resumed as u64,
         source: PartSource::Segments(format, files),
         partial: Some(dir),
@@ -736,6 +750,23 @@ impl<F: FnMut()> Drop for OnDrop<F> {
 
 fn scopeguard<F: FnMut()>(f: F) -> OnDrop<F> {
     OnDrop(f)
+}
+
+/// Adds predictions to the item's histogram, or, for a vector output,
+/// returns the stats of their norms (no histogram per dimension).
+fn tally(
+    hist: &mut Vec<Vec<u64>>,
+    item: &WorkItem,
+    preds: &crate::runner::Predictions,
+) -> Option<VectorStats> {
+    if item.task.output.vector.is_some() {
+        return VectorStats::of(&preds.values, preds.width);
+    }
+    item.task
+        .output
+        .histogram
+        .add(hist, &preds.values, preds.width);
+    None
 }
 
 /// Adds `part` into `into`, column by column.

@@ -43,6 +43,7 @@ pub mod images;
 pub mod infra;
 pub mod lease;
 pub mod prefetch;
+pub mod probe;
 pub mod reader;
 pub mod runner;
 pub mod settle;
@@ -252,11 +253,11 @@ pub async fn run_on(
         let sha256 = batchfleet_shared::fsutil::sha256_file(path).with_context(|| {
             format!("--preload-model {}: cannot read the model", path.display())
         })?;
-        let model = batchfleet_shared::message::ModelRef {
-            path: path.to_string_lossy().into_owned(),
+        let model = batchfleet_shared::message::ModelRef::plain(
+            path.to_string_lossy(),
             sha256,
-            device: cfg.preload_device.clone(),
-        };
+            cfg.preload_device.clone(),
+        );
         ctx.preload(&model)
             .await
             .map_err(|e| anyhow::anyhow!("--preload-model {}: {}", path.display(), e.message))?;

@@ -11,7 +11,9 @@
 
 use crate::batch::{Batch, Tokens};
 use crate::error::ItemError;
-use batchfleet_shared::message::{FailurePolicy, ModelRef};
+use batchfleet_shared::message::{
+    FailurePolicy, InputSource, ModelRef, Pooling, Precision, Selector, TensorType,
+};
 use batchfleet_shared::metrics::names;
 use std::collections::HashMap;
 use tokio::sync::{mpsc, oneshot};
@@ -28,6 +30,10 @@ pub struct Predictions {
     /// The model returned integers (class ids, counts, flags): written as
     /// integers, not floats.
     pub integer: bool,
+    /// The selected outputs making up each row when `[output] select`
+    /// names several tensors, in order: each one's column prefix (its key,
+    /// or `output<k>`) and width; empty: one output.
+    pub parts: Vec<(String, usize)>,
 }
 
 /// What one `forward` call returned.
@@ -39,6 +45,43 @@ pub struct Forwarded {
     pub width: usize,
     /// The output tensor held integers (or booleans).
     pub integer: bool,
+    /// The selected outputs (see [`Predictions::parts`]).
+    pub parts: Vec<(String, usize)>,
+}
+
+impl Forwarded {
+    /// One output of `width` values per row.
+    pub fn single(values: Vec<f32>, width: usize, integer: bool) -> Self {
+        Self {
+            values,
+            width,
+            integer,
+            parts: Vec::new(),
+        }
+    }
+}
+
+/// The values of one `forward` argument, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ArgValues<'a> {
+    /// Floats (features, pixels).
+    F32(std::borrow::Cow<'a, [f32]>),
+    /// Integers (token ids, masks).
+    I64(std::borrow::Cow<'a, [i64]>),
+}
+
+/// One argument of a `forward` call: values, shape (rows first) and the
+/// element type the model takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arg<'a> {
+    /// Where the values come from.
+    pub source: InputSource,
+    /// The values.
+    pub values: ArgValues<'a>,
+    /// Shape, rows first.
+    pub shape: Vec<usize>,
+    /// Element type of the tensor handed to the model.
+    pub dtype: TensorType,
 }
 
 /// Why one `forward` call failed.
@@ -65,20 +108,20 @@ pub trait Backend {
         row_shape: &[usize],
     ) -> Result<Forwarded, ForwardError>;
 
-    /// Runs one `forward(input_ids, attention_mask)` on `rows` rows of
-    /// token ids padded to `len` (text input): `ids` and `mask` are `rows ×
-    /// len`, row-major, the mask 1 on real tokens and 0 on padding.
-    fn forward_tokens(
+    /// Runs one `forward(args…)` with the arguments in order (a model of
+    /// several inputs, token inputs, or a dtype other than the plain
+    /// `float32` features). `mask`, for text input, is the attention mask
+    /// (`[rows, L]`) that `[output] pooling = "mean"` averages under, whether
+    /// or not the model takes it.
+    fn forward_args(
         &mut self,
         model: &ModelRef,
-        ids: &[i64],
-        mask: &[i64],
-        rows: usize,
-        len: usize,
+        args: &[Arg<'_>],
+        mask: Option<&Arg<'_>>,
     ) -> Result<Forwarded, ForwardError> {
-        let _ = (ids, mask, rows, len);
+        let _ = (args, mask);
         Err(ForwardError::Unusable(ItemError::unable(format!(
-            "this worker's model backend cannot run {} on token inputs",
+            "this worker's model backend cannot run {} on these inputs",
             model.path
         ))))
     }
@@ -162,13 +205,17 @@ pub fn predict<B: Backend + ?Sized>(
     predict_inputs(backend, model, inputs, rows, batch_size, policy)
 }
 
-/// Predicts rows of token ids (text input): the rows are sorted by length
-/// so each mini-batch of `batch_size` is padded only to its own longest row
-/// (dynamic padding), then the predictions are put back in input order.
+/// Predicts rows of token ids (text input), with `features` (`cols` per
+/// row) beside them for a model that also takes numeric columns: the rows
+/// are sorted by length so each mini-batch of `batch_size` is padded only
+/// to its own longest row (dynamic padding), then the predictions are put
+/// back in input order.
+#[allow(clippy::too_many_arguments)]
 pub fn predict_tokens<B: Backend + ?Sized>(
     backend: &mut B,
     model: &ModelRef,
     tokens: &Tokens,
+    features: (&[f32], usize),
     rows: std::ops::Range<usize>,
     batch_size: usize,
     policy: &FailurePolicy,
@@ -179,16 +226,35 @@ pub fn predict_tokens<B: Backend + ?Sized>(
     let mut sorted = Tokens {
         ids: Vec::with_capacity(tokens.ids.len()),
         ends: Vec::with_capacity(order.len()),
+        types: Vec::with_capacity(tokens.types.len()),
         ..*tokens
     };
+    let (features, cols) = features;
+    let wants_features = cols > 0
+        && model
+            .inputs
+            .iter()
+            .any(|i| i.source == InputSource::Features);
+    let mut sorted_features = Vec::with_capacity(if wants_features {
+        order.len() * cols
+    } else {
+        0
+    });
     for &i in &order {
-        sorted.push(tokens.row(i));
+        sorted.push_row(tokens, i);
+        if wants_features {
+            sorted_features.extend_from_slice(&features[i * cols..(i + 1) * cols]);
+        }
     }
     let n = order.len();
     let by_length = predict_inputs(
         backend,
         model,
-        Inputs::Tokens(&sorted),
+        Inputs::Tokens {
+            tokens: &sorted,
+            features: &sorted_features,
+            cols,
+        },
         n,
         batch_size,
         policy,
@@ -200,6 +266,7 @@ pub fn predict_tokens<B: Backend + ?Sized>(
         width,
         failed: Vec::with_capacity(by_length.failed.len()),
         integer: by_length.integer,
+        parts: by_length.parts,
     };
     for (k, &i) in order.iter().enumerate() {
         let at = i - rows.start;
@@ -224,8 +291,90 @@ enum Inputs<'a> {
         cols: usize,
         row_shape: &'a [usize],
     },
-    /// Token ids, sorted by length; each mini-batch padded to its longest.
-    Tokens(&'a Tokens),
+    /// Token ids, sorted by length, each mini-batch padded to its longest;
+    /// with the rows' features (`cols` each, same order) when the model takes them.
+    Tokens {
+        tokens: &'a Tokens,
+        features: &'a [f32],
+        cols: usize,
+    },
+}
+
+/// One mini-batch of padded token rows: ids, attention mask and type ids
+/// (empty when not wanted), each `rows × len`, and `len`.
+struct Padded<'a> {
+    ids: &'a [i64],
+    mask: &'a [i64],
+    types: &'a [i64],
+    len: usize,
+}
+
+/// The arguments of a `forward` on `rows` rows, in the order of
+/// `model.inputs` (default: `input_ids, attention_mask` for text, the
+/// features otherwise). `tokens`: ids, mask and type ids (`rows × len`);
+/// `dense`: the rows' features and one row's shape.
+fn arguments<'a>(
+    model: &ModelRef,
+    rows: usize,
+    tokens: Option<Padded<'a>>,
+    dense: (&'a [f32], &[usize]),
+) -> (Vec<Arg<'a>>, Option<Arg<'a>>) {
+    let (features, row_shape) = dense;
+    let dense_shape: Vec<usize> = std::iter::once(rows)
+        .chain(row_shape.iter().copied())
+        .collect();
+    let mut args = Vec::new();
+    let mut mask_arg = None;
+    match tokens {
+        Some(Padded {
+            ids,
+            mask,
+            types,
+            len,
+        }) => {
+            let shape = vec![rows, len];
+            let token = |source, values: &'a [i64], dtype| Arg {
+                source,
+                values: ArgValues::I64(std::borrow::Cow::Borrowed(values)),
+                shape: shape.clone(),
+                dtype,
+            };
+            if model.inputs.is_empty() {
+                args.push(token(InputSource::InputIds, ids, TensorType::Int64));
+                args.push(token(InputSource::AttentionMask, mask, TensorType::Int64));
+            } else {
+                for input in &model.inputs {
+                    args.push(match input.source {
+                        InputSource::InputIds => token(input.source, ids, input.dtype),
+                        InputSource::AttentionMask => token(input.source, mask, input.dtype),
+                        InputSource::TokenTypeIds => token(input.source, types, input.dtype),
+                        InputSource::Features | InputSource::Pixels => Arg {
+                            source: input.source,
+                            values: ArgValues::F32(std::borrow::Cow::Borrowed(features)),
+                            shape: dense_shape.clone(),
+                            dtype: input.dtype,
+                        },
+                    });
+                }
+            }
+            mask_arg = Some(token(InputSource::AttentionMask, mask, TensorType::Int64));
+        }
+        None => {
+            let dense = |source, dtype| Arg {
+                source,
+                values: ArgValues::F32(std::borrow::Cow::Borrowed(features)),
+                shape: dense_shape.clone(),
+                dtype,
+            };
+            if model.inputs.is_empty() {
+                args.push(dense(InputSource::Features, TensorType::Float32));
+            }
+            for input in &model.inputs {
+                args.push(dense(input.source, input.dtype));
+            }
+        }
+    }
+    (args, mask_arg)
 }
 
 impl Inputs<'_> {
@@ -242,19 +391,51 @@ impl Inputs<'_> {
                 features,
                 cols,
                 row_shape,
-            } => backend.forward(model, &features[lo * cols..hi * cols], row_shape),
-            Inputs::Tokens(tokens) => {
+            } => {
+                let rows = &features[lo * cols..hi * cols];
+                if model.takes_plain_features() {
+                    backend.forward(model, rows, row_shape)
+                } else {
+                    let (args, _) = arguments(model, hi - lo, None, (rows, row_shape));
+                    backend.forward_args(model, &args, None)
+                }
+            }
+            Inputs::Tokens {
+                tokens,
+                features,
+                cols,
+            } => {
                 let longest = (lo..hi).map(|i| tokens.row(i).len()).max().unwrap_or(0);
                 let len = tokens.padded_len(longest);
                 let n = hi - lo;
                 let mut ids = vec![tokens.pad_id; n * len];
                 let mut mask = vec![0i64; n * len];
+                let mut types = if tokens.types.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![0i64; n * len]
+                };
                 for (r, i) in (lo..hi).enumerate() {
                     let row = tokens.row(i);
                     ids[r * len..r * len + row.len()].copy_from_slice(row);
                     mask[r * len..r * len + row.len()].fill(1);
+                    if !types.is_empty() {
+                        types[r * len..r * len + row.len()].copy_from_slice(tokens.row_types(i));
+                    }
                 }
-                backend.forward_tokens(model, &ids, &mask, n, len)
+                let dense = if features.is_empty() {
+                    &features[..0]
+                } else {
+                    &features[lo * cols..hi * cols]
+                };
+                let padded = Padded {
+                    ids: &ids,
+                    mask: &mask,
+                    types: &types,
+                    len,
+                };
+                let (args, mask) = arguments(model, n, Some(padded), (dense, &[cols]));
+                backend.forward_args(model, &args, mask.as_ref())
             }
         }
     }
@@ -273,8 +454,10 @@ impl Inputs<'_> {
                 features,
                 cols,
                 row_shape,
-            } => backend.forward_run(model, &features[lo * cols..hi * cols], row_shape, fit),
-            Inputs::Tokens(_) => {
+            } if model.takes_plain_features() => {
+                backend.forward_run(model, &features[lo * cols..hi * cols], row_shape, fit)
+            }
+            _ => {
                 let mut ran = Ran::default();
                 let mut at = lo;
                 while at < hi {
@@ -349,6 +532,9 @@ impl<B: Backend + ?Sized> Run<'_, B> {
 
     fn keep(&mut self, lo: usize, hi: usize, f: Forwarded) -> Result<(), ItemError> {
         self.out.integer = f.integer;
+        if self.out.parts.is_empty() {
+            self.out.parts = f.parts;
+        }
         self.store(lo, hi, &f.values, f.width)
     }
 
@@ -530,6 +716,7 @@ impl ModelRunner {
                                 &mut backend,
                                 &model,
                                 tokens,
+                                (&batch.features, batch.cols),
                                 rows.clone(),
                                 batch_size,
                                 &policy,
@@ -669,16 +856,14 @@ impl<B: Backend> Backend for Delayed<B> {
         self.inner.load(model)
     }
 
-    fn forward_tokens(
+    fn forward_args(
         &mut self,
         model: &ModelRef,
-        ids: &[i64],
-        mask: &[i64],
-        rows: usize,
-        len: usize,
+        args: &[Arg<'_>],
+        mask: Option<&Arg<'_>>,
     ) -> Result<Forwarded, ForwardError> {
         std::thread::sleep(self.delay);
-        self.inner.forward_tokens(model, ids, mask, rows, len)
+        self.inner.forward_args(model, args, mask)
     }
 
     fn forward_run(
@@ -698,9 +883,10 @@ impl<B: Backend> Backend for Delayed<B> {
     }
 }
 
-/// libtorch through `tch`: TorchScript modules, cached by path and digest.
+/// libtorch through `tch`: TorchScript modules, cached by path, digest and
+/// precision.
 pub struct TorchBackend {
-    cache: HashMap<(String, String), tch::CModule>,
+    cache: HashMap<(String, String, Option<Precision>), tch::CModule>,
 }
 
 impl std::fmt::Debug for TorchBackend {
@@ -751,11 +937,11 @@ impl TorchBackend {
     /// the digest is checked on those bytes and those bytes are loaded, so a
     /// file swapped in between can never run unpinned.
     pub fn module(&mut self, model: &ModelRef) -> Result<&tch::CModule, ItemError> {
-        let key = (model.path.clone(), model.sha256.clone());
+        let key = (model.path.clone(), model.sha256.clone(), model.dtype);
         if !self.cache.contains_key(&key) {
             let started = std::time::Instant::now();
             let module = load_pinned(model)?;
-            tracing::info!(model = %model.path, device = %model.device, ms = started.elapsed().as_millis() as u64, "model loaded");
+            tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
             self.cache.insert(key.clone(), module);
         }
@@ -763,11 +949,20 @@ impl TorchBackend {
     }
 }
 
+/// The libtorch element type of a reduced precision.
+fn precision_kind(p: Precision) -> tch::Kind {
+    match p {
+        Precision::Bfloat16 => tch::Kind::BFloat16,
+        Precision::Float16 => tch::Kind::Half,
+    }
+}
+
 /// Reads `model`'s file once, checks its digest and kind on those bytes,
-/// and loads them onto the model's device. Who is at fault decides the class:
-/// a file this worker cannot read is this worker's problem (`unable`:
-/// another may have it mounted); a file that is not the job's (digest) or not
-/// TorchScript, or that libtorch refuses, fails the job (`unrunnable`).
+/// and loads them onto the model's device (in its `dtype`, when set). Who
+/// is at fault decides the class: a file this worker cannot read is this
+/// worker's problem (`unable`: another may have it mounted); a file that is
+/// not the job's (digest) or not TorchScript, or that libtorch refuses,
+/// fails the job (`unrunnable`).
 fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
     let bytes = std::fs::read(&model.path).map_err(|e| {
         ItemError::unable(format!(
@@ -803,6 +998,10 @@ fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
             ))
         })?;
     module.set_eval();
+    if let Some(p) = model.dtype {
+        // Floating-point parameters and buffers only (integer buffers keep their type).
+        module.to(device, precision_kind(p), false);
+    }
     Ok(module)
 }
 
@@ -837,12 +1036,13 @@ fn classify(e: tch::TchError) -> ForwardError {
 
 /// One `forward` launched: its output on its way to host memory.
 struct Launched {
-    /// `float32`, `[rows, width]` or `[rows]`, on the host (or, after a
-    /// non-blocking copy, arriving there).
+    /// `float32`, `[rows, width]`, on the host (or, after a non-blocking
+    /// copy, arriving there).
     y: tch::Tensor,
     rows: usize,
     width: usize,
     integer: bool,
+    parts: Vec<(String, usize)>,
 }
 
 impl Launched {
@@ -856,6 +1056,7 @@ impl Launched {
             values,
             width: self.width,
             integer: self.integer,
+            parts: self.parts,
         })
     }
 }
@@ -888,39 +1089,213 @@ fn launch(
         host.f_to_device(device)
     }
     .map_err(classify)?;
-    let y = module.forward_ts(&[input]).map_err(classify)?;
-    landed(y, n, model, queued)
+    let y = module
+        .forward_is(&[tch::IValue::Tensor(input)])
+        .map_err(classify)?;
+    landed(y, n, model, None, queued)
 }
 
-/// `forward`'s output `y` for `n` rows on its way to host memory as `f32`
-/// (`queued`: a non-blocking copy; read it after the device is synchronized).
-fn landed(
-    y: tch::Tensor,
+/// What a `forward` returned, for messages: `a tensor`, `a tuple of 3`, `a
+/// dict with keys "a", "b"`.
+fn describe(y: &tch::IValue) -> String {
+    match y {
+        tch::IValue::Tensor(_) => "a tensor".into(),
+        tch::IValue::Tuple(v) => format!("a tuple of {}", v.len()),
+        tch::IValue::TensorList(v) => format!("a list of {} tensors", v.len()),
+        tch::IValue::GenericList(v) => format!("a list of {}", v.len()),
+        tch::IValue::GenericDict(kv) => format!(
+            "a dict with keys {}",
+            kv.iter()
+                .map(|(k, _)| match k {
+                    tch::IValue::String(s) => format!("{s:?}"),
+                    other => format!("{other:?}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        _ => "a value that is not a tensor".into(),
+    }
+}
+
+/// The tensors `model` writes out of what its `forward` returned: its one
+/// tensor, or those `[output] select` names (dict keys, or positions in a
+/// tuple or list), in order. A selection the output does not have fails
+/// the job: every item returns the same structure.
+fn selected(y: tch::IValue, model: &ModelRef) -> Result<Vec<tch::Tensor>, ForwardError> {
+    let wrong = |why: String| {
+        ForwardError::Unusable(ItemError::unrunnable(format!(
+            "model {} returned {}; {why}",
+            model.path,
+            describe(&y)
+        )))
+    };
+    let tensor = |v: &tch::IValue| match v {
+        tch::IValue::Tensor(t) => Some(t.shallow_clone()),
+        _ => None,
+    };
+    if model.select.is_empty() {
+        return match &y {
+            tch::IValue::Tensor(t) => Ok(vec![t.shallow_clone()]),
+            _ => Err(wrong(
+                "set [output] select to the key (or position) of the output to write".into(),
+            )),
+        };
+    }
+    let mut out = Vec::with_capacity(model.select.len());
+    for s in &model.select {
+        let found = match (&y, s) {
+            (tch::IValue::GenericDict(kv), Selector::Name(name)) => kv
+                .iter()
+                .find(|(k, _)| matches!(k, tch::IValue::String(key) if key == name))
+                .and_then(|(_, v)| tensor(v)),
+            (tch::IValue::Tuple(v) | tch::IValue::GenericList(v), Selector::Index(i)) => {
+                v.get(*i as usize).and_then(tensor)
+            }
+            (tch::IValue::TensorList(v), Selector::Index(i)) => {
+                v.get(*i as usize).map(tch::Tensor::shallow_clone)
+            }
+            (tch::IValue::Tensor(t), Selector::Index(0)) => Some(t.shallow_clone()),
+            _ => None,
+        };
+        match found {
+            Some(t) => out.push(t),
+            None => {
+                return Err(wrong(format!(
+                    "[output] select = {s} names no tensor in it; select a key of a dict or a position in a tuple or list"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One selected output as `float32` `[n, width]`: `[n]` is one column,
+/// `[n, D]` is `D`, `[n, L, D]` is pooled (`[output] pooling`, the mean
+/// under `mask`); then L2-normalised rows (`[output] normalize`). Returns
+/// the tensor, its width and whether the model returned integers.
+fn shaped(
+    t: tch::Tensor,
     n: i64,
     model: &ModelRef,
-    queued: bool,
-) -> Result<Launched, ForwardError> {
-    let width = match y.size().as_slice() {
-        [m] if *m == n => 1,
-        [m, k] if *m == n => *k as usize,
-        other => {
-            return Err(ForwardError::Unusable(ItemError::poison(format!(
-                "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows] or [rows, outputs]",
+    mask: Option<&tch::Tensor>,
+) -> Result<(tch::Tensor, usize, bool), ForwardError> {
+    let integer = !t.is_floating_point();
+    let size = t.size();
+    let t = t.f_to_kind(tch::Kind::Float).map_err(classify)?;
+    let (t, width) = match (size.as_slice(), model.pooling) {
+        ([m], _) if *m == n => (t.f_unsqueeze(1).map_err(classify)?, 1),
+        ([m, k], _) if *m == n => (t, *k as usize),
+        ([m, l, d], Some(pooling)) if *m == n => {
+            let pooled = match pooling {
+                Pooling::Cls => t.f_select(1, 0),
+                Pooling::Mean => {
+                    let Some(mask) = mask.filter(|m| m.size() == [n, *l]) else {
+                        return Err(ForwardError::Unusable(ItemError::unrunnable(format!(
+                            "model {} returned [{n}, {l}, {d}] but pooling = \"mean\" averages under the attention mask of the rows' tokens ({}); use text input with a tokenizer, or pooling = \"cls\"",
+                            model.path,
+                            mask.map_or("none here".into(), |m| format!("{:?}", m.size()))
+                        ))));
+                    };
+                    let m = mask.f_to_kind(tch::Kind::Float).and_then(|m| m.f_unsqueeze(-1));
+                    m.and_then(|m| {
+                        let sum = (&t * &m).f_sum_dim_intlist(1, false, tch::Kind::Float)?;
+                        let count = m
+                            .f_sum_dim_intlist(1, false, tch::Kind::Float)?
+                            .f_clamp_min(1e-9)?;
+                        sum.f_div(&count)
+                    })
+                }
+            }
+            .map_err(classify)?;
+            (pooled, *d as usize)
+        }
+        ([m, l, d], None) if *m == n => {
+            return Err(ForwardError::Unusable(ItemError::unrunnable(format!(
+                "model {} returned [{n}, {l}, {d}] (a vector per token); set [output] pooling = \"mean\" or \"cls\" to write one vector per row",
+                model.path
+            ))))
+        }
+        (other, _) => {
+            return Err(ForwardError::Unusable(ItemError::unrunnable(format!(
+                "model {} returned shape {other:?} for {n} rows; batchfleet expects [rows], [rows, outputs] or, with [output] pooling, [rows, tokens, dim]",
                 model.path
             ))))
         }
     };
-    let integer = !y.is_floating_point();
+    let t = if model.normalize {
+        t.f_norm_scalaropt_dim(2, [1i64].as_slice(), true)
+            .and_then(|norm| norm.f_clamp_min(1e-12))
+            .and_then(|norm| t.f_div(&norm))
+            .map_err(classify)?
+    } else {
+        t
+    };
+    Ok((t, width, integer))
+}
+
+/// `forward`'s output `y` for `n` rows, as written (see [`selected`] and
+/// [`shaped`]), on its way to host memory (`queued`: a non-blocking copy;
+/// read it after the device is synchronized).
+fn landed(
+    y: tch::IValue,
+    n: i64,
+    model: &ModelRef,
+    mask: Option<&tch::Tensor>,
+    queued: bool,
+) -> Result<Launched, ForwardError> {
+    let mut tensors = Vec::new();
+    let mut parts = Vec::new();
+    let mut integer = true;
+    for (k, t) in selected(y, model)?.into_iter().enumerate() {
+        let (t, width, int) = shaped(t, n, model, mask)?;
+        tensors.push(t);
+        let prefix = model.select.get(k).map(Selector::column_prefix);
+        parts.push((prefix.unwrap_or_default(), width));
+        integer &= int;
+    }
+    let y = if tensors.len() == 1 {
+        tensors.pop().expect("one tensor")
+    } else {
+        tch::Tensor::f_cat(&tensors, 1).map_err(classify)?
+    };
+    let width = parts.iter().map(|p| p.1).sum();
+    if parts.len() == 1 {
+        parts.clear();
+    }
     let y = y
-        .f_to_kind(tch::Kind::Float)
-        .and_then(|t| t.f_to_device_(tch::Device::Cpu, tch::Kind::Float, queued, false))
+        .f_to_device_(tch::Device::Cpu, tch::Kind::Float, queued, false)
         .map_err(classify)?;
     Ok(Launched {
         y,
         rows: n as usize,
         width,
         integer,
+        parts,
     })
+}
+
+/// One argument as a tensor on `device`, of its element type (float
+/// inputs in the model's `dtype` when it has one).
+fn tensor_of(
+    arg: &Arg<'_>,
+    device: tch::Device,
+    model: &ModelRef,
+) -> Result<tch::Tensor, ForwardError> {
+    let dims: Vec<i64> = arg.shape.iter().map(|d| *d as i64).collect();
+    let host = match &arg.values {
+        ArgValues::F32(v) => tch::Tensor::f_from_slice(v),
+        ArgValues::I64(v) => tch::Tensor::f_from_slice(v),
+    }
+    .and_then(|t| t.f_view(dims.as_slice()))
+    .map_err(classify)?;
+    let kind = match arg.dtype {
+        TensorType::Int64 => tch::Kind::Int64,
+        TensorType::Int32 => tch::Kind::Int,
+        TensorType::Float32 => model.dtype.map_or(tch::Kind::Float, precision_kind),
+        TensorType::Float64 => tch::Kind::Double,
+    };
+    host.f_to_device_(device, kind, false, false)
+        .map_err(classify)
 }
 
 impl Backend for TorchBackend {
@@ -928,28 +1303,31 @@ impl Backend for TorchBackend {
         self.module(model).map(|_| ())
     }
 
-    fn forward_tokens(
+    fn forward_args(
         &mut self,
         model: &ModelRef,
-        ids: &[i64],
-        mask: &[i64],
-        rows: usize,
-        len: usize,
+        args: &[Arg<'_>],
+        mask: Option<&Arg<'_>>,
     ) -> Result<Forwarded, ForwardError> {
         let device = Self::device(&model.device).map_err(ForwardError::Unusable)?;
         let module = self.module(model).map_err(ForwardError::Unusable)?;
         let _guard = tch::no_grad_guard();
-        let dims = [rows as i64, len as i64];
-        let tensor = |v: &[i64]| {
-            tch::Tensor::f_from_slice(v)
-                .and_then(|t| t.f_view(dims))
-                .and_then(|t| t.f_to_device(device))
-                .map_err(classify)
+        let inputs = args
+            .iter()
+            .map(|a| tensor_of(a, device, model).map(tch::IValue::Tensor))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mask = match mask {
+            Some(m) if model.pooling == Some(Pooling::Mean) => Some(tensor_of(m, device, model)?),
+            _ => None,
         };
-        let (ids, mask) = (tensor(ids)?, tensor(mask)?);
+        let rows = args
+            .first()
+            .and_then(|a| a.shape.first())
+            .copied()
+            .unwrap_or(0);
         let started = std::time::Instant::now();
-        let y = module.forward_ts(&[ids, mask]).map_err(classify)?;
-        let landed = landed(y, rows as i64, model, false)?.collect();
+        let y = module.forward_is(&inputs).map_err(classify)?;
+        let landed = landed(y, rows as i64, model, mask.as_ref(), false)?.collect();
         metrics::histogram!(names::WORKER_DEVICE_SECONDS, "device" => model.device.clone())
             .record(started.elapsed().as_secs_f64());
         landed
@@ -1099,20 +1477,16 @@ mod tests {
             if f.contains(&-999.0) {
                 return Err(ForwardError::Raised("RuntimeError: sentinel".into()));
             }
-            Ok(Forwarded {
-                values: f.chunks(cols).map(|r| r.iter().sum()).collect(),
-                width: 1,
-                integer: false,
-            })
+            Ok(Forwarded::single(
+                f.chunks(cols).map(|r| r.iter().sum()).collect(),
+                1,
+                false,
+            ))
         }
     }
 
     fn model() -> ModelRef {
-        ModelRef {
-            path: "m.pt".into(),
-            sha256: "x".into(),
-            device: "cpu".into(),
-        }
+        ModelRef::plain("m.pt", "x", "cpu")
     }
 
     fn rows(values: &[f32]) -> Vec<f32> {
@@ -1158,14 +1532,30 @@ mod tests {
             unreachable!("token rows only")
         }
 
-        fn forward_tokens(
+        fn forward_args(
             &mut self,
             _m: &ModelRef,
-            ids: &[i64],
-            mask: &[i64],
-            rows: usize,
-            len: usize,
+            args: &[Arg<'_>],
+            mask_arg: Option<&Arg<'_>>,
         ) -> Result<Forwarded, ForwardError> {
+            let values = |a: &Arg<'_>| match &a.values {
+                ArgValues::I64(v) => v.to_vec(),
+                ArgValues::F32(_) => panic!("token ids are integers"),
+            };
+            let [ids, mask] = args else {
+                panic!("the default text call is forward(input_ids, attention_mask)")
+            };
+            assert_eq!(
+                (ids.source, mask.source, ids.dtype),
+                (
+                    InputSource::InputIds,
+                    InputSource::AttentionMask,
+                    TensorType::Int64
+                )
+            );
+            assert_eq!(mask_arg.map(values), Some(values(mask)));
+            let (rows, len) = (ids.shape[0], ids.shape[1]);
+            let (ids, mask) = (values(ids), values(mask));
             self.calls.push((rows, len));
             assert_eq!((ids.len(), mask.len()), (rows * len, rows * len));
             if ids.contains(&666) {
@@ -1187,11 +1577,7 @@ mod tests {
                 );
                 values.extend([real as f32, len as f32]);
             }
-            Ok(Forwarded {
-                values,
-                width: 2,
-                integer: false,
-            })
+            Ok(Forwarded::single(values, 2, false))
         }
     }
 
@@ -1216,6 +1602,7 @@ mod tests {
             &mut b,
             &model(),
             &tokens,
+            (&[], 0),
             0..6,
             2,
             &FailurePolicy::default(),
@@ -1243,6 +1630,7 @@ mod tests {
             &mut b,
             &model(),
             &tokens,
+            (&[], 0),
             4..6,
             8,
             &FailurePolicy::default(),

@@ -57,19 +57,22 @@ pub fn encoder(spec: &TextSpec) -> Result<Arc<TextEncoder>, ItemError> {
     Ok(encoder)
 }
 
-/// Encodes every row's text of `batch` into [`Batch::tokens`]. Blocking.
-pub fn tokenize(batch: &mut Batch, spec: &TextSpec) -> Result<(), ItemError> {
+/// Encodes every row's text of `batch` into [`Batch::tokens`], with type
+/// ids when `type_ids` (the model takes `token_type_ids`). Blocking.
+pub fn tokenize(batch: &mut Batch, spec: &TextSpec, type_ids: bool) -> Result<(), ItemError> {
     let encoder = encoder(spec)?;
     let started = std::time::Instant::now();
     let mut tokens = Tokens {
         ids: Vec::with_capacity(batch.rows() * 32),
         ends: Vec::with_capacity(batch.rows()),
+        types: Vec::new(),
         pad_id: encoder.pad_id(),
         multiple: spec.pad_to_multiple_of as usize,
     };
     for i in 0..batch.rows() {
+        let types = type_ids.then_some(&mut tokens.types);
         encoder
-            .encode_into(batch.text(i), &mut tokens.ids)
+            .encode_with_types(batch.text(i), &mut tokens.ids, types)
             .map_err(|e| {
                 ItemError::poison(format!("{} line {}: {e}", batch.file, batch.line(i)))
             })?;

@@ -19,8 +19,15 @@ pub use batchfleet_shared::output::{count_rejects_under, count_rows, REJECTS_DIR
 /// copied input columns (`include_columns`), the outputs (unless
 /// `drop_scores`), `label` (`argmax`), then `top1_label, top1_score, …`.
 /// The outputs are floats, or integers when `integer` (a model returning
-/// class ids or counts).
-pub fn part_columns(spec: &OutputSpec, width: usize, integer: bool) -> (Vec<String>, Vec<Kind>) {
+/// class ids or counts); with `[output] vector`, one vector column instead.
+/// `parts`: the selected outputs that make up the row (see
+/// [`Predictions::parts`]), which name the columns.
+pub fn part_columns(
+    spec: &OutputSpec,
+    width: usize,
+    integer: bool,
+    parts: &[(String, usize)],
+) -> (Vec<String>, Vec<Kind>) {
     let output_kind = if integer { Kind::Int } else { Kind::Float };
     let label_kind = if spec.labels.is_empty() {
         Kind::Int
@@ -29,9 +36,13 @@ pub fn part_columns(spec: &OutputSpec, width: usize, integer: bool) -> (Vec<Stri
     };
     let mut cols = vec![("id".to_owned(), Kind::Text)];
     cols.extend(spec.include_columns.iter().map(|c| (c.clone(), Kind::Text)));
+    if let Some(name) = &spec.vector {
+        cols.push((name.clone(), Kind::Vector(width as u32)));
+        return cols.into_iter().unzip();
+    }
     if !spec.drop_scores {
         cols.extend(
-            spec.score_names(width)
+            spec.output_names(width, parts)
                 .into_iter()
                 .map(|n| (n, output_kind)),
         );
@@ -88,7 +99,8 @@ pub fn write_part_rows(
             )));
         }
     }
-    let (names, kinds) = part_columns(spec, width, preds.integer);
+    let (names, kinds) = part_columns(spec, width, preds.integer, &preds.parts);
+    let vector = spec.vector.is_some();
     let output = |v: f32| {
         if preds.integer {
             Cell::Int(v as i64)
@@ -117,6 +129,11 @@ pub fn write_part_rows(
             cells.clear();
             cells.push(Cell::Text(batch.id(r)));
             cells.extend((0..extras).map(|j| Cell::Text(batch.extra(r, j, extras))));
+            if vector {
+                cells.push(Cell::Vector(row));
+                part.row(&cells)?;
+                continue;
+            }
             if !spec.drop_scores {
                 cells.extend(row.iter().map(|v| output(*v)));
             }
@@ -250,6 +267,7 @@ mod tests {
             width: 2,
             failed: vec![(1, "boom".into())],
             integer: false,
+            parts: Vec::new(),
         };
         let spec = OutputSpec::default();
         assert_eq!(
@@ -275,6 +293,7 @@ mod tests {
             width: 3,
             failed: vec![],
             integer: false,
+            parts: Vec::new(),
         };
         (b, p)
     }
@@ -311,13 +330,14 @@ mod tests {
             std::fs::read_to_string(&dest).unwrap(),
             "id,label\na,1\nb,0\nc,2\n"
         );
-        assert_eq!(part_columns(&spec, 3, false).0, ["id", "label"]);
+        assert_eq!(part_columns(&spec, 3, false, &[]).0, ["id", "label"]);
         // A model returning integers (class ids) writes integers.
         let ints = Predictions {
             values: vec![3.0, 0.0, 7.0],
             width: 1,
             failed: vec![],
             integer: true,
+            parts: Vec::new(),
         };
         let dest = dir.path().join("i.csv");
         write_part(
@@ -465,6 +485,7 @@ mod tests {
                 width: 1,
                 failed: vec![],
                 integer: false,
+                parts: Vec::new(),
             },
         )
         .unwrap_err();

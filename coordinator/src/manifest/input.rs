@@ -330,12 +330,6 @@ fn text_column(m: &Manifest, problems: &mut Problems) -> Option<String> {
         );
         return None;
     }
-    if !m.input.feature_columns.is_empty() {
-        problems.add(
-            "[input] text_column",
-            "and feature_columns cannot both feed the model yet: a text job's model takes (input_ids, attention_mask); remove feature_columns, or copy those columns to the output with [output] include_columns".into(),
-        );
-    }
     if m.model.tokenizer.is_none() {
         problems.add(
             "[input] text_column",

@@ -30,7 +30,9 @@
 //!   the TorchScript archive.
 //! - `testing` (tests only): the fixture folder and manifests the tests share.
 
+mod call;
 mod cut;
+mod dry_run;
 mod input;
 mod model;
 mod on_complete;
@@ -157,6 +159,26 @@ pub fn validate(
         roots,
         &mut problems,
     );
+    let text = m.input.text_column.is_some() && m.model.tokenizer.is_some();
+    let provided = call::Provided {
+        text,
+        features: !m.input.feature_columns.is_empty(),
+        pixels: m.input.format == schema::InputFormat::Files,
+    };
+    let model_inputs = call::inputs(m, provided, &mut problems);
+    let dtype = call::dtype(m, &mut problems);
+    let outputs = call::outputs(m, text, &mut problems);
+    if !model.sha256.is_empty() {
+        call::check_parameters(Path::new(&model.path), &model_inputs, text, &mut problems);
+    }
+    let model = batchfleet_shared::message::ModelRef {
+        inputs: model_inputs,
+        dtype,
+        select: outputs.select,
+        pooling: outputs.pooling,
+        normalize: outputs.normalize,
+        ..model
+    };
     let batching = policy::batching(&m.batching, m.input.text_column.is_some(), &mut problems);
     let blind = cut::blind_cut(m, &inputs.files, &mut problems);
     let (failure, budget) = policy::failure(&m.failure, &mut problems);
@@ -224,6 +246,7 @@ pub fn validate(
     if let batchfleet_shared::message::Layout::Csv(csv) = &mut task.layout {
         csv.header = layout.header.clone();
     }
+    dry_run::check(&task, manifest_path)?;
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),

@@ -56,11 +56,11 @@ pub(super) fn check(
             ),
         );
     }
-    ModelRef {
-        path: model_path.to_string_lossy().into_owned(),
-        sha256: model_sha,
-        device: model.device.clone(),
-    }
+    ModelRef::plain(
+        model_path.to_string_lossy(),
+        model_sha,
+        model.device.clone(),
+    )
 }
 
 /// `[model] tokenizer`, `max_length` and `pad_to_multiple_of`: the tokenizer

@@ -95,6 +95,7 @@ pub(super) fn check(
             top_k,
             drop_scores,
             include_columns: out.include_columns.clone(),
+            vector: out.vector.clone(),
         },
         include_indices,
     }

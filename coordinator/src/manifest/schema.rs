@@ -188,6 +188,59 @@ pub struct ModelSection {
     pub max_length: Option<u32>,
     /// Round each mini-batch's padded length up to a multiple of this.
     pub pad_to_multiple_of: Option<u32>,
+    /// `forward`'s arguments in order, each a source (`"input_ids"`) or a
+    /// table `{ name, source, dtype }`. Default: `forward(features)`, or
+    /// `forward(input_ids, attention_mask)` with a tokenizer.
+    #[serde(default)]
+    pub inputs: Vec<InputSetting>,
+    /// `"bfloat16"` or `"float16"`: run the model in reduced precision.
+    pub dtype: Option<String>,
+}
+
+/// One entry of `[model] inputs`, as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum InputSetting {
+    /// A source name: `"input_ids"`, `"attention_mask"`, `"token_type_ids"`,
+    /// `"features"` or `"pixels"`; the parameter has the same name.
+    Source(String),
+    /// `{ name = "…", source = "…", dtype = "int64" }`.
+    Table(InputTable),
+}
+
+/// `{ name, source, dtype }` of `[model] inputs`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputTable {
+    /// The `forward` parameter's name. Default: the source's name.
+    pub name: Option<String>,
+    /// Where the values come from.
+    pub source: String,
+    /// `int64`, `int32`, `float32` or `float64`. Default: `int64` for
+    /// token sources, `float32` for features and pixels.
+    pub dtype: Option<String>,
+}
+
+/// `[output] select`, as written: a key, a position, or several.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum SelectSetting {
+    /// A dict key.
+    Name(String),
+    /// A tuple or list position.
+    Index(i64),
+    /// Several keys or positions, written side by side.
+    Many(Vec<SelectOne>),
+}
+
+/// One entry of a list `[output] select`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum SelectOne {
+    /// A dict key.
+    Name(String),
+    /// A tuple or list position.
+    Index(i64),
 }
 
 fn default_device() -> String {
@@ -238,6 +291,15 @@ pub struct OutputSection {
     /// Input columns copied next to the id in every part file.
     #[serde(default)]
     pub include_columns: Vec<String>,
+    /// For a model returning a tuple, list or dict: the output(s) written.
+    pub select: Option<SelectSetting>,
+    /// Write a `[rows, D]` output as one vector column of this name.
+    pub vector: Option<String>,
+    /// L2-normalise each row of the output. Default false.
+    #[serde(default)]
+    pub normalize: bool,
+    /// `"mean"` or `"cls"`: one vector per row from a `[rows, L, D]` output.
+    pub pooling: Option<String>,
 }
 
 /// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`

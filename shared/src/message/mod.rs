@@ -437,7 +437,10 @@ impl FailurePolicy {
     }
 }
 
-/// A TorchScript model, identified by path and content digest.
+/// A TorchScript model, identified by path and content digest, and how it
+/// is called: which tensors its `forward` takes, in which precision it runs,
+/// and which of its outputs are written. The call fields are serialized only
+/// when set, so a plain model keeps its encoding (and its jobs their ids).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ModelRef {
     /// Absolute path of the TorchScript file.
@@ -446,6 +449,228 @@ pub struct ModelRef {
     pub sha256: String,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
+    /// `forward`'s arguments in order (`[model] inputs`); empty: the
+    /// default for the input — `forward(features)` (or pixels), or
+    /// `forward(input_ids, attention_mask)` for text.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<ModelInput>,
+    /// Reduced precision the model runs in (`[model] dtype`); `None`: as saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Precision>,
+    /// The outputs written (`[output] select`), for a model returning a
+    /// tuple, a list or a dict of tensors; empty: its one tensor.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub select: Vec<Selector>,
+    /// How a `[rows, L, D]` output becomes `[rows, D]` (`[output] pooling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<Pooling>,
+    /// L2-normalise each selected output's rows (`[output] normalize`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub normalize: bool,
+}
+
+impl ModelRef {
+    /// A model called the default way: one input, one output, as saved.
+    pub fn plain(
+        path: impl Into<String>,
+        sha256: impl Into<String>,
+        device: impl Into<String>,
+    ) -> Self {
+        Self {
+            path: path.into(),
+            sha256: sha256.into(),
+            device: device.into(),
+            inputs: Vec::new(),
+            dtype: None,
+            select: Vec::new(),
+            pooling: None,
+            normalize: false,
+        }
+    }
+
+    /// Whether `forward` takes one `float32` tensor of the rows' features
+    /// (or pixels) in the saved precision: the default call.
+    pub fn takes_plain_features(&self) -> bool {
+        self.dtype.is_none()
+            && match self.inputs.as_slice() {
+                [] => true,
+                [one] => {
+                    matches!(one.source, InputSource::Features | InputSource::Pixels)
+                        && one.dtype == TensorType::Float32
+                }
+                _ => false,
+            }
+    }
+
+    /// Whether some input is the tokenizer's `token_type_ids`.
+    pub fn wants_type_ids(&self) -> bool {
+        self.inputs
+            .iter()
+            .any(|i| i.source == InputSource::TokenTypeIds)
+    }
+}
+
+/// One argument of the model's `forward`: its name (the parameter's, checked
+/// at validation), where its values come from and the tensor type it takes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelInput {
+    /// The `forward` parameter's name.
+    pub name: String,
+    /// Where the values come from.
+    pub source: InputSource,
+    /// The tensor's element type.
+    pub dtype: TensorType,
+}
+
+/// Where a model input's values come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputSource {
+    /// The tokenizer's ids, `[rows, L]`, padded per mini-batch.
+    InputIds,
+    /// 1 on real tokens, 0 on padding, `[rows, L]`.
+    AttentionMask,
+    /// The tokenizer's segment ids, `[rows, L]` (0 on padding).
+    TokenTypeIds,
+    /// The numeric columns (`[input] feature_columns`), `[rows, F]`.
+    Features,
+    /// The decoded images, `[rows, C, H, W]`.
+    Pixels,
+}
+
+impl InputSource {
+    /// All sources, with their manifest names.
+    pub const ALL: [(&'static str, InputSource); 5] = [
+        ("input_ids", InputSource::InputIds),
+        ("attention_mask", InputSource::AttentionMask),
+        ("token_type_ids", InputSource::TokenTypeIds),
+        ("features", InputSource::Features),
+        ("pixels", InputSource::Pixels),
+    ];
+
+    /// The manifest's name of the source.
+    pub fn as_str(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, s)| *s == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// Whether the tokenizer makes it.
+    pub fn is_token(self) -> bool {
+        matches!(
+            self,
+            InputSource::InputIds | InputSource::AttentionMask | InputSource::TokenTypeIds
+        )
+    }
+}
+
+/// A model input's element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorType {
+    /// `torch.int64` (`long`).
+    Int64,
+    /// `torch.int32`.
+    Int32,
+    /// `torch.float32`; in the model's `[model] dtype` when that is set.
+    Float32,
+    /// `torch.float64` (`double`).
+    Float64,
+}
+
+impl TensorType {
+    /// All types, with their manifest names.
+    pub const ALL: [(&'static str, TensorType); 4] = [
+        ("int64", TensorType::Int64),
+        ("int32", TensorType::Int32),
+        ("float32", TensorType::Float32),
+        ("float64", TensorType::Float64),
+    ];
+
+    /// The manifest's name of the type.
+    pub fn as_str(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, s)| *s == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// Whether it is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, TensorType::Float32 | TensorType::Float64)
+    }
+}
+
+/// Reduced precision a model runs in (`[model] dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// `torch.bfloat16`.
+    Bfloat16,
+    /// `torch.float16` (half).
+    Float16,
+}
+
+impl Precision {
+    /// The manifest's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Bfloat16 => "bfloat16",
+            Precision::Float16 => "float16",
+        }
+    }
+}
+
+/// One output of a model returning several (`[output] select`): a dict key,
+/// or a position in a tuple or list.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Selector {
+    /// A key of a returned dict.
+    Name(String),
+    /// A position in a returned tuple or list (from 0).
+    Index(u32),
+}
+
+impl std::fmt::Display for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Selector::Name(n) => write!(f, "{n:?}"),
+            Selector::Index(i) => write!(f, "{i}"),
+        }
+    }
+}
+
+impl Selector {
+    /// The prefix of its columns when several outputs are selected: the
+    /// key, or `output<k>`.
+    pub fn column_prefix(&self) -> String {
+        match self {
+            Selector::Name(n) => n.clone(),
+            Selector::Index(i) => format!("output{i}"),
+        }
+    }
+}
+
+/// How a `[rows, L, D]` output (a last hidden state) becomes one vector per
+/// row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// The first position's vector (BERT's `[CLS]`).
+    Cls,
+    /// The mean over positions where the attention mask is 1.
+    Mean,
+}
+
+impl Pooling {
+    /// The manifest's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooling::Cls => "cls",
+            Pooling::Mean => "mean",
+        }
+    }
 }
 
 /// Which CSV fields hold the id and the features.
@@ -546,6 +771,11 @@ pub struct OutputSpec {
     /// Input columns copied next to the id, by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_columns: Vec<String>,
+    /// Write the model's `[rows, D]` output as one vector column of this
+    /// name (`[output] vector`): a fixed-size list of `float32` in Parquet,
+    /// a JSON array in JSON Lines, `<name>_0 … <name>_{D-1}` in CSV.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vector: Option<String>,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -618,8 +848,26 @@ impl OutputSpec {
     /// Names of `width` model outputs: `[output] columns`, else `score` or
     /// `score_0 … score_{width-1}`.
     pub fn score_names(&self, width: usize) -> Vec<String> {
+        self.output_names(width, &[])
+    }
+
+    /// Names of `width` model outputs made of several selected tensors
+    /// (`parts`: each one's column prefix and width, see `[output]
+    /// select`): `[output] columns` when given; for several parts `<prefix>`
+    /// (width 1) or `<prefix>_<i>`; else `score` or `score_0 … score_{width-1}`.
+    pub fn output_names(&self, width: usize, parts: &[(String, usize)]) -> Vec<String> {
         if !self.columns.is_empty() {
             self.columns.clone()
+        } else if parts.len() > 1 {
+            let mut names = Vec::with_capacity(width);
+            for (prefix, w) in parts {
+                if *w == 1 {
+                    names.push(prefix.clone());
+                } else {
+                    names.extend((0..*w).map(|i| format!("{prefix}_{i}")));
+                }
+            }
+            names
         } else if width == 1 {
             vec!["score".into()]
         } else {
@@ -765,6 +1013,7 @@ impl WorkItem {
                 return Err("text input with an image layout".into());
             }
         }
+        check_call(t)?;
         match (&self.input, &t.layout) {
             (InputSlice::CsvRange(r), Layout::Csv(l)) => {
                 check_range(r, limits)?;
@@ -820,6 +1069,57 @@ impl WorkItem {
         }
         Ok(())
     }
+}
+
+/// Arguments a model's `forward` may be given, and outputs one item may select.
+pub const MAX_MODEL_INPUTS: usize = 16;
+/// See [`MAX_MODEL_INPUTS`].
+pub const MAX_SELECTED_OUTPUTS: usize = 64;
+
+/// The model's call: each input has a source the task provides, and the
+/// selected outputs and names are few and short.
+fn check_call(t: &TaskSpec) -> Result<(), String> {
+    let m = &t.model;
+    if m.inputs.len() > MAX_MODEL_INPUTS || m.select.len() > MAX_SELECTED_OUTPUTS {
+        return Err(format!(
+            "{} model inputs and {} selected outputs (at most {MAX_MODEL_INPUTS} and {MAX_SELECTED_OUTPUTS})",
+            m.inputs.len(),
+            m.select.len()
+        ));
+    }
+    let image = matches!(t.layout, Layout::Image(_));
+    let features = match &t.layout {
+        Layout::Csv(l) => !l.feature_columns.is_empty(),
+        Layout::Jsonl(j) => !j.feature_keys.is_empty(),
+        Layout::Parquet(p) => !p.feature_columns.is_empty(),
+        Layout::Image(_) => false,
+    };
+    for input in &m.inputs {
+        if input.name.is_empty() || input.name.len() > 256 {
+            return Err("a model input with an empty or over-long name".into());
+        }
+        let provided = match input.source {
+            s if s.is_token() => t.text.is_some(),
+            InputSource::Pixels => image,
+            _ => features,
+        };
+        if !provided {
+            return Err(format!(
+                "model input {:?} takes {}, which this task does not provide",
+                truncated(&input.name),
+                input.source.as_str()
+            ));
+        }
+    }
+    let long_name = |n: &str| n.is_empty() || n.len() > 256;
+    if m.select
+        .iter()
+        .any(|s| matches!(s, Selector::Name(n) if long_name(n)))
+        || t.output.vector.as_deref().is_some_and(long_name)
+    {
+        return Err("an output name that is empty or over-long".into());
+    }
+    Ok(())
 }
 
 fn truncated(s: &str) -> String {
@@ -933,11 +1233,7 @@ pub(crate) fn sample_item() -> WorkItem {
             align: false,
         }),
         task: TaskSpec {
-            model: ModelRef {
-                path: "/models/mlp.pt".into(),
-                sha256: "ab".repeat(32),
-                device: "cpu".into(),
-            },
+            model: ModelRef::plain("/models/mlp.pt", "ab".repeat(32), "cpu"),
             layout: Layout::Csv(CsvLayout {
                 delimiter: b',',
                 fields: 18,

@@ -610,6 +610,7 @@ mod tests {
             attempt: 1,
             recovered: false,
             rows_resumed: 0,
+            vector: None,
         }
     }
 

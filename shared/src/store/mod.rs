@@ -325,6 +325,70 @@ pub struct ItemStats {
     /// Rows not recomputed because an earlier delivery's checkpoint held them.
     #[serde(default)]
     pub rows_resumed: u64,
+    /// The norms of the vectors the item wrote (`[output] vector`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vector: Option<VectorStats>,
+}
+
+/// The L2 norms of the vectors written (an embedding job's outputs): how
+/// many, of what dimension, their sum, least and largest. Rows holding NaN
+/// (rows the model failed on) are not counted.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct VectorStats {
+    /// Values per vector.
+    pub dim: u32,
+    /// Vectors counted.
+    pub rows: u64,
+    /// Sum of their norms.
+    pub norm_sum: f64,
+    /// Least norm.
+    pub norm_min: f64,
+    /// Largest norm.
+    pub norm_max: f64,
+}
+
+impl VectorStats {
+    /// Stats of one vector.
+    pub fn of_row(row: impl Iterator<Item = f64>) -> Option<Self> {
+        let (mut dim, mut sq) = (0u32, 0f64);
+        for v in row {
+            dim += 1;
+            sq += v * v;
+        }
+        let norm = sq.sqrt();
+        norm.is_finite().then_some(Self {
+            dim,
+            rows: 1,
+            norm_sum: norm,
+            norm_min: norm,
+            norm_max: norm,
+        })
+    }
+
+    /// Stats of row-major `values` of `width` per row.
+    pub fn of(values: &[f32], width: usize) -> Option<Self> {
+        if width == 0 {
+            return None;
+        }
+        values.chunks(width).fold(None, |acc, row| {
+            Self::merge(acc, Self::of_row(row.iter().map(|v| f64::from(*v))))
+        })
+    }
+
+    /// Both together.
+    pub fn merge(a: Option<Self>, b: Option<Self>) -> Option<Self> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(Self {
+                dim: a.dim.max(b.dim),
+                rows: a.rows + b.rows,
+                norm_sum: a.norm_sum + b.norm_sum,
+                norm_min: a.norm_min.min(b.norm_min),
+                norm_max: a.norm_max.max(b.norm_max),
+            }),
+            (a, None) => a,
+            (None, b) => b,
+        }
+    }
 }
 
 impl ItemStats {

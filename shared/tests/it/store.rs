@@ -76,6 +76,7 @@ fn stats(seq: u32, worker: &str) -> ItemStats {
         attempt: 1,
         recovered: false,
         rows_resumed: 0,
+        vector: None,
     }
 }
 
