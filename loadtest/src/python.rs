@@ -163,6 +163,23 @@ pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
     )
 }
 
+/// Writes `model.pt` (TorchScript), `model.pt2` (the same MLP compiled by
+/// AOTInductor for the CPU), `program.pt2` (the uncompiled `torch.export`
+/// program), `input.csv` and `expected.csv` into `out`; see
+/// `loadtest/python/make_aoti_model.py`. `size`: rows, features, hidden
+/// width, outputs.
+pub fn make_aoti_model(out: &Path, size: (u32, u32, u32, u32)) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_aoti_model.py");
+    let mut cmd = Command::new(interpreter());
+    cmd.arg(&script)
+        .arg(out)
+        .args(["--rows", &size.0.to_string()])
+        .args(["--features", &size.1.to_string()])
+        .args(["--hidden", &size.2.to_string()])
+        .args(["--outputs", &size.3.to_string()]);
+    run_generator(&mut cmd, &script)
+}
+
 /// Writes `state_dict.pt`, `pickled.pt` and `exported.pt2` — the files most
 /// often mistaken for TorchScript — from the weights of `out/model.pt` into
 /// `out`; see `loadtest/python/make_wrong_models.py`.

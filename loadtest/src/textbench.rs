@@ -61,6 +61,65 @@ pub struct TextRegime {
     pub tokenize_s: f64,
     /// Seconds in `forward`, summed over workers.
     pub inference_s: f64,
+    /// The same job with `[model] dtype`, on the same fleet: precision,
+    /// rows/s, and its outputs against the float32 run's.
+    pub reduced: Vec<Reduced>,
+}
+
+/// One reduced-precision run of the text job.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Reduced {
+    /// `bfloat16` or `float16`.
+    pub dtype: String,
+    /// Rows/s, submit to `_SUCCESS` (0 when the run failed).
+    pub rows_per_s: f64,
+    /// Its rate ÷ the float32 run's.
+    pub to_float32: f64,
+    /// Largest absolute difference from the float32 embeddings.
+    pub max_abs_diff: f64,
+    /// Least cosine similarity with the float32 embedding, over rows.
+    pub min_cosine: f64,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
+/// Every row's output vector in the part files of `out`, by id.
+fn outputs(out: &Path) -> Result<std::collections::HashMap<String, Vec<f64>>> {
+    let mut rows = std::collections::HashMap::new();
+    for name in batchfleet_shared::source::fs::list_dir(out)? {
+        if !name.starts_with("part-") {
+            continue;
+        }
+        batchfleet_shared::table::read_part(&out.join(&name), |_, row| {
+            let v: Vec<f64> = row[1..]
+                .iter()
+                .map(|x| x.as_f64().unwrap_or(f64::NAN))
+                .collect();
+            rows.insert(row[0].text(), v);
+        })?;
+    }
+    Ok(rows)
+}
+
+/// Largest absolute difference and least cosine similarity of `b` against `a`.
+fn compare(a: &Path, b: &Path) -> Result<(f64, f64)> {
+    let (a, b) = (outputs(a)?, outputs(b)?);
+    if a.len() != b.len() {
+        bail!("{} rows against {}", b.len(), a.len());
+    }
+    let (mut diff, mut cosine) = (0f64, 1f64);
+    for (id, x) in &a {
+        let y = b.get(id).with_context(|| format!("row {id} missing"))?;
+        let dot: f64 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+        let n = |v: &[f64]| v.iter().map(|p| p * p).sum::<f64>().sqrt();
+        cosine = cosine.min(dot / (n(x) * n(y)).max(1e-12));
+        diff = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(diff, f64::max);
+    }
+    Ok((diff, cosine))
 }
 
 /// Runs the text regime on `rows` rows under `root`.
@@ -120,6 +179,43 @@ pub fn run(
     let (wall, _, _) = run_job(bins.1, &manifest, prefix)?;
     let tokenize_s = fleet.metric_sum("batchfleet_worker_tokenize_seconds_sum");
     let inference_s = fleet.metric_sum("batchfleet_worker_inference_seconds_sum");
+    // The same job in reduced precision on the same fleet.
+    let job = std::fs::read_to_string(&manifest)?;
+    let mut reduced = Vec::new();
+    for dtype in ["bfloat16", "float16"] {
+        println!("bench [text] fleet in {dtype}…");
+        let path = dir.join(format!("job-{dtype}.toml"));
+        std::fs::write(
+            &path,
+            job.replace(
+                "tokenizer = \"tokenizer.json\"",
+                &format!("tokenizer = \"tokenizer.json\"\ndtype = \"{dtype}\""),
+            )
+            .replace(
+                "name = \"bench-text\"",
+                &format!("name = \"bench-text-{dtype}\""),
+            )
+            .replace("dir = \"out\"", &format!("dir = \"out-{dtype}\"")),
+        )?;
+        let mut r = Reduced {
+            dtype: dtype.into(),
+            ..Reduced::default()
+        };
+        match run_job(bins.1, &path, prefix).and_then(|(w, _, _)| {
+            Ok((
+                w,
+                compare(&dir.join("out"), &dir.join(format!("out-{dtype}")))?,
+            ))
+        }) {
+            Ok((w, (diff, cosine))) => {
+                r.rows_per_s = rows as f64 / w.max(1e-9);
+                r.to_float32 = wall / w.max(1e-9);
+                (r.max_abs_diff, r.min_cosine) = (diff, cosine);
+            }
+            Err(e) => r.error = Some(format!("{e:#}")),
+        }
+        reduced.push(r);
+    }
     fleet.stop();
     services::delete_pool_queues(&pool);
     // The fleet's embeddings are the Python loop's (its CSV as the golden file).
@@ -165,6 +261,7 @@ pub fn run(
         fleet_to_compute: fleet_rate / compute.max(1e-9),
         tokenize_s,
         inference_s,
+        reduced,
     })
 }
 
@@ -180,4 +277,13 @@ pub fn print(t: &TextRegime) {
         t.compute_rows_per_s, t.unsorted_rows_per_s, t.max_length_rows_per_s, t.no_optimize_rows_per_s,
         t.tokens[0], t.tokens[1], t.tokens[2], t.tokens[3], t.tokenize_s, t.inference_s
     );
+    for r in &t.reduced {
+        match &r.error {
+            Some(e) => println!("          dtype = {}: failed: {e}", r.dtype),
+            None => println!(
+                "          dtype = {}: fleet {:.0} rows/s ({:.2}× float32); against float32: max |diff| {:.2e}, least cosine {:.6}",
+                r.dtype, r.rows_per_s, r.to_float32, r.max_abs_diff, r.min_cosine
+            ),
+        }
+    }
 }

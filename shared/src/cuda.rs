@@ -101,6 +101,21 @@ pub fn load_from(dir: &Path, want: Want) -> CudaSupport {
     }
 }
 
+/// Loads the shared library `file` with its symbols global, for the life
+/// of the process (libtorch's own libraries, which later-loaded code such as
+/// an AOTInductor package's `.so` resolves against).
+pub fn load_global(file: &Path) -> Result<(), String> {
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: the file is one of the libtorch libraries this binary already
+    // runs (the folder it was linked against): its initialisers have run or
+    // run now against the same libtorch.
+    #[allow(unsafe_code)]
+    let opened = unsafe { Library::open(Some(file), RTLD_NOW | RTLD_GLOBAL) };
+    opened
+        .map(std::mem::forget)
+        .map_err(|e| format!("cannot load {}: {e}", file.display()))
+}
+
 /// Logs what [`load`] did: loaded at debug level, a failure as a warning.
 pub fn log(support: &CudaSupport) {
     match support {

@@ -11,6 +11,7 @@
 //! | `torch.save(model.state_dict())` | `data.pkl` (an `OrderedDict` of tensors), `data/…`, no `code/` |
 //! | `torch.save(model)` | `data.pkl` holding the module's `_modules`, `_parameters`, …, no `code/` |
 //! | `torch.export.save` | `archive_format` (`pt2`), `models/…`, `data/weights/…` |
+//! | `torch._inductor.aoti_compile_and_package` (AOTInductor) | `archive_format` (`pt2`), `data/aotinductor/<model>/…` (the compiled `.so`) |
 //!
 //! Only the zip central directory (and the head of `data.pkl` when needed) is
 //! read, so inspecting a model of many gigabytes costs a few reads.
@@ -31,8 +32,11 @@ pub enum ModelKind {
     StateDict,
     /// A whole module pickled with `torch.save(model)`: needs its Python class to load.
     PickledModule,
-    /// A `torch.export` package (`torch.export.save`, `.pt2`).
+    /// A `torch.export` package (`torch.export.save`, `.pt2`): a program, not compiled.
     ExportedProgram,
+    /// An AOTInductor package (`torch._inductor.aoti_compile_and_package`,
+    /// `.pt2`): the model compiled ahead of time for one device.
+    AotiPackage,
     /// A pickle written by `torch.save` with the legacy (non-zip) format.
     LegacyPickle,
     /// A zip archive, but none of the above.
@@ -42,9 +46,14 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
-    /// Whether batchfleet can run it.
+    /// Whether it is a TorchScript archive.
     pub fn is_torchscript(&self) -> bool {
         matches!(self, ModelKind::TorchScript)
+    }
+
+    /// Whether batchfleet can run it: TorchScript, or an AOTInductor package.
+    pub fn is_runnable(&self) -> bool {
+        matches!(self, ModelKind::TorchScript | ModelKind::AotiPackage)
     }
 
     /// What the file is, in words, for an error message.
@@ -58,8 +67,9 @@ impl ModelKind {
                 "a pickled Python module (written by torch.save(model)), not TorchScript"
             }
             ModelKind::ExportedProgram => {
-                "a torch.export package (.pt2, written by torch.export.save), not TorchScript"
+                "a torch.export program (.pt2, written by torch.export.save), not compiled: batchfleet runs it once compiled into an AOTInductor package with torch._inductor.aoti_compile_and_package(program, package_path=\"model.pt2\")"
             }
+            ModelKind::AotiPackage => "an AOTInductor package (.pt2)",
             ModelKind::LegacyPickle => {
                 "a legacy torch.save pickle (not a zip archive), not TorchScript"
             }
@@ -112,6 +122,9 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     };
     let names: Vec<String> = entries.iter().map(|e| rel(&e.name)).collect();
     let has = |n: &str| names.iter().any(|x| x == n);
+    if has("archive_format") && names.iter().any(|n| n.starts_with("data/aotinductor/")) {
+        return Ok(ModelKind::AotiPackage);
+    }
     if has("archive_format") || names.iter().any(|n| n.starts_with("models/")) {
         return Ok(ModelKind::ExportedProgram);
     }
@@ -361,10 +374,12 @@ fn central_directory<R: Read + Seek>(r: &mut R, len: u64) -> io::Result<Option<V
     Ok(Some(entries))
 }
 
-/// The first `max` bytes of a stored (uncompressed) entry; empty for a
-/// compressed one (torch writes every entry stored).
+/// The first `max` bytes of a stored (uncompressed) entry, or of a
+/// deflated one (torch stores tensors and pickles, and deflates `code/`),
+/// inflated; empty for another method, or a deflated entry that inflates
+/// to more than `max`.
 fn entry_head<R: Read + Seek>(r: &mut R, e: &Entry, max: u64) -> io::Result<Vec<u8>> {
-    if e.method != 0 {
+    if e.method != 0 && e.method != 8 {
         return Ok(Vec::new());
     }
     let mut local = [0u8; 30];
@@ -376,6 +391,13 @@ fn entry_head<R: Read + Seek>(r: &mut R, e: &Entry, max: u64) -> io::Result<Vec<
     let skip = u64::from(u16_at(&local, 26)) + u64::from(u16_at(&local, 28));
     r.seek(SeekFrom::Current(skip as i64))?;
     let mut head = Vec::new();
+    if e.method == 8 {
+        r.take(e.compressed.min(max)).read_to_end(&mut head)?;
+        return Ok(
+            miniz_oxide::inflate::decompress_to_vec_with_limit(&head, max as usize)
+                .unwrap_or_default(),
+        );
+    }
     r.take(e.compressed.min(max)).read_to_end(&mut head)?;
     Ok(head)
 }
@@ -507,6 +529,12 @@ mod tests {
             ("ep/archive_format", b"pt2"),
         ]);
         assert_eq!(inspect_bytes(&pt2), ModelKind::ExportedProgram);
+        let aoti = zip(&[
+            ("m/archive_format", b"pt2"),
+            ("m/data/aotinductor/model/x.wrapper.so", b"\x7fELF"),
+        ]);
+        assert_eq!(inspect_bytes(&aoti), ModelKind::AotiPackage);
+        assert!(ModelKind::AotiPackage.is_runnable() && !ModelKind::AotiPackage.is_torchscript());
         assert_eq!(
             inspect_bytes(&zip(&[("a/readme.txt", b"hi")])),
             ModelKind::OtherZip

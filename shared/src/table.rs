@@ -616,6 +616,67 @@ mod tests {
     }
 
     #[test]
+    fn vector_columns_are_lists_arrays_or_numbered_columns_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        for format in [
+            OutputFormat::Csv,
+            OutputFormat::Jsonl,
+            OutputFormat::Parquet,
+        ] {
+            let path = dir.path().join(format!("v.{}", format.extension()));
+            let mut file = std::fs::File::create(&path).unwrap();
+            let mut w = PartWriter::new(
+                &mut file,
+                format,
+                vec!["id".into(), "embedding".into()],
+                vec![Kind::Text, Kind::Vector(3)],
+            )
+            .unwrap();
+            w.row(&[Cell::Text("a"), Cell::Vector(&[0.5, -1.0, 2.25])])
+                .unwrap();
+            w.row(&[Cell::Text("b"), Cell::Vector(&[0.0, f32::NAN, 1.0])])
+                .unwrap();
+            w.finish().unwrap();
+            drop(file);
+            let mut rows = Vec::new();
+            let names = read_part(&path, |_, row| rows.push(row.to_vec())).unwrap();
+            let values = |row: &[Value]| -> Vec<f64> {
+                match row {
+                    [_, Value::Vector(v)] => v.clone(),
+                    [_, rest @ ..] => rest
+                        .iter()
+                        .map(|v| v.as_f64().unwrap_or(f64::NAN))
+                        .collect(),
+                    [] => Vec::new(),
+                }
+            };
+            if format == OutputFormat::Csv {
+                assert_eq!(names, ["id", "embedding_0", "embedding_1", "embedding_2"]);
+            } else {
+                assert_eq!(names, ["id", "embedding"], "{format:?}");
+                assert!(matches!(rows[0][1], Value::Vector(_)), "{format:?}");
+            }
+            assert_eq!(values(&rows[0]), [0.5, -1.0, 2.25], "{format:?}");
+            let second = values(&rows[1]);
+            assert_eq!((second[0], second[2]), (0.0, 1.0));
+            assert!(
+                second[1].is_nan(),
+                "{format:?}: NaN (null in JSON) reads back as NaN"
+            );
+        }
+        // A Parquet vector column is a fixed-size list of float32.
+        let file = std::fs::File::open(dir.path().join("v.parquet")).unwrap();
+        let reader =
+            parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).unwrap();
+        assert_eq!(
+            reader.schema().field(1).data_type(),
+            &vector_type(3),
+            "{:?}",
+            reader.schema()
+        );
+    }
+
+    #[test]
     fn unknown_extensions_are_refused() {
         assert!(format_of(Path::new("part-000001.txt")).is_err());
         assert_eq!(

@@ -32,6 +32,7 @@
 //! shutdown, then drain; `main.rs` only parses flags.
 
 pub mod admission;
+pub mod aoti;
 pub mod batch;
 pub mod checkpoint;
 pub mod columnar;

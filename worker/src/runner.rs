@@ -886,7 +886,42 @@ impl<B: Backend> Backend for Delayed<B> {
 /// libtorch through `tch`: TorchScript modules, cached by path, digest and
 /// precision.
 pub struct TorchBackend {
-    cache: HashMap<(String, String, Option<Precision>), tch::CModule>,
+    cache: HashMap<(String, String, Option<Precision>), Loaded>,
+}
+
+/// A model loaded by [`TorchBackend`]: a TorchScript module, or an
+/// AOTInductor package (`.pt2`) through libtorch's package loader.
+#[derive(Debug)]
+pub enum Loaded {
+    /// `torch.jit.save`.
+    Script(tch::CModule),
+    /// `torch._inductor.aoti_compile_and_package`.
+    Package(crate::aoti::Package),
+}
+
+impl Loaded {
+    /// One `forward` on `inputs`: a TorchScript module's return value, or
+    /// a package's outputs (one tensor, or a tuple of them: `select` picks
+    /// by position).
+    fn call(&self, inputs: Vec<tch::Tensor>) -> Result<tch::IValue, ForwardError> {
+        match self {
+            Loaded::Script(m) => {
+                let inputs: Vec<tch::IValue> =
+                    inputs.into_iter().map(tch::IValue::Tensor).collect();
+                m.forward_is(&inputs).map_err(classify)
+            }
+            Loaded::Package(p) => {
+                let mut out = p
+                    .run(&inputs)
+                    .map_err(|e| classify_line(error_summary(&e)))?;
+                Ok(if out.len() == 1 {
+                    tch::IValue::Tensor(out.pop().expect("one output"))
+                } else {
+                    tch::IValue::Tuple(out.into_iter().map(tch::IValue::Tensor).collect())
+                })
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for TorchBackend {
@@ -936,7 +971,7 @@ impl TorchBackend {
     /// Loads (or finds cached) the module of `model`. The file is read once:
     /// the digest is checked on those bytes and those bytes are loaded, so a
     /// file swapped in between can never run unpinned.
-    pub fn module(&mut self, model: &ModelRef) -> Result<&tch::CModule, ItemError> {
+    pub fn module(&mut self, model: &ModelRef) -> Result<&Loaded, ItemError> {
         let key = (model.path.clone(), model.sha256.clone(), model.dtype);
         if !self.cache.contains_key(&key) {
             let started = std::time::Instant::now();
@@ -958,12 +993,13 @@ fn precision_kind(p: Precision) -> tch::Kind {
 }
 
 /// Reads `model`'s file once, checks its digest and kind on those bytes,
-/// and loads them onto the model's device (in its `dtype`, when set). Who
+/// and loads them onto the model's device (in its `dtype`, when set); an
+/// AOTInductor package is loaded from a private copy of those bytes. Who
 /// is at fault decides the class: a file this worker cannot read is this
 /// worker's problem (`unable`: another may have it mounted); a file that is
 /// not the job's (digest) or not TorchScript, or that libtorch refuses,
 /// fails the job (`unrunnable`).
-fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
+fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
     let bytes = std::fs::read(&model.path).map_err(|e| {
         ItemError::unable(format!(
             "cannot read model {} on this worker: {e}",
@@ -980,7 +1016,7 @@ fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
             kind.describe()
         )));
     }
-    if !kind.is_torchscript() {
+    if !kind.is_runnable() {
         return Err(ItemError::unrunnable(format!(
             "model {} is {}; {}",
             model.path,
@@ -989,6 +1025,9 @@ fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
         )));
     }
     let device = TorchBackend::device(&model.device)?;
+    if kind == batchfleet_shared::model_file::ModelKind::AotiPackage {
+        return load_package(model, &bytes, device).map(Loaded::Package);
+    }
     let mut module =
         tch::CModule::load_data_on_device(&mut bytes.as_slice(), device).map_err(|e| {
             ItemError::unrunnable(format!(
@@ -1002,7 +1041,50 @@ fn load_pinned(model: &ModelRef) -> Result<tch::CModule, ItemError> {
         // Floating-point parameters and buffers only (integer buffers keep their type).
         module.to(device, precision_kind(p), false);
     }
-    Ok(module)
+    Ok(Loaded::Script(module))
+}
+
+/// Loads an AOTInductor package from `bytes` (already checked against the
+/// job's digest), through a private copy the loader reads and extracts.
+fn load_package(
+    model: &ModelRef,
+    bytes: &[u8],
+    device: tch::Device,
+) -> Result<crate::aoti::Package, ItemError> {
+    if model.dtype.is_some() {
+        return Err(ItemError::unrunnable(format!(
+            "model {} is an AOTInductor package, compiled in one precision; remove [model] dtype, or compile the package from the model in that precision",
+            model.path
+        )));
+    }
+    static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let copy = std::env::temp_dir().join(format!(
+        "batchfleet-{}-{}-{}.pt2",
+        std::process::id(),
+        COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        &model.sha256[..model.sha256.len().min(16)]
+    ));
+    std::fs::write(&copy, bytes).map_err(|e| {
+        ItemError::unable(format!(
+            "cannot stage package {} in {}: {e}",
+            model.path,
+            copy.display()
+        ))
+    })?;
+    let cuda = match device {
+        tch::Device::Cuda(n) => Some(n),
+        _ => None,
+    };
+    let loaded = crate::aoti::Package::load(&copy, cuda);
+    let _ = std::fs::remove_file(&copy);
+    loaded.map_err(|e| {
+        ItemError::unrunnable(format!(
+            "libtorch cannot load AOTInductor package {} on {}: {}; a package runs only on the device kind it was compiled for (compile it with the model and inputs on that device)",
+            model.path,
+            model.device,
+            error_summary(&e)
+        ))
+    })
 }
 
 /// The informative line of a libtorch error. TorchScript errors carry a
@@ -1026,7 +1108,11 @@ pub fn error_summary(full: &str) -> String {
 /// Classifies a libtorch error by the exception's own line: the traceback
 /// around it quotes source code, which may mention any error text.
 fn classify(e: tch::TchError) -> ForwardError {
-    let line = error_summary(&e.to_string());
+    classify_line(error_summary(&e.to_string()))
+}
+
+/// [`classify`] for an error's informative line.
+fn classify_line(line: String) -> ForwardError {
     if is_out_of_memory(&line) {
         ForwardError::OutOfMemory(line)
     } else {
@@ -1067,7 +1153,7 @@ impl Launched {
 /// (read it after the device is synchronized). Otherwise the call returns
 /// with the output on the host.
 fn launch(
-    module: &tch::CModule,
+    module: &Loaded,
     model: &ModelRef,
     features: &[f32],
     row_shape: &[usize],
@@ -1089,9 +1175,7 @@ fn launch(
         host.f_to_device(device)
     }
     .map_err(classify)?;
-    let y = module
-        .forward_is(&[tch::IValue::Tensor(input)])
-        .map_err(classify)?;
+    let y = module.call(vec![input])?;
     landed(y, n, model, None, queued)
 }
 
@@ -1314,7 +1398,7 @@ impl Backend for TorchBackend {
         let _guard = tch::no_grad_guard();
         let inputs = args
             .iter()
-            .map(|a| tensor_of(a, device, model).map(tch::IValue::Tensor))
+            .map(|a| tensor_of(a, device, model))
             .collect::<Result<Vec<_>, _>>()?;
         let mask = match mask {
             Some(m) if model.pooling == Some(Pooling::Mean) => Some(tensor_of(m, device, model)?),
@@ -1326,7 +1410,7 @@ impl Backend for TorchBackend {
             .copied()
             .unwrap_or(0);
         let started = std::time::Instant::now();
-        let y = module.forward_is(&inputs).map_err(classify)?;
+        let y = module.call(inputs)?;
         let landed = landed(y, rows as i64, model, mask.as_ref(), false)?.collect();
         metrics::histogram!(names::WORKER_DEVICE_SECONDS, "device" => model.device.clone())
             .record(started.elapsed().as_secs_f64());

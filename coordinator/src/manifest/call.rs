@@ -346,3 +346,81 @@ pub(super) fn check_parameters(
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::manifest::testing::{problems, Fixture, GOOD};
+    use batchfleet_shared::message::{InputSource, Pooling, Precision, Selector, TensorType};
+
+    fn with(model: &str, output: &str) -> String {
+        GOOD.replace(
+            "path = \"model.pt\"",
+            &format!("path = \"model.pt\"\n{model}"),
+        )
+        .replace("dir = \"out\"", &format!("dir = \"out\"\n{output}"))
+    }
+
+    #[test]
+    fn inputs_select_and_vector_reach_the_task() {
+        let fx = Fixture::new();
+        let spec = fx
+            .load(&with(
+                "inputs = [{ name = \"x\", source = \"features\", dtype = \"float64\" }]\ndtype = \"bfloat16\"",
+                "select = [\"emb\", 2]\nnormalize = true\npooling = \"cls\"",
+            ))
+            .unwrap();
+        let m = &spec.task.model;
+        assert_eq!(m.inputs.len(), 1);
+        assert_eq!(
+            (
+                m.inputs[0].name.as_str(),
+                m.inputs[0].source,
+                m.inputs[0].dtype
+            ),
+            ("x", InputSource::Features, TensorType::Float64)
+        );
+        assert_eq!(m.dtype, Some(Precision::Bfloat16));
+        assert_eq!(m.select, [Selector::Name("emb".into()), Selector::Index(2)]);
+        assert_eq!((m.pooling, m.normalize), (Some(Pooling::Cls), true));
+        let spec = fx.load(&with("", "vector = \"embedding\"")).unwrap();
+        assert_eq!(spec.task.output.vector.as_deref(), Some("embedding"));
+        // A plain manifest keeps the plain call (and so its job id).
+        let plain = fx.load(GOOD).unwrap();
+        assert!(plain.task.model.takes_plain_features());
+    }
+
+    #[test]
+    fn each_bad_call_setting_is_named() {
+        let fx = Fixture::new();
+        let err = problems(fx.load(&with(
+            "inputs = [\"input_ids\", { source = \"pictures\" }, { source = \"features\", dtype = \"int8\" }, { name = \"input_ids\", source = \"features\" }]\ndtype = \"float8\"",
+            "",
+        )));
+        for want in [
+            "[model] inputs: input 0 (input_ids): source \"input_ids\" comes from the tokenizer",
+            "input 1: source \"pictures\" is not one of input_ids, attention_mask, token_type_ids, features, pixels",
+            "input 2: dtype \"int8\" is not one of int64, int32, float32, float64",
+            "input 3: name \"input_ids\" must be non-empty and name one parameter once",
+            "[model] dtype: \"float8\" is not bfloat16, float16 or float32",
+        ] {
+            assert!(err.contains(want), "{want} not in {err}");
+        }
+        let err = problems(fx.load(&with(
+            "",
+            "vector = \"id\"\nargmax = true\nselect = [\"a\", \"a\"]\npooling = \"mean\"",
+        )));
+        for want in [
+            "[output] select: selects \"a\" twice",
+            "[output] pooling: = \"mean\" averages over the tokens the attention mask marks",
+            "[output] vector: \"id\" cannot name the vector column",
+            "[output] vector: writes the output as one vector column; argmax",
+            "[output] vector: holds one output",
+            "[output] select: picks several outputs; labels, argmax and top_k",
+        ] {
+            assert!(err.contains(want), "{want} not in {err}");
+        }
+        let err = problems(fx.load(&with("", "select = -1\npooling = \"max\"")));
+        assert!(err.contains("-1 is not a position"), "{err}");
+        assert!(err.contains("\"max\" is not \"mean\" or \"cls\""), "{err}");
+    }
+}

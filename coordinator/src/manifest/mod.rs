@@ -167,6 +167,15 @@ pub fn validate(
     };
     let model_inputs = call::inputs(m, provided, &mut problems);
     let dtype = call::dtype(m, &mut problems);
+    if dtype.is_some()
+        && batchfleet_shared::model_file::inspect_file(Path::new(&model.path))
+            .is_ok_and(|k| k == batchfleet_shared::model_file::ModelKind::AotiPackage)
+    {
+        problems.add(
+            "[model] dtype",
+            "does not apply to an AOTInductor package, which runs in the precision it was compiled in; compile the package from the model in that precision, or remove dtype".into(),
+        );
+    }
     let outputs = call::outputs(m, text, &mut problems);
     if !model.sha256.is_empty() {
         call::check_parameters(Path::new(&model.path), &model_inputs, text, &mut problems);

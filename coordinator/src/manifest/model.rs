@@ -204,7 +204,7 @@ mod tests {
             ),
             (
                 stored_zip(&[("m/archive_format", b"pt2"), ("m/models/model.json", b"{}")]),
-                "is a torch.export package",
+                "is a torch.export program",
             ),
         ] {
             fs::write(fx.dir.path().join("model.pt"), bytes).unwrap();

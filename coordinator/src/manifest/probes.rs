@@ -162,8 +162,9 @@ pub fn check_parquet_columns(
 }
 
 /// Checks a model file exists and is a TorchScript archive — `code/` and
-/// `constants.pkl` inside — naming what it is otherwise (a `state_dict`, a
-/// pickled module, a `torch.export` package) with the one-line fix.
+/// `constants.pkl` inside — or an AOTInductor package, naming what it is
+/// otherwise (a `state_dict`, a pickled module, an uncompiled `torch.export`
+/// program) with the one-line fix.
 pub(super) fn check_torchscript(path: &Path) -> Result<(), String> {
     use batchfleet_shared::model_file::{inspect_file, EXPORT_FIX};
     let kind = inspect_file(path).map_err(|e| {
@@ -172,7 +173,7 @@ pub(super) fn check_torchscript(path: &Path) -> Result<(), String> {
             path.display()
         )
     })?;
-    if kind.is_torchscript() {
+    if kind.is_runnable() {
         Ok(())
     } else {
         Err(format!(

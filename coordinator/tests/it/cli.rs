@@ -191,7 +191,7 @@ async fn models_that_are_not_torchscript_are_each_named_exit_2_and_publish_nothi
             "pickled.pt",
             "is a pickled Python module (written by torch.save(model))",
         ),
-        ("exported.pt2", "is a torch.export package (.pt2"),
+        ("exported.pt2", "is a torch.export program (.pt2"),
     ] {
         let case = Case::new(|t| t.replace("/model.pt\"", &format!("/{file}\"")));
         let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);

@@ -5,6 +5,7 @@ mod containment;
 mod deploy;
 mod e2e;
 mod failures;
+mod formats;
 mod reports;
 mod support;
 mod text;

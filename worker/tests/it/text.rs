@@ -97,7 +97,10 @@ async fn text_jobs_match_pytorch_in_every_format(backend: Backend) {
         .await;
 }
 
-crate::on_both_backends!(text_jobs_match_pytorch_in_every_format);
+crate::on_both_backends!(
+    text_jobs_match_pytorch_in_every_format,
+    a_dict_model_writes_the_selected_outputs
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rust_token_ids_equal_pythons_for_every_row() {
@@ -230,4 +233,317 @@ async fn a_tokenizer_that_does_not_load_is_refused_at_validation() {
         err.contains("[input] text_column:") && err.contains("needs [model] tokenizer"),
         "{err}"
     );
+}
+
+/// Writes `dst` from PyTorch's output `src` (`id,score_0…`): the columns
+/// renamed `<prefix>_<i>`, each row L2-normalised when `normalize`; returns
+/// the mean norm of the rows before normalising.
+fn golden(env: &TestEnv, src: &str, dst: &str, prefix: &str, normalize: bool) -> f64 {
+    let text = std::fs::read_to_string(env.path().join(src)).expect("expected output");
+    let mut lines = text.lines();
+    let width = lines.next().expect("header").split(',').count() - 1;
+    let mut out = String::from("id");
+    for i in 0..width {
+        out.push_str(&format!(",{prefix}_{i}"));
+    }
+    out.push('\n');
+    let (mut norms, mut rows) = (0f64, 0usize);
+    for line in lines {
+        let mut fields = line.split(',');
+        let id = fields.next().expect("id");
+        let values: Vec<f64> = fields.map(|v| v.parse().expect("number")).collect();
+        let norm = values.iter().map(|v| v * v).sum::<f64>().sqrt();
+        norms += norm;
+        rows += 1;
+        out.push_str(id);
+        for v in &values {
+            let v = if normalize { v / norm.max(1e-12) } else { *v };
+            out.push_str(&format!(",{v}"));
+        }
+        out.push('\n');
+    }
+    std::fs::write(env.path().join(dst), out).expect("write golden");
+    norms / rows.max(1) as f64
+}
+
+fn dict_manifest(env: &TestEnv, out: &str, format: &str, output: &str) -> std::path::PathBuf {
+    let text = manifest(env, "jsonl", format, "")
+        .replace("dir = \"out-jsonl\"", &format!("dir = \"{out}\"\n{output}"));
+    write(env, &format!("{out}.toml"), &text)
+}
+
+/// A model returning a dict of tensors (as transformers models do): the
+/// selected output is written — the hidden state mean- or CLS-pooled and
+/// normalised as one vector column in each format, the logits as columns,
+/// several outputs side by side — every row as PyTorch computes it, and
+/// the summary holds the vectors' norms. A key the dict does not have, or
+/// a `[rows, L, D]` output without pooling, is refused at validation.
+async fn a_dict_model_writes_the_selected_outputs(backend: Backend) {
+    let env = TestEnv::new("text-dict");
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: 600,
+            format: "jsonl".into(),
+            output: "dict".into(),
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+    golden(&env, "expected.csv", "mean.csv", "embedding", true);
+    let mean_norm = golden(&env, "expected_cls.csv", "cls.csv", "embedding", false);
+    golden(&env, "expected_logits.csv", "logits.csv", "score", false);
+    let workers = env.workers(backend, &[&[], &[]]).await;
+    let mut jobs = Vec::new();
+    let vector = "vector = \"embedding\"";
+    for (out, format, output, golden, normalized) in [
+        (
+            "mean-jsonl",
+            "jsonl",
+            format!("select = \"hidden\"\npooling = \"mean\"\nnormalize = true\n{vector}"),
+            "mean.csv",
+            true,
+        ),
+        (
+            "mean-parquet",
+            "parquet",
+            format!("select = \"hidden\"\npooling = \"mean\"\nnormalize = true\n{vector}"),
+            "mean.csv",
+            true,
+        ),
+        (
+            "cls-csv",
+            "csv",
+            format!("select = \"hidden\"\npooling = \"cls\"\n{vector}"),
+            "cls.csv",
+            false,
+        ),
+        (
+            "logits",
+            "csv",
+            "select = \"logits\"".to_owned(),
+            "logits.csv",
+            false,
+        ),
+    ] {
+        let path = dict_manifest(&env, out, format, &output);
+        let (job, summary) = env.run_on(&workers, &path).await;
+        assert_eq!(summary.status, "completed", "{out}: {summary:?}");
+        assert_eq!(summary.rows_predicted, 600, "{out}");
+        let v = verify(&env.path().join(out), &env.path().join(golden), 1e-4).expect("verify");
+        assert!(v.ok(), "{out}: {}", v.describe());
+        assert_eq!(v.output_rows, 600, "{out}");
+        match summary.vectors {
+            Some(s) if output.contains(vector) => {
+                assert_eq!((s.dim, s.rows), (32, 600), "{out}");
+                let want = if normalized { 1.0 } else { mean_norm };
+                assert!(
+                    (s.mean_norm - want).abs() < 1e-4 * want,
+                    "{out}: {s:?} vs {want}"
+                );
+                assert!(
+                    s.min_norm <= s.mean_norm && s.mean_norm <= s.max_norm,
+                    "{s:?}"
+                );
+            }
+            None if !output.contains(vector) => {
+                assert!(
+                    summary.predictions.is_some(),
+                    "{out}: scalar outputs keep histograms"
+                )
+            }
+            other => panic!("{out}: vectors {other:?}"),
+        }
+        jobs.push(job);
+    }
+    // A vector column's shape in each format.
+    let jsonl =
+        std::fs::read_to_string(env.path().join("mean-jsonl/part-000000.jsonl")).expect("part");
+    let first: serde_json::Value =
+        serde_json::from_str(jsonl.lines().next().expect("a row")).expect("json");
+    assert_eq!(
+        first["embedding"].as_array().map(Vec::len),
+        Some(32),
+        "{first}"
+    );
+    let csv = std::fs::read_to_string(env.path().join("cls-csv/part-000000.csv")).expect("part");
+    assert!(
+        csv.starts_with("id,embedding_0,embedding_1,"),
+        "{}",
+        &csv[..60]
+    );
+    // Two outputs side by side, named by key.
+    let path = dict_manifest(&env, "both", "csv", "select = [\"logits\", \"pooled\"]");
+    let (job, summary) = env.run_on(&workers, &path).await;
+    assert_eq!(summary.status, "completed", "{summary:?}");
+    let csv = std::fs::read_to_string(env.path().join("both/part-000000.csv")).expect("part");
+    let header = csv.lines().next().expect("header");
+    assert!(
+        header.starts_with("id,logits_0,logits_1,logits_2,pooled_0,"),
+        "{header}"
+    );
+    assert_eq!(header.split(',').count(), 1 + 3 + 32);
+    jobs.push(job);
+
+    let roots = [env.path().to_owned()];
+    let refused = |out: &str, output: &str| {
+        let path = dict_manifest(&env, out, "csv", output);
+        batchfleet_coordinator::manifest::load(&path, &roots)
+            .expect_err("refused at validation")
+            .to_string()
+    };
+    let err = refused("nope", "select = \"nope\"");
+    assert!(
+        err.contains("[output] select:")
+            && err.contains("\"nope\" names no tensor")
+            && err.contains("\"pooled\", \"hidden\", \"logits\""),
+        "{err}"
+    );
+    assert!(!env.path().join("nope").exists(), "nothing was written");
+    let err = refused("unselected", "");
+    assert!(err.contains("set [output] select"), "{err}");
+    let err = refused("unpooled", "select = \"hidden\"");
+    assert!(
+        err.contains("[output] pooling:") && err.contains("a vector per token"),
+        "{err}"
+    );
+    let err = refused("tuple", "select = 1");
+    assert!(err.contains("select = 1 names no tensor"), "{err}");
+    let mut workers = workers;
+    workers.stop();
+    env.cleanup(&jobs.iter().map(String::as_str).collect::<Vec<_>>())
+        .await;
+}
+
+/// `[model] inputs`: a model taking `(input_ids, attention_mask,
+/// token_type_ids, numeric)` gets the tokenizer's type ids and two numeric
+/// columns beside the text, in every input format, each row as PyTorch
+/// computes it. Parameter names that do not match forward's, and the
+/// default call on a model of four parameters, are refused at validation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_inputs_feed_token_types_and_numeric_columns_beside_the_text() {
+    let env = TestEnv::new("text-typed");
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: 500,
+            output: "typed".into(),
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+    let inputs = "inputs = [\"input_ids\", \"attention_mask\", { source = \"token_type_ids\", dtype = \"int64\" }, { name = \"numeric\", source = \"features\", dtype = \"float32\" }]";
+    let with = |format: &str, inputs: &str| {
+        manifest(&env, format, "csv", inputs).replace(
+            "text_column = \"text\"",
+            "text_column = \"text\"\nfeature_columns = [\"f0\", \"f1\"]",
+        )
+    };
+    let mut workers = env.workers(Backend::Local, &[&[], &[]]).await;
+    let mut jobs = Vec::new();
+    for format in ["csv", "jsonl", "parquet"] {
+        let path = write(&env, &format!("typed-{format}.toml"), &with(format, inputs));
+        let (job, summary) = env.run_on(&workers, &path).await;
+        assert_eq!(summary.status, "completed", "{format}: {summary:?}");
+        matches_pytorch(&env, &env.path().join(format!("out-{format}")), 500);
+        jobs.push(job);
+    }
+    let roots = [env.path().to_owned()];
+    let refused = |name: &str, text: String| {
+        batchfleet_coordinator::manifest::load(&write(&env, name, &text), &roots)
+            .expect_err("refused at validation")
+            .to_string()
+    };
+    let err = refused(
+        "renamed.toml",
+        with(
+            "csv",
+            &inputs.replace("name = \"numeric\"", "name = \"extra\""),
+        ),
+    );
+    assert!(
+        err.contains("[model] inputs:")
+            && err.contains("input 3 is named \"extra\"")
+            && err.contains("forward(input_ids, attention_mask, token_type_ids, numeric)"),
+        "{err}"
+    );
+    let err = refused("default.toml", with("csv", ""));
+    assert!(
+        err.contains("but this job calls forward(input_ids, attention_mask)"),
+        "{err}"
+    );
+    let err = refused(
+        "short.toml",
+        with(
+            "csv",
+            "inputs = [\"input_ids\", \"attention_mask\", \"token_type_ids\"]",
+        ),
+    );
+    assert!(
+        err.contains("also needs \"numeric\"") && err.contains("feature_columns"),
+        "{err}"
+    );
+    workers.stop();
+    env.cleanup(&jobs.iter().map(String::as_str).collect::<Vec<_>>())
+        .await;
+}
+
+/// `[model] dtype = "bfloat16"`: the model runs in reduced precision — its
+/// outputs differ from float32's (so the setting took effect) but each row
+/// points the same way (cosine ≥ 0.99 with PyTorch's float32 embedding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reduced_precision_runs_the_model_in_bfloat16() {
+    let env = TestEnv::new("text-bf16");
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: 300,
+            format: "csv".into(),
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+    let path = write(
+        &env,
+        "job.toml",
+        &manifest(&env, "csv", "csv", "dtype = \"bfloat16\""),
+    );
+    let mut workers = env.workers(Backend::Local, &[&[]]).await;
+    let (job, summary) = env.run_on(&workers, &path).await;
+    assert_eq!(summary.status, "completed", "{summary:?}");
+    let expected = read_vectors(&env.path().join("expected.csv"));
+    let got = read_vectors(&env.path().join("out-csv/part-000000.csv"));
+    assert!(!got.is_empty());
+    let (mut max_diff, mut min_cos) = (0f64, 1f64);
+    for (id, y) in &got {
+        let x = &expected[id];
+        let dot: f64 = x.iter().zip(y).map(|(a, b)| a * b).sum();
+        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        min_cos = min_cos.min(dot / (norm(x) * norm(y)));
+        max_diff = x
+            .iter()
+            .zip(y)
+            .map(|(a, b)| (a - b).abs())
+            .fold(max_diff, f64::max);
+    }
+    assert!(
+        max_diff > 1e-4,
+        "bfloat16 outputs equal float32's: {max_diff}"
+    );
+    assert!(min_cos > 0.99, "least cosine {min_cos}");
+    workers.stop();
+    env.cleanup(&[&job]).await;
+}
+
+/// `id,v0,v1,…` rows of a CSV file, by id.
+fn read_vectors(path: &Path) -> std::collections::HashMap<String, Vec<f64>> {
+    let text = std::fs::read_to_string(path).expect("csv");
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            let mut f = l.split(',');
+            let id = f.next().expect("id").to_owned();
+            (id, f.map(|v| v.parse().expect("number")).collect())
+        })
+        .collect()
 }
