@@ -45,6 +45,8 @@ pub struct BenchConfig {
     pub control_items: u64,
     /// Texts of the sentence-encoder job (0: skipped).
     pub text_rows: u64,
+    /// Rows of the model-format comparison (0: skipped).
+    pub pt2_rows: u64,
     /// Worker processes.
     pub workers: usize,
     /// Work folder (kept) or a temporary one.
@@ -227,6 +229,8 @@ pub struct BenchReport {
     pub planning: Vec<crate::planning::PlanTime>,
     /// The sentence encoder.
     pub text: Option<crate::textbench::TextRegime>,
+    /// TorchScript against an AOTInductor package.
+    pub formats: Option<crate::formatbench::FormatRegime>,
 }
 
 fn free_port() -> Result<u16> {
@@ -402,7 +406,7 @@ fn run_local(
 }
 
 /// [`run_job`] with more `run` flags, the output in `out`.
-fn run_job_with(
+pub(crate) fn run_job_with(
     coordinator: &Path,
     manifest: &Path,
     prefix: &str,
@@ -846,6 +850,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
                 &prefix,
             )?);
         }
+        if cfg.pt2_rows > 0 {
+            report.formats = Some(crate::formatbench::run(&root, cfg.pt2_rows)?);
+        }
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }
@@ -900,6 +907,9 @@ fn print(r: &BenchReport) {
     }
     if let Some(t) = &r.text {
         crate::textbench::print(t);
+    }
+    if let Some(f) = &r.formats {
+        crate::formatbench::print(f);
     }
     for p in &r.planning {
         println!(

@@ -3,6 +3,7 @@ use batchfleet_loadtest::{python, verify};
 
 mod bench;
 mod chaos;
+mod formatbench;
 mod forward;
 mod gpu;
 mod planning;
@@ -129,10 +130,14 @@ enum Command {
         /// compute ceiling; 0 skips it).
         #[arg(long, default_value_t = 20_000)]
         text_rows: u64,
+        /// Rows of the model-format comparison (one MLP as TorchScript and as
+        /// an AOTInductor `.pt2`, in the worker's backend; 0 skips it).
+        #[arg(long, default_value_t = 200_000)]
+        pt2_rows: u64,
         /// Worker processes (each gets cores / workers libtorch threads).
         #[arg(long, default_value_t = 2)]
         workers: usize,
-        /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts;
+        /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts, 20k format rows;
         /// planning on 1,000 files, 200 MB, and 100 files, 20 MB in S3.
         #[arg(long)]
         quick: bool,
@@ -300,6 +305,7 @@ fn main() -> Result<()> {
             large_rows,
             control_items,
             text_rows,
+            pt2_rows,
             workers,
             quick,
             plan_files,
@@ -310,10 +316,10 @@ fn main() -> Result<()> {
             json,
             formats,
         } => {
-            let (small_rows, large_rows, control_items, text_rows) = if quick {
-                (200_000, 10_000, 12_000, 2_000)
+            let (small_rows, large_rows, control_items, text_rows, pt2_rows) = if quick {
+                (200_000, 10_000, 12_000, 2_000, pt2_rows.min(20_000))
             } else {
-                (small_rows, large_rows, control_items, text_rows)
+                (small_rows, large_rows, control_items, text_rows, pt2_rows)
             };
             let planning = (plan_files > 0).then(|| {
                 if quick {
@@ -339,6 +345,7 @@ fn main() -> Result<()> {
                 large_rows,
                 control_items,
                 text_rows,
+                pt2_rows,
                 workers: workers.max(1),
                 dir,
                 json,

@@ -309,9 +309,18 @@ pub(super) fn check_parameters(
         }
         return;
     }
+    // Tracing may number a parameter's name (`attention_mask_1`): the
+    // number does not make it another parameter.
+    let same = |param: &str, name: &str| {
+        param == name
+            || param
+                .strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix(['_', '.']))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
     for (k, input) in inputs.iter().enumerate() {
         match params.get(k) {
-            Some(p) if p.name == input.name => {}
+            Some(p) if same(&p.name, &input.name) => {}
             Some(p) => problems.add(
                 "[model] inputs",
                 format!(
