@@ -128,7 +128,7 @@ enum Command {
         control_items: u64,
         /// Texts of the sentence-encoder job (fleet vs a Python loop vs the
         /// compute ceiling; 0 skips it).
-        #[arg(long, default_value_t = 20_000)]
+        #[arg(long, default_value_t = 50_000)]
         text_rows: u64,
         /// Rows of the model-format comparison (one MLP as TorchScript and as
         /// an AOTInductor `.pt2`, in the worker's backend; 0 skips it).
