@@ -19,6 +19,11 @@
 //! - `preprocess`: `[preprocess]`: image size, channels, mean and std.
 //! - `model`: `[model]`: the model file, its digest, the device; the
 //!   tokenizer of text input (loaded, digested), `max_length`, padding.
+//! - `call`: how the model is called: `[model] inputs` and `dtype`,
+//!   `[output] select`, `pooling`, `normalize`, `vector`, and `forward`'s
+//!   parameter names read from the archive.
+//! - `dry_run`: the model call tried on two sample rows (with libtorch in
+//!   the coordinator) before anything is published.
 //! - `policy`: `[batching]` and `[failure]`: item sizing, batch size,
 //!   checkpoints, retries, timeouts, the error budget.
 //! - `output`: `[output]`: folder, histogram, labels, `top_k`, column names,
@@ -27,7 +32,8 @@
 //!   secret in the manifest.
 //! - `probes`: peeking into files: CSV headers ([`read_header`]), JSON Lines
 //!   keys ([`read_jsonl_keys`]), Parquet columns ([`check_parquet_columns`]),
-//!   the TorchScript archive.
+//!   the model file's kind (TorchScript, an AOTInductor package, or what
+//!   it is mistaken for).
 //! - `testing` (tests only): the fixture folder and manifests the tests share.
 
 mod call;
