@@ -1665,6 +1665,109 @@ mod tests {
         }
     }
 
+    /// Records each call's arguments — (source, dtype, shape), the feature
+    /// values, the type ids — and returns each row's first feature.
+    #[derive(Default)]
+    struct Recording {
+        calls: Vec<Vec<(InputSource, TensorType, Vec<usize>)>>,
+        features: Vec<Vec<f32>>,
+        types: Vec<Vec<i64>>,
+    }
+    impl Backend for Recording {
+        fn forward(
+            &mut self,
+            _m: &ModelRef,
+            _f: &[f32],
+            _shape: &[usize],
+        ) -> Result<Forwarded, ForwardError> {
+            unreachable!("named inputs go through forward_args")
+        }
+
+        fn forward_args(
+            &mut self,
+            _m: &ModelRef,
+            args: &[Arg<'_>],
+            _mask: Option<&Arg<'_>>,
+        ) -> Result<Forwarded, ForwardError> {
+            self.calls.push(
+                args.iter()
+                    .map(|a| (a.source, a.dtype, a.shape.clone()))
+                    .collect(),
+            );
+            let mut first = Vec::new();
+            for a in args {
+                match (&a.source, &a.values) {
+                    (InputSource::Features, ArgValues::F32(v)) => {
+                        self.features.push(v.to_vec());
+                        first = v.chunks(a.shape[1]).map(|r| r[0]).collect();
+                    }
+                    (InputSource::TokenTypeIds, ArgValues::I64(v)) => self.types.push(v.to_vec()),
+                    _ => {}
+                }
+            }
+            assert_eq!(first.len(), args[0].shape[0], "one value per row");
+            Ok(Forwarded::single(first, 1, false))
+        }
+    }
+
+    #[test]
+    fn named_inputs_are_built_in_order_with_each_rows_features_and_type_ids() {
+        use batchfleet_shared::message::ModelInput;
+        // Rows of lengths 3, 1, 2; row r's features are [r, 10 r].
+        let mut tokens = crate::batch::Tokens {
+            pad_id: 0,
+            ..Default::default()
+        };
+        for (r, len) in [3usize, 1, 2].iter().enumerate() {
+            tokens.types.extend(std::iter::repeat_n(r as i64 + 1, *len));
+            tokens.push(&vec![5; *len]);
+        }
+        let features = [0.0, 0.0, 1.0, 10.0, 2.0, 20.0];
+        let input = |name: &str, source, dtype| ModelInput {
+            name: name.into(),
+            source,
+            dtype,
+        };
+        let model = ModelRef {
+            inputs: vec![
+                input("ids", InputSource::InputIds, TensorType::Int32),
+                input("numeric", InputSource::Features, TensorType::Float64),
+                input("types", InputSource::TokenTypeIds, TensorType::Int64),
+                input("mask", InputSource::AttentionMask, TensorType::Int64),
+            ],
+            ..model()
+        };
+        let mut b = Recording::default();
+        let p = predict_tokens(
+            &mut b,
+            &model,
+            &tokens,
+            (&features, 2),
+            0..3,
+            2,
+            &FailurePolicy::default(),
+        )
+        .unwrap();
+        // Sorted by length: rows 1 and 2 (padded to 2), then row 0 (3).
+        use InputSource::*;
+        use TensorType::*;
+        assert_eq!(
+            b.calls[0],
+            [
+                (InputIds, Int32, vec![2, 2]),
+                (Features, Float64, vec![2, 2]),
+                (TokenTypeIds, Int64, vec![2, 2]),
+                (AttentionMask, Int64, vec![2, 2]),
+            ]
+        );
+        assert_eq!(b.calls[1][0].2, [1, 3]);
+        // Each row's features and type ids travel with it; pads get type 0.
+        assert_eq!(b.features, [vec![1.0, 10.0, 2.0, 20.0], vec![0.0, 0.0]]);
+        assert_eq!(b.types, [vec![2, 0, 3, 3], vec![1, 1, 1]]);
+        // Back in input order: each row's first feature is its index.
+        assert_eq!(p.values, [0.0, 1.0, 2.0]);
+    }
+
     #[test]
     fn token_rows_are_sorted_padded_per_mini_batch_and_put_back_in_order() {
         // Lengths 5, 1, 3, 2, 4, 1 (ids 1 each, row 3 holds a 666).
