@@ -173,15 +173,11 @@ async fn follow_with(
         | monitor::Followed::BudgetExceeded
         | monitor::Followed::JobFailed => {
             let spec = supervisor.spec().await.ok();
-            let histogram = spec
+            let output = spec
                 .as_ref()
-                .map(|s| s.task.output.histogram)
+                .map(|s| s.task.output.clone())
                 .unwrap_or_default();
-            let names = spec
-                .as_ref()
-                .map(|s| s.task.output.columns.clone())
-                .unwrap_or_default();
-            let (summary, mut report) = reducer::finish(store, job_id, &histogram, &names).await?;
+            let (summary, mut report) = reducer::finish(store, job_id, &output).await?;
             if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
                 let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
                 let cwd = spec

@@ -3,7 +3,7 @@
 
 use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
-use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat};
+use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
 use batchfleet_shared::output::{PARTIAL_DIR, SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
 use serde::{Deserialize, Serialize};
@@ -187,6 +187,30 @@ impl VectorSummary {
     }
 }
 
+/// The names of the model-output columns in the header of the first
+/// committed part file (see [`OutputSpec::is_score_column`]); else
+/// `[output] columns`.
+fn output_names(
+    out: &std::path::Path,
+    format: OutputFormat,
+    stats: &[ItemStats],
+    output: &OutputSpec,
+) -> Vec<String> {
+    let header = stats.first().and_then(|s| {
+        let rel = std::path::PathBuf::from(part_file_name(s.seq, format));
+        batchfleet_shared::fsutil::open_under(out, &rel)
+            .and_then(|input| batchfleet_shared::table::column_names(input, format))
+            .ok()
+    });
+    match header {
+        Some(names) => names
+            .into_iter()
+            .filter(|n| output.is_score_column(n))
+            .collect(),
+        None => output.columns.clone(),
+    }
+}
+
 /// Latency percentiles in milliseconds (nearest-rank).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct Latency {
@@ -229,12 +253,16 @@ pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError
 /// Writes the merged output (for a job recorded with `merge`, when every
 /// item completed), the summary, and `_SUCCESS` when no item failed, and
 /// marks the job `completed` or `completed_with_failures`.
+/// `output` is the job's `[output]` (its histogram bins and column names);
+/// the output columns' names are read from a committed part file's header
+/// when there is one, so the histograms carry the names the parts do (the
+/// selected outputs' `<key>_<i>`, `[output] columns`, or the defaults).
 pub async fn finish(
     store: &Store,
     job_id: &str,
-    histogram: &HistogramSpec,
-    output_names: &[String],
+    output: &OutputSpec,
 ) -> Result<(PathBuf, Summary), RunError> {
+    let histogram = &output.histogram;
     let job = store.job(job_id).await?.ok_or_else(|| {
         RunError::Output(format!("job {job_id} vanished from Redis while finishing"))
     })?;
@@ -331,7 +359,7 @@ pub async fn finish(
         predictions: Distribution::new(
             histogram,
             store.histogram(job_id, histogram.bins as usize + 2).await?,
-            output_names,
+            &output_names(out, format, &stats, output),
         ),
         vectors: VectorSummary::of(&stats),
         on_complete: None,

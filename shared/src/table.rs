@@ -463,6 +463,44 @@ pub fn read_input(
     }
 }
 
+/// The column names of a part file already opened, in `format`, from its
+/// header alone (CSV: the first line; JSON Lines: the first record's keys;
+/// Parquet: the footer's schema). A vector column is one name (CSV: its
+/// `<name>_<i>` columns).
+pub fn column_names(input: Input, format: OutputFormat) -> io::Result<Vec<String>> {
+    match format {
+        OutputFormat::Csv | OutputFormat::Jsonl => {
+            let mut first = String::new();
+            io::BufReader::new(input.reader()?).read_line(&mut first)?;
+            if format == OutputFormat::Csv {
+                let mut rdr = csv::ReaderBuilder::new()
+                    .has_headers(false)
+                    .from_reader(first.as_bytes());
+                let mut rec = csv::StringRecord::new();
+                rdr.read_record(&mut rec).map_err(io::Error::other)?;
+                Ok(rec.iter().map(str::to_owned).collect())
+            } else if first.trim().is_empty() {
+                Ok(Vec::new())
+            } else {
+                let obj: serde_json::Map<String, serde_json::Value> =
+                    serde_json::from_str(&first).map_err(io::Error::other)?;
+                Ok(obj.keys().cloned().collect())
+            }
+        }
+        OutputFormat::Parquet => {
+            let reader =
+                parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(input)
+                    .map_err(io::Error::other)?;
+            Ok(reader
+                .schema()
+                .fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect())
+        }
+    }
+}
+
 /// Counts the rows of a part file (Parquet: from its footer).
 pub fn count_rows(path: &Path) -> io::Result<u64> {
     count_input_rows(Input::open(path)?, format_of(path)?)
@@ -650,6 +688,11 @@ mod tests {
                     [] => Vec::new(),
                 }
             };
+            let header = column_names(Input::open(&path).unwrap(), format).unwrap();
+            assert_eq!(
+                header, names,
+                "{format:?}: the header alone names the columns"
+            );
             if format == OutputFormat::Csv {
                 assert_eq!(names, ["id", "embedding_0", "embedding_1", "embedding_2"]);
             } else {

@@ -383,6 +383,17 @@ async fn a_dict_model_writes_the_selected_outputs(backend: Backend) {
         "{header}"
     );
     assert_eq!(header.split(',').count(), 1 + 3 + 32);
+    // The summary's histograms carry the parts' names.
+    let names: Vec<&str> = summary
+        .predictions
+        .as_ref()
+        .expect("histograms")
+        .columns
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(names.len(), 35, "{names:?}");
+    assert_eq!(names[..4], ["logits_0", "logits_1", "logits_2", "pooled_0"]);
     jobs.push(job);
 
     let roots = [env.path().to_owned()];
