@@ -39,42 +39,34 @@ pub(super) fn inputs(m: &Manifest, provided: Provided, problems: &mut Problems) 
         );
         return Vec::new();
     }
-    let sources = InputSource::ALL
-        .iter()
-        .map(|(n, _)| *n)
-        .collect::<Vec<_>>()
-        .join(", ");
-    let types = TensorType::ALL
-        .iter()
-        .map(|(n, _)| *n)
-        .collect::<Vec<_>>()
-        .join(", ");
     let mut out: Vec<ModelInput> = Vec::with_capacity(settings.len());
     for (k, setting) in settings.iter().enumerate() {
         let (name, source, dtype) = match setting {
             InputSetting::Source(s) => (None, s.as_str(), None),
             InputSetting::Table(t) => (t.name.as_deref(), t.source.as_str(), t.dtype.as_deref()),
         };
-        let Some(source) = InputSource::ALL
-            .iter()
-            .find(|(n, _)| *n == source)
-            .map(|(_, s)| *s)
-        else {
+        let Some(source) = InputSource::from_name(source) else {
             problems.add(
                 key,
-                format!("input {k}: source \"{source}\" is not one of {sources}"),
+                format!(
+                    "input {k}: source \"{source}\" is not one of {}",
+                    InputSource::listed()
+                ),
             );
             continue;
         };
         let dtype = match dtype {
             None if source.is_token() => TensorType::Int64,
             None => TensorType::Float32,
-            Some(d) => match TensorType::ALL.iter().find(|(n, _)| *n == d) {
-                Some((_, t)) => *t,
+            Some(d) => match TensorType::from_name(d) {
+                Some(t) => t,
                 None => {
                     problems.add(
                         key,
-                        format!("input {k}: dtype \"{d}\" is not one of {types}"),
+                        format!(
+                            "input {k}: dtype \"{d}\" is not one of {}",
+                            TensorType::listed()
+                        ),
                     );
                     continue;
                 }
@@ -142,18 +134,17 @@ pub(super) fn inputs(m: &Manifest, provided: Provided, problems: &mut Problems) 
 /// `[model] dtype`: `bfloat16` or `float16`.
 pub(super) fn dtype(m: &Manifest, problems: &mut Problems) -> Option<Precision> {
     let d = m.model.dtype.as_deref()?;
-    match d {
-        "bfloat16" => Some(Precision::Bfloat16),
-        "float16" => Some(Precision::Float16),
-        "float32" => None,
-        other => {
-            problems.add(
-                "[model] dtype",
-                format!("\"{other}\" is not bfloat16, float16 or float32 (the default: as saved)"),
-            );
-            None
-        }
+    if d == "float32" {
+        return None;
     }
+    let precision = Precision::from_name(d);
+    if precision.is_none() {
+        problems.add(
+            "[model] dtype",
+            format!("\"{d}\" is not bfloat16, float16 or float32 (the default: as saved)"),
+        );
+    }
+    precision
 }
 
 /// `[output] select`, `pooling` and `normalize` (what the model's call
@@ -212,18 +203,16 @@ pub(super) fn outputs(m: &Manifest, text: bool, problems: &mut Problems) -> Outp
             picked
         }
     };
-    let pooling = match out.pooling.as_deref() {
-        None => None,
-        Some("mean") => Some(Pooling::Mean),
-        Some("cls") => Some(Pooling::Cls),
-        Some(other) => {
+    let pooling = out.pooling.as_deref().and_then(|name| {
+        let pooling = Pooling::from_name(name);
+        if pooling.is_none() {
             problems.add(
                 "[output] pooling",
-                format!("\"{other}\" is not \"mean\" or \"cls\""),
+                format!("\"{name}\" is not \"mean\" or \"cls\""),
             );
-            None
         }
-    };
+        pooling
+    });
     if pooling == Some(Pooling::Mean) && !text {
         problems.add(
             "[output] pooling",

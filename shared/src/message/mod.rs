@@ -437,6 +437,34 @@ impl FailurePolicy {
     }
 }
 
+/// The manifest's words for the values of a small enum of the model call:
+/// `as_str`, `from_name` and `listed` (every name, for messages).
+macro_rules! manifest_names {
+    ($ty:ident { $($name:literal => $variant:ident),* $(,)? }) => {
+        impl $ty {
+            /// The manifest's name of the value.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)*
+                }
+            }
+
+            /// The value a manifest name stands for.
+            pub fn from_name(name: &str) -> Option<Self> {
+                match name {
+                    $($name => Some($ty::$variant),)*
+                    _ => None,
+                }
+            }
+
+            /// Every name, in order, comma-separated.
+            pub fn listed() -> String {
+                [$($name),*].join(", ")
+            }
+        }
+    };
+}
+
 /// A TorchScript model, identified by path and content digest, and how it
 /// is called: which tensors its `forward` takes, in which precision it runs,
 /// and which of its outputs are written. The call fields are serialized only
@@ -538,24 +566,15 @@ pub enum InputSource {
     Pixels,
 }
 
+manifest_names!(InputSource {
+    "input_ids" => InputIds,
+    "attention_mask" => AttentionMask,
+    "token_type_ids" => TokenTypeIds,
+    "features" => Features,
+    "pixels" => Pixels,
+});
+
 impl InputSource {
-    /// All sources, with their manifest names.
-    pub const ALL: [(&'static str, InputSource); 5] = [
-        ("input_ids", InputSource::InputIds),
-        ("attention_mask", InputSource::AttentionMask),
-        ("token_type_ids", InputSource::TokenTypeIds),
-        ("features", InputSource::Features),
-        ("pixels", InputSource::Pixels),
-    ];
-
-    /// The manifest's name of the source.
-    pub fn as_str(self) -> &'static str {
-        Self::ALL
-            .iter()
-            .find(|(_, s)| *s == self)
-            .map_or("?", |(n, _)| n)
-    }
-
     /// Whether the tokenizer makes it.
     pub fn is_token(self) -> bool {
         matches!(
@@ -579,23 +598,14 @@ pub enum TensorType {
     Float64,
 }
 
+manifest_names!(TensorType {
+    "int64" => Int64,
+    "int32" => Int32,
+    "float32" => Float32,
+    "float64" => Float64,
+});
+
 impl TensorType {
-    /// All types, with their manifest names.
-    pub const ALL: [(&'static str, TensorType); 4] = [
-        ("int64", TensorType::Int64),
-        ("int32", TensorType::Int32),
-        ("float32", TensorType::Float32),
-        ("float64", TensorType::Float64),
-    ];
-
-    /// The manifest's name of the type.
-    pub fn as_str(self) -> &'static str {
-        Self::ALL
-            .iter()
-            .find(|(_, s)| *s == self)
-            .map_or("?", |(n, _)| n)
-    }
-
     /// Whether it is a floating-point type.
     pub fn is_float(self) -> bool {
         matches!(self, TensorType::Float32 | TensorType::Float64)
@@ -612,15 +622,10 @@ pub enum Precision {
     Float16,
 }
 
-impl Precision {
-    /// The manifest's name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Precision::Bfloat16 => "bfloat16",
-            Precision::Float16 => "float16",
-        }
-    }
-}
+manifest_names!(Precision {
+    "bfloat16" => Bfloat16,
+    "float16" => Float16,
+});
 
 /// One output of a model returning several (`[output] select`): a dict key,
 /// or a position in a tuple or list.
@@ -663,15 +668,10 @@ pub enum Pooling {
     Mean,
 }
 
-impl Pooling {
-    /// The manifest's name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Pooling::Cls => "cls",
-            Pooling::Mean => "mean",
-        }
-    }
-}
+manifest_names!(Pooling {
+    "cls" => Cls,
+    "mean" => Mean,
+});
 
 /// Which CSV fields hold the id and the features.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
