@@ -87,45 +87,6 @@ pub struct Reduced {
     pub error: Option<String>,
 }
 
-/// Every row's output vector in the part files of `out`, by id.
-fn outputs(out: &Path) -> Result<std::collections::HashMap<String, Vec<f64>>> {
-    let mut rows = std::collections::HashMap::new();
-    for name in batchfleet_shared::source::fs::list_dir(out)? {
-        if !name.starts_with("part-") {
-            continue;
-        }
-        batchfleet_shared::table::read_part(&out.join(&name), |_, row| {
-            let v: Vec<f64> = row[1..]
-                .iter()
-                .map(|x| x.as_f64().unwrap_or(f64::NAN))
-                .collect();
-            rows.insert(row[0].text(), v);
-        })?;
-    }
-    Ok(rows)
-}
-
-/// Largest absolute difference and least cosine similarity of `b` against `a`.
-fn compare(a: &Path, b: &Path) -> Result<(f64, f64)> {
-    let (a, b) = (outputs(a)?, outputs(b)?);
-    if a.len() != b.len() {
-        bail!("{} rows against {}", b.len(), a.len());
-    }
-    let (mut diff, mut cosine) = (0f64, 1f64);
-    for (id, x) in &a {
-        let y = b.get(id).with_context(|| format!("row {id} missing"))?;
-        let dot: f64 = x.iter().zip(y).map(|(p, q)| p * q).sum();
-        let n = |v: &[f64]| v.iter().map(|p| p * p).sum::<f64>().sqrt();
-        cosine = cosine.min(dot / (n(x) * n(y)).max(1e-12));
-        diff = x
-            .iter()
-            .zip(y)
-            .map(|(p, q)| (p - q).abs())
-            .fold(diff, f64::max);
-    }
-    Ok((diff, cosine))
-}
-
 /// Runs the text regime on `rows` rows under `root`.
 pub fn run(
     root: &Path,
@@ -206,9 +167,12 @@ pub fn run(
             ..Reduced::default()
         };
         let out = format!("out-{dtype}");
-        match run_job_with(bins.1, &path, prefix, &[], &out)
-            .and_then(|(w, _, _)| Ok((w, compare(&dir.join("out"), &dir.join(&out))?)))
-        {
+        match run_job_with(bins.1, &path, prefix, &[], &out).and_then(|(w, _, _)| {
+            Ok((
+                w,
+                batchfleet_loadtest::verify::agreement(&dir.join("out"), &dir.join(&out))?,
+            ))
+        }) {
             Ok((w, (diff, cosine))) => {
                 r.rows_per_s = rows as f64 / w.max(1e-9);
                 r.to_float32 = wall / w.max(1e-9);

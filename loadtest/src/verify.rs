@@ -196,6 +196,61 @@ pub fn verify(output_dir: &Path, golden: &Path, tolerance: f64) -> Result<Verifi
     Ok(v)
 }
 
+/// Every row's values after its id, by id: of one file in a part file's
+/// format (`id` first), or of every `part-*` file of a folder; a vector
+/// value counts as its elements.
+pub fn rows_by_id(path: &Path) -> Result<HashMap<String, Vec<f64>>> {
+    let files = if path.is_dir() {
+        let mut parts: Vec<_> = batchfleet_shared::source::fs::list_dir(path)?
+            .into_iter()
+            .filter(|n| n.starts_with("part-"))
+            .map(|n| path.join(n))
+            .collect();
+        parts.sort();
+        parts
+    } else {
+        vec![path.to_owned()]
+    };
+    let mut rows = HashMap::new();
+    for file in &files {
+        batchfleet_shared::table::read_part(file, |_, row| {
+            let mut values = Vec::with_capacity(row.len());
+            for v in &row[1..] {
+                match v {
+                    batchfleet_shared::table::Value::Vector(xs) => values.extend(xs),
+                    other => values.push(other.as_f64().unwrap_or(f64::NAN)),
+                }
+            }
+            rows.insert(row[0].text(), values);
+        })
+        .with_context(|| format!("reading {}", file.display()))?;
+    }
+    Ok(rows)
+}
+
+/// How far the rows of `b` are from those of `a` (see [`rows_by_id`]),
+/// which must hold the same ids: the largest absolute difference and the
+/// least cosine similarity over rows.
+pub fn agreement(a: &Path, b: &Path) -> Result<(f64, f64)> {
+    let (a, b) = (rows_by_id(a)?, rows_by_id(b)?);
+    if a.len() != b.len() {
+        bail!("{} rows against {}", b.len(), a.len());
+    }
+    let norm = |v: &[f64]| v.iter().map(|p| p * p).sum::<f64>().sqrt();
+    let (mut diff, mut cosine) = (0f64, 1f64);
+    for (id, x) in &a {
+        let y = b.get(id).with_context(|| format!("row {id} missing"))?;
+        let dot: f64 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+        cosine = cosine.min(dot / (norm(x) * norm(y)).max(1e-12));
+        diff = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(diff, f64::max);
+    }
+    Ok((diff, cosine))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -113,11 +113,9 @@ pub fn histogram_of(
                 .collect(),
         });
         if spec.vector.is_some() {
+            // One vector value (JSON Lines, Parquet), or one number per column (CSV).
             let row_stats = match cols.as_slice() {
-                [one] if matches!(row[*one], crate::table::Value::Vector(_)) => {
-                    let crate::table::Value::Vector(v) = &row[*one] else {
-                        unreachable!("matched above")
-                    };
+                [one] if let crate::table::Value::Vector(v) = &row[*one] => {
                     crate::store::VectorStats::of_row(v.iter().copied())
                 }
                 many => crate::store::VectorStats::of_row(
@@ -135,4 +133,57 @@ pub fn histogram_of(
         spec.histogram.add(&mut tally.counts, &values, values.len());
     })?;
     Ok(tally)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{OutputFormat, OutputSpec};
+    use crate::table::{Cell, Kind, PartWriter};
+
+    #[test]
+    fn a_vector_parts_tally_holds_its_norms_in_every_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = OutputSpec {
+            vector: Some("embedding".into()),
+            ..OutputSpec::default()
+        };
+        for format in [
+            OutputFormat::Csv,
+            OutputFormat::Jsonl,
+            OutputFormat::Parquet,
+        ] {
+            let rel = Path::new("p").with_extension(format.extension());
+            let mut file = std::fs::File::create(dir.path().join(&rel)).unwrap();
+            let mut w = PartWriter::new(
+                &mut file,
+                format,
+                vec!["id".into(), "embedding".into()],
+                vec![Kind::Text, Kind::Vector(2)],
+            )
+            .unwrap();
+            w.row(&[Cell::Text("a"), Cell::Vector(&[3.0, 4.0])])
+                .unwrap();
+            w.row(&[Cell::Text("b"), Cell::Vector(&[0.0, 1.0])])
+                .unwrap();
+            // A failed row (NaN) is not counted.
+            w.row(&[Cell::Text("c"), Cell::Vector(&[f32::NAN, 1.0])])
+                .unwrap();
+            w.finish().unwrap();
+            drop(file);
+            let tally = histogram_under(dir.path(), &rel, &spec).unwrap();
+            assert_eq!(tally.rows, 3, "{format:?}");
+            assert!(
+                tally.counts.is_empty(),
+                "{format:?}: no histogram per dimension"
+            );
+            let v = tally.vector.expect("vector stats");
+            assert_eq!((v.dim, v.rows), (2, 2), "{format:?}");
+            assert_eq!(
+                (v.norm_sum, v.norm_min, v.norm_max),
+                (6.0, 1.0, 5.0),
+                "{format:?}"
+            );
+        }
+    }
 }

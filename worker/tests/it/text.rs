@@ -522,21 +522,11 @@ async fn reduced_precision_runs_the_model_in_bfloat16() {
     let mut workers = env.workers(Backend::Local, &[&[]]).await;
     let (job, summary) = env.run_on(&workers, &path).await;
     assert_eq!(summary.status, "completed", "{summary:?}");
-    let expected = read_vectors(&env.path().join("expected.csv"));
-    let got = read_vectors(&env.path().join("out-csv/part-000000.csv"));
-    assert!(!got.is_empty());
-    let (mut max_diff, mut min_cos) = (0f64, 1f64);
-    for (id, y) in &got {
-        let x = &expected[id];
-        let dot: f64 = x.iter().zip(y).map(|(a, b)| a * b).sum();
-        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
-        min_cos = min_cos.min(dot / (norm(x) * norm(y)));
-        max_diff = x
-            .iter()
-            .zip(y)
-            .map(|(a, b)| (a - b).abs())
-            .fold(max_diff, f64::max);
-    }
+    let (max_diff, min_cos) = batchfleet_loadtest::verify::agreement(
+        &env.path().join("expected.csv"),
+        &env.path().join("out-csv"),
+    )
+    .expect("every row predicted, once");
     assert!(
         max_diff > 1e-4,
         "bfloat16 outputs equal float32's: {max_diff}"
@@ -544,17 +534,4 @@ async fn reduced_precision_runs_the_model_in_bfloat16() {
     assert!(min_cos > 0.99, "least cosine {min_cos}");
     workers.stop();
     env.cleanup(&[&job]).await;
-}
-
-/// `id,v0,v1,…` rows of a CSV file, by id.
-fn read_vectors(path: &Path) -> std::collections::HashMap<String, Vec<f64>> {
-    let text = std::fs::read_to_string(path).expect("csv");
-    text.lines()
-        .skip(1)
-        .map(|l| {
-            let mut f = l.split(',');
-            let id = f.next().expect("id").to_owned();
-            (id, f.map(|v| v.parse().expect("number")).collect())
-        })
-        .collect()
 }
