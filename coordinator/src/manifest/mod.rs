@@ -61,6 +61,7 @@ pub use schema::{
 pub use spec::{BlindCut, ErrorBudget, ItemSizing, JobSpec, OnComplete};
 
 use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec, TextSpec};
+use batchfleet_shared::model_file::ModelKind;
 use batchfleet_shared::paths::DataRoots;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -157,7 +158,7 @@ pub fn validate(
     let inputs = input::files(m, base, roots, &mut problems);
     let image = preprocess::check(m, &mut problems);
     let layout = input::layout(m, &inputs.files, &mut problems);
-    let model = model::check(&m.model, base, roots, &mut problems);
+    let (model, kind) = model::check(&m.model, base, roots, &mut problems);
     let tokenizer = model::tokenizer(
         &m.model,
         m.input.text_column.is_some(),
@@ -173,17 +174,15 @@ pub fn validate(
     };
     let model_inputs = call::inputs(m, provided, &mut problems);
     let dtype = call::dtype(m, &mut problems);
-    if dtype.is_some()
-        && batchfleet_shared::model_file::inspect_file(Path::new(&model.path))
-            .is_ok_and(|k| k == batchfleet_shared::model_file::ModelKind::AotiPackage)
-    {
+    if dtype.is_some() && kind == Some(ModelKind::AotiPackage) {
         problems.add(
             "[model] dtype",
             "does not apply to an AOTInductor package, which runs in the precision it was compiled in; compile the package from the model in that precision, or remove dtype".into(),
         );
     }
     let outputs = call::outputs(m, text, &mut problems);
-    if !model.sha256.is_empty() {
+    // A package carries no TorchScript code to read parameter names from.
+    if kind == Some(ModelKind::TorchScript) {
         call::check_parameters(Path::new(&model.path), &model_inputs, text, &mut problems);
     }
     let model = batchfleet_shared::message::ModelRef {

@@ -7,16 +7,19 @@ use super::schema::ModelSection;
 use super::{resolve, Problems};
 use batchfleet_shared::fsutil::sha256_file;
 use batchfleet_shared::message::{FileRef, ModelRef};
+use batchfleet_shared::model_file::ModelKind;
 use batchfleet_shared::paths::DataRoots;
 use std::path::Path;
 
-/// The model every item runs: its absolute path, digest and device.
+/// The model every item runs: its absolute path, digest and device, and
+/// what kind of file it is (`None` when it has problems).
 pub(super) fn check(
     model: &ModelSection,
     base: &Path,
     roots: &DataRoots,
     problems: &mut Problems,
-) -> ModelRef {
+) -> (ModelRef, Option<ModelKind>) {
+    let mut kind = None;
     let model_path = resolve(base, &model.path);
     let mut model_sha = String::new();
     let local_model = if batchfleet_shared::source::is_url(&model_path) {
@@ -32,7 +35,7 @@ pub(super) fn check(
     match local_model.map(|_| check_torchscript(&model_path)) {
         Err(e) => problems.add("[model] path", e.to_string()),
         Ok(Err(e)) => problems.add("[model] path", e),
-        Ok(Ok(())) => match sha256_file(&model_path) {
+        Ok(Ok(k)) => match sha256_file(&model_path) {
             Err(e) => problems.add(
                 "[model] path",
                 format!("cannot read {}: {e}", model_path.display()),
@@ -44,6 +47,7 @@ pub(super) fn check(
                     }
                 }
                 model_sha = actual;
+                kind = Some(k);
             }
         },
     }
@@ -56,10 +60,13 @@ pub(super) fn check(
             ),
         );
     }
-    ModelRef::plain(
-        model_path.to_string_lossy(),
-        model_sha,
-        model.device.clone(),
+    (
+        ModelRef::plain(
+            model_path.to_string_lossy(),
+            model_sha,
+            model.device.clone(),
+        ),
+        kind,
     )
 }
 

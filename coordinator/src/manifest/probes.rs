@@ -165,7 +165,9 @@ pub fn check_parquet_columns(
 /// `constants.pkl` inside — or an AOTInductor package, naming what it is
 /// otherwise (a `state_dict`, a pickled module, an uncompiled `torch.export`
 /// program) with the one-line fix.
-pub(super) fn check_torchscript(path: &Path) -> Result<(), String> {
+pub(super) fn check_torchscript(
+    path: &Path,
+) -> Result<batchfleet_shared::model_file::ModelKind, String> {
     use batchfleet_shared::model_file::{inspect_file, EXPORT_FIX};
     let kind = inspect_file(path).map_err(|e| {
         format!(
@@ -174,7 +176,7 @@ pub(super) fn check_torchscript(path: &Path) -> Result<(), String> {
         )
     })?;
     if kind.is_runnable() {
-        Ok(())
+        Ok(kind)
     } else {
         Err(format!(
             "{} is {}; {EXPORT_FIX}",
