@@ -9,6 +9,7 @@ Writes, next to each other (same predictions as the base model otherwise):
   hang.pt    spins for a very long time on any row whose first feature is -777
   slow.pt    like poison.pt, and spends about --slow-ms milliseconds per call
   oom.pt     raises a CUDA-style "out of memory" error on batches of more than 16 rows
+  stuck.pt   spins about --stuck-s seconds on every call, whatever the rows
 """
 import argparse
 import os
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--slow-ms", type=float, default=150.0)
     ap.add_argument("--hang-s", type=float, default=60.0)
+    ap.add_argument("--stuck-s", type=float, default=20.0)
     args = ap.parse_args()
     base = torch.jit.load(args.base)
     rate = iters_per_ms()
@@ -72,6 +74,7 @@ def main() -> None:
         "hang.pt": Faulty(base, False, 0, int(rate * args.hang_s * 1000), 0),
         "slow.pt": Faulty(base, True, 0, 0, int(rate * args.slow_ms)),
         "oom.pt": Faulty(base, False, 0, 0, 0, 16),
+        "stuck.pt": Faulty(base, False, 0, 0, int(rate * args.stuck_s * 1000)),
     }
     for name, module in variants.items():
         torch.jit.save(torch.jit.script(module), os.path.join(args.out_dir, name))

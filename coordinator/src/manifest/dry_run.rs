@@ -4,12 +4,47 @@
 //! selection the model's output does not have, a `[rows, L, D]` output
 //! without pooling, a `dtype` the CPU cannot run, or output names that do
 //! not match the model's width are exit 2 with the setting to fix. A model
-//! that does not load here or raises on the made-up rows only warns: the
-//! workers decide.
+//! that does not load here, raises on the made-up rows, or has not returned
+//! within [`PROBE_LIMIT`] (or the job's `item_timeout`, if shorter) only
+//! warns: the workers decide, under their own timeouts.
 
 use super::{ManifestError, Problem};
 use batchfleet_shared::message::TaskSpec;
 use std::path::Path;
+
+/// How long validation waits for the model's call on the sample rows at most.
+pub const PROBE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// [`batchfleet_worker::probe::probe`] on a thread of its own, waited for
+/// [`PROBE_LIMIT`] or the job's `item_timeout`, whichever is shorter: a
+/// model that never returns leaves that thread behind, not validation.
+#[cfg(feature = "local")]
+fn bounded_probe(
+    task: &TaskSpec,
+) -> Result<batchfleet_worker::probe::Probed, batchfleet_worker::probe::ProbeFailure> {
+    use batchfleet_worker::probe::{probe, ProbeFailure};
+    let limit = PROBE_LIMIT.min(std::time::Duration::from_millis(
+        task.failure.item_timeout_ms,
+    ));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let owned = task.clone();
+    let spawned = std::thread::Builder::new()
+        .name("model-probe".into())
+        .spawn(move || {
+            let _ = tx.send(probe(&owned));
+        });
+    if let Err(e) = spawned {
+        return Err(ProbeFailure::Inconclusive(format!(
+            "cannot start a thread to try it: {e}"
+        )));
+    }
+    rx.recv_timeout(limit).unwrap_or_else(|_| {
+        Err(ProbeFailure::Inconclusive(format!(
+            "it did not return within {} s on two sample rows",
+            limit.as_secs_f64()
+        )))
+    })
+}
 
 /// Tries `task`'s model call (see the module docs).
 pub(super) fn check(task: &TaskSpec, manifest_path: &Path) -> Result<(), ManifestError> {
@@ -22,8 +57,8 @@ pub(super) fn check(task: &TaskSpec, manifest_path: &Path) -> Result<(), Manifes
     };
     #[cfg(feature = "local")]
     {
-        use batchfleet_worker::probe::{probe, ProbeFailure};
-        match probe(task) {
+        use batchfleet_worker::probe::ProbeFailure;
+        match bounded_probe(task) {
             Ok(p) => {
                 let out = &task.output;
                 for (key, names) in [

@@ -723,3 +723,22 @@ async fn the_broker_dead_letters_an_item_that_keeps_coming_back_unsettled() {
     broker.close("bye").await;
     env.cleanup(&[]).await;
 }
+
+/// A model that does not return in time on any input does not hang
+/// validation: the call tried on two sample rows is given up at the job's
+/// `item_timeout` (2 s here; the model spins about 20 s per call), and the
+/// manifest stands — workers decide under their own timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_never_returns_does_not_hang_validation() {
+    let env = TestEnv::new("stuck-probe");
+    let manifest = job(&env, 1_000, &[], &[], "stuck.pt", "item_timeout = \"2s\"");
+    let roots = [env.path().to_owned()];
+    let started = std::time::Instant::now();
+    let spec = batchfleet_coordinator::manifest::load(&manifest, &roots).expect("valid");
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(15),
+        "validation waited {waited:?} for a model that spins about 20 s"
+    );
+    assert!(spec.task.model.path.ends_with("stuck.pt"));
+}
