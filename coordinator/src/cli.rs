@@ -6,8 +6,9 @@
 //! `_SUCCESS`), 4 job failed (error budget exceeded, remaining items skipped),
 //! 5 job failed at once because nobody can run it (the model is not
 //! TorchScript, changed or raises on load, or no worker could take its items
-//! within `--unable-timeout`), 130 interrupted while following a job (the
-//! workers carry on).
+//! within `--unable-timeout`), 6 job cancelled (`batchfleet cancel`; its
+//! committed items stay, and `run` continues it), 130 interrupted while
+//! following a job (the workers carry on).
 
 use crate::config::{Connections, RunConfig};
 use crate::error::RunError;
@@ -28,6 +29,8 @@ pub const EXIT_COMPLETED_WITH_FAILURES: u8 = 3;
 pub const EXIT_JOB_FAILED: u8 = 4;
 /// Exit code: nobody can run the job (its model, or no able worker): it failed at once.
 pub const EXIT_JOB_UNRUNNABLE: u8 = 5;
+/// Exit code: the job was cancelled (`batchfleet cancel`).
+pub const EXIT_CANCELLED: u8 = 6;
 /// Exit code: interrupted by a signal while following a job.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -51,6 +54,11 @@ pub struct GlobalArgs {
     /// How long to wait for RabbitMQ or Redis to answer (e.g. 10s, 1m).
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub connect_timeout: Duration,
+    /// How long a finished job's state stays in Redis (e.g. 7d, 12h); its
+    /// summary.json stays in the output folder for good. A running job's
+    /// state never expires.
+    #[arg(long, env = "BATCHFLEET_RETENTION", default_value = "7d", value_parser = humantime::parse_duration, global = true)]
+    pub retention: Duration,
 }
 
 impl GlobalArgs {
@@ -62,6 +70,7 @@ impl GlobalArgs {
             connect_timeout: self.connect_timeout,
             signing_key: self.services.signing_key()?,
             local: None,
+            retention: self.retention,
         })
     }
 }
@@ -80,11 +89,28 @@ pub enum Command {
     /// The same as `batchfleet run` on the job's manifest, which must still
     /// describe the same job.
     Resume(ResumeArgs),
+    /// Follow a job (submitted with `run --detach`, or by another process)
+    /// to its end, with the exit codes of `run`.
+    Wait(WaitArgs),
+    /// Cancel a running job: queued items are skipped, in-flight ones stop
+    /// at their next checkpoint, committed part files stay; `run` of the
+    /// same manifest afterwards continues it from them.
+    Cancel(CancelArgs),
+    /// Follow every unfinished job nobody follows (detached ones): supervise
+    /// its items and write its summary, `_SUCCESS` and hooks when it ends.
+    /// One per fleet, next to RabbitMQ and Redis.
+    Supervise(SuperviseArgs),
+    /// Validate and plan a manifest without publishing anything: its job
+    /// id, items, rows and bytes, and whether the job is new, running or done.
+    Plan(PlanArgs),
     /// Show a job's state: progress, rates, failures by class, items in
     /// flight (slowest first) and workers.
     Status(StatusArgs),
-    /// List recent jobs, newest first.
+    /// List recent jobs, newest first (the ones whose state is retained).
     Jobs(JobsArgs),
+    /// Remove finished jobs' state from Redis now, instead of when their
+    /// retention (--retention) is up; their summaries stay in the output folders.
+    Gc(GcArgs),
     /// Compare the prediction distributions of two jobs (e.g. a new model
     /// version against the current one on the same data): histograms side
     /// by side, population stability index and KS distance per output.
@@ -175,7 +201,7 @@ pub struct RunArgs {
     /// or Redis. Same outputs, summary and exit codes; dead items go to
     /// `<output>/_dead/`. Killed and run again, it resumes from the
     /// committed part files.
-    #[arg(long, env = "BATCHFLEET_LOCAL")]
+    #[arg(long, env = "BATCHFLEET_LOCAL", value_parser = clap::builder::BoolishValueParser::new())]
     pub local: bool,
     /// With --local: worker pipelines, each with its own model (default: one per core).
     #[arg(long, env = "BATCHFLEET_LOCAL_WORKERS", requires = "local")]
@@ -186,7 +212,116 @@ pub struct RunArgs {
     #[arg(long, env = "BATCHFLEET_LOCAL_THREADS", requires = "local")]
     pub threads: Option<usize>,
     #[command(flatten)]
+    pub overrides: OverrideArgs,
+    /// Return as soon as the items are published, printing the job id;
+    /// `batchfleet wait <job>` follows it later (or `batchfleet supervise`
+    /// finishes it).
+    #[arg(long, conflicts_with = "local")]
+    pub detach: bool,
+    /// Print one JSON object (job id, status, exit code, summary) on
+    /// stdout instead of the human report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
     pub follow: FollowArgs,
+}
+
+/// `batchfleet wait`.
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
+    pub job: String,
+    /// Print one JSON object on stdout instead of the human report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `batchfleet cancel`.
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// Job id.
+    pub job: String,
+    /// Why, recorded as the job's `failed_reason` and in its summary.
+    #[arg(long, default_value = "cancelled with batchfleet cancel")]
+    pub reason: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Folder the job's paths must stay under, to load its manifest for its
+    /// hooks when this command writes its summary (as for `run`).
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
+}
+
+/// `batchfleet supervise`.
+#[derive(Debug, Args)]
+pub struct SuperviseArgs {
+    /// Only jobs of this pool (repeat for several; default: every pool).
+    #[arg(
+        long = "pool",
+        env = "BATCHFLEET_SUPERVISE_POOLS",
+        value_delimiter = ','
+    )]
+    pub pools: Vec<String>,
+    /// How often to look for jobs nobody follows.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub every: Duration,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `--set key=value`, on `run` and `plan`.
+#[derive(Debug, Args)]
+pub struct OverrideArgs {
+    /// Override a manifest value: `section.key=value`, the value in TOML
+    /// (`--set batching.item_rows=5000`, `--set 'input.paths=["s3://b/2026-12/*.parquet"]'`)
+    /// or, when it is not TOML, a string (`--set output.dir=out/2026-12`).
+    /// Repeat for several. Overrides are part of the job: its id covers them.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// `batchfleet plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The job manifest (TOML); see docs/manifest.md.
+    pub manifest: PathBuf,
+    #[command(flatten)]
+    pub overrides: OverrideArgs,
+    /// Say whether the job is new or done from its output folder alone,
+    /// with no Redis (a job for `run --local`).
+    #[arg(long)]
+    pub local: bool,
+    /// Folder every path of the job must stay under (as for `run`).
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet gc`.
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Remove jobs that finished at least this long ago (e.g. 7d, 12h, 0s).
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    pub older_than: Duration,
+    /// Only list what would be removed.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `batchfleet resume`.
@@ -202,7 +337,7 @@ pub struct ResumeArgs {
 #[derive(Debug, Args)]
 pub struct FollowArgs {
     /// Do not draw a progress bar (it is drawn only on a terminal anyway).
-    #[arg(long, env = "BATCHFLEET_NO_PROGRESS")]
+    #[arg(long, env = "BATCHFLEET_NO_PROGRESS", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_progress: bool,
     /// How often progress is read from Redis, at most: sooner as the end
     /// nears (within half the time the remaining items should take, and
@@ -248,6 +383,7 @@ impl FollowArgs {
             publish_window: 512,
             supervise: Default::default(),
             data_roots: Vec::new(),
+            overrides: Vec::new(),
         }
     }
 
@@ -264,6 +400,7 @@ impl FollowArgs {
                 ..Default::default()
             },
             data_roots: self.data_roots.clone(),
+            overrides: Vec::new(),
         }
     }
 }
@@ -319,7 +456,10 @@ pub async fn main(cli: Cli) -> ExitCode {
         }
     };
     // Commands that follow a job serve metrics while they do.
-    if matches!(cli.command, Command::Run(_) | Command::Resume(_)) {
+    if matches!(
+        cli.command,
+        Command::Run(_) | Command::Resume(_) | Command::Wait(_) | Command::Supervise(_)
+    ) {
         if let Err(e) = batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
         {
             eprintln!("error: {e}");
@@ -328,20 +468,84 @@ pub async fn main(cli: Cli) -> ExitCode {
     }
     match cli.command {
         Command::Run(args) => {
-            let cfg = args.follow.run_config(connections);
+            let mut cfg = args.follow.run_config(connections);
+            cfg.overrides = args.overrides.set.clone();
             let shutdown = batchfleet_shared::shutdown::on_signals();
-            let run = if args.local {
+            let run = if args.detach {
+                crate::submit_job(&cfg, &args.manifest).await
+            } else if args.local {
                 let opts = crate::local::LocalOptions::resolve(args.workers, args.threads);
                 crate::local::run_job(&cfg, &args.manifest, opts, shutdown).await
             } else {
                 crate::run_job(&cfg, &args.manifest, shutdown).await
             };
             match run {
+                Ok(outcome) if args.json => print_json(&outcome),
+                Err(e) if args.json => print_json_error(&e),
                 Ok(RunOutcome::Interrupted { job_id }) if args.local => {
                     eprintln!("interrupted; the local run of job {job_id} stopped. Its committed items are kept: run the same command again to resume it.");
                     ExitCode::from(EXIT_INTERRUPTED)
                 }
                 Ok(outcome) => report_outcome_of(&outcome, args.local),
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Wait(args) => {
+            let cfg = args.follow.run_config(connections);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            let waited = async {
+                let store = cfg.connections.store().await?;
+                if store.job(&args.job).await?.is_none() {
+                    return Err(RunError::Output(format!(
+                        "no job \"{}\" in {}; job ids look like <name>-<hash>, as `batchfleet run` prints them. A job that finished more than --retention ago has left Redis: its summary.json is in its output folder",
+                        args.job,
+                        store.describe()
+                    )));
+                }
+                crate::follow_job(&cfg, &store, &args.job, shutdown).await
+            };
+            match waited.await {
+                Ok(outcome) if args.json => print_json(&outcome),
+                Err(e) if args.json => print_json_error(&e),
+                Ok(outcome) => report_outcome(&outcome),
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Cancel(args) => {
+            let mut cfg = FollowArgs::default_config(connections.clone());
+            cfg.data_roots = args.data_roots.clone();
+            let cancelled = async {
+                let store = connections.store().await?;
+                crate::cancel_job(&cfg, &store, &args.job, &args.reason).await
+            };
+            match cancelled.await {
+                Ok(c) if args.json => {
+                    println!("{}", serde_json::to_string(&c).expect("json"));
+                    ExitCode::SUCCESS
+                }
+                Ok(c) if c.cancelled => {
+                    println!("job {} cancelled: its queued items are skipped and in-flight ones stop at their next checkpoint; its committed part files stay. Run the same manifest again to continue it from them.", c.job_id);
+                    if let Some(s) = &c.summary {
+                        println!("summary: {}", s.display());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Ok(c) => {
+                    println!(
+                        "job {} is {}, not running: nothing to cancel",
+                        c.job_id, c.status
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) if args.json => print_json_error(&e),
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Supervise(args) => {
+            let cfg = args.follow.run_config(connections);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            match crate::control::supervise(&cfg, &args.pools, args.every, shutdown).await {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => report_error(&e),
             }
         }
@@ -359,7 +563,14 @@ pub async fn main(cli: Cli) -> ExitCode {
                 Ok(s) => s,
                 Err(e) => return report_error(&RunError::Store(e)),
             };
-            match status::report(&store, &args.job).await {
+            let report = match status::report(&store, &args.job).await {
+                Ok(Some(mut r)) => {
+                    r.consumers = pool_consumers(&connections, &r.job.pool).await;
+                    Ok(Some(r))
+                }
+                other => other,
+            };
+            match report {
                 Ok(Some(r)) if args.json => {
                     println!(
                         "{}",
@@ -399,7 +610,65 @@ pub async fn main(cli: Cli) -> ExitCode {
             }
         }
         Command::Compare(args) => compare_main(&args, &connections).await,
+        Command::Plan(args) => plan_main(args, connections).await,
+        Command::Gc(args) => {
+            let store = match connections.store().await {
+                Ok(s) => s,
+                Err(e) => return report_error(&RunError::Store(e)),
+            };
+            match crate::control::gc(&store, args.older_than, args.dry_run).await {
+                Ok(collected) if args.json => {
+                    let out = serde_json::json!({ "dry_run": args.dry_run, "jobs": collected });
+                    println!("{}", serde_json::to_string_pretty(&out).expect("json"));
+                    ExitCode::SUCCESS
+                }
+                Ok(collected) => {
+                    println!("{}", crate::control::render_gc(&collected, args.dry_run));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report_error(&RunError::Store(e)),
+            }
+        }
     }
+}
+
+async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
+    let store = if args.local {
+        None
+    } else {
+        match connections.store().await {
+            Ok(s) => Some(s),
+            Err(e) => return report_error(&RunError::Store(e)),
+        }
+    };
+    let mut cfg = FollowArgs::default_config(connections);
+    cfg.data_roots = args.data_roots;
+    cfg.overrides = args.overrides.set;
+    match crate::control::plan(&cfg, &args.manifest, store.as_ref()).await {
+        Ok(r) if args.json => {
+            println!("{}", serde_json::to_string(&r).expect("plan serializes"));
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            println!("{}", crate::control::render_plan(&r));
+            ExitCode::SUCCESS
+        }
+        Err(RunError::Manifest(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_INVALID)
+        }
+        Err(e) => report_error(&e),
+    }
+}
+
+/// How many workers consume a pool's work queue now (`None` when the
+/// broker cannot say: unreachable, or the queue not declared yet).
+async fn pool_consumers(connections: &Connections, pool: &str) -> Option<u32> {
+    let broker = connections.broker("batchfleet status").await.ok()?;
+    let queue = batchfleet_shared::broker::PoolQueues::new(pool).work();
+    let n = broker.consumer_count(&queue).await.ok().flatten();
+    broker.close("bye").await;
+    n
 }
 
 /// Reads a summary from a path, or from the output folder of a job in Redis.
@@ -416,7 +685,7 @@ async fn load_summary(
             .await
             .map_err(|e| e.to_string())?
             .ok_or_else(|| {
-                format!("\"{which}\" is neither a summary.json file nor a job in Redis")
+                format!("\"{which}\" is neither a summary.json file nor a job in Redis; a finished job's state expires after its retention (--retention), its summary stays: pass the path of its summary.json in the output folder")
             })?;
         PathBuf::from(job.output_dir).join(crate::dispatcher::SUMMARY_FILE)
     };
@@ -476,11 +745,57 @@ pub fn exit_code(outcome: &RunOutcome) -> u8 {
                 EXIT_JOB_FAILED
             }
             "failed" => EXIT_JOB_UNRUNNABLE,
+            "cancelled" => EXIT_CANCELLED,
             _ => EXIT_COMPLETED_WITH_FAILURES,
         },
-        RunOutcome::AlreadyCompleted { .. } => 0,
+        RunOutcome::AlreadyCompleted { .. } | RunOutcome::Detached { .. } => 0,
         RunOutcome::Interrupted { .. } => EXIT_INTERRUPTED,
     }
+}
+
+/// A run's outcome as the one JSON object `--json` prints: `job_id`,
+/// `status`, `exit_code`, and, once the job ended, `summary` (its path)
+/// and `report` (the summary itself).
+pub fn outcome_json(outcome: &RunOutcome) -> serde_json::Value {
+    let code = exit_code(outcome);
+    match outcome {
+        RunOutcome::Completed {
+            job_id,
+            summary,
+            report,
+        } => serde_json::json!({
+            "job_id": job_id, "status": report.status, "exit_code": code,
+            "summary": summary, "report": report,
+        }),
+        RunOutcome::AlreadyCompleted { job_id, summary } => serde_json::json!({
+            "job_id": job_id, "status": "completed", "already_complete": true,
+            "exit_code": code, "summary": summary,
+        }),
+        RunOutcome::Interrupted { job_id } => serde_json::json!({
+            "job_id": job_id, "status": "interrupted", "exit_code": code,
+        }),
+        RunOutcome::Detached { job_id, items } => serde_json::json!({
+            "job_id": job_id, "status": "running", "detached": true, "items": items,
+            "exit_code": code,
+        }),
+    }
+}
+
+fn print_json(outcome: &RunOutcome) -> ExitCode {
+    println!("{}", outcome_json(outcome));
+    ExitCode::from(exit_code(outcome))
+}
+
+fn print_json_error(e: &RunError) -> ExitCode {
+    let code = match e {
+        RunError::Manifest(_) => EXIT_INVALID,
+        _ => EXIT_FAILURE,
+    };
+    println!(
+        "{}",
+        serde_json::json!({ "job_id": null, "status": "error", "exit_code": code, "error": e.to_string() })
+    );
+    ExitCode::from(code)
 }
 
 fn report_outcome(outcome: &RunOutcome) -> ExitCode {
@@ -541,6 +856,11 @@ fn report_outcome_of(outcome: &RunOutcome, local: bool) -> ExitCode {
                     "the error budget was exceeded: the job failed and {} item(s) were skipped. `batchfleet dlq list --pool {}` shows the dead items; fix the cause, then `batchfleet dlq replay --job {job_id}` or run the manifest again",
                     report.items_skipped, report.pool
                 ),
+                EXIT_CANCELLED => eprintln!(
+                    "the job was cancelled{}: {} item(s) were skipped; its {} committed item(s) stay in {}. Run the same manifest again to continue it from them",
+                    report.failed_reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default(),
+                    report.items_skipped, report.items_completed, report.output_dir
+                ),
                 EXIT_COMPLETED_WITH_FAILURES if local => eprintln!("fix the cause, then `batchfleet dlq replay --local {}` (or run the same command again) to retry them", report.output_dir),
                 EXIT_COMPLETED_WITH_FAILURES => eprintln!("fix the cause, then `batchfleet dlq replay --job {job_id}` (or run the same manifest again) to retry them"),
                 _ => {}
@@ -552,6 +872,10 @@ fn report_outcome_of(outcome: &RunOutcome, local: bool) -> ExitCode {
         }
         RunOutcome::Interrupted { job_id } => {
             eprintln!("interrupted; job {job_id} keeps running on the workers. Run the same manifest again to follow it, or `batchfleet status {job_id}`.");
+        }
+        RunOutcome::Detached { job_id, items } => {
+            println!("{job_id}");
+            eprintln!("job {job_id}: {items} items published; follow it with `batchfleet wait {job_id}` (same exit codes as run), or let `batchfleet supervise` finish it");
         }
     }
     ExitCode::from(code)
@@ -773,6 +1097,7 @@ mod tests {
         assert_eq!(exit_code(&completed("completed")), 0);
         assert_eq!(exit_code(&completed("completed_with_failures")), 3);
         assert_eq!(exit_code(&completed("failed")), 4);
+        assert_eq!(exit_code(&completed("cancelled")), EXIT_CANCELLED);
         for (class, code) in [("budget", 4), ("unrunnable", 5), ("unable", 5)] {
             let RunOutcome::Completed { mut report, .. } = completed("failed") else {
                 unreachable!()

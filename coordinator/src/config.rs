@@ -26,7 +26,13 @@ pub struct Connections {
     /// In-process queues and store (`batchfleet run --local`) instead of
     /// RabbitMQ and Redis.
     pub local: Option<LocalServices>,
+    /// How long a finished job's state stays in Redis (its summary stays in
+    /// the output folder for good).
+    pub retention: Duration,
 }
+
+/// The default of `--retention` (`BATCHFLEET_RETENTION`).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The queues and job store of a `--local` run, shared by the coordinator
 /// and its in-process workers.
@@ -87,4 +93,6 @@ pub struct RunConfig {
     pub supervise: supervisor::SuperviseConfig,
     /// Folders every path of a job must stay under; empty: the manifest's folder.
     pub data_roots: Vec<PathBuf>,
+    /// `--set key=value` overrides applied over the manifest file.
+    pub overrides: Vec<String>,
 }

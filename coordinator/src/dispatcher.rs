@@ -49,7 +49,7 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
                 problems: vec![crate::manifest::Problem {
                     field: "[output] dir".into(),
                     message: format!(
-                        "holds the output of job {} (see {}); point [output] dir at a new folder, or remove the old output",
+                        "holds the output of job {} (see {}), and this manifest describes job {job_id}: its settings, its model or its input files changed since (a file rewritten in place changes the job too, and `batchfleet plan` shows the new id); point [output] dir at a new folder (`--set output.dir=…`), or remove the old output",
                         existing.trim(),
                         owner.display()
                     ),
@@ -129,7 +129,11 @@ pub async fn dispatch(
                 )));
             }
             tracing::info!(job = %spec.job_id, done = job.items_done, published = job.items_published, "resuming job");
-            if job.status != JobStatus::Failed {
+            // Running again: its state must not expire under it.
+            store.persist_job(&spec.job_id).await?;
+            // A failed or cancelled job's queued items were skipped: every
+            // item not done is published again.
+            if !matches!(job.status, JobStatus::Failed | JobStatus::Cancelled) {
                 watermark = job.items_published;
             }
             again.extend(store.failures(&spec.job_id).await?.iter().map(|f| f.seq));
@@ -147,6 +151,9 @@ pub async fn dispatch(
                         ("merge", u8::from(spec.merge).to_string()),
                         ("failed_reason", String::new()),
                         ("failed_class", String::new()),
+                        // A new run of the job: it is reduced again.
+                        ("reducer", String::new()),
+                        ("finished_ms", "0".to_owned()),
                     ],
                 )
                 .await?;
@@ -155,6 +162,7 @@ pub async fn dispatch(
             store
                 .put_job(&job_record(spec, &plan, submitted_ms))
                 .await?;
+            store.put_inputs(&spec.job_id, &input_fields(spec)).await?;
             if ours_already {
                 seed_from_outputs(spec, &plan, store).await?;
             }
@@ -281,7 +289,20 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         merge: spec.merge,
         failed_reason: String::new(),
         failed_class: String::new(),
+        overrides: spec.overrides.clone(),
+        resolved_manifest: spec.resolved_manifest.clone(),
     }
+}
+
+/// The job's input files as the store records them: path → JSON fingerprint.
+pub fn input_fields(spec: &JobSpec) -> Vec<(String, String)> {
+    spec.input_files()
+        .into_iter()
+        .map(|f| {
+            let json = serde_json::to_string(&f.fingerprint).expect("fingerprints serialize");
+            (f.path, json)
+        })
+        .collect()
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {

@@ -205,6 +205,8 @@ pub async fn replay(
             ("finished_ms", "0".to_owned()),
             ("failed_reason", String::new()),
             ("failed_class", String::new()),
+            // Reduced again when the replayed items settle.
+            ("reducer", String::new()),
         ];
         let sha = chosen
             .iter()
@@ -214,6 +216,8 @@ pub async fn replay(
             fields.push(("model_sha256", sha));
         }
         store.set_job_fields(job, &fields).await?;
+        // Running again: its state no longer expires.
+        store.persist_job(job).await?;
     }
     for (msg, dead, item) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast

@@ -16,6 +16,8 @@
 //! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
 //! - [`hooks`]: `[on_complete]` command and webhook when the job ends.
 //! - [`compare`]: prediction distributions of two jobs side by side, with drift.
+//! - [`control`]: `plan` (a manifest's job without publishing) and `gc`
+//!   (finished jobs' state removed before its retention is up).
 //! - [`status`]: read a job's state for `batchfleet status`.
 //! - [`dlq`]: list, replay and purge dead-lettered items.
 //! - [`local`]: `run --local` — the coordinator and worker pipelines in one
@@ -27,6 +29,7 @@
 pub mod cli;
 pub mod compare;
 pub mod config;
+pub mod control;
 pub mod dispatcher;
 pub mod dlq;
 pub mod error;
@@ -70,6 +73,13 @@ pub enum RunOutcome {
         /// Job id.
         job_id: String,
     },
+    /// `run --detach`: the items are published; nobody here follows the job.
+    Detached {
+        /// Job id.
+        job_id: String,
+        /// Items the job has.
+        items: u64,
+    },
 }
 
 /// Runs the job of a manifest to completion: validate, connect, plan,
@@ -81,9 +91,35 @@ pub async fn run_job(
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
-    let spec = manifest::load(manifest_path, &cfg.data_roots)?;
+    let spec = manifest::load_with(manifest_path, &cfg.data_roots, &cfg.overrides)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
     run_spec(cfg, &spec, submitted_ms, shutdown).await
+}
+
+/// `run --detach`: validates, registers and publishes the job of a
+/// manifest like [`run_job`], and returns once its items are published
+/// and confirmed, without following it. A `batchfleet wait`, `run` of the
+/// same manifest, or `batchfleet supervise` follows and reduces it.
+pub async fn submit_job(cfg: &RunConfig, manifest_path: &Path) -> Result<RunOutcome, RunError> {
+    let submitted_ms = batchfleet_shared::now_ms();
+    let spec = manifest::load_with(manifest_path, &cfg.data_roots, &cfg.overrides)?;
+    let store = cfg.connections.store().await?;
+    let broker = cfg
+        .connections
+        .broker(&format!("batchfleet coordinator {}", spec.job_id))
+        .await?;
+    let outcome = dispatcher::dispatch(cfg, &spec, &store, &*broker, submitted_ms).await;
+    broker.close("bye").await;
+    Ok(match outcome? {
+        dispatcher::Dispatched::AlreadyCompleted { summary } => RunOutcome::AlreadyCompleted {
+            job_id: spec.job_id.clone(),
+            summary,
+        },
+        dispatcher::Dispatched::Running { plan } => RunOutcome::Detached {
+            job_id: spec.job_id.clone(),
+            items: plan.items.len() as u64,
+        },
+    })
 }
 
 /// [`run_job`] for a manifest validated already; `submitted_ms` is when the
@@ -136,7 +172,7 @@ pub async fn resume_job(
         ))
     })?;
     let manifest = PathBuf::from(&job.manifest);
-    let spec = manifest::load(&manifest, &cfg.data_roots)?;
+    let spec = manifest::load_with(&manifest, &cfg.data_roots, &job.overrides)?;
     if spec.job_id != job_id {
         return Err(RunError::Output(format!(
             "{} now describes job {} instead of {job_id} (the manifest, its input or its model changed); restore them to resume {job_id}",
@@ -144,7 +180,7 @@ pub async fn resume_job(
             spec.job_id
         )));
     }
-    run_job(cfg, &manifest, shutdown).await
+    run_spec(cfg, &spec, batchfleet_shared::now_ms(), shutdown).await
 }
 
 /// Follows a published job until it settles (or `shutdown`), then writes its summary.
@@ -154,9 +190,96 @@ pub async fn follow_job(
     job_id: &str,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    let mut supervisor = supervisor::Supervisor::new(job_id, cfg, None, None);
-    follow_with(cfg, store, job_id, shutdown, &mut supervisor).await
+    follow_job_as(cfg, store, job_id, shutdown, &follower_id()).await
 }
+
+/// [`follow_job`] as follower `me` (`batchfleet supervise`, which took the
+/// job's follower lease under that name before).
+pub async fn follow_job_as(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    shutdown: CancellationToken,
+    me: &str,
+) -> Result<RunOutcome, RunError> {
+    let mut supervisor = supervisor::Supervisor::new(job_id, cfg, None, None);
+    follow_with_as(cfg, store, job_id, shutdown, &mut supervisor, me).await
+}
+
+/// What `batchfleet cancel` did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cancelled {
+    /// Job id.
+    pub job_id: String,
+    /// Whether this call cancelled it (`false`: it was not running).
+    pub cancelled: bool,
+    /// Its status now.
+    pub status: String,
+    /// Its summary, when this call wrote it (nobody else followed the job).
+    pub summary: Option<PathBuf>,
+}
+
+/// Cancels a running job: its status becomes `cancelled`, so workers skip
+/// its queued items, stop in-flight ones at their next checkpoint and
+/// commit nothing more. When no other process follows the job, this one
+/// writes its summary (status `cancelled`, no `_SUCCESS`) at once;
+/// otherwise the follower does, and its `run` exits 6.
+pub async fn cancel_job(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    reason: &str,
+) -> Result<Cancelled, RunError> {
+    let job = store.job(job_id).await?.ok_or_else(|| {
+        RunError::Output(format!(
+            "no job \"{job_id}\" in {}; job ids look like <name>-<hash>, as `batchfleet run` and `batchfleet jobs` print them",
+            store.describe()
+        ))
+    })?;
+    let cancelled = store.fail_job(job_id, "cancelled", reason).await?;
+    let mut summary = None;
+    let me = follower_id();
+    if cancelled && store.follow_lease(job_id, &me, monitor::FOLLOW_TTL).await? {
+        // Nobody follows it: reduce it here, once.
+        if store.claim_reduce(job_id, &me, REDUCE_STALE).await? {
+            let mut supervisor = supervisor::Supervisor::new(job_id, cfg, None, None);
+            supervisor.remember(&job);
+            if let RunOutcome::Completed { summary: s, .. } =
+                reduce(cfg, store, job_id, &mut supervisor).await?
+            {
+                summary = Some(s);
+            }
+        }
+        let _ = store.release_follow(job_id, &me).await;
+    }
+    let status = store
+        .job(job_id)
+        .await?
+        .map_or_else(|| job.status.to_string(), |j| j.status.to_string());
+    Ok(Cancelled {
+        job_id: job_id.to_owned(),
+        cancelled,
+        status,
+        summary,
+    })
+}
+
+/// Who this process is to the store, as a follower of jobs.
+pub fn follower_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "coordinator".into());
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("{host}-{}-{nonce:08x}", std::process::id())
+}
+
+/// A reduce claim this old, on a job still unfinished, is taken over: its
+/// reducer died mid-way (a merge of a very large output may take minutes).
+const REDUCE_STALE: std::time::Duration = std::time::Duration::from_secs(600);
 
 async fn follow_with(
     cfg: &RunConfig,
@@ -165,43 +288,114 @@ async fn follow_with(
     shutdown: CancellationToken,
     supervisor: &mut supervisor::Supervisor,
 ) -> Result<RunOutcome, RunError> {
-    match monitor::follow(store, job_id, cfg, shutdown, supervisor).await? {
-        monitor::Followed::Interrupted => Ok(RunOutcome::Interrupted {
+    follow_with_as(cfg, store, job_id, shutdown, supervisor, &follower_id()).await
+}
+
+async fn follow_with_as(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    shutdown: CancellationToken,
+    supervisor: &mut supervisor::Supervisor,
+    me: &str,
+) -> Result<RunOutcome, RunError> {
+    let followed = monitor::follow(store, job_id, cfg, shutdown.clone(), supervisor, me).await;
+    let outcome = match followed {
+        Ok(monitor::Followed::Interrupted) => Ok(RunOutcome::Interrupted {
             job_id: job_id.to_owned(),
         }),
-        monitor::Followed::AllDone
-        | monitor::Followed::BudgetExceeded
-        | monitor::Followed::JobFailed => {
-            let spec = supervisor.spec().await.ok();
-            let output = spec
-                .as_ref()
-                .map(|s| s.task.output.clone())
-                .unwrap_or_default();
-            let (summary, mut report) = reducer::finish(store, job_id, &output).await?;
-            if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
-                let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
-                let cwd = spec
-                    .manifest_path
-                    .parent()
-                    .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-                report.on_complete = Some(
-                    hooks::run(
-                        &spec.on_complete,
-                        job_id,
-                        &report.status,
-                        &summary,
-                        &body,
-                        &cwd,
-                    )
-                    .await,
-                );
-                reducer::rewrite(&summary, &report)?;
-            }
-            Ok(RunOutcome::Completed {
+        Ok(_) => finish_followed(cfg, store, job_id, shutdown, supervisor, me).await,
+        Err(e) => Err(e),
+    };
+    let _ = store.release_follow(job_id, me).await;
+    outcome
+}
+
+/// The end of a followed job: exactly one of its followers (or a
+/// `supervise` process) claims the reduce step — summary, `_SUCCESS`,
+/// merge, `[on_complete]` — and the others wait for its summary.
+async fn finish_followed(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    shutdown: CancellationToken,
+    supervisor: &mut supervisor::Supervisor,
+    me: &str,
+) -> Result<RunOutcome, RunError> {
+    let mut told = false;
+    loop {
+        if store.claim_reduce(job_id, me, REDUCE_STALE).await? {
+            return reduce(cfg, store, job_id, supervisor).await;
+        }
+        let job = store.job(job_id).await?;
+        let output = match &job {
+            Some(j) if is_reduced(j) => Some(PathBuf::from(&j.output_dir)),
+            Some(_) => None,
+            // Its state expired under us: the summary is what stays.
+            None => supervisor.output_dir(),
+        };
+        if let Some(out) = output {
+            let path = out.join(dispatcher::SUMMARY_FILE);
+            let report = reducer::read_summary(&path)?;
+            return Ok(RunOutcome::Completed {
                 job_id: job_id.to_owned(),
-                summary,
+                summary: path,
                 report: Box::new(report),
-            })
+            });
+        }
+        if !std::mem::replace(&mut told, true) {
+            tracing::info!(job = %job_id, "another process is writing the job's summary; waiting for it");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(RunOutcome::Interrupted { job_id: job_id.to_owned() }),
+            _ = tokio::time::sleep(cfg.poll_interval) => {}
         }
     }
+}
+
+/// Whether a job's reduce step is done: a final status, written with its
+/// finish time (the reducer's last step).
+pub fn is_reduced(job: &batchfleet_shared::store::JobRecord) -> bool {
+    use batchfleet_shared::store::JobStatus;
+    !matches!(job.status, JobStatus::Planning | JobStatus::Running) && job.finished_ms > 0
+}
+
+/// The reduce step, by the one process that claimed it.
+async fn reduce(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    supervisor: &mut supervisor::Supervisor,
+) -> Result<RunOutcome, RunError> {
+    let spec = supervisor.spec().await.ok();
+    let output = spec
+        .as_ref()
+        .map(|s| s.task.output.clone())
+        .unwrap_or_default();
+    let (summary, mut report) =
+        reducer::finish(store, job_id, &output, cfg.connections.retention).await?;
+    if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
+        let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
+        let cwd = spec
+            .manifest_path
+            .parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+        report.on_complete = Some(
+            hooks::run(
+                &spec.on_complete,
+                job_id,
+                &report.status,
+                &summary,
+                &body,
+                &cwd,
+            )
+            .await,
+        );
+        reducer::rewrite(&summary, &report)?;
+    }
+    Ok(RunOutcome::Completed {
+        job_id: job_id.to_owned(),
+        summary,
+        report: Box::new(report),
+    })
 }

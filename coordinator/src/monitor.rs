@@ -26,6 +26,8 @@ pub enum Followed {
     /// its model unusable, or no able worker took its items in time); its
     /// remaining items are skipped.
     JobFailed,
+    /// `batchfleet cancel` stopped the job; its remaining items are skipped.
+    Cancelled,
     /// A shutdown signal arrived first.
     Interrupted,
 }
@@ -34,6 +36,60 @@ pub enum Followed {
 const LOG_EVERY: Duration = Duration::from_secs(10);
 /// Warn once when nothing was committed for this long (no workers running?).
 const IDLE_WARNING: Duration = Duration::from_secs(30);
+
+/// With nothing settled for this long, [`follow`] asks the broker whether
+/// any worker consumes the job's pool.
+const NO_CONSUMER_CHECK: Duration = Duration::from_secs(5);
+/// A pool with no consumer for this long gets a warning.
+const NO_CONSUMER_WARNING: Duration = Duration::from_secs(10);
+
+/// Whether anyone consumes the job's pool: asked of the broker (one
+/// connection, opened the first time) every [`NO_CONSUMER_CHECK`] while
+/// nothing settles, warned about once the pool had no consumer for
+/// [`NO_CONSUMER_WARNING`], and again after a consumer came and went.
+#[derive(Default)]
+struct Consumers {
+    broker: Option<std::sync::Arc<dyn batchfleet_shared::broker::Broker>>,
+    asked: Option<Instant>,
+    none_since: Option<Instant>,
+    warned: bool,
+}
+
+impl Consumers {
+    async fn check(&mut self, cfg: &RunConfig, pool: &str, bar: &indicatif::ProgressBar) {
+        if self.asked.is_some_and(|a| a.elapsed() < NO_CONSUMER_CHECK) {
+            return;
+        }
+        self.asked = Some(Instant::now());
+        if self.broker.is_none() {
+            self.broker = cfg.connections.broker("batchfleet monitor").await.ok();
+        }
+        let Some(broker) = &self.broker else { return };
+        let queue = batchfleet_shared::broker::PoolQueues::new(pool).work();
+        match broker.consumer_count(&queue).await {
+            Ok(Some(0)) => {
+                let since = *self.none_since.get_or_insert_with(Instant::now);
+                if !self.warned && since.elapsed() >= NO_CONSUMER_WARNING {
+                    self.warned = true;
+                    let msg = format!(
+                        "no worker consumes pool \"{pool}\": queue {queue} has had no consumer for {}s, so the job waits until one does — start one with `batchfleet-worker --pool {pool}` (or BATCHFLEET_POOL={pool})",
+                        since.elapsed().as_secs()
+                    );
+                    if bar.is_hidden() {
+                        tracing::warn!("{msg}")
+                    } else {
+                        bar.println(msg)
+                    }
+                }
+            }
+            Ok(_) => {
+                self.none_since = None;
+                self.warned = false;
+            }
+            Err(e) => tracing::debug!(error = %e, "could not count the pool's consumers"),
+        }
+    }
+}
 
 /// Items left at which [`follow`] polls every [`FAST_POLL`].
 const FAST_POLL_REMAINING: u64 = 8;
@@ -58,14 +114,23 @@ fn next_wait(poll_interval: Duration, remaining: u64, items_per_s: f64) -> Durat
 /// Poll interval once only the last few items remain.
 const FAST_POLL: Duration = Duration::from_millis(20);
 
+/// How long a follower lease lasts without being renewed; it is renewed
+/// every [`FOLLOW_RENEW`].
+pub const FOLLOW_TTL: Duration = Duration::from_secs(10);
+/// How often the follower lease is renewed (or, by a watcher, tried).
+const FOLLOW_RENEW: Duration = Duration::from_secs(1);
+
 /// Polls the job's counters every `cfg.poll_interval` (every [`FAST_POLL`]
-/// for the last few items) until all items are settled.
+/// for the last few items) until all items are settled. Of the processes
+/// following one job, the one holding its follower lease (`me`) runs the
+/// supervisor; the others watch, and take over when the lease lapses.
 pub async fn follow(
     store: &Store,
     job_id: &str,
     cfg: &RunConfig,
     shutdown: CancellationToken,
     supervisor: &mut Supervisor,
+    me: &str,
 ) -> Result<Followed, RunError> {
     let job = match store.job(job_id).await? {
         Some(job) => job,
@@ -97,6 +162,8 @@ pub async fn follow(
     let mut last = first;
     let mut warned = false;
     let mut first_poll = true;
+    let (mut holder, mut renewed) = (false, None::<Instant>);
+    let mut consumers = Consumers::default();
     loop {
         // At once the first time (the supervisor sets its gauges then); near
         // the end, poll fast so the job's end is seen at once. The supervisor
@@ -121,7 +188,20 @@ pub async fn follow(
             }
             _ = tokio::time::sleep(wait) => {}
         }
-        supervisor.tick(store).await;
+        if renewed.is_none_or(|at| at.elapsed() >= FOLLOW_RENEW) {
+            renewed = Some(Instant::now());
+            let was = holder;
+            holder = store
+                .follow_lease(job_id, me, FOLLOW_TTL)
+                .await
+                .unwrap_or(holder);
+            if was != holder {
+                tracing::info!(job = %job_id, supervising = holder, "{}", if holder { "supervising the job (its follower lease is ours)" } else { "another process supervises the job; watching it" });
+            }
+        }
+        if holder {
+            supervisor.tick(store).await;
+        }
         let p = match store.progress(job_id).await {
             Ok(p) if p.items_total > 0 => p,
             Ok(_) => continue, // the record is being rebuilt
@@ -148,6 +228,9 @@ pub async fn follow(
             last_log = Instant::now();
             tracing::info!(job = %job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
         }
+        if !p.settled() && last_change.elapsed() >= NO_CONSUMER_CHECK {
+            consumers.check(cfg, &pool, &bar).await;
+        }
         if !warned && !p.settled() && last_change.elapsed() >= IDLE_WARNING {
             warned = true;
             let msg = format!(
@@ -161,6 +244,11 @@ pub async fn follow(
             }
         }
         last = p;
+        if p.status == Some(JobStatus::Cancelled) {
+            bar.abandon_with_message("the job was cancelled; its committed items are kept");
+            tracing::warn!(job = %job_id, "the job was cancelled; its remaining items are skipped");
+            return Ok(Followed::Cancelled);
+        }
         if p.status == Some(JobStatus::Failed) {
             let why = store
                 .job(job_id)

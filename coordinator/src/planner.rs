@@ -113,11 +113,13 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
                 }
                 _ => input.rows(),
             };
+            let versions = versions_of(spec, &input)?;
             items.push(WorkItem {
                 job_id: spec.job_id.clone(),
                 seq: items.len() as u32,
                 input,
                 task: spec.task.clone(),
+                versions,
             });
         }
     }
@@ -141,8 +143,8 @@ fn plan_one(spec: &JobSpec, path: &Path) -> FilePlan {
             ))
         }
     };
-    let file_len = match spec.listed_sizes.get(path) {
-        Some(n) => *n,
+    let file_len = match spec.fingerprint(path) {
+        Some(f) => f.size,
         None => input_len(path)?,
     };
     let name = path.to_string_lossy().into_owned();
@@ -199,8 +201,8 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
     let mut sizes = Vec::with_capacity(spec.files.len());
     let mut names = Vec::with_capacity(spec.files.len());
     for path in &spec.files {
-        sizes.push(match spec.listed_sizes.get(path) {
-            Some(n) => *n,
+        sizes.push(match spec.fingerprint(path) {
+            Some(f) => f.size,
             None => input_len(path)?,
         });
         let rel = path
@@ -212,18 +214,22 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
     let items = runs
         .into_iter()
         .enumerate()
-        .map(|(seq, run)| WorkItem {
-            job_id: spec.job_id.clone(),
-            seq: seq as u32,
-            input: InputSlice::Files {
+        .map(|(seq, run)| {
+            let input = InputSlice::Files {
                 root: root.to_string_lossy().into_owned(),
                 files: names[run.clone()].to_vec(),
                 sizes: sizes[run.clone()].to_vec(),
                 first_index: run.start as u64,
-            },
-            task: spec.task.clone(),
+            };
+            Ok(WorkItem {
+                job_id: spec.job_id.clone(),
+                seq: seq as u32,
+                versions: versions_of(spec, &input)?,
+                input,
+                task: spec.task.clone(),
+            })
         })
-        .collect();
+        .collect::<Result<_, PlanError>>()?;
     Ok(Plan {
         items,
         rows_total: spec.files.len() as u64,
@@ -356,7 +362,39 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             checkpoint_rows: 0,
             text: None,
         },
+        versions: Vec::new(),
     }
+}
+
+/// The versions validation recorded for the files `input` reads, in
+/// [`InputSlice::input_files`] order — after checking that the length it
+/// was planned with is the one recorded (a file that changed between
+/// validation and planning is not planned from two versions). Empty when
+/// no file has a version (a store that gives neither time nor ETag).
+fn versions_of(spec: &JobSpec, input: &InputSlice) -> Result<Vec<String>, PlanError> {
+    let files = input.input_files();
+    let lens: Vec<u64> = match input {
+        InputSlice::CsvRange(r) | InputSlice::JsonlRange(r) => vec![r.file_len],
+        InputSlice::ParquetRowGroups { file_len, .. } => vec![*file_len],
+        InputSlice::Files { sizes, .. } => sizes.clone(),
+    };
+    let mut versions = Vec::with_capacity(files.len());
+    for (path, len) in files.iter().zip(lens) {
+        let Some(f) = spec.fingerprint(path) else {
+            return Ok(Vec::new());
+        };
+        if f.size != len {
+            return Err(err(
+                path,
+                format!("it was {} bytes at validation and {len} when planned: the file changed meanwhile; run the job again once it is written", f.size),
+            ));
+        }
+        match f.version() {
+            Some(v) => versions.push(v),
+            None => return Ok(Vec::new()),
+        }
+    }
+    Ok(versions)
 }
 
 /// The length of an input file (local or `s3://`).

@@ -98,6 +98,16 @@ pub struct Summary {
     /// The merged output (`[output] merge = true`), once every item completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged: Option<PathBuf>,
+    /// The `--set` overrides the job ran with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<String>,
+    /// The manifest as validated (the file with the overrides applied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_manifest: Option<serde_json::Value>,
+    /// Every input file with what it was when the job was planned (size,
+    /// modification time or ETag): the data these predictions came from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<crate::manifest::InputFile>,
 }
 
 /// Histograms of the model's outputs: equal-width bins over `[min, max)`,
@@ -242,6 +252,18 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
     }
 }
 
+/// Reads a job's `summary.json`.
+pub fn read_summary(path: &std::path::Path) -> Result<Summary, RunError> {
+    let bytes = batchfleet_shared::source::fs::read(path)
+        .map_err(|e| RunError::Output(format!("cannot read {}: {e}", path.display())))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        RunError::Output(format!(
+            "{} is not a batchfleet summary: {e}",
+            path.display()
+        ))
+    })
+}
+
 /// Replaces `summary.json` (after the completion hooks added their outcome).
 pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError> {
     let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
@@ -252,7 +274,8 @@ pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError
 
 /// Writes the merged output (for a job recorded with `merge`, when every
 /// item completed), the summary, and `_SUCCESS` when no item failed, and
-/// marks the job `completed` or `completed_with_failures`.
+/// marks the job `completed` or `completed_with_failures`; from then on
+/// its state in the store expires after `retention`.
 /// `output` is the job's `[output]` (its histogram bins and column names);
 /// the output columns' names are read from a committed part file's header
 /// when there is one, so the histograms carry the names the parts do (the
@@ -261,6 +284,7 @@ pub async fn finish(
     store: &Store,
     job_id: &str,
     output: &OutputSpec,
+    retention: std::time::Duration,
 ) -> Result<(PathBuf, Summary), RunError> {
     let histogram = &output.histogram;
     let job = store.job(job_id).await?.ok_or_else(|| {
@@ -275,8 +299,8 @@ pub async fn finish(
     let stats = store.item_stats(job_id).await?;
     let (deliveries, rows_computed) = store.work(job_id).await?;
     let failures = store.failures(job_id).await?;
-    let status = if job.status == JobStatus::Failed {
-        JobStatus::Failed
+    let status = if matches!(job.status, JobStatus::Failed | JobStatus::Cancelled) {
+        job.status
     } else if failures.is_empty() {
         JobStatus::Completed
     } else {
@@ -346,9 +370,10 @@ pub async fn finish(
         items_skipped: job
             .items_total
             .saturating_sub(job.items_done + failures.len() as u64),
-        failed_reason: (status == JobStatus::Failed && !job.failed_reason.is_empty())
-            .then(|| job.failed_reason.clone()),
-        failed_class: (status == JobStatus::Failed).then(|| {
+        failed_reason: (matches!(status, JobStatus::Failed | JobStatus::Cancelled)
+            && !job.failed_reason.is_empty())
+        .then(|| job.failed_reason.clone()),
+        failed_class: matches!(status, JobStatus::Failed | JobStatus::Cancelled).then(|| {
             if job.failed_class.is_empty() {
                 "budget".to_owned()
             } else {
@@ -364,6 +389,20 @@ pub async fn finish(
         vectors: VectorSummary::of(&stats),
         on_complete: None,
         merged: None,
+        overrides: job.overrides.clone(),
+        resolved_manifest: toml::from_str::<toml::Value>(&job.resolved_manifest)
+            .ok()
+            .filter(|_| !job.resolved_manifest.is_empty())
+            .and_then(|v| serde_json::to_value(v).ok()),
+        inputs: store
+            .inputs(job_id)
+            .await?
+            .into_iter()
+            .filter_map(|(path, json)| {
+                let fingerprint = serde_json::from_str(&json).ok()?;
+                Some(crate::manifest::InputFile { path, fingerprint })
+            })
+            .collect(),
     };
     if job.merge {
         if status == JobStatus::Completed {
@@ -400,8 +439,13 @@ pub async fn finish(
         publish_atomically(p, true, |w| std::io::Write::write_all(w, bytes))
             .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
     };
-    // Checkpoint segments left by a slower copy of an item that lost the race.
-    let _ = batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new(PARTIAL_DIR));
+    // Checkpoint segments left by a slower copy of an item that lost the
+    // race — unless the job was cancelled: then they are what a run of it
+    // again continues from.
+    if status != JobStatus::Cancelled {
+        let _ =
+            batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new(PARTIAL_DIR));
+    }
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;
@@ -415,6 +459,8 @@ pub async fn finish(
             ],
         )
         .await?;
+    // Finished: its state is kept for the retention, its summary for good.
+    store.expire_job(job_id, retention).await?;
     Ok((path, summary))
 }
 

@@ -1,6 +1,6 @@
 //! `batchfleet status`: a job's state from Redis, for people or as JSON.
 
-use batchfleet_shared::store::{JobRecord, Lease, Store, StoreError};
+use batchfleet_shared::store::{JobRecord, JobStatus, Lease, Store, StoreError};
 use serde::Serialize;
 use std::fmt::Write;
 
@@ -30,6 +30,8 @@ pub struct JobStatusReport {
     /// (`unable`: no CUDA device, model unreadable there, out of memory on
     /// one row) or their output disk is full (`disk_full`, paused).
     pub workers_unable: Vec<UnableReport>,
+    /// Consumers of the pool's work queue now (`None`: the broker was not asked).
+    pub consumers: Option<u32>,
 }
 
 /// A worker that cannot take the job's items for now.
@@ -82,29 +84,38 @@ pub struct JobLine {
 
 /// The most recent jobs, newest first (jobs whose record is gone are skipped).
 pub async fn jobs(store: &Store, limit: usize) -> Result<Vec<JobLine>, StoreError> {
-    let mut out = Vec::new();
-    for id in store.recent_jobs(limit).await? {
-        let Some(j) = store.job(&id).await? else {
-            continue;
-        };
-        let end = if j.finished_ms > 0 {
-            j.finished_ms
-        } else {
-            batchfleet_shared::now_ms()
-        };
-        out.push(JobLine {
-            duration_s: end.saturating_sub(j.created_ms) as f64 / 1000.0,
-            id: j.id,
-            status: j.status.to_string(),
-            pool: j.pool,
-            items_done: j.items_done,
-            items_total: j.items_total,
-            rows_done: j.rows_done,
-            rows_total: j.rows_total,
-            created_ms: j.created_ms,
-        });
+    loop {
+        let mut out = Vec::new();
+        let mut expired = false;
+        for id in store.recent_jobs(limit).await? {
+            let Some(j) = store.job(&id).await? else {
+                // Its state expired (retention): forget the listing too,
+                // so that the jobs retained fill the list.
+                store.delete_job(&id).await?;
+                expired = true;
+                continue;
+            };
+            let end = if j.finished_ms > 0 {
+                j.finished_ms
+            } else {
+                batchfleet_shared::now_ms()
+            };
+            out.push(JobLine {
+                duration_s: end.saturating_sub(j.created_ms) as f64 / 1000.0,
+                id: j.id,
+                status: j.status.to_string(),
+                pool: j.pool,
+                items_done: j.items_done,
+                items_total: j.items_total,
+                rows_done: j.rows_done,
+                rows_total: j.rows_total,
+                created_ms: j.created_ms,
+            });
+        }
+        if !expired {
+            return Ok(out);
+        }
     }
-    Ok(out)
 }
 
 /// `batchfleet jobs` as a table.
@@ -228,6 +239,7 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
             0.0
         },
         job,
+        consumers: None,
     }))
 }
 
@@ -241,6 +253,22 @@ pub fn render(r: &JobStatusReport) -> String {
         let _ = writeln!(s, "why       {} ({})", j.failed_reason, j.failed_class);
     }
     let _ = writeln!(s, "pool      {}", j.pool);
+    if let Some(n) = r.consumers {
+        let running = matches!(j.status, JobStatus::Planning | JobStatus::Running);
+        let _ = writeln!(
+            s,
+            "workers   {n} consuming bf.{}.work{}",
+            j.pool,
+            if n == 0 && running {
+                format!(
+                    " — no worker serves this pool: its items wait until one does; start one with `batchfleet-worker --pool {}`",
+                    j.pool
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
     let _ = writeln!(
         s,
         "items     {}/{} done, {} failed, {} remaining",

@@ -39,7 +39,7 @@ use batchfleet_shared::metrics::names;
 use batchfleet_shared::split::ItemRows;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -188,7 +188,9 @@ impl Supervisor {
         let Some(record) = self.record.clone() else {
             return Ok(());
         };
-        if record.status.is_final() || record.status == JobStatus::Failed {
+        if record.status.is_final()
+            || matches!(record.status, JobStatus::Failed | JobStatus::Cancelled)
+        {
             return Ok(());
         }
         let progress = store.progress(&self.job_id).await?;
@@ -449,24 +451,34 @@ impl Supervisor {
         }
     }
 
+    /// The job's output folder, from its record or its manifest (`None`
+    /// when neither is known yet).
+    pub fn output_dir(&self) -> Option<PathBuf> {
+        self.record
+            .as_ref()
+            .map(|r| PathBuf::from(&r.output_dir))
+            .or_else(|| self.spec.as_ref().map(|s| s.output_dir().to_owned()))
+    }
+
     /// The job's manifest, validated (loaded from the recorded path if not given).
     pub async fn spec(&mut self) -> Result<Arc<JobSpec>, RunError> {
         if let Some(s) = &self.spec {
             return Ok(s.clone());
         }
-        let manifest = self
+        let (manifest, overrides) = self
             .record
             .as_ref()
-            .map(|r| r.manifest.clone())
+            .map(|r| (r.manifest.clone(), r.overrides.clone()))
             .ok_or_else(|| {
                 RunError::Output(format!(
                     "job {} is not in Redis and its manifest is unknown; run the manifest again",
                     self.job_id
                 ))
             })?;
-        let spec = Arc::new(crate::manifest::load(
+        let spec = Arc::new(crate::manifest::load_with(
             Path::new(&manifest),
             &self.data_roots,
+            &overrides,
         )?);
         if spec.job_id != self.job_id {
             return Err(RunError::Output(format!(
@@ -521,6 +533,9 @@ impl Supervisor {
         record.rows_total = plan.rows_total;
         record.items_published = record.items_total;
         store.restore_job(&record).await?;
+        store
+            .put_inputs(&self.job_id, &crate::dispatcher::input_fields(&spec))
+            .await?;
         let mut restored = 0;
         for (stats, hist) in &found {
             if store.commit_item(&self.job_id, stats, hist).await? {

@@ -48,6 +48,48 @@ pub enum Input {
     S3(Object),
 }
 
+/// What an input file is, as far as its metadata tells without reading
+/// it: its size, and its modification time (local files) or ETag (S3
+/// objects). A job's id covers its inputs' fingerprints, so a changed input
+/// makes a new job, and each item carries its file's [`Fingerprint::version`]
+/// for the worker to check before it reads.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Fingerprint {
+    /// Length in bytes.
+    pub size: u64,
+    /// Modification time, nanoseconds since the epoch (local files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtime_ns: Option<u64>,
+    /// The object's ETag (S3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag: Option<String>,
+}
+
+impl Fingerprint {
+    fn of_metadata(m: &std::fs::Metadata) -> Self {
+        let mtime_ns = m
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_nanos() as u64);
+        Self {
+            size: m.len(),
+            mtime_ns,
+            etag: None,
+        }
+    }
+
+    /// The version a work item carries: `mtime:<ns>` or `etag:<etag>`
+    /// (`None` when the store gave neither).
+    pub fn version(&self) -> Option<String> {
+        match (&self.etag, self.mtime_ns) {
+            (Some(e), _) => Some(format!("etag:{e}")),
+            (None, Some(ns)) => Some(format!("mtime:{ns}")),
+            (None, None) => None,
+        }
+    }
+}
+
 /// Reads an opened file from a position on, without moving a shared offset.
 struct PositionalReader {
     file: Arc<File>,
@@ -90,6 +132,24 @@ impl Input {
     /// Whether it is empty.
     pub fn is_empty(&self) -> io::Result<bool> {
         self.len().map(|n| n == 0)
+    }
+
+    /// What the file is now: its length and version (local: modification
+    /// time; S3: ETag). A file whose fingerprint differs from the one a job
+    /// was planned with has changed under it.
+    pub fn fingerprint(&self) -> io::Result<Fingerprint> {
+        match self {
+            Input::Local(p) => Ok(Fingerprint::of_metadata(&std::fs::metadata(p)?)),
+            Input::Opened(f, _) => Ok(Fingerprint::of_metadata(&f.metadata()?)),
+            Input::S3(o) => {
+                let (size, etag) = o.meta()?;
+                Ok(Fingerprint {
+                    size,
+                    mtime_ns: None,
+                    etag,
+                })
+            }
+        }
     }
 
     /// Bytes `range` (a local file clamps it to its end; S3 refuses one past the end).
@@ -184,8 +244,8 @@ pub struct Object {
     store: Arc<AmazonS3>,
     bucket: String,
     key: object_store::path::Path,
-    /// Its size once asked (one HEAD per opened object, not per read).
-    size: Arc<OnceLock<u64>>,
+    /// Its size and ETag once asked (one HEAD per opened object, not per read).
+    meta: Arc<OnceLock<(u64, Option<String>)>>,
 }
 
 impl std::fmt::Debug for Object {
@@ -202,7 +262,7 @@ impl Object {
             store: store(&bucket)?,
             key: object_store::path::Path::parse(&key).map_err(|e| invalid(url, e))?,
             bucket,
-            size: Arc::default(),
+            meta: Arc::default(),
         })
     }
 
@@ -213,13 +273,18 @@ impl Object {
 
     /// Its size.
     pub fn len(&self) -> io::Result<u64> {
-        if let Some(n) = self.size.get() {
-            return Ok(*n);
+        self.meta().map(|(n, _)| n)
+    }
+
+    /// Its size and ETag (one HEAD, remembered).
+    fn meta(&self) -> io::Result<(u64, Option<String>)> {
+        if let Some(m) = self.meta.get() {
+            return Ok(m.clone());
         }
-        let n = block_on(async { self.store.head(&self.key).await })
-            .map(|m| m.size)
+        let m = block_on(async { self.store.head(&self.key).await })
+            .map(|m| (m.size, m.e_tag))
             .map_err(|e| io_error(&self.url(), e))?;
-        Ok(*self.size.get_or_init(|| n))
+        Ok(self.meta.get_or_init(|| m).clone())
     }
 
     /// Whether it has no bytes.
@@ -406,6 +471,14 @@ pub mod fs {
 /// Every object (URL, size) whose key starts with `prefix`, under
 /// `s3://bucket/` — in key order.
 pub fn list(bucket: &str, prefix: &str) -> io::Result<Vec<(String, u64)>> {
+    Ok(list_fingerprints(bucket, prefix)?
+        .into_iter()
+        .map(|(url, f)| (url, f.size))
+        .collect())
+}
+
+/// [`list`] with each object's fingerprint (size and ETag), as the listing gives it.
+pub fn list_fingerprints(bucket: &str, prefix: &str) -> io::Result<Vec<(String, Fingerprint)>> {
     use futures_lite::StreamExt;
     let store = store(bucket)?;
     let at = format!("{S3_SCHEME}{bucket}/{prefix}");
@@ -413,17 +486,25 @@ pub fn list(bucket: &str, prefix: &str) -> io::Result<Vec<(String, u64)>> {
         .then(|| object_store::path::Path::parse(prefix.trim_end_matches('/')))
         .transpose()
         .map_err(|e| invalid(&at, e))?;
-    let mut found: Vec<(String, u64)> = block_on(async {
+    let mut found: Vec<(String, Fingerprint)> = block_on(async {
         let mut stream = store.list(prefix_path.as_ref());
         let mut found = Vec::new();
         while let Some(meta) = stream.next().await {
             let meta = meta?;
-            found.push((format!("{S3_SCHEME}{bucket}/{}", meta.location), meta.size));
+            let fingerprint = Fingerprint {
+                size: meta.size,
+                mtime_ns: None,
+                etag: meta.e_tag,
+            };
+            found.push((
+                format!("{S3_SCHEME}{bucket}/{}", meta.location),
+                fingerprint,
+            ));
         }
         Ok::<_, object_store::Error>(found)
     })
     .map_err(|e| io_error(&at, e))?;
-    found.sort();
+    found.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(found)
 }
 
@@ -431,6 +512,14 @@ pub fn list(bucket: &str, prefix: &str) -> io::Result<Vec<(String, u64)>> {
 /// listing the bucket under the pattern's literal prefix: matching object
 /// URLs with their sizes.
 pub fn glob(url_pattern: &str) -> io::Result<Vec<(String, u64)>> {
+    Ok(glob_fingerprints(url_pattern)?
+        .into_iter()
+        .map(|(url, f)| (url, f.size))
+        .collect())
+}
+
+/// [`glob`] with each object's fingerprint (size and ETag).
+pub fn glob_fingerprints(url_pattern: &str) -> io::Result<Vec<(String, Fingerprint)>> {
     let (bucket, pattern) = split_url(url_pattern)?;
     let literal = pattern
         .find(['*', '?', '['])
@@ -441,7 +530,7 @@ pub fn glob(url_pattern: &str) -> io::Result<Vec<(String, u64)>> {
         require_literal_separator: true,
         ..Default::default()
     };
-    Ok(list(&bucket, prefix)?
+    Ok(list_fingerprints(&bucket, prefix)?
         .into_iter()
         .filter(|(url, _)| {
             let key = &url[S3_SCHEME.len() + bucket.len() + 1..];

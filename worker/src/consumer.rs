@@ -306,8 +306,9 @@ async fn process(
             item.seq,
         );
         let item_rows = batchfleet_shared::split::ItemRows::of(item);
-        let (slice, layout, text, on_bad_row, type_ids) = (
+        let (slice, versions, layout, text, on_bad_row, type_ids) = (
             item.input.clone(),
+            item.versions.clone(),
             item.task.layout.clone(),
             item.task.text.clone(),
             item.task.failure.on_bad_row,
@@ -319,12 +320,13 @@ async fn process(
             look_and_read(&o, &p, &spec, seq, &item_rows, || {
                 let started = Instant::now();
                 let batch =
-                    reader::read(&slice, &layout, text.as_ref(), on_bad_row).and_then(|mut b| {
-                        if let Some(t) = &text {
-                            crate::text::tokenize(&mut b, t, type_ids)?;
-                        }
-                        Ok(b)
-                    });
+                    reader::read_unchanged(&slice, &versions, &layout, text.as_ref(), on_bad_row)
+                        .and_then(|mut b| {
+                            if let Some(t) = &text {
+                                crate::text::tokenize(&mut b, t, type_ids)?;
+                            }
+                            Ok(b)
+                        });
                 metrics::histogram!(names::WORKER_READ).record(started.elapsed().as_secs_f64());
                 batch
             })
@@ -676,6 +678,16 @@ async fn compute(
                 "shutdown: the item goes back to the queue with its checkpoint"
             );
             return Ok(Err(Handled::Released));
+        }
+        if lease.signals.job_stopped.is_cancelled() {
+            // Cancelled: the finished segments stay for a run of the job
+            // again to continue from.
+            tracing::info!(
+                rows_done = next,
+                rows,
+                "the job was cancelled: the item stops at this checkpoint"
+            );
+            return Ok(Err(Handled::Skipped));
         }
         let end = (next + seg).min(rows);
         let call = ctx

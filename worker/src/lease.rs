@@ -25,6 +25,9 @@ pub struct Signals {
     pub rows_resumed: AtomicU64,
     /// Cancelled when the heartbeat finds the item done elsewhere.
     pub done_elsewhere: CancellationToken,
+    /// Cancelled when the heartbeat finds the job cancelled: the item stops
+    /// at its next checkpoint, keeping the segments it finished.
+    pub job_stopped: CancellationToken,
     /// Cancelled when the item waited longer than `ack_after` without
     /// reaching the model: it goes back to the queue for another worker.
     pub waited_too_long: CancellationToken,
@@ -172,10 +175,19 @@ async fn heartbeat_loop(
         lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
         match ctx.store.heartbeat(&job, &lease).await {
             Ok(true) => {}
-            Ok(false) => {
-                tracing::info!("item committed elsewhere (a faster copy); stopping this one");
-                signals.done_elsewhere.cancel();
-            }
+            Ok(false) => match ctx.store.is_done(&job, lease.seq).await {
+                Ok(false) => {
+                    tracing::info!(
+                        "the job was cancelled; stopping the item at its next checkpoint"
+                    );
+                    signals.job_stopped.cancel();
+                    return;
+                }
+                _ => {
+                    tracing::info!("item committed elsewhere (a faster copy); stopping this one");
+                    signals.done_elsewhere.cancel();
+                }
+            },
             Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
         }
     }

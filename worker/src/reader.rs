@@ -288,6 +288,61 @@ fn check_count(batch: &Batch, rows: u64, what: impl Fn() -> String) -> Result<()
     )))
 }
 
+/// [`read`], after checking that every file the slice reads is still the
+/// version the job was planned with (`versions`, from the item; empty: not
+/// checked), and, for local files, again after reading, so that an item is
+/// never predicted from a file that changed under its job or mixes two
+/// versions of one. A changed file is poison: every copy would meet it.
+pub fn read_unchanged(
+    slice: &InputSlice,
+    versions: &[String],
+    layout: &Layout,
+    text: Option<&TextSpec>,
+    on_bad_row: OnBadRow,
+) -> Result<Batch, ItemError> {
+    check_versions(slice, versions)?;
+    let batch = read(slice, layout, text, on_bad_row)?;
+    if !batchfleet_shared::source::is_url(Path::new(slice.path())) {
+        check_versions(slice, versions)?;
+    }
+    Ok(batch)
+}
+
+/// Checks each input file of `slice` against the version it had when the
+/// job was planned.
+pub fn check_versions(slice: &InputSlice, versions: &[String]) -> Result<(), ItemError> {
+    if versions.is_empty() {
+        return Ok(());
+    }
+    for (path, planned) in slice.input_files().iter().zip(versions) {
+        let name = path.to_string_lossy();
+        let now = Input::open(path)
+            .and_then(|i| i.fingerprint())
+            .map_err(|e| io_error(&name, e))?;
+        if now.version().as_deref() != Some(planned.as_str()) {
+            return Err(ItemError::poison(format!(
+                "{name}: the input changed under the job ({} when the job was planned, {} now, {} bytes); this item is not predicted from a changed file — restore the file, or run the manifest again, which starts a new job for the new data",
+                describe_version(planned),
+                now.version().as_deref().map_or_else(|| "no version".to_owned(), describe_version),
+                now.size
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `mtime:<ns>` as "modified <time>", `etag:<e>` as "ETag <e>".
+fn describe_version(v: &str) -> String {
+    if let Some(ns) = v.strip_prefix("mtime:").and_then(|n| n.parse::<u64>().ok()) {
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns);
+        return format!("modified {}", humantime::format_rfc3339_nanos(t));
+    }
+    match v.strip_prefix("etag:") {
+        Some(e) => format!("ETag {e}"),
+        None => v.to_owned(),
+    }
+}
+
 fn io_error(path: &str, e: std::io::Error) -> ItemError {
     if e.kind() == std::io::ErrorKind::NotFound {
         ItemError::poison(format!(

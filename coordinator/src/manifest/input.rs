@@ -11,6 +11,7 @@ use super::schema::{InputFormat, Manifest, MissingSetting};
 use super::{resolve, Problems};
 use batchfleet_shared::message::{JsonLayout, Missing, ParquetLayout};
 use batchfleet_shared::paths::DataRoots;
+use batchfleet_shared::source::{Fingerprint, Input};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -19,8 +20,8 @@ use std::path::{Path, PathBuf};
 pub(super) struct Files {
     /// Input files, sorted, deduplicated.
     pub(super) files: Vec<PathBuf>,
-    /// Sizes of `s3://` input objects as listed.
-    pub(super) listed_sizes: HashMap<PathBuf, u64>,
+    /// What each file is (size, modification time or ETag), in `files`' order.
+    pub(super) fingerprints: Vec<Fingerprint>,
     /// `files` input: the folder the files' ids are relative to.
     pub(super) root: Option<PathBuf>,
 }
@@ -65,10 +66,10 @@ pub(super) fn files(
     problems: &mut Problems,
 ) -> Files {
     let mut files = Vec::new();
-    let mut listed_sizes = HashMap::new();
+    let mut listed = HashMap::new();
     for pattern in &m.input.paths {
         if pattern.starts_with(batchfleet_shared::source::S3_SCHEME) {
-            list_objects(pattern, roots, &mut files, &mut listed_sizes, problems);
+            list_objects(pattern, roots, &mut files, &mut listed, problems);
         } else {
             glob_files(pattern, base, roots, &mut files, problems);
         }
@@ -106,11 +107,55 @@ pub(super) fn files(
         }
         root
     });
+    let fingerprints = fingerprints(&files, &listed, problems);
     Files {
         files,
-        listed_sizes,
+        fingerprints,
         root,
     }
+}
+
+/// Each file's fingerprint: an `s3://` object's from its listing, a local
+/// file's from `stat` (a HEAD for an object named without a listing). The
+/// job id covers them, so a file changed in place makes a new job.
+fn fingerprints(
+    files: &[PathBuf],
+    listed: &HashMap<PathBuf, Fingerprint>,
+    problems: &mut Problems,
+) -> Vec<Fingerprint> {
+    let mut unreadable = Vec::new();
+    let found = files
+        .iter()
+        .map(|f| match listed.get(f) {
+            Some(fp) => fp.clone(),
+            None => match Input::open(f).and_then(|i| i.fingerprint()) {
+                Ok(fp) => fp,
+                Err(e) => {
+                    unreadable.push(format!("{}: {e}", f.display()));
+                    Fingerprint {
+                        size: 0,
+                        mtime_ns: None,
+                        etag: None,
+                    }
+                }
+            },
+        })
+        .collect();
+    if !unreadable.is_empty() {
+        let more = unreadable.len().saturating_sub(5);
+        unreadable.truncate(5);
+        if more > 0 {
+            unreadable.push(format!("and {more} more"));
+        }
+        problems.add(
+            "[input] paths",
+            format!(
+                "cannot read the size and modification time of {}; check the files exist and are readable",
+                unreadable.join("; ")
+            ),
+        );
+    }
+    found
 }
 
 /// An `s3://` pattern: the objects listed under its literal prefix; each
@@ -119,10 +164,10 @@ fn list_objects(
     pattern: &str,
     roots: &DataRoots,
     files: &mut Vec<PathBuf>,
-    listed_sizes: &mut HashMap<PathBuf, u64>,
+    listed: &mut HashMap<PathBuf, Fingerprint>,
     problems: &mut Problems,
 ) {
-    match batchfleet_shared::source::glob(pattern) {
+    match batchfleet_shared::source::glob_fingerprints(pattern) {
         Err(e) => problems.add(
             "[input] paths",
             format!("cannot list \"{pattern}\": {e}; check the URL and the AWS_* settings in the environment"),
@@ -132,10 +177,10 @@ fn list_objects(
             format!("\"{pattern}\" matches no object; check the bucket and key pattern"),
         ),
         Ok(found) => {
-            for (url, size) in found {
+            for (url, fingerprint) in found {
                 match roots.check(Path::new(&url)) {
                     Ok(p) => {
-                        listed_sizes.insert(p.clone(), size);
+                        listed.insert(p.clone(), fingerprint);
                         files.push(p);
                     }
                     Err(e) => problems.add("[input] paths", e.to_string()),

@@ -58,11 +58,12 @@ pub use schema::{
     BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
     Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
 };
-pub use spec::{BlindCut, ErrorBudget, ItemSizing, JobSpec, OnComplete};
+pub use spec::{BlindCut, ErrorBudget, InputFile, ItemSizing, JobSpec, OnComplete};
 
 use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec, TextSpec};
 use batchfleet_shared::model_file::ModelKind;
 use batchfleet_shared::paths::DataRoots;
+use serde::Deserialize;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -102,6 +103,19 @@ impl std::error::Error for ManifestError {}
 /// under one of `data_roots` (see [`batchfleet_shared::paths`]); none given:
 /// under the manifest's own folder.
 pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestError> {
+    load_with(path, data_roots, &[])
+}
+
+/// [`load`] with `--set key=value` overrides applied over the file, each
+/// as `section.key=value` where the value is TOML (`10`, `true`,
+/// `'["a", "b"]'`) or, if it does not parse as TOML, a string. The
+/// overrides are part of the job: they go into its id like any manifest
+/// value, and the job record keeps them.
+pub fn load_with(
+    path: &Path,
+    data_roots: &[PathBuf],
+    overrides: &[String],
+) -> Result<JobSpec, ManifestError> {
     let fail = |field: &str, message: String| ManifestError {
         file: path.to_owned(),
         problems: vec![Problem {
@@ -115,7 +129,7 @@ pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestErro
             format!("cannot read the manifest: {e}; check the path"),
         )
     })?;
-    let manifest: Manifest = toml::from_str(&text).map_err(|e| {
+    let syntax = |e: toml::de::Error| {
         let line = e
             .span()
             .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
@@ -125,7 +139,25 @@ pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestErro
             &field,
             format!("{msg}; see docs/manifest.md for the accepted keys"),
         )
-    })?;
+    };
+    let mut table: toml::Table = toml::from_str(&text).map_err(syntax)?;
+    let manifest: Manifest = if overrides.is_empty() {
+        // From the text, so that an error names its line.
+        toml::from_str(&text).map_err(syntax)?
+    } else {
+        for o in overrides {
+            apply_override(&mut table, o).map_err(|m| fail(&format!("--set {o}"), m))?;
+        }
+        Manifest::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
+            fail(
+                &format!("--set {}", overrides.join(" --set ")),
+                format!(
+                    "with these overrides the manifest is not valid: {}; see docs/manifest.md for the accepted keys",
+                    e.message().trim().replace('\n', " ")
+                ),
+            )
+        })?
+    };
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let base = if base.as_os_str().is_empty() {
         PathBuf::from(".")
@@ -138,7 +170,45 @@ pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestErro
         DataRoots::new(data_roots)
     }
     .map_err(|e| fail("data roots", e.to_string()))?;
-    validate(&manifest, &base, path, &roots)
+    let mut spec = validate(&manifest, &base, path, &roots)?;
+    spec.overrides = overrides.to_vec();
+    spec.resolved_manifest = toml::to_string(&table).unwrap_or_default();
+    Ok(spec)
+}
+
+/// Applies one `--set section.key=value` to the manifest's table: the
+/// value is read as TOML, or taken as a string when it is not TOML (so
+/// `--set output.dir=out/2026-12` needs no quotes).
+fn apply_override(table: &mut toml::Table, o: &str) -> Result<(), String> {
+    let Some((key, value)) = o.split_once('=') else {
+        return Err("is not key=value; write e.g. --set output.dir=out/2026-12".into());
+    };
+    let path: Vec<&str> = key.trim().split('.').map(str::trim).collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(format!(
+            "\"{key}\" is not a dotted key such as output.dir or batching.item_rows"
+        ));
+    }
+    let value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
+        Ok(mut t) => t.remove("v").expect("parsed as v"),
+        Err(_) => toml::Value::String(value.to_owned()),
+    };
+    let (last, parents) = path.split_last().expect("at least one part");
+    let mut at = table;
+    for (i, part) in parents.iter().enumerate() {
+        let entry = at
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        at = entry.as_table_mut().ok_or_else(|| {
+            format!(
+                "{} is not a table in the manifest, so it has no key {}",
+                path[..=i].join("."),
+                path[i + 1]
+            )
+        })?;
+    }
+    at.insert(last.to_string(), value);
+    Ok(())
 }
 
 /// Validates a parsed manifest; `base` is the folder relative paths start from.
@@ -243,13 +313,14 @@ pub fn validate(
     };
     let input::Files {
         files,
-        listed_sizes,
+        fingerprints,
         root,
     } = inputs;
     let job_id = spec::job_id(
         &m.job.name,
         &m.job.pool,
         &files,
+        &fingerprints,
         root.as_deref(),
         &batching.sizing,
         blind.as_ref(),
@@ -276,7 +347,9 @@ pub fn validate(
         on_complete,
         merge: m.output.merge,
         root,
-        listed_sizes,
+        fingerprints,
+        overrides: Vec::new(),
+        resolved_manifest: String::new(),
     })
 }
 
@@ -383,6 +456,61 @@ mod tests {
             err.contains("data roots:") && err.contains("cannot use it as a data root"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn set_overrides_manifest_values_and_the_job_id() {
+        let fx = Fixture::new();
+        let plain = fx.load(GOOD).unwrap();
+        let set = fx
+            .load_with(GOOD, &["output.dir=out/2026-12", "batching.item_rows=50"])
+            .unwrap();
+        assert!(
+            set.task.output.dir.ends_with("out/2026-12"),
+            "{}",
+            set.task.output.dir
+        );
+        assert_eq!(set.sizing, ItemSizing::Rows(50));
+        assert_ne!(plain.job_id, set.job_id, "overrides are part of the job");
+        assert_eq!(
+            set.overrides,
+            ["output.dir=out/2026-12", "batching.item_rows=50"]
+        );
+        // The resolved manifest is the file with the overrides applied.
+        let resolved: toml::Table = toml::from_str(&set.resolved_manifest).unwrap();
+        assert_eq!(resolved["output"]["dir"].as_str(), Some("out/2026-12"));
+        assert_eq!(resolved["batching"]["item_rows"].as_integer(), Some(50));
+        // The same overrides again: the same job.
+        let again = fx
+            .load_with(GOOD, &["output.dir=out/2026-12", "batching.item_rows=50"])
+            .unwrap();
+        assert_eq!(again.job_id, set.job_id);
+        // A TOML array replaces a list; a new key goes into its section.
+        let listed = fx
+            .load_with(GOOD, &[r#"input.paths=["data/a.csv"]"#, "job.pool=night"])
+            .unwrap();
+        assert_eq!(listed.files.len(), 1);
+        assert_eq!(listed.pool, "night");
+    }
+
+    #[test]
+    fn bad_overrides_name_the_override() {
+        let fx = Fixture::new();
+        let err = problems(fx.load_with(GOOD, &["output.dir"]));
+        assert!(err.contains("--set output.dir: is not key=value"), "{err}");
+        let err = problems(fx.load_with(GOOD, &["output.dir.x=1"]));
+        assert!(
+            err.contains("--set output.dir.x=1: output.dir is not a table"),
+            "{err}"
+        );
+        let err = problems(fx.load_with(GOOD, &["batching.item_row=5"]));
+        assert!(
+            err.contains("--set batching.item_row=5") && err.contains("item_row"),
+            "{err}"
+        );
+        // Values are checked as the file's are.
+        let err = problems(fx.load_with(GOOD, &["batching.item_rows=0"]));
+        assert!(err.contains("[batching] item_rows"), "{err}");
     }
 
     #[test]

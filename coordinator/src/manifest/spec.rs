@@ -6,6 +6,7 @@
 use super::schema::JobSection;
 use super::Problems;
 use batchfleet_shared::message::TaskSpec;
+use batchfleet_shared::source::Fingerprint;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -78,9 +79,14 @@ pub struct JobSpec {
     pub merge: bool,
     /// `files` input: the folder the files' ids are relative to.
     pub root: Option<PathBuf>,
-    /// Sizes of `s3://` input objects as listed (so planning a `files` job
-    /// needs no request per object).
-    pub listed_sizes: std::collections::HashMap<PathBuf, u64>,
+    /// What each input file is (size, modification time or ETag), in
+    /// `files`' order: the job id covers them, and each item carries its
+    /// files' versions for the worker to check.
+    pub fingerprints: Vec<Fingerprint>,
+    /// `--set` overrides applied over the manifest file, as given.
+    pub overrides: Vec<String>,
+    /// The manifest as validated (the file with the overrides applied), in TOML.
+    pub resolved_manifest: String,
 }
 
 impl JobSpec {
@@ -88,6 +94,37 @@ impl JobSpec {
     pub fn output_dir(&self) -> &Path {
         Path::new(&self.task.output.dir)
     }
+
+    /// The fingerprint validation recorded for input file `path`.
+    pub fn fingerprint(&self, path: &Path) -> Option<&Fingerprint> {
+        self.files
+            .binary_search_by(|f| f.as_path().cmp(path))
+            .ok()
+            .map(|i| &self.fingerprints[i])
+    }
+
+    /// The input files with their fingerprints, as the job record and
+    /// `summary.json` list them.
+    pub fn input_files(&self) -> Vec<InputFile> {
+        self.files
+            .iter()
+            .zip(&self.fingerprints)
+            .map(|(path, fingerprint)| InputFile {
+                path: path.to_string_lossy().into_owned(),
+                fingerprint: fingerprint.clone(),
+            })
+            .collect()
+    }
+}
+
+/// One input file of a job and what it was when the job was planned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct InputFile {
+    /// Absolute path or `s3://` URL.
+    pub path: String,
+    /// Size and modification time (local) or ETag (S3).
+    #[serde(flatten)]
+    pub fingerprint: Fingerprint,
 }
 
 /// The validated `[on_complete]` section.
@@ -155,18 +192,22 @@ fn valid_name(s: &str) -> bool {
 }
 
 /// `<name>-<8 hex>`: a digest of everything that determines the job's output
-/// (resolved inputs, model digest, layout, sizing, output), so the same
-/// manifest maps to the same job and resumes instead of starting over.
+/// (resolved inputs and what they are — each file's size and modification
+/// time or ETag —, model digest, layout, sizing, output), so the same
+/// manifest over the same data maps to the same job and resumes instead of
+/// starting over, and a file changed in place makes a new job.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn job_id(
     name: &str,
     pool: &str,
     files: &[PathBuf],
+    fingerprints: &[Fingerprint],
     root: Option<&Path>,
     sizing: &ItemSizing,
     blind: Option<&BlindCut>,
     task: &batchfleet_shared::message::v1::TaskSpec,
 ) -> String {
-    let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "sizing": sizing, "task": task });
+    let mut canonical = serde_json::json!({ "name": name, "pool": pool, "files": files, "inputs": fingerprints, "sizing": sizing, "task": task });
     // Items cut blind are other items than scanned ones of the same input.
     if let Some(b) = blind {
         canonical["cut"] = serde_json::json!({ "blind": b });
@@ -230,5 +271,40 @@ mod tests {
             .job_id;
         assert_eq!(a, b);
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn the_job_id_covers_what_the_inputs_are_not_only_their_paths() {
+        let fx = Fixture::new();
+        let a = fx.load(GOOD).unwrap();
+        let file = fx.dir.path().join("data/a.csv");
+        assert_eq!(a.fingerprints.len(), 2);
+        let recorded = a.fingerprint(&a.files[0]).unwrap().clone();
+        assert_eq!(recorded.size, std::fs::metadata(&file).unwrap().len());
+        assert!(recorded.mtime_ns.is_some() && recorded.etag.is_none());
+        // Rewritten in place with the same bytes: another modification time.
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        let b = fx.load(GOOD).unwrap();
+        assert_ne!(
+            a.job_id, b.job_id,
+            "a file rewritten in place is another job"
+        );
+        assert_ne!(a.fingerprints[0], b.fingerprints[0]);
+        assert_eq!(a.fingerprints[1], b.fingerprints[1]);
+        // Nothing changed since: the same job again.
+        assert_eq!(fx.load(GOOD).unwrap().job_id, b.job_id);
+        // Every input file is listed with what it was.
+        let listed = b.input_files();
+        assert_eq!(listed.len(), 2);
+        assert!(listed[0].path.ends_with("data/a.csv"));
+        let json = serde_json::to_value(&listed[0]).unwrap();
+        assert_eq!(json["size"], recorded.size);
+        assert!(json["mtime_ns"].as_u64().is_some(), "{json}");
     }
 }

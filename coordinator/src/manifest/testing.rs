@@ -1,7 +1,7 @@
 //! Test support shared by the manifest's unit tests: a folder holding two
 //! CSV inputs and a TorchScript-like model, and the manifests they start from.
 
-use super::{load, JobSpec, ManifestError};
+use super::{JobSpec, ManifestError};
 use std::fs;
 
 /// A temporary folder with `data/a.csv`, `data/b.csv` and `model.pt`.
@@ -31,9 +31,19 @@ impl Fixture {
         Self { dir }
     }
     pub(super) fn load(&self, toml: &str) -> Result<JobSpec, ManifestError> {
+        self.load_with(toml, &[])
+    }
+
+    /// [`Fixture::load`] with `--set` overrides.
+    pub(super) fn load_with(
+        &self,
+        toml: &str,
+        overrides: &[&str],
+    ) -> Result<JobSpec, ManifestError> {
         let path = self.dir.path().join("job.toml");
         fs::write(&path, toml).unwrap();
-        load(&path, &[])
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        super::load_with(&path, &[], &overrides)
     }
 }
 

@@ -324,3 +324,108 @@ fn help_lists_the_commands_and_env_vars() {
         assert!(text.contains(needle), "--help lacks {needle}:\n{text}");
     }
 }
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `batchfleet plan … --json`, parsed.
+fn plan(case: &Case, extra: &[&str]) -> serde_json::Value {
+    let manifest = case.manifest();
+    let mut args = vec!["plan", manifest.to_str().expect("utf8"), "--json"];
+    args.extend_from_slice(extra);
+    let out = case.run(&args);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&out)))
+}
+
+#[tokio::test]
+async fn plan_prints_the_job_and_items_run_then_uses_and_set_is_part_of_the_job() {
+    let case = Case::new(|t| t);
+    let plain = plan(&case, &[]);
+    assert_eq!(plain["state"], "new", "{plain}");
+    assert_eq!(
+        (plain["rows"].as_u64(), plain["files"].as_u64()),
+        (Some(1000), Some(2))
+    );
+    let bytes: u64 = std::fs::read_dir(fixture().join("data"))
+        .expect("data")
+        .map(|e| e.expect("entry").metadata().expect("stat").len())
+        .sum();
+    assert_eq!(plain["bytes"].as_u64(), Some(bytes));
+    // Planning publishes nothing, registers nothing and writes nothing.
+    case.assert_nothing_published().await;
+
+    let set = [
+        "--set",
+        "batching.item_rows=100",
+        "--set",
+        "output.dir=out-100",
+    ];
+    let planned = plan(&case, &set);
+    let id = planned["job_id"].as_str().expect("job id").to_owned();
+    let items = planned["items"].as_u64().expect("items");
+    assert_ne!(
+        id,
+        plain["job_id"].as_str().expect("id"),
+        "overrides change the job"
+    );
+    assert_ne!(items, plain["items"].as_u64().expect("items"));
+    assert_eq!(planned["overrides"][0], "batching.item_rows=100");
+
+    // `run` uses that very job id and item count.
+    let manifest = case.manifest();
+    let mut args = vec![
+        "run",
+        manifest.to_str().expect("utf8"),
+        "--local",
+        "--workers",
+        "2",
+    ];
+    args.extend_from_slice(&set);
+    let out = case.run(&args);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let line = stdout(&out);
+    assert!(
+        line.contains(&format!("job {id} completed: 1000 rows in {items} items")),
+        "{line}"
+    );
+    let summary = case.dir.path().join("out-100/summary.json");
+    let recorded: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("json");
+    assert_eq!(recorded["overrides"][1], "output.dir=out-100");
+    assert_eq!(recorded["resolved_manifest"]["batching"]["item_rows"], 100);
+    assert_eq!(recorded["inputs"].as_array().map(Vec::len), Some(2));
+    // Planned again, the job is done: from its output folder (Redis never
+    // knew this local run), with Redis or without.
+    assert_eq!(plan(&case, &set)["state"], "done");
+    let mut local = set.to_vec();
+    local.push("--local");
+    assert_eq!(plan(&case, &local)["state"], "done");
+    assert_eq!(plan(&case, &[])["state"], "new");
+
+    // A job whose state is gone from Redis is still compared from its summary.
+    let out = case.run(&["compare", &id, &id]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("pass the path of its summary.json"),
+        "{}",
+        stderr(&out)
+    );
+    let s = summary.to_str().expect("utf8");
+    let out = case.run(&["compare", s, s, "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // A bad override is a usage error naming it.
+    let out = case.run(&[
+        "plan",
+        manifest.to_str().expect("utf8"),
+        "--set",
+        "batching",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--set batching: is not key=value"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -63,6 +63,13 @@ pub struct WorkItem {
     pub input: InputSlice,
     /// How to turn rows into features and predictions into output.
     pub task: TaskSpec,
+    /// Each input file's version when the job was planned
+    /// ([`crate::source::Fingerprint::version`]: `mtime:<ns>` or
+    /// `etag:<etag>`), in the order of [`InputSlice::input_files`]; a worker
+    /// that finds another fails the item rather than read a changed file.
+    /// Empty: not checked (messages planned before versions were recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub versions: Vec<String>,
 }
 
 /// Records of a text file (CSV or JSON Lines) in the bytes `[start, end)`.
@@ -1014,6 +1021,19 @@ impl WorkItem {
             }
         }
         check_call(t)?;
+        let files = match &self.input {
+            InputSlice::Files { files, .. } => files.len(),
+            _ => 1,
+        };
+        if !self.versions.is_empty() && self.versions.len() != files {
+            return Err(format!(
+                "{} input versions for {files} input files",
+                self.versions.len()
+            ));
+        }
+        if self.versions.iter().any(|v| v.len() > 256) {
+            return Err("an input version longer than 256 bytes".into());
+        }
         match (&self.input, &t.layout) {
             (InputSlice::CsvRange(r), Layout::Csv(l)) => {
                 check_range(r, limits)?;
@@ -1254,6 +1274,7 @@ pub(crate) fn sample_item() -> WorkItem {
             checkpoint_rows: 0,
             text: None,
         },
+        versions: Vec::new(),
     }
 }
 

@@ -86,6 +86,7 @@ impl From<WorkItem> for super::WorkItem {
             seq: i.seq,
             input: i.input,
             task: i.task.into(),
+            versions: Vec::new(),
         }
     }
 }

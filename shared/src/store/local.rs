@@ -57,6 +57,10 @@ struct JobState {
     rows_computed: u64,
     /// `P:job:{id}:unable`: notes by worker.
     unable: BTreeMap<String, UnableNote>,
+    /// `P:job:{id}:inputs`: path → JSON fingerprint.
+    inputs: BTreeMap<String, String>,
+    /// `P:job:{id}:follower`: who holds the follower lease, until when (ms).
+    follower: Option<(String, u64)>,
 }
 
 /// All jobs: the per-job state and the `P:jobs` sorted set.
@@ -189,7 +193,9 @@ impl JobStore for LocalStore {
         let job = state.entry(id);
         job.leases
             .remove(&format!("{}@{}", stats.seq, stats.worker));
-        if job.done.contains(&stats.seq) {
+        if job.done.contains(&stats.seq)
+            || job.fields.get("status").map(String::as_str) == Some("cancelled")
+        {
             return Ok(false);
         }
         // The counters are read (and checked) before anything else changes,
@@ -333,7 +339,7 @@ impl JobStore for LocalStore {
         if job.done.contains(&lease.seq) {
             return Ok(Start::Done);
         }
-        if status == "failed" {
+        if status == "failed" || status == "cancelled" {
             return Ok(Start::JobFailed);
         }
         if job.failed.contains_key(&lease.seq) {
@@ -361,7 +367,9 @@ impl JobStore for LocalStore {
     async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
         let mut state = self.lock();
         let job = state.entry(job);
-        if job.done.contains(&lease.seq) {
+        if job.done.contains(&lease.seq)
+            || job.fields.get("status").map(String::as_str) == Some("cancelled")
+        {
             return Ok(false);
         }
         let mut held = lease.clone();
@@ -386,8 +394,13 @@ impl JobStore for LocalStore {
         ) {
             return Ok(false);
         }
+        let to = if class == "cancelled" {
+            JobStatus::Cancelled
+        } else {
+            JobStatus::Failed
+        };
         for (k, v) in [
-            ("status", JobStatus::Failed.as_str()),
+            ("status", to.as_str()),
             ("failed_class", class),
             ("failed_reason", reason),
         ] {
@@ -561,6 +574,99 @@ impl JobStore for LocalStore {
         state.listed.remove(id);
         Ok(())
     }
+
+    async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        let job = state.entry(job);
+        for (path, fingerprint) in inputs {
+            job.inputs.insert(path.clone(), fingerprint.clone());
+        }
+        Ok(())
+    }
+
+    async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError> {
+        Ok(self
+            .lock()
+            .jobs
+            .get(job)
+            .map(|j| j.inputs.clone())
+            .unwrap_or_default())
+    }
+
+    /// Local state lives as long as the process: nothing to expire.
+    async fn expire_job(&self, _job: &str, _ttl: std::time::Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn persist_job(&self, _job: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
+
+    /// [`FOLLOW_SCRIPT`](super::redis::FOLLOW_SCRIPT).
+    async fn follow_lease(
+        &self,
+        job: &str,
+        who: &str,
+        ttl: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let now = crate::now_ms();
+        let mut state = self.lock();
+        let job = state.entry(job);
+        if let Some((holder, until)) = &job.follower {
+            if holder != who && *until > now {
+                return Ok(false);
+            }
+        }
+        job.follower = Some((who.to_owned(), now + ttl.as_millis() as u64));
+        Ok(true)
+    }
+
+    async fn release_follow(&self, job: &str, who: &str) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        if let Some(job) = state.jobs.get_mut(job) {
+            if job.follower.as_ref().is_some_and(|(h, _)| h == who) {
+                job.follower = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`reduce_script`](super::redis::reduce_script).
+    async fn claim_reduce(
+        &self,
+        job: &str,
+        who: &str,
+        stale: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let now = crate::now_ms();
+        let mut state = self.lock();
+        let Some(job) = state.jobs.get_mut(job) else {
+            return Ok(false);
+        };
+        let field = |k: &str| job.fields.get(k).cloned().unwrap_or_default();
+        let status = field("status");
+        let finished = field("finished_ms").parse::<u64>().unwrap_or(0);
+        if status != "planning" && status != "running" && finished > 0 {
+            return Ok(false);
+        }
+        let (reducer, since) = (
+            field("reducer"),
+            field("reducer_ms").parse::<u64>().unwrap_or(0),
+        );
+        if !reducer.is_empty()
+            && reducer != who
+            && now.saturating_sub(since) < stale.as_millis() as u64
+        {
+            return Ok(false);
+        }
+        job.fields.insert("reducer".into(), who.to_owned());
+        job.fields.insert("reducer_ms".into(), now.to_string());
+        Ok(true)
+    }
 }
 
 #[cfg(test)]
@@ -596,6 +702,8 @@ mod tests {
             merge: true,
             failed_reason: String::new(),
             failed_class: String::new(),
+            overrides: Vec::new(),
+            resolved_manifest: String::new(),
         }
     }
 

@@ -68,6 +68,14 @@ pub enum StoreError {
         /// Client library message.
         reason: String,
     },
+    /// Redis may evict keys of a running job under memory pressure.
+    #[error("Redis at {url} has maxmemory-policy {policy}, which evicts any key when memory runs short — a running job's progress, leases and done items included, which would lose or repeat work. Set it to noeviction (or a volatile-* policy, which evicts only finished jobs' state, the keys with a time to live): `CONFIG SET maxmemory-policy noeviction`, maxmemory-policy in redis.conf, or the parameter group of a managed Redis")]
+    Evicts {
+        /// Redacted URL.
+        url: String,
+        /// The policy in force.
+        policy: String,
+    },
     /// Stored data could not be read back.
     #[error("Redis key {key} holds unexpected data: {reason}")]
     Corrupt {
@@ -81,7 +89,7 @@ pub enum StoreError {
 impl StoreError {
     /// Whether retrying cannot help (wrong credentials).
     pub fn is_permanent(&self) -> bool {
-        matches!(self, StoreError::Auth { .. })
+        matches!(self, StoreError::Auth { .. } | StoreError::Evicts { .. })
     }
 }
 
@@ -99,6 +107,10 @@ pub enum JobStatus {
     CompletedWithFailures,
     /// The error budget was exceeded; remaining items are skipped.
     Failed,
+    /// Stopped by `batchfleet cancel`: queued items are skipped, in-flight
+    /// ones stop at their next checkpoint, committed parts stay; running
+    /// the manifest again continues it from what was committed.
+    Cancelled,
 }
 
 impl JobStatus {
@@ -110,6 +122,7 @@ impl JobStatus {
             JobStatus::Completed => "completed",
             JobStatus::CompletedWithFailures => "completed_with_failures",
             JobStatus::Failed => "failed",
+            JobStatus::Cancelled => "cancelled",
         }
     }
 
@@ -120,6 +133,7 @@ impl JobStatus {
             "completed" => JobStatus::Completed,
             "completed_with_failures" => JobStatus::CompletedWithFailures,
             "failed" => JobStatus::Failed,
+            "cancelled" => JobStatus::Cancelled,
             _ => return None,
         })
     }
@@ -195,6 +209,11 @@ pub struct JobRecord {
     /// (nobody can run it: the model) or `unable` (no worker could take its
     /// items in time); empty unless failed.
     pub failed_class: String,
+    /// The `--set key=value` overrides the job was started with, applied
+    /// over its manifest file (`resume` applies them again).
+    pub overrides: Vec<String>,
+    /// The manifest as validated — the file with the overrides applied — in TOML.
+    pub resolved_manifest: String,
 }
 
 impl JobRecord {
@@ -234,6 +253,11 @@ impl JobRecord {
             ("merge", u8::from(self.merge).to_string()),
             ("failed_reason", self.failed_reason.clone()),
             ("failed_class", self.failed_class.clone()),
+            (
+                "overrides",
+                serde_json::to_string(&self.overrides).expect("strings serialize"),
+            ),
+            ("resolved_manifest", self.resolved_manifest.clone()),
         ]
     }
 
@@ -297,6 +321,12 @@ impl JobRecord {
             merge: num("merge")? == 1,
             failed_reason: map.get("failed_reason").cloned().unwrap_or_default(),
             failed_class: map.get("failed_class").cloned().unwrap_or_default(),
+            overrides: match map.get("overrides").map(String::as_str) {
+                None | Some("") => Vec::new(),
+                Some(v) => serde_json::from_str(v)
+                    .map_err(|e| corrupt(format!("field overrides is not a JSON list: {e}")))?,
+            },
+            resolved_manifest: map.get("resolved_manifest").cloned().unwrap_or_default(),
         })
     }
 }
@@ -486,7 +516,8 @@ pub enum Start {
     Done,
     /// The item failed for good (dead-lettered); a copy arriving now is stale.
     FailedForGood,
-    /// The job failed (error budget, or nobody can run it): skip its items.
+    /// The job failed (error budget, or nobody can run it) or was
+    /// cancelled: skip its items.
     JobFailed,
     /// No such job in Redis (unknown, deleted, or Redis lost its data and
     /// the coordinator has not restored it yet).
@@ -610,15 +641,17 @@ pub trait JobStore: Send + Sync + fmt::Debug {
 
     /// Refreshes a lease (the heartbeat; its `heartbeat_ms` is set to
     /// Redis's time). Returns `false`, writing nothing, once the item is
-    /// done: the holder may stop working on it.
+    /// done or its job cancelled: the holder may stop working on it.
     async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError>;
 
     /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
     async fn now_ms(&self) -> Result<u64, StoreError>;
 
     /// Fails a running job at once with `class` and `reason` (see
-    /// [`JobRecord::failed_class`]). `false` if it was not running (finished,
-    /// or failed already — the first reason stays).
+    /// [`JobRecord::failed_class`]); class `cancelled` makes its status
+    /// [`JobStatus::Cancelled`] instead (`batchfleet cancel`). `false` if it
+    /// was not running (finished, failed or cancelled already — the first
+    /// reason stays).
     async fn fail_job(&self, job: &str, class: &str, reason: &str) -> Result<bool, StoreError>;
 
     /// Marks the job published (every item confirmed by the broker) and
@@ -680,8 +713,55 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// Most recent job ids, newest first.
     async fn recent_jobs(&self, limit: usize) -> Result<Vec<String>, StoreError>;
 
-    /// Deletes every key of a job (tests and `purge`).
+    /// Deletes every key of a job (tests, `gc`, and the listing of a job
+    /// whose keys expired).
     async fn delete_job(&self, id: &str) -> Result<(), StoreError>;
+
+    /// Records what each input file was when the job was planned: path →
+    /// JSON fingerprint (`P:job:{id}:inputs`).
+    async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError>;
+
+    /// The input files [`JobStore::put_inputs`] recorded, by path.
+    async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError>;
+
+    /// Lets every key of a finished job expire after `ttl` (Redis:
+    /// `PEXPIRE` on each; the local store keeps its state for the process's
+    /// life, so it does nothing).
+    async fn expire_job(&self, job: &str, ttl: std::time::Duration) -> Result<(), StoreError>;
+
+    /// Makes a job's keys permanent again: a finished job run again is
+    /// running, and a running job's state never expires.
+    async fn persist_job(&self, job: &str) -> Result<(), StoreError>;
+
+    /// The store's eviction policy (Redis's `maxmemory-policy`); `None`
+    /// where nothing is evicted (the local store).
+    async fn eviction_policy(&self) -> Result<Option<String>, StoreError>;
+
+    /// Takes, or keeps, the job's follower lease for `who` for `ttl`
+    /// (`P:job:{id}:follower`): the one coordinator process — `run`,
+    /// `wait`, `resume` or `supervise` — that supervises the job (copies of
+    /// lost and straggling items) while the others only watch. `true` when
+    /// `who` holds it now.
+    async fn follow_lease(&self, job: &str, who: &str, ttl: Duration) -> Result<bool, StoreError>;
+
+    /// Gives the follower lease up, if `who` holds it.
+    async fn release_follow(&self, job: &str, who: &str) -> Result<(), StoreError>;
+
+    /// Claims the job's reduce step (summary, `_SUCCESS`, merge, hooks)
+    /// for `who`: `true` for exactly one caller per run of the job, unless
+    /// the claim is older than `stale` and the job still unfinished (its
+    /// reducer died), when the next caller takes it over. `false` once the
+    /// job is reduced. Running the job again (`dispatch`) clears the claim.
+    async fn claim_reduce(&self, job: &str, who: &str, stale: Duration)
+        -> Result<bool, StoreError>;
+}
+
+/// Whether an eviction policy may evict a running job's state: the
+/// `allkeys-*` policies evict any key; `noeviction` evicts nothing and the
+/// `volatile-*` ones only keys with a time to live — of batchfleet's, the
+/// finished jobs' whose retention is running anyway.
+pub fn evicts_job_state(policy: &str) -> bool {
+    policy.starts_with("allkeys")
 }
 
 /// Handle to the job store in use; cheap to clone, derefs to [`JobStore`].
@@ -702,9 +782,18 @@ impl Store {
         prefix: &str,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        Ok(Self(Arc::new(
-            redis::RedisStore::connect(url, prefix, timeout).await?,
-        )))
+        let store = redis::RedisStore::connect(url, prefix, timeout).await?;
+        // A store that may evict a running job's keys breaks every
+        // guarantee at the first memory pressure: refuse it at once.
+        if let Some(policy) = store.eviction_policy().await? {
+            if evicts_job_state(&policy) {
+                return Err(StoreError::Evicts {
+                    url: url.redacted(),
+                    policy,
+                });
+            }
+        }
+        Ok(Self(Arc::new(store)))
     }
 
     /// A store in this process's memory (`batchfleet run --local`).
@@ -748,6 +837,8 @@ mod tests {
             merge: true,
             failed_reason: String::new(),
             failed_class: String::new(),
+            overrides: Vec::new(),
+            resolved_manifest: String::new(),
         }
     }
 

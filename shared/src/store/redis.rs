@@ -101,9 +101,14 @@ fn pool_err(op: &'static str) -> impl FnOnce(deadpool_redis::PoolError) -> Store
 /// `counts[column][bin]`) and stores the stats (and forgets an earlier
 /// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
 /// a done item needs none, and [`lease_script`] writes none for it again.
-/// Returns 1 for the winning commit, 0 otherwise.
+/// Nothing is committed to a cancelled job (its part file, published
+/// already, is committed when the job is run again). Returns 1 for the
+/// winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
 redis.call('HDEL', KEYS[6], ARGV[6])
+if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
+  return 0
+end
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'items_done', 1)
   redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
@@ -126,13 +131,17 @@ return 0
 /// Lua: Redis's clock in ms.
 const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
-/// Writes a lease unless the item is already done, its `heartbeat_ms` set
+/// Writes a lease unless the item is already done or its job cancelled
+/// (`KEYS[3]`, the job hash), its `heartbeat_ms` set
 /// to Redis's clock. Returns 1 if written.
 pub fn lease_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+if redis.call('HGET', KEYS[3], 'status') == 'cancelled' then
   return 0
 end
 local lease = cjson.decode(ARGV[3])
@@ -167,7 +176,7 @@ end
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
   return {'done'}
 end
-if job[1] == 'failed' then
+if job[1] == 'failed' or job[1] == 'cancelled' then
   return {'job_failed'}
 end
 if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
@@ -196,16 +205,63 @@ end
 return 1
 "#;
 
-/// Marks a running job failed with why, unless it is finished or failed
+/// Marks a running job failed (class `cancelled`: cancelled) with why, unless it is finished or failed
 /// already. Returns 1 if this call failed it.
 pub const FAIL_JOB_SCRIPT: &str = r#"
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'planning' and status ~= 'running' then
   return 0
 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_class', ARGV[1], 'failed_reason', ARGV[2])
+local to = 'failed'
+if ARGV[1] == 'cancelled' then
+  to = 'cancelled'
+end
+redis.call('HSET', KEYS[1], 'status', to, 'failed_class', ARGV[1], 'failed_reason', ARGV[2])
 return 1
 "#;
+
+/// Takes or keeps the follower lease (`KEYS[1]`) for `ARGV[1]` for
+/// `ARGV[2]` ms. Returns 1 if `ARGV[1]` holds it.
+pub const FOLLOW_SCRIPT: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"#;
+
+/// Gives the follower lease (`KEYS[1]`) up if `ARGV[1]` holds it.
+pub const UNFOLLOW_SCRIPT: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"#;
+
+/// Claims the reduce step of the job (`KEYS[1]`, fields `reducer` and
+/// `reducer_ms`) for `ARGV[1]`: refused once the job is reduced (a final
+/// status with `finished_ms`), or while another's claim is younger than
+/// `ARGV[2]` ms. Returns 1 if claimed.
+pub fn reduce_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+local j = redis.call('HMGET', KEYS[1], 'status', 'finished_ms', 'reducer', 'reducer_ms')
+if not j[1] then
+  return 0
+end
+if j[1] ~= 'planning' and j[1] ~= 'running' and (tonumber(j[2]) or 0) > 0 then
+  return 0
+end
+if j[3] and j[3] ~= '' and j[3] ~= ARGV[1] and now - (tonumber(j[4]) or 0) < tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'reducer', ARGV[1], 'reducer_ms', now)
+return 1
+"#
+    )
+}
 
 /// Records a failure unless the item is already done (a late failure of a
 /// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
@@ -348,6 +404,30 @@ impl RedisStore {
     }
     fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
+    }
+    fn inputs_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:inputs", self.prefix)
+    }
+    fn follower_key(&self, id: &str) -> String {
+        format!("{}:job:{id}:follower", self.prefix)
+    }
+
+    /// Every key one job has.
+    fn keys_of(&self, id: &str) -> [String; 12] {
+        [
+            self.job_key(id),
+            self.done_key(id),
+            self.stats_key(id),
+            self.failed_key(id),
+            self.leases_key(id),
+            self.redispatched_key(id),
+            self.work_key(id),
+            self.hist_key(id),
+            self.copies_key(id),
+            self.unable_key(id),
+            self.inputs_key(id),
+            self.follower_key(id),
+        ]
     }
 
     /// The connection for one operation. Every operation shares one
@@ -638,6 +718,7 @@ impl JobStore for RedisStore {
             .lease
             .key(self.done_key(job))
             .key(self.leases_key(job))
+            .key(self.job_key(job))
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
@@ -876,23 +957,113 @@ impl JobStore for RedisStore {
     async fn delete_job(&self, id: &str) -> Result<(), StoreError> {
         let mut c = self.conn("DEL job").await?;
         redis::pipe()
-            .del(&[
-                self.job_key(id),
-                self.done_key(id),
-                self.stats_key(id),
-                self.failed_key(id),
-                self.leases_key(id),
-                self.redispatched_key(id),
-                self.work_key(id),
-                self.hist_key(id),
-                self.copies_key(id),
-                self.unable_key(id),
-            ])
+            .del(&self.keys_of(id))
             .ignore()
             .zrem(self.jobs_key(), id)
             .ignore()
             .query_async::<()>(&mut c)
             .await
             .map_err(cmd("DEL job"))
+    }
+
+    /// `HSET P:job:{id}:inputs`, a thousand files per command.
+    async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError> {
+        let key = self.inputs_key(job);
+        let mut c = self.conn("HSET inputs").await?;
+        let mut pipe = redis::pipe();
+        for chunk in inputs.chunks(1000) {
+            pipe.hset_multiple(&key, chunk).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("HSET inputs"))
+    }
+
+    async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError> {
+        let mut c = self.conn("HGETALL inputs").await?;
+        c.hgetall(self.inputs_key(job))
+            .await
+            .map_err(cmd("HGETALL inputs"))
+    }
+
+    /// `PEXPIRE` on every key of the job, in one `MULTI`.
+    async fn expire_job(&self, job: &str, ttl: std::time::Duration) -> Result<(), StoreError> {
+        let ms = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        let mut c = self.conn("PEXPIRE job").await?;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for key in self.keys_of(job) {
+            pipe.cmd("PEXPIRE").arg(key).arg(ms).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("PEXPIRE job"))
+    }
+
+    /// `PERSIST` on every key of the job, in one `MULTI`.
+    async fn persist_job(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("PERSIST job").await?;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for key in self.keys_of(job) {
+            pipe.persist(key).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("PERSIST job"))
+    }
+
+    async fn follow_lease(&self, job: &str, who: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let mut c = self.conn("follower lease").await?;
+        let held: i64 = redis::Script::new(FOLLOW_SCRIPT)
+            .key(self.follower_key(job))
+            .arg(who)
+            .arg(ttl.as_millis().max(1) as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("follower lease"))?;
+        Ok(held == 1)
+    }
+
+    async fn release_follow(&self, job: &str, who: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("release follower lease").await?;
+        redis::Script::new(UNFOLLOW_SCRIPT)
+            .key(self.follower_key(job))
+            .arg(who)
+            .invoke_async::<()>(&mut c)
+            .await
+            .map_err(cmd("release follower lease"))
+    }
+
+    async fn claim_reduce(
+        &self,
+        job: &str,
+        who: &str,
+        stale: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut c = self.conn("claim reduce").await?;
+        let won: i64 = redis::Script::new(&reduce_script())
+            .key(self.job_key(job))
+            .arg(who)
+            .arg(stale.as_millis() as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("claim reduce"))?;
+        Ok(won == 1)
+    }
+
+    /// `maxmemory_policy` from `INFO memory` (managed Redis often refuses
+    /// `CONFIG GET`, never `INFO`).
+    async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
+        let mut c = self.conn("INFO memory").await?;
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("INFO memory"))?;
+        Ok(info
+            .lines()
+            .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+            .map(|p| p.trim().to_owned()))
     }
 }

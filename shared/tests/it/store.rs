@@ -34,6 +34,9 @@ on_both_stores! {
     starting_an_item_checks_the_claim_leases_on_the_store_clock_and_a_commit_drops_the_lease: "bftest-start",
     a_message_disagreeing_with_its_job_record_writes_nothing: "bftest-claim",
     a_job_fails_once_with_its_first_reason_and_its_items_are_skipped: "bftest-failjob",
+    a_cancelled_job_starts_heartbeats_and_commits_nothing_more: "bftest-cancel",
+    one_follower_holds_the_lease_and_one_claim_reduces_each_run: "bftest-follow",
+    inputs_are_recorded_by_path: "bftest-inputs",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -62,6 +65,8 @@ fn record(id: &str) -> JobRecord {
         merge: false,
         failed_reason: String::new(),
         failed_class: String::new(),
+        overrides: Vec::new(),
+        resolved_manifest: String::new(),
     }
 }
 
@@ -377,4 +382,154 @@ async fn a_job_fails_once_with_its_first_reason_and_its_items_are_skipped(store:
     assert_eq!(store.mark_redispatched("j", 2, 11).await.expect("mark"), 2);
     assert_eq!(store.copies("j").await.expect("copies").get(&2), Some(&2));
     store.delete_job("j").await.expect("cleanup");
+}
+
+async fn a_cancelled_job_starts_heartbeats_and_commits_nothing_more(store: Store) {
+    store.put_job(&record("c")).await.expect("put");
+    let held = lease(1, "w");
+    assert!(matches!(
+        store.start_item("c", &held, &claim()).await.expect("start"),
+        Start::Started { .. }
+    ));
+    assert!(store
+        .commit_item("c", &stats(0, "w"), &[])
+        .await
+        .expect("commit"));
+    assert!(store
+        .fail_job("c", "cancelled", "by hand")
+        .await
+        .expect("cancel"));
+    let job = store.job("c").await.expect("job").expect("there");
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(
+        (job.failed_class.as_str(), job.failed_reason.as_str()),
+        ("cancelled", "by hand")
+    );
+    // Cancelled once: a later failure or cancel changes nothing.
+    assert!(!store
+        .fail_job("c", "budget", "too many")
+        .await
+        .expect("fail"));
+    assert!(!store
+        .fail_job("c", "cancelled", "again")
+        .await
+        .expect("cancel"));
+    // Queued items are skipped, an in-flight one's heartbeat is refused
+    // (it stops), and its commit does not count.
+    assert_eq!(
+        store
+            .start_item("c", &lease(2, "w"), &claim())
+            .await
+            .expect("start"),
+        Start::JobFailed
+    );
+    assert!(!store.heartbeat("c", &held).await.expect("heartbeat"));
+    assert!(
+        !store.is_done("c", 1).await.expect("done"),
+        "not done: stopped by the cancel"
+    );
+    assert!(!store
+        .commit_item("c", &stats(1, "w"), &[])
+        .await
+        .expect("commit"));
+    let p = store.progress("c").await.expect("progress");
+    assert_eq!((p.items_done, p.status), (1, Some(JobStatus::Cancelled)));
+    store.delete_job("c").await.expect("cleanup");
+}
+
+async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Store) {
+    use std::time::Duration;
+    store.put_job(&record("f")).await.expect("put");
+    let ttl = Duration::from_secs(30);
+    assert!(store.follow_lease("f", "a", ttl).await.expect("lease"));
+    assert!(store.follow_lease("f", "a", ttl).await.expect("renew"));
+    assert!(
+        !store.follow_lease("f", "b", ttl).await.expect("lease"),
+        "a holds it"
+    );
+    store
+        .release_follow("f", "b")
+        .await
+        .expect("not b's to release");
+    assert!(!store.follow_lease("f", "b", ttl).await.expect("lease"));
+    store.release_follow("f", "a").await.expect("release");
+    assert!(
+        store.follow_lease("f", "b", ttl).await.expect("lease"),
+        "given up by a"
+    );
+    // A lapsed lease is taken over.
+    assert!(store
+        .follow_lease("g", "a", Duration::from_millis(30))
+        .await
+        .expect("lease"));
+    let lapsed = async {
+        while !store.follow_lease("g", "b", ttl).await.expect("lease") {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), lapsed)
+        .await
+        .expect("lapsed");
+    // One reduce claim per run: the first caller's, then nobody's.
+    let stale = Duration::from_secs(600);
+    assert!(store.claim_reduce("f", "a", stale).await.expect("claim"));
+    assert!(store
+        .claim_reduce("f", "a", stale)
+        .await
+        .expect("the claimer's again"));
+    assert!(!store.claim_reduce("f", "b", stale).await.expect("claim"));
+    // A stale claim on a job still unfinished is taken over.
+    assert!(store
+        .claim_reduce("f", "b", Duration::ZERO)
+        .await
+        .expect("stale"));
+    // Reduced (final status, finish time): nobody claims it.
+    store
+        .set_job_fields(
+            "f",
+            &[("status", "completed".into()), ("finished_ms", "5".into())],
+        )
+        .await
+        .expect("finish");
+    assert!(!store
+        .claim_reduce("f", "b", Duration::ZERO)
+        .await
+        .expect("claim"));
+    // Run again, it is claimed once more.
+    store
+        .set_job_fields(
+            "f",
+            &[
+                ("status", "planning".into()),
+                ("reducer", String::new()),
+                ("finished_ms", "0".into()),
+            ],
+        )
+        .await
+        .expect("again");
+    assert!(store.claim_reduce("f", "c", stale).await.expect("claim"));
+    assert!(!store.claim_reduce("f", "a", stale).await.expect("claim"));
+    assert!(!store
+        .claim_reduce("unknown", "a", stale)
+        .await
+        .expect("claim"));
+    for id in ["f", "g"] {
+        store.delete_job(id).await.expect("cleanup");
+    }
+}
+
+async fn inputs_are_recorded_by_path(store: Store) {
+    store.put_job(&record("i")).await.expect("put");
+    let inputs: Vec<(String, String)> = (0..2500)
+        .map(|n| (format!("/data/f{n:05}.csv"), format!("{{\"size\":{n}}}")))
+        .collect();
+    store.put_inputs("i", &inputs).await.expect("put inputs");
+    let back = store.inputs("i").await.expect("inputs");
+    assert_eq!(back.len(), 2500);
+    assert_eq!(
+        back.get("/data/f01234.csv").map(String::as_str),
+        Some("{\"size\":1234}")
+    );
+    store.delete_job("i").await.expect("cleanup");
+    assert!(store.inputs("i").await.expect("inputs").is_empty());
 }

@@ -60,6 +60,7 @@ fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
         help(&coordinator, &[]),
         help(&coordinator, &["run"]),
         help(&coordinator, &["resume"]),
+        help(&coordinator, &["supervise"]),
     ]
     .join("\n");
     let mut vars = BTreeSet::new();
@@ -85,9 +86,13 @@ fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
             {
                 service = line.trim().trim_end_matches(':').to_owned();
             }
-            let batchfleet_service = matches!(service.as_str(), "worker" | "coordinator");
-            let ours = (line.contains("command: [\"--") && batchfleet_service)
+            let batchfleet_service =
+                matches!(service.as_str(), "worker" | "coordinator" | "supervisor");
+            let ours = ((line.contains("command: [\"--")
+                || line.contains("command: [\"supervise\""))
+                && batchfleet_service)
                 || line.contains("args: [\"run\"")
+                || line.contains("args: [\"supervise\"")
                 || line.contains("ExecStart=/usr/local/bin/batchfleet")
                 || line.contains("/usr/local/bin/batchfleet run");
             if !ours {

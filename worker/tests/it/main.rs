@@ -6,6 +6,7 @@ mod deploy;
 mod e2e;
 mod failures;
 mod formats;
+mod jobs;
 mod reports;
 mod support;
 mod text;

@@ -43,6 +43,7 @@ impl TestEnv {
             connect_timeout: Duration::from_secs(10),
             signing_key: None,
             local: None,
+            retention: batchfleet_coordinator::config::DEFAULT_RETENTION,
         }
     }
 
@@ -58,6 +59,7 @@ impl TestEnv {
                 ..Default::default()
             },
             data_roots: Vec::new(),
+            overrides: Vec::new(),
         }
     }
 

@@ -1,0 +1,844 @@
+//! Many jobs on one fleet, against the real RabbitMQ, Redis and libtorch:
+//! what a job is (its inputs' fingerprints), how long its state lives
+//! (retention, `gc`), and a Redis that could evict it.
+
+use crate::support::{stop_all, TestEnv};
+use batchfleet_coordinator::manifest;
+use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_loadtest::verify::verify;
+use batchfleet_shared::store::{JobRecord, JobStatus, Store, StoreError};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A 2,000-row job in two files of 4 items each.
+fn job(env: &TestEnv) -> PathBuf {
+    let gen = JobGen {
+        rows: 2_000,
+        files: 2,
+        features: 8,
+        hidden: 16,
+        name: batchfleet_loadtest::services::unique("lineage"),
+        pool: env.pool.clone(),
+        item_rows: 250,
+        batch_size: 64,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    env.path().join("job.toml")
+}
+
+/// Gives `path` a later modification time, its bytes unchanged: a file
+/// rewritten in place with the same length.
+fn touch(path: &Path) {
+    let later = std::time::SystemTime::now() + Duration::from_secs(120);
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .expect("open input")
+        .set_modified(later)
+        .expect("set mtime");
+}
+
+async fn redis(env: &TestEnv) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(env.redis.expose())
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis")
+}
+
+async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(c)
+        .await
+        .expect("PTTL")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_changed_under_a_job_fails_its_items_and_a_changed_input_is_a_new_job() {
+    let env = TestEnv::new("lineage");
+    let manifest = job(&env);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let cfg = env.run_config();
+
+    // Validated and planned with the inputs as they are; then the first file
+    // is rewritten in place (same bytes, a later time) before any item is read.
+    let spec = manifest::load(&manifest, &[]).expect("manifest");
+    let changed = spec.files[0].clone();
+    touch(&changed);
+    let run = batchfleet_coordinator::run_spec(
+        &cfg,
+        &spec,
+        batchfleet_shared::now_ms(),
+        tokio_util::sync::CancellationToken::new(),
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("settled in time")
+        .expect("ran");
+    let batchfleet_coordinator::RunOutcome::Completed { report, .. } = outcome else {
+        panic!("expected a settled job, got {outcome:?}");
+    };
+    // The changed file's four items failed with the reason; the other
+    // file's were predicted.
+    assert_eq!(report.status, "completed_with_failures", "{report:?}");
+    assert_eq!((report.items_failed, report.items_completed), (4, 4));
+    for f in &report.failed_items {
+        assert_eq!(f.class, "poison", "{f:?}");
+        assert!(
+            f.reason.contains(&*changed.to_string_lossy())
+                && f.reason.contains("the input changed under the job")
+                && f.reason.contains("modified "),
+            "{f:?}"
+        );
+    }
+    assert_eq!(report.rows_predicted, 1_000);
+    // The summary lists each input with what it was when planned, and the
+    // manifest it ran.
+    assert_eq!(report.inputs.len(), 2);
+    for (input, fp) in report.inputs.iter().zip(&spec.fingerprints) {
+        assert_eq!(&input.fingerprint, fp);
+        let len = std::fs::metadata(&input.path).expect("input").len();
+        assert_eq!(input.fingerprint.size, len);
+    }
+    let now = batchfleet_shared::source::Input::open(&changed)
+        .and_then(|i| i.fingerprint())
+        .expect("fingerprint");
+    assert_ne!(report.inputs[0].fingerprint.mtime_ns, now.mtime_ns);
+    let resolved = report
+        .resolved_manifest
+        .as_ref()
+        .expect("resolved manifest");
+    assert_eq!(resolved["job"]["pool"], env.pool.as_str());
+
+    // Run again: the changed input makes another job, which refuses the
+    // first job's output folder, naming both.
+    let again = manifest::load(&manifest, &[]).expect("manifest").job_id;
+    assert_ne!(again, spec.job_id);
+    let err = batchfleet_coordinator::run_job(
+        &cfg,
+        &manifest,
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await
+    .expect_err("another job's output folder");
+    let text = err.to_string();
+    assert!(
+        text.contains(&spec.job_id) && text.contains(&again) && text.contains("[output] dir"),
+        "{text}"
+    );
+    // Into a folder of its own (`--set`), the new job predicts every row
+    // once, equal to PyTorch's.
+    let mut cfg2 = cfg.clone();
+    cfg2.overrides = vec!["output.dir=out-2".into()];
+    let (new_id, report) =
+        crate::support::run_with_config_to_end(&cfg2, &manifest, Duration::from_secs(180)).await;
+    assert_ne!(new_id, again, "the override is part of the job");
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(report.overrides, ["output.dir=out-2"]);
+    let v = verify(
+        &env.path().join("out-2"),
+        &env.path().join("golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    stop_all(&mut workers);
+    env.cleanup(&[&spec.job_id, &new_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_never() {
+    let env = TestEnv::new("retain");
+    let manifest = job(&env);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let mut cfg = env.run_config();
+    cfg.connections.retention = Duration::from_secs(3600);
+    let (id, report) =
+        crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(180)).await;
+    assert_eq!(report.status, "completed");
+    let mut c = redis(&env).await;
+    let key = format!("{}:job:{id}", env.prefix);
+    // Every key of the finished job has the retention as its time to live.
+    for k in [
+        key.clone(),
+        format!("{key}:done"),
+        format!("{key}:stats"),
+        format!("{key}:inputs"),
+    ] {
+        let ttl = pttl(&mut c, &k).await;
+        assert!(ttl > 3_500_000 && ttl <= 3_600_000, "{k}: PTTL {ttl}");
+    }
+    // Run again (as `run` after a failure would): running, it is kept for good.
+    let store = env.connections().store().await.expect("redis");
+    store.persist_job(&id).await.expect("persist");
+    assert_eq!(pttl(&mut c, &key).await, -1);
+    assert_eq!(pttl(&mut c, &format!("{key}:done")).await, -1);
+    // A short retention: the state goes, the summary stays, and `compare`
+    // still reads it from the output folder.
+    store
+        .expire_job(&id, Duration::from_millis(50))
+        .await
+        .expect("expire");
+    let gone = async {
+        while store.job(&id).await.expect("read").is_some() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), gone)
+        .await
+        .expect("the state expired");
+    let exists: u32 = redis::cmd("EXISTS")
+        .arg(format!("{key}:done"))
+        .arg(format!("{key}:stats"))
+        .arg(format!("{key}:inputs"))
+        .query_async(&mut c)
+        .await
+        .expect("EXISTS");
+    assert_eq!(exists, 0);
+    let summary: batchfleet_coordinator::reducer::Summary = serde_json::from_slice(
+        &std::fs::read(env.path().join("out/summary.json")).expect("the summary stays"),
+    )
+    .expect("a summary");
+    assert_eq!(summary.job_id, id);
+    let listed = batchfleet_coordinator::status::jobs(&store, 20)
+        .await
+        .expect("jobs");
+    assert!(
+        listed.iter().all(|j| j.id != id),
+        "an expired job is not listed"
+    );
+    assert!(
+        store
+            .recent_jobs(20)
+            .await
+            .unwrap()
+            .iter()
+            .all(|j| *j != id),
+        "its listing went with it"
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}
+
+fn record(id: &str, status: JobStatus, created_ms: u64, finished_ms: u64) -> JobRecord {
+    JobRecord {
+        id: id.into(),
+        name: "gc".into(),
+        status,
+        pool: "p".into(),
+        manifest: "/m.toml".into(),
+        output_dir: format!("/out/{id}"),
+        output_format: "csv".into(),
+        model: "/m.pt".into(),
+        model_sha256: "00".repeat(32),
+        max_failed_items: None,
+        max_failed_percent: None,
+        items_total: 1,
+        rows_total: 1,
+        rows_estimated: false,
+        items_done: 0,
+        rows_done: 0,
+        rows_rejected: 0,
+        created_ms,
+        published_ms: created_ms,
+        finished_ms,
+        items_published: 1,
+        merge: false,
+        failed_reason: String::new(),
+        failed_class: String::new(),
+        overrides: Vec::new(),
+        resolved_manifest: String::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_removes_exactly_the_finished_jobs_older_than_the_cutoff() {
+    let env = TestEnv::new("gc");
+    let store = env.connections().store().await.expect("redis");
+    let now = batchfleet_shared::now_ms();
+    let (h, m) = (3_600_000, 60_000);
+    let jobs = [
+        record("old-done", JobStatus::Completed, now - 3 * h, now - 2 * h),
+        record(
+            "old-failures",
+            JobStatus::CompletedWithFailures,
+            now - 3 * h,
+            now - 2 * h,
+        ),
+        record("old-failed", JobStatus::Failed, now - 3 * h, now - 2 * h),
+        record("new-done", JobStatus::Completed, now - 3 * h, now - m),
+        record("old-running", JobStatus::Running, now - 5 * h, 0),
+        record("old-planning", JobStatus::Planning, now - 5 * h, 0),
+    ];
+    for j in &jobs {
+        store.put_job(j).await.expect("put");
+        store
+            .commit_item(&j.id, &stats(), &[])
+            .await
+            .expect("commit");
+    }
+    let old = ["old-done", "old-failed", "old-failures"];
+    // A dry run lists them and removes nothing.
+    let listed = batchfleet_coordinator::control::gc(&store, Duration::from_secs(3600), true)
+        .await
+        .expect("gc --dry-run");
+    let mut ids: Vec<&str> = listed.iter().map(|c| c.job_id.as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, old);
+    for j in &jobs {
+        assert!(store.job(&j.id).await.unwrap().is_some(), "{}", j.id);
+    }
+    // The real one removes every key of exactly those.
+    let removed = batchfleet_coordinator::control::gc(&store, Duration::from_secs(3600), false)
+        .await
+        .expect("gc");
+    assert_eq!(removed.len(), 3);
+    for j in &jobs {
+        let kept = store.job(&j.id).await.unwrap().is_some();
+        assert_eq!(kept, !old.contains(&j.id.as_str()), "{}", j.id);
+        assert_eq!(store.is_done(&j.id, 0).await.unwrap(), kept, "{}", j.id);
+    }
+    let listed: Vec<String> = batchfleet_coordinator::status::jobs(&store, 20)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    // Everything finished, at once: a running job is still never touched.
+    let removed = batchfleet_coordinator::control::gc(&store, Duration::ZERO, false)
+        .await
+        .expect("gc");
+    assert_eq!(removed.len(), 1);
+    assert_eq!(removed[0].job_id, "new-done");
+    env.cleanup(&["old-running", "old-planning"]).await;
+}
+
+fn stats() -> batchfleet_shared::store::ItemStats {
+    serde_json::from_value(serde_json::json!({
+        "seq": 0, "rows": 1, "rows_rejected": 0, "worker": "w", "started_ms": 0,
+        "finished_ms": 1, "attempt": 1, "recovered": false
+    }))
+    .expect("stats")
+}
+
+/// A Redis of the test's own on a free port, with `policy` as its
+/// `maxmemory-policy`; stopped when dropped.
+struct OwnRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl OwnRedis {
+    fn start(policy: &str) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no", "--maxmemory-policy", policy])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        let started = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "redis on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, port }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_may_evict_job_state_is_refused_at_start() {
+    let env = TestEnv::new("evict");
+    let evicting = OwnRedis::start("allkeys-lru");
+    let url = batchfleet_shared::secret::SecretUrl::new(evicting.url());
+    let err = Store::connect(&url, "bf", Duration::from_secs(5))
+        .await
+        .expect_err("an evicting Redis is refused");
+    assert!(matches!(err, StoreError::Evicts { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("maxmemory-policy allkeys-lru")
+            && text.contains("CONFIG SET maxmemory-policy noeviction"),
+        "{text}"
+    );
+    // The worker refuses it too, saying why, and exits.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .args(["--redis-url", &evicting.url(), "--pool", &env.pool])
+        .args(["--connect-timeout", "5s"])
+        .output()
+        .expect("worker");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("maxmemory-policy allkeys-lru"), "{stderr}");
+    // A volatile policy evicts only keys with a time to live (finished
+    // jobs'): accepted, as noeviction is.
+    for policy in ["volatile-lru", "noeviction"] {
+        let fine = OwnRedis::start(policy);
+        let url = batchfleet_shared::secret::SecretUrl::new(fine.url());
+        Store::connect(&url, "bf", Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
+    }
+}
+
+/// A job of `rows` rows in one file, items of `item_rows`, checkpoints
+/// every 2 mini-batches of 50 rows, in folder `dir`.
+fn slow_job(env: &TestEnv, dir: &Path, rows: u64, item_rows: u64) -> PathBuf {
+    let gen = JobGen {
+        rows,
+        files: 1,
+        features: 8,
+        hidden: 16,
+        name: batchfleet_loadtest::services::unique("ctl"),
+        pool: env.pool.clone(),
+        item_rows,
+        batch_size: 50,
+        checkpoint_every: Some(2),
+        ..JobGen::default()
+    };
+    make_job(dir, &gen).expect("generate job");
+    dir.join("job.toml")
+}
+
+/// Waits (polling the store, at most `limit`) until `done` holds of the job's progress.
+async fn until(
+    store: &Store,
+    job: &str,
+    limit: Duration,
+    done: impl Fn(&batchfleet_shared::store::Progress) -> bool,
+) -> batchfleet_shared::store::Progress {
+    let wait = async {
+        loop {
+            if let Ok(p) = store.progress(job).await {
+                if p.items_total > 0 && done(&p) {
+                    return p;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(limit, wait)
+        .await
+        .expect("the job got there in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_job_stops_at_checkpoints_keeps_its_parts_and_runs_again_exactly_once() {
+    let env = TestEnv::new("cancel");
+    // 10 items of 400 rows; each mini-batch takes 100 ms more, so an item
+    // takes about 0.8 s, a checkpoint segment (2 mini-batches) 0.2 s.
+    let manifest = slow_job(&env, env.path(), 4_000, 400);
+    let slow = [
+        "--debug-batch-delay",
+        "100ms",
+        "--heartbeat",
+        "200ms",
+        "--prefetch",
+        "1",
+    ];
+    let mut workers = vec![env.spawn_worker("w1", &slow), env.spawn_worker("w2", &slow)];
+    env.wait_for_consumers(2, &mut workers).await;
+    let cfg = env.run_config();
+    let store = env.connections().store().await.expect("redis");
+    let id = manifest::load(&manifest, &[]).expect("manifest").job_id;
+    let follower = tokio::spawn({
+        let (cfg, manifest) = (cfg.clone(), manifest.clone());
+        async move {
+            batchfleet_coordinator::run_job(
+                &cfg,
+                &manifest,
+                tokio_util::sync::CancellationToken::new(),
+            )
+            .await
+        }
+    });
+    // Some items committed, and one in flight past its first segment with
+    // three to go (0.6 s) when its heartbeat (every 0.2 s) learns of the cancel.
+    until(&store, &id, Duration::from_secs(60), |p| p.items_done >= 1).await;
+    let mid_item = async {
+        loop {
+            let leases = store.leases(&id).await.expect("leases");
+            if leases.iter().any(|l| l.rows_done == 100) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), mid_item)
+        .await
+        .expect("an item reached its first checkpoint");
+    let cancelled = batchfleet_coordinator::cancel_job(&cfg, &store, &id, "a wrong manifest")
+        .await
+        .expect("cancel");
+    assert!(cancelled.cancelled, "{cancelled:?}");
+    assert!(
+        cancelled.summary.is_none(),
+        "the follower writes the summary"
+    );
+    let at_cancel = store.progress(&id).await.expect("progress").items_done;
+    let outcome = tokio::time::timeout(Duration::from_secs(60), follower)
+        .await
+        .expect("the follower ended")
+        .expect("joined")
+        .expect("ran");
+    assert_eq!(
+        batchfleet_coordinator::cli::exit_code(&outcome),
+        6,
+        "{outcome:?}"
+    );
+    let batchfleet_coordinator::RunOutcome::Completed { report, .. } = &outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(report.status, "cancelled");
+    assert_eq!(report.failed_reason.as_deref(), Some("a wrong manifest"));
+    assert!(
+        report.items_completed < 10 && report.items_skipped > 0,
+        "{report:?}"
+    );
+    // In-flight items stop at a checkpoint: within a heartbeat and a
+    // segment no lease is left, and nothing more is committed.
+    let wait = async {
+        while !store.leases(&id).await.expect("leases").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("in-flight items stopped within the checkpoint interval");
+    let logs: String = workers.iter().map(|w| w.log_text()).collect();
+    assert!(logs.contains("the item stops at this checkpoint"), "{logs}");
+    let done = store.done_items(&id).await.expect("done");
+    assert_eq!(done.len() as u64, at_cancel);
+    assert_eq!(report.items_completed, at_cancel);
+    let out = env.path().join("out");
+    assert!(!out.join("_SUCCESS").exists());
+    let parts = std::fs::read_dir(&out)
+        .expect("out")
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("part-"))
+        })
+        .count() as u64;
+    assert!(parts >= at_cancel, "committed part files stay");
+    // Cancelling again changes nothing.
+    let again = batchfleet_coordinator::cancel_job(&cfg, &store, &id, "again")
+        .await
+        .expect("cancel");
+    assert!(!again.cancelled && again.status == "cancelled", "{again:?}");
+
+    // Run again: the same job, continued from what was committed, every row
+    // exactly once and equal to PyTorch's.
+    let (rerun, report) =
+        crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(120)).await;
+    assert_eq!(rerun, id);
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!((report.items_completed, report.rows_predicted), (10, 4_000));
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}
+
+/// An HTTP server on a free port answering 200 to everything, counting requests.
+fn counting_server() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = count.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            let mut len = 0;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0; len];
+            let _ = reader.read_exact(&mut body);
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    (port, count)
+}
+
+fn coordinator(env: &TestEnv) -> std::process::Command {
+    let mut c = std::process::Command::new(
+        Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
+    );
+    c.args(["--redis-prefix", &env.prefix])
+        .env("BATCHFLEET_AMQP_URL", env.amqp.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .env("BATCHFLEET_NO_PROGRESS", "1");
+    c
+}
+
+/// Adds an `[on_complete]` that appends the job id to `hooks.log` and posts to `port`.
+fn with_hooks(manifest: &Path, port: u16) {
+    let mut text = std::fs::read_to_string(manifest).expect("manifest");
+    text.push_str(&format!(
+        "\n[on_complete]\ncommand = [\"sh\", \"-c\", \"echo $BATCHFLEET_JOB_ID >> hooks.log\"]\nwebhook = \"http://127.0.0.1:{port}/done\"\n"
+    ));
+    std::fs::write(manifest, text).expect("manifest");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_job_is_reduced_exactly_once_by_its_waiters_or_the_supervisor() {
+    let env = TestEnv::new("detach");
+    let (port, posts) = counting_server();
+    let (a_dir, b_dir) = (env.path().join("a"), env.path().join("b"));
+    let a = slow_job(&env, &a_dir, 2_000, 250);
+    let b = slow_job(&env, &b_dir, 2_000, 250);
+    with_hooks(&a, port);
+    with_hooks(&b, port);
+    let slow = [
+        "--debug-batch-delay",
+        "10ms",
+        "--data-root",
+        env.path().to_str().expect("utf8"),
+    ];
+    let mut workers = vec![env.spawn_worker("w1", &slow), env.spawn_worker("w2", &slow)];
+    env.wait_for_consumers(2, &mut workers).await;
+
+    // Detached: the job id on stdout as soon as the items are published.
+    let out = coordinator(&env)
+        .args(["run", a.to_str().expect("utf8"), "--detach", "--json"])
+        .output()
+        .expect("run --detach");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let detached: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(
+        (detached["status"].as_str(), detached["detached"].as_bool()),
+        (Some("running"), Some(true))
+    );
+    assert_eq!(detached["items"], 8);
+    let id = detached["job_id"].as_str().expect("job id").to_owned();
+    // Two processes wait for it, and a supervisor runs: one of them
+    // supervises, exactly one reduces and runs the hooks.
+    let wait = || {
+        coordinator(&env)
+            .args(["wait", &id, "--json"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("wait")
+    };
+    let (w1, w2) = (wait(), wait());
+    let log = env.path().join("supervise.log");
+    let supervisor = coordinator(&env)
+        .args(["supervise", "--pool", &env.pool, "--every", "200ms"])
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("supervise");
+    let mut supervisor = crate::support::Worker {
+        child: supervisor,
+        log,
+    };
+    for w in [w1, w2] {
+        let out = w.wait_with_output().expect("waited");
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(
+            (v["job_id"].as_str(), v["status"].as_str()),
+            (Some(id.as_str()), Some("completed"))
+        );
+        assert_eq!(v["report"]["rows_predicted"], 2_000);
+        assert_eq!(v["exit_code"], 0);
+    }
+    assert!(a_dir.join("out/_SUCCESS").is_file());
+    let hooks = std::fs::read_to_string(a_dir.join("hooks.log")).expect("the command hook ran");
+    assert_eq!(
+        hooks.lines().collect::<Vec<_>>(),
+        [id.as_str()],
+        "exactly one command"
+    );
+
+    // A detached job nobody waits for: the supervisor finishes it.
+    let out = coordinator(&env)
+        .args(["run", b.to_str().expect("utf8"), "--detach"])
+        .output()
+        .expect("run --detach");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let b_id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(b_id.starts_with("ctl-"), "{b_id}");
+    let store = env.connections().store().await.expect("redis");
+    let reduced = async {
+        loop {
+            if let Ok(Some(j)) = store.job(&b_id).await {
+                if batchfleet_coordinator::is_reduced(&j) {
+                    return j;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let job = tokio::time::timeout(Duration::from_secs(120), reduced)
+        .await
+        .expect("the supervisor reduced the job");
+    assert_eq!(job.status, JobStatus::Completed);
+    assert!(b_dir.join("out/_SUCCESS").is_file());
+    let v = verify(&b_dir.join("out"), &b_dir.join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    let hooks = std::fs::read_to_string(b_dir.join("hooks.log")).expect("the command hook ran");
+    assert_eq!(hooks.lines().count(), 1);
+    // One webhook call per job, and `wait` on a finished job reports it at once.
+    let hooked = async {
+        while posts.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), hooked)
+        .await
+        .expect("two webhooks");
+    let out = coordinator(&env)
+        .args(["wait", &b_id])
+        .output()
+        .expect("wait");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        posts.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "no hook ran twice"
+    );
+    assert_eq!(
+        std::fs::read_to_string(b_dir.join("hooks.log"))
+            .expect("log")
+            .lines()
+            .count(),
+        1
+    );
+    // SIGTERM stops the supervisor cleanly.
+    assert!(supervisor.terminate(Duration::from_secs(20)).success());
+    stop_all(&mut workers);
+    env.cleanup(&[&id, &b_id]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_nobody_serves_is_named_by_run_and_status() {
+    let env = TestEnv::new("nobody");
+    let manifest = slow_job(&env, env.path(), 200, 100);
+    let mut run = coordinator(&env)
+        .args(["run", manifest.to_str().expect("utf8")])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let stderr = run.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let warned = loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("run said something about the pool within a minute");
+        if line.contains("no worker consumes pool") {
+            break line;
+        }
+    };
+    assert!(
+        warned.contains(&format!("batchfleet-worker --pool {}", env.pool))
+            && warned.contains(&format!("bf.{}.work", env.pool)),
+        "{warned}"
+    );
+    let id = manifest::load(&manifest, &[]).expect("manifest").job_id;
+    let status = coordinator(&env)
+        .args(["status", &id])
+        .output()
+        .expect("status");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains(&format!("0 consuming bf.{}.work", env.pool))
+            && text.contains("no worker serves this pool"),
+        "{text}"
+    );
+    let _ = run.kill();
+    let _ = run.wait();
+    // A worker arrives: the job completes, and status counts it.
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let status = coordinator(&env)
+        .args(["status", &id, "--json"])
+        .output()
+        .expect("status");
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).expect("json");
+    assert_eq!(v["consumers"], 1);
+    let out = coordinator(&env)
+        .args(["wait", &id])
+        .output()
+        .expect("wait");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}
