@@ -33,6 +33,13 @@ kinds = sorted(d["kind"] for d in docs)
 assert kinds == ["ScaledObject", "TriggerAuthentication"], kinds
 so = next(d for d in docs if d["kind"] == "ScaledObject")
 assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["triggers"][0]["type"] == "rabbitmq"
+# The trigger sums every queue of the pool: its work queue and each job's.
+import re
+md = so["spec"]["triggers"][0]["metadata"]
+assert (md["useRegex"], md["protocol"], md["operation"]) == ("true", "http", "sum"), md
+r = re.compile(md["queueName"])
+assert r.match("bf.default.work") and r.match("bf.default.job.scores-1a2b3c4d"), md["queueName"]
+assert not any(r.match(q) for q in ["bf.default.dead", "bf.default.infra", "bf.default.retry.5s", "bf.gpu.work"])
 print(f"{sys.argv[1]}: parsed ({', '.join(kinds)}); KEDA CRD schema not available offline")
 PY
 echo "== systemd-analyze verify"

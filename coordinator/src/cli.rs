@@ -1014,7 +1014,7 @@ async fn dlq_fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 Err(e) => return report_error(&e),
             };
             println!(
-                "replayed {} item(s) of job {job} to bf.{pool}.work",
+                "replayed {} item(s) of job {job} to bf.{pool}.job.{job}",
                 replayed.items.len()
             );
             if no_wait || store.job(&job).await.ok().flatten().is_none() {

@@ -21,6 +21,8 @@ pub struct PlanReport {
     pub name: String,
     /// Pool its items go to.
     pub pool: String,
+    /// `[job] priority`.
+    pub priority: String,
     /// `new` (never run, or its state expired and its output folder holds
     /// no finished output), `running` (registered and not finished) or
     /// `done` (finished: `run` publishes nothing, or retries its failed
@@ -81,6 +83,7 @@ pub async fn plan(
         job_id: spec.job_id.clone(),
         name: spec.name.clone(),
         pool: spec.pool.clone(),
+        priority: spec.priority.as_str().into(),
         state: state.into(),
         status,
         items: planned.items.len() as u64,
@@ -109,7 +112,10 @@ fn finished_output(spec: &JobSpec) -> bool {
 
 /// `batchfleet plan` for people.
 pub fn render_plan(r: &PlanReport) -> String {
-    let mut s = format!("job {} ({}) in pool {}", r.job_id, r.state, r.pool);
+    let mut s = format!(
+        "job {} ({}) in pool {}, priority {}",
+        r.job_id, r.state, r.pool, r.priority
+    );
     if let Some(status) = &r.status {
         let _ = write!(
             s,

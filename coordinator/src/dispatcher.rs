@@ -172,6 +172,19 @@ pub async fn dispatch(
     let done = store.done_items(&spec.job_id).await?;
     let queues = PoolQueues::new(&spec.pool);
     broker.declare(&queues).await?;
+    // The job's own queue, listed among the pool's active jobs with its
+    // weight: workers share their time among the active jobs by weight.
+    broker.declare_job(&queues, &spec.job_id).await?;
+    store
+        .set_job_fields(
+            &spec.job_id,
+            &[("priority", spec.priority.as_str().to_owned())],
+        )
+        .await?;
+    store
+        .activate_job(&spec.pool, &spec.job_id, spec.priority.weight())
+        .await?;
+    let job_queue = queues.job(&spec.job_id);
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
     let mut end = 0u64;
@@ -192,7 +205,7 @@ pub async fn dispatch(
             continue;
         }
         published += broker
-            .publish(&queues.work(), messages, cfg.publish_window)
+            .publish(&job_queue, messages, cfg.publish_window)
             .await?;
         if end > watermark {
             store
@@ -201,7 +214,7 @@ pub async fn dispatch(
         }
         crash_point(published);
     }
-    tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), already_queued = watermark, queue = %queues.work(), "items published and confirmed");
+    tracing::info!(job = %spec.job_id, published, skipped_done = done.len(), already_queued = watermark, queue = %job_queue, priority = spec.priority.as_str(), "items published and confirmed");
     // Running now — unless a worker found meanwhile that nobody can run it.
     store
         .mark_published(
@@ -291,6 +304,20 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         failed_class: String::new(),
         overrides: spec.overrides.clone(),
         resolved_manifest: spec.resolved_manifest.clone(),
+        priority: spec.priority.as_str().to_owned(),
+    }
+}
+
+/// The job ended (summary written) or was cancelled: off the pool's active
+/// jobs, and its queue deleted with whatever is left in it (copies of items
+/// that are settled, or items a cancel skips). Errors are logged: workers
+/// skip a finished job's items anyway.
+pub async fn retire_job(store: &Store, broker: &dyn Broker, pool: &str, job: &str) {
+    if let Err(e) = store.deactivate_job(pool, job).await {
+        tracing::warn!(job, error = %e, "could not take the job off the pool's active jobs");
+    }
+    if let Err(e) = broker.delete(&PoolQueues::new(pool).job(job)).await {
+        tracing::warn!(job, error = %e, "could not delete the job's queue");
     }
 }
 

@@ -216,15 +216,26 @@ pub async fn replay(
             fields.push(("model_sha256", sha));
         }
         store.set_job_fields(job, &fields).await?;
-        // Running again: its state no longer expires.
+        // Running again: its state no longer expires, and its queue is back
+        // among the pool's active jobs.
         store.persist_job(job).await?;
+        broker.declare_job(&queues, job).await?;
+        let weight = match store.job(job).await?.map(|j| j.priority) {
+            Some(p) if p == "high" => 4,
+            Some(p) if p == "low" => 1,
+            _ => 2,
+        };
+        store.activate_job(&queues.pool, job, weight).await?;
     }
     for (msg, dead, item) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
         let outgoing = Outgoing::work_item(&item, 1, key);
-        if let Err(e) = broker.publish(&queues.work(), vec![outgoing], 1).await {
+        if let Err(e) = broker
+            .publish(&queues.job(&item.job_id), vec![outgoing], 1)
+            .await
+        {
             // Put the failure back: the dead copy stays where it is.
             let failure = ItemFailure {
                 seq: item.seq,

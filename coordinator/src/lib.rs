@@ -237,6 +237,20 @@ pub async fn cancel_job(
         ))
     })?;
     let cancelled = store.fail_job(job_id, "cancelled", reason).await?;
+    if cancelled {
+        // Its queued items go at once, and workers stop consuming its queue
+        // (without a broker, workers skip them as they come).
+        match cfg.connections.broker("batchfleet cancel").await {
+            Ok(broker) => {
+                dispatcher::retire_job(store, &*broker, &job.pool, job_id).await;
+                broker.close("bye").await;
+            }
+            Err(e) => {
+                let _ = store.deactivate_job(&job.pool, job_id).await;
+                tracing::warn!(job = %job_id, error = %e, "cancelled, but could not delete the job's queue; workers skip its items as they come");
+            }
+        }
+    }
     let mut summary = None;
     let me = follower_id();
     if cancelled && store.follow_lease(job_id, &me, monitor::FOLLOW_TTL).await? {
@@ -367,13 +381,26 @@ async fn reduce(
     job_id: &str,
     supervisor: &mut supervisor::Supervisor,
 ) -> Result<RunOutcome, RunError> {
-    let spec = supervisor.spec().await.ok();
+    let spec = match supervisor.spec().await {
+        Ok(spec) => Some(spec),
+        Err(e) => {
+            tracing::warn!(job = %job_id, error = %e, "cannot validate the job's manifest again: its summary is written without its [on_complete] hooks");
+            None
+        }
+    };
     let output = spec
         .as_ref()
         .map(|s| s.task.output.clone())
         .unwrap_or_default();
-    let (summary, mut report) =
-        reducer::finish(store, job_id, &output, cfg.connections.retention).await?;
+    let (summary, mut report) = reducer::finish(store, job_id, &output).await?;
+    // Ended: its queue goes, and the pool's workers stop consuming it.
+    match cfg.connections.broker("batchfleet reducer").await {
+        Ok(broker) => {
+            dispatcher::retire_job(store, &*broker, &report.pool, job_id).await;
+            broker.close("bye").await;
+        }
+        Err(e) => tracing::warn!(job = %job_id, error = %e, "could not delete the job's queue"),
+    }
     if let Some(spec) = spec.filter(|s| s.on_complete != manifest::OnComplete::default()) {
         let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();
         let cwd = spec
@@ -393,6 +420,8 @@ async fn reduce(
         );
         reducer::rewrite(&summary, &report)?;
     }
+    // Last: followers waiting for the summary read it complete.
+    reducer::mark_finished(store, &report, cfg.connections.retention).await?;
     Ok(RunOutcome::Completed {
         job_id: job_id.to_owned(),
         summary,

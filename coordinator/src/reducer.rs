@@ -274,8 +274,8 @@ pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError
 
 /// Writes the merged output (for a job recorded with `merge`, when every
 /// item completed), the summary, and `_SUCCESS` when no item failed, and
-/// marks the job `completed` or `completed_with_failures`; from then on
-/// its state in the store expires after `retention`.
+/// returns the summary; [`mark_finished`] then records the final status
+/// (`completed`, `completed_with_failures`, `failed`, `cancelled`).
 /// `output` is the job's `[output]` (its histogram bins and column names);
 /// the output columns' names are read from a committed part file's header
 /// when there is one, so the histograms carry the names the parts do (the
@@ -284,7 +284,6 @@ pub async fn finish(
     store: &Store,
     job_id: &str,
     output: &OutputSpec,
-    retention: std::time::Duration,
 ) -> Result<(PathBuf, Summary), RunError> {
     let histogram = &output.histogram;
     let job = store.job(job_id).await?.ok_or_else(|| {
@@ -450,18 +449,28 @@ pub async fn finish(
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;
     }
+    Ok((path, summary))
+}
+
+/// The reduce step's last write: the job's final status and finish time
+/// (what followers wait for — so after the hooks ran), then the retention
+/// of its state: kept that long, its summary for good.
+pub async fn mark_finished(
+    store: &Store,
+    summary: &Summary,
+    retention: std::time::Duration,
+) -> Result<(), RunError> {
     store
         .set_job_fields(
-            job_id,
+            &summary.job_id,
             &[
-                ("status", status.as_str().into()),
-                ("finished_ms", finished.to_string()),
+                ("status", summary.status.clone()),
+                ("finished_ms", summary.finished_at_ms.to_string()),
             ],
         )
         .await?;
-    // Finished: its state is kept for the retention, its summary for good.
-    store.expire_job(job_id, retention).await?;
-    Ok((path, summary))
+    store.expire_job(&summary.job_id, retention).await?;
+    Ok(())
 }
 
 #[cfg(test)]

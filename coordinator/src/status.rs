@@ -252,7 +252,16 @@ pub fn render(r: &JobStatusReport) -> String {
     if !j.failed_reason.is_empty() {
         let _ = writeln!(s, "why       {} ({})", j.failed_reason, j.failed_class);
     }
-    let _ = writeln!(s, "pool      {}", j.pool);
+    let _ = writeln!(
+        s,
+        "pool      {} (priority {})",
+        j.pool,
+        if j.priority.is_empty() {
+            "normal"
+        } else {
+            &j.priority
+        }
+    );
     if let Some(n) = r.consumers {
         let running = matches!(j.status, JobStatus::Planning | JobStatus::Running);
         let _ = writeln!(

@@ -345,9 +345,12 @@ impl Supervisor {
             }
             messages.push(Outgoing::work_item(item, *attempt, key.as_ref()));
         }
-        self.broker()
-            .await?
-            .publish(&queues.work(), messages, 64)
+        // To the job's own queue (declared again: a job run or replayed
+        // after it ended has had its queue deleted).
+        let broker = self.broker().await?;
+        broker.declare_job(&queues, &self.job_id).await?;
+        broker
+            .publish(&queues.job(&self.job_id), messages, 64)
             .await?;
         for (seq, _, why) in to_send {
             store.mark_redispatched(&self.job_id, seq, now).await?;
@@ -423,11 +426,13 @@ impl Supervisor {
         Ok(m)
     }
 
-    /// Whether the pool's work queue and retry tiers hold no ready message.
+    /// Whether the job's queue, the pool's work queue and its retry tiers
+    /// hold no ready message.
     async fn queues_drained(&mut self, queues: &PoolQueues) -> Result<bool, RunError> {
         let broker = self.broker().await?;
-        for q in queues.all() {
-            if (q == queues.work() || q.contains(".retry."))
+        let job = queues.job(&self.job_id);
+        for q in queues.all().into_iter().chain([job.clone()]) {
+            if (q == queues.work() || q == job || q.contains(".retry."))
                 && broker.ready_count(&q).await?.unwrap_or(0) > 0
             {
                 return Ok(false);

@@ -72,6 +72,8 @@ pub mod names {
     pub const WORKER_DRAINING: &str = "batchfleet_worker_draining";
     /// Worker: unacknowledged deliveries it holds at most now, sized from its item rate (gauge; pool).
     pub const WORKER_PREFETCH: &str = "batchfleet_worker_prefetch";
+    /// Worker: job queues of its pool it consumes now, one per active job (gauge; pool).
+    pub const WORKER_JOB_QUEUES: &str = "batchfleet_worker_job_queues";
     /// Worker: GPU memory in use (gauge, bytes; gpu).
     pub const WORKER_GPU_MEMORY: &str = "batchfleet_worker_gpu_memory_used_bytes";
     /// Worker: share of the last sample period a GPU ran kernels, as the
@@ -130,6 +132,7 @@ pub mod names {
         (WORKER_UP, Kind::Gauge),
         (WORKER_DRAINING, Kind::Gauge),
         (WORKER_PREFETCH, Kind::Gauge),
+        (WORKER_JOB_QUEUES, Kind::Gauge),
         (WORKER_GPU_MEMORY, Kind::Gauge),
         (WORKER_GPU_UTILIZATION, Kind::Gauge),
         (WORKER_PANICS, Kind::Counter),

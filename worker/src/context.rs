@@ -382,6 +382,16 @@ impl ItemContext {
         self.broker().publish(queue, vec![msg], 1).await.map(|_| ())
     }
 
+    /// Publishes an item of `job` back to be worked: to the job's own queue,
+    /// or — when it has none (a job published before job queues, or one
+    /// that ended meanwhile) — to the pool's work queue.
+    pub async fn publish_item(&self, job: &str, msg: Outgoing) -> Result<(), BrokerError> {
+        match self.publish(&self.queues.job(job), msg.clone()).await {
+            Err(BrokerError::NotConfirmed { .. }) => self.publish(&self.queues.work(), msg).await,
+            other => other,
+        }
+    }
+
     /// Swaps in the handle of a new broker connection.
     pub fn set_broker(&self, broker: Arc<dyn Broker>) {
         *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = broker;

@@ -7,6 +7,8 @@
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
 //! - [`admission`]: what a message must pass before anything is done for it
 //!   (signature, decoding, caps, data roots).
+//! - [`sources`]: the queues a worker consumes — its pool's work queue and
+//!   each active job's queue — and the weighted fair choice among them.
 //! - [`consumer`]: what happens to one delivery, from admission to commit.
 //! - [`context`]: what item handlers share — Redis, the publisher, the model
 //!   runner and its gate, jobs left to others, the disk-full pause.
@@ -48,6 +50,7 @@ pub mod probe;
 pub mod reader;
 pub mod runner;
 pub mod settle;
+pub mod sources;
 pub mod text;
 pub mod writer;
 
@@ -277,6 +280,7 @@ pub async fn run_on(
     let mut sizing = Sizing {
         prefetch: prefetch::Prefetch::new(cfg.prefetch, cfg.prefetch_max),
         next_review: Instant::now() + prefetch::PERIOD,
+        next_jobs: Instant::now(),
         backlog: std::collections::VecDeque::new(),
     };
     metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(sizing.prefetch.current()));
@@ -323,6 +327,7 @@ pub async fn run_on(
     // checkpoint) within the deadline.
     session.cancel_consumers().await;
     // Never started: back to the queue for another worker.
+    sizing.backlog.extend(session.work.waiting());
     for delivery in sizing.backlog.drain(..) {
         let _ = delivery.requeue().await;
     }
@@ -383,6 +388,11 @@ async fn consume(
 ) -> Option<String> {
     loop {
         let now = Instant::now();
+        if now >= sizing.next_jobs {
+            sizing.next_jobs = now + JOBS_EVERY;
+            session.refresh_jobs(&ctx.store).await;
+            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
+        }
         if sizing.prefetch.adapts() && now >= sizing.next_review {
             sizing.next_review = now + prefetch::PERIOD;
             if let Some(size) = sizing.prefetch.review(now) {
@@ -422,6 +432,8 @@ async fn consume(
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
             _ = paused => {}
+            // Time to look for new jobs' queues (the permit goes back).
+            _ = tokio::time::sleep_until(sizing.next_jobs.into()) => {}
             next = session.infra.next() => match next {
                 Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); }
                 Some(Err(e)) => return Some(e.to_string()),
@@ -436,11 +448,17 @@ async fn consume(
     }
 }
 
+/// How often a worker reads its pool's active jobs (a job's queue is
+/// consumed within this of its publication).
+const JOBS_EVERY: Duration = Duration::from_secs(1);
+
 /// The prefetch in force, how it is sized, and the deliveries of a
 /// subscription it replaced that are still to be handled.
 struct Sizing {
     prefetch: prefetch::Prefetch,
     next_review: Instant,
+    /// When to read the pool's active jobs again.
+    next_jobs: Instant,
     backlog: std::collections::VecDeque<batchfleet_shared::broker::Delivery>,
 }
 
@@ -479,12 +497,8 @@ async fn resize(
 ) -> Result<(), String> {
     let old = session.prefetch;
     sizing.backlog.extend(session.stop_work().await?);
-    session.work = session
-        .broker
-        .consume(&session.work_queue, size)
-        .await
-        .map_err(|e| format!("consuming again with prefetch {size}: {e:#}"))?;
     session.prefetch = size;
+    session.resume_work().await?;
     if size > old {
         permits.add_permits(usize::from(size - old));
     } else {
@@ -543,11 +557,10 @@ async fn pause(
         }
     }
     ctx.pause.ended();
-    session.work = session
-        .broker
-        .consume(&session.work_queue, session.prefetch)
+    session
+        .resume_work()
         .await
-        .map_err(|e| format!("consuming again after the pause: {e:#}"))?;
+        .map_err(|e| format!("consuming again after the pause: {e}"))?;
     tracing::info!("resuming consumption after the pause; trying the disk again");
     Ok(())
 }
@@ -591,13 +604,14 @@ fn parse_nvidia_smi(text: &str) -> Vec<(String, Option<f64>, Option<f64>)> {
         .collect()
 }
 
-/// One broker handle consuming the work and infra queues.
+/// One broker handle consuming the work queues (the pool's and its active
+/// jobs', [`sources::Sources`]) and the infra queue.
 struct Session {
     broker: Arc<dyn Broker>,
-    work: Box<dyn Subscription>,
+    work: sources::Sources,
     infra: Box<dyn Subscription>,
     prefetch: u16,
-    work_queue: String,
+    queues: PoolQueues,
 }
 
 impl Session {
@@ -609,30 +623,48 @@ impl Session {
     ) -> Result<Self, BrokerError> {
         broker.declare(queues).await?;
         let infra = broker.consume(&queues.infra(), prefetch).await?;
-        let work = broker.consume(&queues.work(), prefetch).await?;
+        let work = sources::Sources::open(&broker, &queues.work(), prefetch).await?;
         Ok(Self {
             broker,
             work,
             infra,
             prefetch,
-            work_queue: queues.work(),
+            queues: queues.clone(),
         })
     }
 
-    /// Cancels the work subscription; the deliveries the broker had sent
-    /// already, which come out of the stream before its end.
+    /// Cancels the work subscriptions; the deliveries the broker had sent
+    /// already, which come out of the streams before their ends.
     async fn stop_work(&mut self) -> Result<Vec<batchfleet_shared::broker::Delivery>, String> {
-        self.work.cancel().await;
-        let mut sent = Vec::new();
-        while let Ok(Some(next)) =
-            tokio::time::timeout(Duration::from_secs(5), self.work.next()).await
-        {
-            sent.push(next.map_err(|e| e.to_string())?);
-        }
-        Ok(sent)
+        Ok(self.work.stop().await)
     }
 
-    /// Stops both consumers (draining).
+    /// Consumes the work queues again with the prefetch in force.
+    async fn resume_work(&mut self) -> Result<(), String> {
+        self.work.resume(&self.broker, self.prefetch).await
+    }
+
+    /// Follows the pool's active jobs: their queues consumed, the ended
+    /// ones' let go (what they had sent goes back to its queue).
+    async fn refresh_jobs(&mut self, store: &batchfleet_shared::store::Store) {
+        let active = match store.active_jobs(&self.queues.pool).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the pool's active jobs");
+                return;
+            }
+        };
+        let queues = self.queues.clone();
+        let returned = self
+            .work
+            .refresh(&self.broker, &active, |job| queues.job(job), self.prefetch)
+            .await;
+        for d in returned {
+            let _ = d.requeue().await;
+        }
+    }
+
+    /// Stops the consumers (draining).
     async fn cancel_consumers(&mut self) {
         self.work.cancel().await;
         self.infra.cancel().await;

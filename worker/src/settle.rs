@@ -327,7 +327,7 @@ pub async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemCon
         return true;
     }
     let msg = Outgoing::work_item(item, attempt, ctx.guard.key.as_ref());
-    match ctx.publish(&ctx.queues.work(), msg).await {
+    match ctx.publish_item(&item.job_id, msg).await {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!(error = %e, "could not hand the item back; its lease will go stale and the coordinator will publish it again");
@@ -338,7 +338,7 @@ pub async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemCon
 
 /// Hands an item back untouched for another worker, without spending an
 /// attempt or the broker's delivery count: a confirmed publish of the same
-/// message (after `delay`, through a retry tier, or at once to the work
+/// message (after `delay`, through a retry tier, or at once to the job's
 /// queue), then the ack. Returns the outcome and whether the lease must be kept.
 pub async fn hand_back(
     held: &Held,
@@ -351,17 +351,20 @@ pub async fn hand_back(
 ) -> (Handled, bool) {
     let mut msg = carried(held, item, attempt, ctx);
     msg.headers.set([], extra.iter().copied());
-    let queue = match delay {
+    let published = match delay {
         Some(d) => {
             let ms = d.as_millis().max(1) as u64;
             msg.expiration_ms = Some(ms);
-            ctx.queues.retry_for(ms)
+            ctx.publish(&ctx.queues.retry_for(ms), msg).await
         }
-        None => ctx.queues.work(),
+        None => ctx.publish_item(&item.job_id, msg).await,
     };
-    if let Err(returned) = publish_then_ack(held, item, attempt, &queue, msg, ctx).await {
-        return returned;
+    if let Err(err) = published {
+        tracing::warn!(error = %err, "could not publish the item on; returning it to the queue");
+        let returned = give_back(held, item, attempt, ctx).await;
+        return (Handled::Released, !returned);
     }
+    held.ack().await;
     metrics::counter!(names::WORKER_ITEMS_HANDED_BACK, "class" => class).increment(1);
     (Handled::HandedBack, false)
 }

@@ -56,7 +56,7 @@ pub use policy::{DEFAULT_BATCH_SIZE, DEFAULT_CHECKPOINT_EVERY, DEFAULT_ITEM_ROWS
 pub use probes::{check_parquet_columns, read_header, read_jsonl_keys, sample, SAMPLE_FILES};
 pub use schema::{
     BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
-    Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
+    Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection, Priority,
 };
 pub use spec::{BlindCut, ErrorBudget, InputFile, ItemSizing, JobSpec, OnComplete};
 
@@ -336,6 +336,7 @@ pub fn validate(
         job_id,
         name: m.job.name.clone(),
         pool: m.job.pool.clone(),
+        priority: m.job.priority,
         manifest_path: std::path::absolute(manifest_path)
             .unwrap_or_else(|_| manifest_path.to_owned()),
         files,

@@ -86,10 +86,47 @@ pub struct JobSection {
     /// Worker pool (queue) the items go to. Default `default`.
     #[serde(default = "default_pool")]
     pub pool: String,
+    /// The job's share of its pool's workers while other jobs run beside it.
+    #[serde(default)]
+    pub priority: Priority,
 }
 
 fn default_pool() -> String {
     "default".into()
+}
+
+/// `[job] priority`: how the workers of a pool share their time among
+/// the jobs that have items queued — in proportion to these weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Weight 4.
+    High,
+    /// Weight 2.
+    #[default]
+    Normal,
+    /// Weight 1.
+    Low,
+}
+
+impl Priority {
+    /// The job's weight in the pool's fair share.
+    pub fn weight(self) -> u32 {
+        match self {
+            Priority::High => 4,
+            Priority::Normal => 2,
+            Priority::Low => 1,
+        }
+    }
+
+    /// Its name in the manifest.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
 }
 
 /// Input file formats.

@@ -58,6 +58,10 @@ pub struct JobSpec {
     pub name: String,
     /// Pool.
     pub pool: String,
+    /// `[job] priority`: the job's share of the pool beside other jobs (not
+    /// part of the job id: running the manifest again with another
+    /// priority re-weights the running job).
+    pub priority: super::schema::Priority,
     /// Manifest file.
     pub manifest_path: PathBuf,
     /// Input files, sorted, deduplicated.

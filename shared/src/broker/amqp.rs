@@ -361,6 +361,19 @@ impl Broker for AmqpBroker {
         declare_topology(&self.publisher, queues).await
     }
 
+    async fn declare_job(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+        let name = queues.job(job);
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.publisher
+            .queue_declare(name.as_str().into(), durable, quorum_args(Some(queues)))
+            .await
+            .map(drop)
+            .map_err(op(format!("queue.declare {name}")))
+    }
+
     /// Persistent, mandatory messages on the confirm-mode channel: a message
     /// counts as sent only when the broker acked it *and* did not return it
     /// as unroutable.

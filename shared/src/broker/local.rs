@@ -391,6 +391,15 @@ impl Broker for LocalBroker {
         Ok(())
     }
 
+    async fn declare_job(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+        let mut state = self.state()?;
+        state
+            .queues
+            .entry(queues.job(job))
+            .or_insert_with(|| Queue::new(Kind::Work(queues.clone())));
+        Ok(())
+    }
+
     /// Stores each message at once (in order); `window` has nothing to
     /// bound here.
     async fn publish(

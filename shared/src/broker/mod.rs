@@ -14,6 +14,12 @@
 //! - `bf.P.infra`: a copy of what the *broker* dead-lettered (delivery
 //!   limit); workers consume it and record those items failed (class
 //!   `infra`), so the job settles instead of waiting for them forever.
+//! - `bf.P.job.<job id>`: one queue per job of the pool, declared by the
+//!   coordinator when it publishes the job (with the work queue's
+//!   arguments) and deleted when the job ends. Workers consume every job
+//!   queue of their pool that the job store lists as active, choosing among
+//!   them by weighted fair queueing (the jobs' priorities), so that jobs
+//!   share the fleet instead of waiting behind each other in one queue.
 //! - `bf.P.retry.<tier>` ([`RETRY_TIERS_S`]): delayed retry without blocking
 //!   a worker. A failed item is published to the smallest tier that fits its
 //!   delay with a per-message expiration; when it expires it goes back to
@@ -123,6 +129,10 @@ impl PoolQueues {
     /// The work queue workers consume.
     pub fn work(&self) -> String {
         format!("bf.{}.work", self.pool)
+    }
+    /// The queue of one job's items.
+    pub fn job(&self, job_id: &str) -> String {
+        format!("bf.{}.job.{job_id}", self.pool)
     }
     /// The dead-letter queue.
     pub fn dead(&self) -> String {
@@ -370,6 +380,9 @@ pub trait Broker: Send + Sync + fmt::Debug {
     fn describe(&self) -> String;
     /// Declares the pool's queues (idempotent).
     async fn declare(&self, queues: &PoolQueues) -> Result<(), BrokerError>;
+    /// Declares the queue of job `job` of the pool ([`PoolQueues::job`]),
+    /// with the work queue's delivery limit and dead-lettering (idempotent).
+    async fn declare_job(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError>;
     /// Publishes `messages` to `queue`, keeping at most `window` unconfirmed
     /// at a time; returns how many were confirmed once all are. A message
     /// the broker refuses or cannot route is an error naming it.

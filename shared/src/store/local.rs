@@ -70,6 +70,8 @@ struct State {
     jobs: HashMap<String, JobState>,
     /// `P:jobs`: job id → created_ms (the sorted set's score).
     listed: HashMap<String, u64>,
+    /// `P:pool:{pool}:jobs`: the active jobs of each pool, with their weights.
+    active: HashMap<String, BTreeMap<String, u32>>,
 }
 
 /// Job state in this process's memory; see the [module docs](self).
@@ -635,6 +637,26 @@ impl JobStore for LocalStore {
         Ok(())
     }
 
+    async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError> {
+        self.lock()
+            .active
+            .entry(pool.to_owned())
+            .or_default()
+            .insert(job.to_owned(), weight);
+        Ok(())
+    }
+
+    async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        if let Some(jobs) = self.lock().active.get_mut(pool) {
+            jobs.remove(job);
+        }
+        Ok(())
+    }
+
+    async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError> {
+        Ok(self.lock().active.get(pool).cloned().unwrap_or_default())
+    }
+
     /// [`reduce_script`](super::redis::reduce_script).
     async fn claim_reduce(
         &self,
@@ -704,6 +726,7 @@ mod tests {
             failed_class: String::new(),
             overrides: Vec::new(),
             resolved_manifest: String::new(),
+            priority: String::new(),
         }
     }
 

@@ -214,6 +214,9 @@ pub struct JobRecord {
     pub overrides: Vec<String>,
     /// The manifest as validated — the file with the overrides applied — in TOML.
     pub resolved_manifest: String,
+    /// `[job] priority` (`high`, `normal`, `low`; empty: normal): its
+    /// share of the pool's workers beside other jobs.
+    pub priority: String,
 }
 
 impl JobRecord {
@@ -258,6 +261,7 @@ impl JobRecord {
                 serde_json::to_string(&self.overrides).expect("strings serialize"),
             ),
             ("resolved_manifest", self.resolved_manifest.clone()),
+            ("priority", self.priority.clone()),
         ]
     }
 
@@ -327,6 +331,7 @@ impl JobRecord {
                     .map_err(|e| corrupt(format!("field overrides is not a JSON list: {e}")))?,
             },
             resolved_manifest: map.get("resolved_manifest").cloned().unwrap_or_default(),
+            priority: map.get("priority").cloned().unwrap_or_default(),
         })
     }
 }
@@ -754,6 +759,17 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// job is reduced. Running the job again (`dispatch`) clears the claim.
     async fn claim_reduce(&self, job: &str, who: &str, stale: Duration)
         -> Result<bool, StoreError>;
+
+    /// Lists `job` among the active jobs of `pool` with its share weight
+    /// (`P:pool:{pool}:jobs`, job → weight): workers of the pool consume
+    /// its queue, choosing among the active jobs by weight.
+    async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError>;
+
+    /// Takes `job` off the active jobs of `pool` (it ended, or was cancelled).
+    async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError>;
+
+    /// The active jobs of `pool` with their weights.
+    async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError>;
 }
 
 /// Whether an eviction policy may evict a running job's state: the
@@ -839,6 +855,7 @@ mod tests {
             failed_class: String::new(),
             overrides: Vec::new(),
             resolved_manifest: String::new(),
+            priority: String::new(),
         }
     }
 

@@ -408,6 +408,9 @@ impl RedisStore {
     fn inputs_key(&self, id: &str) -> String {
         format!("{}:job:{id}:inputs", self.prefix)
     }
+    fn pool_jobs_key(&self, pool: &str) -> String {
+        format!("{}:pool:{pool}:jobs", self.prefix)
+    }
     fn follower_key(&self, id: &str) -> String {
         format!("{}:job:{id}:follower", self.prefix)
     }
@@ -1050,6 +1053,27 @@ impl JobStore for RedisStore {
             .await
             .map_err(cmd("claim reduce"))?;
         Ok(won == 1)
+    }
+
+    async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET pool jobs").await?;
+        c.hset::<_, _, _, ()>(self.pool_jobs_key(pool), job, weight)
+            .await
+            .map_err(cmd("HSET pool jobs"))
+    }
+
+    async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL pool jobs").await?;
+        c.hdel::<_, _, ()>(self.pool_jobs_key(pool), job)
+            .await
+            .map_err(cmd("HDEL pool jobs"))
+    }
+
+    async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError> {
+        let mut c = self.conn("HGETALL pool jobs").await?;
+        c.hgetall(self.pool_jobs_key(pool))
+            .await
+            .map_err(cmd("HGETALL pool jobs"))
     }
 
     /// `maxmemory_policy` from `INFO memory` (managed Redis often refuses

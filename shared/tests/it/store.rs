@@ -67,6 +67,7 @@ fn record(id: &str) -> JobRecord {
         failed_class: String::new(),
         overrides: Vec::new(),
         resolved_manifest: String::new(),
+        priority: String::new(),
     }
 }
 

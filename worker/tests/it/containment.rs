@@ -537,7 +537,10 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     // Item 0 keeps coming back unsettled — what workers dying on it look
     // like to the broker — until the delivery limit dead-letters it.
     let broker = env.broker().await;
-    let queue = PoolQueues::new(&env.pool).work();
+    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
+        .expect("manifest")
+        .job_id;
+    let queue = PoolQueues::new(&env.pool).job(&id);
     let mut deliveries = 0;
     loop {
         let m = broker.get(&queue).await.expect("get").expect("a message");

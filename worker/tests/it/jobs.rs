@@ -252,6 +252,7 @@ fn record(id: &str, status: JobStatus, created_ms: u64, finished_ms: u64) -> Job
         failed_class: String::new(),
         overrides: Vec::new(),
         resolved_manifest: String::new(),
+        priority: String::new(),
     }
 }
 
@@ -733,7 +734,12 @@ async fn a_detached_job_is_reduced_exactly_once_by_its_waiters_or_the_supervisor
     assert!(b_dir.join("out/_SUCCESS").is_file());
     let v = verify(&b_dir.join("out"), &b_dir.join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
-    let hooks = std::fs::read_to_string(b_dir.join("hooks.log")).expect("the command hook ran");
+    let hooks = std::fs::read_to_string(b_dir.join("hooks.log")).unwrap_or_else(|e| {
+        panic!(
+            "the command hook ran: {e}; supervise:\n{}",
+            supervisor.log_text()
+        )
+    });
     assert_eq!(hooks.lines().count(), 1);
     // One webhook call per job, and `wait` on a finished job reports it at once.
     let hooked = async {
@@ -841,4 +847,174 @@ async fn a_pool_nobody_serves_is_named_by_run_and_status() {
     );
     stop_all(&mut workers);
     env.cleanup(&[&id]).await;
+}
+
+/// Rows of each job committed while both ran — between the later first
+/// start and the earlier last finish of their items — and that stretch's
+/// length in seconds.
+async fn overlap(store: &Store, a: &str, b: &str) -> ((u64, u64), f64) {
+    let (sa, sb) = (
+        store.item_stats(a).await.expect("stats"),
+        store.item_stats(b).await.expect("stats"),
+    );
+    let start = |s: &[batchfleet_shared::store::ItemStats]| {
+        s.iter().map(|i| i.started_ms).min().unwrap_or(0)
+    };
+    let end = |s: &[batchfleet_shared::store::ItemStats]| {
+        s.iter().map(|i| i.finished_ms).max().unwrap_or(0)
+    };
+    let (from, to) = (start(&sa).max(start(&sb)), end(&sa).min(end(&sb)));
+    let rows = |s: &[batchfleet_shared::store::ItemStats]| {
+        s.iter()
+            .filter(|i| i.finished_ms > from && i.finished_ms <= to)
+            .map(|i| i.rows)
+            .sum::<u64>()
+    };
+    (
+        (rows(&sa), rows(&sb)),
+        to.saturating_sub(from) as f64 / 1000.0,
+    )
+}
+
+/// A job of `items` items of 200 rows in its own folder, with `priority`;
+/// each item takes about 0.2 s on a worker with a 50 ms batch delay.
+fn share_job(env: &TestEnv, name: &str, items: u64, priority: &str) -> PathBuf {
+    let dir = env.path().join(name);
+    let manifest = slow_job(env, &dir, items * 200, 200);
+    let text = std::fs::read_to_string(&manifest)
+        .expect("manifest")
+        .replacen("[job]\n", &format!("[job]\npriority = \"{priority}\"\n"), 1);
+    std::fs::write(&manifest, text).expect("manifest");
+    manifest
+}
+
+/// Workers for the sharing tests: one item at a time each, 50 ms per mini-batch.
+fn share_workers(env: &TestEnv) -> Vec<crate::support::Worker> {
+    let flags = [
+        "--debug-batch-delay",
+        "50ms",
+        "--prefetch",
+        "1",
+        "--prefetch-max",
+        "1",
+        "--data-root",
+        env.path().to_str().expect("utf8"),
+    ];
+    vec![
+        env.spawn_worker("w1", &flags),
+        env.spawn_worker("w2", &flags),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_equal_jobs_share_the_fleet_evenly() {
+    let env = TestEnv::new("share");
+    let (a, b) = (
+        share_job(&env, "a", 30, "normal"),
+        share_job(&env, "b", 30, "normal"),
+    );
+    let mut workers = share_workers(&env);
+    env.wait_for_consumers(2, &mut workers).await;
+    let cfg = env.run_config();
+    let limit = Duration::from_secs(180);
+    let ((id_a, ra), (id_b, rb)) = tokio::join!(
+        crate::support::run_with_config_to_end(&cfg, &a, limit),
+        crate::support::run_with_config_to_end(&cfg, &b, limit)
+    );
+    assert_eq!(
+        (ra.status.as_str(), rb.status.as_str()),
+        ("completed", "completed")
+    );
+    let store = env.connections().store().await.expect("redis");
+    let ((rows_a, rows_b), secs) = overlap(&store, &id_a, &id_b).await;
+    let share = rows_a as f64 / (rows_a + rows_b).max(1) as f64;
+    println!(
+        "two normal jobs on 2 workers: while both ran ({secs:.1} s), A {:.0} rows/s, B {:.0} rows/s: A's share {:.0}%",
+        rows_a as f64 / secs,
+        rows_b as f64 / secs,
+        share * 100.0
+    );
+    assert!(secs > 2.0, "the jobs ran side by side ({secs} s)");
+    assert!(
+        (0.4..=0.6).contains(&share),
+        "A's share {share}: {rows_a} vs {rows_b} rows"
+    );
+    // Their queues went with them.
+    let broker = env.broker().await;
+    let q = batchfleet_shared::broker::PoolQueues::new(&env.pool);
+    assert_eq!(
+        broker.ready_count(&q.job(&id_a)).await.expect("count"),
+        None
+    );
+    assert!(store
+        .active_jobs(&env.pool)
+        .await
+        .expect("active")
+        .is_empty());
+    broker.close("bye").await;
+    stop_all(&mut workers);
+    env.cleanup(&[&id_a, &id_b]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_high_priority_job_overtakes_a_long_low_priority_one() {
+    let env = TestEnv::new("prio");
+    let short = share_job(&env, "short", 16, "high");
+    let long = share_job(&env, "long", 120, "low");
+    let mut workers = share_workers(&env);
+    env.wait_for_consumers(2, &mut workers).await;
+    let cfg = env.run_config();
+    let limit = Duration::from_secs(180);
+    // The short job alone on the fleet.
+    let started = std::time::Instant::now();
+    let (short_id, report) = crate::support::run_with_config_to_end(&cfg, &short, limit).await;
+    let alone = started.elapsed().as_secs_f64();
+    assert_eq!(report.status, "completed");
+    let store = env.connections().store().await.expect("redis");
+    store.delete_job(&short_id).await.expect("forget it");
+    std::fs::remove_dir_all(env.path().join("short/out")).expect("its output");
+    // The long low-priority job, and 2 s later the short high-priority one.
+    let long_run = tokio::spawn({
+        let (cfg, long) = (cfg.clone(), long.clone());
+        async move { crate::support::run_with_config_to_end(&cfg, &long, limit).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = std::time::Instant::now();
+    let (again, report) = crate::support::run_with_config_to_end(&cfg, &short, limit).await;
+    let behind = started.elapsed().as_secs_f64();
+    assert_eq!(
+        (again.as_str(), report.status.as_str()),
+        (short_id.as_str(), "completed")
+    );
+    let long_id = manifest::load(&long, &[]).expect("manifest").job_id;
+    let long_done = store.progress(&long_id).await.expect("progress");
+    println!(
+        "short high-priority job: {alone:.1} s alone on 2 workers, {behind:.1} s behind a long low-priority job ({:.2}x; the long job had {}/{} items done when it finished)",
+        behind / alone,
+        long_done.items_done,
+        long_done.items_total
+    );
+    assert!(
+        long_done.items_done < long_done.items_total,
+        "the long job was still running"
+    );
+    assert!(
+        behind <= 1.5 * alone,
+        "{behind:.1} s behind vs {alone:.1} s alone; w1:\n{}",
+        workers[0].log_text()
+    );
+    let (long_id2, report) = long_run.await.expect("long job");
+    assert_eq!(
+        (long_id2, report.status.as_str()),
+        (long_id.clone(), "completed")
+    );
+    let v = verify(
+        &env.path().join("short/out"),
+        &env.path().join("short/golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    stop_all(&mut workers);
+    env.cleanup(&[&short_id, &long_id]).await;
 }

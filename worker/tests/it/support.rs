@@ -115,12 +115,31 @@ impl TestEnv {
             .expect("amqp")
     }
 
-    /// (ready messages, consumers) of the pool's work queue; None if it does not exist.
+    /// (ready messages, consumers) of the pool's queues: the messages ready
+    /// in its work queue and in the queue of each of its active jobs, and
+    /// the work queue's consumers (every worker of the pool); None if the
+    /// work queue does not exist.
     pub async fn work_queue(&self) -> Option<(u32, u32)> {
         let broker = self.broker().await;
-        let work = PoolQueues::new(&self.pool).work();
-        let ready = broker.ready_count(&work).await.ok().flatten();
+        let queues = PoolQueues::new(&self.pool);
+        let work = queues.work();
+        let mut ready = broker.ready_count(&work).await.ok().flatten();
         let consumers = broker.consumer_count(&work).await.ok().flatten();
+        if let (Some(total), Ok(store)) = (ready.as_mut(), self.connections().store().await) {
+            for job in store
+                .active_jobs(&self.pool)
+                .await
+                .unwrap_or_default()
+                .keys()
+            {
+                *total += broker
+                    .ready_count(&queues.job(job))
+                    .await
+                    .ok()
+                    .flatten()
+                    .unwrap_or(0);
+            }
+        }
         broker.close("bye").await;
         ready.zip(consumers)
     }
@@ -153,7 +172,21 @@ impl TestEnv {
         if let Ok(store) = self.connections().store().await {
             for id in job_ids {
                 let _ = store.delete_job(id).await;
+                let _ = store.deactivate_job(&self.pool, id).await;
             }
+        }
+        // The queues of jobs that did not end (an ended job's queue is gone).
+        if let Ok(broker) = batchfleet_shared::broker::connect(
+            &self.amqp,
+            "batchfleet-tests-cleanup",
+            Duration::from_secs(10),
+        )
+        .await
+        {
+            for id in job_ids {
+                let _ = broker.delete(&PoolQueues::new(&self.pool).job(id)).await;
+            }
+            broker.close("bye").await;
         }
     }
 }
