@@ -219,9 +219,9 @@ pub struct Cancelled {
     pub summary: Option<PathBuf>,
 }
 
-/// Cancels a running job: its status becomes `cancelled`, so workers skip
-/// its queued items, stop in-flight ones at their next checkpoint and
-/// commit nothing more. When no other process follows the job, this one
+/// Cancels a running job: its status becomes `cancelled` and its queue is
+/// deleted, so its queued items are gone, workers stop in-flight ones at
+/// their next checkpoint and nothing more of it is committed. When no other process follows the job, this one
 /// writes its summary (status `cancelled`, no `_SUCCESS`) at once;
 /// otherwise the follower does, and its `run` exits 6.
 pub async fn cancel_job(
@@ -285,10 +285,9 @@ pub fn follower_id() -> String {
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "coordinator".into());
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("{host}-{}-{nonce:08x}", std::process::id())
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{host}-{}-{n}", std::process::id())
 }
 
 /// A reduce claim this old, on a job still unfinished, is taken over: its
