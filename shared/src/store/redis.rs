@@ -415,6 +415,14 @@ impl RedisStore {
         format!("{}:job:{id}:follower", self.prefix)
     }
 
+    /// Every key of a job's state: what expires with it and is kept when it
+    /// runs again (not its follower lease, which has a time to live of its
+    /// own that neither may change).
+    fn state_keys(&self, id: &str) -> [String; 11] {
+        let [state @ .., _follower] = self.keys_of(id);
+        state
+    }
+
     /// Every key one job has.
     fn keys_of(&self, id: &str) -> [String; 12] {
         [
@@ -995,7 +1003,7 @@ impl JobStore for RedisStore {
         let mut c = self.conn("PEXPIRE job").await?;
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for key in self.keys_of(job) {
+        for key in self.state_keys(job) {
             pipe.cmd("PEXPIRE").arg(key).arg(ms).ignore();
         }
         pipe.query_async::<()>(&mut c)
@@ -1008,7 +1016,7 @@ impl JobStore for RedisStore {
         let mut c = self.conn("PERSIST job").await?;
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for key in self.keys_of(job) {
+        for key in self.state_keys(job) {
             pipe.persist(key).ignore();
         }
         pipe.query_async::<()>(&mut c)

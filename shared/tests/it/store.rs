@@ -458,11 +458,18 @@ async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Stor
         store.follow_lease("f", "b", ttl).await.expect("lease"),
         "given up by a"
     );
-    // A lapsed lease is taken over.
+    // A lapsed lease is taken over — even after the job was run again
+    // (its state persisted) or finished (its state given a retention).
     assert!(store
         .follow_lease("g", "a", Duration::from_millis(30))
         .await
         .expect("lease"));
+    store.put_job(&record("g")).await.expect("put");
+    store.persist_job("g").await.expect("persist");
+    store
+        .expire_job("g", Duration::from_secs(3600))
+        .await
+        .expect("expire");
     let lapsed = async {
         while !store.follow_lease("g", "b", ttl).await.expect("lease") {
             tokio::time::sleep(Duration::from_millis(10)).await;
