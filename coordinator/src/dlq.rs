@@ -220,11 +220,12 @@ pub async fn replay(
         // among the pool's active jobs.
         store.persist_job(job).await?;
         broker.declare_job(&queues, job).await?;
-        let weight = match store.job(job).await?.map(|j| j.priority) {
-            Some(p) if p == "high" => 4,
-            Some(p) if p == "low" => 1,
-            _ => 2,
-        };
+        let priority = store
+            .job(job)
+            .await?
+            .map(|j| j.priority)
+            .unwrap_or_default();
+        let weight = crate::manifest::Priority::of_record(&priority).weight();
         store.activate_job(&queues.pool, job, weight).await?;
     }
     for (msg, dead, item) in chosen {

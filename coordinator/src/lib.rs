@@ -150,7 +150,8 @@ pub async fn run_spec(
                 Some(std::sync::Arc::new(spec.clone())),
                 Some(plan),
             );
-            follow_with(cfg, &store, &spec.job_id, shutdown, &mut supervisor).await
+            let me = follower_id();
+            follow_with_as(cfg, &store, &spec.job_id, shutdown, &mut supervisor, &me).await
         }
         Err(e) => Err(e),
     };
@@ -280,11 +281,7 @@ pub async fn cancel_job(
 
 /// Who this process is to the store, as a follower of jobs.
 pub fn follower_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "coordinator".into());
+    let host = batchfleet_shared::host_name().unwrap_or_else(|| "coordinator".into());
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     format!("{host}-{}-{n}", std::process::id())
@@ -293,16 +290,6 @@ pub fn follower_id() -> String {
 /// A reduce claim this old, on a job still unfinished, is taken over: its
 /// reducer died mid-way (a merge of a very large output may take minutes).
 const REDUCE_STALE: std::time::Duration = std::time::Duration::from_secs(600);
-
-async fn follow_with(
-    cfg: &RunConfig,
-    store: &Store,
-    job_id: &str,
-    shutdown: CancellationToken,
-    supervisor: &mut supervisor::Supervisor,
-) -> Result<RunOutcome, RunError> {
-    follow_with_as(cfg, store, job_id, shutdown, supervisor, &follower_id()).await
-}
 
 async fn follow_with_as(
     cfg: &RunConfig,

@@ -50,6 +50,15 @@ pub mod table;
 pub mod telemetry;
 pub mod text;
 
+/// This machine's host name (`/proc/sys/kernel/hostname`), `None` when it
+/// cannot be read: the first part of worker and follower ids.
+pub fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+}
+
 /// Milliseconds since the Unix epoch, the timestamp unit used in Redis and summaries.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

@@ -182,11 +182,7 @@ impl WorkerConfig {
     /// The configured id, or `<hostname>-<pid>`.
     pub fn worker_id(&self) -> String {
         self.worker_id.clone().unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .ok()
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| "worker".into());
+            let host = batchfleet_shared::host_name().unwrap_or_else(|| "worker".into());
             format!("{host}-{}", std::process::id())
         })
     }

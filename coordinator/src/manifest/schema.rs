@@ -119,6 +119,15 @@ impl Priority {
         }
     }
 
+    /// The priority a job record names (`""` or an unknown name: normal).
+    pub fn of_record(name: &str) -> Self {
+        match name {
+            "high" => Priority::High,
+            "low" => Priority::Low,
+            _ => Priority::Normal,
+        }
+    }
+
     /// Its name in the manifest.
     pub fn as_str(self) -> &'static str {
         match self {
