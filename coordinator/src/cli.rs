@@ -62,13 +62,15 @@ pub struct GlobalArgs {
 }
 
 impl GlobalArgs {
-    fn connections(&self) -> Result<Connections, batchfleet_shared::signing::KeyError> {
+    /// The connection settings; an unreadable secret or key file is an
+    /// error naming it.
+    fn connections(&self) -> Result<Connections, String> {
         Ok(Connections {
-            amqp_url: self.services.amqp_url.clone(),
-            redis_url: self.services.redis_url.clone(),
+            amqp: self.services.amqp().map_err(|e| e.to_string())?,
+            redis: self.services.redis().map_err(|e| e.to_string())?,
             redis_prefix: self.services.redis_prefix.clone(),
             connect_timeout: self.connect_timeout,
-            signing_key: self.services.signing_key()?,
+            signing_key: self.services.signing_key().map_err(|e| e.to_string())?,
             local: None,
             retention: self.retention,
         })

@@ -3,7 +3,7 @@
 
 use crate::supervisor;
 use batchfleet_shared::broker::{self, Broker, BrokerError};
-use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::store::{Store, StoreError};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,10 +12,10 @@ use std::time::Duration;
 /// Connection settings shared by every coordinator command.
 #[derive(Debug, Clone)]
 pub struct Connections {
-    /// RabbitMQ URL.
-    pub amqp_url: SecretUrl,
-    /// Redis URL.
-    pub redis_url: SecretUrl,
+    /// RabbitMQ: URL and TLS files.
+    pub amqp: Endpoint,
+    /// Redis: URL and TLS files.
+    pub redis: Endpoint,
     /// Prefix of every Redis key.
     pub redis_prefix: String,
     /// How long to wait for RabbitMQ or Redis to answer before giving up.
@@ -65,7 +65,7 @@ impl Connections {
     pub async fn store(&self) -> Result<Store, StoreError> {
         match &self.local {
             Some(local) => Ok(local.store.clone()),
-            None => Store::connect(&self.redis_url, &self.redis_prefix, self.connect_timeout).await,
+            None => Store::connect(&self.redis, &self.redis_prefix, self.connect_timeout).await,
         }
     }
 
@@ -73,7 +73,7 @@ impl Connections {
     pub async fn broker(&self, name: &str) -> Result<Arc<dyn Broker>, BrokerError> {
         match &self.local {
             Some(local) => Ok(local.queues.handle()),
-            None => broker::connect(&self.amqp_url, name, self.connect_timeout).await,
+            None => broker::connect(&self.amqp, name, self.connect_timeout).await,
         }
     }
 }

@@ -665,7 +665,7 @@ fn raw_broker(n: u64) -> Result<(f64, f64)> {
         .build()?;
     rt.block_on(async {
         let conn = batchfleet_shared::broker::connect(
-            &services::amqp_url(),
+            &services::amqp(),
             "batchfleet-bench-raw",
             Duration::from_secs(30),
         )

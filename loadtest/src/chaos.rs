@@ -541,7 +541,7 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
         .build()?;
     rt.block_on(async {
         let conn = batchfleet_shared::broker::connect(
-            &services::amqp_url(),
+            &services::amqp(),
             "batchfleet-chaos-bad-messages",
             Duration::from_secs(30),
         )
@@ -709,7 +709,7 @@ fn queue_depths(pool: &str) -> Result<Vec<(String, u32)>> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let url = services::amqp_url();
+        let url = services::amqp();
         let conn =
             batchfleet_shared::broker::connect(&url, "batchfleet-chaos", Duration::from_secs(30))
                 .await?;

@@ -10,8 +10,11 @@
 //! - [`fixtures`]: small input files written from Rust (Parquet with chosen row groups).
 //! - [`python`]: runs the project's Python generator (`loadtest/python/make_job.py`).
 //! - [`services`]: makes sure local RabbitMQ and Redis are up; unique test names.
+//! - [`nodes`]: RabbitMQ nodes and Redis servers of a test's own on free
+//!   loopback ports (TLS listeners with a CA and certificates the test makes).
 
 pub mod fixtures;
+pub mod nodes;
 pub mod python;
 pub mod services;
 pub mod verify;

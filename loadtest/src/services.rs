@@ -206,12 +206,12 @@ pub fn restart_rabbitmq() -> Result<()> {
     Ok(())
 }
 
-/// The RabbitMQ URL the tools use: `BATCHFLEET_AMQP_URL`, or the local one.
-pub fn amqp_url() -> batchfleet_shared::secret::SecretUrl {
-    batchfleet_shared::secret::SecretUrl::new(
+/// The RabbitMQ the tools use: `BATCHFLEET_AMQP_URL`, or the local one.
+pub fn amqp() -> batchfleet_shared::endpoint::Endpoint {
+    batchfleet_shared::endpoint::Endpoint::amqp(batchfleet_shared::secret::SecretUrl::new(
         std::env::var("BATCHFLEET_AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-    )
+    ))
 }
 
 /// Deletes every queue of a pool (best effort): a tool's own pool, when it is done.
@@ -224,7 +224,7 @@ pub fn delete_pool_queues(pool: &str) {
     };
     rt.block_on(async {
         let Ok(conn) = batchfleet_shared::broker::connect(
-            &amqp_url(),
+            &amqp(),
             "batchfleet-tools-cleanup",
             Duration::from_secs(30),
         )

@@ -1,12 +1,14 @@
 //! Command-line flags every batchfleet binary shares (each with a
 //! `BATCHFLEET_*` environment variable), so names and defaults cannot drift.
 
-use crate::secret::SecretUrl;
+use crate::endpoint::{Endpoint, TlsFiles};
+use crate::secret::{read_secret_file, SecretFileError, SecretUrl};
+use std::path::PathBuf;
 
 /// Where RabbitMQ and Redis are, and how to log.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServiceArgs {
-    /// RabbitMQ URL. Credentials in it are never logged.
+    /// RabbitMQ URL; amqps:// for TLS. Credentials in it are never logged.
     #[arg(
         long,
         env = "BATCHFLEET_AMQP_URL",
@@ -15,7 +17,24 @@ pub struct ServiceArgs {
         hide_env_values = true
     )]
     pub amqp_url: SecretUrl,
-    /// Redis URL. Credentials in it are never logged.
+    /// File holding the RabbitMQ URL (a mounted secret), instead of --amqp-url.
+    #[arg(
+        long,
+        env = "BATCHFLEET_AMQP_URL_FILE",
+        global = true,
+        conflicts_with = "amqp_url"
+    )]
+    pub amqp_url_file: Option<PathBuf>,
+    /// PEM CA certificate(s) to trust for amqps://, besides the system's roots.
+    #[arg(long, env = "BATCHFLEET_AMQP_CA_FILE", global = true)]
+    pub amqp_ca_file: Option<PathBuf>,
+    /// PEM client certificate for amqps:// (with --amqp-key-file).
+    #[arg(long, env = "BATCHFLEET_AMQP_CERT_FILE", global = true)]
+    pub amqp_cert_file: Option<PathBuf>,
+    /// PEM private key of --amqp-cert-file.
+    #[arg(long, env = "BATCHFLEET_AMQP_KEY_FILE", global = true)]
+    pub amqp_key_file: Option<PathBuf>,
+    /// Redis URL; rediss:// for TLS. Credentials in it are never logged.
     #[arg(
         long,
         env = "BATCHFLEET_REDIS_URL",
@@ -24,6 +43,23 @@ pub struct ServiceArgs {
         hide_env_values = true
     )]
     pub redis_url: SecretUrl,
+    /// File holding the Redis URL (a mounted secret), instead of --redis-url.
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_URL_FILE",
+        global = true,
+        conflicts_with = "redis_url"
+    )]
+    pub redis_url_file: Option<PathBuf>,
+    /// PEM CA certificate(s) to trust for rediss://, besides the system's roots.
+    #[arg(long, env = "BATCHFLEET_REDIS_CA_FILE", global = true)]
+    pub redis_ca_file: Option<PathBuf>,
+    /// PEM client certificate for rediss:// (with --redis-key-file).
+    #[arg(long, env = "BATCHFLEET_REDIS_CERT_FILE", global = true)]
+    pub redis_cert_file: Option<PathBuf>,
+    /// PEM private key of --redis-cert-file.
+    #[arg(long, env = "BATCHFLEET_REDIS_KEY_FILE", global = true)]
+    pub redis_key_file: Option<PathBuf>,
     /// Prefix of every Redis key batchfleet writes; coordinator and workers must agree.
     #[arg(
         long,
@@ -44,6 +80,34 @@ pub struct ServiceArgs {
 }
 
 impl ServiceArgs {
+    /// RabbitMQ's URL (from --amqp-url or the file of --amqp-url-file) and TLS files.
+    pub fn amqp(&self) -> Result<Endpoint, SecretFileError> {
+        let url = url_or_file(
+            &self.amqp_url,
+            self.amqp_url_file.as_deref(),
+            "BATCHFLEET_AMQP_URL_FILE",
+        )?;
+        Ok(Endpoint::amqp(url).with_tls(TlsFiles {
+            ca_file: self.amqp_ca_file.clone(),
+            cert_file: self.amqp_cert_file.clone(),
+            key_file: self.amqp_key_file.clone(),
+        }))
+    }
+
+    /// Redis's URL (from --redis-url or the file of --redis-url-file) and TLS files.
+    pub fn redis(&self) -> Result<Endpoint, SecretFileError> {
+        let url = url_or_file(
+            &self.redis_url,
+            self.redis_url_file.as_deref(),
+            "BATCHFLEET_REDIS_URL_FILE",
+        )?;
+        Ok(Endpoint::redis(url).with_tls(TlsFiles {
+            ca_file: self.redis_ca_file.clone(),
+            cert_file: self.redis_cert_file.clone(),
+            key_file: self.redis_key_file.clone(),
+        }))
+    }
+
     /// The message-signing key, if one is configured (see `--signing-key-file`).
     pub fn signing_key(
         &self,
@@ -54,5 +118,16 @@ impl ServiceArgs {
     /// Installs logging as the flags say.
     pub fn init_logging(&self) {
         crate::telemetry::init("info", self.log_format == "json");
+    }
+}
+
+fn url_or_file(
+    url: &SecretUrl,
+    file: Option<&std::path::Path>,
+    var: &str,
+) -> Result<SecretUrl, SecretFileError> {
+    match file {
+        Some(path) => read_secret_file(path, var).map(SecretUrl::new),
+        None => Ok(url.clone()),
     }
 }

@@ -16,7 +16,10 @@
 //! - [`metrics`]: the Prometheus exporter and every metric's name.
 //! - [`columns`]: the Arrow column types a Parquet input may use.
 //! - [`config`]: the command-line flags both binaries share.
-//! - [`secret`]: connection URLs whose credentials never reach logs or `Debug`.
+//! - [`secret`]: connection URLs whose credentials never reach logs or
+//!   `Debug`, and secrets read from `…_FILE` files.
+//! - [`endpoint`]: a service's URL with its TLS files (CA, client
+//!   certificate and key), read and checked before connecting.
 //! - [`table`]: part files in each output format (CSV, JSON Lines, Parquet), written and read back.
 //! - [`fsutil`]: file digests and atomic publication of output files, through
 //!   directory handles that never follow a symlink under an output folder.
@@ -33,6 +36,7 @@ pub mod broker;
 pub mod columns;
 pub mod config;
 pub mod cuda;
+pub mod endpoint;
 pub mod fsutil;
 pub mod message;
 pub mod metrics;

@@ -25,26 +25,83 @@ impl SecretUrl {
     pub fn redacted(&self) -> String {
         redact(&self.0)
     }
+
+    /// Whether a password in it holds a raw `/`, `?`, `#` or `@`, which
+    /// clients take for the end of the host part.
+    pub fn password_has_reserved(&self) -> bool {
+        password_spans(&self.0)
+            .into_iter()
+            .any(|span| self.0[span].contains(['/', '?', '#', '@']))
+    }
 }
 
-/// Replaces the password part of `scheme://user:password@host…` with `***`.
-/// Also masks a password-only userinfo (`redis://:password@host`).
+/// Replaces the password of `scheme://user:password@host…` with `***`;
+/// of every URL in a comma-separated list (`amqp://…,amqp://…`).
 pub fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    let masked = match userinfo.find(':') {
-        Some(colon) => format!("{}:***", &userinfo[..colon]),
-        None => userinfo.to_owned(),
-    };
-    format!("{}{}@{}", &url[..scheme_end + 3], masked, &rest[at + 1..])
+    let mut out = String::with_capacity(url.len());
+    let mut last = 0;
+    for span in password_spans(url) {
+        out.push_str(&url[last..span.start]);
+        out.push_str("***");
+        last = span.end;
+    }
+    out.push_str(&url[last..]);
+    out
+}
+
+/// Where the passwords are in `text`: one URL, or several separated by
+/// commas (each part from one `scheme://` to the next).
+///
+/// A URL's userinfo ends at its *last* `@`, and the password runs from the
+/// first `:` of the userinfo to there. A password ought to percent-encode
+/// `/`, `?`, `#` and `@`, but often does not, and a strict parser then ends
+/// the authority early and takes the rest of the password for a path, which
+/// it prints. Reading to the last `@` masks such a password whole; a URL
+/// without credentials but with an `@` in its query (`redis://h:1/0?a=b@c`)
+/// gets more than a password masked, which hides nothing that matters.
+fn password_spans(text: &str) -> Vec<std::ops::Range<usize>> {
+    let mut spans = Vec::new();
+    let starts = url_starts(text);
+    for (i, &start) in starts.iter().enumerate() {
+        let end = starts.get(i + 1).map_or(text.len(), |next| next - 1);
+        let one = &text[start..end];
+        let Some(scheme_end) = one.find("://") else {
+            continue;
+        };
+        let rest_at = scheme_end + 3;
+        let rest = &one[rest_at..];
+        let Some(at) = rest.rfind('@') else {
+            continue;
+        };
+        let userinfo = &rest[..at];
+        // A user name holds no '/': a ':' after one belongs to a host:port.
+        let Some(colon) = userinfo.find(':').filter(|&c| !userinfo[..c].contains('/')) else {
+            continue;
+        };
+        if colon + 1 < at {
+            spans.push(start + rest_at + colon + 1..start + rest_at + at);
+        }
+    }
+    spans
+}
+
+/// Byte offsets where each URL of a comma-separated list starts: 0, and
+/// after every `,` directly followed by `scheme://`.
+fn url_starts(text: &str) -> Vec<usize> {
+    let mut starts = vec![0];
+    for (i, _) in text.match_indices(',') {
+        let after = &text[i + 1..];
+        let scheme_len = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+            .unwrap_or(after.len());
+        if scheme_len > 0
+            && after.as_bytes()[0].is_ascii_alphabetic()
+            && after[scheme_len..].starts_with("://")
+        {
+            starts.push(i + 1);
+        }
+    }
+    starts
 }
 
 impl fmt::Display for SecretUrl {
@@ -66,23 +123,65 @@ impl FromStr for SecretUrl {
     }
 }
 
-/// Removes every occurrence of `url`'s password from `text`, for error messages
-/// produced by client libraries that may echo the URL they were given.
+/// Removes every occurrence of `url`'s passwords from `text`, for error
+/// messages produced by client libraries that may echo the URL they were
+/// given (or a piece of it: a password with a `/` can come back as a path).
 pub fn scrub(text: &str, url: &SecretUrl) -> String {
     let mut out = text.replace(url.expose(), &url.redacted());
-    if let Some(password) = password_of(url.expose()) {
-        if !password.is_empty() {
-            out = out.replace(password, "***");
+    for span in password_spans(url.expose()) {
+        let password = &url.expose()[span];
+        out = out.replace(password, "***");
+        // Parsers split a raw password at its first '/', '?', '#' or '@'
+        // and may quote either side alone.
+        for piece in password.split(['/', '?', '#', '@']) {
+            if piece.len() >= 4 {
+                out = out.replace(piece, "***");
+            }
         }
     }
     out
 }
 
-fn password_of(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    let userinfo = &authority[..authority.rfind('@')?];
-    Some(&userinfo[userinfo.find(':')? + 1..])
+/// The error reading a secret from a `…_FILE` file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var} = {path}: cannot read the secret from it: {reason}")]
+pub struct SecretFileError {
+    /// The `…_FILE` variable or flag.
+    pub var: String,
+    /// The file.
+    pub path: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Reads a secret from a file (a Docker or Kubernetes secret mounted as
+/// one): its contents without the trailing newline. `var` names the
+/// setting in the error.
+pub fn read_secret_file(path: &std::path::Path, var: &str) -> Result<String, SecretFileError> {
+    let err = |reason: String| SecretFileError {
+        var: var.to_owned(),
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let value = text.trim_end_matches(['\n', '\r']).to_owned();
+    if value.is_empty() {
+        return Err(err("it is empty".into()));
+    }
+    Ok(value)
+}
+
+/// A secret-bearing environment variable: `NAME` itself, or else the
+/// contents of the file that `NAME_FILE` names. `None` when neither is set.
+pub fn env_or_file(name: &str) -> Result<Option<String>, SecretFileError> {
+    if let Ok(v) = std::env::var(name) {
+        return Ok(Some(v));
+    }
+    let var = format!("{name}_FILE");
+    match std::env::var_os(&var) {
+        Some(path) => read_secret_file(std::path::Path::new(&path), &var).map(Some),
+        None => Ok(None),
+    }
 }
 
 #[cfg(test)]
@@ -105,6 +204,53 @@ mod tests {
         );
         assert_eq!(redact("redis://127.0.0.1:6379/"), "redis://127.0.0.1:6379/");
         assert_eq!(redact("not a url"), "not a url");
+    }
+
+    #[test]
+    fn redacts_passwords_with_reserved_characters_and_every_url_of_a_list() {
+        // A raw '/' (and '@', '?', '#') in a password, as people write them.
+        let url = SecretUrl::new("amqp://svc:pa/ss@w?#rd@rabbit:5672/%2f");
+        assert_eq!(url.to_string(), "amqp://svc:***@rabbit:5672/%2f");
+        assert!(!format!("{url:?}").contains("ss@w"));
+        assert_eq!(
+            redact("amqp://a:one/1@h1:5672,amqps://b:two/2@h2:5671/%2f,amqp://h3"),
+            "amqp://a:***@h1:5672,amqps://b:***@h2:5671/%2f,amqp://h3"
+        );
+        assert_eq!(
+            redact("rediss://default:x/y@cache:6380"),
+            "rediss://default:***@cache:6380"
+        );
+        // A user name only, and a port with no credentials, stay as they are.
+        assert_eq!(redact("redis://user@h:1/0"), "redis://user@h:1/0");
+        assert_eq!(redact("amqp://h:5672/v/x"), "amqp://h:5672/v/x");
+        // An '@' in a query without credentials masks too much, never too little.
+        assert_eq!(redact("redis://h:1/0?who=a@c"), "redis://h:***@c");
+        // A library quoting the part of a raw password after its '/'.
+        let msg = "invalid port number in \"svc:pass\": word1@rabbit";
+        let out = scrub(msg, &SecretUrl::new("amqp://svc:pass/word1@rabbit"));
+        assert!(!out.contains("word1") && !out.contains("pass"), "{out}");
+    }
+
+    #[test]
+    fn secrets_are_read_from_files_without_their_newline() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let f = dir.path().join("url");
+        std::fs::write(&f, "amqp://u:p@h/%2f\n").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            read_secret_file(&f, "X_FILE").as_deref(),
+            Ok("amqp://u:p@h/%2f")
+        );
+        std::fs::write(&f, "\n").unwrap_or_else(|e| panic!("{e}"));
+        let err = read_secret_file(&f, "X_FILE")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("X_FILE") && err.contains("empty"), "{err}");
+        let err = read_secret_file(&dir.path().join("none"), "Y_FILE")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("Y_FILE") && err.contains("none"), "{err}");
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! and blocking tasks, so they run on a small runtime of their own.
 
 use bytes::Bytes;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::{ObjectStore, ObjectStoreExt};
 use std::collections::HashMap;
 use std::fs::File;
@@ -598,6 +598,19 @@ fn store(bucket: &str) -> io::Result<Arc<AmazonS3>> {
     // only means one is installed already).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    // Credentials may come as files (mounted secrets): `AWS_…_FILE` names
+    // one when the variable itself is not set.
+    for (var, key) in [
+        ("AWS_ACCESS_KEY_ID", AmazonS3ConfigKey::AccessKeyId),
+        ("AWS_SECRET_ACCESS_KEY", AmazonS3ConfigKey::SecretAccessKey),
+        ("AWS_SESSION_TOKEN", AmazonS3ConfigKey::Token),
+    ] {
+        if let Some(value) = crate::secret::env_or_file(var)
+            .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?
+        {
+            builder = builder.with_config(key, value);
+        }
+    }
     for (k, v) in OVERRIDES.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let key = k
             .parse()

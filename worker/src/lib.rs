@@ -57,6 +57,7 @@ pub mod writer;
 use anyhow::Context;
 use backon::{ExponentialBuilder, Retryable};
 use batchfleet_shared::broker::{self, Broker, BrokerError, PoolQueues, Subscription};
+use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Store, StoreError};
 pub use config::WorkerConfig;
@@ -117,14 +118,23 @@ where
 /// take, are redone by the redelivery that finds them done. No work item can
 /// stop a worker: every failure is settled by its owner (see [`error`]).
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
-    run_on(cfg, Backend::Fleet, shutdown).await
+    let backend = Backend::Fleet {
+        amqp: cfg.services.amqp()?,
+        redis: cfg.services.redis()?,
+    };
+    run_on(cfg, backend, shutdown).await
 }
 
 /// Where a worker's queues and job state live.
 #[derive(Clone, Debug)]
 pub enum Backend {
-    /// RabbitMQ and Redis at the configured URLs.
-    Fleet,
+    /// RabbitMQ and Redis.
+    Fleet {
+        /// RabbitMQ's URL and TLS files.
+        amqp: Endpoint,
+        /// Redis's URL and TLS files.
+        redis: Endpoint,
+    },
     /// The in-process queues and store of `batchfleet run --local`; the
     /// process-wide parts (metrics exporter, GPU sampler) are the caller's.
     Local {
@@ -140,11 +150,11 @@ impl Backend {
     /// to `--connect-timeout`), or a new client of the in-process queues.
     async fn broker(&self, cfg: &WorkerConfig, worker_id: &str) -> anyhow::Result<Arc<dyn Broker>> {
         match self {
-            Backend::Fleet => {
+            Backend::Fleet { amqp, .. } => {
                 let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
                 let conn_name = format!("batchfleet-worker {worker_id}");
                 Ok(with_retry("RabbitMQ", cfg.connect_timeout, || {
-                    broker::connect(&cfg.services.amqp_url, &conn_name, per_try)
+                    broker::connect(amqp, &conn_name, per_try)
                 })
                 .await?)
             }
@@ -154,10 +164,10 @@ impl Backend {
 
     async fn store(&self, cfg: &WorkerConfig) -> anyhow::Result<Store> {
         match self {
-            Backend::Fleet => {
+            Backend::Fleet { redis, .. } => {
                 let per_try = cfg.connect_timeout.min(Duration::from_secs(10));
                 Ok(with_retry("Redis", cfg.connect_timeout, || {
-                    Store::connect(&cfg.services.redis_url, &cfg.services.redis_prefix, per_try)
+                    Store::connect(redis, &cfg.services.redis_prefix, per_try)
                 })
                 .await?)
             }
@@ -173,7 +183,7 @@ pub async fn run_on(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Exit> {
     let worker_id = cfg.worker_id();
-    let fleet = matches!(backend, Backend::Fleet);
+    let fleet = matches!(backend, Backend::Fleet { .. });
     let queues = PoolQueues::new(&cfg.pool);
     let data_roots =
         batchfleet_shared::paths::DataRoots::new(&cfg.data_roots).context("--data-root")?;
@@ -299,7 +309,10 @@ pub async fn run_on(
         if shutdown.is_cancelled() || ctx.stop.is_cancelled() {
             break None;
         }
-        let why = batchfleet_shared::secret::scrub(&why, &cfg.services.amqp_url);
+        let why = match &backend {
+            Backend::Fleet { amqp, .. } => batchfleet_shared::secret::scrub(&why, &amqp.url),
+            Backend::Local { .. } => why,
+        };
         tracing::warn!(error = %why, in_flight = tracker.len(), "lost the broker; reconnecting");
         // Deliveries of the lost connection can no longer be acknowledged.
         sizing.backlog.clear();

@@ -1,6 +1,7 @@
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::services::{ensure_local, unique};
 use batchfleet_shared::broker::PoolQueues;
+use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::Store;
 use std::path::{Path, PathBuf};
@@ -83,7 +84,7 @@ impl Case {
 
     /// Asserts nothing reached RabbitMQ (no work queue) or Redis (no job).
     async fn assert_nothing_published(&self) {
-        let url = SecretUrl::new("amqp://127.0.0.1:5672/%2f");
+        let url = Endpoint::amqp(SecretUrl::new("amqp://127.0.0.1:5672/%2f"));
         let conn = batchfleet_shared::broker::connect(&url, "cli-test", Duration::from_secs(5))
             .await
             .expect("amqp");
@@ -98,7 +99,7 @@ impl Case {
         );
         conn.close("bye").await;
         let store = Store::connect(
-            &SecretUrl::new("redis://127.0.0.1:6379/"),
+            &Endpoint::redis(SecretUrl::new("redis://127.0.0.1:6379/")),
             &self.prefix,
             Duration::from_secs(5),
         )

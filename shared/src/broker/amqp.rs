@@ -22,7 +22,8 @@ use super::{
     Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing, PoolQueues, Subscription,
     DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
-use crate::secret::{scrub, SecretUrl};
+use crate::endpoint::{is_certificate_error, Endpoint};
+use crate::secret::scrub;
 use futures_lite::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
@@ -65,16 +66,34 @@ impl std::fmt::Debug for AmqpBroker {
 
 impl AmqpBroker {
     /// Opens a connection, bounded by `timeout`, with errors that say what
-    /// to do, and a publishing channel in confirm mode.
+    /// to do, and a publishing channel in confirm mode. An `amqps://` URL
+    /// connects with TLS, trusting the system's roots and the endpoint's CA
+    /// file, and presenting its client certificate when one is given.
     pub async fn connect(
-        url: &SecretUrl,
+        endpoint: &Endpoint,
         connection_name: &str,
         timeout: Duration,
     ) -> Result<Self, BrokerError> {
+        let url = &endpoint.url;
+        let tls = match endpoint.tls_material().map_err(BrokerError::TlsSetup)? {
+            Some(m) => lapin::tcp::OwnedTLSConfig {
+                identity: m
+                    .client
+                    .map(|(pem, key)| lapin::tcp::OwnedIdentity::PKCS8 { pem, key }),
+                cert_chain: m
+                    .ca_pem
+                    .map(|pem| String::from_utf8_lossy(&pem).into_owned()),
+            },
+            None => lapin::tcp::OwnedTLSConfig::default(),
+        };
         let props =
             ConnectionProperties::default().with_connection_name(LongString::from(connection_name));
-        let attempt = Connection::connect(url.expose(), props);
-        let conn = match tokio::time::timeout(timeout, attempt).await {
+        let builder = lapin::DefaultConnectionBuilder::new()
+            .map_err(|e| connect_error(endpoint, &e))?
+            .with_uri_str(url.expose().to_owned())
+            .with_properties(props)
+            .with_tls_config(tls);
+        let conn = match tokio::time::timeout(timeout, builder.connect()).await {
             Err(_) => {
                 return Err(BrokerError::Timeout {
                     url: url.redacted(),
@@ -82,7 +101,7 @@ impl AmqpBroker {
                 })
             }
             Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(connect_error(url, &e)),
+            Ok(Err(e)) => return Err(connect_error(endpoint, &e)),
         };
         let publisher = conn.create_channel().await.map_err(op("channel.open"))?;
         publisher
@@ -113,7 +132,8 @@ impl AmqpBroker {
     }
 }
 
-fn connect_error(url: &SecretUrl, e: &lapin::Error) -> BrokerError {
+fn connect_error(endpoint: &Endpoint, e: &lapin::Error) -> BrokerError {
+    let url = &endpoint.url;
     let reason = scrub(&e.to_string(), url);
     let lower = reason.to_ascii_lowercase();
     if lower.contains("access_refused") || lower.contains("auth") || lower.contains("login") {
@@ -122,12 +142,21 @@ fn connect_error(url: &SecretUrl, e: &lapin::Error) -> BrokerError {
             reason,
         };
     }
-    let hint = if lower.contains("refused") || lower.contains("resolve") || lower.contains("lookup")
-    {
-        "Is RabbitMQ running? Start it (e.g. `rabbitmq-server -detached`), fix BATCHFLEET_AMQP_URL, or run the job in one process with `batchfleet run --local`."
-    } else {
-        "Check BATCHFLEET_AMQP_URL and that RabbitMQ is healthy."
-    };
+    if endpoint.is_tls() && is_certificate_error(&reason) {
+        return BrokerError::Untrusted {
+            url: url.redacted(),
+            reason,
+            hint: endpoint.untrusted_hint(),
+        };
+    }
+    let hint = endpoint.connect_hint(&reason).unwrap_or_else(|| {
+        if lower.contains("refused") || lower.contains("resolve") || lower.contains("lookup") {
+            "Is RabbitMQ running? Start it (e.g. `rabbitmq-server -detached`), fix BATCHFLEET_AMQP_URL, or run the job in one process with `batchfleet run --local`."
+        } else {
+            "Check BATCHFLEET_AMQP_URL and that RabbitMQ is healthy."
+        }
+        .into()
+    });
     BrokerError::Connect {
         url: url.redacted(),
         reason,

@@ -68,7 +68,7 @@ pub enum BrokerError {
         /// What the client library said, credentials scrubbed.
         reason: String,
         /// What to do about it.
-        hint: &'static str,
+        hint: String,
     },
     /// The broker refused the credentials; retrying will not help.
     #[error("RabbitMQ at {url} refused the login: {reason}. Check the user name and password in the AMQP URL (BATCHFLEET_AMQP_URL)")]
@@ -77,6 +77,19 @@ pub enum BrokerError {
         url: String,
         /// What the client library said, credentials scrubbed.
         reason: String,
+    },
+    /// A TLS file (`BATCHFLEET_AMQP_*_FILE`) cannot be used.
+    #[error("RabbitMQ TLS settings: {0}")]
+    TlsSetup(crate::endpoint::TlsSetupError),
+    /// The TLS handshake refused the server's certificate.
+    #[error("RabbitMQ at {url} did not pass the TLS handshake: {reason}. {hint}")]
+    Untrusted {
+        /// Redacted URL.
+        url: String,
+        /// What the TLS library said.
+        reason: String,
+        /// What to do about it.
+        hint: String,
     },
     /// The broker did not answer in time.
     #[error("RabbitMQ at {url} did not answer within {secs}s; check the host and port, or that the broker is not overloaded")]
@@ -108,9 +121,13 @@ pub enum BrokerError {
 }
 
 impl BrokerError {
-    /// Whether retrying cannot help (wrong credentials).
+    /// Whether retrying cannot help (wrong credentials, an untrusted
+    /// certificate, unusable TLS files).
     pub fn is_permanent(&self) -> bool {
-        matches!(self, BrokerError::Auth { .. })
+        matches!(
+            self,
+            BrokerError::Auth { .. } | BrokerError::TlsSetup(_) | BrokerError::Untrusted { .. }
+        )
     }
 }
 
@@ -420,14 +437,14 @@ pub trait Broker: Send + Sync + fmt::Debug {
     async fn close(&self, why: &str);
 }
 
-/// Connects to RabbitMQ at `url` (see [`amqp::AmqpBroker::connect`]).
+/// Connects to RabbitMQ at `endpoint` (see [`amqp::AmqpBroker::connect`]).
 pub async fn connect(
-    url: &crate::secret::SecretUrl,
+    endpoint: &crate::endpoint::Endpoint,
     connection_name: &str,
     timeout: Duration,
 ) -> Result<Arc<dyn Broker>, BrokerError> {
     Ok(Arc::new(
-        amqp::AmqpBroker::connect(url, connection_name, timeout).await?,
+        amqp::AmqpBroker::connect(endpoint, connection_name, timeout).await?,
     ))
 }
 

@@ -29,7 +29,6 @@
 //! never be counted twice. Output files remain the source of truth: every
 //! committed item has its part file published before it is marked done.
 
-use crate::secret::SecretUrl;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -50,7 +49,7 @@ pub enum StoreError {
         /// Client library message, credentials scrubbed.
         reason: String,
         /// What to do about it.
-        hint: &'static str,
+        hint: String,
     },
     /// Redis refused the credentials; retrying will not help.
     #[error("Redis at {url} refused the login: {reason}. Check the password in the Redis URL (BATCHFLEET_REDIS_URL)")]
@@ -76,6 +75,19 @@ pub enum StoreError {
         /// The policy in force.
         policy: String,
     },
+    /// A TLS file (`BATCHFLEET_REDIS_*_FILE`) cannot be used.
+    #[error("Redis TLS settings: {0}")]
+    TlsSetup(crate::endpoint::TlsSetupError),
+    /// The TLS handshake refused the server's certificate.
+    #[error("Redis at {url} did not pass the TLS handshake: {reason}. {hint}")]
+    Untrusted {
+        /// Redacted URL.
+        url: String,
+        /// What the TLS library said.
+        reason: String,
+        /// What to do about it.
+        hint: String,
+    },
     /// Stored data could not be read back.
     #[error("Redis key {key} holds unexpected data: {reason}")]
     Corrupt {
@@ -89,7 +101,13 @@ pub enum StoreError {
 impl StoreError {
     /// Whether retrying cannot help (wrong credentials).
     pub fn is_permanent(&self) -> bool {
-        matches!(self, StoreError::Auth { .. } | StoreError::Evicts { .. })
+        matches!(
+            self,
+            StoreError::Auth { .. }
+                | StoreError::Evicts { .. }
+                | StoreError::TlsSetup(_)
+                | StoreError::Untrusted { .. }
+        )
     }
 }
 
@@ -794,11 +812,12 @@ impl std::ops::Deref for Store {
 impl Store {
     /// Connects to Redis and checks the server answers `PING` within `timeout`.
     pub async fn connect(
-        url: &SecretUrl,
+        endpoint: &crate::endpoint::Endpoint,
         prefix: &str,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let store = redis::RedisStore::connect(url, prefix, timeout).await?;
+        let url = &endpoint.url;
+        let store = redis::RedisStore::connect(endpoint, prefix, timeout).await?;
         // A store that may evict a running job's keys breaks every
         // guarantee at the first memory pressure: refuse it at once.
         if let Some(policy) = store.eviction_policy().await? {

@@ -5,9 +5,10 @@ use super::{
     Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, Start,
     StoreError, UnableNote,
 };
-use crate::secret::{scrub, SecretUrl};
+use crate::endpoint::{is_certificate_error, Endpoint};
+use crate::secret::scrub;
 use deadpool_redis::redis::{self, AsyncCommands};
-use deadpool_redis::{Config, Pool, Runtime};
+use deadpool_redis::{Pool, Runtime};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -305,12 +306,16 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects and checks the server answers `PING` within `timeout`.
+    /// Connects and checks the server answers `PING` within `timeout`. A
+    /// `rediss://` URL connects with TLS, trusting the system's roots and
+    /// the endpoint's CA file, and presenting its client certificate when
+    /// one is given.
     pub async fn connect(
-        url: &SecretUrl,
+        endpoint: &Endpoint,
         prefix: &str,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
+        let url = &endpoint.url;
         let connect_err = |reason: String| {
             let reason = scrub(&reason, url);
             let lower = reason.to_ascii_lowercase();
@@ -320,20 +325,49 @@ impl RedisStore {
                     reason,
                 };
             }
+            if endpoint.is_tls() && is_certificate_error(&reason) {
+                return StoreError::Untrusted {
+                    url: url.redacted(),
+                    reason,
+                    hint: endpoint.untrusted_hint(),
+                };
+            }
+            let hint = endpoint.connect_hint(&reason).unwrap_or_else(|| "Is Redis running? Start it (e.g. `redis-server --daemonize yes`), fix BATCHFLEET_REDIS_URL, or run the job in one process with `batchfleet run --local`.".into());
             StoreError::Connect {
                 url: url.redacted(),
                 reason,
-                hint: "Is Redis running? Start it (e.g. `redis-server --daemonize yes`), fix BATCHFLEET_REDIS_URL, or run the job in one process with `batchfleet run --local`.",
+                hint,
             }
         };
-        let mut cfg = Config::from_url(url.expose());
+        // The TLS client runs on the process-wide rustls provider: ring, as
+        // for RabbitMQ and S3 (an error only means one is installed already).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = match endpoint.tls_material().map_err(StoreError::TlsSetup)? {
+            Some(m) => redis::Client::build_with_tls(
+                url.expose(),
+                redis::TlsCertificates {
+                    client_tls: m
+                        .client
+                        .map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                            client_cert,
+                            client_key,
+                        }),
+                    root_cert: m.ca_pem,
+                },
+            ),
+            None => redis::Client::open(url.expose()),
+        }
+        .map_err(|e| connect_err(e.to_string()))?;
+        let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
+            .map_err(|e| connect_err(e.to_string()))?;
         let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
         pool_cfg.timeouts.wait = Some(timeout);
         pool_cfg.timeouts.create = Some(timeout);
         pool_cfg.timeouts.recycle = Some(timeout);
-        cfg.pool = Some(pool_cfg);
-        let pool = cfg
-            .create_pool(Some(Runtime::Tokio1))
+        let pool = Pool::builder(manager)
+            .config(pool_cfg)
+            .runtime(Runtime::Tokio1)
+            .build()
             .map_err(|e| connect_err(e.to_string()))?;
         let store = Self {
             pool,

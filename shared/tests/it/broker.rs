@@ -86,7 +86,9 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
 
 #[tokio::test]
 async fn unreachable_broker_is_a_clear_error() {
-    let url = batchfleet_shared::secret::SecretUrl::new("amqp://user:pw-xyz@127.0.0.1:1/%2f");
+    let url = batchfleet_shared::endpoint::Endpoint::amqp(
+        batchfleet_shared::secret::SecretUrl::new("amqp://user:pw-xyz@127.0.0.1:1/%2f"),
+    );
     let err = connect(&url, "shared-tests", Duration::from_secs(5))
         .await
         .expect_err("nothing listens on port 1");

@@ -277,8 +277,8 @@ async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
         let mut c = std::process::Command::new(&coordinator);
         c.args(["--redis-prefix", &env.prefix])
             .args(args)
-            .env("BATCHFLEET_AMQP_URL", env.amqp.expose())
-            .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+            .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+            .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
             .env("BATCHFLEET_NO_PROGRESS", "true");
         c
     };

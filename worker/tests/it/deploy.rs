@@ -182,8 +182,8 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
     worker_args[1] = pool.clone();
     // The variables compose sets (x-batchfleet-env), with local values.
     let vars = [
-        ("BATCHFLEET_AMQP_URL", env.amqp.expose().to_owned()),
-        ("BATCHFLEET_REDIS_URL", env.redis.expose().to_owned()),
+        ("BATCHFLEET_AMQP_URL", env.amqp.url.expose().to_owned()),
+        ("BATCHFLEET_REDIS_URL", env.redis.url.expose().to_owned()),
         ("BATCHFLEET_REDIS_PREFIX", env.prefix.clone()),
         ("BATCHFLEET_LOG_FORMAT", "json".to_owned()),
         ("BATCHFLEET_METRICS_PORT", "0".to_owned()),

@@ -658,7 +658,7 @@ async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
             "BATCHFLEET_AMQP_URL",
             "amqp://guest:not-the-password-42@127.0.0.1:5672/%2f",
         )
-        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
         .output()
         .expect("run worker");
     assert_eq!(out.status.code(), Some(1));

@@ -6,6 +6,8 @@ use crate::support::{stop_all, TestEnv};
 use batchfleet_coordinator::manifest;
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::verify::verify;
+use batchfleet_shared::endpoint::Endpoint;
+use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::{JobRecord, JobStatus, Store, StoreError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -40,7 +42,7 @@ fn touch(path: &Path) {
 }
 
 async fn redis(env: &TestEnv) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(env.redis.expose())
+    redis::Client::open(env.redis.url.expose())
         .expect("redis url")
         .get_multiplexed_async_connection()
         .await
@@ -380,7 +382,7 @@ impl Drop for OwnRedis {
 async fn a_redis_that_may_evict_job_state_is_refused_at_start() {
     let env = TestEnv::new("evict");
     let evicting = OwnRedis::start("allkeys-lru");
-    let url = batchfleet_shared::secret::SecretUrl::new(evicting.url());
+    let url = Endpoint::redis(SecretUrl::new(evicting.url()));
     let err = Store::connect(&url, "bf", Duration::from_secs(5))
         .await
         .expect_err("an evicting Redis is refused");
@@ -404,7 +406,7 @@ async fn a_redis_that_may_evict_job_state_is_refused_at_start() {
     // jobs'): accepted, as noeviction is.
     for policy in ["volatile-lru", "noeviction"] {
         let fine = OwnRedis::start(policy);
-        let url = batchfleet_shared::secret::SecretUrl::new(fine.url());
+        let url = Endpoint::redis(SecretUrl::new(fine.url()));
         Store::connect(&url, "bf", Duration::from_secs(5))
             .await
             .unwrap_or_else(|e| panic!("{policy}: {e}"));
@@ -607,8 +609,8 @@ fn coordinator(env: &TestEnv) -> std::process::Command {
         Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
     );
     c.args(["--redis-prefix", &env.prefix])
-        .env("BATCHFLEET_AMQP_URL", env.amqp.expose())
-        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
         .env("BATCHFLEET_NO_PROGRESS", "1");
     c
 }

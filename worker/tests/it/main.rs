@@ -10,3 +10,4 @@ mod jobs;
 mod reports;
 mod support;
 mod text;
+mod tls;

@@ -186,7 +186,7 @@ async fn summary_distribution_compare_hooks_and_job_list() {
             .arg(x)
             .arg(y)
             .args(extra)
-            .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+            .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
             .output()
             .expect("batchfleet compare")
     };
@@ -220,7 +220,7 @@ async fn summary_distribution_compare_hooks_and_job_list() {
     // `batchfleet jobs` lists both, newest first.
     let jobs = std::process::Command::new(coordinator_bin())
         .args(["--redis-prefix", &env.prefix, "jobs", "--json"])
-        .env("BATCHFLEET_REDIS_URL", env.redis.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
         .output()
         .expect("batchfleet jobs");
     let list: serde_json::Value = serde_json::from_slice(&jobs.stdout).expect("json");

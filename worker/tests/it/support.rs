@@ -5,6 +5,7 @@ use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{Connections, RunConfig};
 use batchfleet_shared::broker::Broker;
 use batchfleet_shared::broker::PoolQueues;
+use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -12,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct TestEnv {
-    pub amqp: SecretUrl,
-    pub redis: SecretUrl,
+    pub amqp: Endpoint,
+    pub redis: Endpoint,
     pub prefix: String,
     pub pool: String,
     pub dir: tempfile::TempDir,
@@ -23,8 +24,8 @@ impl TestEnv {
     pub fn new(stem: &str) -> Self {
         batchfleet_loadtest::services::ensure_local().expect("RabbitMQ and Redis available");
         Self {
-            amqp: SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
-            redis: SecretUrl::new("redis://127.0.0.1:6379/"),
+            amqp: Endpoint::amqp(SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f")),
+            redis: Endpoint::redis(SecretUrl::new("redis://127.0.0.1:6379/")),
             prefix: batchfleet_loadtest::services::unique(&format!("bftest-{stem}")),
             pool: batchfleet_loadtest::services::unique(stem),
             dir: tempfile::tempdir().expect("temp dir"),
@@ -37,8 +38,8 @@ impl TestEnv {
 
     pub fn connections(&self) -> Connections {
         Connections {
-            amqp_url: self.amqp.clone(),
-            redis_url: self.redis.clone(),
+            amqp: self.amqp.clone(),
+            redis: self.redis.clone(),
             redis_prefix: self.prefix.clone(),
             connect_timeout: Duration::from_secs(10),
             signing_key: None,
@@ -97,8 +98,8 @@ impl TestEnv {
                 vec![std::ffi::OsStr::new("--data-root"), self.path().as_os_str()]
             })
             .args(extra)
-            .env("BATCHFLEET_AMQP_URL", self.amqp.expose())
-            .env("BATCHFLEET_REDIS_URL", self.redis.expose())
+            .env("BATCHFLEET_AMQP_URL", self.amqp.url.expose())
+            .env("BATCHFLEET_REDIS_URL", self.redis.url.expose())
             .env_remove("LD_LIBRARY_PATH") // the binary must find libtorch by itself
             .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::from(file.try_clone().expect("dup log")))
@@ -231,6 +232,23 @@ pub struct Worker {
 impl Worker {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for the worker to exit by itself (bounded); its exit status.
+    pub fn terminate_when_exited(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        // A child's exit has no event to await from std: poll it.
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("wait worker") {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.terminate(Duration::from_secs(30));
+        panic!(
+            "worker did not exit by itself within {within:?}:\n{}",
+            self.log_text()
+        );
     }
 
     /// Sends SIGTERM and waits for the exit status (bounded).
