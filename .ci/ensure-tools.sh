@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
 # Installs the programs the tests start besides RabbitMQ and Redis:
-# Prometheus (the metrics test scrapes real workers with it).
+# Prometheus (the metrics test scrapes real workers with it) and openssl
+# (the TLS and webhook tests make their CA and certificates with it).
 set -euo pipefail
+if ! command -v openssl >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing openssl from Debian's packages (for the TLS tests)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssl >/dev/null
+  else
+    echo "error: openssl is not installed; install it with: sudo apt-get install openssl" >&2
+    exit 1
+  fi
+fi
 if command -v prometheus >/dev/null; then
   exit 0
 fi

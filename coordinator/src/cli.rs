@@ -59,6 +59,33 @@ pub struct GlobalArgs {
     /// state never expires.
     #[arg(long, env = "BATCHFLEET_RETENTION", default_value = "7d", value_parser = humantime::parse_duration, global = true)]
     pub retention: Duration,
+    /// A variable of this environment an `[on_complete]` command may see
+    /// (repeat, or separate with commas); it otherwise gets only the job's
+    /// BATCHFLEET_* variables and PATH, HOME, USER, LANG, LC_ALL, TZ, TMPDIR.
+    #[arg(
+        long = "hook-env",
+        env = "BATCHFLEET_HOOK_ENV",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub hook_env: Vec<String>,
+    /// A variable a manifest may name in `webhook_token_env` or
+    /// `webhook_url_env` (repeat, or separate with commas); none by default,
+    /// so no manifest can send this process's secrets to a URL it chooses.
+    #[arg(
+        long = "hook-token-env",
+        env = "BATCHFLEET_HOOK_TOKEN_ENV",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub hook_token_env: Vec<String>,
+    /// Allow `http://` webhooks (https only by default).
+    #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_HTTP", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
+    pub hook_allow_http: bool,
+    /// Allow webhooks to link-local and cloud metadata addresses (refused
+    /// by default, also when a host name resolves to one).
+    #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_LINK_LOCAL", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
+    pub hook_allow_link_local: bool,
 }
 
 impl GlobalArgs {
@@ -73,6 +100,12 @@ impl GlobalArgs {
             signing_key: self.services.signing_key().map_err(|e| e.to_string())?,
             local: None,
             retention: self.retention,
+            hooks: crate::hooks::HookPolicy {
+                command_env: self.hook_env.clone(),
+                token_env: self.hook_token_env.clone(),
+                allow_http: self.hook_allow_http,
+                allow_link_local: self.hook_allow_link_local,
+            },
         })
     }
 }

@@ -29,6 +29,8 @@ pub struct Connections {
     /// How long a finished job's state stays in Redis (its summary stays in
     /// the output folder for good).
     pub retention: Duration,
+    /// What a job's `[on_complete]` may do.
+    pub hooks: crate::hooks::HookPolicy,
 }
 
 /// The default of `--retention` (`BATCHFLEET_RETENTION`).
@@ -74,6 +76,38 @@ impl Connections {
         match &self.local {
             Some(local) => Ok(local.queues.handle()),
             None => broker::connect(&self.amqp, name, self.connect_timeout).await,
+        }
+    }
+}
+
+impl RunConfig {
+    /// Reads and validates a manifest (see [`crate::manifest::load_with`])
+    /// under this run's data roots, and checks its `[on_complete]` against
+    /// the operator's [`crate::hooks::HookPolicy`]: a refused hook refuses
+    /// the job before anything is published.
+    pub fn load(
+        &self,
+        path: &std::path::Path,
+        overrides: &[String],
+    ) -> Result<crate::manifest::JobSpec, crate::manifest::ManifestError> {
+        let spec = crate::manifest::load_with(path, &self.data_roots, overrides)?;
+        let problems: Vec<_> = self
+            .connections
+            .hooks
+            .problems(&spec.on_complete)
+            .into_iter()
+            .map(|(field, message)| crate::manifest::Problem {
+                field: field.into(),
+                message,
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(spec)
+        } else {
+            Err(crate::manifest::ManifestError {
+                file: path.to_owned(),
+                problems,
+            })
         }
     }
 }

@@ -57,7 +57,7 @@ pub async fn plan(
     path: &Path,
     store: Option<&Store>,
 ) -> Result<PlanReport, RunError> {
-    let spec = crate::manifest::load_with(path, &cfg.data_roots, &cfg.overrides)?;
+    let spec = cfg.load(path, &cfg.overrides)?;
     let planned = {
         let spec = spec.clone();
         tokio::task::spawn_blocking(move || crate::planner::plan(&spec))

@@ -1,11 +1,183 @@
 //! `[on_complete]`: start the next pipeline step when a job ends — a command
-//! and/or a webhook POST of the summary — and record how that went in
+//! and/or a webhook POST of the summary — within what the operator allows
+//! ([`HookPolicy`], the `--hook-*` flags), and record how that went in
 //! `summary.json`.
+//!
+//! A manifest is not trusted with the coordinator's secrets:
+//! - the command gets the job's variables and a few harmless ones
+//!   ([`BASE_ENV`]) plus the operator's `--hook-env` list, not the
+//!   coordinator's environment (broker and Redis URLs, AWS keys); it runs in
+//!   a process group of its own, killed whole at its time limit, and at most
+//!   [`OUTPUT_CAP`] bytes of its stderr are kept;
+//! - the webhook's token and URL variables must be on the operator's
+//!   `--hook-token-env` list; the webhook must be https (unless
+//!   `--hook-allow-http`); redirects are not followed; link-local and cloud
+//!   metadata addresses are refused (unless `--hook-allow-link-local`),
+//!   checked on the addresses the host resolves to, which the request is
+//!   then pinned to.
 
 use crate::manifest::OnComplete;
+use backon::{ExponentialBuilder, Retryable};
+use batchfleet_shared::secret::SecretUrl;
 use serde::{Deserialize, Serialize};
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+
+/// Variables of the coordinator's environment every hook command gets (none
+/// holds a secret); `--hook-env` adds more.
+pub const BASE_ENV: &[&str] = &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR"];
+
+/// Most bytes of a hook command's stderr kept (the last ones).
+pub const OUTPUT_CAP: usize = 64 * 1024;
+
+/// What the operator lets a manifest's `[on_complete]` do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HookPolicy {
+    /// Variables passed to the command besides the job's and [`BASE_ENV`].
+    pub command_env: Vec<String>,
+    /// Variables a manifest may name in `webhook_token_env` and
+    /// `webhook_url_env` (each also read from `<NAME>_FILE`).
+    pub token_env: Vec<String>,
+    /// Whether `http://` webhooks are allowed (else https only).
+    pub allow_http: bool,
+    /// Whether webhooks may go to link-local and cloud metadata addresses.
+    pub allow_link_local: bool,
+}
+
+impl HookPolicy {
+    /// What `hooks` asks that this policy does not allow, as `(field,
+    /// message)`: checked when a job is submitted, so a refused manifest
+    /// publishes nothing, and again before the hooks run.
+    pub fn problems(&self, hooks: &OnComplete) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        for (field, var) in [
+            ("[on_complete] webhook_token_env", &hooks.webhook_token_env),
+            ("[on_complete] webhook_url_env", &hooks.webhook_url_env),
+        ] {
+            if let Some(var) = var
+                .as_deref()
+                .filter(|v| !self.token_env.iter().any(|a| a == v))
+            {
+                out.push((
+                    field,
+                    format!(
+                        "{var} is not a variable the operator lets hooks use; ask for it to be added to --hook-token-env (BATCHFLEET_HOOK_TOKEN_ENV){}",
+                        if self.token_env.is_empty() {
+                            ", which is empty".to_owned()
+                        } else {
+                            format!(", which allows {}", self.token_env.join(", "))
+                        }
+                    ),
+                ));
+            }
+        }
+        if let Some(url) = &hooks.webhook {
+            if let Err(why) = self.check_url(url.expose()) {
+                out.push(("[on_complete] webhook", why));
+            }
+        }
+        out
+    }
+
+    /// Scheme and literal host of a webhook URL under this policy.
+    fn check_url(&self, url: &str) -> Result<(), String> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| format!("is not a URL ({e})"))?;
+        match parsed.scheme() {
+            "https" => {}
+            "http" if self.allow_http => {}
+            "http" => {
+                return Err(format!(
+                    "{} is http://: webhooks must use https:// (the summary and the token would cross the network in clear), unless the operator passes --hook-allow-http (BATCHFLEET_HOOK_ALLOW_HTTP)",
+                    origin(url)
+                ))
+            }
+            other => return Err(format!("has scheme {other}; use https://")),
+        }
+        if self.allow_link_local {
+            return Ok(());
+        }
+        let refused = match host_of(&parsed) {
+            Some(Host::Ip(ip)) => forbidden(ip),
+            Some(Host::Name(name)) => METADATA_HOSTS
+                .iter()
+                .any(|m| name.eq_ignore_ascii_case(m))
+                .then_some("a cloud metadata service"),
+            None => return Err("has no host".into()),
+        };
+        match refused {
+            Some(what) => Err(format!(
+                "{} is {what}, which webhooks may not reach unless the operator passes --hook-allow-link-local (BATCHFLEET_HOOK_ALLOW_LINK_LOCAL)",
+                origin(url)
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The command's environment: [`BASE_ENV`] and `--hook-env` variables
+    /// taken from `parent`, nothing else.
+    pub fn command_env<I, K, V>(&self, parent: I) -> Vec<(std::ffi::OsString, std::ffi::OsString)>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<std::ffi::OsString>,
+        V: Into<std::ffi::OsString>,
+    {
+        parent
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .filter(|(k, _)| {
+                k.to_str().is_some_and(|k| {
+                    BASE_ENV.contains(&k) || self.command_env.iter().any(|a| a == k)
+                })
+            })
+            .collect()
+    }
+}
+
+/// A URL's host: an address, or a name to resolve.
+enum Host<'a> {
+    Ip(IpAddr),
+    Name(&'a str),
+}
+
+fn host_of(url: &reqwest::Url) -> Option<Host<'_>> {
+    let host = url.host_str()?;
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    Some(match bare.parse() {
+        Ok(ip) => Host::Ip(ip),
+        Err(_) => Host::Name(host),
+    })
+}
+
+/// Host names of cloud metadata services (Google's; AWS, Azure and others
+/// answer on link-local addresses, refused by [`forbidden`]).
+const METADATA_HOSTS: &[&str] = &["metadata.google.internal", "metadata", "metadata.goog"];
+
+/// Why a webhook may not reach `ip`: link-local (where cloud metadata
+/// services answer) or a metadata address outside that range.
+fn forbidden(ip: IpAddr) -> Option<&'static str> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
+    match ip {
+        IpAddr::V4(v4) if v4.is_link_local() => {
+            Some("a link-local address (where cloud metadata services answer)")
+        }
+        // Alibaba Cloud's metadata service.
+        IpAddr::V4(v4) if v4.octets() == [100, 100, 100, 200] => Some("a cloud metadata service"),
+        IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80 => {
+            Some("a link-local address (where cloud metadata services answer)")
+        }
+        // AWS's IPv6 instance metadata endpoint.
+        IpAddr::V6(v6) if v6.segments() == [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254] => {
+            Some("a cloud metadata service")
+        }
+        _ => None,
+    }
+}
 
 /// What the hooks did, as recorded in `summary.json`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -35,7 +207,8 @@ pub struct CommandOutcome {
 /// How the webhook delivery ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WebhookOutcome {
-    /// `delivered` or `failed`.
+    /// `delivered`, `failed`, or `refused` (the operator's policy did not
+    /// allow it; nothing was sent).
     pub status: String,
     /// Attempts made.
     pub attempts: u32,
@@ -52,6 +225,7 @@ pub struct WebhookOutcome {
 /// `body` its contents, `cwd` the manifest's folder.
 pub async fn run(
     hooks: &OnComplete,
+    policy: &HookPolicy,
     job_id: &str,
     status: &str,
     summary: &Path,
@@ -60,42 +234,76 @@ pub async fn run(
 ) -> HookOutcome {
     let mut outcome = HookOutcome::default();
     if let Some(cmd) = &hooks.command {
-        outcome.command =
-            Some(run_command(cmd, hooks.command_timeout, job_id, status, summary, cwd).await);
+        let job_env = [
+            ("BATCHFLEET_SUMMARY", summary.as_os_str()),
+            ("BATCHFLEET_JOB_ID", job_id.as_ref()),
+            ("BATCHFLEET_JOB_STATUS", status.as_ref()),
+            (
+                "BATCHFLEET_OUTPUT_DIR",
+                summary.parent().unwrap_or(Path::new(".")).as_os_str(),
+            ),
+        ];
+        let mut env = policy.command_env(std::env::vars_os());
+        env.extend(job_env.iter().map(|(k, v)| ((*k).into(), (*v).to_owned())));
+        outcome.command = Some(run_command(cmd, hooks.command_timeout, &env, cwd).await);
     }
     if let Some(url) = &hooks.webhook {
-        let token = hooks
-            .webhook_token_env
-            .as_ref()
-            .and_then(|v| std::env::var(v).ok());
-        outcome.webhook = Some(post(url, token, body, hooks.webhook_attempts).await);
+        let target = origin(url.expose());
+        let refused = |why: String| WebhookOutcome {
+            status: "refused".into(),
+            attempts: 0,
+            http_status: None,
+            target: target.clone(),
+            error: Some(why),
+        };
+        // Checked at submission; checked again here, since whoever reduces
+        // the job (a `supervise` elsewhere) may allow less.
+        outcome.webhook = Some(match policy.problems(hooks).into_iter().next() {
+            Some((field, why)) => {
+                tracing::error!(%target, "webhook not sent: {field} {why}");
+                refused(format!("{field} {why}"))
+            }
+            None => match token(hooks) {
+                Ok(token) => post(url, policy, token, body, hooks.webhook_attempts).await,
+                Err(why) => refused(why),
+            },
+        });
     }
     outcome
+}
+
+/// The bearer token, from `webhook_token_env` (or its `_FILE`), read now.
+fn token(hooks: &OnComplete) -> Result<Option<String>, String> {
+    let Some(var) = &hooks.webhook_token_env else {
+        return Ok(None);
+    };
+    match batchfleet_shared::secret::env_or_file(var) {
+        Ok(Some(t)) => Ok(Some(t)),
+        Ok(None) => Err(format!("{var} (webhook_token_env) is not set")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 async fn run_command(
     cmd: &[String],
     timeout: Duration,
-    job_id: &str,
-    status: &str,
-    summary: &Path,
+    env: &[(std::ffi::OsString, std::ffi::OsString)],
     cwd: &Path,
 ) -> CommandOutcome {
     let started = Instant::now();
-    let out_dir = summary.parent().unwrap_or(Path::new("."));
     let child = tokio::process::Command::new(&cmd[0])
         .args(&cmd[1..])
         .current_dir(cwd)
-        .env("BATCHFLEET_SUMMARY", summary)
-        .env("BATCHFLEET_JOB_ID", job_id)
-        .env("BATCHFLEET_JOB_STATUS", status)
-        .env("BATCHFLEET_OUTPUT_DIR", out_dir)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::inherit())
         .stderr(std::process::Stdio::piped())
+        // A group of its own, so whatever it starts is killed with it.
+        .process_group(0)
         .kill_on_drop(true)
         .spawn();
-    let child = match child {
+    let mut child = match child {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(command = %cmd[0], error = %e, "on_complete command could not start");
@@ -107,44 +315,101 @@ async fn run_command(
             };
         }
     };
-    let result = tokio::time::timeout(timeout, child.wait_with_output()).await;
+    let group = child
+        .id()
+        .and_then(|id| rustix::process::Pid::from_raw(id as i32));
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tail = tokio::spawn({
+        let (stderr, kept) = (child.stderr.take(), kept.clone());
+        async move {
+            if let Some(s) = stderr {
+                read_tail(s, OUTPUT_CAP, &kept).await;
+            }
+        }
+    });
+    let waited = tokio::time::timeout(timeout, child.wait()).await;
     let duration_s = started.elapsed().as_secs_f64();
-    match result {
-        Ok(Ok(out)) => {
-            let last = String::from_utf8_lossy(&out.stderr)
+    let kill_group = || {
+        if let Some(pgid) = group {
+            // ESRCH only means every member is gone already.
+            let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
+        }
+    };
+    match waited {
+        Ok(Ok(status)) => {
+            // Something the command left running may hold stderr open: its
+            // output so far is enough.
+            if tokio::time::timeout(Duration::from_secs(1), &mut tail)
+                .await
+                .is_err()
+            {
+                tail.abort();
+            }
+            let err_tail = std::mem::take(&mut *kept.lock().unwrap_or_else(|p| p.into_inner()));
+            let last = String::from_utf8_lossy(&err_tail)
                 .lines()
-                .last()
+                .rev()
+                .find(|l| !l.trim().is_empty())
                 .map(str::to_owned);
-            let ok = out.status.success();
+            let ok = status.success();
             if ok {
                 tracing::info!(command = %cmd[0], duration_s, "on_complete command succeeded");
             } else {
-                tracing::error!(command = %cmd[0], code = ?out.status.code(), "on_complete command failed");
+                tracing::error!(command = %cmd[0], code = ?status.code(), "on_complete command failed");
             }
             CommandOutcome {
                 status: if ok { "succeeded" } else { "failed" }.into(),
-                exit_code: out.status.code(),
+                exit_code: status.code(),
                 duration_s,
                 error: if ok { None } else { last },
             }
         }
-        Ok(Err(e)) => CommandOutcome {
-            status: "failed".into(),
-            exit_code: None,
-            duration_s,
-            error: Some(e.to_string()),
-        },
+        Ok(Err(e)) => {
+            kill_group();
+            tail.abort();
+            CommandOutcome {
+                status: "failed".into(),
+                exit_code: None,
+                duration_s,
+                error: Some(e.to_string()),
+            }
+        }
         Err(_) => {
-            tracing::error!(command = %cmd[0], timeout_s = timeout.as_secs(), "on_complete command timed out; killed");
+            kill_group();
+            let _ = child.wait().await;
+            tail.abort();
+            tracing::error!(command = %cmd[0], timeout_s = timeout.as_secs(), "on_complete command timed out; its process group was killed");
             CommandOutcome {
                 status: "timed_out".into(),
                 exit_code: None,
                 duration_s,
                 error: Some(format!(
-                    "still running after {}s; killed",
+                    "still running after {}s; it and every process it started were killed",
                     timeout.as_secs()
                 )),
             }
+        }
+    }
+}
+
+/// Reads a stream to its end into `kept`, which holds only its last `cap`
+/// bytes at every moment (so what was read is there if the reading stops
+/// early).
+async fn read_tail(
+    mut r: impl tokio::io::AsyncRead + Unpin,
+    cap: usize,
+    kept: &std::sync::Mutex<Vec<u8>>,
+) {
+    let mut buf = vec![0u8; 8192];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.extend_from_slice(&buf[..n]);
+        if kept.len() > cap {
+            let extra = kept.len() - cap;
+            kept.drain(..extra);
         }
     }
 }
@@ -159,90 +424,152 @@ pub fn origin(url: &str) -> String {
     format!("{scheme}://{host}")
 }
 
-/// POSTs `body` with capped exponential backoff and jitter: 2xx is delivered,
-/// 4xx (but 408 and 429) is final, anything else is retried.
+/// One failed delivery attempt: what went wrong and whether another may help.
+#[derive(Debug)]
+struct Failed {
+    status: Option<u16>,
+    error: String,
+    retry: bool,
+}
+
+/// POSTs `body` (capped exponential backoff with jitter, by `backon`): 2xx
+/// is delivered; a redirect and 4xx (but 408 and 429) are final; anything
+/// else is retried. The host's addresses are resolved and checked once,
+/// and every attempt goes to them.
 async fn post(
-    url: &batchfleet_shared::secret::SecretUrl,
+    url: &SecretUrl,
+    policy: &HookPolicy,
     token: Option<String>,
     body: &[u8],
     attempts: u32,
 ) -> WebhookOutcome {
     let target = origin(url.expose());
-    let agent = ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(30))
-        .build();
-    let mut delay = Duration::from_millis(500);
-    let mut last_status = None;
-    let mut last_error = None;
-    for attempt in 1..=attempts.max(1) {
-        let (agent, url, token, body) = (
-            agent.clone(),
-            url.expose().to_owned(),
-            token.clone(),
-            body.to_vec(),
-        );
-        let answer = tokio::task::spawn_blocking(move || {
-            let mut req = agent
-                .post(&url)
-                .set("Content-Type", "application/json")
-                .set(
-                    "User-Agent",
-                    concat!("batchfleet/", env!("CARGO_PKG_VERSION")),
-                );
-            if let Some(t) = token {
-                req = req.set("Authorization", &format!("Bearer {t}"));
-            }
-            match req.send_bytes(&body) {
-                Ok(resp) => Ok(resp.status()),
-                Err(ureq::Error::Status(code, _)) => Ok(code),
-                // The transport error text may quote the URL: keep only its kind.
-                Err(ureq::Error::Transport(t)) => Err(format!("{:?}", t.kind())),
-            }
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
-        let retry = match answer {
-            Ok(code) if (200..300).contains(&code) => {
-                tracing::info!(%target, attempt, code, "summary delivered to the webhook");
-                return WebhookOutcome {
-                    status: "delivered".into(),
-                    attempts: attempt,
-                    http_status: Some(code),
-                    target,
-                    error: None,
-                };
-            }
-            Ok(code) => {
-                last_status = Some(code);
-                last_error = Some(format!("HTTP {code}"));
-                !(400..500).contains(&code) || code == 408 || code == 429
-            }
-            Err(e) => {
-                last_error = Some(e);
-                true
-            }
-        };
-        tracing::warn!(%target, attempt, error = ?last_error, "webhook delivery failed");
-        if !retry || attempt == attempts {
-            return WebhookOutcome {
-                status: "failed".into(),
-                attempts: attempt,
-                http_status: last_status,
-                target,
-                error: last_error,
-            };
+    let failed = |attempts: u32, status: Option<u16>, error: String| {
+        tracing::warn!(%target, attempts, error = %error, "webhook delivery failed");
+        WebhookOutcome {
+            status: "failed".into(),
+            attempts,
+            http_status: status,
+            target: target.clone(),
+            error: Some(error),
         }
-        let jitter = 0.5 + fastrand::f64() / 2.0;
-        tokio::time::sleep(delay.mul_f64(jitter)).await;
-        delay = (delay * 2).min(Duration::from_secs(30));
+    };
+    let client = match client(url, policy).await {
+        Ok(c) => c,
+        Err(e) => {
+            let refused = e.starts_with("refused: ");
+            let mut out = failed(0, None, e.trim_start_matches("refused: ").to_owned());
+            if refused {
+                out.status = "refused".into();
+            }
+            return out;
+        }
+    };
+    let tries = AtomicU32::new(0);
+    let attempt = || async {
+        tries.fetch_add(1, Ordering::Relaxed);
+        let mut req = client
+            .post(url.expose())
+            .header("Content-Type", "application/json")
+            .body(body.to_vec());
+        if let Some(t) = &token {
+            req = req.bearer_auth(t);
+        }
+        match req.send().await {
+            Ok(resp) => {
+                let code = resp.status().as_u16();
+                if resp.status().is_success() {
+                    Ok(code)
+                } else if resp.status().is_redirection() {
+                    Err(Failed {
+                        status: Some(code),
+                        error: format!("HTTP {code}: a redirect, which webhooks do not follow; give the final URL"),
+                        retry: false,
+                    })
+                } else {
+                    Err(Failed {
+                        status: Some(code),
+                        error: format!("HTTP {code}"),
+                        retry: !(400..500).contains(&code) || code == 408 || code == 429,
+                    })
+                }
+            }
+            Err(e) => Err(Failed {
+                status: None,
+                error: batchfleet_shared::secret::scrub(&error_chain(&e.without_url()), url),
+                retry: true,
+            }),
+        }
+    };
+    let backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(30))
+        .with_max_times(attempts.max(1) as usize - 1)
+        .with_jitter();
+    let result = attempt
+        .retry(backoff)
+        .when(|f: &Failed| f.retry)
+        .notify(|f: &Failed, wait| tracing::warn!(%target, error = %f.error, retry_in_ms = wait.as_millis() as u64, "webhook delivery failed; retrying"))
+        .await;
+    let made = tries.load(Ordering::Relaxed);
+    match result {
+        Ok(code) => {
+            tracing::info!(%target, attempts = made, code, "summary delivered to the webhook");
+            WebhookOutcome {
+                status: "delivered".into(),
+                attempts: made,
+                http_status: Some(code),
+                target,
+                error: None,
+            }
+        }
+        Err(f) => failed(made, f.status, f.error),
     }
-    WebhookOutcome {
-        status: "failed".into(),
-        attempts,
-        http_status: last_status,
-        target,
-        error: last_error,
+}
+
+/// An HTTP client for one webhook: the system's CA store, no redirects, 30 s
+/// per request, pinned to the host's addresses once they passed the policy.
+/// An error starting with `refused: ` is the policy's.
+async fn client(url: &SecretUrl, policy: &HookPolicy) -> Result<reqwest::Client, String> {
+    // rustls runs on the process-wide provider: ring, as everywhere in
+    // batchfleet (an error only means one is installed already).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let parsed = reqwest::Url::parse(url.expose()).map_err(|e| format!("invalid URL: {e}"))?;
+    let mut builder = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(30))
+        .user_agent(concat!("batchfleet/", env!("CARGO_PKG_VERSION")));
+    if let Some(Host::Name(name)) = host_of(&parsed) {
+        let port = parsed.port_or_known_default().unwrap_or(443);
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((name, port))
+            .await
+            .map_err(|e| format!("cannot resolve {name}: {e}"))?
+            .collect();
+        if !policy.allow_link_local {
+            if let Some((ip, what)) = addrs
+                .iter()
+                .find_map(|a| forbidden(a.ip()).map(|w| (a.ip(), w)))
+            {
+                return Err(format!(
+                    "refused: {name} resolves to {ip}, {what}, which webhooks may not reach unless the operator passes --hook-allow-link-local"
+                ));
+            }
+        }
+        builder = builder.resolve_to_addrs(name, &addrs);
     }
+    builder.build().map_err(|e| error_chain(&e))
+}
+
+/// An error with its causes, `a: b: c` (reqwest's own text is only the outermost).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 #[cfg(test)]
@@ -256,5 +583,101 @@ mod tests {
             "https://hooks.example.com:8443"
         );
         assert_eq!(origin("http://127.0.0.1:9/x"), "http://127.0.0.1:9");
+    }
+
+    fn hooks(webhook: &str, token_env: Option<&str>) -> OnComplete {
+        OnComplete {
+            webhook: Some(SecretUrl::new(webhook)),
+            webhook_token_env: token_env.map(str::to_owned),
+            ..OnComplete::default()
+        }
+    }
+
+    #[test]
+    fn the_policy_allows_https_to_ordinary_hosts_and_allowlisted_variables_only() {
+        let strict = HookPolicy {
+            token_env: vec!["HOOK_TOKEN".into()],
+            ..HookPolicy::default()
+        };
+        assert!(strict
+            .problems(&hooks("https://hooks.example.com/x", Some("HOOK_TOKEN")))
+            .is_empty());
+        // Private and loopback addresses are ordinary internal services.
+        assert!(strict
+            .problems(&hooks("https://10.1.2.3/x", None))
+            .is_empty());
+        let p = strict.problems(&hooks(
+            "https://hooks.example.com/x",
+            Some("AWS_SECRET_ACCESS_KEY"),
+        ));
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].0, "[on_complete] webhook_token_env");
+        assert!(
+            p[0].1.contains("AWS_SECRET_ACCESS_KEY")
+                && p[0].1.contains("--hook-token-env")
+                && p[0].1.contains("HOOK_TOKEN"),
+            "{}",
+            p[0].1
+        );
+        let http = strict.problems(&hooks("http://hooks.example.com/x", None));
+        assert!(http[0].1.contains("--hook-allow-http"), "{:?}", http);
+        for link_local in [
+            "https://169.254.169.254/latest/meta-data",
+            "https://[fe80::1]/x",
+            "https://[fd00:ec2::254]/x",
+            "https://metadata.google.internal/computeMetadata/v1/",
+            "https://[::ffff:169.254.169.254]/",
+        ] {
+            let p = strict.problems(&hooks(link_local, None));
+            assert!(
+                p.len() == 1 && p[0].1.contains("--hook-allow-link-local"),
+                "{link_local}: {p:?}"
+            );
+        }
+        let lax = HookPolicy {
+            allow_http: true,
+            allow_link_local: true,
+            ..HookPolicy::default()
+        };
+        assert!(lax
+            .problems(&hooks("http://169.254.169.254/x", None))
+            .is_empty());
+        let mut url_env = hooks("https://hooks.example.com/x", None);
+        url_env.webhook_url_env = Some("DATABASE_URL".into());
+        assert_eq!(lax.problems(&url_env)[0].0, "[on_complete] webhook_url_env");
+    }
+
+    #[test]
+    fn the_command_gets_the_base_variables_and_the_allowlist_only() {
+        let policy = HookPolicy {
+            command_env: vec!["WAREHOUSE_DSN".into()],
+            ..HookPolicy::default()
+        };
+        let parent = [
+            ("PATH", "/usr/bin"),
+            ("BATCHFLEET_AMQP_URL", "amqp://u:secret@h"),
+            ("AWS_SECRET_ACCESS_KEY", "k"),
+            ("WAREHOUSE_DSN", "dsn"),
+            ("HOME", "/root"),
+        ];
+        let mut names: Vec<String> = policy
+            .command_env(parent)
+            .into_iter()
+            .filter_map(|(k, _)| k.into_string().ok())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["HOME", "PATH", "WAREHOUSE_DSN"]);
+    }
+
+    #[tokio::test]
+    async fn only_the_last_bytes_of_a_long_output_are_kept() {
+        let text: Vec<u8> = (0..1_000_000u32)
+            .flat_map(|i| format!("{i}\n").into_bytes())
+            .collect();
+        let kept = std::sync::Mutex::new(Vec::new());
+        read_tail(&text[..], 1000, &kept).await;
+        let kept = kept.into_inner().unwrap_or_default();
+        assert_eq!(kept.len(), 1000);
+        assert!(text.ends_with(&kept));
     }
 }

@@ -91,7 +91,7 @@ pub async fn run_job(
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
-    let spec = manifest::load_with(manifest_path, &cfg.data_roots, &cfg.overrides)?;
+    let spec = cfg.load(manifest_path, &cfg.overrides)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), "manifest valid");
     run_spec(cfg, &spec, submitted_ms, shutdown).await
 }
@@ -102,7 +102,7 @@ pub async fn run_job(
 /// same manifest, or `batchfleet supervise` follows and reduces it.
 pub async fn submit_job(cfg: &RunConfig, manifest_path: &Path) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
-    let spec = manifest::load_with(manifest_path, &cfg.data_roots, &cfg.overrides)?;
+    let spec = cfg.load(manifest_path, &cfg.overrides)?;
     let store = cfg.connections.store().await?;
     let broker = cfg
         .connections
@@ -173,7 +173,7 @@ pub async fn resume_job(
         ))
     })?;
     let manifest = PathBuf::from(&job.manifest);
-    let spec = manifest::load_with(&manifest, &cfg.data_roots, &job.overrides)?;
+    let spec = cfg.load(&manifest, &job.overrides)?;
     if spec.job_id != job_id {
         return Err(RunError::Output(format!(
             "{} now describes job {} instead of {job_id} (the manifest, its input or its model changed); restore them to resume {job_id}",
@@ -396,6 +396,7 @@ async fn reduce(
         report.on_complete = Some(
             hooks::run(
                 &spec.on_complete,
+                &cfg.connections.hooks,
                 job_id,
                 &report.status,
                 &summary,

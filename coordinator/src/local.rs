@@ -71,7 +71,7 @@ pub async fn run_job(
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
-    let spec = crate::manifest::load_with(manifest, &cfg.data_roots, &cfg.overrides)?;
+    let spec = cfg.load(manifest, &cfg.overrides)?;
     tracing::info!(job = %spec.job_id, files = spec.files.len(), workers = opts.workers, threads = opts.threads, "manifest valid; running it in this process");
     run_spec(cfg, &spec, opts, submitted_ms, shutdown).await
 }
@@ -315,11 +315,7 @@ pub async fn replay(
     if dead.is_empty() {
         tracing::info!(output = %output.display(), "no dead items to replay");
     }
-    let mut spec = crate::manifest::load_with(
-        Path::new(&summary.manifest),
-        &cfg.data_roots,
-        &summary.overrides,
-    )?;
+    let mut spec = cfg.load(Path::new(&summary.manifest), &summary.overrides)?;
     if spec.job_id != summary.job_id {
         if !update_model {
             return Err(RunError::Output(format!(

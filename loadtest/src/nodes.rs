@@ -326,3 +326,66 @@ impl Drop for TlsRabbit {
         let _ = self.child.wait();
     }
 }
+
+/// An HTTPS server recording webhook deliveries
+/// (`loadtest/python/webhook_server.py`) with the test CA's server
+/// certificate: `/redirect` answers 302, `/fail` 503, anything else 200.
+#[derive(Debug)]
+pub struct WebhookServer {
+    child: Child,
+    log: PathBuf,
+    /// Its port on 127.0.0.1 (its certificate names `localhost` and `127.0.0.1`).
+    pub port: u16,
+}
+
+impl WebhookServer {
+    /// Starts one logging to `dir/webhooks-<port>.jsonl`; a `/redirect`
+    /// sends clients to `redirect_to`.
+    pub fn start(dir: &Path, pki: &TestPki, redirect_to: &str) -> Result<Self> {
+        use std::io::BufRead;
+        let log = dir.join(format!("webhooks-{}.jsonl", std::process::id()));
+        let mut child = Command::new(crate::python::interpreter())
+            .arg(crate::python::repo_root().join("loadtest/python/webhook_server.py"))
+            .arg("--cert")
+            .arg(&pki.server_cert)
+            .arg("--key")
+            .arg(&pki.server_key)
+            .arg("--log")
+            .arg(&log)
+            .args(["--redirect-to", redirect_to])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("python (the project venv) for the webhook server")?;
+        // The server prints its port once it accepts connections.
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            std::io::BufReader::new(out).read_line(&mut line)?;
+        }
+        let port = match line.trim().strip_prefix("listening ").map(str::parse) {
+            Some(Ok(port)) => port,
+            _ => {
+                let _ = child.kill();
+                bail!("the webhook server did not start (it said {line:?})");
+            }
+        };
+        Ok(Self { child, log, port })
+    }
+
+    /// The requests it received so far, oldest first: `method`, `path`,
+    /// `authorization` and body `length` of each.
+    pub fn requests(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for WebhookServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

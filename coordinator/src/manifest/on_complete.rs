@@ -7,7 +7,7 @@
 use super::schema::OnCompleteSection;
 use super::spec::OnComplete;
 use super::Problems;
-use batchfleet_shared::secret::SecretUrl;
+use batchfleet_shared::secret::{env_or_file, SecretUrl};
 
 /// Checks `[on_complete]`; the webhook URL is taken from the environment
 /// when `webhook_url_env` names it.
@@ -28,6 +28,7 @@ pub(super) fn check(oc: &OnCompleteSection, problems: &mut Problems) -> OnComple
         command_timeout,
         webhook: None,
         webhook_token_env: oc.webhook_token_env.clone(),
+        webhook_url_env: oc.webhook_url_env.clone(),
         webhook_attempts: oc.webhook_attempts.unwrap_or(5),
     };
     if oc
@@ -56,24 +57,27 @@ pub(super) fn check(oc: &OnCompleteSection, problems: &mut Problems) -> OnComple
             Ok(u) => on_complete.webhook = Some(u),
             Err(e) => problems.add("[on_complete] webhook", e),
         },
-        (None, Some(var)) => match std::env::var(var) {
-            Ok(url) => match webhook_url(&url) {
+        (None, Some(var)) => match env_or_file(var) {
+            Ok(Some(url)) => match webhook_url(&url) {
                 Ok(u) => on_complete.webhook = Some(u),
                 Err(e) => problems.add("[on_complete] webhook_url_env", format!("${var} {e}")),
             },
-            Err(_) => problems.add(
+            Ok(None) => problems.add(
                 "[on_complete] webhook_url_env",
-                format!("environment variable {var} is not set; export it before running the job"),
+                format!("environment variable {var} (or {var}_FILE) is not set; export it before running the job"),
             ),
+            Err(e) => problems.add("[on_complete] webhook_url_env", e.to_string()),
         },
         (None, None) => {}
     }
     if let Some(var) = &oc.webhook_token_env {
-        if std::env::var(var).is_err() {
-            problems.add(
+        match env_or_file(var) {
+            Ok(Some(_)) => {}
+            Ok(None) => problems.add(
                 "[on_complete] webhook_token_env",
-                format!("environment variable {var} is not set; export it before running the job"),
-            );
+                format!("environment variable {var} (or {var}_FILE) is not set; export it before running the job"),
+            ),
+            Err(e) => problems.add("[on_complete] webhook_token_env", e.to_string()),
         }
     }
     on_complete
@@ -124,7 +128,10 @@ mod tests {
         );
         // (`pw@`, not `pw`: the temporary folder's random name may hold "pw".)
         assert!(!err.contains("pw@"), "the password is not echoed: {err}");
-        assert!(err.contains("BF_SURELY_UNSET_VAR is not set"), "{err}");
+        assert!(
+            err.contains("BF_SURELY_UNSET_VAR (or BF_SURELY_UNSET_VAR_FILE) is not set"),
+            "{err}"
+        );
         let err = problems(fx.load(&format!(
             "{GOOD}\n[on_complete]\nwebhook = \"https://hooks.example.com/x?token=abc\"\n"
         )));

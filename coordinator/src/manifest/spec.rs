@@ -142,6 +142,8 @@ pub struct OnComplete {
     pub webhook: Option<batchfleet_shared::secret::SecretUrl>,
     /// Name of the environment variable with the bearer token.
     pub webhook_token_env: Option<String>,
+    /// Name of the environment variable the webhook URL came from.
+    pub webhook_url_env: Option<String>,
     /// Attempts.
     pub webhook_attempts: u32,
 }

@@ -148,6 +148,41 @@ async fn invalid_manifest_exits_2_names_each_problem_and_publishes_nothing() {
 }
 
 #[tokio::test]
+async fn hooks_the_operator_does_not_allow_exit_2_and_publish_nothing() {
+    // A manifest may not send this process's AWS key to a URL it chooses,
+    // nor post the summary in clear.
+    let case = Case::new(|t| {
+        format!("{t}\n[on_complete]\nwebhook = \"http://hooks.example.com/done\"\nwebhook_token_env = \"AWS_SECRET_ACCESS_KEY\"\n")
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_batchfleet"))
+        .args([
+            "--redis-prefix",
+            &case.prefix,
+            "--connect-timeout",
+            "5s",
+            "run",
+        ])
+        .arg(case.manifest())
+        .env("AWS_SECRET_ACCESS_KEY", "not-a-real-key")
+        .env(
+            "BATCHFLEET_DATA_ROOTS",
+            format!("{}:{}", fixture().display(), case.dir.path().display()),
+        )
+        .output()
+        .expect("run batchfleet");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("[on_complete] webhook_token_env: AWS_SECRET_ACCESS_KEY is not a variable the operator lets hooks use")
+            && err.contains("[on_complete] webhook: http://hooks.example.com is http://")
+            && err.contains("--hook-allow-http")
+            && !err.contains("not-a-real-key"),
+        "{err}"
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
 async fn paths_outside_the_data_roots_exit_2_and_publish_nothing() {
     let case = Case::new(|t| t);
     // Only the manifest's folder: the shared data and model are elsewhere.

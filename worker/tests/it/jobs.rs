@@ -611,7 +611,9 @@ fn coordinator(env: &TestEnv) -> std::process::Command {
     c.args(["--redis-prefix", &env.prefix])
         .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
         .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
-        .env("BATCHFLEET_NO_PROGRESS", "1");
+        .env("BATCHFLEET_NO_PROGRESS", "1")
+        // The test's webhook server speaks plain HTTP on loopback.
+        .env("BATCHFLEET_HOOK_ALLOW_HTTP", "1");
     c
 }
 

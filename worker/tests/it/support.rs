@@ -45,6 +45,7 @@ impl TestEnv {
             signing_key: None,
             local: None,
             retention: batchfleet_coordinator::config::DEFAULT_RETENTION,
+            hooks: Default::default(),
         }
     }
 
