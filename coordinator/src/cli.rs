@@ -153,6 +153,19 @@ pub enum Command {
     /// Dead-lettered items: list, replay, purge.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Print a shell completion script for `batchfleet`: e.g.
+    /// `batchfleet completions bash > /etc/bash_completion.d/batchfleet`,
+    /// `batchfleet completions zsh > "${fpath[1]}/_batchfleet"`,
+    /// `batchfleet completions fish > ~/.config/fish/completions/batchfleet.fish`.
+    Completions(CompletionsArgs),
+}
+
+/// `batchfleet completions`.
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 /// `batchfleet dlq …`.
@@ -305,7 +318,7 @@ pub struct SuperviseArgs {
     )]
     pub pools: Vec<String>,
     /// How often to look for jobs nobody follows.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "BATCHFLEET_SUPERVISE_EVERY", default_value = "5s", value_parser = humantime::parse_duration)]
     pub every: Duration,
     #[command(flatten)]
     pub follow: FollowArgs,
@@ -331,7 +344,7 @@ pub struct PlanArgs {
     pub overrides: OverrideArgs,
     /// Say whether the job is new or done from its output folder alone,
     /// with no Redis (a job for `run --local`).
-    #[arg(long)]
+    #[arg(long, env = "BATCHFLEET_LOCAL", value_parser = clap::builder::BoolishValueParser::new())]
     pub local: bool,
     /// Folder every path of the job must stay under (as for `run`).
     #[arg(
@@ -377,19 +390,19 @@ pub struct FollowArgs {
     /// How often progress is read from Redis, at most: sooner as the end
     /// nears (within half the time the remaining items should take, and
     /// every 20 ms for the last 8), so that the job's end is seen at once.
-    #[arg(long, default_value = "250ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "BATCHFLEET_POLL_INTERVAL", default_value = "250ms", value_parser = humantime::parse_duration)]
     pub poll_interval: Duration,
     /// Publishes allowed in flight before waiting for the broker's confirms.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, env = "BATCHFLEET_PUBLISH_WINDOW", default_value_t = 512)]
     pub publish_window: usize,
     /// Once the queue is drained, publish a speculative copy of an item held
     /// this many times longer than the median item (the first commit wins).
     /// 0 turns speculation off.
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, env = "BATCHFLEET_SPECULATE_AFTER", default_value_t = 3.0)]
     pub speculate_after: f64,
     /// Publish again an item that is neither queued, held by a live worker
     /// nor settled for this long (a lost message).
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "BATCHFLEET_ORPHAN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
     /// Fail the job when workers said they cannot run it (no CUDA device,
     /// model unreadable there, out of memory on one row) and no item was
@@ -478,6 +491,22 @@ pub struct StatusArgs {
 
 /// Runs a parsed command line and returns the process exit code.
 pub async fn main(cli: Cli) -> ExitCode {
+    if let Command::Completions(args) = &cli.command {
+        use clap::CommandFactory;
+        use std::io::Write;
+        // Into memory first: the generator panics on a write error, and a
+        // closed pipe (`| head`) is not one worth a panic.
+        let mut script = Vec::new();
+        clap_complete::generate(args.shell, &mut Cli::command(), "batchfleet", &mut script);
+        return match std::io::stdout().write_all(&script) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: cannot write the completion script: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
     cli.global.services.init_logging();
     // Before any libtorch call (`run --local` and validation use it).
     batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
@@ -495,7 +524,15 @@ pub async fn main(cli: Cli) -> ExitCode {
         cli.command,
         Command::Run(_) | Command::Resume(_) | Command::Wait(_) | Command::Supervise(_)
     ) {
-        if let Err(e) = batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[])
+        // A local run's worker pipelines set the worker's own gauges here.
+        let keep = match &cli.command {
+            Command::Run(args) if args.local => {
+                batchfleet_shared::metrics::names::WORKER_OWN_GAUGES
+            }
+            _ => &[],
+        };
+        if let Err(e) =
+            batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[], keep)
         {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_FAILURE);
@@ -593,6 +630,8 @@ pub async fn main(cli: Cli) -> ExitCode {
             }
         }
         Command::Dlq(cmd) => dlq_main(cmd, &connections).await,
+        // Answered before anything else, above.
+        Command::Completions(_) => ExitCode::SUCCESS,
         Command::Status(args) => {
             let store = match connections.store().await {
                 Ok(s) => s,
@@ -1155,6 +1194,77 @@ mod tests {
         assert_eq!(
             exit_code(&RunOutcome::Interrupted { job_id: "j".into() }),
             130
+        );
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Flags that choose what one invocation acts on or how it prints,
+    /// rather than how batchfleet runs: no environment variable, on purpose
+    /// (a `BATCHFLEET_YES` or `BATCHFLEET_JOB` in a deployment's environment
+    /// would act on every command). `dlq replay`'s settings are only
+    /// meaningful beside its per-invocation `--local <OUTPUT>`.
+    const PER_INVOCATION: &[&str] = &[
+        "run --set",
+        "run --detach",
+        "run --json",
+        "wait --json",
+        "cancel --reason",
+        "cancel --json",
+        "plan --set",
+        "plan --json",
+        "status --json",
+        "jobs --limit",
+        "jobs --json",
+        "gc --older-than",
+        "gc --dry-run",
+        "gc --json",
+        "compare --json",
+        "compare --max-psi",
+        "dlq list --local",
+        "dlq list --job",
+        "dlq list --class",
+        "dlq list --json",
+        "dlq replay --job",
+        "dlq replay --local",
+        "dlq replay --workers",
+        "dlq replay --threads",
+        "dlq replay --class",
+        "dlq replay --item",
+        "dlq replay --pool",
+        "dlq replay --update-model",
+        "dlq replay --no-wait",
+        "dlq purge --job",
+        "dlq purge --yes",
+    ];
+
+    fn without_env(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            if a.is_positional() || matches!(a.get_id().as_str(), "help" | "version") {
+                continue;
+            }
+            if a.get_env().is_none() {
+                let long = a.get_long().unwrap_or(a.get_id().as_str());
+                out.push(format!("{path}--{long}").trim_start().to_owned());
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            without_env(sub, &format!("{path}{} ", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_setting_has_an_environment_variable() {
+        let mut missing = Vec::new();
+        without_env(&Cli::command(), "", &mut missing);
+        missing.retain(|f| !PER_INVOCATION.contains(&f.as_str()));
+        assert!(
+            missing.is_empty(),
+            "flags without a BATCHFLEET_* variable: {missing:?}"
         );
     }
 }

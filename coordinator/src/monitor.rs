@@ -154,6 +154,13 @@ pub async fn follow(
     let first = store.progress(job_id).await?;
     let mut outage: Option<Instant> = None;
     let bar = progress_bar(cfg.progress, first.rows_total);
+    // Log lines go above the bar while it is drawn, not through it.
+    let _logs_above = (!bar.is_hidden()).then(|| {
+        let bar = bar.clone();
+        batchfleet_shared::telemetry::logs_above(std::sync::Arc::new(move |write| {
+            bar.suspend(write)
+        }))
+    });
     let started = Instant::now();
     let start_rows = first.rows_done;
     let start_items = first.items_done + first.items_failed;
@@ -280,8 +287,8 @@ pub async fn follow(
             return Ok(Followed::BudgetExceeded);
         }
         if p.settled() {
-            metrics::gauge!(names::JOB_FINISHED, "job" => job_id.to_owned(), "pool" => pool.clone()).set(1.0);
-            metrics::gauge!(names::JOB_ETA, "job" => job_id.to_owned(), "pool" => pool.clone())
+            metrics::gauge!(names::JOB_FINISHED, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.clone()).set(1.0);
+            metrics::gauge!(names::JOB_ETA, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.clone())
                 .set(0.0);
             bar.finish_with_message(items_message(&p));
             return Ok(Followed::AllDone);
@@ -293,7 +300,7 @@ pub async fn follow(
 fn job_gauges(job: &str, pool: &str, p: &Progress, rate: f64, eta_s: u64, created_ms: u64) {
     let l = |state: &'static str| {
         [
-            ("job", job.to_owned()),
+            (batchfleet_shared::metrics::JOB_LABEL, job.to_owned()),
             ("pool", pool.to_owned()),
             ("state", state.to_owned()),
         ]
@@ -303,7 +310,10 @@ fn job_gauges(job: &str, pool: &str, p: &Progress, rate: f64, eta_s: u64, create
     metrics::gauge!(names::JOB_ITEMS, &l("failed")).set(p.items_failed as f64);
     metrics::gauge!(names::JOB_ROWS, &l("planned")).set(p.rows_total as f64);
     metrics::gauge!(names::JOB_ROWS, &l("done")).set(p.rows_done as f64);
-    let jl = [("job", job.to_owned()), ("pool", pool.to_owned())];
+    let jl = [
+        (batchfleet_shared::metrics::JOB_LABEL, job.to_owned()),
+        ("pool", pool.to_owned()),
+    ];
     metrics::gauge!(names::JOB_ROWS_PER_SECOND, &jl).set(rate);
     metrics::gauge!(names::JOB_ETA, &jl).set(eta_s as f64);
     metrics::gauge!(names::JOB_FINISHED, &jl).set(0.0);

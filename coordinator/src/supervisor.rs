@@ -267,7 +267,10 @@ impl Supervisor {
             .keys()
             .filter(|s| !done.contains(s) && !failed.contains(s))
             .count() as u64;
-        let jl = [("job", self.job_id.clone()), ("pool", record.pool.clone())];
+        let jl = [
+            (batchfleet_shared::metrics::JOB_LABEL, self.job_id.clone()),
+            ("pool", record.pool.clone()),
+        ];
         metrics::gauge!(names::JOB_IN_FLIGHT, &jl).set(unsettled_leased as f64);
         metrics::gauge!(names::JOB_REDISPATCHED, &jl).set(redispatched.len() as f64);
         let accounted = progress.items_done + progress.items_failed + unsettled_leased;

@@ -1,8 +1,9 @@
-//! RabbitMQ nodes and Redis servers of a test's own, on free loopback
-//! ports, beside the shared ones: TLS listeners with a CA and certificates
-//! the test makes with `openssl` ([`TestPki`]). Each is a real server from
-//! the Debian packages (`rabbitmq-server`, `redis-server`), stopped when
-//! its handle is dropped.
+//! Servers of a test's own, on free loopback ports, beside the shared
+//! RabbitMQ and Redis: RabbitMQ nodes (TLS listeners, the Prometheus
+//! plugin), a TLS-only Redis, an HTTPS webhook receiver, with a CA and
+//! certificates the test makes with `openssl` ([`TestPki`]). Each is the
+//! real server (Debian's `rabbitmq-server` and `redis-server`, Python's
+//! `http.server`), stopped when its handle is dropped.
 
 use anyhow::{bail, Context, Result};
 use std::net::TcpStream;
@@ -231,45 +232,73 @@ impl Drop for TlsRedis {
     }
 }
 
-/// A RabbitMQ node of its own (own node name, ports, data and logs under a
-/// folder) with only a TLS listener that asks clients for a certificate
-/// signed by the test CA. `guest` may log in from anywhere on it.
-#[derive(Debug)]
-pub struct TlsRabbit {
-    child: Child,
-    dir: PathBuf,
-    /// Its TLS port on 127.0.0.1.
-    pub port: u16,
+/// What a [`RabbitNode`] serves besides AMQP.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RabbitOptions<'a> {
+    /// Only a TLS listener, asking clients for a certificate signed by this
+    /// PKI's CA (else only a plain one).
+    pub tls: Option<&'a TestPki>,
+    /// The `rabbitmq_prometheus` plugin on a port of its own.
+    pub prometheus: bool,
 }
 
-impl TlsRabbit {
+/// A RabbitMQ node of its own (own node name, ports, data and logs under a
+/// folder), with one AMQP listener on loopback — plain, or TLS only — and
+/// optionally its Prometheus endpoint. `guest` may log in on it.
+#[derive(Debug)]
+pub struct RabbitNode {
+    child: Child,
+    dir: PathBuf,
+    tls: bool,
+    /// Its AMQP (or AMQPS) port on 127.0.0.1.
+    pub port: u16,
+    /// Its `rabbitmq_prometheus` port on 127.0.0.1, when enabled.
+    pub prometheus_port: Option<u16>,
+}
+
+impl RabbitNode {
     /// Starts one under `dir` (10–20 s: a whole Erlang node boots).
-    pub fn start(dir: &Path, pki: &TestPki) -> Result<Self> {
+    pub fn start(dir: &Path, opts: RabbitOptions<'_>) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let port = free_port()?;
         let node_port = free_port()?;
         let dist_port = free_port()?;
-        let conf = dir.join("rabbitmq.conf");
-        std::fs::write(
-            &conf,
-            format!(
+        let mut conf = String::from("loopback_users = none\n");
+        match opts.tls {
+            Some(pki) => conf.push_str(&format!(
                 "listeners.tcp = none\n\
                  listeners.ssl.default = 127.0.0.1:{port}\n\
                  ssl_options.cacertfile = {}\n\
                  ssl_options.certfile = {}\n\
                  ssl_options.keyfile = {}\n\
                  ssl_options.verify = verify_peer\n\
-                 ssl_options.fail_if_no_peer_cert = true\n\
-                 loopback_users = none\n",
+                 ssl_options.fail_if_no_peer_cert = true\n",
                 pki.ca.display(),
                 pki.server_cert.display(),
                 pki.server_key.display()
-            ),
-        )?;
-        std::fs::write(dir.join("enabled_plugins"), "[].\n")?;
+            )),
+            None => conf.push_str(&format!("listeners.tcp.default = 127.0.0.1:{port}\n")),
+        }
+        let prometheus_port = if opts.prometheus {
+            let p = free_port()?;
+            conf.push_str(&format!(
+                "prometheus.tcp.ip = 127.0.0.1\nprometheus.tcp.port = {p}\n"
+            ));
+            Some(p)
+        } else {
+            None
+        };
+        let conf_file = dir.join("rabbitmq.conf");
+        std::fs::write(&conf_file, conf)?;
+        let plugins = if opts.prometheus {
+            "[rabbitmq_prometheus].\n"
+        } else {
+            "[].\n"
+        };
+        std::fs::write(dir.join("enabled_plugins"), plugins)?;
         open_up(dir)?;
         let log = dir.join("rabbitmq.out");
-        let node = format!("bftls{port}@localhost");
+        let node = format!("bftest{port}@localhost");
         // The server script itself, not the Debian wrapper that switches to
         // the rabbitmq user: the node's files are all under `dir`.
         let program = ["/usr/lib/rabbitmq/bin/rabbitmq-server", "rabbitmq-server"]
@@ -280,7 +309,7 @@ impl TlsRabbit {
             .env("RABBITMQ_NODENAME", &node)
             .env("RABBITMQ_NODE_PORT", node_port.to_string())
             .env("RABBITMQ_DIST_PORT", dist_port.to_string())
-            .env("RABBITMQ_CONFIG_FILE", &conf)
+            .env("RABBITMQ_CONFIG_FILE", &conf_file)
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
             .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
             .env("RABBITMQ_LOG_BASE", dir.join("log"))
@@ -297,20 +326,32 @@ impl TlsRabbit {
             &mut child,
             &log,
         )?;
+        if let Some(p) = prometheus_port {
+            wait_listening(
+                p,
+                Duration::from_secs(30),
+                "rabbitmq_prometheus",
+                &mut child,
+                &log,
+            )?;
+        }
         Ok(Self {
             child,
             dir: dir.to_owned(),
+            tls: opts.tls.is_some(),
             port,
+            prometheus_port,
         })
     }
 
-    /// Its `amqps://` URL (as `guest`).
+    /// Its URL as `guest`: `amqps://` for a TLS node, else `amqp://`.
     pub fn url(&self) -> String {
-        format!("amqps://guest:guest@localhost:{}/%2f", self.port)
+        let scheme = if self.tls { "amqps" } else { "amqp" };
+        format!("{scheme}://guest:guest@localhost:{}/%2f", self.port)
     }
 }
 
-impl Drop for TlsRabbit {
+impl Drop for RabbitNode {
     /// Stops the Erlang VM (SIGTERM, as `rabbitmqctl stop` would) and waits
     /// for the start script to go with it.
     fn drop(&mut self) {
@@ -319,6 +360,7 @@ impl Drop for TlsRabbit {
             let _ = Command::new("kill").args(["-TERM", pid]).status();
         }
         let deadline = Instant::now() + Duration::from_secs(30);
+        // The script has no exit to await besides polling it.
         while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -74,9 +74,10 @@ pub struct ServiceArgs {
     /// unsigned or forged messages. Give both the same key (16+ bytes).
     #[arg(long, env = "BATCHFLEET_SIGNING_KEY_FILE", global = true)]
     pub signing_key_file: Option<std::path::PathBuf>,
-    /// Log format: text or json (logs go to stderr).
-    #[arg(long, env = "BATCHFLEET_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
-    pub log_format: String,
+    /// Log format (logs go to stderr; text is coloured only on a terminal
+    /// and never under NO_COLOR).
+    #[arg(long, env = "BATCHFLEET_LOG_FORMAT", value_enum, default_value_t = crate::telemetry::LogFormat::Text, global = true)]
+    pub log_format: crate::telemetry::LogFormat,
 }
 
 impl ServiceArgs {
@@ -117,7 +118,7 @@ impl ServiceArgs {
 
     /// Installs logging as the flags say.
     pub fn init_logging(&self) {
-        crate::telemetry::init("info", self.log_format == "json");
+        crate::telemetry::init("info", self.log_format);
     }
 }
 

@@ -1,10 +1,15 @@
 //! Prometheus metrics: the `/metrics` endpoint every binary can serve, the
-//! names of every metric (so code, dashboard and docs cannot drift), the
-//! histogram buckets, and process CPU and memory.
+//! names and HELP texts of every metric (so code, dashboard and docs cannot
+//! drift), the histogram buckets, and the standard `process_*` metrics
+//! (the `metrics-process` crate).
 //!
-//! Names follow `batchfleet_<component>_<what>_<unit>`; labels are bounded
-//! (`job`, `pool`, `model`, `class`, `state` — never item ids). The full list
-//! with types and meanings is in `docs/metrics.md`.
+//! Names follow `batchfleet_<component>_<what>_<unit>`. Labels are bounded
+//! (`batch_job`, `pool`, `model`, `class`, `state` — never item ids), and a
+//! series not updated for `--metrics-idle-timeout` is dropped, so a
+//! long-lived process does not keep every finished job's series. The job
+//! label is `batch_job`, not `job`: `job` is Prometheus's own target label,
+//! which a scrape without `honor_labels` would turn into `exported_job`. The
+//! full list with types and meanings is in `docs/metrics.md`.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use std::net::{IpAddr, SocketAddr};
@@ -29,7 +34,20 @@ pub struct MetricsArgs {
         global = true
     )]
     pub metrics_host: IpAddr,
+    /// Drop a series not updated for this long (a finished job's), so a
+    /// long-lived worker or `batchfleet supervise` exports only recent jobs.
+    #[arg(
+        long,
+        env = "BATCHFLEET_METRICS_IDLE_TIMEOUT",
+        default_value = "15m",
+        value_parser = humantime::parse_duration,
+        global = true
+    )]
+    pub metrics_idle_timeout: Duration,
 }
+
+/// The label naming a batch job (`job` is Prometheus's target label).
+pub const JOB_LABEL: &str = "batch_job";
 
 /// Every metric batchfleet defines, by name.
 pub mod names {
@@ -107,50 +125,57 @@ pub mod names {
     pub const JOB_DURATION: &str = "batchfleet_coordinator_job_duration_seconds";
     /// Coordinator: 1 once the job is settled (gauge; job, pool).
     pub const JOB_FINISHED: &str = "batchfleet_coordinator_job_finished";
-    /// Any binary: CPU time used since start (gauge holding a running total, seconds; component).
-    pub const PROCESS_CPU: &str = "batchfleet_process_cpu_seconds";
-    /// Any binary: resident memory (gauge, bytes; component).
-    pub const PROCESS_RSS: &str = "batchfleet_process_resident_memory_bytes";
 
-    /// Every metric above with its type.
-    pub const ALL: &[(&str, Kind)] = &[
-        (WORKER_ROWS_PROCESSED, Kind::Counter),
-        (WORKER_ROWS_REJECTED, Kind::Counter),
-        (WORKER_ITEMS_COMPLETED, Kind::Counter),
-        (WORKER_ITEMS_FAILED, Kind::Counter),
-        (WORKER_ITEMS_RETRIED, Kind::Counter),
-        (WORKER_ITEMS_DEAD_LETTERED, Kind::Counter),
-        (WORKER_ITEMS_IN_FLIGHT, Kind::Gauge),
-        (WORKER_QUEUE_WAIT, Kind::Histogram),
-        (WORKER_READ, Kind::Histogram),
-        (WORKER_TOKENIZE, Kind::Histogram),
-        (WORKER_INFERENCE, Kind::Histogram),
-        (WORKER_DEVICE_SECONDS, Kind::Histogram),
-        (WORKER_WRITE, Kind::Histogram),
-        (WORKER_BATCH_SIZE, Kind::Histogram),
-        (WORKER_MODEL_LOAD, Kind::Histogram),
-        (WORKER_UP, Kind::Gauge),
-        (WORKER_DRAINING, Kind::Gauge),
-        (WORKER_PREFETCH, Kind::Gauge),
-        (WORKER_JOB_QUEUES, Kind::Gauge),
-        (WORKER_GPU_MEMORY, Kind::Gauge),
-        (WORKER_GPU_UTILIZATION, Kind::Gauge),
-        (WORKER_PANICS, Kind::Counter),
-        (WORKER_MESSAGES_REJECTED, Kind::Counter),
-        (WORKER_ITEMS_HANDED_BACK, Kind::Counter),
-        (WORKER_JOBS_BENCHED, Kind::Gauge),
-        (WORKER_PAUSED, Kind::Gauge),
-        (WORKER_BROKER_DEAD_LETTERS, Kind::Counter),
-        (JOB_ITEMS, Kind::Gauge),
-        (JOB_ROWS, Kind::Gauge),
-        (JOB_ROWS_PER_SECOND, Kind::Gauge),
-        (JOB_ETA, Kind::Gauge),
-        (JOB_IN_FLIGHT, Kind::Gauge),
-        (JOB_REDISPATCHED, Kind::Gauge),
-        (JOB_DURATION, Kind::Gauge),
-        (JOB_FINISHED, Kind::Gauge),
-        (PROCESS_CPU, Kind::Gauge),
-        (PROCESS_RSS, Kind::Gauge),
+    /// A worker's gauges with no labels of their own: they change rarely
+    /// (`up` is set once), so the process touches them to keep them from
+    /// the idle timeout.
+    pub const WORKER_OWN_GAUGES: &[&str] = &[
+        WORKER_ITEMS_IN_FLIGHT,
+        WORKER_UP,
+        WORKER_DRAINING,
+        WORKER_PREFETCH,
+        WORKER_JOB_QUEUES,
+        WORKER_JOBS_BENCHED,
+        WORKER_PAUSED,
+    ];
+
+    /// Every metric above with its type and its HELP text.
+    pub const ALL: &[(&str, Kind, &str)] = &[
+        (WORKER_ROWS_PROCESSED, Kind::Counter, "Rows this worker predicted, by batch job and model."),
+        (WORKER_ROWS_REJECTED, Kind::Counter, "Rows this worker rejected into rejects/ (bad rows, rows the model raised on), by batch job and model."),
+        (WORKER_ITEMS_COMPLETED, Kind::Counter, "Work items this worker committed, by batch job and model."),
+        (WORKER_ITEMS_FAILED, Kind::Counter, "Failed item attempts, by batch job and failure class."),
+        (WORKER_ITEMS_RETRIED, Kind::Counter, "Items published again for a later attempt (backoff), by batch job and failure class."),
+        (WORKER_ITEMS_DEAD_LETTERED, Kind::Counter, "Items dead-lettered by this worker, by batch job and failure class."),
+        (WORKER_ITEMS_IN_FLIGHT, Kind::Gauge, "Work items this worker holds now."),
+        (WORKER_QUEUE_WAIT, Kind::Histogram, "Seconds from an item's publish to its delivery to this worker."),
+        (WORKER_READ, Kind::Histogram, "Seconds spent reading and parsing one item's rows (tokenizing included)."),
+        (WORKER_TOKENIZE, Kind::Histogram, "Seconds spent tokenizing one item's texts."),
+        (WORKER_INFERENCE, Kind::Histogram, "Seconds of one forward call."),
+        (WORKER_DEVICE_SECONDS, Kind::Histogram, "Seconds an item's rows (or a checkpoint segment) kept the model's device busy, by device; the rate of its sum is the device's busy share."),
+        (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
+        (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
+        (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
+        (WORKER_UP, Kind::Gauge, "1 while the worker runs."),
+        (WORKER_DRAINING, Kind::Gauge, "1 while the worker drains after SIGTERM."),
+        (WORKER_PREFETCH, Kind::Gauge, "Unacknowledged deliveries the worker holds at most now, sized from its item rate."),
+        (WORKER_JOB_QUEUES, Kind::Gauge, "Job queues of the pool the worker consumes now, one per active job."),
+        (WORKER_GPU_MEMORY, Kind::Gauge, "GPU memory in use (NVML), by GPU index."),
+        (WORKER_GPU_UTILIZATION, Kind::Gauge, "Share of the last sample period a GPU ran kernels (NVML), by GPU index."),
+        (WORKER_PANICS, Kind::Counter, "Panics caught while handling an item, by where (item, runner)."),
+        (WORKER_MESSAGES_REJECTED, Kind::Counter, "Messages refused before any work and dead-lettered as rejected, by reason."),
+        (WORKER_ITEMS_HANDED_BACK, Kind::Counter, "Items handed back untouched for other workers, by class (unable, disk_full, unknown_job, waiting)."),
+        (WORKER_JOBS_BENCHED, Kind::Gauge, "Jobs this worker leaves to other workers for now."),
+        (WORKER_PAUSED, Kind::Gauge, "1 while the worker has stopped consuming because its output disk is full."),
+        (WORKER_BROKER_DEAD_LETTERS, Kind::Counter, "Items the broker dead-lettered at the delivery limit, recorded failed, by batch job."),
+        (JOB_ITEMS, Kind::Gauge, "Items of a batch job by state (planned, done, failed)."),
+        (JOB_ROWS, Kind::Gauge, "Rows of a batch job by state (planned, done)."),
+        (JOB_ROWS_PER_SECOND, Kind::Gauge, "Rows settled per second since the batch job started."),
+        (JOB_ETA, Kind::Gauge, "Estimated seconds until the batch job is done."),
+        (JOB_IN_FLIGHT, Kind::Gauge, "Items of the batch job held by workers now."),
+        (JOB_REDISPATCHED, Kind::Gauge, "Items of the batch job published again (dead workers, stragglers, lost messages)."),
+        (JOB_DURATION, Kind::Gauge, "Seconds since the batch job was registered; final once it is done."),
+        (JOB_FINISHED, Kind::Gauge, "1 once the batch job is settled."),
     ];
 
     /// A metric's Prometheus type.
@@ -181,12 +206,15 @@ pub const BATCH_BUCKETS: &[f64] = &[
 pub const LOAD_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0];
 
 /// Starts the `/metrics` endpoint (unless the port is 0) and the process
-/// CPU/memory sampler. `component` (`worker`, `coordinator`) and `extra`
-/// become labels on every metric of this process. Returns the address served.
+/// metrics. `component` (`worker`, `coordinator`) and `extra` become labels
+/// on every metric of this process; `keep` are this process's own gauges
+/// without labels of their own (`batchfleet_worker_up`, …), kept from the
+/// idle timeout. Returns the address served.
 pub fn install(
     args: &MetricsArgs,
     component: &str,
     extra: &[(&str, String)],
+    keep: &'static [&'static str],
 ) -> Result<Option<SocketAddr>, String> {
     if args.metrics_port == 0 {
         return Ok(None);
@@ -194,6 +222,10 @@ pub fn install(
     let addr = SocketAddr::new(args.metrics_host, args.metrics_port);
     let mut builder = PrometheusBuilder::new()
         .with_http_listener(addr)
+        .idle_timeout(
+            metrics_util::MetricKindMask::ALL,
+            Some(args.metrics_idle_timeout),
+        )
         .add_global_label("component", component);
     for (k, v) in extra {
         builder = builder.add_global_label(*k, v.clone());
@@ -217,28 +249,40 @@ pub fn install(
     builder
         .install()
         .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
-    tokio::spawn(sample_process(Duration::from_secs(5)));
+    describe();
+    let process = metrics_process::Collector::default();
+    process.describe();
+    tokio::spawn(sample_process(process, keep, Duration::from_secs(5)));
     tracing::info!(%addr, "serving Prometheus metrics");
     Ok(Some(addr))
 }
 
-/// Samples this process's CPU time and resident memory from `/proc`.
-async fn sample_process(every: Duration) {
-    loop {
-        if let Some((cpu, rss)) = process_usage() {
-            metrics::gauge!(names::PROCESS_CPU).set(cpu);
-            metrics::gauge!(names::PROCESS_RSS).set(rss as f64);
+/// Gives every batchfleet metric its HELP text (and so its TYPE line).
+fn describe() {
+    for (name, kind, help) in names::ALL {
+        match kind {
+            names::Kind::Counter => metrics::describe_counter!(*name, *help),
+            names::Kind::Gauge => metrics::describe_gauge!(*name, *help),
+            names::Kind::Histogram => metrics::describe_histogram!(*name, *help),
         }
-        tokio::time::sleep(every).await;
     }
 }
 
-/// (CPU seconds, resident bytes) of this process, from `/proc/self`.
-pub fn process_usage() -> Option<(f64, u64)> {
-    let cpu = stat_cpu_s("/proc/self/stat", false)?;
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some((cpu, pages * 4096))
+/// Collects the standard process metrics (`process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, open fds, threads, …) and touches the
+/// process's own gauges, which change rarely but must not go idle.
+async fn sample_process(
+    process: metrics_process::Collector,
+    keep: &'static [&'static str],
+    every: Duration,
+) {
+    loop {
+        process.collect();
+        for name in keep {
+            metrics::gauge!(*name).increment(0.0);
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// CPU seconds (user + system) from a `/proc/<pid>/stat` file: the
@@ -266,7 +310,11 @@ mod tests {
             std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
                 .expect("docs/metrics.md");
         let mut seen = std::collections::HashSet::new();
-        for (n, kind) in names::ALL {
+        for (n, kind, help) in names::ALL {
+            assert!(
+                help.len() > 10 && help.ends_with('.'),
+                "{n}: a HELP sentence"
+            );
             assert!(n.starts_with("batchfleet_"), "{n}");
             assert!(seen.insert(*n), "{n} twice");
             assert_eq!(
@@ -288,10 +336,8 @@ mod tests {
     }
 
     #[test]
-    fn process_usage_reads_proc() {
-        let (cpu, rss) = process_usage().expect("/proc/self");
-        assert!(cpu >= 0.0);
-        assert!(rss > 1_000_000, "a test process uses more than 1 MB: {rss}");
+    fn stat_cpu_s_reads_a_process_and_its_ended_children() {
+        assert!(stat_cpu_s("/proc/self/stat", false).is_some_and(|s| s >= 0.0));
         // A child that burns CPU counts among the ended children once waited for.
         let before = stat_cpu_s("/proc/self/stat", true).expect("children");
         let status = std::process::Command::new("sh")
@@ -329,7 +375,7 @@ mod dashboard_tests {
     fn every_panel_query_names_only_metrics_the_code_defines() {
         let queries = dashboard_queries();
         assert!(queries.len() >= 20, "{} queries", queries.len());
-        let defined: Vec<&str> = names::ALL.iter().map(|(n, _)| *n).collect();
+        let defined: Vec<&str> = names::ALL.iter().map(|(n, ..)| *n).collect();
         let mut used = std::collections::BTreeSet::new();
         for q in &queries {
             let mut rest = q.as_str();
@@ -352,7 +398,7 @@ mod dashboard_tests {
             }
         }
         // The dashboard shows (nearly) everything there is.
-        for (n, _) in names::ALL {
+        for (n, ..) in names::ALL {
             assert!(used.contains(*n), "{n} is on no dashboard panel");
         }
     }

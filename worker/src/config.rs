@@ -187,3 +187,23 @@ impl WorkerConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_has_an_environment_variable() {
+        let missing: Vec<String> = WorkerConfig::command()
+            .get_arguments()
+            .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            .filter(|a| a.get_env().is_none())
+            .map(|a| a.get_id().to_string())
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "flags without a BATCHFLEET_* variable: {missing:?}"
+        );
+    }
+}

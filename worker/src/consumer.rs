@@ -499,7 +499,7 @@ async fn commit(
     }
     if won {
         let labels = [
-            ("job", item.job_id.clone()),
+            (batchfleet_shared::metrics::JOB_LABEL, item.job_id.clone()),
             ("model", model_label(&item.task.model)),
         ];
         metrics::counter!(names::WORKER_ROWS_PROCESSED, &labels).increment(stats.rows);

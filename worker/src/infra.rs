@@ -73,7 +73,7 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
         Ok(recorded) => {
             if recorded {
                 tracing::error!(job = %item.job_id, item = item.seq, deliveries, "the broker dead-lettered the item (its workers kept dying on it); recorded it failed");
-                metrics::counter!(names::WORKER_BROKER_DEAD_LETTERS, "job" => item.job_id.clone())
+                metrics::counter!(names::WORKER_BROKER_DEAD_LETTERS, batchfleet_shared::metrics::JOB_LABEL => item.job_id.clone())
                     .increment(1);
             }
             let _ = delivery.ack().await;

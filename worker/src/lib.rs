@@ -29,6 +29,7 @@
 //! - [`writer`]: part and rejects files staged, fsynced and linked into place.
 //! - [`error`]: failure classes by owner (item, job, worker, message) that say
 //!   what to do with an item.
+//! - [`gpu`]: GPU memory and utilisation metrics from NVML.
 //!
 //! [`run`] (the fleet) and [`run_on`] (either backend) connect, consume until
 //! shutdown, then drain; `main.rs` only parses flags.
@@ -42,6 +43,7 @@ pub mod config;
 pub mod consumer;
 pub mod context;
 pub mod error;
+pub mod gpu;
 pub mod images;
 pub mod infra;
 pub mod lease;
@@ -204,9 +206,14 @@ pub async fn run_on(
         tracing::warn!("no signing key: work messages are not authenticated; set BATCHFLEET_SIGNING_KEY (or --signing-key-file) in production");
     }
     if fleet {
-        batchfleet_shared::metrics::install(&cfg.metrics, "worker", &[("pool", cfg.pool.clone())])
-            .map_err(anyhow::Error::msg)?;
-        tokio::spawn(gpu_memory(Duration::from_secs(15)));
+        batchfleet_shared::metrics::install(
+            &cfg.metrics,
+            "worker",
+            &[("pool", cfg.pool.clone())],
+            names::WORKER_OWN_GAUGES,
+        )
+        .map_err(anyhow::Error::msg)?;
+        gpu::start_sampler(Duration::from_secs(15));
     }
     metrics::gauge!(names::WORKER_UP).set(1.0);
     metrics::gauge!(names::WORKER_DRAINING).set(0.0);
@@ -578,45 +585,6 @@ async fn pause(
     Ok(())
 }
 
-/// GPU memory in use and utilisation per device, from `nvidia-smi`, on
-/// machines that have it.
-async fn gpu_memory(every: Duration) {
-    loop {
-        let out = tokio::process::Command::new("nvidia-smi")
-            .args([
-                "--query-gpu=index,memory.used,utilization.gpu",
-                "--format=csv,noheader,nounits",
-            ])
-            .output()
-            .await;
-        let Ok(out) = out else { return }; // no NVIDIA driver here: nothing to report
-        for (gpu, mib, busy) in parse_nvidia_smi(&String::from_utf8_lossy(&out.stdout)) {
-            if let Some(mib) = mib {
-                metrics::gauge!(names::WORKER_GPU_MEMORY, "gpu" => gpu.clone())
-                    .set(mib * 1024.0 * 1024.0);
-            }
-            if let Some(percent) = busy {
-                metrics::gauge!(names::WORKER_GPU_UTILIZATION, "gpu" => gpu).set(percent / 100.0);
-            }
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-/// `index, memory.used (MiB), utilization.gpu (%)` lines of `nvidia-smi`;
-/// a field it cannot read (`[N/A]`) is `None`.
-fn parse_nvidia_smi(text: &str) -> Vec<(String, Option<f64>, Option<f64>)> {
-    text.lines()
-        .filter_map(|line| {
-            let mut fields = line.split(',').map(str::trim);
-            let gpu = fields.next().filter(|g| !g.is_empty())?.to_owned();
-            let mib = fields.next().and_then(|f| f.parse().ok());
-            let busy = fields.next().and_then(|f| f.parse().ok());
-            Some((gpu, mib, busy))
-        })
-        .collect()
-}
-
 /// One broker handle consuming the work queues (the pool's and its active
 /// jobs', [`sources::Sources`]) and the infra queue.
 struct Session {
@@ -681,20 +649,5 @@ impl Session {
     async fn cancel_consumers(&mut self) {
         self.work.cancel().await;
         self.infra.cancel().await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn nvidia_smi_lines_give_memory_and_utilisation_per_gpu() {
-        let text = "0, 1024, 87\n1, 512, [N/A]\n\n";
-        assert_eq!(
-            super::parse_nvidia_smi(text),
-            vec![
-                ("0".to_owned(), Some(1024.0), Some(87.0)),
-                ("1".to_owned(), Some(512.0), None),
-            ]
-        );
     }
 }

@@ -214,7 +214,10 @@ pub async fn settle_error(
     e: ItemError,
     ctx: &ItemContext,
 ) -> (Handled, bool) {
-    let labels = [("job", item.job_id.clone()), ("class", e.class.to_string())];
+    let labels = [
+        (batchfleet_shared::metrics::JOB_LABEL, item.job_id.clone()),
+        ("class", e.class.to_string()),
+    ];
     metrics::counter!(names::WORKER_ITEMS_FAILED, &labels).increment(1);
     match e.class {
         FailureClass::Unrunnable => fail_job(held, item, attempt, &e, ctx).await,
@@ -398,7 +401,7 @@ pub async fn retry(
     if let Err(returned) = publish_then_ack(held, item, attempt, &queue, msg, ctx).await {
         return returned;
     }
-    metrics::counter!(names::WORKER_ITEMS_RETRIED, "job" => item.job_id.clone(), "class" => e.class.to_string()).increment(1);
+    metrics::counter!(names::WORKER_ITEMS_RETRIED, batchfleet_shared::metrics::JOB_LABEL => item.job_id.clone(), "class" => e.class.to_string()).increment(1);
     (Handled::Retried, false)
 }
 
@@ -475,7 +478,7 @@ pub async fn dead_letter(
         tracing::warn!(error = %err, "could not record the failure in Redis");
     }
     held.ack().await;
-    metrics::counter!(names::WORKER_ITEMS_DEAD_LETTERED, "job" => item.job_id.clone(), "class" => class)
+    metrics::counter!(names::WORKER_ITEMS_DEAD_LETTERED, batchfleet_shared::metrics::JOB_LABEL => item.job_id.clone(), "class" => class)
         .increment(1);
     (Handled::DeadLettered, false)
 }

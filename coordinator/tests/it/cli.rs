@@ -465,3 +465,27 @@ async fn plan_prints_the_job_and_items_run_then_uses_and_set_is_part_of_the_job(
         stderr(&out)
     );
 }
+
+#[test]
+fn completions_are_generated_for_each_shell() {
+    for (shell, marker) in [
+        ("bash", "_batchfleet()"),
+        ("zsh", "#compdef batchfleet"),
+        ("fish", "complete -c batchfleet"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_batchfleet"))
+            .args(["completions", shell])
+            .output()
+            .expect("batchfleet completions");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(marker),
+            "{shell}: {}",
+            stderr(&out)
+        );
+        assert!(
+            text.contains("dlq") && text.contains("hook-token-env"),
+            "{shell}"
+        );
+    }
+}

@@ -5,7 +5,7 @@
 //! certificate from another CA is refused with an error that says what to set.
 
 use crate::support::{stop_all, TestEnv};
-use batchfleet_loadtest::nodes::{TestPki, TlsRabbit, TlsRedis};
+use batchfleet_loadtest::nodes::{RabbitNode, RabbitOptions, TestPki, TlsRedis};
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::BrokerError;
@@ -41,7 +41,14 @@ async fn a_job_completes_over_tls_and_a_server_from_another_ca_is_refused() {
     let mut env = TestEnv::new("tls");
     let pki = TestPki::make(&env.path().join("pki")).expect("test certificates");
     let redis = TlsRedis::start(env.path(), &pki).expect("TLS Redis");
-    let rabbit = TlsRabbit::start(&env.path().join("rabbit"), &pki).expect("TLS RabbitMQ");
+    let rabbit = RabbitNode::start(
+        &env.path().join("rabbit"),
+        RabbitOptions {
+            tls: Some(&pki),
+            ..RabbitOptions::default()
+        },
+    )
+    .expect("TLS RabbitMQ");
     // Every handle the test makes goes to the TLS servers from here on.
     env.amqp = Endpoint::amqp(SecretUrl::new(rabbit.url())).with_tls(client_files(&pki, &pki.ca));
     env.redis = Endpoint::redis(SecretUrl::new(redis.url())).with_tls(client_files(&pki, &pki.ca));

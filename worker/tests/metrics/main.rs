@@ -1,7 +1,11 @@
-//! A real job on two workers while a real Prometheus scrapes them and the
-//! coordinator; then every query of the Grafana dashboard is evaluated
-//! against that Prometheus and must return data, and the key figures must
-//! agree with summary.json.
+//! A real job on two workers, over a RabbitMQ node of the test's own with
+//! the `rabbitmq_prometheus` plugin, while a real Prometheus scrapes the
+//! workers, the coordinator and the broker with a default scrape config (no
+//! `honor_labels`, as under the Prometheus Operator); then every query of
+//! the Grafana dashboard is evaluated against that Prometheus and must
+//! return data, and the key figures must agree with summary.json. Every
+//! batchfleet metric has its HELP text, and a worker drops a finished job's
+//! series after `--metrics-idle-timeout` while keeping its own.
 //!
 //! Needs the `prometheus` binary (Debian package `prometheus`; `make test`
 //! installs it). The coordinator runs in this process with its metrics
@@ -12,8 +16,12 @@
 mod support;
 
 use batchfleet_coordinator::{run_job, RunOutcome};
+use batchfleet_loadtest::nodes::{RabbitNode, RabbitOptions};
 use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_shared::endpoint::Endpoint;
+use batchfleet_shared::metrics::names;
 use batchfleet_shared::metrics::MetricsArgs;
+use batchfleet_shared::secret::SecretUrl;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{stop_all, TestEnv};
@@ -39,7 +47,9 @@ impl Drop for Prometheus {
 }
 
 impl Prometheus {
-    fn start(dir: &std::path::Path, targets: &[u16]) -> Self {
+    /// Scrapes batchfleet's `targets` as Prometheus does by default, and
+    /// the broker's plugin as docker/prometheus/prometheus.yml does.
+    fn start(dir: &std::path::Path, targets: &[u16], rabbitmq: u16) -> Self {
         let port = free_port();
         let config = dir.join("prometheus.yml");
         let targets: Vec<String> = targets
@@ -49,7 +59,7 @@ impl Prometheus {
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: batchfleet\n    honor_labels: true\n    static_configs:\n      - targets: [{}]\n",
+                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: batchfleet\n    static_configs:\n      - targets: [{}]\n  - job_name: rabbitmq\n    static_configs:\n      - targets: [\"127.0.0.1:{rabbitmq}\"]\n  - job_name: rabbitmq-queues\n    metrics_path: /metrics/detailed\n    params:\n      family: [queue_coarse_metrics]\n    static_configs:\n      - targets: [\"127.0.0.1:{rabbitmq}\"]\n",
                 targets.join(", ")
             ),
         )
@@ -98,14 +108,17 @@ impl Prometheus {
     }
 }
 
-fn dashboard_queries() -> Vec<String> {
+fn dashboard() -> serde_json::Value {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../docker/grafana/dashboards/batchfleet.json"
     ))
     .expect("dashboard");
-    let dash: serde_json::Value = serde_json::from_str(&text).expect("json");
-    dash["panels"]
+    serde_json::from_str(&text).expect("json")
+}
+
+fn dashboard_queries() -> Vec<String> {
+    dashboard()["panels"]
         .as_array()
         .expect("panels")
         .iter()
@@ -114,9 +127,27 @@ fn dashboard_queries() -> Vec<String> {
         .collect()
 }
 
+/// A worker's `/metrics` text.
+fn scrape(port: u16) -> String {
+    ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .ok()
+        .and_then(|r| r.into_string().ok())
+        .unwrap_or_default()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
-    let env = TestEnv::new("metrics");
+    let mut env = TestEnv::new("metrics");
+    let broker = RabbitNode::start(
+        &env.path().join("rabbit"),
+        RabbitOptions {
+            prometheus: true,
+            ..RabbitOptions::default()
+        },
+    )
+    .expect("a RabbitMQ node with rabbitmq_prometheus");
+    env.amqp = Endpoint::amqp(SecretUrl::new(broker.url()));
     let name = batchfleet_loadtest::services::unique("metrics");
     make_job(
         env.path(),
@@ -136,7 +167,11 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
     .expect("generate job");
     let manifest = env.path().join("job.toml");
     let (w1, w2, coord) = (free_port(), free_port(), free_port());
-    let prom = Prometheus::start(env.path(), &[w1, w2, coord]);
+    let prom = Prometheus::start(
+        env.path(),
+        &[w1, w2, coord],
+        broker.prometheus_port.expect("plugin port"),
+    );
 
     let mut workers = vec![
         env.spawn_worker(
@@ -163,8 +198,10 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
         &MetricsArgs {
             metrics_port: coord,
             metrics_host: "127.0.0.1".parse().expect("ip"),
+            metrics_idle_timeout: Duration::from_secs(600),
         },
         "coordinator",
+        &[],
         &[],
     )
     .expect("coordinator metrics");
@@ -176,8 +213,11 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
     };
 
     // Wait until Prometheus has scraped the final figures.
-    let rows_q = format!("sum(batchfleet_worker_rows_processed_total{{job=\"{job_id}\"}})");
-    let finished_q = format!("batchfleet_coordinator_job_finished{{job=\"{job_id}\"}}");
+    // The batch job's label is batch_job; `job` stays the scrape job's.
+    let rows_q = format!(
+        "sum(batchfleet_worker_rows_processed_total{{job=\"batchfleet\",batch_job=\"{job_id}\"}})"
+    );
+    let finished_q = format!("batchfleet_coordinator_job_finished{{batch_job=\"{job_id}\"}}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while prom.scalar(&rows_q) != Some(report.rows_predicted as f64)
         || prom.scalar(&finished_q) != Some(1.0)
@@ -201,11 +241,18 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
             .replace("$__range", "5m")
             .replace("$job", ".+")
             .replace("$pool", ".+");
-        // Text input's tokenizing time has no data on this numeric job; its
-        // query must still be one Prometheus answers.
-        let text_only = q.contains(batchfleet_shared::metrics::names::WORKER_TOKENIZE);
+        // Text input's tokenizing time has no data on this numeric job, nor
+        // the GPU queries without a GPU; their queries must still be ones
+        // Prometheus answers.
+        let may_be_empty = [
+            names::WORKER_TOKENIZE,
+            names::WORKER_GPU_MEMORY,
+            names::WORKER_GPU_UTILIZATION,
+        ]
+        .iter()
+        .any(|n| q.contains(n));
         match prom.query(&q) {
-            Ok(r) if !r.is_empty() || text_only => {}
+            Ok(r) if !r.is_empty() || may_be_empty => {}
             Ok(_) => empty.push(format!("no data: {q}")),
             Err(e) => empty.push(format!("error: {e}")),
         }
@@ -218,8 +265,39 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
         empty.join("\n")
     );
 
+    // No GPU here: its panel says so rather than drawing a made-up 0.
+    let gpu_panel = dashboard()["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .find(|p| p["title"] == "GPU memory")
+        .cloned()
+        .expect("GPU panel");
+    assert_eq!(gpu_panel["fieldConfig"]["defaults"]["noValue"], "no GPU");
+    assert!(!gpu_panel.to_string().contains("vector(0)"));
+    assert!(prom
+        .query(names::WORKER_GPU_MEMORY)
+        .expect("query")
+        .is_empty());
+    // The broker's own figures: the job's queue is gone, the work and dead
+    // queues of the pool are there, and messages went through it.
+    let dead = format!(
+        "rabbitmq_detailed_queue_messages_ready{{queue=\"bf.{}.dead\"}}",
+        env.pool
+    );
+    assert_eq!(prom.scalar(&dead), Some(0.0), "{dead}");
+    let received = prom
+        .scalar("sum(rabbitmq_global_messages_received_total)")
+        .expect("publishes counted");
+    assert!(received >= report.items_total as f64, "{received}");
+    // Nothing arrives renamed to exported_job.
+    assert!(prom
+        .query("{exported_job!=\"\"}")
+        .expect("query")
+        .is_empty());
+
     // Key figures agree with summary.json.
-    let job = format!("job=\"{job_id}\"");
+    let job = format!("batch_job=\"{job_id}\"");
     assert_eq!(prom.scalar(&rows_q), Some(20_000.0));
     assert_eq!(
         prom.scalar(&format!(
@@ -248,6 +326,90 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
         "20000 rows in mini-batches of 500: {forward_calls}"
     );
 
+    // Every batchfleet family a worker exports has its HELP text, and the
+    // standard process metrics are there.
+    let text = scrape(w1);
+    for line in text.lines().filter(|l| l.starts_with("batchfleet_")) {
+        let family = line
+            .split(['{', ' '])
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches("_bucket")
+            .trim_end_matches("_sum")
+            .trim_end_matches("_count");
+        assert!(
+            text.contains(&format!("# HELP {family} ")),
+            "{family} has no HELP"
+        );
+    }
+    for standard in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+    ] {
+        assert!(
+            text.contains(&format!("\n{standard}{{")),
+            "{standard} missing"
+        );
+    }
     stop_all(&mut workers);
-    env.cleanup(&[&job_id]).await;
+
+    // A worker drops a finished job's series after its idle timeout and
+    // keeps its own: a short job on a worker whose timeout is 10 s.
+    let w3 = free_port();
+    let dir = env.path().join("short");
+    make_job(
+        &dir,
+        &JobGen {
+            rows: 1_000,
+            files: 1,
+            features: 8,
+            hidden: 16,
+            outputs: 1,
+            name: batchfleet_loadtest::services::unique("idle"),
+            pool: env.pool.clone(),
+            item_rows: 500,
+            batch_size: 500,
+            ..JobGen::default()
+        },
+    )
+    .expect("generate job");
+    let mut short = vec![env.spawn_worker(
+        "w3",
+        &[
+            "--metrics-port",
+            &w3.to_string(),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-idle-timeout",
+            "10s",
+        ],
+    )];
+    env.wait_for_consumers(1, &mut short).await;
+    let RunOutcome::Completed {
+        job_id: short_id, ..
+    } = run_job(
+        &env.run_config(),
+        &dir.join("job.toml"),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("short job ran")
+    else {
+        panic!("the short job did not complete");
+    };
+    let mine = format!("batch_job=\"{short_id}\"");
+    assert!(scrape(w3).contains(&mine), "the job's series while fresh");
+    // The exporter prunes at scrape time: scrape until they are gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scrape(w3).contains(&mine) {
+        assert!(Instant::now() < deadline, "{mine} series never went idle");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let text = scrape(w3);
+    assert!(text.contains("\nbatchfleet_worker_up{"), "{text}");
+    assert!(text.contains("\nprocess_cpu_seconds_total{"), "{text}");
+    stop_all(&mut short);
+    env.cleanup(&[&job_id, &short_id]).await;
+    drop(broker);
 }
