@@ -37,7 +37,7 @@ cleanup() {
 }
 trap cleanup EXIT
 for i in $(seq 1 "$WORKERS"); do
-  "$BIN/batchfleet-worker" --pool "$POOL" --threads "$threads" --worker-id "bench-$i" >"$DIR/worker-$i.log" 2>&1 &
+  "$BIN/batchfleet-worker" --pool "$POOL" --threads "$threads" --worker-id "bench-$i" --data-root "$DIR" >"$DIR/worker-$i.log" 2>&1 &
   pids+=($!)
 done
 

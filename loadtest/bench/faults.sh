@@ -31,7 +31,7 @@ cleanup() {
 trap cleanup EXIT
 worker() { # id extra-args... ; appends the pid to pids
   local id=$1; shift
-  "$BIN/batchfleet-worker" --pool "$POOL" --threads 1 --worker-id "$id" "$@" >"$DIR/$id.log" 2>&1 &
+  "$BIN/batchfleet-worker" --pool "$POOL" --threads 1 --worker-id "$id" --data-root "$DIR" "$@" >"$DIR/$id.log" 2>&1 &
   pids+=($!)
 }
 stop_workers() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; pids=(); }

@@ -40,7 +40,7 @@ for rep in $(seq 1 "$REPS"); do
     for i in $(seq 1 "$WORKERS"); do
       port=0; [ "$variant" = on ] && port=$(free_port)
       ports+=("$port")
-      "$BIN/batchfleet-worker" --pool "$POOL" --threads "$threads" --worker-id "m-$variant-$i" \
+      "$BIN/batchfleet-worker" --pool "$POOL" --threads "$threads" --worker-id "m-$variant-$i" --data-root "$DIR" \
         --metrics-port "$port" --metrics-host 127.0.0.1 >"$DIR/worker-$variant-$rep-$i.log" 2>&1 &
       pids+=($!)
     done

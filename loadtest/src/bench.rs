@@ -266,6 +266,9 @@ impl Fleet {
             let log = std::fs::File::create(dir.join(format!("worker-{i}.log")))?;
             let child = Command::new(bin)
                 .args(["--pool", pool, "--redis-prefix", prefix])
+                // The job (data, model, output) lives in `dir`.
+                .arg("--data-root")
+                .arg(dir)
                 .args([
                     "--worker-id",
                     &format!("bench-{i}"),

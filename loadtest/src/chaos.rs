@@ -232,6 +232,9 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     .chain([
         "--debug-batch-delay".to_owned(),
         format!("{}ms", cfg.batch_delay.as_millis()),
+        // The jobs (data, model, outputs) live under the work folder.
+        "--data-root".to_owned(),
+        root.display().to_string(),
     ])
     .collect();
 

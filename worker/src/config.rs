@@ -68,14 +68,18 @@ pub struct WorkerConfig {
     /// stay under, symlinks resolved, or an s3://bucket/prefix that every
     /// s3:// location must stay under; repeat for several, or separate them
     /// with ':' in the variable. Items naming other paths are dead-lettered.
-    /// Unset: paths need only be absolute and free of `..` — set it in
-    /// production, queue contents are not trusted.
+    /// Required (queue contents are not trusted) unless --allow-any-path.
     #[arg(
         long = "data-root",
         env = "BATCHFLEET_DATA_ROOTS",
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
+    /// Start without --data-root, accepting any absolute path free of `..`
+    /// in items (testing, or a machine whose whole disk is the job's). A
+    /// worker refuses to start without a data root otherwise.
+    #[arg(long, env = "BATCHFLEET_ALLOW_ANY_PATH", value_parser = clap::builder::BoolishValueParser::new())]
+    pub allow_any_path: bool,
     /// How long this worker leaves a job it cannot run (no such CUDA device
     /// here, the model unreadable here, out of memory on one row) to other
     /// workers, handing its items back, before it tries again.

@@ -73,6 +73,31 @@ use tokio_util::task::TaskTracker;
 /// Exit code asking the supervisor for a fresh process (EX_TEMPFAIL).
 pub const EXIT_RESTART: u8 = 75;
 
+/// Exit code when the worker cannot run as configured and restarting it
+/// cannot help (sysexits' `EX_CONFIG`): no data root, an unreadable secret
+/// or TLS file, credentials or a server certificate refused, an evicting
+/// Redis. systemd's `RestartPreventExitStatus` and a Kubernetes
+/// `podFailurePolicy` take it as final.
+pub const EXIT_CONFIG: u8 = 78;
+
+/// A failure that retrying or restarting cannot mend; the worker exits
+/// with [`EXIT_CONFIG`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// Whether an error ending the worker is a [`ConfigError`] or a refusal
+/// that no retry can mend (wrong credentials, untrusted certificate).
+pub fn is_permanent(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<ConfigError>()
+            || c.downcast_ref::<BrokerError>()
+                .is_some_and(BrokerError::is_permanent)
+            || c.downcast_ref::<StoreError>()
+                .is_some_and(StoreError::is_permanent)
+    })
+}
+
 /// How a worker ended without an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Exit {
@@ -120,9 +145,10 @@ where
 /// take, are redone by the redelivery that finds them done. No work item can
 /// stop a worker: every failure is settled by its owner (see [`error`]).
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<Exit> {
+    let settings = |e: batchfleet_shared::secret::SecretFileError| ConfigError(e.to_string());
     let backend = Backend::Fleet {
-        amqp: cfg.services.amqp()?,
-        redis: cfg.services.redis()?,
+        amqp: cfg.services.amqp().map_err(settings)?,
+        redis: cfg.services.redis().map_err(settings)?,
     };
     run_on(cfg, backend, shutdown).await
 }
@@ -187,10 +213,17 @@ pub async fn run_on(
     let worker_id = cfg.worker_id();
     let fleet = matches!(backend, Backend::Fleet { .. });
     let queues = PoolQueues::new(&cfg.pool);
-    let data_roots =
-        batchfleet_shared::paths::DataRoots::new(&cfg.data_roots).context("--data-root")?;
+    let data_roots = batchfleet_shared::paths::DataRoots::new(&cfg.data_roots)
+        .map_err(|e| ConfigError(format!("--data-root: {e}")))?;
     if data_roots.is_confined() {
         tracing::info!(roots = %data_roots.describe(), "item paths confined to the data roots");
+    } else if fleet && !cfg.allow_any_path {
+        // Queue contents are not trusted: a worker reads and writes only
+        // where it is told it may.
+        return Err(ConfigError(
+            "no --data-root (BATCHFLEET_DATA_ROOTS): a worker reads inputs and models and writes outputs only under its data roots; give the folder (or s3://bucket/prefix) its jobs use, or pass --allow-any-path (BATCHFLEET_ALLOW_ANY_PATH=1) to accept any absolute path".into(),
+        )
+        .into());
     } else {
         tracing::warn!(
             "no --data-root: item paths are not confined to any folder; set it in production"
@@ -199,7 +232,7 @@ pub async fn run_on(
     let key = cfg
         .services
         .signing_key()
-        .context("--signing-key-file / BATCHFLEET_SIGNING_KEY")?;
+        .map_err(|e| ConfigError(format!("--signing-key-file / BATCHFLEET_SIGNING_KEY: {e}")))?;
     if key.is_some() {
         tracing::info!("work messages must be signed with the configured key");
     } else {

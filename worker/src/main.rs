@@ -16,6 +16,14 @@ async fn main() -> ExitCode {
             eprintln!("restart requested: {reason}");
             ExitCode::from(batchfleet_worker::EXIT_RESTART)
         }
+        Err(e) if batchfleet_worker::is_permanent(&e) => {
+            eprintln!("error: {e:#}");
+            eprintln!(
+                "(exit {}: a restart cannot help; fix the setting named above)",
+                batchfleet_worker::EXIT_CONFIG
+            );
+            ExitCode::from(batchfleet_worker::EXIT_CONFIG)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

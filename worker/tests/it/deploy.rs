@@ -187,6 +187,11 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
         ("BATCHFLEET_REDIS_PREFIX", env.prefix.clone()),
         ("BATCHFLEET_LOG_FORMAT", "json".to_owned()),
         ("BATCHFLEET_METRICS_PORT", "0".to_owned()),
+        // compose's /data: the test's folder.
+        (
+            "BATCHFLEET_DATA_ROOTS",
+            env.path().to_str().expect("utf-8").to_owned(),
+        ),
     ];
     let log = std::fs::File::create(env.path().join("compose-worker.log")).expect("log");
     let child = Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))

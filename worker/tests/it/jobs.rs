@@ -396,10 +396,14 @@ async fn a_redis_that_may_evict_job_state_is_refused_at_start() {
     // The worker refuses it too, saying why, and exits.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
         .args(["--redis-url", &evicting.url(), "--pool", &env.pool])
-        .args(["--connect-timeout", "5s"])
+        .args(["--connect-timeout", "5s", "--allow-any-path"])
         .output()
         .expect("worker");
-    assert!(!out.status.success());
+    // Final: the exit code that tells systemd and Kubernetes not to restart it.
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(batchfleet_worker::EXIT_CONFIG))
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("maxmemory-policy allkeys-lru"), "{stderr}");
     // A volatile policy evicts only keys with a time to live (finished
@@ -1021,4 +1025,23 @@ async fn a_short_high_priority_job_overtakes_a_long_low_priority_one() {
     assert!(v.ok(), "{}", v.describe());
     stop_all(&mut workers);
     env.cleanup(&[&short_id, &long_id]).await;
+}
+
+#[test]
+fn a_worker_without_a_data_root_refuses_to_start_for_good() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .args(["--pool", "no-data-root", "--connect-timeout", "1s"])
+        .env_remove("BATCHFLEET_DATA_ROOTS")
+        .env_remove("BATCHFLEET_ALLOW_ANY_PATH")
+        .output()
+        .expect("worker");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(batchfleet_worker::EXIT_CONFIG))
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no --data-root") && stderr.contains("--allow-any-path"),
+        "{stderr}"
+    );
 }

@@ -108,9 +108,10 @@ async fn a_job_completes_over_tls_and_a_server_from_another_ca_is_refused() {
     // cannot help), instead of retrying for its --connect-timeout.
     let mut bad = env.spawn_worker_with_env("wrong-ca", &[], &tls_env(&pki, &pki.other_ca));
     let status = bad.terminate_when_exited(Duration::from_secs(30));
-    assert!(
-        !status.success(),
-        "a worker that trusts no server certificate exits with an error"
+    assert_eq!(
+        status.code(),
+        Some(i32::from(batchfleet_worker::EXIT_CONFIG)),
+        "a worker that trusts no server certificate exits, for good"
     );
     let log = bad.log_text();
     assert!(
