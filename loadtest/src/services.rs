@@ -206,6 +206,24 @@ pub fn restart_rabbitmq() -> Result<()> {
     Ok(())
 }
 
+/// Runs `rabbitmqctl` against the local RabbitMQ (users, permissions),
+/// failing with what it printed.
+pub fn rabbitmqctl(args: &[&str]) -> Result<()> {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .context("rabbitmqctl (Debian package rabbitmq-server)")?;
+    if !out.status.success() {
+        bail!(
+            "rabbitmqctl {}: {}{}",
+            args.first().unwrap_or(&""),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// The RabbitMQ the tools use: `BATCHFLEET_AMQP_URL`, or the local one.
 pub fn amqp() -> batchfleet_shared::endpoint::Endpoint {
     batchfleet_shared::endpoint::Endpoint::amqp(batchfleet_shared::secret::SecretUrl::new(

@@ -7,6 +7,7 @@ mod e2e;
 mod failures;
 mod formats;
 mod jobs;
+mod privilege;
 mod reports;
 mod support;
 mod text;
