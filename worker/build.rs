@@ -13,6 +13,9 @@ fn main() {
         panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB); build with LIBTORCH_USE_PYTORCH=1 or LIBTORCH set");
     };
     println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    // And libtorch beside the binary, for the release tarball (`make dist`:
+    // bin/ and lib/batchfleet/). `$ORIGIN` reaches the linker as it is.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet");
     // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
     println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
     // libtorch's layout, from pip's torch package or a libtorch download:

@@ -60,13 +60,30 @@ pub fn driver_present() -> bool {
     Path::new("/proc/driver/nvidia/version").exists() || Path::new("/dev/nvidiactl").exists()
 }
 
-/// Loads `libtorch_cuda.so` from `libtorch_lib` (the folder the binary was
-/// linked against) as [`Want::from_env`] says. Call it before any libtorch call.
+/// Where libtorch's libraries are: the folder the binary was linked
+/// against (`compiled`, embedded as an rpath) when it exists, else
+/// `lib/batchfleet/` beside the binary's `bin/` — the layout of the release
+/// tarball (`make dist`), whose binaries carry that rpath too.
+pub fn libtorch_dir(compiled: Option<&str>) -> Option<PathBuf> {
+    let bundled = || {
+        let exe = std::env::current_exe().ok()?;
+        let dir = exe.parent()?.parent()?.join("lib/batchfleet");
+        dir.is_dir().then_some(dir)
+    };
+    match compiled.map(PathBuf::from) {
+        Some(dir) if dir.is_dir() => Some(dir),
+        _ => bundled(),
+    }
+}
+
+/// Loads `libtorch_cuda.so` from libtorch's folder ([`libtorch_dir`] of
+/// `libtorch_lib`, the folder the binary was linked against) as
+/// [`Want::from_env`] says. Call it before any libtorch call.
 pub fn load(libtorch_lib: Option<&str>) -> CudaSupport {
-    let Some(dir) = libtorch_lib else {
+    let Some(dir) = libtorch_dir(libtorch_lib) else {
         return CudaSupport::NotBuilt(PathBuf::new());
     };
-    load_from(Path::new(dir), Want::from_env())
+    load_from(&dir, Want::from_env())
 }
 
 /// [`load`] with the folder and the choice given.

@@ -53,11 +53,11 @@ fn take_error(error: *mut c_char) -> String {
 fn libtorch_loaded() -> Result<(), String> {
     static LOADED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     LOADED
-        .get_or_init(|| match option_env!("BATCHFLEET_LIBTORCH_LIB") {
-            Some(dir) => {
-                batchfleet_shared::cuda::load_global(&std::path::Path::new(dir).join("libtorch.so"))
+        .get_or_init(|| {
+            match batchfleet_shared::cuda::libtorch_dir(option_env!("BATCHFLEET_LIBTORCH_LIB")) {
+                Some(dir) => batchfleet_shared::cuda::load_global(&dir.join("libtorch.so")),
+                None => Ok(()),
             }
-            None => Ok(()),
         })
         .clone()
 }

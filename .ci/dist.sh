@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The release tarball that docker/vm/cloud-init.yaml installs on a VM:
+#   dist/batchfleet-<version>-linux-<arch>.tar.gz and dist/SHA256SUMS
+# holding bin/ (batchfleet, batchfleet-worker, batchfleet-preemption-watch),
+# lib/batchfleet/ (libtorch's shared libraries: the binaries' rpath
+# $ORIGIN/../lib/batchfleet finds them), and share/batchfleet/systemd/ (the
+# units). `--list` prints the members without building anything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+name="batchfleet-$version-linux-$(uname -m)"
+units=(batchfleet-worker.service batchfleet-preemption.service batchfleet-job.service batchfleet-job.timer)
+members() {
+  printf '%s\n' "$name/bin/batchfleet" "$name/bin/batchfleet-worker" "$name/bin/batchfleet-preemption-watch"
+  for u in "${units[@]}"; do echo "$name/share/batchfleet/systemd/$u"; done
+  echo "$name/lib/batchfleet/"
+}
+if [ "${1:-}" = --list ]; then
+  echo "dist/$name.tar.gz"
+  echo "dist/SHA256SUMS"
+  members
+  exit 0
+fi
+# shellcheck source=.ci/env.sh
+. .ci/env.sh
+cargo build --release --workspace --bins
+torch_lib=$(python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
+root="$stage/$name"
+mkdir -p "$root/bin" "$root/lib/batchfleet" "$root/share/batchfleet/systemd"
+install -m 0755 target/release/batchfleet target/release/batchfleet-worker docker/vm/batchfleet-preemption-watch "$root/bin/"
+cp -a "$torch_lib"/*.so* "$root/lib/batchfleet/"
+for u in "${units[@]}"; do install -m 0644 "docker/vm/$u" "$root/share/batchfleet/systemd/"; done
+mkdir -p dist
+tar -C "$stage" -czf "dist/$name.tar.gz" "$name"
+(cd dist && sha256sum "$name.tar.gz" > SHA256SUMS)
+echo "dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)), dist/SHA256SUMS"
