@@ -27,7 +27,7 @@ docker-compose -p batchfleet -f "$tmp_gpus/compose.yaml" -f "$tmp_gpus/compose.g
 grep -q "worker-gpu1:" "$tmp_gpus/rendered.yaml"
 rm -rf "$tmp_gpus"
 echo "== shell scripts"
-for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch; do sh -n "$f"; done
+for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/rabbitmq/permissions.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch; do sh -n "$f"; done
 echo "== hadolint"
 .venv/bin/hadolint --config docker/.hadolint.yaml docker/worker.Dockerfile docker/coordinator.Dockerfile
 echo "== kubernetes-validate"

@@ -6,9 +6,9 @@ fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
-    // And libtorch beside the binary, for the release tarball (`make dist`:
-    // bin/ and lib/batchfleet/). `$ORIGIN` reaches the linker as it is.
-    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet");
+        // And libtorch beside the binary, for the release tarball (`make dist`:
+        // bin/ and lib/batchfleet/). `$ORIGIN` reaches the linker as it is.
+        println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet");
         // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
         println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
     }

@@ -304,3 +304,127 @@ async fn readiness_waits_for_the_preloaded_model_and_a_bad_model_exits_1() {
     );
     assert!(!ready.exists());
 }
+
+#[test]
+fn the_deployment_files_give_each_part_its_identity_and_name_the_tls_settings() {
+    let read = |p: &str| std::fs::read_to_string(root().join(p)).expect(p);
+    let worker_help = help(Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")), &[]);
+    let tls_vars = [
+        "BATCHFLEET_AMQP_CA_FILE",
+        "BATCHFLEET_AMQP_CERT_FILE",
+        "BATCHFLEET_AMQP_KEY_FILE",
+        "BATCHFLEET_REDIS_CA_FILE",
+        "BATCHFLEET_REDIS_CERT_FILE",
+        "BATCHFLEET_REDIS_KEY_FILE",
+    ];
+    for var in tls_vars
+        .iter()
+        .chain(&["BATCHFLEET_AMQP_URL_FILE", "BATCHFLEET_REDIS_URL_FILE"])
+    {
+        assert!(
+            worker_help.contains(&format!("env: {var}")),
+            "the worker reads {var}"
+        );
+    }
+    // Kubernetes: a Secret per identity, mounted as files the URLs are read from.
+    let k8s = [
+        "config.yaml",
+        "secret.example.yaml",
+        "worker.yaml",
+        "worker-gpu.yaml",
+        "coordinator.yaml",
+        "keda.yaml",
+    ]
+    .map(|f| read(&format!("docker/k8s/{f}")))
+    .join("\n");
+    for name in [
+        "secretName: batchfleet-worker",
+        "secretName: batchfleet-coordinator",
+        "name: batchfleet-monitor",
+    ] {
+        assert!(k8s.contains(name), "docker/k8s names {name}");
+    }
+    for user in [
+        "batchfleet-worker:",
+        "batchfleet-coordinator:",
+        "batchfleet-monitor:",
+    ] {
+        assert!(
+            k8s.contains(&format!("://{user}")),
+            "the example Secrets use the {user} user"
+        );
+    }
+    for var in tls_vars
+        .iter()
+        .chain(&["BATCHFLEET_AMQP_URL_FILE", "BATCHFLEET_REDIS_URL_FILE"])
+    {
+        assert!(k8s.contains(var), "docker/k8s names {var}");
+    }
+    assert!(
+        !k8s.contains("batchfleet-credentials"),
+        "no Secret shared by every part"
+    );
+    for hardening in [
+        "readOnlyRootFilesystem: true",
+        "allowPrivilegeEscalation: false",
+        "drop: [ALL]",
+        "type: RuntimeDefault",
+    ] {
+        for f in ["worker.yaml", "worker-gpu.yaml"] {
+            assert!(
+                read(&format!("docker/k8s/{f}")).contains(hardening),
+                "{f}: {hardening}"
+            );
+        }
+        assert_eq!(
+            read("docker/k8s/coordinator.yaml")
+                .matches(hardening)
+                .count(),
+            3,
+            "the Job, the CronJob and the supervisor: {hardening}"
+        );
+    }
+    // Compose: the users the broker and Redis make, the URL secrets each part reads.
+    let compose = read("docker/compose.yaml");
+    let rabbit = read("docker/rabbitmq/entrypoint.sh");
+    let redis = read("docker/redis/entrypoint.sh");
+    for user in ["batchfleet-worker", "batchfleet-coordinator"] {
+        assert!(
+            rabbit.contains(&format!("user {user} ")),
+            "RabbitMQ user {user}"
+        );
+        assert!(
+            redis.contains(&format!("user {user} on")),
+            "Redis user {user}"
+        );
+    }
+    assert!(rabbit.contains("user batchfleet-monitor ") && rabbit.contains("monitoring"));
+    assert!(redis.contains("user default off") && !redis.contains("requirepass"));
+    for (service, secret) in [
+        ("worker", "worker_amqp_url"),
+        ("coordinator", "coordinator_amqp_url"),
+        ("supervisor", "coordinator_amqp_url"),
+    ] {
+        let block = compose
+            .split(&format!("\n  {service}:\n"))
+            .nth(1)
+            .and_then(|b| b.split("\n\n").next())
+            .unwrap_or_else(|| panic!("a {service} service"));
+        assert!(
+            block.contains(&format!("/run/secrets/{secret}")),
+            "{service} reads {secret}"
+        );
+        assert!(
+            block.contains("*batchfleet-hardening"),
+            "{service} is read-only, without capabilities"
+        );
+    }
+    assert!(compose.contains("read_only: true") && compose.contains("cap_drop: [ALL]"));
+    assert!(
+        compose.contains("BATCHFLEET_AMQP_CA_FILE") && compose.contains("BATCHFLEET_REDIS_CA_FILE")
+    );
+    assert!(
+        !compose.contains("--requirepass"),
+        "no Redis password on a command line"
+    );
+}

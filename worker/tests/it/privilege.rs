@@ -1,7 +1,9 @@
-//! Least privilege, as docs/deploy.md sets it up: a RabbitMQ user for the
-//! pool's workers whose permissions cover only that pool's queues, one for
-//! the coordinator, and Redis ACL users limited to the key prefix and the
-//! commands batchfleet uses (no FLUSHALL, CONFIG, KEYS). A job runs with
+//! Least privilege, with the definitions the deployment files ship
+//! (docker/rabbitmq/permissions.sh, docker/redis/entrypoint.sh's ACL
+//! rules): a RabbitMQ user for the pool's workers whose permissions cover
+//! only that pool's queues, one for the coordinator, and Redis ACL users
+//! limited to the key prefix and the commands batchfleet uses (no FLUSHALL,
+//! CONFIG, KEYS). A job runs with
 //! them, end to end; the workers' users cannot touch another pool's queue
 //! or another prefix's keys.
 
@@ -14,50 +16,38 @@ use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use std::time::Duration;
 
-/// A pool's worker: its own queues (`bf.<pool>.*`), the shared
-/// dead-letter exchange its queues name (declared and bound to), and the
-/// default exchange (`amq.default`: retries, dead letters and hand-backs are
-/// published through it). The same patterns as docs/deploy.md.
-fn worker_permissions(pool: &str) -> [String; 3] {
-    let own = format!("bf\\.{}\\..*", regex_escape(pool));
-    [
-        format!("^({own}|bf\\.dlx)$"),
-        format!("^({own}|bf\\.dlx|amq\\.default)$"),
-        format!("^({own}|bf\\.dlx)$"),
-    ]
+/// Lines printed by a function of docker/rabbitmq/permissions.sh, the
+/// definitions the compose stack's broker applies and docs/deploy.md gives.
+fn shipped_permissions(call: &str) -> [String; 3] {
+    let script = batchfleet_loadtest::python::repo_root().join("docker/rabbitmq/permissions.sh");
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(". '{}'; {call}", script.display()))
+        .output()
+        .expect("sh");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    lines
+        .try_into()
+        .unwrap_or_else(|l| panic!("three regexes from {call}: {l:?}"))
 }
 
-/// The coordinator: every pool's queues.
-const COORDINATOR_PERMISSIONS: [&str; 3] = ["^bf\\..*$", "^(bf\\..*|amq\\.default)$", "^bf\\..*$"];
-
-/// The Redis ACL of a batchfleet process, as docs/deploy.md gives it.
-fn redis_acl(prefix: &str) -> Vec<String> {
-    [
-        "on",
-        "resetkeys",
-        &format!("~{prefix}:*"),
-        "resetchannels",
-        "-@all",
-        "+@read",
-        "+@write",
-        "+@scripting",
-        "+@transaction",
-        "+@connection",
-        "+time",
-        "-@dangerous",
-        "+info",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect()
-}
-
-fn regex_escape(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| {
-            let special = "\\.+*?()|[]{}^$".contains(c);
-            special.then_some('\\').into_iter().chain(Some(c))
-        })
+/// The Redis ACL rules docker/redis/entrypoint.sh gives batchfleet's users,
+/// with the test's key prefix for `bf`.
+fn shipped_redis_rules(prefix: &str) -> Vec<String> {
+    let script = std::fs::read_to_string(
+        batchfleet_loadtest::python::repo_root().join("docker/redis/entrypoint.sh"),
+    )
+    .expect("docker/redis/entrypoint.sh");
+    let rules = script
+        .lines()
+        .find_map(|l| l.strip_prefix("rules='")?.strip_suffix('\''))
+        .expect("a rules='…' line");
+    assert!(rules.contains("~bf:*"), "{rules}");
+    rules
+        .replace("~bf:*", &format!("~{prefix}:*"))
+        .split_whitespace()
+        .map(str::to_owned)
         .collect()
 }
 
@@ -83,7 +73,7 @@ impl Drop for Users {
     }
 }
 
-fn add_rabbit_user(users: &mut Users, name: &str, password: &str, perms: [&str; 3]) {
+fn add_rabbit_user(users: &mut Users, name: &str, password: &str, perms: &[String; 3]) {
     rabbitmqctl(&["add_user", name, password]).expect("add_user");
     users.rabbit.push(name.to_owned());
     rabbitmqctl(&[
@@ -91,9 +81,9 @@ fn add_rabbit_user(users: &mut Users, name: &str, password: &str, perms: [&str; 
         "-p",
         "/",
         name,
-        perms[0],
-        perms[1],
-        perms[2],
+        &perms[0],
+        &perms[1],
+        &perms[2],
     ])
     .expect("set_permissions");
 }
@@ -106,8 +96,9 @@ fn add_redis_user(users: &mut Users, name: &str, password: &str, prefix: &str) {
     cmd.arg("SETUSER")
         .arg(name)
         .arg("reset")
+        .arg("on")
         .arg(format!(">{password}"));
-    for rule in redis_acl(prefix) {
+    for rule in shipped_redis_rules(prefix) {
         cmd.arg(rule);
     }
     let _: () = cmd.query(&mut c).expect("ACL SETUSER");
@@ -124,9 +115,14 @@ async fn a_job_runs_with_least_privilege_users_and_a_worker_cannot_touch_another
         rabbit: Vec::new(),
         redis: Vec::new(),
     };
-    let wp = worker_permissions(&env.pool);
-    add_rabbit_user(&mut users, &worker, "w-pass", [&wp[0], &wp[1], &wp[2]]);
-    add_rabbit_user(&mut users, &coord, "c-pass", COORDINATOR_PERMISSIONS);
+    let wp = shipped_permissions(&format!("worker_permissions '{}'", env.pool));
+    add_rabbit_user(&mut users, &worker, "w-pass", &wp);
+    add_rabbit_user(
+        &mut users,
+        &coord,
+        "c-pass",
+        &shipped_permissions("coordinator_permissions"),
+    );
     add_redis_user(&mut users, &worker, "w-pass", &env.prefix);
     add_redis_user(&mut users, &coord, "c-pass", &env.prefix);
     let endpoints = |user: &str, pass: &str| {
