@@ -51,7 +51,7 @@ pub struct ServiceArgs {
         conflicts_with = "redis_url"
     )]
     pub redis_url_file: Option<PathBuf>,
-    /// PEM CA certificate(s) to trust for rediss://, besides the system's roots.
+    /// PEM CA certificate(s) to trust for rediss://, instead of the system's roots.
     #[arg(long, env = "BATCHFLEET_REDIS_CA_FILE", global = true)]
     pub redis_ca_file: Option<PathBuf>,
     /// PEM client certificate for rediss:// (with --redis-key-file).

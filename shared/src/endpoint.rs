@@ -1,9 +1,9 @@
 //! Where RabbitMQ or Redis is and how to reach it: the URL (credentials
 //! never printed) and, for `amqps://` / `rediss://`, the TLS files of
-//! `BATCHFLEET_{AMQP,REDIS}_{CA,CERT,KEY}_FILE` — a CA bundle to trust
-//! besides the system's roots (a managed service's private CA, or one a
-//! test makes), and a client certificate and key for services that ask for
-//! one. The files are read and parsed here, once per connection attempt,
+//! `BATCHFLEET_{AMQP,REDIS}_{CA,CERT,KEY}_FILE` — a CA bundle to trust (a
+//! managed service's private CA, or one a test makes: for RabbitMQ besides
+//! the system's roots, for Redis instead of them, as each client does), and
+//! a client certificate and key for services that ask for one. The files are read and parsed here, once per connection attempt,
 //! so a wrong path or a file that holds no certificate is named before any
 //! socket is opened.
 
@@ -51,7 +51,8 @@ impl Service {
 /// The TLS files of one service, as configured (paths, not yet read).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TlsFiles {
-    /// PEM CA certificates trusted besides the system's roots.
+    /// PEM CA certificates to trust (RabbitMQ: besides the system's roots;
+    /// Redis: instead of them).
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate (chain), for mutual TLS.
     pub cert_file: Option<PathBuf>,
@@ -285,7 +286,7 @@ impl Endpoint {
     /// What to do when the server's certificate was not accepted.
     pub fn untrusted_hint(&self) -> String {
         format!(
-            "The server's certificate was not accepted: set {} to the CA certificate that signed it (the system's roots are trusted too), and check that the host in the URL is one the certificate names",
+            "The server's certificate was not accepted: set {} to the CA certificate that signed it, and check that the host in the URL is one the certificate names",
             self.service.var("CA_FILE")
         )
     }

@@ -307,9 +307,9 @@ impl fmt::Debug for RedisStore {
 
 impl RedisStore {
     /// Connects and checks the server answers `PING` within `timeout`. A
-    /// `rediss://` URL connects with TLS, trusting the system's roots and
-    /// the endpoint's CA file, and presenting its client certificate when
-    /// one is given.
+    /// `rediss://` URL connects with TLS, trusting the endpoint's CA file
+    /// (or, without one, the system's roots), and presenting its client
+    /// certificate when one is given.
     pub async fn connect(
         endpoint: &Endpoint,
         prefix: &str,

@@ -178,7 +178,7 @@ async fn a_job_runs_with_least_privilege_users_and_a_worker_cannot_touch_another
 
     // Another pool's queues exist (made by the admin user here) but the
     // worker's user can neither read, purge, delete nor declare them.
-    let other = PoolQueues::new(&unique("other"));
+    let other = PoolQueues::new(unique("other"));
     admin.declare(&other).await.expect("declare another pool");
     let as_worker = env.broker().await;
     assert!(
@@ -198,7 +198,7 @@ async fn a_job_runs_with_least_privilege_users_and_a_worker_cannot_touch_another
     let as_worker = env.broker().await;
     assert!(
         as_worker
-            .declare(&PoolQueues::new(&unique("new")))
+            .declare(&PoolQueues::new(unique("new")))
             .await
             .is_err(),
         "declare a pool"
