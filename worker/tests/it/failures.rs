@@ -653,7 +653,14 @@ async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
     let env = TestEnv::new("creds");
     let started = std::time::Instant::now();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
-        .args(["--pool", &env.pool, "--connect-timeout", "60s"])
+        .args([
+            "--pool",
+            &env.pool,
+            "--connect-timeout",
+            "60s",
+            "--data-root",
+        ])
+        .arg(env.path())
         .env(
             "BATCHFLEET_AMQP_URL",
             "amqp://guest:not-the-password-42@127.0.0.1:5672/%2f",
@@ -661,7 +668,11 @@ async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
         .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
         .output()
         .expect("run worker");
-    assert_eq!(out.status.code(), Some(1));
+    // Final: a restart cannot mend wrong credentials.
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(batchfleet_worker::EXIT_CONFIG))
+    );
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "gave up at once instead of retrying for 60s"
