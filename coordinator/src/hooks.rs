@@ -456,13 +456,16 @@ async fn post(
     };
     let client = match client(url, policy).await {
         Ok(c) => c,
-        Err(e) => {
-            let refused = e.starts_with("refused: ");
-            let mut out = failed(0, None, e.trim_start_matches("refused: ").to_owned());
-            if refused {
-                out.status = "refused".into();
-            }
-            return out;
+        Err(NoClient::Failed(e)) => return failed(0, None, e),
+        Err(NoClient::Refused(e)) => {
+            tracing::error!(%target, "webhook not sent: {e}");
+            return WebhookOutcome {
+                status: "refused".into(),
+                attempts: 0,
+                http_status: None,
+                target,
+                error: Some(e),
+            };
         }
     };
     let tries = AtomicU32::new(0);
@@ -527,14 +530,22 @@ async fn post(
     }
 }
 
+/// Why a webhook gets no client.
+enum NoClient {
+    /// The policy forbids where its host resolves to.
+    Refused(String),
+    /// The URL, the name lookup or the client failed.
+    Failed(String),
+}
+
 /// An HTTP client for one webhook: the system's CA store, no redirects, 30 s
 /// per request, pinned to the host's addresses once they passed the policy.
-/// An error starting with `refused: ` is the policy's.
-async fn client(url: &SecretUrl, policy: &HookPolicy) -> Result<reqwest::Client, String> {
+async fn client(url: &SecretUrl, policy: &HookPolicy) -> Result<reqwest::Client, NoClient> {
     // rustls runs on the process-wide provider: ring, as everywhere in
     // batchfleet (an error only means one is installed already).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let parsed = reqwest::Url::parse(url.expose()).map_err(|e| format!("invalid URL: {e}"))?;
+    let parsed = reqwest::Url::parse(url.expose())
+        .map_err(|e| NoClient::Failed(format!("invalid URL: {e}")))?;
     let mut builder = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(Duration::from_secs(30))
@@ -543,21 +554,23 @@ async fn client(url: &SecretUrl, policy: &HookPolicy) -> Result<reqwest::Client,
         let port = parsed.port_or_known_default().unwrap_or(443);
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((name, port))
             .await
-            .map_err(|e| format!("cannot resolve {name}: {e}"))?
+            .map_err(|e| NoClient::Failed(format!("cannot resolve {name}: {e}")))?
             .collect();
         if !policy.allow_link_local {
             if let Some((ip, what)) = addrs
                 .iter()
                 .find_map(|a| forbidden(a.ip()).map(|w| (a.ip(), w)))
             {
-                return Err(format!(
-                    "refused: {name} resolves to {ip}, {what}, which webhooks may not reach unless the operator passes --hook-allow-link-local"
-                ));
+                return Err(NoClient::Refused(format!(
+                    "{name} resolves to {ip}, {what}, which webhooks may not reach unless the operator passes --hook-allow-link-local"
+                )));
             }
         }
         builder = builder.resolve_to_addrs(name, &addrs);
     }
-    builder.build().map_err(|e| error_chain(&e))
+    builder
+        .build()
+        .map_err(|e| NoClient::Failed(error_chain(&e)))
 }
 
 /// An error with its causes, `a: b: c` (reqwest's own text is only the outermost).

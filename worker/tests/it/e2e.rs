@@ -1,7 +1,7 @@
 //! A real job end to end: coordinator → RabbitMQ → two worker processes
 //! (libtorch) → part files, checked row by row against PyTorch's own output.
 
-use crate::support::TestEnv;
+use crate::support::{matches_golden, TestEnv};
 use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{run_job, RunOutcome};
 use batchfleet_loadtest::python::{make_job, JobGen};
@@ -802,16 +802,6 @@ async fn an_s3_file_outside_the_validation_sample_with_another_header_fails_only
     );
     env.cleanup(&[&job_id]).await;
     crate::support::stop_all(&mut workers);
-}
-
-/// Checks the env's `out/` against its `golden.csv` (every id once, scores
-/// within 1e-5) and that it holds `rows` rows; the output folder.
-fn matches_golden(env: &TestEnv, rows: usize) -> std::path::PathBuf {
-    let out = env.path().join("out");
-    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, rows);
-    out
 }
 
 /// Every rejects record of an output folder, as JSON text.

@@ -321,6 +321,17 @@ pub async fn run_with_config_to_end(
     }
 }
 
+/// Checks the env's `out/` against its `golden.csv` (every id once, every
+/// score within 1e-5 of PyTorch's) and its row count; the output folder.
+pub fn matches_golden(env: &TestEnv, rows: usize) -> PathBuf {
+    let out = env.path().join("out");
+    let v = batchfleet_loadtest::verify::verify(&out, &env.path().join("golden.csv"), 1e-5)
+        .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, rows);
+    out
+}
+
 /// Every rejected row in an output folder's `rejects/*.jsonl` files.
 pub fn rejects(out: &Path) -> Vec<serde_json::Value> {
     let mut all = Vec::new();

@@ -7,7 +7,6 @@
 use crate::support::{stop_all, TestEnv};
 use batchfleet_loadtest::nodes::{RabbitNode, RabbitOptions, TestPki, TlsRedis};
 use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::BrokerError;
 use batchfleet_shared::endpoint::{Endpoint, TlsFiles};
 use batchfleet_shared::secret::SecretUrl;
@@ -160,14 +159,7 @@ async fn a_job_completes_over_tls_and_a_server_from_another_ca_is_refused() {
     .expect("run batchfleet");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "batchfleet run over TLS: {stderr}");
-    let v = verify(
-        &env.path().join("out"),
-        &env.path().join("golden.csv"),
-        1e-5,
-    )
-    .expect("verify");
-    assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 6_000);
+    crate::support::matches_golden(&env, 6_000);
     stop_all(&mut workers);
     // Nothing of the TLS servers outlives the test (their queues and keys
     // go with them); the shared pool's queues were never made.
