@@ -2,9 +2,12 @@
 # The release tarball that docker/vm/cloud-init.yaml installs on a VM:
 #   dist/batchfleet-<version>-linux-<arch>.tar.gz and dist/SHA256SUMS
 # holding bin/ (batchfleet, batchfleet-worker, batchfleet-preemption-watch),
-# lib/batchfleet/ (libtorch's shared libraries: the binaries' rpath
-# $ORIGIN/../lib/batchfleet finds them), and share/batchfleet/systemd/ (the
-# units). `--list` prints the members without building anything.
+# lib/batchfleet/ (libtorch's shared libraries in torch/lib, where the
+# binaries' rpath $ORIGIN/../lib/batchfleet/torch/lib finds them, and for a
+# CUDA build of PyTorch the NVIDIA libraries in nvidia/*/lib, where
+# libtorch's own rpath $ORIGIN/../../nvidia/*/lib finds them: the layout of
+# site-packages), and share/batchfleet/systemd/ (the units). `--list` prints
+# the members without building anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -24,12 +27,18 @@ fi
 # shellcheck source=.ci/env.sh
 . .ci/env.sh
 cargo build --release --workspace --bins
-torch_lib=$(python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+site=$(python -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
 root="$stage/$name"
-mkdir -p "$root/bin" "$root/lib/batchfleet" "$root/share/batchfleet/systemd"
+mkdir -p "$root/bin" "$root/lib/batchfleet/torch/lib" "$root/share/batchfleet/systemd"
 install -m 0755 target/release/batchfleet target/release/batchfleet-worker docker/vm/batchfleet-preemption-watch "$root/bin/"
-cp -a "$torch_lib"/*.so* "$root/lib/batchfleet/"
+cp -a "$site"/torch/lib/*.so* "$root/lib/batchfleet/torch/lib/"
+for lib in "$site"/nvidia/*/lib; do
+  [ -d "$lib" ] || continue
+  dest="$root/lib/batchfleet/nvidia/$(basename "$(dirname "$lib")")"
+  mkdir -p "$dest"
+  cp -a "$lib" "$dest/"
+done
 for u in "${units[@]}"; do install -m 0644 "docker/vm/$u" "$root/share/batchfleet/systemd/"; done
 mkdir -p dist
 tar -C "$stage" -czf "dist/$name.tar.gz" "$name"

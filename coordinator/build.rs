@@ -7,8 +7,9 @@ fn main() {
     if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
         // And libtorch beside the binary, for the release tarball (`make dist`:
-        // bin/ and lib/batchfleet/). `$ORIGIN` reaches the linker as it is.
-        println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet");
+        // bin/ and lib/batchfleet/torch/lib, with the CUDA libraries its own
+        // rpath finds at lib/batchfleet/nvidia). `$ORIGIN` reaches the linker as it is.
+        println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet/torch/lib");
         // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
         println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
     }

@@ -14,8 +14,9 @@ fn main() {
     };
     println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
     // And libtorch beside the binary, for the release tarball (`make dist`:
-    // bin/ and lib/batchfleet/). `$ORIGIN` reaches the linker as it is.
-    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet");
+    // bin/ and lib/batchfleet/torch/lib, with the CUDA libraries its own
+    // rpath finds at lib/batchfleet/nvidia). `$ORIGIN` reaches the linker as it is.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet/torch/lib");
     // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
     println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
     // libtorch's layout, from pip's torch package or a libtorch download:

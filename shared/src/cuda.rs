@@ -62,12 +62,12 @@ pub fn driver_present() -> bool {
 
 /// Where libtorch's libraries are: the folder the binary was linked
 /// against (`compiled`, embedded as an rpath) when it exists, else
-/// `lib/batchfleet/` beside the binary's `bin/` — the layout of the release
-/// tarball (`make dist`), whose binaries carry that rpath too.
+/// `lib/batchfleet/torch/lib` beside the binary's `bin/` — the layout of the
+/// release tarball (`make dist`), whose binaries carry that rpath too.
 pub fn libtorch_dir(compiled: Option<&str>) -> Option<PathBuf> {
     let bundled = || {
         let exe = std::env::current_exe().ok()?;
-        let dir = exe.parent()?.parent()?.join("lib/batchfleet");
+        let dir = exe.parent()?.parent()?.join("lib/batchfleet/torch/lib");
         dir.is_dir().then_some(dir)
     };
     match compiled.map(PathBuf::from) {
