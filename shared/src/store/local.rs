@@ -32,34 +32,34 @@ use super::{
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
-/// Everything stored about one job: what the Redis keys `P:job:{id}*` hold.
+/// Everything stored about one job: what the Redis keys `P:job:{<id>}*` hold.
 #[derive(Debug, Default)]
 struct JobState {
-    /// `P:job:{id}`: the record's hash fields.
+    /// `P:job:{<id>}`: the record's hash fields.
     fields: BTreeMap<String, String>,
-    /// `P:job:{id}:done`: seqs of committed items.
+    /// `P:job:{<id>}:done`: seqs of committed items.
     done: BTreeSet<u32>,
-    /// `P:job:{id}:stats`: the winning commit's stats by seq.
+    /// `P:job:{<id>}:stats`: the winning commit's stats by seq.
     stats: BTreeMap<u32, ItemStats>,
-    /// `P:job:{id}:failed`: items that failed for good, by seq.
+    /// `P:job:{<id>}:failed`: items that failed for good, by seq.
     failed: BTreeMap<u32, ItemFailure>,
-    /// `P:job:{id}:leases`: leases by their `<seq>@<worker>` field.
+    /// `P:job:{<id>}:leases`: leases by their `<seq>@<worker>` field.
     leases: BTreeMap<String, Lease>,
-    /// `P:job:{id}:redispatched`: seq → ms of the last copy published.
+    /// `P:job:{<id>}:redispatched`: seq → ms of the last copy published.
     redispatched: BTreeMap<u32, u64>,
-    /// `P:job:{id}:copies`: seq → copies published.
+    /// `P:job:{<id>}:copies`: seq → copies published.
     copies: BTreeMap<u32, u64>,
-    /// `P:job:{id}:hist`: `(column, bin)` → rows (only counts above 0 are ever added).
+    /// `P:job:{<id>}:hist`: `(column, bin)` → rows (only counts above 0 are ever added).
     hist: BTreeMap<(usize, usize), u64>,
-    /// `P:job:{id}:work` `deliveries`.
+    /// `P:job:{<id>}:work` `deliveries`.
     deliveries: u64,
-    /// `P:job:{id}:work` `rows_computed`.
+    /// `P:job:{<id>}:work` `rows_computed`.
     rows_computed: u64,
-    /// `P:job:{id}:unable`: notes by worker.
+    /// `P:job:{<id>}:unable`: notes by worker.
     unable: BTreeMap<String, UnableNote>,
-    /// `P:job:{id}:inputs`: path → JSON fingerprint.
+    /// `P:job:{<id>}:inputs`: path → JSON fingerprint.
     inputs: BTreeMap<String, String>,
-    /// `P:job:{id}:follower`: who holds the follower lease, until when (ms).
+    /// `P:job:{<id>}:follower`: who holds the follower lease, until when (ms).
     follower: Option<(String, u64)>,
 }
 

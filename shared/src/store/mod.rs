@@ -8,16 +8,20 @@
 //! | key | type | holds |
 //! | --- | --- | --- |
 //! | `P:jobs` | sorted set | job ids by creation time (ms) |
-//! | `P:job:{id}` | hash | [`JobRecord`] fields: status, totals, counters, timestamps |
-//! | `P:job:{id}:done` | set | seqs of committed items |
-//! | `P:job:{id}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
-//! | `P:job:{id}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
-//! | `P:job:{id}:leases` | hash | `<seq>@<worker>` → JSON [`Lease`] of items being processed |
-//! | `P:job:{id}:redispatched` | hash | seq → ms when the coordinator last published a copy |
-//! | `P:job:{id}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
-//! | `P:job:{id}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
-//! | `P:job:{id}:copies` | hash | seq → how many copies the coordinator published (bounded: see the supervisor) |
-//! | `P:job:{id}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
+//! | `P:job:{<id>}` | hash | [`JobRecord`] fields: status, totals, counters, timestamps |
+//! | `P:job:{<id>}:done` | set | seqs of committed items |
+//! | `P:job:{<id>}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
+//! | `P:job:{<id>}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
+//! | `P:job:{<id>}:leases` | hash | `<seq>@<worker>` → JSON [`Lease`] of items being processed |
+//! | `P:job:{<id>}:redispatched` | hash | seq → ms when the coordinator last published a copy |
+//! | `P:job:{<id>}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
+//! | `P:job:{<id>}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
+//! | `P:job:{<id>}:copies` | hash | seq → how many copies the coordinator published (bounded: see the supervisor) |
+//! | `P:job:{<id>}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
+//!
+//! The braces around the id are a Redis Cluster hash tag: every key of one
+//! job hashes to the id's slot, so the scripts that touch several of them
+//! at once stay within one slot.
 //!
 //! Lease times (`started_ms`, `heartbeat_ms`) are Redis's own clock (`TIME`),
 //! set inside the scripts that write leases, and the coordinator judges
@@ -741,7 +745,7 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     async fn delete_job(&self, id: &str) -> Result<(), StoreError>;
 
     /// Records what each input file was when the job was planned: path →
-    /// JSON fingerprint (`P:job:{id}:inputs`).
+    /// JSON fingerprint (`P:job:{<id>}:inputs`).
     async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError>;
 
     /// The input files [`JobStore::put_inputs`] recorded, by path.
@@ -761,7 +765,7 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     async fn eviction_policy(&self) -> Result<Option<String>, StoreError>;
 
     /// Takes, or keeps, the job's follower lease for `who` for `ttl`
-    /// (`P:job:{id}:follower`): the one coordinator process — `run`,
+    /// (`P:job:{<id>}:follower`): the one coordinator process — `run`,
     /// `wait`, `resume` or `supervise` — that supervises the job (copies of
     /// lost and straggling items) while the others only watch. `true` when
     /// `who` holds it now.

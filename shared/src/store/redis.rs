@@ -282,6 +282,34 @@ fn encode<T: Serialize + ?Sized>(op: &'static str, value: &T) -> Result<String, 
     })
 }
 
+/// The key of one part of a job's state: `P:job:{<id>}` and
+/// `P:job:{<id>}:done` etc. The braces are a Redis Cluster hash tag: only
+/// the id is hashed, so every key of one job lives in one slot and the
+/// commit scripts, which touch several of them at once, may run on a
+/// cluster.
+pub fn job_scoped(prefix: &str, id: &str, suffix: &str) -> String {
+    format!("{prefix}:job:{{{id}}}{suffix}")
+}
+
+/// Every key one job has, its record's first.
+fn job_keys(prefix: &str, id: &str) -> [String; 12] {
+    [
+        "",
+        ":done",
+        ":stats",
+        ":failed",
+        ":leases",
+        ":redispatched",
+        ":work",
+        ":hist",
+        ":copies",
+        ":unable",
+        ":inputs",
+        ":follower",
+    ]
+    .map(|suffix| job_scoped(prefix, id, suffix))
+}
+
 /// Handle to the job state in Redis; cheap to clone.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -407,46 +435,46 @@ impl RedisStore {
     }
 
     fn job_key(&self, id: &str) -> String {
-        format!("{}:job:{id}", self.prefix)
+        job_scoped(&self.prefix, id, "")
     }
     fn done_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:done", self.prefix)
+        job_scoped(&self.prefix, id, ":done")
     }
     fn stats_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:stats", self.prefix)
+        job_scoped(&self.prefix, id, ":stats")
     }
     fn failed_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:failed", self.prefix)
+        job_scoped(&self.prefix, id, ":failed")
     }
     fn leases_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:leases", self.prefix)
+        job_scoped(&self.prefix, id, ":leases")
     }
     fn redispatched_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:redispatched", self.prefix)
+        job_scoped(&self.prefix, id, ":redispatched")
     }
     fn hist_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:hist", self.prefix)
+        job_scoped(&self.prefix, id, ":hist")
     }
     fn work_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:work", self.prefix)
+        job_scoped(&self.prefix, id, ":work")
     }
     fn copies_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:copies", self.prefix)
+        job_scoped(&self.prefix, id, ":copies")
     }
     fn unable_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:unable", self.prefix)
+        job_scoped(&self.prefix, id, ":unable")
+    }
+    fn inputs_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":inputs")
+    }
+    fn follower_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":follower")
     }
     fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
     }
-    fn inputs_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:inputs", self.prefix)
-    }
     fn pool_jobs_key(&self, pool: &str) -> String {
         format!("{}:pool:{pool}:jobs", self.prefix)
-    }
-    fn follower_key(&self, id: &str) -> String {
-        format!("{}:job:{id}:follower", self.prefix)
     }
 
     /// Every key of a job's state: what expires with it and is kept when it
@@ -459,20 +487,7 @@ impl RedisStore {
 
     /// Every key one job has.
     fn keys_of(&self, id: &str) -> [String; 12] {
-        [
-            self.job_key(id),
-            self.done_key(id),
-            self.stats_key(id),
-            self.failed_key(id),
-            self.leases_key(id),
-            self.redispatched_key(id),
-            self.work_key(id),
-            self.hist_key(id),
-            self.copies_key(id),
-            self.unable_key(id),
-            self.inputs_key(id),
-            self.follower_key(id),
-        ]
+        job_keys(&self.prefix, id)
     }
 
     /// The connection for one operation. Every operation shares one
@@ -1011,7 +1026,7 @@ impl JobStore for RedisStore {
             .map_err(cmd("DEL job"))
     }
 
-    /// `HSET P:job:{id}:inputs`, a thousand files per command.
+    /// `HSET P:job:{<id>}:inputs`, a thousand files per command.
     async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError> {
         let key = self.inputs_key(job);
         let mut c = self.conn("HSET inputs").await?;
@@ -1131,5 +1146,71 @@ impl JobStore for RedisStore {
             .lines()
             .find_map(|l| l.strip_prefix("maxmemory_policy:"))
             .map(|p| p.trim().to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Redis Cluster slot of a key: CRC16/XMODEM of its hash tag (the
+    /// text between the first `{` and the next `}`, when not empty) or of
+    /// the whole key, modulo 16384 — as the cluster specification defines.
+    fn slot(key: &str) -> u16 {
+        let bytes = key.as_bytes();
+        let hashed = match key.find('{') {
+            Some(open) => match key[open + 1..].find('}') {
+                Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+                _ => bytes,
+            },
+            None => bytes,
+        };
+        let mut crc: u16 = 0;
+        for &b in hashed {
+            crc ^= u16::from(b) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
+    #[test]
+    fn the_slot_function_matches_the_cluster_specification() {
+        // The specification's check value: CRC16("123456789") = 0x31C3.
+        assert_eq!(slot("123456789"), 0x31C3); // below 16384: the slot is the CRC
+        assert_eq!(slot("{user1000}.following"), slot("user1000"));
+        // An empty tag does not count: the whole key is hashed.
+        assert_ne!(slot("foo{}{bar}"), slot("bar"));
+        assert_ne!(slot("foo{}{bar}"), slot(""));
+    }
+
+    #[test]
+    fn every_key_of_one_job_hashes_to_one_slot() {
+        for (prefix, id) in [
+            ("bf", "20261204-120000-a1b2c3"),
+            ("batchfleet:prod", "j-1"),
+            ("t", "x"),
+        ] {
+            let keys = job_keys(prefix, id);
+            assert_eq!(keys.len(), 12);
+            let first = slot(&keys[0]);
+            for k in &keys {
+                assert!(k.starts_with(&format!("{prefix}:job:{{{id}}}")), "{k}");
+                assert_eq!(slot(k), first, "{k} is in another slot than {}", keys[0]);
+            }
+            // The slot is the id's: two jobs spread over the cluster.
+            assert_eq!(first, slot(id));
+        }
+        let a = job_keys("bf", "job-a");
+        let b = job_keys("bf", "job-b");
+        assert_ne!(slot(&a[0]), slot(&b[0]));
+        // Keys differ per part, so no two parts collide.
+        let distinct: std::collections::HashSet<_> = a.iter().collect();
+        assert_eq!(distinct.len(), a.len());
     }
 }

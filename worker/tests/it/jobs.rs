@@ -163,7 +163,7 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
         crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(180)).await;
     assert_eq!(report.status, "completed");
     let mut c = redis(&env).await;
-    let key = format!("{}:job:{id}", env.prefix);
+    let key = batchfleet_shared::store::redis::job_scoped(&env.prefix, &id, "");
     // Every key of the finished job has the retention as its time to live.
     for k in [
         key.clone(),
