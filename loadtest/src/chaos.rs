@@ -92,23 +92,58 @@ pub struct ChaosReport {
 }
 
 /// The message-signing key of a chaos run's fleet (a test key, not a secret).
-const CHAOS_KEY: &str = "chaos-run-signing-key-0123456789";
+pub(crate) const CHAOS_KEY: &str = "chaos-run-signing-key-0123456789";
 
-struct Fleet {
-    worker_bin: PathBuf,
-    dir: PathBuf,
-    pool: String,
-    prefix: String,
-    args: Vec<String>,
-    workers: Vec<Child>,
-    spawned: u32,
+/// Worker processes of one pool, each logging to `dir/<id>.log`.
+pub(crate) struct Fleet {
+    pub(crate) worker_bin: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) pool: String,
+    pub(crate) prefix: String,
+    /// Arguments of every worker.
+    pub(crate) args: Vec<String>,
+    /// Arguments of the worker in each slot, after `args` (none for a slot
+    /// past the end).
+    pub(crate) slot_args: Vec<Vec<String>>,
+    pub(crate) workers: Vec<Child>,
+    pub(crate) spawned: u32,
 }
 
 impl Fleet {
-    fn spawn(&mut self, slot: usize) -> Result<Child> {
+    /// A fleet of no workers yet.
+    pub(crate) fn new(
+        worker_bin: PathBuf,
+        dir: PathBuf,
+        pool: &str,
+        prefix: &str,
+        args: Vec<String>,
+    ) -> Self {
+        Self {
+            worker_bin,
+            dir,
+            pool: pool.to_owned(),
+            prefix: prefix.to_owned(),
+            args,
+            slot_args: Vec::new(),
+            workers: Vec::new(),
+            spawned: 0,
+        }
+    }
+
+    /// The log file of the worker `spawn` named `id`.
+    pub(crate) fn log_of(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.log"))
+    }
+
+    /// The id of the `n`th worker started (from 1) in `slot`.
+    pub(crate) fn id(slot: usize, n: u32) -> String {
+        format!("chaos-w{slot}-{n}")
+    }
+
+    pub(crate) fn spawn(&mut self, slot: usize) -> Result<Child> {
         self.spawned += 1;
-        let id = format!("chaos-w{slot}-{}", self.spawned);
-        let log = std::fs::File::create(self.dir.join(format!("{id}.log")))?;
+        let id = Self::id(slot, self.spawned);
+        let log = std::fs::File::create(self.log_of(&id))?;
         Command::new(&self.worker_bin)
             .args([
                 "--pool",
@@ -119,6 +154,7 @@ impl Fleet {
                 &id,
             ])
             .args(&self.args)
+            .args(self.slot_args.get(slot).into_iter().flatten())
             .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
@@ -126,7 +162,7 @@ impl Fleet {
             .with_context(|| format!("starting {}", self.worker_bin.display()))
     }
 
-    fn start(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn start(&mut self, n: usize) -> Result<()> {
         for slot in 0..n {
             let child = self.spawn(slot)?;
             self.workers.push(child);
@@ -135,7 +171,7 @@ impl Fleet {
     }
 
     /// SIGTERM every worker and wait for them.
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         for w in &self.workers {
             signal(w, "TERM");
         }
@@ -146,14 +182,14 @@ impl Fleet {
     }
 }
 
-fn signal(child: &Child, sig: &str) {
+pub(crate) fn signal(child: &Child, sig: &str) {
     let _ = Command::new("kill")
         .args([&format!("-{sig}"), &child.id().to_string()])
         .status();
 }
 
 /// Waits for a child up to `within`, then kills it. `Some(true)` if it exited 0.
-fn wait_or_kill(child: &mut Child, within: Duration) -> Option<bool> {
+pub(crate) fn wait_or_kill(child: &mut Child, within: Duration) -> Option<bool> {
     let deadline = Instant::now() + within;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
@@ -273,15 +309,13 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
                 .spawn()
                 .with_context(|| format!("starting {}", coordinator.display()))
         };
-        let mut fleet = Fleet {
-            worker_bin: worker_bin.clone(),
-            dir: root.clone(),
-            pool: pool.clone(),
-            prefix: prefix.clone(),
-            args: worker_args.clone(),
-            workers: Vec::new(),
-            spawned: 0,
-        };
+        let mut fleet = Fleet::new(
+            worker_bin.clone(),
+            root.clone(),
+            &pool,
+            &prefix,
+            worker_args.clone(),
+        );
 
         // Baseline: no faults.
         println!(
@@ -426,7 +460,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         // fleet after it (an unknown job's after its grace): wait for them.
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            let depths = queue_depths(&pool)?;
+            let depths = queue_depths(&services::amqp(), &pool)?;
             let dead = batchfleet_shared::broker::PoolQueues::new(&pool).dead();
             let (dead_n, others): (u32, u32) =
                 depths.iter().fold(
@@ -471,11 +505,14 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
 fn published(prefix: &str, stem: &str) -> Result<bool> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "--scan", "--pattern"])
-        .arg(format!("{prefix}:job:{stem}*"))
+        .arg(format!(
+            "{}*",
+            batchfleet_shared::store::redis::job_scoped(prefix, stem, "").trim_end_matches('}')
+        ))
         .output()
         .context("running redis-cli")?;
     for key in String::from_utf8_lossy(&out.stdout).lines() {
-        if key.matches(':').count() != 2 {
+        if !key.ends_with('}') {
             continue; // a job's sub-key, not its record
         }
         let status = Command::new("redis-cli")
@@ -575,16 +612,22 @@ fn job_id(prefix: &str) -> Result<String> {
             "127.0.0.1",
             "--scan",
             "--pattern",
-            &format!("{prefix}:job:chaos-*"),
+            &format!(
+                "{}*",
+                batchfleet_shared::store::redis::job_scoped(prefix, "chaos-", "")
+                    .trim_end_matches('}')
+            ),
         ])
         .output()
         .context("running redis-cli")?;
     let keys = String::from_utf8_lossy(&out.stdout);
-    let head = format!("{prefix}:job:");
+    // `P:job:{<id>}` and `P:job:{<id>}:…`: the id is the hash tag.
+    let head = batchfleet_shared::store::redis::job_scoped(prefix, "", "");
+    let head = head.trim_end_matches('}');
     let mut ids: Vec<&str> = keys
         .lines()
-        .filter_map(|k| k.strip_prefix(head.as_str()))
-        .map(|rest| rest.split(':').next().unwrap_or(rest))
+        .filter_map(|k| k.strip_prefix(head))
+        .map(|rest| rest.split('}').next().unwrap_or(rest))
         .collect();
     ids.sort_unstable();
     ids.dedup();
@@ -596,46 +639,15 @@ fn job_id(prefix: &str) -> Result<String> {
 
 /// INV-ROWS, INV-ACCT and INV-FILES on the finished chaos job.
 fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
-    let out = dir.join("out");
-    let summary: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(out.join(SUMMARY_FILE)).context("reading summary.json")?,
-    )?;
-    let num = |k: &str| {
-        summary
-            .get(k)
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0)
-    };
+    let summary = job_invariants(dir, report.rows, &mut report.violations)?;
+    let num = |k: &str| summary_u64(&summary, k);
     report.items_redelivered = num("deliveries").saturating_sub(num("items_total"));
     report.items_redispatched = num("items_redispatched");
     report.rows_recomputed = num("rows_computed").saturating_sub(num("rows_total"));
     report.rows_resumed = num("rows_resumed");
     let v = &mut report.violations;
-
-    // INV-ROWS: every input row exactly once, scores as PyTorch computes them.
-    let verification = batchfleet_loadtest::verify::verify(&out, &dir.join("golden.csv"), 1e-5)?;
-    if !verification.ok() {
-        v.push(format!("INV-ROWS: {}", verification.describe()));
-    }
-    // INV-ACCT: items planned = done ⊎ dead-lettered; the queues end empty.
-    if num("items_completed") + num("items_failed") != num("items_total") {
-        v.push(format!(
-            "INV-ACCT: {} items planned but {} done and {} failed",
-            num("items_total"),
-            num("items_completed"),
-            num("items_failed")
-        ));
-    }
-    if num("rows_predicted") + num("rows_rejected") != report.rows {
-        v.push(format!(
-            "INV-ACCT: summary counts {} + {} rows of {}",
-            num("rows_predicted"),
-            num("rows_rejected"),
-            report.rows
-        ));
-    }
     let dead_queue = batchfleet_shared::broker::PoolQueues::new(pool).dead();
-    for (queue, ready) in queue_depths(pool)? {
+    for (queue, ready) in queue_depths(&services::amqp(), pool)? {
         if queue == dead_queue {
             report.bad_messages_rejected = ready.into();
             continue;
@@ -664,6 +676,53 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
             report.workers_exited_on_their_own
         ));
     }
+    Ok(())
+}
+
+/// A count of a job's `summary.json` (0 when absent).
+pub(crate) fn summary_u64(summary: &serde_json::Value, key: &str) -> u64 {
+    summary
+        .get(key)
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0)
+}
+
+/// INV-ROWS, INV-ACCT (the summary's counts) and INV-FILES of the finished
+/// job in `dir` (`out/` against `golden.csv`, `rows` input rows): pushes
+/// each violation to `v` and returns the job's summary.
+pub(crate) fn job_invariants(
+    dir: &Path,
+    rows: u64,
+    v: &mut Vec<String>,
+) -> Result<serde_json::Value> {
+    let out = dir.join("out");
+    let summary: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.join(SUMMARY_FILE)).context("reading summary.json")?,
+    )?;
+    let num = |k: &str| summary_u64(&summary, k);
+
+    // INV-ROWS: every input row exactly once, scores as PyTorch computes them.
+    let verification = batchfleet_loadtest::verify::verify(&out, &dir.join("golden.csv"), 1e-5)?;
+    if !verification.ok() {
+        v.push(format!("INV-ROWS: {}", verification.describe()));
+    }
+    // INV-ACCT: items planned = done ⊎ dead-lettered; the queues end empty.
+    if num("items_completed") + num("items_failed") != num("items_total") {
+        v.push(format!(
+            "INV-ACCT: {} items planned but {} done and {} failed",
+            num("items_total"),
+            num("items_completed"),
+            num("items_failed")
+        ));
+    }
+    if num("rows_predicted") + num("rows_rejected") != rows {
+        v.push(format!(
+            "INV-ACCT: summary counts {} + {} rows of {}",
+            num("rows_predicted"),
+            num("rows_rejected"),
+            rows
+        ));
+    }
     // INV-FILES: no temp file outside staging (and staging empty), _SUCCESS iff completed.
     let completed = summary.get("status").and_then(|s| s.as_str()) == Some("completed");
     if completed != out.join(SUCCESS_FILE).is_file() {
@@ -690,7 +749,7 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
             v.push(format!("INV-FILES: unexpected file {rel}"));
         }
     }
-    Ok(())
+    Ok(summary)
 }
 
 fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
@@ -706,15 +765,18 @@ fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Ready messages in each of the pool's queues (work, retry tiers, dead).
-fn queue_depths(pool: &str) -> Result<Vec<(String, u32)>> {
+/// Ready messages in each of the pool's queues (work, retry tiers, dead)
+/// on the broker at `amqp`.
+pub(crate) fn queue_depths(
+    amqp: &batchfleet_shared::endpoint::Endpoint,
+    pool: &str,
+) -> Result<Vec<(String, u32)>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let url = services::amqp();
         let conn =
-            batchfleet_shared::broker::connect(&url, "batchfleet-chaos", Duration::from_secs(30))
+            batchfleet_shared::broker::connect(amqp, "batchfleet-chaos", Duration::from_secs(30))
                 .await?;
         let mut depths = Vec::new();
         for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {

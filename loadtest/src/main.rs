@@ -3,6 +3,7 @@ use batchfleet_loadtest::{python, verify};
 
 mod bench;
 mod chaos;
+mod cluster;
 mod formatbench;
 mod forward;
 mod gpu;
@@ -103,6 +104,42 @@ enum Command {
         #[arg(long)]
         redis_wipe: bool,
         /// Keep data, logs and chaos.json here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Run a job on a RabbitMQ cluster of the run's own (nodes on loopback
+    /// ports, clustered with `rabbitmqctl join_cluster`) while the node
+    /// leading the job's quorum queue is killed mid-job and started again;
+    /// check every row exactly once against PyTorch's, nothing
+    /// dead-lettered, the queue replicated on three nodes and the workers
+    /// of the killed node moved to another; report the wall time next to
+    /// the same job on the healthy cluster (exit 1 on a violation). Needs
+    /// the release binaries (`make release`), the Debian rabbitmq-server
+    /// package and the local Redis.
+    Cluster {
+        /// RabbitMQ nodes (at least 3).
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Rows in the job.
+        #[arg(long, default_value_t = 200_000)]
+        rows: u64,
+        /// Worker processes.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// Rows per work item.
+        #[arg(long, default_value_t = 2_000)]
+        item_rows: u64,
+        /// Rows per mini-batch.
+        #[arg(long, default_value_t = 500)]
+        batch_size: u32,
+        /// Artificial delay per mini-batch on every worker (plays a heavier
+        /// model, so the job lasts long enough for the fault).
+        #[arg(long, default_value = "60ms", value_parser = humantime::parse_duration)]
+        batch_delay: std::time::Duration,
+        /// Fail if the job has not finished after this long.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// Keep data, logs and cluster.json here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
     },
@@ -297,6 +334,31 @@ fn main() -> Result<()> {
             })?;
             if !report.violations.is_empty() {
                 bail!("{} invariant violation(s)", report.violations.len());
+            }
+            Ok(())
+        }
+        Command::Cluster {
+            nodes,
+            rows,
+            workers,
+            item_rows,
+            batch_size,
+            batch_delay,
+            timeout,
+            dir,
+        } => {
+            let report = cluster::run(&cluster::ClusterConfig {
+                nodes,
+                rows,
+                workers: workers.max(1),
+                item_rows: item_rows.max(1),
+                batch_size,
+                batch_delay,
+                timeout,
+                dir,
+            })?;
+            if !report.violations.is_empty() {
+                bail!("{} violation(s)", report.violations.len());
             }
             Ok(())
         }

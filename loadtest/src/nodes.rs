@@ -240,20 +240,41 @@ pub struct RabbitOptions<'a> {
     pub tls: Option<&'a TestPki>,
     /// The `rabbitmq_prometheus` plugin on a port of its own.
     pub prometheus: bool,
+    /// The home folder (its `.erlang.cookie`) the node and `rabbitmqctl`
+    /// share; the nodes of one cluster need the same. The node's own
+    /// folder when `None`.
+    pub home: Option<&'a Path>,
 }
 
 /// A RabbitMQ node of its own (own node name, ports, data and logs under a
 /// folder), with one AMQP listener on loopback — plain, or TLS only — and
-/// optionally its Prometheus endpoint. `guest` may log in on it.
+/// optionally its Prometheus endpoint. `guest` may log in on it. It can be
+/// killed and started again with the same name, ports and data, and joined
+/// to another node's cluster.
 #[derive(Debug)]
 pub struct RabbitNode {
-    child: Child,
+    child: Option<Child>,
     dir: PathBuf,
+    home: PathBuf,
     tls: bool,
+    name: String,
+    node_port: u16,
+    dist_port: u16,
     /// Its AMQP (or AMQPS) port on 127.0.0.1.
     pub port: u16,
     /// Its `rabbitmq_prometheus` port on 127.0.0.1, when enabled.
     pub prometheus_port: Option<u16>,
+}
+
+/// The server script itself, not the Debian wrapper that switches to the
+/// rabbitmq user: a test node's files are all under its folder.
+fn rabbit_program(name: &str) -> PathBuf {
+    let own = Path::new("/usr/lib/rabbitmq/bin").join(name);
+    if own.is_file() {
+        own
+    } else {
+        PathBuf::from(name)
+    }
 }
 
 impl RabbitNode {
@@ -261,8 +282,6 @@ impl RabbitNode {
     pub fn start(dir: &Path, opts: RabbitOptions<'_>) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let port = free_port()?;
-        let node_port = free_port()?;
-        let dist_port = free_port()?;
         let mut conf = String::from("loopback_users = none\n");
         match opts.tls {
             Some(pki) => conf.push_str(&format!(
@@ -288,8 +307,7 @@ impl RabbitNode {
         } else {
             None
         };
-        let conf_file = dir.join("rabbitmq.conf");
-        std::fs::write(&conf_file, conf)?;
+        std::fs::write(dir.join("rabbitmq.conf"), conf)?;
         let plugins = if opts.prometheus {
             "[rabbitmq_prometheus].\n"
         } else {
@@ -297,51 +315,70 @@ impl RabbitNode {
         };
         std::fs::write(dir.join("enabled_plugins"), plugins)?;
         open_up(dir)?;
-        let log = dir.join("rabbitmq.out");
-        let node = format!("bftest{port}@localhost");
-        // The server script itself, not the Debian wrapper that switches to
-        // the rabbitmq user: the node's files are all under `dir`.
-        let program = ["/usr/lib/rabbitmq/bin/rabbitmq-server", "rabbitmq-server"]
-            .into_iter()
-            .find(|p| Path::new(p).is_file())
-            .unwrap_or("rabbitmq-server");
-        let mut child = Command::new(program)
-            .env("RABBITMQ_NODENAME", &node)
-            .env("RABBITMQ_NODE_PORT", node_port.to_string())
-            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
-            .env("RABBITMQ_CONFIG_FILE", &conf_file)
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_PID_FILE", dir.join("pid"))
-            .env("HOME", dir)
-            .stdout(Stdio::from(std::fs::File::create(&log)?))
+        let mut node = Self {
+            child: None,
+            dir: dir.to_owned(),
+            home: opts.home.unwrap_or(dir).to_owned(),
+            tls: opts.tls.is_some(),
+            name: format!("bftest{port}@localhost"),
+            node_port: free_port()?,
+            dist_port: free_port()?,
+            port,
+            prometheus_port,
+        };
+        node.boot()?;
+        Ok(node)
+    }
+
+    /// Starts the Erlang node and waits for its listeners.
+    fn boot(&mut self) -> Result<()> {
+        let log = self.dir.join("rabbitmq.out");
+        let mut child = Command::new(rabbit_program("rabbitmq-server"))
+            .env("RABBITMQ_NODENAME", &self.name)
+            .env("RABBITMQ_NODE_PORT", self.node_port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_CONFIG_FILE", self.dir.join("rabbitmq.conf"))
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                self.dir.join("enabled_plugins"),
+            )
+            .env("RABBITMQ_MNESIA_BASE", self.dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", self.dir.join("log"))
+            .env("RABBITMQ_PID_FILE", self.dir.join("pid"))
+            .env("HOME", &self.home)
+            .stdout(Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)?,
+            ))
             .stderr(Stdio::null())
             .spawn()
             .context("rabbitmq-server (Debian package rabbitmq-server)")?;
-        wait_listening(
-            port,
+        let listening = wait_listening(
+            self.port,
             Duration::from_secs(90),
             "rabbitmq-server",
             &mut child,
             &log,
-        )?;
-        if let Some(p) = prometheus_port {
-            wait_listening(
+        )
+        .and_then(|()| match self.prometheus_port {
+            Some(p) => wait_listening(
                 p,
                 Duration::from_secs(30),
                 "rabbitmq_prometheus",
                 &mut child,
                 &log,
-            )?;
-        }
-        Ok(Self {
-            child,
-            dir: dir.to_owned(),
-            tls: opts.tls.is_some(),
-            port,
-            prometheus_port,
-        })
+            ),
+            None => Ok(()),
+        });
+        self.child = Some(child);
+        listening
+    }
+
+    /// Its Erlang node name (`bftest<port>@localhost`).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Its URL as `guest`: `amqps://` for a TLS node, else `amqp://`.
@@ -349,23 +386,89 @@ impl RabbitNode {
         let scheme = if self.tls { "amqps" } else { "amqp" };
         format!("{scheme}://guest:guest@localhost:{}/%2f", self.port)
     }
+
+    /// Runs `rabbitmqctl` (or `rabbitmq-queues`, …: `tool`) against this
+    /// node; what it printed, or an error with it.
+    pub fn ctl(&self, tool: &str, args: &[&str]) -> Result<String> {
+        let out = Command::new(rabbit_program(tool))
+            .args(["-n", &self.name])
+            .args(args)
+            .env("HOME", &self.home)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("{tool} (Debian package rabbitmq-server)"))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            bail!(
+                "{tool} -n {} {}: {}{}",
+                self.name,
+                args.join(" "),
+                text,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(text)
+    }
+
+    /// Makes this node a member of `other`'s cluster (its own data is
+    /// reset): `stop_app`, `reset`, `join_cluster`, `start_app`.
+    pub fn join(&self, other: &RabbitNode) -> Result<()> {
+        self.ctl("rabbitmqctl", &["stop_app"])?;
+        self.ctl("rabbitmqctl", &["reset"])?;
+        self.ctl("rabbitmqctl", &["join_cluster", other.name()])?;
+        self.ctl("rabbitmqctl", &["start_app"])?;
+        self.ctl("rabbitmqctl", &["await_startup"])?;
+        Ok(())
+    }
+
+    /// Whether its Erlang node is running.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Kills the Erlang node at once (SIGKILL: a crash, nothing flushed or
+    /// handed over) and waits for it to be gone.
+    pub fn kill(&mut self) {
+        self.signal_and_wait("KILL", Duration::from_secs(10));
+    }
+
+    /// Starts the node again after [`RabbitNode::kill`], with its name,
+    /// ports and data (a cluster member rejoins its cluster).
+    pub fn restart(&mut self) -> Result<()> {
+        if self.is_running() {
+            bail!("{} is still running", self.name);
+        }
+        self.boot()
+    }
+
+    fn signal_and_wait(&mut self, sig: &str, within: Duration) {
+        let pid = std::fs::read_to_string(self.dir.join("pid")).ok();
+        if let Some(pid) = pid.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
+            let _ = Command::new("kill")
+                .args([&format!("-{sig}"), pid])
+                .status();
+        }
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let deadline = Instant::now() + within;
+        // The script has no exit to await besides polling it.
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_file(self.dir.join("pid"));
+    }
 }
 
 impl Drop for RabbitNode {
     /// Stops the Erlang VM (SIGTERM, as `rabbitmqctl stop` would) and waits
     /// for the start script to go with it.
     fn drop(&mut self) {
-        let pid = std::fs::read_to_string(self.dir.join("pid")).ok();
-        if let Some(pid) = pid.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
-            let _ = Command::new("kill").args(["-TERM", pid]).status();
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        // The script has no exit to await besides polling it.
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.signal_and_wait("TERM", Duration::from_secs(30));
     }
 }
 
@@ -429,5 +532,149 @@ impl Drop for WebhookServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A RabbitMQ cluster of nodes of a test's own on loopback: the first node
+/// started alone, the others joined to it with `rabbitmqctl join_cluster`,
+/// all sharing one Erlang cookie.
+#[derive(Debug)]
+pub struct RabbitCluster {
+    /// Its nodes, in the order they were started.
+    pub nodes: Vec<RabbitNode>,
+}
+
+/// One queue's replicas as the cluster reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueReplicas {
+    /// The node leading the queue (its Raft leader).
+    pub leader: String,
+    /// Every member node of the queue.
+    pub members: Vec<String>,
+}
+
+impl RabbitCluster {
+    /// Starts `n` nodes under `dir` (side by side) and clusters them.
+    pub fn start(dir: &Path, n: usize) -> Result<Self> {
+        let home = dir.join("home");
+        std::fs::create_dir_all(&home)?;
+        let cookie = home.join(".erlang.cookie");
+        let value: String = (0..20).map(|_| fastrand::uppercase()).collect();
+        std::fs::write(&cookie, value)?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&cookie, std::fs::Permissions::from_mode(0o400))?;
+        }
+        let nodes = std::thread::scope(|s| {
+            let started: Vec<_> = (0..n)
+                .map(|i| {
+                    let node_dir = dir.join(format!("node{i}"));
+                    let home = home.as_path();
+                    s.spawn(move || {
+                        RabbitNode::start(
+                            &node_dir,
+                            RabbitOptions {
+                                home: Some(home),
+                                ..RabbitOptions::default()
+                            },
+                        )
+                    })
+                })
+                .collect();
+            started
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a node's start panicked")))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        for node in &nodes[1..] {
+            node.join(&nodes[0])?;
+        }
+        let mut cluster = Self { nodes };
+        let running = cluster.running_nodes()?;
+        if running.len() != n {
+            bail!("expected {n} running nodes in the cluster, it reports {running:?}");
+        }
+        Ok(cluster)
+    }
+
+    /// Every node's URL as `guest`, in order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RabbitNode::url).collect()
+    }
+
+    /// Which node index has this Erlang name.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name() == name)
+    }
+
+    fn any_running(&mut self) -> Result<&RabbitNode> {
+        let i = (0..self.nodes.len())
+            .find(|&i| self.nodes[i].is_running())
+            .context("no node of the cluster is running")?;
+        Ok(&self.nodes[i])
+    }
+
+    /// The running nodes, as the cluster reports them.
+    pub fn running_nodes(&mut self) -> Result<Vec<String>> {
+        let text = self
+            .any_running()?
+            .ctl("rabbitmqctl", &["cluster_status", "--formatter", "json"])?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).context("rabbitmqctl cluster_status --formatter json")?;
+        Ok(v.get("running_nodes")
+            .and_then(serde_json::Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    /// Every queue with its leader and members, asked of a running node
+    /// (`rabbitmqctl list_queues name leader members`).
+    pub fn quorum_queues(&mut self) -> Result<Vec<(String, QueueReplicas)>> {
+        let text = self.any_running()?.ctl(
+            "rabbitmqctl",
+            &[
+                "list_queues",
+                "name",
+                "leader",
+                "members",
+                "--formatter",
+                "json",
+            ],
+        )?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).context("rabbitmqctl list_queues --formatter json")?;
+        let names = |q: &serde_json::Value| -> Vec<String> {
+            q.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|n| n.as_str().map(str::to_owned))
+                .collect()
+        };
+        let text = |q: &serde_json::Value, k: &str| {
+            q.get(k)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        Ok(v.as_array()
+            .into_iter()
+            .flatten()
+            .map(|q| {
+                (
+                    text(q, "name"),
+                    QueueReplicas {
+                        leader: text(q, "leader"),
+                        members: q.get("members").map(names).unwrap_or_default(),
+                    },
+                )
+            })
+            .collect())
     }
 }

@@ -9,14 +9,18 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServiceArgs {
     /// RabbitMQ URL; amqps:// for TLS. Credentials in it are never logged.
+    /// For a cluster, repeat it or give a comma-separated list, one URL per
+    /// node: they are tried in the order given, and after a lost connection
+    /// from the node after the lost one.
     #[arg(
         long,
         env = "BATCHFLEET_AMQP_URL",
         default_value = "amqp://127.0.0.1:5672/%2f",
         global = true,
-        hide_env_values = true
+        hide_env_values = true,
+        action = clap::ArgAction::Append
     )]
-    pub amqp_url: SecretUrl,
+    pub amqp_url: Vec<SecretUrl>,
     /// File holding the RabbitMQ URL (a mounted secret), instead of --amqp-url.
     #[arg(
         long,
@@ -84,7 +88,7 @@ impl ServiceArgs {
     /// RabbitMQ's URL (from --amqp-url or the file of --amqp-url-file) and TLS files.
     pub fn amqp(&self) -> Result<Endpoint, SecretFileError> {
         let url = url_or_file(
-            &self.amqp_url,
+            &SecretUrl::join(&self.amqp_url),
             self.amqp_url_file.as_deref(),
             "BATCHFLEET_AMQP_URL_FILE",
         )?;
@@ -130,5 +134,39 @@ fn url_or_file(
     match file {
         Some(path) => read_secret_file(path, var).map(SecretUrl::new),
         None => Ok(url.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        services: ServiceArgs,
+    }
+
+    fn nodes(args: &[&str]) -> Vec<String> {
+        let cli = Cli::try_parse_from(std::iter::once("batchfleet").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = cli.services.amqp().unwrap_or_else(|e| panic!("{e}"));
+        endpoint
+            .nodes()
+            .iter()
+            .map(|n| n.url.expose().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_cluster_is_given_by_repeating_the_flag_or_by_a_list() {
+        let a = "amqp://u:p@rmq-0:5672/%2f";
+        let b = "amqp://u:p@rmq-1:5672/%2f";
+        assert_eq!(nodes(&["--amqp-url", a, "--amqp-url", b]), [a, b]);
+        assert_eq!(nodes(&["--amqp-url", &format!("{a},{b}")]), [a, b]);
+        assert_eq!(nodes(&["--amqp-url", a]), [a]);
+        // Given, the flag replaces the default instead of adding to it.
+        assert_eq!(nodes(&[]).len(), 1);
     }
 }

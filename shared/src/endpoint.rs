@@ -158,6 +158,20 @@ impl Endpoint {
         self
     }
 
+    /// One endpoint per URL of a comma-separated list (the nodes of a
+    /// cluster), each with the same TLS files; one for a single URL.
+    pub fn nodes(&self) -> Vec<Endpoint> {
+        self.url
+            .split()
+            .into_iter()
+            .map(|url| Endpoint {
+                service: self.service,
+                url,
+                tls: self.tls.clone(),
+            })
+            .collect()
+    }
+
     /// Whether the URL asks for TLS (`amqps://`, `rediss://`).
     pub fn is_tls(&self) -> bool {
         let scheme = self.service.tls_scheme();

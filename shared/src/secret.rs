@@ -26,6 +26,32 @@ impl SecretUrl {
         redact(&self.0)
     }
 
+    /// The URLs of a comma-separated list (`amqp://a,amqp://b`), in order;
+    /// a single URL is a list of one. A list splits only where a `,` is
+    /// followed by `scheme://`, so a comma inside a password stays.
+    pub fn split(&self) -> Vec<SecretUrl> {
+        let starts = url_starts(&self.0);
+        starts
+            .iter()
+            .enumerate()
+            .map(|(i, &start)| {
+                let end = starts.get(i + 1).map_or(self.0.len(), |next| next - 1);
+                SecretUrl::new(self.0[start..end].trim())
+            })
+            .filter(|u| !u.0.is_empty())
+            .collect()
+    }
+
+    /// Several URLs as one list (joined by `,`), as [`SecretUrl::split`] reads it.
+    pub fn join(urls: &[SecretUrl]) -> SecretUrl {
+        SecretUrl::new(
+            urls.iter()
+                .map(SecretUrl::expose)
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+    }
+
     /// Whether a password in it holds a raw `/`, `?`, `#` or `@`, which
     /// clients take for the end of the host part.
     pub fn password_has_reserved(&self) -> bool {
@@ -86,11 +112,11 @@ fn password_spans(text: &str) -> Vec<std::ops::Range<usize>> {
 }
 
 /// Byte offsets where each URL of a comma-separated list starts: 0, and
-/// after every `,` directly followed by `scheme://`.
+/// after every `,` followed by `scheme://` (spaces between allowed).
 fn url_starts(text: &str) -> Vec<usize> {
     let mut starts = vec![0];
     for (i, _) in text.match_indices(',') {
-        let after = &text[i + 1..];
+        let after = text[i + 1..].trim_start();
         let scheme_len = after
             .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
             .unwrap_or(after.len());
@@ -229,6 +255,29 @@ mod tests {
         let msg = "invalid port number in \"svc:pass\": word1@rabbit";
         let out = scrub(msg, &SecretUrl::new("amqp://svc:pass/word1@rabbit"));
         assert!(!out.contains("word1") && !out.contains("pass"), "{out}");
+    }
+
+    #[test]
+    fn a_list_splits_at_each_scheme_and_joins_back() {
+        let list = SecretUrl::new("amqp://a:p,w@h1:5672/%2f, amqps://b:q@h2:5671,amqp://h3");
+        let parts = list.split();
+        let exposed: Vec<&str> = parts.iter().map(SecretUrl::expose).collect();
+        assert_eq!(
+            exposed,
+            [
+                "amqp://a:p,w@h1:5672/%2f",
+                "amqps://b:q@h2:5671",
+                "amqp://h3"
+            ]
+        );
+        assert_eq!(
+            SecretUrl::join(&parts).expose(),
+            "amqp://a:p,w@h1:5672/%2f,amqps://b:q@h2:5671,amqp://h3"
+        );
+        assert_eq!(SecretUrl::new("redis://h:1/").split().len(), 1);
+        // Every password of the list is masked in its printed forms.
+        let shown = format!("{list} {list:?}");
+        assert!(!shown.contains("p,w") && !shown.contains(":q@"), "{shown}");
     }
 
     #[test]

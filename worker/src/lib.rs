@@ -335,7 +335,7 @@ pub async fn run_on(
     };
     metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(sizing.prefetch.current()));
     let lost = loop {
-        tracing::info!(worker = %worker_id, queue = %queues.work(), prefetch = session.prefetch, prefetch_max = cfg.prefetch_max.max(cfg.prefetch), threads = cfg.threads, "worker consuming");
+        tracing::info!(worker = %worker_id, broker = %session.broker.describe(), queue = %queues.work(), prefetch = session.prefetch, prefetch_max = cfg.prefetch_max.max(cfg.prefetch), threads = cfg.threads, "worker consuming");
         let lost = consume(
             &mut session,
             &ctx,

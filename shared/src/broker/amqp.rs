@@ -64,12 +64,75 @@ impl std::fmt::Debug for AmqpBroker {
     }
 }
 
+/// Per list of node URLs, the node a new connection tries first: the one
+/// after the node the previous connection reached, so that a process whose
+/// connection was lost moves on to the next node, and the connections of
+/// one process spread over the cluster.
+static NEXT_NODE: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<String, usize>>> =
+    std::sync::LazyLock::new(Default::default);
+
 impl AmqpBroker {
-    /// Opens a connection, bounded by `timeout`, with errors that say what
-    /// to do, and a publishing channel in confirm mode. An `amqps://` URL
-    /// connects with TLS, trusting the system's roots and the endpoint's CA
-    /// file, and presenting its client certificate when one is given.
+    /// Opens a connection to the endpoint: one node, or the first of a list
+    /// of nodes (`amqp://a,amqp://b,…`, a cluster) that answers, starting
+    /// after the node the previous connection reached. A permanent error
+    /// (credentials, certificate) ends the search at once, since every node
+    /// of a cluster shares them; otherwise the error names every node's
+    /// failure.
     pub async fn connect(
+        endpoint: &Endpoint,
+        connection_name: &str,
+        timeout: Duration,
+    ) -> Result<Self, BrokerError> {
+        let nodes = endpoint.nodes();
+        if nodes.len() <= 1 {
+            return Self::connect_node(endpoint, connection_name, timeout).await;
+        }
+        let key = endpoint.url.expose().to_owned();
+        let first = NEXT_NODE
+            .lock()
+            .map(|m| m.get(&key).copied().unwrap_or(0))
+            .unwrap_or(0);
+        let mut failures = Vec::new();
+        for k in 0..nodes.len() {
+            let i = (first + k) % nodes.len();
+            let node = &nodes[i];
+            match Self::connect_node(node, connection_name, timeout).await {
+                Ok(broker) => {
+                    if let Ok(mut m) = NEXT_NODE.lock() {
+                        m.insert(key, (i + 1) % nodes.len());
+                    }
+                    tracing::debug!(node = %broker.url, "connected to a RabbitMQ node");
+                    return Ok(broker);
+                }
+                Err(e) if e.is_permanent() => return Err(e),
+                Err(e) => {
+                    tracing::warn!(node = %node.url, error = %e, "RabbitMQ node not reachable; trying the next");
+                    let why = match e {
+                        BrokerError::Connect { reason, .. } => reason,
+                        BrokerError::Timeout { secs, .. } => format!("no answer within {secs}s"),
+                        other => other.to_string(),
+                    };
+                    failures.push(format!("{}: {why}", node.url));
+                }
+            }
+        }
+        Err(BrokerError::Connect {
+            url: endpoint.url.redacted(),
+            reason: format!(
+                "none of its {} nodes answered ({})",
+                nodes.len(),
+                failures.join("; ")
+            ),
+            hint: "Start a node of the cluster, or fix BATCHFLEET_AMQP_URL (one URL per node, comma-separated).".into(),
+        })
+    }
+
+    /// Opens a connection to one node, bounded by `timeout`, with errors
+    /// that say what to do, and a publishing channel in confirm mode. An
+    /// `amqps://` URL connects with TLS, trusting the system's roots and
+    /// the endpoint's CA file, and presenting its client certificate when
+    /// one is given.
+    async fn connect_node(
         endpoint: &Endpoint,
         connection_name: &str,
         timeout: Duration,

@@ -100,3 +100,44 @@ async fn unreachable_broker_is_a_clear_error() {
     assert!(text.contains("--local"), "{text}");
     assert!(!text.contains("pw-xyz"), "{text}");
 }
+
+#[tokio::test]
+async fn a_node_list_that_nobody_answers_names_every_node_and_no_password() {
+    // The second URL's password used to reach the error in clear.
+    let url =
+        batchfleet_shared::endpoint::Endpoint::amqp(batchfleet_shared::secret::SecretUrl::new(
+            "amqp://one:pw-first@127.0.0.1:1/%2f, amqp://two:pw-second@127.0.0.1:2/%2f",
+        ));
+    let err = connect(&url, "shared-tests", Duration::from_secs(5))
+        .await
+        .expect_err("nothing listens on ports 1 and 2");
+    let text = format!("{err} {err:?}");
+    assert!(text.contains("none of its 2 nodes answered"), "{text}");
+    assert!(text.contains("amqp://one:***@127.0.0.1:1/%2f"), "{text}");
+    assert!(text.contains("amqp://two:***@127.0.0.1:2/%2f"), "{text}");
+    assert!(
+        !text.contains("pw-first") && !text.contains("pw-second"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_node_list_connects_to_the_node_that_answers() {
+    crate::amqp();
+    // The first node is down; the second is the running broker.
+    let url =
+        batchfleet_shared::endpoint::Endpoint::amqp(batchfleet_shared::secret::SecretUrl::new(
+            "amqp://guest:guest@127.0.0.1:1/%2f,amqp://guest:guest@127.0.0.1:5672/%2f",
+        ));
+    for _ in 0..2 {
+        // Twice: the second connection starts after the node that answered,
+        // wraps round to the dead one and must still reach the live one.
+        let broker = connect(&url, "shared-tests", Duration::from_secs(5))
+            .await
+            .expect("the second node answers");
+        let shown = broker.describe();
+        assert!(shown.contains("127.0.0.1:5672"), "{shown}");
+        assert!(!shown.contains(":guest@"), "{shown}");
+        broker.close("bye").await;
+    }
+}

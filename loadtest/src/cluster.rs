@@ -1,0 +1,526 @@
+//! `batchfleet-loadtest cluster`: a job on a three-node RabbitMQ cluster of
+//! the run's own (nodes on loopback ports with their own names and data,
+//! clustered with `rabbitmqctl join_cluster`), while the node leading the
+//! job's quorum queue is killed mid-job and later started again.
+//!
+//! The same job first runs on the healthy cluster, for the wall-time
+//! comparison. Each worker gets every node's URL, its list rotated so that
+//! worker *i* connects to node *i* first: one worker sits on the leader
+//! when it dies and must move to another node. The node is started again
+//! at 50% of the baseline's time and rejoins the cluster under the job. Checked at the end: every
+//! row exactly once and equal to PyTorch's (INV-ROWS), the job's counts and
+//! files (INV-ACCT, INV-FILES), nothing dead-lettered, the queue replicated
+//! on every node, each worker that was on the killed node reconnected to
+//! another (from its log), and no worker exited on its own.
+
+use crate::chaos::{self, Fleet, CHAOS_KEY};
+use anyhow::{bail, Context, Result};
+use batchfleet_loadtest::nodes::RabbitCluster;
+use batchfleet_loadtest::services;
+use batchfleet_shared::endpoint::Endpoint;
+use batchfleet_shared::secret::SecretUrl;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Settings of a cluster run.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// RabbitMQ nodes in the cluster.
+    pub nodes: usize,
+    /// Rows in the job.
+    pub rows: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Rows per item.
+    pub item_rows: u64,
+    /// Rows per mini-batch.
+    pub batch_size: u32,
+    /// Artificial delay per mini-batch on every worker.
+    pub batch_delay: Duration,
+    /// Give up after this long (the run fails).
+    pub timeout: Duration,
+    /// Work folder (a temporary one if `None`), kept with logs if given.
+    pub dir: Option<PathBuf>,
+}
+
+/// The figures of a run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ClusterReport {
+    /// Nodes in the cluster.
+    pub nodes: usize,
+    /// Rows in the job.
+    pub rows: u64,
+    /// Items in the job.
+    pub items: u64,
+    /// Wall time of the job on the healthy cluster (s).
+    pub baseline_s: f64,
+    /// Wall time of the job with the leader killed and brought back (s).
+    pub failover_s: f64,
+    /// The baseline job's own duration, from its summary (s): planning to
+    /// settled, without start-up and the final queue deletion.
+    pub baseline_job_s: f64,
+    /// The failover job's own duration, from its summary (s).
+    pub failover_job_s: f64,
+    /// The job's quorum queue.
+    pub queue: String,
+    /// Its member nodes before the kill.
+    pub members: Vec<String>,
+    /// The node that led it, killed.
+    pub killed: String,
+    /// When it was killed (s into the job).
+    pub killed_at_s: f64,
+    /// When the killed node was started again (s into the job).
+    pub restarted_at_s: f64,
+    /// When it was running and clustered again (s into the job).
+    pub rejoined_at_s: f64,
+    /// The queue's leader after the kill.
+    pub new_leader: String,
+    /// Workers connected to the killed node when it died.
+    pub workers_on_killed_node: u32,
+    /// Of them, those that went on consuming through another node.
+    pub workers_moved: u32,
+    /// Messages in the pool's dead-letter queue at the end.
+    pub dead_lettered: u64,
+    /// Item deliveries beyond one per item.
+    pub items_redelivered: u64,
+    /// Worker processes that exited without being stopped.
+    pub workers_exited_on_their_own: u32,
+    /// Invariant violations found (empty: all hold).
+    pub violations: Vec<String>,
+}
+
+/// Runs the baseline and the failover run; prints and returns the figures.
+pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
+    if cfg.nodes < 3 {
+        bail!("--nodes must be at least 3: a quorum queue survives the loss of its leader only with a majority left");
+    }
+    services::ensure_local()?;
+    let worker_bin = chaos::sibling("batchfleet-worker")?;
+    let coordinator = chaos::sibling("batchfleet")?;
+    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let pool = services::unique("cluster");
+    let prefix = services::unique("bfcluster");
+    let mut report = ClusterReport {
+        nodes: cfg.nodes,
+        rows: cfg.rows,
+        items: cfg.rows.div_ceil(cfg.item_rows),
+        ..ClusterReport::default()
+    };
+    println!(
+        "cluster: starting {} RabbitMQ nodes and clustering them",
+        cfg.nodes
+    );
+    let started = Instant::now();
+    let mut cluster = RabbitCluster::start(&root.join("rabbitmq"), cfg.nodes)?;
+    let urls = cluster.urls();
+    println!(
+        "cluster: {} nodes running after {:.0}s ({})",
+        cfg.nodes,
+        started.elapsed().as_secs_f64(),
+        cluster
+            .nodes
+            .iter()
+            .map(|n| n.name().to_owned())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let outcome = run_jobs(
+        cfg,
+        &mut cluster,
+        &urls,
+        &root,
+        &pool,
+        &prefix,
+        &worker_bin,
+        &coordinator,
+        &mut report,
+    );
+    services::delete_redis_prefix(&prefix);
+    drop(cluster);
+    outcome?;
+    print(&report);
+    if cfg.dir.is_some() {
+        std::fs::write(
+            root.join("cluster.json"),
+            serde_json::to_vec_pretty(&report)?,
+        )?;
+    }
+    Ok(report)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_jobs(
+    cfg: &ClusterConfig,
+    cluster: &mut RabbitCluster,
+    urls: &[String],
+    root: &Path,
+    pool: &str,
+    prefix: &str,
+    worker_bin: &Path,
+    coordinator: &Path,
+    report: &mut ClusterReport,
+) -> Result<()> {
+    for name in ["baseline", "failover"] {
+        batchfleet_loadtest::python::make_job(
+            &root.join(name),
+            &batchfleet_loadtest::python::JobGen {
+                rows: cfg.rows,
+                files: 4,
+                features: 16,
+                hidden: 64,
+                outputs: 1,
+                name: format!("{name}-{}", std::process::id()),
+                pool: pool.to_owned(),
+                item_rows: cfg.item_rows,
+                batch_size: cfg.batch_size,
+                checkpoint_every: Some(2),
+                ..batchfleet_loadtest::python::JobGen::default()
+            },
+        )?;
+    }
+    let list = urls.join(",");
+    let args: Vec<String> = [
+        "--threads",
+        "1",
+        "--prefetch",
+        "1",
+        "--drain-timeout",
+        "15s",
+        "--connect-timeout",
+        "2m",
+        "--heartbeat",
+        "1s",
+        "--lease-ttl",
+        "6s",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([
+        "--debug-batch-delay".to_owned(),
+        format!("{}ms", cfg.batch_delay.as_millis()),
+        "--data-root".to_owned(),
+        root.display().to_string(),
+    ])
+    .collect();
+    let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
+    // Worker i is given the nodes starting from node i.
+    fleet.slot_args = (0..cfg.workers)
+        .map(|i| {
+            let n = urls.len();
+            let rotated: Vec<&str> = (0..n).map(|k| urls[(i + k) % n].as_str()).collect();
+            vec!["--amqp-url".to_owned(), rotated.join(",")]
+        })
+        .collect();
+    let coordinator_cmd = |dir: &Path, log: &str| -> Result<Child> {
+        let log = std::fs::File::create(dir.join(log))?;
+        Command::new(coordinator)
+            .args(["--redis-prefix", prefix, "--amqp-url", &list])
+            .args(["run", "job.toml", "--no-progress"])
+            .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
+            .current_dir(dir)
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .with_context(|| format!("starting {}", coordinator.display()))
+    };
+
+    // The healthy cluster.
+    println!(
+        "cluster: baseline run, {} rows, {} workers, no fault",
+        cfg.rows, cfg.workers
+    );
+    let dir = root.join("baseline");
+    fleet.start(cfg.workers)?;
+    let started = Instant::now();
+    let mut c = coordinator_cmd(&dir, "coordinator.log")?;
+    let ok = chaos::wait_or_kill(&mut c, cfg.timeout);
+    report.baseline_s = started.elapsed().as_secs_f64();
+    fleet.stop();
+    if ok != Some(true) {
+        bail!(
+            "the baseline job failed; see {}",
+            dir.join("coordinator.log").display()
+        );
+    }
+    println!("cluster: baseline took {:.1}s", report.baseline_s);
+
+    // The leader killed at 30% of the baseline's time, back at 50%.
+    let dir = root.join("failover");
+    let first_worker = fleet.spawned + 1;
+    fleet.start(cfg.workers)?;
+    let started = Instant::now();
+    let mut c = coordinator_cmd(&dir, "coordinator.log")?;
+    let job_queue = format!("bf.{pool}.job.");
+    // The faults run on a thread of their own (rabbitmqctl and a node's
+    // start take seconds), so the job's wall time is read the moment the
+    // coordinator exits.
+    let baseline_s = report.baseline_s;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (finished, faults) = std::thread::scope(|s| {
+        let faults = s.spawn(|| fault_schedule(cluster, &job_queue, baseline_s, started, &done));
+        let finished = chaos::wait_or_kill(&mut c, cfg.timeout);
+        report.failover_s = started.elapsed().as_secs_f64();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        (finished, faults.join())
+    });
+    let faults = match faults {
+        Ok(f) => f,
+        Err(_) => bail!("the fault thread panicked"),
+    };
+    let killed = match faults {
+        Ok(f) => {
+            report.queue = f.queue;
+            report.members = f.members;
+            report.killed = f.killed;
+            report.killed_at_s = f.killed_at_s;
+            report.new_leader = f.new_leader;
+            report.restarted_at_s = f.restarted_at_s;
+            report.rejoined_at_s = f.rejoined_at_s;
+            f.node
+        }
+        Err(e) => {
+            fleet.stop();
+            return Err(e);
+        }
+    };
+    for w in &mut fleet.workers {
+        if w.try_wait()?.is_some() {
+            report.workers_exited_on_their_own += 1;
+        }
+    }
+    fleet.stop();
+    match finished {
+        Some(true) => {}
+        Some(false) => bail!(
+            "the job failed with the leader killed; see {}",
+            dir.join("coordinator.log").display()
+        ),
+        None => bail!(
+            "the job did not finish within {:?} with the leader killed",
+            cfg.timeout
+        ),
+    }
+    let Some(killed) = killed else {
+        bail!("the job finished before the leader was killed; give it more rows or a longer --batch-delay");
+    };
+
+    // Which workers were on the killed node, and where they went.
+    let killed_port = cluster.nodes[killed].port;
+    for slot in 0..cfg.workers {
+        let id = Fleet::id(slot, first_worker + slot as u32);
+        let log = std::fs::read_to_string(fleet.log_of(&id)).unwrap_or_default();
+        let ports: Vec<u16> = log
+            .lines()
+            .filter(|l| l.contains("worker consuming"))
+            .filter_map(node_port)
+            .collect();
+        if ports.first() == Some(&killed_port) {
+            report.workers_on_killed_node += 1;
+            if ports.iter().skip(1).any(|&p| p != killed_port) {
+                report.workers_moved += 1;
+            }
+        }
+    }
+
+    // INV-ROWS, INV-ACCT, INV-FILES; nothing dead-lettered; replication.
+    let v = &mut report.violations;
+    let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
+    report.failover_job_s = job_seconds(&summary);
+    report.baseline_job_s = job_seconds(&read_summary(&root.join("baseline"))?);
+    report.items_redelivered = chaos::summary_u64(&summary, "deliveries")
+        .saturating_sub(chaos::summary_u64(&summary, "items_total"));
+    let endpoint = Endpoint::amqp(SecretUrl::new(list.clone()));
+    let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
+    for (queue, ready) in chaos::queue_depths(&endpoint, pool)? {
+        if queue == dead {
+            report.dead_lettered = ready.into();
+        } else if ready > 0 {
+            v.push(format!("INV-ACCT: {queue} still holds {ready} message(s)"));
+        }
+    }
+    if report.dead_lettered > 0 {
+        v.push(format!(
+            "INV-ACCT: {} item(s) dead-lettered",
+            report.dead_lettered
+        ));
+    }
+    let expected = cfg.nodes.min(3);
+    if report.members.len() < expected {
+        v.push(format!(
+            "{} was replicated on {} node(s) ({:?}), not {expected}",
+            report.queue,
+            report.members.len(),
+            report.members
+        ));
+    }
+    if report.workers_on_killed_node == 0 {
+        v.push("no worker was connected to the killed leader (each worker's first node comes from its rotated list)".into());
+    }
+    if report.workers_moved < report.workers_on_killed_node {
+        v.push(format!(
+            "{} worker(s) were on the killed node but only {} went on through another",
+            report.workers_on_killed_node, report.workers_moved
+        ));
+    }
+    if report.workers_exited_on_their_own > 0 {
+        v.push(format!(
+            "{} worker(s) exited on their own",
+            report.workers_exited_on_their_own
+        ));
+    }
+    Ok(())
+}
+
+/// What the fault thread did.
+#[derive(Debug, Default)]
+struct Faults {
+    /// The index of the node killed, if the job ran long enough.
+    node: Option<usize>,
+    queue: String,
+    members: Vec<String>,
+    killed: String,
+    killed_at_s: f64,
+    new_leader: String,
+    restarted_at_s: f64,
+    rejoined_at_s: f64,
+}
+
+/// Kills the node leading the job's queue at 30% of the baseline's time and
+/// starts it again at 50% (at once if the job ends first, so the cluster
+/// is whole again), unless `done` is set before the kill.
+fn fault_schedule(
+    cluster: &mut RabbitCluster,
+    job_queue: &str,
+    baseline_s: f64,
+    started: Instant,
+    done: &std::sync::atomic::AtomicBool,
+) -> Result<Faults> {
+    let is_done = || done.load(std::sync::atomic::Ordering::SeqCst);
+    // Nothing to await but the clock and the coordinator's exit: poll.
+    let wait_until = |at: f64| {
+        while !is_done() && started.elapsed().as_secs_f64() < at {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut f = Faults::default();
+    wait_until(0.3 * baseline_s);
+    if is_done() {
+        return Ok(f);
+    }
+    let t = started.elapsed().as_secs_f64();
+    let Some((queue, replicas)) = cluster
+        .quorum_queues()?
+        .into_iter()
+        .find(|(q, _)| q.starts_with(job_queue))
+    else {
+        bail!("no queue {job_queue}* on the cluster {t:.1}s into the job");
+    };
+    let leader = cluster.index_of(&replicas.leader).with_context(|| {
+        format!(
+            "{queue} is led by {:?}, not a node of the run",
+            replicas.leader
+        )
+    })?;
+    cluster.nodes[leader].kill();
+    f.killed_at_s = started.elapsed().as_secs_f64();
+    println!(
+        "cluster: {:>5.1}s killed {} (-9), the leader of {queue} (members: {})",
+        f.killed_at_s,
+        replicas.leader,
+        replicas.members.join(", ")
+    );
+    f.node = Some(leader);
+    f.queue = queue;
+    f.members = replicas.members;
+    f.killed = replicas.leader;
+    // Who took over, asked of the surviving nodes until a new leader is
+    // elected (the job's queue is gone once the job has finished).
+    while !is_done() && f.new_leader.is_empty() {
+        match cluster
+            .quorum_queues()?
+            .into_iter()
+            .find(|(q, _)| *q == f.queue)
+        {
+            Some((_, r)) if !r.leader.is_empty() && r.leader != f.killed => f.new_leader = r.leader,
+            Some(_) => std::thread::sleep(Duration::from_millis(200)),
+            None => break,
+        }
+    }
+    wait_until(0.5 * baseline_s);
+    f.restarted_at_s = started.elapsed().as_secs_f64();
+    cluster.nodes[leader].restart()?;
+    f.rejoined_at_s = started.elapsed().as_secs_f64();
+    println!(
+        "cluster: {:>5.1}s {} started at {:.1}s is running again (the queue was led by {} meanwhile){}",
+        f.rejoined_at_s,
+        f.killed,
+        f.restarted_at_s,
+        f.new_leader,
+        if is_done() { ", after the job ended" } else { "" }
+    );
+    Ok(f)
+}
+
+/// A finished job's summary (`out/summary.json` under its folder).
+fn read_summary(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("out/summary.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The job's own duration in its summary.
+fn job_seconds(summary: &serde_json::Value) -> f64 {
+    summary
+        .get("duration_s")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.0)
+}
+
+/// The port of the node named in a worker's "worker consuming" log line
+/// (`… broker=RabbitMQ at amqp://guest:***@localhost:PORT/…`).
+fn node_port(line: &str) -> Option<u16> {
+    let at = line.find("@localhost:")? + "@localhost:".len();
+    let digits: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+fn print(r: &ClusterReport) {
+    println!(
+        "\ncluster run: {} rows in {} items on {} RabbitMQ nodes",
+        r.rows, r.items, r.nodes
+    );
+    println!(
+        "  fault      {} (leader of {}) killed at {:.1}s, started again at {:.1}s (running at {:.1}s); new leader {}",
+        r.killed, r.queue, r.killed_at_s, r.restarted_at_s, r.rejoined_at_s, r.new_leader
+    );
+    println!("  replicas   {}", r.members.join(", "));
+    println!(
+        "  workers    {} on the killed node, {} went on through another node; {} exited on their own",
+        r.workers_on_killed_node, r.workers_moved, r.workers_exited_on_their_own
+    );
+    println!(
+        "  redone     {} item deliveries beyond one per item; {} dead-lettered",
+        r.items_redelivered, r.dead_lettered
+    );
+    println!(
+        "  wall time  {:.1}s with the failover vs {:.1}s without (×{:.2}); the job itself {:.1}s vs {:.1}s (×{:.2})",
+        r.failover_s,
+        r.baseline_s,
+        r.failover_s / r.baseline_s.max(1e-9),
+        r.failover_job_s,
+        r.baseline_job_s,
+        r.failover_job_s / r.baseline_job_s.max(1e-9)
+    );
+    if r.violations.is_empty() {
+        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold; nothing dead-lettered");
+    } else {
+        for v in &r.violations {
+            println!("  VIOLATED   {v}");
+        }
+    }
+}
