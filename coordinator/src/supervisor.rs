@@ -17,7 +17,10 @@
 //!   median item time) gets one speculative copy; the first commit wins and
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
-//!   queued for `orphan_grace` is published again.
+//!   queued for `orphan_grace` is published again — unless its part file is
+//!   complete in the output folder: then Redis lost its commit (a failover
+//!   to a replica that missed the last writes) and it is committed again
+//!   from the file, through the same first-commit-wins step.
 //! - **Bounded copies**: a copy after a stale lease carries the next attempt
 //!   number, and an item published again [`MAX_COPIES`] times without a
 //!   result (its workers keep dying on it, or its message keeps being
@@ -98,6 +101,9 @@ pub struct SuperviseReport {
     pub rebuilds: u64,
     /// Items found committed in the output folder during rebuilds.
     pub rebuilt_items: u64,
+    /// Items Redis had no trace of whose part files were in the output
+    /// folder (writes lost in a failover), recorded as committed again.
+    pub lost_commits_recovered: u64,
     /// Items given up after [`MAX_COPIES`] copies (recorded failed, `infra`).
     pub copies_exhausted: u64,
 }
@@ -285,16 +291,27 @@ impl Supervisor {
                 })
                 .collect();
             self.unseen_since.retain(|s, _| unseen.contains(s));
+            let mut due = Vec::new();
             for s in unseen {
                 let since = *self.unseen_since.entry(s).or_insert_with(Instant::now);
                 let last_copy = redispatched.get(&s).copied().unwrap_or(0);
                 if since.elapsed() >= self.cfg.orphan_grace
                     && now.saturating_sub(last_copy) >= self.cfg.orphan_grace.as_millis() as u64
                 {
-                    tracing::warn!(job = %self.job_id, item = s, "item is neither queued, held nor settled; publishing it again");
-                    to_send.push((s, 1, Redispatch::Orphan));
+                    due.push(s);
                     self.unseen_since.remove(&s);
                 }
+            }
+            // Committed, then forgotten by Redis (a failover to a replica
+            // that missed the last writes): the part file says so.
+            let recovered = if due.is_empty() {
+                HashSet::new()
+            } else {
+                self.recover_committed(store, &due).await?
+            };
+            for s in due.into_iter().filter(|s| !recovered.contains(s)) {
+                tracing::warn!(job = %self.job_id, item = s, "item is neither queued, held nor settled; publishing it again");
+                to_send.push((s, 1, Redispatch::Orphan));
             }
         } else {
             self.unseen_since.clear();
@@ -506,6 +523,43 @@ impl Supervisor {
         let plan = Arc::new(tokio::task::block_in_place(|| crate::planner::plan(&spec))?);
         self.plan = Some(plan.clone());
         Ok(plan)
+    }
+
+    /// Of items Redis has no trace of (not done, failed, leased or queued),
+    /// those whose part file is complete in the output folder: their commit
+    /// reached the files but not Redis — a failover to a replica that missed
+    /// the last writes. They are committed again from their files, through
+    /// the same first-commit-wins step, instead of being computed again.
+    async fn recover_committed(
+        &mut self,
+        store: &Store,
+        seqs: &[u32],
+    ) -> Result<HashSet<u32>, RunError> {
+        let spec = self.spec().await?;
+        let plan = self.plan().await?;
+        let items: Vec<(u32, ItemRows)> = seqs
+            .iter()
+            .filter_map(|s| plan.items.get(*s as usize))
+            .map(|i| (i.seq, ItemRows::of(i)))
+            .collect();
+        let out = spec.output_dir().to_owned();
+        let output = spec.task.output.clone();
+        // Not strict: a part whose rejects file is missing is computed again.
+        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, false))
+            .await
+            .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+        let mut recovered = HashSet::new();
+        for (stats, hist) in &found {
+            store.commit_item(&self.job_id, stats, hist).await?;
+            recovered.insert(stats.seq);
+        }
+        if !recovered.is_empty() {
+            let mut seqs: Vec<u32> = recovered.iter().copied().collect();
+            seqs.sort_unstable();
+            tracing::warn!(job = %self.job_id, items = ?seqs, "items committed in the output folder but unknown to Redis (it lost its last writes, as after a failover to a replica that missed them); recorded from their part files");
+            self.report.lost_commits_recovered += recovered.len() as u64;
+        }
+        Ok(recovered)
     }
 
     /// Restores a job record lost from Redis and rebuilds its done set and

@@ -678,3 +678,166 @@ impl RabbitCluster {
             .collect())
     }
 }
+
+/// A plain Redis server (or Sentinel) of a run's own on a loopback port,
+/// keeping nothing on disk, which can be killed and started again.
+#[derive(Debug)]
+pub struct RedisNode {
+    child: Option<Child>,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// Its folder: log, and a Sentinel's config file (which it rewrites).
+    pub dir: PathBuf,
+    args: Vec<String>,
+    sentinel: bool,
+}
+
+impl RedisNode {
+    /// Starts a server with these extra arguments (`--replicaof …`).
+    pub fn server(dir: &Path, args: &[&str]) -> Result<Self> {
+        Self::start(dir, args, false)
+    }
+
+    /// Starts a Sentinel (`redis-server <conf> --sentinel`, which is what
+    /// the Debian package's `redis-sentinel` runs) monitoring the primary
+    /// at `primary_port` under `name`: down after `down_after`, two
+    /// Sentinels needed to agree.
+    pub fn sentinel(
+        dir: &Path,
+        name: &str,
+        primary_port: u16,
+        down_after: Duration,
+    ) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "sentinel monitor {name} 127.0.0.1 {primary_port} 2\n\
+                 sentinel down-after-milliseconds {name} {}\n\
+                 sentinel failover-timeout {name} 10000\n\
+                 sentinel parallel-syncs {name} 1\n",
+                down_after.as_millis()
+            ),
+        )?;
+        Self::start(
+            dir,
+            &[conf.to_str().context("utf-8 path")?, "--sentinel"],
+            true,
+        )
+    }
+
+    fn start(dir: &Path, args: &[&str], sentinel: bool) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mut node = Self {
+            child: None,
+            port: free_port()?,
+            dir: dir.to_owned(),
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            sentinel,
+        };
+        node.boot()?;
+        Ok(node)
+    }
+
+    fn boot(&mut self) -> Result<()> {
+        let log = self.dir.join("redis.log");
+        let mut cmd = Command::new("redis-server");
+        if self.sentinel {
+            // The config file comes first, then the mode.
+            cmd.args(&self.args);
+        }
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(&log);
+        if !self.sentinel {
+            cmd.args(["--save", "", "--appendonly", "no"])
+                .args(&self.args);
+        }
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("redis-server (Debian package redis-server)")?;
+        wait_listening(
+            self.port,
+            Duration::from_secs(20),
+            "redis-server",
+            &mut child,
+            &log,
+        )?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Runs `redis-cli -p <port> <args>` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> Result<String> {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .context("redis-cli")?;
+        if !out.status.success() {
+            bail!(
+                "redis-cli -p {} {}: {}",
+                self.port,
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Kills it at once (SIGKILL: nothing flushed, no goodbye to replicas).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again after [`RedisNode::kill`], on the same port — empty,
+    /// as a server that keeps nothing on disk comes back.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("redis on port {} is still running", self.port);
+        }
+        self.boot()
+    }
+
+    /// Starts it again after [`RedisNode::kill`], empty, as a replica of
+    /// the server on `primary` (as a server of a failed-over primary is
+    /// brought back: never as a second, empty primary).
+    pub fn restart_as_replica_of(&mut self, primary: u16) -> Result<()> {
+        let mut args = Vec::new();
+        let mut rest = self.args.iter();
+        while let Some(a) = rest.next() {
+            if a == "--replicaof" {
+                rest.next();
+                rest.next();
+            } else {
+                args.push(a.clone());
+            }
+        }
+        args.extend([
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            primary.to_string(),
+        ]);
+        self.args = args;
+        self.restart()
+    }
+}
+
+impl Drop for RedisNode {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,7 +1,7 @@
 //! Command-line flags every batchfleet binary shares (each with a
 //! `BATCHFLEET_*` environment variable), so names and defaults cannot drift.
 
-use crate::endpoint::{Endpoint, TlsFiles};
+use crate::endpoint::{Endpoint, Sentinel, TlsFiles};
 use crate::secret::{read_secret_file, SecretFileError, SecretUrl};
 use std::path::PathBuf;
 
@@ -55,6 +55,28 @@ pub struct ServiceArgs {
         conflicts_with = "redis_url"
     )]
     pub redis_url_file: Option<PathBuf>,
+    /// Redis Sentinels to ask where the primary is (`host:port`, or
+    /// `redis://[:password@]host:port` when they want a password), repeated
+    /// or comma-separated. With them the host of --redis-url is ignored: its
+    /// user, password, database and TLS settings are used on whichever
+    /// server the Sentinels name, asked again after every lost connection.
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_SENTINEL",
+        global = true,
+        hide_env_values = true,
+        action = clap::ArgAction::Append
+    )]
+    pub redis_sentinel: Vec<SecretUrl>,
+    /// The name the Sentinels monitor the primary under (their `sentinel
+    /// monitor <name> …`).
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_MASTER",
+        default_value = "mymaster",
+        global = true
+    )]
+    pub redis_master: String,
     /// PEM CA certificate(s) to trust for rediss://, instead of the system's roots.
     #[arg(long, env = "BATCHFLEET_REDIS_CA_FILE", global = true)]
     pub redis_ca_file: Option<PathBuf>,
@@ -99,18 +121,23 @@ impl ServiceArgs {
         }))
     }
 
-    /// Redis's URL (from --redis-url or the file of --redis-url-file) and TLS files.
+    /// Redis's URL (from --redis-url or the file of --redis-url-file), TLS
+    /// files, and the Sentinels to ask for the primary, if any.
     pub fn redis(&self) -> Result<Endpoint, SecretFileError> {
         let url = url_or_file(
             &self.redis_url,
             self.redis_url_file.as_deref(),
             "BATCHFLEET_REDIS_URL_FILE",
         )?;
-        Ok(Endpoint::redis(url).with_tls(TlsFiles {
+        let endpoint = Endpoint::redis(url).with_tls(TlsFiles {
             ca_file: self.redis_ca_file.clone(),
             cert_file: self.redis_cert_file.clone(),
             key_file: self.redis_key_file.clone(),
-        }))
+        });
+        Ok(match self.redis_sentinel.as_slice() {
+            [] => endpoint,
+            nodes => endpoint.with_sentinel(Sentinel::new(nodes, &self.redis_master)),
+        })
     }
 
     /// The message-signing key, if one is configured (see `--signing-key-file`).
@@ -168,5 +195,34 @@ mod tests {
         assert_eq!(nodes(&["--amqp-url", a]), [a]);
         // Given, the flag replaces the default instead of adding to it.
         assert_eq!(nodes(&[]).len(), 1);
+    }
+
+    #[test]
+    fn sentinels_put_the_redis_endpoint_behind_them() {
+        let cli = Cli::try_parse_from([
+            "batchfleet",
+            "--redis-url",
+            "redis://app:pw@ignored:1/2",
+            "--redis-sentinel",
+            "127.0.0.1:26379,127.0.0.1:26380",
+            "--redis-sentinel",
+            "127.0.0.1:26381",
+            "--redis-master",
+            "bfprimary",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = cli.services.redis().unwrap_or_else(|e| panic!("{e}"));
+        let sentinel = endpoint.sentinel.expect("sentinels given");
+        assert_eq!(sentinel.nodes.len(), 3);
+        assert_eq!(sentinel.master, "bfprimary");
+        // The URL keeps the credentials and database for the primary.
+        assert_eq!(endpoint.url.expose(), "redis://app:pw@ignored:1/2");
+        let plain = Cli::try_parse_from(["batchfleet"]).unwrap_or_else(|e| panic!("{e}"));
+        assert!(plain
+            .services
+            .redis()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .sentinel
+            .is_none());
     }
 }

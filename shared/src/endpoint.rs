@@ -75,6 +75,53 @@ pub struct Endpoint {
     pub url: SecretUrl,
     /// CA, client certificate and key for a TLS URL.
     pub tls: TlsFiles,
+    /// Redis only: Sentinels that name the primary, which then replaces
+    /// the URL's host (its credentials, database and TLS still apply).
+    pub sentinel: Option<Sentinel>,
+}
+
+/// Redis Sentinels and the name they monitor the primary under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sentinel {
+    /// One `redis://host:port` (credentials allowed, never printed) per Sentinel.
+    pub nodes: Vec<SecretUrl>,
+    /// The monitored name (`sentinel monitor <name> …`).
+    pub master: String,
+}
+
+impl Sentinel {
+    /// Sentinels from the values of `--redis-sentinel`: each a
+    /// comma-separated list of `host:port` or `redis://…` addresses.
+    pub fn new(values: &[SecretUrl], master: &str) -> Self {
+        let nodes = values
+            .iter()
+            .flat_map(SecretUrl::split)
+            .flat_map(|chunk| {
+                // A bare `h1:26379,h2:26379` has no scheme to split at.
+                if chunk.expose().contains("://") {
+                    vec![chunk]
+                } else {
+                    chunk
+                        .expose()
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|a| !a.is_empty())
+                        .map(|a| SecretUrl::new(format!("redis://{a}")))
+                        .collect()
+                }
+            })
+            .collect();
+        Self {
+            nodes,
+            master: master.to_owned(),
+        }
+    }
+
+    /// The Sentinels' addresses, passwords masked.
+    pub fn describe(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(SecretUrl::redacted).collect();
+        format!("Sentinels {} (primary {:?})", nodes.join(", "), self.master)
+    }
 }
 
 /// TLS material read from an endpoint's files.
@@ -140,6 +187,7 @@ impl Endpoint {
             service: Service::Amqp,
             url,
             tls: TlsFiles::default(),
+            sentinel: None,
         }
     }
 
@@ -149,7 +197,14 @@ impl Endpoint {
             service: Service::Redis,
             url,
             tls: TlsFiles::default(),
+            sentinel: None,
         }
+    }
+
+    /// The same endpoint, its primary found through these Sentinels.
+    pub fn with_sentinel(mut self, sentinel: Sentinel) -> Self {
+        self.sentinel = Some(sentinel);
+        self
     }
 
     /// The same endpoint with these TLS files.
@@ -168,6 +223,7 @@ impl Endpoint {
                 service: self.service,
                 url,
                 tls: self.tls.clone(),
+                sentinel: self.sentinel.clone(),
             })
             .collect()
     }
@@ -484,5 +540,28 @@ G8OXIwIhAKJS737MtpQulhg3N8/Kz9B3iSRtJIJMUlGBe4awtZ2d
             "invalid peer certificate: UnknownIssuer"
         ));
         assert!(!is_certificate_error("Connection refused (os error 111)"));
+    }
+
+    #[test]
+    fn sentinels_are_read_bare_or_as_urls_and_never_shown_with_passwords() {
+        let given = [
+            SecretUrl::new("10.0.0.1:26379, 10.0.0.2:26379"),
+            SecretUrl::new("redis://:s3nt-pw@10.0.0.3:26379,redis://10.0.0.4:26379"),
+        ];
+        let s = Sentinel::new(&given, "bf");
+        let urls: Vec<&str> = s.nodes.iter().map(SecretUrl::expose).collect();
+        assert_eq!(
+            urls,
+            [
+                "redis://10.0.0.1:26379",
+                "redis://10.0.0.2:26379",
+                "redis://:s3nt-pw@10.0.0.3:26379",
+                "redis://10.0.0.4:26379"
+            ]
+        );
+        assert_eq!(s.master, "bf");
+        let shown = format!("{} {s:?}", s.describe());
+        assert!(!shown.contains("s3nt-pw"), "{shown}");
+        assert!(shown.contains("10.0.0.3:26379"), "{shown}");
     }
 }

@@ -154,6 +154,8 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
 }
 
 /// Where a worker's queues and job state live.
+// One per worker process, made once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Backend {
     /// RabbitMQ and Redis.

@@ -31,15 +31,22 @@ struct Conn<'a> {
 struct Shared {
     generation: u64,
     conn: Option<MultiplexedConnection>,
+    /// The server `conn` is connected to (`host:port`), when Sentinels
+    /// chose it: a connection to a primary they no longer name is dropped.
+    addr: Option<String>,
 }
 
 impl Conn<'_> {
     fn check<T>(&self, result: redis::RedisResult<T>) -> redis::RedisResult<T> {
         if let Err(e) = &result {
+            // READONLY: the server was turned into a replica (a failover
+            // while it stayed up): the next connection asks the Sentinels
+            // for the new primary.
             if e.is_io_error()
                 || e.is_connection_dropped()
                 || e.is_unrecoverable_error()
                 || e.is_timeout()
+                || e.code() == Some("READONLY")
             {
                 let mut shared = self.shared.lock().expect("not poisoned");
                 // A handle on an older connection leaves a newer one alone.
@@ -84,13 +91,6 @@ impl redis::aio::ConnectionLike for Conn<'_> {
 }
 
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
-    move |e| StoreError::Command {
-        op,
-        reason: e.to_string(),
-    }
-}
-
-fn pool_err(op: &'static str) -> impl FnOnce(deadpool_redis::PoolError) -> StoreError {
     move |e| StoreError::Command {
         op,
         reason: e.to_string(),
@@ -310,10 +310,157 @@ fn job_keys(prefix: &str, id: &str) -> [String; 12] {
     .map(|suffix| job_scoped(prefix, id, suffix))
 }
 
+/// Where a fresh connection comes from.
+#[derive(Clone)]
+enum Source {
+    /// One server, through a pool that checks a connection on checkout.
+    Pool(Pool),
+    /// The primary the Sentinels name, asked again for every connection:
+    /// after a failover the next connection reaches the new primary.
+    Sentinel {
+        client: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
+        timeout: Duration,
+    },
+}
+
+impl Source {
+    /// A fresh connection, and for a primary found through Sentinels its
+    /// address.
+    async fn connection(&self) -> Result<(MultiplexedConnection, Option<String>), String> {
+        match self {
+            Source::Pool(pool) => Ok((
+                (*pool.get().await.map_err(|e| e.to_string())?).clone(),
+                None,
+            )),
+            Source::Sentinel { client, timeout } => {
+                let connect = async {
+                    let primary = client.lock().await.async_get_client().await?;
+                    let addr = primary.get_connection_info().addr().to_string();
+                    let conn = primary.get_multiplexed_async_connection().await?;
+                    Ok::<_, redis::RedisError>((conn, Some(addr)))
+                };
+                match tokio::time::timeout(*timeout, connect).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!(
+                        "no primary reachable through the Sentinels within {}s",
+                        timeout.as_secs()
+                    )),
+                }
+            }
+        }
+    }
+}
+
+/// Asks the Sentinels every second which server is the primary, and drops
+/// the shared connection when it is another than the one it reaches: after
+/// a failover the old primary may take writes for seconds until the
+/// Sentinels demote it (on a manual failover, until their next look at it),
+/// and what it takes then is lost. Stops with the store.
+fn watch_primary(
+    client: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
+    master: String,
+    shared: std::sync::Weak<Mutex<Shared>>,
+) {
+    tokio::spawn(async move {
+        let mut sentinel: Option<MultiplexedConnection> = None;
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            if sentinel.is_none() {
+                let Ok(c) = client.lock().await.async_get_sentinel_client().await else {
+                    continue;
+                };
+                sentinel = c.get_multiplexed_async_connection().await.ok();
+            }
+            let Some(conn) = sentinel.as_mut() else {
+                continue;
+            };
+            let named: Option<(String, u16)> = match redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(&master)
+                .query_async(conn)
+                .await
+            {
+                Ok(named) => named,
+                Err(_) => {
+                    sentinel = None;
+                    continue;
+                }
+            };
+            let Some((host, port)) = named else { continue };
+            let now = format!("{host}:{port}");
+            let mut s = shared.lock().expect("not poisoned");
+            if let Some(addr) = s.addr.as_deref().filter(|a| *a != now) {
+                tracing::warn!(from = %addr, to = %now, "the Sentinels name another Redis primary; reconnecting to it");
+                s.conn = None;
+                s.addr = None;
+            }
+        }
+    });
+}
+
+/// A client that asks the endpoint's Sentinels for the primary and connects
+/// to it with the URL's user, password, database and TLS settings.
+fn sentinel_client(
+    endpoint: &Endpoint,
+    sentinel: &crate::endpoint::Sentinel,
+    tls: Option<&crate::endpoint::TlsMaterial>,
+) -> redis::RedisResult<redis::sentinel::SentinelClient> {
+    use redis::IntoConnectionInfo;
+    let data = endpoint.url.expose().into_connection_info()?;
+    let mut addrs = Vec::new();
+    let mut sentinel_auth: Option<(Option<String>, String)> = None;
+    for node in &sentinel.nodes {
+        let info = node.expose().into_connection_info()?;
+        addrs.push(info.addr().clone());
+        let r = info.redis_settings();
+        if let (None, Some(pw)) = (&sentinel_auth, r.password()) {
+            sentinel_auth = Some((r.username().map(str::to_owned), pw.to_owned()));
+        }
+    }
+    let mut b = redis::sentinel::SentinelClientBuilder::new(
+        addrs,
+        &sentinel.master,
+        redis::sentinel::SentinelServerType::Master,
+    )?
+    .set_client_to_redis_db(data.redis_settings().db());
+    if let Some(user) = data.redis_settings().username() {
+        b = b.set_client_to_redis_username(user);
+    }
+    if let Some(pw) = data.redis_settings().password() {
+        b = b.set_client_to_redis_password(pw);
+    }
+    if let Some((user, pw)) = sentinel_auth {
+        if let Some(user) = user {
+            b = b.set_client_to_sentinel_username(user);
+        }
+        b = b.set_client_to_sentinel_password(pw);
+    }
+    if endpoint.is_tls() {
+        b = b.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+        if let Some(m) = tls {
+            b = b.set_client_to_redis_certificates(redis::TlsCertificates {
+                client_tls: m.client.clone().map(|(client_cert, client_key)| {
+                    redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }
+                }),
+                root_cert: m.ca_pem.clone(),
+            });
+        }
+    }
+    b.build()
+}
+
 /// Handle to the job state in Redis; cheap to clone.
 #[derive(Clone)]
 pub struct RedisStore {
-    pool: Pool,
+    source: Source,
     /// The connection every operation shares (see [`RedisStore::conn`]).
     shared: Arc<Mutex<Shared>>,
     prefix: String,
@@ -344,25 +491,38 @@ impl RedisStore {
         timeout: Duration,
     ) -> Result<Self, StoreError> {
         let url = &endpoint.url;
+        // Through Sentinels, the URL's host is not where Redis is.
+        let shown = endpoint
+            .sentinel
+            .as_ref()
+            .map_or_else(|| url.redacted(), |s| s.describe());
         let connect_err = |reason: String| {
-            let reason = scrub(&reason, url);
+            let mut reason = scrub(&reason, url);
+            if let Some(s) = &endpoint.sentinel {
+                for node in &s.nodes {
+                    reason = scrub(&reason, node);
+                }
+            }
             let lower = reason.to_ascii_lowercase();
             if lower.contains("auth") || lower.contains("password") || lower.contains("noperm") {
                 return StoreError::Auth {
-                    url: url.redacted(),
+                    url: shown.clone(),
                     reason,
                 };
             }
             if endpoint.is_tls() && is_certificate_error(&reason) {
                 return StoreError::Untrusted {
-                    url: url.redacted(),
+                    url: shown.clone(),
                     reason,
                     hint: endpoint.untrusted_hint(),
                 };
             }
-            let hint = endpoint.connect_hint(&reason).unwrap_or_else(|| "Is Redis running? Start it (e.g. `redis-server --daemonize yes`), fix BATCHFLEET_REDIS_URL, or run the job in one process with `batchfleet run --local`.".into());
+            let hint = match &endpoint.sentinel {
+                Some(s) => format!("Are the Sentinels running, and do they monitor a primary named {:?}? Check BATCHFLEET_REDIS_SENTINEL and BATCHFLEET_REDIS_MASTER.", s.master),
+                None => endpoint.connect_hint(&reason).unwrap_or_else(|| "Is Redis running? Start it (e.g. `redis-server --daemonize yes`), fix BATCHFLEET_REDIS_URL, or run the job in one process with `batchfleet run --local`.".into()),
+            };
             StoreError::Connect {
-                url: url.redacted(),
+                url: shown.clone(),
                 reason,
                 hint,
             }
@@ -370,35 +530,48 @@ impl RedisStore {
         // The TLS client runs on the process-wide rustls provider: ring, as
         // for RabbitMQ and S3 (an error only means one is installed already).
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = match endpoint.tls_material().map_err(StoreError::TlsSetup)? {
-            Some(m) => redis::Client::build_with_tls(
-                url.expose(),
-                redis::TlsCertificates {
-                    client_tls: m
-                        .client
-                        .map(|(client_cert, client_key)| redis::ClientTlsConfig {
-                            client_cert,
-                            client_key,
-                        }),
-                    root_cert: m.ca_pem,
-                },
-            ),
-            None => redis::Client::open(url.expose()),
-        }
-        .map_err(|e| connect_err(e.to_string()))?;
-        let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
-            .map_err(|e| connect_err(e.to_string()))?;
-        let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
-        pool_cfg.timeouts.wait = Some(timeout);
-        pool_cfg.timeouts.create = Some(timeout);
-        pool_cfg.timeouts.recycle = Some(timeout);
-        let pool = Pool::builder(manager)
-            .config(pool_cfg)
-            .runtime(Runtime::Tokio1)
-            .build()
-            .map_err(|e| connect_err(e.to_string()))?;
+        let tls = endpoint.tls_material().map_err(StoreError::TlsSetup)?;
+        let source = match &endpoint.sentinel {
+            Some(sentinel) => Source::Sentinel {
+                client: Arc::new(tokio::sync::Mutex::new(
+                    sentinel_client(endpoint, sentinel, tls.as_ref())
+                        .map_err(|e| connect_err(e.to_string()))?,
+                )),
+                timeout,
+            },
+            None => {
+                let client = match tls {
+                    Some(m) => redis::Client::build_with_tls(
+                        url.expose(),
+                        redis::TlsCertificates {
+                            client_tls: m.client.map(|(client_cert, client_key)| {
+                                redis::ClientTlsConfig {
+                                    client_cert,
+                                    client_key,
+                                }
+                            }),
+                            root_cert: m.ca_pem,
+                        },
+                    ),
+                    None => redis::Client::open(url.expose()),
+                }
+                .map_err(|e| connect_err(e.to_string()))?;
+                let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
+                    .map_err(|e| connect_err(e.to_string()))?;
+                let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
+                pool_cfg.timeouts.wait = Some(timeout);
+                pool_cfg.timeouts.create = Some(timeout);
+                pool_cfg.timeouts.recycle = Some(timeout);
+                let pool = Pool::builder(manager)
+                    .config(pool_cfg)
+                    .runtime(Runtime::Tokio1)
+                    .build()
+                    .map_err(|e| connect_err(e.to_string()))?;
+                Source::Pool(pool)
+            }
+        };
         let store = Self {
-            pool,
+            source,
             shared: Arc::default(),
             prefix: prefix.to_owned(),
             commit: redis::Script::new(COMMIT_SCRIPT),
@@ -409,18 +582,25 @@ impl RedisStore {
             published: redis::Script::new(PUBLISHED_SCRIPT),
         };
         let ping = async {
-            let mut conn = store
-                .pool
-                .get()
-                .await
-                .map_err(|e| connect_err(e.to_string()))?;
+            let (mut conn, _) = store.source.connection().await.map_err(connect_err)?;
             redis::cmd("PING")
                 .query_async::<String>(&mut conn)
                 .await
                 .map_err(|e| connect_err(e.to_string()))
         };
         match tokio::time::timeout(timeout, ping).await {
-            Ok(Ok(_)) => Ok(store),
+            Ok(Ok(_)) => {
+                if let (Source::Sentinel { client, .. }, Some(sentinel)) =
+                    (&store.source, &endpoint.sentinel)
+                {
+                    watch_primary(
+                        client.clone(),
+                        sentinel.master.clone(),
+                        Arc::downgrade(&store.shared),
+                    );
+                }
+                Ok(store)
+            }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(connect_err(format!(
                 "no answer within {}s",
@@ -507,11 +687,16 @@ impl RedisStore {
                 });
             }
         }
-        let fresh: MultiplexedConnection = (*self.pool.get().await.map_err(pool_err(op))?).clone();
+        let (fresh, addr) = self
+            .source
+            .connection()
+            .await
+            .map_err(|reason| StoreError::Command { op, reason })?;
         let mut shared = self.shared.lock().expect("not poisoned");
         shared.generation += 1;
         let generation = shared.generation;
         shared.conn = Some(fresh.clone());
+        shared.addr = addr;
         Ok(Conn {
             inner: fresh,
             generation,

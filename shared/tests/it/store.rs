@@ -541,3 +541,33 @@ async fn inputs_are_recorded_by_path(store: Store) {
     store.delete_job("i").await.expect("cleanup");
     assert!(store.inputs("i").await.expect("inputs").is_empty());
 }
+
+#[tokio::test]
+async fn sentinels_that_do_not_answer_are_named_without_their_passwords() {
+    let endpoint = batchfleet_shared::endpoint::Endpoint::redis(
+        batchfleet_shared::secret::SecretUrl::new("redis://:data-pw@127.0.0.1:1/"),
+    )
+    .with_sentinel(batchfleet_shared::endpoint::Sentinel::new(
+        &[batchfleet_shared::secret::SecretUrl::new(
+            "redis://:sentinel-pw@127.0.0.1:2,127.0.0.1:3",
+        )],
+        "bfprimary",
+    ));
+    let err = Store::connect(
+        &endpoint,
+        "sentinel-test",
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect_err("nothing listens on ports 1, 2 and 3");
+    let text = format!("{err} {err:?}");
+    assert!(
+        text.contains("127.0.0.1:2") && text.contains("127.0.0.1:3"),
+        "{text}"
+    );
+    assert!(text.contains("BATCHFLEET_REDIS_SENTINEL"), "{text}");
+    assert!(
+        !text.contains("sentinel-pw") && !text.contains("data-pw"),
+        "{text}"
+    );
+}
