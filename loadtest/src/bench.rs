@@ -165,7 +165,7 @@ pub struct CpuPerItem {
 
 /// CPU seconds by part, read before and after a job.
 #[derive(Debug, Clone)]
-struct CpuSample {
+pub(crate) struct CpuSample {
     workers: Vec<f64>,
     coordinator: f64,
     rabbitmq: f64,
@@ -173,7 +173,7 @@ struct CpuSample {
 }
 
 impl CpuSample {
-    fn take(worker_pids: &[u32]) -> Self {
+    pub(crate) fn take(worker_pids: &[u32]) -> Self {
         Self {
             workers: worker_pids
                 .iter()
@@ -187,7 +187,7 @@ impl CpuSample {
     }
 
     /// Per item, from `self` (before) to `after`.
-    fn per_item(&self, after: &CpuSample, items: u64, cores: usize) -> CpuPerItem {
+    pub(crate) fn per_item(&self, after: &CpuSample, items: u64, cores: usize) -> CpuPerItem {
         let ms = |a: f64, b: f64| (b - a).max(0.0) * 1000.0 / items.max(1) as f64;
         let workers_ms: Vec<f64> = self
             .workers

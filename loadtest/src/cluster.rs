@@ -15,7 +15,7 @@
 
 use crate::chaos::{self, Fleet, CHAOS_KEY};
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::nodes::RabbitCluster;
+use batchfleet_loadtest::nodes::{RabbitCluster, RabbitNode};
 use batchfleet_loadtest::services;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
@@ -40,6 +40,9 @@ pub struct ClusterConfig {
     pub batch_delay: Duration,
     /// Give up after this long (the run fails).
     pub timeout: Duration,
+    /// One-row items of the control-plane job on the healthy cluster at the
+    /// end (0: none).
+    pub control_items: u64,
     /// Work folder (a temporary one if `None`), kept with logs if given.
     pub dir: Option<PathBuf>,
 }
@@ -86,6 +89,12 @@ pub struct ClusterReport {
     pub items_redelivered: u64,
     /// Worker processes that exited without being stopped.
     pub workers_exited_on_their_own: u32,
+    /// One-row items of the control-plane job on the healthy cluster.
+    pub control_items: u64,
+    /// Their rate (items/s, from the job's duration).
+    pub control_items_per_s: f64,
+    /// CPU of the cluster's nodes per item (ms), each node.
+    pub control_node_ms: Vec<f64>,
     /// Invariant violations found (empty: all hold).
     pub violations: Vec<String>,
 }
@@ -369,6 +378,95 @@ fn run_jobs(
             report.workers_exited_on_their_own
         ));
     }
+    if cfg.control_items > 0 {
+        control_job(
+            cfg,
+            cluster,
+            &mut fleet,
+            root,
+            pool,
+            prefix,
+            coordinator,
+            report,
+        )?;
+    }
+    Ok(())
+}
+
+/// One-row items with a tiny model through 2 workers on the healthy
+/// cluster: what the cluster's nodes spend per item (the leader of the
+/// job's queue and its two followers), for docs/scaling.md.
+#[allow(clippy::too_many_arguments)]
+fn control_job(
+    cfg: &ClusterConfig,
+    cluster: &mut RabbitCluster,
+    fleet: &mut Fleet,
+    root: &Path,
+    pool: &str,
+    prefix: &str,
+    coordinator: &Path,
+    report: &mut ClusterReport,
+) -> Result<()> {
+    let dir = root.join("control");
+    batchfleet_loadtest::python::make_job(
+        &dir,
+        &batchfleet_loadtest::python::JobGen {
+            rows: cfg.control_items,
+            files: 1,
+            features: 1,
+            hidden: 1,
+            outputs: 1,
+            name: format!("control-{}", std::process::id()),
+            pool: pool.to_owned(),
+            item_rows: 1,
+            batch_size: 1,
+            ..batchfleet_loadtest::python::JobGen::default()
+        },
+    )?;
+    println!(
+        "cluster: control-plane job, {} one-row items, 2 workers, healthy cluster",
+        cfg.control_items
+    );
+    // No artificial delay here: the items are the system's own work.
+    if let Some(i) = fleet.args.iter().position(|a| a == "--debug-batch-delay") {
+        fleet.args.drain(i..(i + 2).min(fleet.args.len()));
+    }
+    fleet.start(2)?;
+    let pids: Vec<Option<u32>> = cluster.nodes.iter().map(RabbitNode::beam_pid).collect();
+    let cpu = |pids: &[Option<u32>]| -> Vec<f64> {
+        pids.iter()
+            .map(|p| p.and_then(services::cpu_s).unwrap_or(0.0))
+            .collect()
+    };
+    let before = cpu(&pids);
+    let urls = cluster.urls().join(",");
+    let log = std::fs::File::create(dir.join("coordinator.log"))?;
+    let mut c = Command::new(coordinator)
+        .args(["--redis-prefix", prefix, "--amqp-url", &urls])
+        .args(["run", "job.toml", "--no-progress"])
+        .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
+        .current_dir(&dir)
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log))
+        .spawn()?;
+    let ok = chaos::wait_or_kill(&mut c, cfg.timeout);
+    let after = cpu(&pids);
+    fleet.stop();
+    if ok != Some(true) {
+        bail!(
+            "the control-plane job failed; see {}",
+            dir.join("coordinator.log").display()
+        );
+    }
+    let summary = read_summary(&dir)?;
+    let items = chaos::summary_u64(&summary, "items_total").max(1);
+    report.control_items = items;
+    report.control_items_per_s = items as f64 / job_seconds(&summary).max(1e-9);
+    report.control_node_ms = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| (a - b).max(0.0) * 1000.0 / items as f64)
+        .collect();
     Ok(())
 }
 
@@ -516,6 +614,19 @@ fn print(r: &ClusterReport) {
         r.baseline_job_s,
         r.failover_job_s / r.baseline_job_s.max(1e-9)
     );
+    if r.control_items > 0 {
+        println!(
+            "  control    {} one-row items at {:.0} items/s; RabbitMQ CPU per item on each node {} ms (sum {:.3} ms)",
+            r.control_items,
+            r.control_items_per_s,
+            r.control_node_ms
+                .iter()
+                .map(|m| format!("{m:.3}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            r.control_node_ms.iter().sum::<f64>()
+        );
+    }
     if r.violations.is_empty() {
         println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold; nothing dead-lettered");
     } else {

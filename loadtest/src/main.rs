@@ -8,6 +8,7 @@ mod formatbench;
 mod forward;
 mod gpu;
 mod planning;
+mod scale;
 mod sentinel;
 mod textbench;
 use clap::{Parser, Subcommand};
@@ -140,6 +141,10 @@ enum Command {
         /// Fail if the job has not finished after this long.
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
+        /// One-row items of a last, control-plane job on the healthy
+        /// cluster, measuring the nodes' CPU per item (0: skip it).
+        #[arg(long, default_value_t = 3_000)]
+        control_items: u64,
         /// Keep data, logs and cluster.json here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -174,6 +179,38 @@ enum Command {
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
         /// Keep data, logs and redis-failover.json here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Measure what one RabbitMQ and one Redis carry as the fleet grows:
+    /// jobs of one-row items with a model that does next to nothing on 1,
+    /// 2, 4 … worker processes, then jobs of 10,000-row items; for each,
+    /// items/s, Redis commands and bytes per item, AMQP messages and bytes
+    /// per item, CPU per item of the workers, the coordinator, RabbitMQ and
+    /// Redis, and where the items/s curve bends and what bends it — the
+    /// inputs of docs/scaling.md. Figures only, no assertion on them. Needs
+    /// the release binaries, the local RabbitMQ and Redis, and `ss`.
+    Scale {
+        /// Worker counts for the one-row jobs, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+        workers: Vec<usize>,
+        /// One-row items per job.
+        #[arg(long, default_value_t = 5_000)]
+        items: u64,
+        /// Worker counts for the 10,000-row jobs.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        realistic_workers: Vec<usize>,
+        /// Items per 10,000-row job.
+        #[arg(long, default_value_t = 40)]
+        realistic_items: u64,
+        /// Rows per realistic item.
+        #[arg(long, default_value_t = 10_000)]
+        realistic_rows: u64,
+        /// The short form for CI: 1, 2 and 4 workers, 1,000 one-row items,
+        /// 2 workers on 10 items of 10,000 rows.
+        #[arg(long)]
+        quick: bool,
+        /// Keep data, logs and scale.json here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
     },
@@ -379,9 +416,11 @@ fn main() -> Result<()> {
             batch_size,
             batch_delay,
             timeout,
+            control_items,
             dir,
         } => {
             let report = cluster::run(&cluster::ClusterConfig {
+                control_items,
                 nodes,
                 rows,
                 workers: workers.max(1),
@@ -417,6 +456,37 @@ fn main() -> Result<()> {
             if !report.violations.is_empty() {
                 bail!("{} violation(s)", report.violations.len());
             }
+            Ok(())
+        }
+        Command::Scale {
+            workers,
+            items,
+            realistic_workers,
+            realistic_items,
+            realistic_rows,
+            quick,
+            dir,
+        } => {
+            let cfg = if quick {
+                scale::ScaleConfig {
+                    workers: vec![1, 2, 4],
+                    items: 1_000,
+                    realistic_workers: vec![2],
+                    realistic_items: 10,
+                    realistic_rows,
+                    dir,
+                }
+            } else {
+                scale::ScaleConfig {
+                    workers,
+                    items,
+                    realistic_workers,
+                    realistic_items,
+                    realistic_rows: realistic_rows.max(1),
+                    dir,
+                }
+            };
+            scale::run(&cfg)?;
             Ok(())
         }
         Command::Bench {

@@ -428,6 +428,15 @@ impl RabbitNode {
             .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// The Erlang VM's process id (from the node's pid file), while it runs.
+    pub fn beam_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.dir.join("pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// Kills the Erlang node at once (SIGKILL: a crash, nothing flushed or
     /// handed over) and waits for it to be gone.
     pub fn kill(&mut self) {
