@@ -367,7 +367,7 @@ pub(crate) fn run_job(
 }
 
 /// The manifest of `dir`, copied to write its output to `out` (another job).
-fn manifest_into(dir: &Path, out: &str) -> Result<PathBuf> {
+pub(crate) fn manifest_into(dir: &Path, out: &str) -> Result<PathBuf> {
     let text = std::fs::read_to_string(dir.join("job.toml"))?;
     if !text.contains("\ndir = \"out\"\n") {
         bail!("{} has no `dir = \"out\"`", dir.join("job.toml").display());

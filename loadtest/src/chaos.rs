@@ -182,6 +182,90 @@ impl Fleet {
     }
 }
 
+/// A fault run's job in `dir`: `rows` rows of a 16-feature MLP in 4 files
+/// (the same data for the same rows), checkpoints every
+/// `checkpoint_every` mini-batches.
+pub(crate) fn fault_job(
+    dir: &Path,
+    name: &str,
+    pool: &str,
+    rows: u64,
+    item_rows: u64,
+    batch_size: u32,
+    checkpoint_every: u32,
+) -> Result<()> {
+    batchfleet_loadtest::python::make_job(
+        dir,
+        &batchfleet_loadtest::python::JobGen {
+            rows,
+            files: 4,
+            features: 16,
+            hidden: 64,
+            outputs: 1,
+            name: format!("{name}-{}", std::process::id()),
+            pool: pool.to_owned(),
+            item_rows,
+            batch_size,
+            checkpoint_every: Some(checkpoint_every),
+            ..batchfleet_loadtest::python::JobGen::default()
+        },
+    )
+}
+
+/// The worker flags of a fault run: one thread and one item at a time,
+/// heartbeats every second and 6 s leases (a dead worker's items move on
+/// quickly), outages ridden out for `connect_timeout`, every mini-batch
+/// slowed by `batch_delay` (a heavier model, so the job lasts through the
+/// faults), every path under `root`.
+pub(crate) fn fault_worker_args(
+    connect_timeout: &str,
+    batch_delay: Duration,
+    root: &Path,
+) -> Vec<String> {
+    [
+        "--threads",
+        "1",
+        "--prefetch",
+        "1",
+        "--drain-timeout",
+        "15s",
+        "--connect-timeout",
+        connect_timeout,
+        "--heartbeat",
+        "1s",
+        "--lease-ttl",
+        "6s",
+        "--debug-batch-delay",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([
+        format!("{}ms", batch_delay.as_millis()),
+        "--data-root".to_owned(),
+        root.display().to_string(),
+    ])
+    .collect()
+}
+
+/// `batchfleet <args>` in `dir`, signing with the fleet's key, its output
+/// in `dir/<log>`.
+pub(crate) fn spawn_coordinator(
+    bin: &Path,
+    dir: &Path,
+    args: &[String],
+    log: &str,
+) -> Result<Child> {
+    let log = std::fs::File::create(dir.join(log))?;
+    Command::new(bin)
+        .args(args)
+        .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
+        .current_dir(dir)
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))
+}
+
 pub(crate) fn signal(child: &Child, sig: &str) {
     let _ = Command::new("kill")
         .args([&format!("-{sig}"), &child.id().to_string()])
@@ -247,67 +331,34 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         items: cfg.rows.div_ceil(cfg.item_rows),
         ..ChaosReport::default()
     };
-    let worker_args: Vec<String> = [
-        "--threads",
-        "1",
-        "--prefetch",
-        "1",
-        "--drain-timeout",
-        "15s",
-        "--connect-timeout",
-        "3m",
-        "--heartbeat",
-        "1s",
-        "--lease-ttl",
-        "6s",
-        "--unknown-job-grace",
-        "3s",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .chain([
-        "--debug-batch-delay".to_owned(),
-        format!("{}ms", cfg.batch_delay.as_millis()),
-        // The jobs (data, model, outputs) live under the work folder.
-        "--data-root".to_owned(),
-        root.display().to_string(),
-    ])
-    .collect();
+    let mut worker_args = fault_worker_args("3m", cfg.batch_delay, &root);
+    // Items of a job Redis forgot (restarted empty) wait this long for the
+    // coordinator to restore it.
+    worker_args.extend(["--unknown-job-grace".to_owned(), "3s".to_owned()]);
 
     let outcome = (|| -> Result<()> {
         // The same data twice (same seed), as two jobs.
         for name in ["baseline", "chaos", "swapped"] {
-            batchfleet_loadtest::python::make_job(
+            fault_job(
                 &root.join(name),
-                &batchfleet_loadtest::python::JobGen {
-                    rows: cfg.rows,
-                    files: 4,
-                    features: 16,
-                    hidden: 64,
-                    outputs: 1,
-                    name: format!("{name}-{}", std::process::id()),
-                    pool: pool.clone(),
-                    item_rows: cfg.item_rows,
-                    batch_size: cfg.batch_size,
-                    checkpoint_every: Some(cfg.checkpoint_every),
-                    ..batchfleet_loadtest::python::JobGen::default()
-                },
+                name,
+                &pool,
+                cfg.rows,
+                cfg.item_rows,
+                cfg.batch_size,
+                cfg.checkpoint_every,
             )?;
         }
         // The second job's model is swapped for a state_dict once it is published.
         batchfleet_loadtest::python::make_wrong_models(&root.join("swapped"))?;
         let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| -> Result<Child> {
-            let log = std::fs::File::create(dir.join(log))?;
-            Command::new(&coordinator)
-                .args(["--redis-prefix", &prefix])
-                .args(args)
-                .args(["--no-progress", "--speculate-after", "4"])
-                .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
-                .current_dir(dir)
-                .stdout(Stdio::from(log.try_clone()?))
-                .stderr(Stdio::from(log))
-                .spawn()
-                .with_context(|| format!("starting {}", coordinator.display()))
+            let args: Vec<String> = ["--redis-prefix", &prefix]
+                .into_iter()
+                .chain(args.iter().copied())
+                .chain(["--no-progress", "--speculate-after", "4"])
+                .map(str::to_owned)
+                .collect();
+            spawn_coordinator(&coordinator, dir, &args, log)
         };
         let mut fleet = Fleet::new(
             worker_bin.clone(),

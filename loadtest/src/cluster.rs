@@ -13,14 +13,14 @@
 //! on every node, each worker that was on the killed node reconnected to
 //! another (from its log), and no worker exited on its own.
 
-use crate::chaos::{self, Fleet, CHAOS_KEY};
+use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
 use batchfleet_loadtest::nodes::{RabbitCluster, RabbitNode};
 use batchfleet_loadtest::services;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 /// Settings of a cluster run.
@@ -171,47 +171,18 @@ fn run_jobs(
     report: &mut ClusterReport,
 ) -> Result<()> {
     for name in ["baseline", "failover"] {
-        batchfleet_loadtest::python::make_job(
+        chaos::fault_job(
             &root.join(name),
-            &batchfleet_loadtest::python::JobGen {
-                rows: cfg.rows,
-                files: 4,
-                features: 16,
-                hidden: 64,
-                outputs: 1,
-                name: format!("{name}-{}", std::process::id()),
-                pool: pool.to_owned(),
-                item_rows: cfg.item_rows,
-                batch_size: cfg.batch_size,
-                checkpoint_every: Some(2),
-                ..batchfleet_loadtest::python::JobGen::default()
-            },
+            name,
+            pool,
+            cfg.rows,
+            cfg.item_rows,
+            cfg.batch_size,
+            2,
         )?;
     }
     let list = urls.join(",");
-    let args: Vec<String> = [
-        "--threads",
-        "1",
-        "--prefetch",
-        "1",
-        "--drain-timeout",
-        "15s",
-        "--connect-timeout",
-        "2m",
-        "--heartbeat",
-        "1s",
-        "--lease-ttl",
-        "6s",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .chain([
-        "--debug-batch-delay".to_owned(),
-        format!("{}ms", cfg.batch_delay.as_millis()),
-        "--data-root".to_owned(),
-        root.display().to_string(),
-    ])
-    .collect();
+    let args = chaos::fault_worker_args("2m", cfg.batch_delay, root);
     let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
     // Worker i is given the nodes starting from node i.
     fleet.slot_args = (0..cfg.workers)
@@ -222,16 +193,12 @@ fn run_jobs(
         })
         .collect();
     let coordinator_cmd = |dir: &Path, log: &str| -> Result<Child> {
-        let log = std::fs::File::create(dir.join(log))?;
-        Command::new(coordinator)
-            .args(["--redis-prefix", prefix, "--amqp-url", &list])
-            .args(["run", "job.toml", "--no-progress"])
-            .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
-            .current_dir(dir)
-            .stdout(Stdio::from(log.try_clone()?))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .with_context(|| format!("starting {}", coordinator.display()))
+        let args: Vec<String> = ["--redis-prefix", prefix, "--amqp-url", &list]
+            .into_iter()
+            .chain(["run", "job.toml", "--no-progress"])
+            .map(str::to_owned)
+            .collect();
+        chaos::spawn_coordinator(coordinator, dir, &args, log)
     };
 
     // The healthy cluster.
@@ -439,16 +406,17 @@ fn control_job(
             .collect()
     };
     let before = cpu(&pids);
-    let urls = cluster.urls().join(",");
-    let log = std::fs::File::create(dir.join("coordinator.log"))?;
-    let mut c = Command::new(coordinator)
-        .args(["--redis-prefix", prefix, "--amqp-url", &urls])
-        .args(["run", "job.toml", "--no-progress"])
-        .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
-        .current_dir(&dir)
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log))
-        .spawn()?;
+    let args: Vec<String> = [
+        "--redis-prefix",
+        prefix,
+        "--amqp-url",
+        &cluster.urls().join(","),
+    ]
+    .into_iter()
+    .chain(["run", "job.toml", "--no-progress"])
+    .map(str::to_owned)
+    .collect();
+    let mut c = chaos::spawn_coordinator(coordinator, &dir, &args, "coordinator.log")?;
     let ok = chaos::wait_or_kill(&mut c, cfg.timeout);
     let after = cpu(&pids);
     fleet.stop();
@@ -534,21 +502,35 @@ fn fault_schedule(
     f.killed = replicas.leader;
     // Who took over, asked of the surviving nodes until a new leader is
     // elected (the job's queue is gone once the job has finished).
-    while !is_done() && f.new_leader.is_empty() {
+    // (A queue whose leader is down may be missing from the listing until
+    // one is elected: ask again, until it is time to restart the node.)
+    while !is_done()
+        && f.new_leader.is_empty()
+        && started.elapsed().as_secs_f64() < 0.5 * baseline_s
+    {
         match cluster
             .quorum_queues()?
             .into_iter()
             .find(|(q, _)| *q == f.queue)
         {
             Some((_, r)) if !r.leader.is_empty() && r.leader != f.killed => f.new_leader = r.leader,
-            Some(_) => std::thread::sleep(Duration::from_millis(200)),
-            None => break,
+            _ => std::thread::sleep(Duration::from_millis(200)),
         }
     }
     wait_until(0.5 * baseline_s);
     f.restarted_at_s = started.elapsed().as_secs_f64();
     cluster.nodes[leader].restart()?;
     f.rejoined_at_s = started.elapsed().as_secs_f64();
+    if f.new_leader.is_empty() {
+        // Leadership does not move back by itself: who leads now took over.
+        if let Some((_, r)) = cluster
+            .quorum_queues()?
+            .into_iter()
+            .find(|(q, _)| *q == f.queue)
+        {
+            f.new_leader = r.leader;
+        }
+    }
     println!(
         "cluster: {:>5.1}s {} started at {:.1}s is running again (the queue was led by {} meanwhile){}",
         f.rejoined_at_s,

@@ -206,7 +206,7 @@ enum Command {
         /// Rows per realistic item.
         #[arg(long, default_value_t = 10_000)]
         realistic_rows: u64,
-        /// The short form for CI: 1, 2 and 4 workers, 1,000 one-row items,
+        /// The short form for CI: 1, 2 and 4 workers, 3,000 one-row items,
         /// 2 workers on 10 items of 10,000 rows.
         #[arg(long)]
         quick: bool,
@@ -470,7 +470,7 @@ fn main() -> Result<()> {
             let cfg = if quick {
                 scale::ScaleConfig {
                     workers: vec![1, 2, 4],
-                    items: 1_000,
+                    items: 3_000,
                     realistic_workers: vec![2],
                     realistic_items: 10,
                     realistic_rows,

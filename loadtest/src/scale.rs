@@ -22,7 +22,7 @@
 //! when they are busy, otherwise the part whose CPU per item is the largest
 //! share of the services'.
 
-use crate::bench::{run_job_with, CpuPerItem, CpuSample, Fleet};
+use crate::bench::{manifest_into, run_job_with, CpuPerItem, CpuSample, Fleet};
 use anyhow::{bail, Context, Result};
 use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_loadtest::services;
@@ -255,15 +255,7 @@ fn measure(
 ) -> Result<Step> {
     // Each step writes its own output: another job on the same data.
     let out = format!("out-{workers}");
-    let text = std::fs::read_to_string(dir.join("job.toml"))?;
-    if !text.contains("\ndir = \"out\"\n") {
-        bail!("{} has no `dir = \"out\"`", dir.join("job.toml").display());
-    }
-    let manifest = dir.join(format!("job-{workers}.toml"));
-    std::fs::write(
-        &manifest,
-        text.replace("\ndir = \"out\"\n", &format!("\ndir = \"{out}\"\n")),
-    )?;
+    let manifest = manifest_into(dir, &out)?;
     let mut fleet = Fleet::start(worker_bin, dir, pool, prefix, workers, 1)?;
     let cpu_before = CpuSample::take(&fleet.pids());
     let redis_before = redis_stats()?;

@@ -20,12 +20,11 @@
 //! dead-lettered and no worker exiting on its own; the lost-writes run also
 //! that writes were lost and recovered from the files.
 
-use crate::chaos::{self, Fleet, CHAOS_KEY};
+use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
 use batchfleet_loadtest::nodes::RedisNode;
 use batchfleet_loadtest::services;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The name the Sentinels monitor the primary under.
@@ -338,22 +337,7 @@ fn run_jobs(
         ("lost-writes", Fault::LostWrites),
     ] {
         let dir = root.join(name);
-        batchfleet_loadtest::python::make_job(
-            &dir,
-            &batchfleet_loadtest::python::JobGen {
-                rows: cfg.rows,
-                files: 4,
-                features: 16,
-                hidden: 64,
-                outputs: 1,
-                name: format!("{name}-{}", std::process::id()),
-                pool: pool.to_owned(),
-                item_rows: cfg.item_rows,
-                batch_size: cfg.batch_size,
-                checkpoint_every: Some(2),
-                ..batchfleet_loadtest::python::JobGen::default()
-            },
-        )?;
+        chaos::fault_job(&dir, name, pool, cfg.rows, cfg.item_rows, cfg.batch_size, 2)?;
         // Only the Sentinels know where Redis is: nothing listens on port 1.
         let redis_args = [
             "--redis-url".to_owned(),
@@ -363,30 +347,8 @@ fn run_jobs(
             "--redis-master".to_owned(),
             MASTER.to_owned(),
         ];
-        let args: Vec<String> = [
-            "--threads",
-            "1",
-            "--prefetch",
-            "1",
-            "--drain-timeout",
-            "15s",
-            "--connect-timeout",
-            "2m",
-            "--heartbeat",
-            "1s",
-            "--lease-ttl",
-            "6s",
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .chain(redis_args.iter().cloned())
-        .chain([
-            "--debug-batch-delay".to_owned(),
-            format!("{}ms", cfg.batch_delay.as_millis()),
-            "--data-root".to_owned(),
-            root.display().to_string(),
-        ])
-        .collect();
+        let mut args = chaos::fault_worker_args("2m", cfg.batch_delay, root);
+        args.extend(redis_args.iter().cloned());
         let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
         println!(
             "redis-failover: {name} run, {} rows, {} workers",
@@ -394,17 +356,18 @@ fn run_jobs(
         );
         fleet.start(cfg.workers)?;
         let started = Instant::now();
-        let log = std::fs::File::create(dir.join("coordinator.log"))?;
-        let mut c: Child = Command::new(coordinator)
-            .args(["--redis-prefix", prefix])
-            .args(&redis_args)
-            .args(["run", "job.toml", "--no-progress", "--orphan-grace", "3s"])
-            .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
-            .current_dir(&dir)
-            .stdout(Stdio::from(log.try_clone()?))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .with_context(|| format!("starting {}", coordinator.display()))?;
+        let coordinator_args: Vec<String> = ["--redis-prefix", prefix]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(redis_args.iter().cloned())
+            .chain(
+                ["run", "job.toml", "--no-progress", "--orphan-grace", "3s"]
+                    .into_iter()
+                    .map(str::to_owned),
+            )
+            .collect();
+        let mut c =
+            chaos::spawn_coordinator(coordinator, &dir, &coordinator_args, "coordinator.log")?;
         let done = std::sync::atomic::AtomicBool::new(false);
         let baseline_s = report.baseline_s;
         let (finished, wall_s, faults) = std::thread::scope(|s| {
