@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos cluster-test redis-failover-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test chaos cluster-test redis-failover-test redis-cluster-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -31,6 +31,10 @@ cluster-test: venv services release
 ## redis-failover-test: jobs on a Redis primary + replica + 3 Sentinels of their own while the primary is killed, then while a failover loses its last writes; checks exactly-once and the counts
 redis-failover-test: venv services release
 	target/release/batchfleet-loadtest redis-failover $(REDIS_FAILOVER_ARGS)
+
+## redis-cluster-test: two jobs on a Redis Cluster of three masters of their own; checks exactly-once and that each job's keys share one slot
+redis-cluster-test: venv services release
+	target/release/batchfleet-loadtest redis-cluster $(REDIS_CLUSTER_ARGS)
 
 ## scale: items/s, Redis commands and bytes, AMQP messages and bytes, and CPU per item as the fleet grows to 32 workers — the inputs of docs/scaling.md (SCALE_ARGS=--quick for the CI form)
 scale: venv services release

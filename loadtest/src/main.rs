@@ -8,6 +8,7 @@ mod formatbench;
 mod forward;
 mod gpu;
 mod planning;
+mod rediscluster;
 mod scale;
 mod sentinel;
 mod textbench;
@@ -179,6 +180,29 @@ enum Command {
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
         /// Keep data, logs and redis-failover.json here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Run two jobs on a Redis Cluster of three masters of its own
+    /// (loopback ports, `redis-cli --cluster create`), every process given
+    /// its nodes with `--redis-cluster`: every row exactly once, the counts,
+    /// nothing dead-lettered, and every key of a job in one slot on one
+    /// master. Needs the release binaries, redis-server and the local
+    /// RabbitMQ.
+    RedisCluster {
+        /// Rows in each job.
+        #[arg(long, default_value_t = 100_000)]
+        rows: u64,
+        /// Worker processes.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// Rows per work item.
+        #[arg(long, default_value_t = 2_000)]
+        item_rows: u64,
+        /// Fail if a job has not finished after this long.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// Keep data, logs and redis-cluster.json here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
     },
@@ -450,6 +474,25 @@ fn main() -> Result<()> {
                 item_rows: item_rows.max(1),
                 batch_size,
                 batch_delay,
+                timeout,
+                dir,
+            })?;
+            if !report.violations.is_empty() {
+                bail!("{} violation(s)", report.violations.len());
+            }
+            Ok(())
+        }
+        Command::RedisCluster {
+            rows,
+            workers,
+            item_rows,
+            timeout,
+            dir,
+        } => {
+            let report = rediscluster::run(&rediscluster::RedisClusterConfig {
+                rows,
+                workers: workers.max(1),
+                item_rows: item_rows.max(1),
                 timeout,
                 dir,
             })?;

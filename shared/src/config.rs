@@ -77,6 +77,15 @@ pub struct ServiceArgs {
         global = true
     )]
     pub redis_master: String,
+    /// Redis is a Redis Cluster: --redis-url lists some of its nodes
+    /// (`redis://h1:6379,redis://h2:6379`, credentials and TLS alike).
+    #[arg(
+        long,
+        env = "BATCHFLEET_REDIS_CLUSTER",
+        global = true,
+        conflicts_with = "redis_sentinel"
+    )]
+    pub redis_cluster: bool,
     /// PEM CA certificate(s) to trust for rediss://, instead of the system's roots.
     #[arg(long, env = "BATCHFLEET_REDIS_CA_FILE", global = true)]
     pub redis_ca_file: Option<PathBuf>,
@@ -135,6 +144,7 @@ impl ServiceArgs {
             key_file: self.redis_key_file.clone(),
         });
         Ok(match self.redis_sentinel.as_slice() {
+            [] if self.redis_cluster => endpoint.in_cluster(),
             [] => endpoint,
             nodes => endpoint.with_sentinel(Sentinel::new(nodes, &self.redis_master)),
         })
@@ -224,5 +234,27 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"))
             .sentinel
             .is_none());
+    }
+
+    #[test]
+    fn a_redis_cluster_takes_its_nodes_from_the_url_list() {
+        let cli = Cli::try_parse_from([
+            "batchfleet",
+            "--redis-cluster",
+            "--redis-url",
+            "redis://:pw@10.0.0.1:6379/,redis://:pw@10.0.0.2:6379/",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = cli.services.redis().unwrap_or_else(|e| panic!("{e}"));
+        assert!(endpoint.cluster && endpoint.sentinel.is_none());
+        assert_eq!(endpoint.url.split().len(), 2);
+        // Sentinels and a cluster are two answers to one question.
+        assert!(Cli::try_parse_from([
+            "batchfleet",
+            "--redis-cluster",
+            "--redis-sentinel",
+            "127.0.0.1:26379"
+        ])
+        .is_err());
     }
 }

@@ -78,6 +78,9 @@ pub struct Endpoint {
     /// Redis only: Sentinels that name the primary, which then replaces
     /// the URL's host (its credentials, database and TLS still apply).
     pub sentinel: Option<Sentinel>,
+    /// Redis only: the URL is a comma-separated list of nodes of a Redis
+    /// Cluster (some or all), not one server.
+    pub cluster: bool,
 }
 
 /// Redis Sentinels and the name they monitor the primary under.
@@ -188,6 +191,7 @@ impl Endpoint {
             url,
             tls: TlsFiles::default(),
             sentinel: None,
+            cluster: false,
         }
     }
 
@@ -198,7 +202,14 @@ impl Endpoint {
             url,
             tls: TlsFiles::default(),
             sentinel: None,
+            cluster: false,
         }
+    }
+
+    /// The same endpoint, its URL a list of a Redis Cluster's nodes.
+    pub fn in_cluster(mut self) -> Self {
+        self.cluster = true;
+        self
     }
 
     /// The same endpoint, its primary found through these Sentinels.
@@ -224,6 +235,7 @@ impl Endpoint {
                 url,
                 tls: self.tls.clone(),
                 sentinel: self.sentinel.clone(),
+                cluster: self.cluster,
             })
             .collect()
     }

@@ -17,11 +17,50 @@ use std::time::Duration;
 
 use deadpool_redis::redis::aio::MultiplexedConnection;
 
+/// A connection to one server, or to a Redis Cluster (which routes each
+/// command, script and single-slot pipeline by its keys).
+#[derive(Clone)]
+enum AnyConn {
+    Single(MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for AnyConn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            AnyConn::Single(c) => c.req_packed_command(cmd),
+            AnyConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            AnyConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            AnyConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            AnyConn::Single(c) => c.get_db(),
+            AnyConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// A handle on the store's shared connection. A failure that breaks the
 /// connection (not a command's own error) drops it from the store, so the
 /// next operation takes a checked one from the pool.
 struct Conn<'a> {
-    inner: MultiplexedConnection,
+    inner: AnyConn,
     generation: u64,
     shared: &'a Mutex<Shared>,
 }
@@ -30,7 +69,7 @@ struct Conn<'a> {
 #[derive(Default)]
 struct Shared {
     generation: u64,
-    conn: Option<MultiplexedConnection>,
+    conn: Option<AnyConn>,
     /// The server `conn` is connected to (`host:port`), when Sentinels
     /// chose it: a connection to a primary they no longer name is dropped.
     addr: Option<String>,
@@ -315,6 +354,8 @@ fn job_keys(prefix: &str, id: &str) -> [String; 12] {
 enum Source {
     /// One server, through a pool that checks a connection on checkout.
     Pool(Pool),
+    /// A Redis Cluster, from some of its nodes.
+    Cluster(Box<redis::cluster::ClusterClient>),
     /// The primary the Sentinels name, asked again for every connection:
     /// after a failover the next connection reaches the new primary.
     Sentinel {
@@ -326,10 +367,19 @@ enum Source {
 impl Source {
     /// A fresh connection, and for a primary found through Sentinels its
     /// address.
-    async fn connection(&self) -> Result<(MultiplexedConnection, Option<String>), String> {
+    async fn connection(&self) -> Result<(AnyConn, Option<String>), String> {
         match self {
             Source::Pool(pool) => Ok((
-                (*pool.get().await.map_err(|e| e.to_string())?).clone(),
+                AnyConn::Single((*pool.get().await.map_err(|e| e.to_string())?).clone()),
+                None,
+            )),
+            Source::Cluster(client) => Ok((
+                AnyConn::Cluster(
+                    client
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| e.to_string())?,
+                ),
                 None,
             )),
             Source::Sentinel { client, timeout } => {
@@ -337,7 +387,7 @@ impl Source {
                     let primary = client.lock().await.async_get_client().await?;
                     let addr = primary.get_connection_info().addr().to_string();
                     let conn = primary.get_multiplexed_async_connection().await?;
-                    Ok::<_, redis::RedisError>((conn, Some(addr)))
+                    Ok::<_, redis::RedisError>((AnyConn::Single(conn), Some(addr)))
                 };
                 match tokio::time::timeout(*timeout, connect).await {
                     Ok(r) => r.map_err(|e| e.to_string()),
@@ -539,6 +589,25 @@ impl RedisStore {
                 )),
                 timeout,
             },
+            None if endpoint.cluster => {
+                let nodes: Vec<String> =
+                    url.split().iter().map(|u| u.expose().to_owned()).collect();
+                let mut b = redis::cluster::ClusterClientBuilder::new(nodes)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout);
+                if let Some(m) = tls {
+                    b = b.certs(redis::TlsCertificates {
+                        client_tls: m.client.map(|(client_cert, client_key)| {
+                            redis::ClientTlsConfig {
+                                client_cert,
+                                client_key,
+                            }
+                        }),
+                        root_cert: m.ca_pem,
+                    });
+                }
+                Source::Cluster(Box::new(b.build().map_err(|e| connect_err(e.to_string()))?))
+            }
             None => {
                 let client = match tls {
                     Some(m) => redis::Client::build_with_tls(
@@ -743,13 +812,12 @@ impl JobStore for RedisStore {
     /// Writes a new job record (all fields) and lists it in `P:jobs`.
     async fn put_job(&self, job: &JobRecord) -> Result<(), StoreError> {
         let mut c = self.conn("put job").await?;
-        redis::pipe()
-            .atomic()
-            .hset_multiple(self.job_key(&job.id), &job.to_fields())
-            .ignore()
-            .zadd(self.jobs_key(), &job.id, job.created_ms)
-            .ignore()
-            .query_async::<()>(&mut c)
+        // Two slots on a Redis Cluster, so two writes: the index first (a
+        // listed job without a record is skipped by its readers).
+        c.zadd::<_, _, _, ()>(self.jobs_key(), &job.id, job.created_ms)
+            .await
+            .map_err(cmd("put job"))?;
+        c.hset_multiple::<_, _, _, ()>(self.job_key(&job.id), &job.to_fields())
             .await
             .map_err(cmd("put job"))
     }
@@ -1178,13 +1246,11 @@ impl JobStore for RedisStore {
             .filter(|(k, _)| !matches!(*k, "items_done" | "rows_done" | "rows_rejected"))
             .collect();
         let mut c = self.conn("restore job").await?;
-        redis::pipe()
-            .atomic()
-            .hset_multiple(self.job_key(&job.id), &fields)
-            .ignore()
-            .zadd(self.jobs_key(), &job.id, job.created_ms)
-            .ignore()
-            .query_async::<()>(&mut c)
+        // Two slots on a Redis Cluster: the index first, as in `put_job`.
+        c.zadd::<_, _, _, ()>(self.jobs_key(), &job.id, job.created_ms)
+            .await
+            .map_err(cmd("restore job"))?;
+        c.hset_multiple::<_, _, _, ()>(self.job_key(&job.id), &fields)
             .await
             .map_err(cmd("restore job"))
     }
@@ -1201,12 +1267,11 @@ impl JobStore for RedisStore {
     /// Deletes every key of a job (tests and `purge`).
     async fn delete_job(&self, id: &str) -> Result<(), StoreError> {
         let mut c = self.conn("DEL job").await?;
-        redis::pipe()
-            .del(&self.keys_of(id))
-            .ignore()
-            .zrem(self.jobs_key(), id)
-            .ignore()
-            .query_async::<()>(&mut c)
+        // The job's keys (one slot), then the index (another).
+        c.del::<_, ()>(&self.keys_of(id))
+            .await
+            .map_err(cmd("DEL job"))?;
+        c.zrem::<_, _, ()>(self.jobs_key(), id)
             .await
             .map_err(cmd("DEL job"))
     }
@@ -1322,15 +1387,39 @@ impl JobStore for RedisStore {
     /// `CONFIG GET`, never `INFO`).
     async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
         let mut c = self.conn("INFO memory").await?;
-        let info: String = redis::cmd("INFO")
+        // One server answers with its text; a Redis Cluster with a map of
+        // every master's text.
+        let info: redis::Value = redis::cmd("INFO")
             .arg("memory")
             .query_async(&mut c)
             .await
             .map_err(cmd("INFO memory"))?;
-        Ok(info
-            .lines()
-            .find_map(|l| l.strip_prefix("maxmemory_policy:"))
-            .map(|p| p.trim().to_owned()))
+        let texts: Vec<String> = match info {
+            redis::Value::Map(nodes) => nodes
+                .into_iter()
+                .filter_map(|(_, text)| redis::from_redis_value(text).ok())
+                .collect(),
+            other => vec![
+                redis::from_redis_value(other).map_err(|e| StoreError::Command {
+                    op: "INFO memory",
+                    reason: e.to_string(),
+                })?,
+            ],
+        };
+        let policies: Vec<String> = texts
+            .iter()
+            .filter_map(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+                    .map(|p| p.trim().to_owned())
+            })
+            .collect();
+        // The first that evicts a running job's keys, if any does.
+        Ok(policies
+            .iter()
+            .find(|p| super::evicts_job_state(p))
+            .or_else(|| policies.first())
+            .cloned())
     }
 }
 

@@ -1,0 +1,232 @@
+//! `batchfleet-loadtest redis-cluster`: jobs whose Redis is a Redis Cluster
+//! of three masters of the run's own (loopback ports, nothing on disk,
+//! joined with `redis-cli --cluster create`), every worker and the
+//! coordinator given its nodes with `--redis-cluster`.
+//!
+//! Two jobs run one after the other. Checked for each: every row exactly
+//! once and equal to PyTorch's (INV-ROWS), the counts and files (INV-ACCT,
+//! INV-FILES), nothing dead-lettered; and that every key of the job sits in
+//! one slot, on one master (the hash tag around its id).
+
+use crate::chaos::{self, Fleet};
+use anyhow::{bail, Context, Result};
+use batchfleet_loadtest::nodes::RedisNode;
+use batchfleet_loadtest::services;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Settings of a run.
+#[derive(Debug, Clone)]
+pub struct RedisClusterConfig {
+    /// Rows in each job.
+    pub rows: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Rows per item.
+    pub item_rows: u64,
+    /// Give up on a job after this long.
+    pub timeout: Duration,
+    /// Work folder (a temporary one if `None`), kept with logs if given.
+    pub dir: Option<PathBuf>,
+}
+
+/// What one job did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ClusterJob {
+    /// Its id.
+    pub job: String,
+    /// The job's own duration (s).
+    pub job_s: f64,
+    /// The port of the master holding every key of the job.
+    pub master: u16,
+    /// How many keys of the job it holds.
+    pub keys: usize,
+}
+
+/// The figures of a run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RedisClusterReport {
+    /// The masters' ports.
+    pub masters: Vec<u16>,
+    /// Each job.
+    pub jobs: Vec<ClusterJob>,
+    /// Invariant violations found (empty: all hold).
+    pub violations: Vec<String>,
+}
+
+/// Starts three masters and makes them one cluster.
+fn start_cluster(dir: &Path) -> Result<Vec<RedisNode>> {
+    let nodes = (0..3)
+        .map(|i| {
+            RedisNode::server(
+                &dir.join(format!("redis-{i}")),
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                ],
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = std::process::Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .context("redis-cli --cluster create")?;
+    if !out.status.success() {
+        bail!(
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // The nodes agree on the slots a moment later: poll each.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !nodes.iter().all(|n| {
+        n.cli(&["CLUSTER", "INFO"])
+            .is_ok_and(|i| i.contains("cluster_state:ok"))
+    }) {
+        if Instant::now() > deadline {
+            bail!("the cluster did not reach cluster_state:ok within 30s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(nodes)
+}
+
+/// Runs the jobs; prints and returns the figures.
+pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
+    services::ensure_local()?;
+    let worker_bin = chaos::sibling("batchfleet-worker")?;
+    let coordinator = chaos::sibling("batchfleet")?;
+    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let pool = services::unique("rcluster");
+    let prefix = services::unique("bfrcluster");
+    println!("redis-cluster: starting three Redis masters and making them a cluster");
+    let nodes = start_cluster(&root.join("redis"))?;
+    let mut report = RedisClusterReport {
+        masters: nodes.iter().map(|n| n.port).collect(),
+        ..RedisClusterReport::default()
+    };
+    let urls: Vec<String> = nodes.iter().map(RedisNode::url).collect();
+    let redis_args = [
+        "--redis-cluster".to_owned(),
+        "--redis-url".to_owned(),
+        urls.join(","),
+    ];
+    let outcome = (|| -> Result<()> {
+        for name in ["first", "second"] {
+            let dir = root.join(name);
+            chaos::fault_job(&dir, name, &pool, cfg.rows, cfg.item_rows, 500, 2)?;
+            let mut args = chaos::fault_worker_args("2m", Duration::ZERO, &root);
+            args.extend(redis_args.iter().cloned());
+            let mut fleet = Fleet::new(worker_bin.clone(), root.clone(), &pool, &prefix, args);
+            println!(
+                "redis-cluster: {name} job, {} rows, {} workers",
+                cfg.rows, cfg.workers
+            );
+            fleet.start(cfg.workers)?;
+            let coordinator_args: Vec<String> = ["--redis-prefix", &prefix]
+                .into_iter()
+                .map(str::to_owned)
+                .chain(redis_args.iter().cloned())
+                .chain(
+                    ["run", "job.toml", "--no-progress"]
+                        .into_iter()
+                        .map(str::to_owned),
+                )
+                .collect();
+            let mut c =
+                chaos::spawn_coordinator(&coordinator, &dir, &coordinator_args, "coordinator.log")?;
+            let finished = chaos::wait_or_kill(&mut c, cfg.timeout);
+            fleet.stop();
+            if finished != Some(true) {
+                bail!(
+                    "the {name} job failed on the Redis Cluster; see {}",
+                    dir.join("coordinator.log").display()
+                );
+            }
+            let v = &mut report.violations;
+            let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
+            let job = summary
+                .get("job_id")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            // Where the job's keys are: one master, one slot.
+            let pattern = format!(
+                "{}*",
+                batchfleet_shared::store::redis::job_scoped(&prefix, &job, "")
+                    .trim_end_matches('}')
+            );
+            let mut holders = Vec::new();
+            for n in &nodes {
+                let keys = n.cli(&["--scan", "--pattern", &pattern])?;
+                let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+                if !keys.is_empty() {
+                    let slots: std::collections::BTreeSet<String> = keys
+                        .iter()
+                        .map(|k| n.cli(&["CLUSTER", "KEYSLOT", k]).unwrap_or_default())
+                        .collect();
+                    if slots.len() != 1 {
+                        v.push(format!(
+                            "{name}: the job's keys on {} span slots {slots:?}",
+                            n.port
+                        ));
+                    }
+                    holders.push((n.port, keys.len()));
+                }
+            }
+            match holders.as_slice() {
+                [(port, keys)] => report.jobs.push(ClusterJob {
+                    job,
+                    job_s: summary
+                        .get("duration_s")
+                        .and_then(serde_json::Value::as_f64)
+                        .unwrap_or(0.0),
+                    master: *port,
+                    keys: *keys,
+                }),
+                other => v.push(format!(
+                    "{name}: the job's keys are on {} masters ({other:?}), not one",
+                    other.len()
+                )),
+            }
+        }
+        Ok(())
+    })();
+    services::delete_pool_queues(&pool);
+    drop(nodes);
+    outcome?;
+    println!(
+        "\nredis-cluster run: {} rows per job on a Redis Cluster of 3 masters ({:?})",
+        cfg.rows, report.masters
+    );
+    for j in &report.jobs {
+        println!(
+            "  job {} in {:.1}s; its {} keys all in one slot on the master on {}",
+            j.job, j.job_s, j.keys, j.master
+        );
+    }
+    if report.violations.is_empty() {
+        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold for both jobs");
+    } else {
+        for v in &report.violations {
+            println!("  VIOLATED   {v}");
+        }
+    }
+    if cfg.dir.is_some() {
+        std::fs::write(
+            root.join("redis-cluster.json"),
+            serde_json::to_vec_pretty(&report)?,
+        )?;
+    }
+    Ok(report)
+}
