@@ -59,7 +59,8 @@ pub struct ServiceArgs {
     /// `redis://[:password@]host:port` when they want a password), repeated
     /// or comma-separated. With them the host of --redis-url is ignored: its
     /// user, password, database and TLS settings are used on whichever
-    /// server the Sentinels name, asked again after every lost connection.
+    /// server the Sentinels name (asked for every new connection, and every
+    /// second whether the primary changed).
     #[arg(
         long,
         env = "BATCHFLEET_REDIS_SENTINEL",
