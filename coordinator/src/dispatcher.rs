@@ -238,18 +238,7 @@ async fn seed_from_outputs(
     plan: &planner::Plan,
     store: &Store,
 ) -> Result<(), RunError> {
-    let out = spec.output_dir().to_owned();
-    let output = spec.task.output.clone();
-    let items: Vec<(u32, batchfleet_shared::split::ItemRows)> = plan
-        .items
-        .iter()
-        .map(|i| (i.seq, batchfleet_shared::split::ItemRows::of(i)))
-        .collect();
-    let found = tokio::task::spawn_blocking(move || {
-        crate::supervisor::scan_outputs(&out, &output, &items, false)
-    })
-    .await
-    .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+    let found = crate::supervisor::scan_job_outputs(spec, plan, |_| true, false).await?;
     let mut committed = 0u64;
     for (stats, hist) in &found {
         if store.commit_item(&spec.job_id, stats, hist).await? {

@@ -537,17 +537,9 @@ impl Supervisor {
     ) -> Result<HashSet<u32>, RunError> {
         let spec = self.spec().await?;
         let plan = self.plan().await?;
-        let items: Vec<(u32, ItemRows)> = seqs
-            .iter()
-            .filter_map(|s| plan.items.get(*s as usize))
-            .map(|i| (i.seq, ItemRows::of(i)))
-            .collect();
-        let out = spec.output_dir().to_owned();
-        let output = spec.task.output.clone();
         // Not strict: a part whose rejects file is missing is computed again.
-        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, false))
-            .await
-            .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+        let wanted: HashSet<u32> = seqs.iter().copied().collect();
+        let found = scan_job_outputs(&spec, &plan, |s| wanted.contains(&s), false).await?;
         let mut recovered = HashSet::new();
         for (stats, hist) in &found {
             store.commit_item(&self.job_id, stats, hist).await?;
@@ -579,16 +571,7 @@ impl Supervisor {
             ..Default::default()
         };
         let dead = crate::dlq::list(&*broker, &record.pool, &filter).await?;
-        let out = spec.output_dir().to_owned();
-        let output = spec.task.output.clone();
-        let items: Vec<(u32, ItemRows)> = plan
-            .items
-            .iter()
-            .map(|i| (i.seq, ItemRows::of(i)))
-            .collect();
-        let found = tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, true))
-            .await
-            .map_err(|e| RunError::Output(format!("output scan failed: {e}")))??;
+        let found = scan_job_outputs(&spec, &plan, |_| true, true).await?;
 
         record.status = JobStatus::Running;
         record.items_total = plan.items.len() as u64;
@@ -643,6 +626,27 @@ fn median_latency(stats: &[ItemStats]) -> Option<u64> {
 /// A committed item found in the output folder: its stats and the histogram
 /// of its predictions (`counts[column][bin]`).
 pub type Recovered = (ItemStats, Vec<Vec<u64>>);
+
+/// [`scan_outputs`] over the job's output folder, for the plan's items
+/// that `wanted` selects, on a blocking thread.
+pub async fn scan_job_outputs(
+    spec: &JobSpec,
+    plan: &Plan,
+    wanted: impl Fn(u32) -> bool,
+    strict: bool,
+) -> Result<Vec<Recovered>, RunError> {
+    let out = spec.output_dir().to_owned();
+    let output = spec.task.output.clone();
+    let items: Vec<(u32, ItemRows)> = plan
+        .items
+        .iter()
+        .filter(|i| wanted(i.seq))
+        .map(|i| (i.seq, ItemRows::of(i)))
+        .collect();
+    tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, strict))
+        .await
+        .map_err(|e| RunError::Output(format!("output scan failed: {e}")))?
+}
 
 /// The committed items found in an output folder, with the histograms of
 /// their predictions: each part file whose rows plus rejects add up to its

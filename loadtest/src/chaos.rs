@@ -545,9 +545,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     cleanup(&pool, &prefix);
     outcome?;
     print(&report);
-    if cfg.dir.is_some() {
-        std::fs::write(root.join("chaos.json"), serde_json::to_vec_pretty(&report)?)?;
-    }
+    keep_report(cfg.dir.as_deref(), &root, "chaos.json", &report)?;
     Ok(report)
 }
 
@@ -556,14 +554,15 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
 fn published(prefix: &str, stem: &str) -> Result<bool> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "--scan", "--pattern"])
-        .arg(format!(
-            "{}*",
-            batchfleet_shared::store::redis::job_scoped(prefix, stem, "").trim_end_matches('}')
+        .arg(batchfleet_shared::store::redis::job_keys_pattern(
+            prefix, stem,
         ))
         .output()
         .context("running redis-cli")?;
     for key in String::from_utf8_lossy(&out.stdout).lines() {
-        if !key.ends_with('}') {
+        if !batchfleet_shared::store::redis::job_of_key(prefix, key)
+            .is_some_and(|(_, record)| record)
+        {
             continue; // a job's sub-key, not its record
         }
         let status = Command::new("redis-cli")
@@ -663,22 +662,15 @@ fn job_id(prefix: &str) -> Result<String> {
             "127.0.0.1",
             "--scan",
             "--pattern",
-            &format!(
-                "{}*",
-                batchfleet_shared::store::redis::job_scoped(prefix, "chaos-", "")
-                    .trim_end_matches('}')
-            ),
+            &batchfleet_shared::store::redis::job_keys_pattern(prefix, "chaos-"),
         ])
         .output()
         .context("running redis-cli")?;
     let keys = String::from_utf8_lossy(&out.stdout);
-    // `P:job:{<id>}` and `P:job:{<id>}:…`: the id is the hash tag.
-    let head = batchfleet_shared::store::redis::job_scoped(prefix, "", "");
-    let head = head.trim_end_matches('}');
     let mut ids: Vec<&str> = keys
         .lines()
-        .filter_map(|k| k.strip_prefix(head))
-        .map(|rest| rest.split('}').next().unwrap_or(rest))
+        .filter_map(|k| batchfleet_shared::store::redis::job_of_key(prefix, k))
+        .map(|(id, _)| id)
         .collect();
     ids.sort_unstable();
     ids.dedup();
@@ -730,6 +722,47 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
     Ok(())
 }
 
+/// A finished job's summary (`out/summary.json` under its folder).
+pub(crate) fn read_summary(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("out").join(SUMMARY_FILE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The job's own duration in its summary (s): planning to settled.
+pub(crate) fn job_seconds(summary: &serde_json::Value) -> f64 {
+    summary
+        .get("duration_s")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.0)
+}
+
+/// Waits until `at` seconds after `started`, or until `done` is set (a
+/// fault thread's clock beside a running job); whether `done` is still
+/// unset. Nothing to await but the clock and the coordinator's exit: poll.
+pub(crate) fn wait_until(at: f64, started: Instant, done: &std::sync::atomic::AtomicBool) -> bool {
+    let is_done = || done.load(std::sync::atomic::Ordering::SeqCst);
+    while !is_done() && started.elapsed().as_secs_f64() < at {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    !is_done()
+}
+
+/// Writes a run's figures as JSON to `root/file` when the run was given a
+/// folder to keep (`--dir`).
+pub(crate) fn keep_report<T: serde::Serialize>(
+    kept: Option<&Path>,
+    root: &Path,
+    file: &str,
+    report: &T,
+) -> Result<()> {
+    if kept.is_some() {
+        std::fs::write(root.join(file), serde_json::to_vec_pretty(report)?)?;
+    }
+    Ok(())
+}
+
 /// A count of a job's `summary.json` (0 when absent).
 pub(crate) fn summary_u64(summary: &serde_json::Value, key: &str) -> u64 {
     summary
@@ -747,9 +780,7 @@ pub(crate) fn job_invariants(
     v: &mut Vec<String>,
 ) -> Result<serde_json::Value> {
     let out = dir.join("out");
-    let summary: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(out.join(SUMMARY_FILE)).context("reading summary.json")?,
-    )?;
+    let summary = read_summary(dir)?;
     let num = |k: &str| summary_u64(&summary, k);
 
     // INV-ROWS: every input row exactly once, scores as PyTorch computes them.

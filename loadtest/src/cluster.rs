@@ -149,12 +149,7 @@ pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
     drop(cluster);
     outcome?;
     print(&report);
-    if cfg.dir.is_some() {
-        std::fs::write(
-            root.join("cluster.json"),
-            serde_json::to_vec_pretty(&report)?,
-        )?;
-    }
+    chaos::keep_report(cfg.dir.as_deref(), &root, "cluster.json", &report)?;
     Ok(report)
 }
 
@@ -302,8 +297,8 @@ fn run_jobs(
     // INV-ROWS, INV-ACCT, INV-FILES; nothing dead-lettered; replication.
     let v = &mut report.violations;
     let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
-    report.failover_job_s = job_seconds(&summary);
-    report.baseline_job_s = job_seconds(&read_summary(&root.join("baseline"))?);
+    report.failover_job_s = chaos::job_seconds(&summary);
+    report.baseline_job_s = chaos::job_seconds(&chaos::read_summary(&root.join("baseline"))?);
     report.items_redelivered = chaos::summary_u64(&summary, "deliveries")
         .saturating_sub(chaos::summary_u64(&summary, "items_total"));
     let endpoint = Endpoint::amqp(SecretUrl::new(list.clone()));
@@ -426,10 +421,10 @@ fn control_job(
             dir.join("coordinator.log").display()
         );
     }
-    let summary = read_summary(&dir)?;
+    let summary = chaos::read_summary(&dir)?;
     let items = chaos::summary_u64(&summary, "items_total").max(1);
     report.control_items = items;
-    report.control_items_per_s = items as f64 / job_seconds(&summary).max(1e-9);
+    report.control_items_per_s = items as f64 / chaos::job_seconds(&summary).max(1e-9);
     report.control_node_ms = before
         .iter()
         .zip(&after)
@@ -463,15 +458,8 @@ fn fault_schedule(
     done: &std::sync::atomic::AtomicBool,
 ) -> Result<Faults> {
     let is_done = || done.load(std::sync::atomic::Ordering::SeqCst);
-    // Nothing to await but the clock and the coordinator's exit: poll.
-    let wait_until = |at: f64| {
-        while !is_done() && started.elapsed().as_secs_f64() < at {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
     let mut f = Faults::default();
-    wait_until(0.3 * baseline_s);
-    if is_done() {
+    if !chaos::wait_until(0.3 * baseline_s, started, done) {
         return Ok(f);
     }
     let t = started.elapsed().as_secs_f64();
@@ -517,7 +505,7 @@ fn fault_schedule(
             _ => std::thread::sleep(Duration::from_millis(200)),
         }
     }
-    wait_until(0.5 * baseline_s);
+    chaos::wait_until(0.5 * baseline_s, started, done);
     f.restarted_at_s = started.elapsed().as_secs_f64();
     cluster.nodes[leader].restart()?;
     f.rejoined_at_s = started.elapsed().as_secs_f64();
@@ -540,22 +528,6 @@ fn fault_schedule(
         if is_done() { ", after the job ended" } else { "" }
     );
     Ok(f)
-}
-
-/// A finished job's summary (`out/summary.json` under its folder).
-fn read_summary(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("out/summary.json");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-/// The job's own duration in its summary.
-fn job_seconds(summary: &serde_json::Value) -> f64 {
-    summary
-        .get("duration_s")
-        .and_then(serde_json::Value::as_f64)
-        .unwrap_or(0.0)
 }
 
 /// The port of the node named in a worker's "worker consuming" log line

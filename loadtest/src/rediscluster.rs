@@ -161,11 +161,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
                 .unwrap_or_default()
                 .to_owned();
             // Where the job's keys are: one master, one slot.
-            let pattern = format!(
-                "{}*",
-                batchfleet_shared::store::redis::job_scoped(&prefix, &job, "")
-                    .trim_end_matches('}')
-            );
+            let pattern = batchfleet_shared::store::redis::job_keys_pattern(&prefix, &job);
             let mut holders = Vec::new();
             for n in &nodes {
                 let keys = n.cli(&["--scan", "--pattern", &pattern])?;
@@ -187,10 +183,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             match holders.as_slice() {
                 [(port, keys)] => report.jobs.push(ClusterJob {
                     job,
-                    job_s: summary
-                        .get("duration_s")
-                        .and_then(serde_json::Value::as_f64)
-                        .unwrap_or(0.0),
+                    job_s: chaos::job_seconds(&summary),
                     master: *port,
                     keys: *keys,
                 }),
@@ -222,11 +215,6 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             println!("  VIOLATED   {v}");
         }
     }
-    if cfg.dir.is_some() {
-        std::fs::write(
-            root.join("redis-cluster.json"),
-            serde_json::to_vec_pretty(&report)?,
-        )?;
-    }
+    chaos::keep_report(cfg.dir.as_deref(), &root, "redis-cluster.json", &report)?;
     Ok(report)
 }

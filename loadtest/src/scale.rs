@@ -99,20 +99,18 @@ struct RedisStats {
 }
 
 fn redis_stats() -> Result<RedisStats> {
-    let out = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", "6379", "INFO", "stats"])
-        .output()
-        .context("redis-cli")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let field = |name: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let [commands, input, output] = services::redis_info_fields(
+        "stats",
+        [
+            "total_commands_processed",
+            "total_net_input_bytes",
+            "total_net_output_bytes",
+        ],
+    )
+    .context("redis-cli INFO stats")?;
     Ok(RedisStats {
-        commands: field("total_commands_processed"),
-        bytes: field("total_net_input_bytes") + field("total_net_output_bytes"),
+        commands: commands as u64,
+        bytes: (input + output) as u64,
     })
 }
 
@@ -233,9 +231,7 @@ pub fn run(cfg: &ScaleConfig) -> Result<ScaleReport> {
     report.bend_at_workers = bend;
     report.bent_by = by;
     print(&report);
-    if cfg.dir.is_some() {
-        std::fs::write(root.join("scale.json"), serde_json::to_vec_pretty(&report)?)?;
-    }
+    crate::chaos::keep_report(cfg.dir.as_deref(), &root, "scale.json", &report)?;
     Ok(report)
 }
 

@@ -255,12 +255,12 @@ fn items_done(server: &RedisNode, prefix: &str, job: &str) -> u64 {
 /// The id of the one job whose id starts with `stem` under `prefix` on a
 /// server.
 fn job_id(server: &RedisNode, prefix: &str, stem: &str) -> Result<String> {
-    let head = batchfleet_shared::store::redis::job_scoped(prefix, "", "");
-    let head = head.trim_end_matches('}');
-    let keys = server.cli(&["--scan", "--pattern", &format!("{head}{stem}*}}")])?;
+    let pattern = batchfleet_shared::store::redis::job_keys_pattern(prefix, stem);
+    let keys = server.cli(&["--scan", "--pattern", &pattern])?;
     let ids: Vec<&str> = keys
         .lines()
-        .filter_map(|k| k.strip_prefix(head)?.strip_suffix('}'))
+        .filter_map(|k| batchfleet_shared::store::redis::job_of_key(prefix, k))
+        .filter_map(|(id, record)| record.then_some(id))
         .collect();
     match ids.as_slice() {
         [id] => Ok((*id).to_owned()),
@@ -304,12 +304,7 @@ pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     drop(topo);
     outcome?;
     print(&report);
-    if cfg.dir.is_some() {
-        std::fs::write(
-            root.join("redis-failover.json"),
-            serde_json::to_vec_pretty(&report)?,
-        )?;
-    }
+    chaos::keep_report(cfg.dir.as_deref(), &root, "redis-failover.json", &report)?;
     Ok(report)
 }
 
@@ -413,10 +408,7 @@ fn run_jobs(
         for msg in v.iter_mut().skip(before) {
             *msg = format!("{name}: {msg}");
         }
-        run.job_s = summary
-            .get("duration_s")
-            .and_then(serde_json::Value::as_f64)
-            .unwrap_or(0.0);
+        run.job_s = chaos::job_seconds(&summary);
         let num = |k: &str| chaos::summary_u64(&summary, k);
         run.items_redelivered = num("deliveries").saturating_sub(num("items_total"));
         run.rows_recomputed = num("rows_computed").saturating_sub(num("rows_total"));
@@ -478,14 +470,6 @@ fn run_jobs(
     Ok(())
 }
 
-/// Nothing to await but the clock and the coordinator's exit: poll.
-fn wait_until(at: f64, started: Instant, done: &std::sync::atomic::AtomicBool) -> bool {
-    while !done.load(std::sync::atomic::Ordering::SeqCst) && started.elapsed().as_secs_f64() < at {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    !done.load(std::sync::atomic::Ordering::SeqCst)
-}
-
 /// Polls the Sentinels until they name a primary other than `old`.
 fn await_new_primary(topo: &Topology, old: u16, within: Duration) -> Result<u16> {
     let deadline = Instant::now() + within;
@@ -511,7 +495,7 @@ fn kill_primary(
     done: &std::sync::atomic::AtomicBool,
 ) -> Result<FaultRun> {
     let mut run = FaultRun::default();
-    if !wait_until(0.3 * baseline_s, started, done) {
+    if !chaos::wait_until(0.3 * baseline_s, started, done) {
         return Ok(run);
     }
     run.primary_before = topo.primary_port()?;
@@ -552,7 +536,7 @@ fn lose_writes(
     done: &std::sync::atomic::AtomicBool,
 ) -> Result<FaultRun> {
     let mut run = FaultRun::default();
-    if !wait_until(0.3 * baseline_s, started, done) {
+    if !chaos::wait_until(0.3 * baseline_s, started, done) {
         return Ok(run);
     }
     run.primary_before = topo.primary_port()?;

@@ -102,16 +102,26 @@ fn redis_cli(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// CPU seconds (user + system, all threads) the local Redis has used since it started.
-pub fn redis_cpu_s() -> Option<f64> {
-    let info = redis_cli(&["info", "cpu"]).ok()?;
+/// A numeric field of the local Redis's `INFO <section>`.
+pub fn redis_info_fields<const N: usize>(section: &str, names: [&str; N]) -> Option<[f64; N]> {
+    let info = redis_cli(&["info", section]).ok()?;
     let field = |name: &str| -> Option<f64> {
         info.lines()
             .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))?
             .parse()
             .ok()
     };
-    Some(field("used_cpu_user")? + field("used_cpu_sys")?)
+    let mut values = [0.0; N];
+    for (v, name) in values.iter_mut().zip(names) {
+        *v = field(name)?;
+    }
+    Some(values)
+}
+
+/// CPU seconds (user + system, all threads) the local Redis has used since it started.
+pub fn redis_cpu_s() -> Option<f64> {
+    let [user, sys] = redis_info_fields("cpu", ["used_cpu_user", "used_cpu_sys"])?;
+    Some(user + sys)
 }
 
 /// CPU seconds (user + system) every RabbitMQ node on this machine (the

@@ -330,6 +330,20 @@ pub fn job_scoped(prefix: &str, id: &str, suffix: &str) -> String {
     format!("{prefix}:job:{{{id}}}{suffix}")
 }
 
+/// A `SCAN` pattern for every key of the jobs whose id starts with
+/// `id_stem` (`P:job:{<stem>*`).
+pub fn job_keys_pattern(prefix: &str, id_stem: &str) -> String {
+    format!("{prefix}:job:{{{id_stem}*")
+}
+
+/// The job id in one of its keys, and whether the key is the job's record
+/// (`P:job:{<id>}`) rather than one of its parts (`P:job:{<id>}:done` …).
+pub fn job_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, bool)> {
+    let rest = key.strip_prefix(prefix)?.strip_prefix(":job:{")?;
+    let (id, after) = rest.split_once('}')?;
+    Some((id, after.is_empty()))
+}
+
 /// Every key one job has, its record's first.
 fn job_keys(prefix: &str, id: &str) -> [String; 12] {
     [
@@ -1480,6 +1494,14 @@ mod tests {
             // The slot is the id's: two jobs spread over the cluster.
             assert_eq!(first, slot(id));
         }
+        // Each key names its job, and only the first is the record.
+        let keys = job_keys("bf", "j-1");
+        assert_eq!(job_of_key("bf", &keys[0]), Some(("j-1", true)));
+        assert!(keys[1..]
+            .iter()
+            .all(|k| job_of_key("bf", k) == Some(("j-1", false))));
+        assert_eq!(job_of_key("other", &keys[0]), None);
+        assert_eq!(job_keys_pattern("bf", "j-"), "bf:job:{j-*");
         let a = job_keys("bf", "job-a");
         let b = job_keys("bf", "job-b");
         assert_ne!(slot(&a[0]), slot(&b[0]));
