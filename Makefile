@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos cluster-test redis-failover-test redis-cluster-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test chaos cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -35,6 +35,11 @@ redis-failover-test: venv services release
 ## redis-cluster-test: two jobs on a Redis Cluster of three masters of their own; checks exactly-once and that each job's keys share one slot
 redis-cluster-test: venv services release
 	target/release/batchfleet-loadtest redis-cluster $(REDIS_CLUSTER_ARGS)
+
+## slurm-test: a 200k-row job through docker/slurm's templates on a Slurm controller and node of its own (Debian's slurm-wlm and munge, installed when missing) while one worker task reaches its time limit and one is preempted; checks exactly-once, drains with exit 0, requeues, and that the daemons are gone at the end
+slurm-test: venv services release
+	.ci/ensure-slurm.sh
+	target/release/batchfleet-loadtest slurm $(SLURM_ARGS)
 
 ## scale: items/s, Redis commands and bytes, AMQP messages and bytes, and CPU per item as the fleet grows to 32 workers — the inputs of docs/scaling.md (SCALE_ARGS=--quick for the CI form)
 scale: venv services release

