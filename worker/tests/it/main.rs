@@ -9,6 +9,7 @@ mod formats;
 mod jobs;
 mod privilege;
 mod reports;
+mod slurm_task;
 mod support;
 mod text;
 mod tls;
