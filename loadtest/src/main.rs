@@ -214,7 +214,8 @@ enum Command {
     /// reaches its time limit (--signal=B:TERM@60), the other is preempted
     /// with scancel --signal=TERM, a second array grows the fleet; checks
     /// every row exactly once, each stop a drain with exit 0 and a requeue,
-    /// the workers cancelled at the end and the daemons gone (exit 1 on a
+    /// the workers cancelled at the end, sacct's record (slurmdbd on the
+    /// local MariaDB, when it answers) and the daemons gone (exit 1 on a
     /// violation). Needs root, Slurm and MUNGE (make slurm-test installs
     /// them), the release binaries and the local RabbitMQ and Redis.
     Slurm {

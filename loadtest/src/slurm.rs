@@ -27,8 +27,12 @@
 //! job still ran, every worker stop a drain with exit 0, the two GPU tasks
 //! on different devices with `--threads` from `--cpus-per-task`, the
 //! coordinator's Slurm job COMPLETED with exit 0, the workers' job
-//! cancelled, and, once the daemons are stopped by their pids, none of
-//! them or of the job's processes left.
+//! cancelled, `batchfleet status` naming both runs of each GPU task, and,
+//! once the daemons are stopped by their pids, none of them or of the
+//! job's processes left. Where the local MariaDB answers, slurmdbd keeps
+//! accounting in a database of the run's own and `sacct --duplicates` is
+//! checked too: each GPU task's REQUEUED run, every worker step COMPLETED
+//! 0:0, nothing FAILED.
 
 use crate::chaos;
 use anyhow::{bail, Context, Result};
@@ -98,6 +102,14 @@ pub struct SlurmReport {
     pub coordinator_state: String,
     /// The state of each worker task at the end.
     pub worker_states: Vec<String>,
+    /// Each worker run's items committed, by worker id, as `batchfleet
+    /// status` lists them.
+    pub status_workers: Vec<(String, u64)>,
+    /// Whether the cluster kept accounting (slurmdbd on the local MariaDB).
+    pub accounting: bool,
+    /// `sacct --duplicates` of the workers' and the coordinator's jobs:
+    /// `JobID|State|ExitCode`, one line per run and step.
+    pub sacct: Vec<String>,
     /// Worker stops seen in the task scripts' logs that drained and exited 0.
     pub drained_exits: u32,
     /// Item deliveries beyond one per item.
@@ -142,9 +154,9 @@ pub fn run(cfg: &SlurmConfig) -> Result<SlurmReport> {
     println!(
         "slurm: {} (slurmctld pid {}, slurmd pid {}, munged pid {}) up after {:.1}s",
         slurm.version,
-        slurm.ctld.id(),
-        slurm.slurmd.id(),
-        slurm.munged.id(),
+        slurm.ctld.0.id(),
+        slurm.slurmd.0.id(),
+        slurm.munged.0.id(),
         started.elapsed().as_secs_f64()
     );
     let outcome = run_job(
@@ -160,6 +172,9 @@ pub fn run(cfg: &SlurmConfig) -> Result<SlurmReport> {
     let stopped = slurm.stop(&root);
     services::delete_redis_prefix(&prefix);
     services::delete_pool_queues(&pool);
+    if let (Err(_), Err(e)) = (&outcome, &stopped) {
+        eprintln!("slurm: and stopping the cluster: {e:#}");
+    }
     outcome?;
     if let Err(e) = stopped {
         report.violations.push(format!("{e:#}"));
@@ -381,7 +396,62 @@ fn run_job(
             j.get("Restarts").cloned().unwrap_or_default()
         ));
     }
+    // What `batchfleet status` says of the workers: each Slurm task and
+    // run by its id.
+    let job_id = std::fs::read_to_string(out_dir.join(batchfleet_shared::output::OWNER_FILE))?;
+    let status = Command::new(coordinator_bin)
+        .args(["status", job_id.trim(), "--json"])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()?;
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).with_context(|| {
+        format!(
+            "batchfleet status: {}",
+            String::from_utf8_lossy(&status.stderr)
+        )
+    })?;
+    for w in status["workers"].as_array().into_iter().flatten() {
+        report.status_workers.push((
+            w["worker"].as_str().unwrap_or_default().to_owned(),
+            w["items"].as_u64().unwrap_or(0),
+        ));
+    }
+    report.status_workers.sort();
     slurm.run("scancel", &[&scale])?;
+    if slurm.dbd.is_some() {
+        report.accounting = true;
+        let jobs = format!("{workers},{coordinator},{scale}");
+        // slurmctld hands records to slurmdbd as jobs end: wait for the last.
+        wait_for(Duration::from_secs(60), || {
+            report.sacct = slurm
+                .run(
+                    "sacct",
+                    &[
+                        "-j",
+                        &jobs,
+                        "--duplicates",
+                        "--parsable2",
+                        "--noheader",
+                        "--format=JobID,State,ExitCode",
+                    ],
+                )?
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            let ended = |job: &str| {
+                report.sacct.iter().any(|l| {
+                    l.starts_with(&format!("{job}|"))
+                        && !l.contains("|RUNNING|")
+                        && !l.contains("|PENDING|")
+                        && !l.contains("|REQUEUED|")
+                })
+            };
+            Ok(ended(&coordinator)
+                && tasks.iter().all(|t| ended(t))
+                && ended(&format!("{scale}_0"))
+                && ended(&format!("{scale}_1")))
+        })
+        .with_context(|| format!("sacct never showed the jobs' ends: {:?}", report.sacct))?;
+    }
     for t in [format!("{scale}_0"), format!("{scale}_1")] {
         slurm.wait_gone(&t, Duration::from_secs(60))?;
     }
@@ -427,6 +497,61 @@ fn check(
         }
         if !state.ends_with("restarts=1") {
             v.push(format!("worker task {t}: {state}, expected one requeue"));
+        }
+    }
+    // Both runs of each GPU task took work, under their Slurm names.
+    for t in tasks {
+        for run in 0..2 {
+            let id = format!("slurm-{t}.0.r{run}");
+            let items = report
+                .status_workers
+                .iter()
+                .find(|(w, _)| *w == id)
+                .map_or(0, |(_, n)| *n);
+            if items == 0 {
+                v.push(format!(
+                    "batchfleet status lists no item committed by {id}: {:?}",
+                    report.status_workers
+                ));
+            }
+        }
+    }
+    // Slurm's own record (sacct): the coordinator COMPLETED 0:0; each GPU
+    // task a REQUEUED run, then CANCELLED; every worker step exit 0:0
+    // (COMPLETED, or CANCELLED when its job's cancel was recorded before
+    // the step ended), nothing FAILED or TIMEOUT.
+    if report.accounting {
+        let sacct = &report.sacct;
+        let coordinator = format!("{}|COMPLETED|0:0", report.coordinator_job);
+        if !sacct.contains(&coordinator) {
+            v.push(format!("sacct has no {coordinator:?}: {sacct:?}"));
+        }
+        for t in tasks {
+            for state in ["REQUEUED", "CANCELLED"] {
+                if !sacct.iter().any(|l| l.starts_with(&format!("{t}|{state}"))) {
+                    v.push(format!("sacct shows no {state} run of {t}: {sacct:?}"));
+                }
+            }
+        }
+        for line in sacct {
+            let mut f = line.split('|');
+            let (id, state, code) = (
+                f.next().unwrap_or(""),
+                f.next().unwrap_or(""),
+                f.next().unwrap_or(""),
+            );
+            if id.ends_with(".0") && (!["COMPLETED", "CANCELLED"].contains(&state) || code != "0:0")
+            {
+                v.push(format!(
+                    "sacct: step {id} ended {state} {code}, not with exit 0:0"
+                ));
+            }
+            if ["FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_ME"]
+                .iter()
+                .any(|bad| state.starts_with(bad))
+            {
+                v.push(format!("sacct: {line}"));
+            }
         }
     }
     // Every worker stop in the task scripts' logs: a drain with exit 0.
@@ -614,19 +739,122 @@ fn processes_under(root: &Path) -> Vec<String> {
     found
 }
 
+fn mariadb_up() -> bool {
+    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], 3306).into(), Duration::from_secs(1))
+        .is_ok()
+}
+
+/// slurmdbd on the local MariaDB (user root, no password, a database of
+/// the run's own), reached on `port`, the cluster registered in it.
+fn start_dbd(
+    dir: &Path,
+    conf: &Path,
+    socket: &Path,
+    port: u16,
+    log: &dyn Fn(&str) -> Result<Stdio>,
+) -> Result<(Daemon, String)> {
+    use std::os::unix::fs::PermissionsExt;
+    let db = format!("batchfleet_slurm_{}", std::process::id());
+    let d = dir.display();
+    // Next to slurm.conf, private to its user: slurmdbd refuses it otherwise.
+    let path = dir.join("slurmdbd.conf");
+    std::fs::write(
+        &path,
+        format!(
+            "AuthType=auth/munge
+AuthInfo=socket={socket}
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={port}
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=3306
+StorageUser=root
+StorageLoc={db}
+PidFile={d}/run/slurmdbd.pid
+LogFile={d}/log/slurmdbd.log
+",
+            socket = socket.display()
+        ),
+    )?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let child = Command::new("slurmdbd")
+        .arg("-D")
+        .env("SLURM_CONF", conf)
+        .stdout(log("slurmdbd.out")?)
+        .stderr(log("slurmdbd.err")?)
+        .spawn()
+        .context("starting slurmdbd")?;
+    let dbd = (Daemon(child), db);
+    let up = wait_for(Duration::from_secs(60), || {
+        Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+    });
+    let registered = up.and_then(|()| {
+        let out = Command::new("sacctmgr")
+            .args(["-i", "add", "cluster", "batchfleet"])
+            .env("SLURM_CONF", conf)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "sacctmgr add cluster: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    });
+    if let Err(e) = registered {
+        drop_database(&dbd.1);
+        return Err(e.context(format!(
+            "slurmdbd did not come up; see {d}/log/slurmdbd.log"
+        )));
+    }
+    Ok(dbd)
+}
+
+/// Drops the run's accounting database (best effort: needs the `mysql` client).
+fn drop_database(db: &str) {
+    let _ = Command::new("mysql")
+        .args([
+            "-uroot",
+            "-h127.0.0.1",
+            "-e",
+            &format!("DROP DATABASE IF EXISTS `{db}`"),
+        ])
+        .output();
+}
+
+/// A daemon of the run, killed if dropped before [`Slurm::stop`] stopped it
+/// (a start that failed half-way leaves nothing running).
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A single-node Slurm cluster of the run's own.
 struct Slurm {
     conf: PathBuf,
     version: String,
-    munged: Child,
-    ctld: Child,
-    slurmd: Child,
+    munged: Daemon,
+    ctld: Daemon,
+    slurmd: Daemon,
+    /// slurmdbd and its database, when MariaDB answers: what `sacct` reads.
+    dbd: Option<(Daemon, String)>,
 }
 
 impl Slurm {
     fn start(dir: &Path) -> Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir_all(dir)?;
+        // munged refuses a socket below a folder others cannot enter (a
+        // temporary folder is 0700).
+        for d in [dir, dir.parent().unwrap_or(dir)] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
+        }
         for sub in ["state", "spool", "log", "run", "key", "dev"] {
             std::fs::create_dir_all(dir.join(sub))?;
         }
@@ -662,6 +890,7 @@ impl Slurm {
             .stdout(log("munged.out")?)
             .stderr(log("munged.err")?)
             .spawn()
+            .map(Daemon)
             .context("starting munged")?;
         wait_for(Duration::from_secs(20), || Ok(socket.exists()))
             .context("munged did not create its socket; see its log")?;
@@ -686,6 +915,20 @@ impl Slurm {
             .to_owned();
         let (ctld_port, node_port) = (free_port()?, free_port()?);
         let d = dir.display();
+        // Accounting (slurmdbd on the local MariaDB), for sacct.
+        let dbd_port = if mariadb_up() && which("slurmdbd").is_some() {
+            Some(free_port()?)
+        } else {
+            None
+        };
+        let accounting = match dbd_port {
+            // AccountingStoragePass: the MUNGE socket to reach slurmdbd with.
+            Some(port) => format!(
+                "AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\nAccountingStoragePort={port}\nAccountingStoragePass={}\n",
+                socket.display()
+            ),
+            None => "AccountingStorageType=accounting_storage/none\n".to_owned(),
+        };
         let conf = format!(
             "# A single-node cluster of batchfleet's Slurm run: loopback only.
 ClusterName=batchfleet
@@ -706,8 +949,7 @@ SlurmdLogFile={d}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SelectType=select/cons_tres
+{accounting}SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 MpiDefault=none
@@ -731,6 +973,13 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
             String::from_utf8_lossy(&Command::new("slurmctld").arg("-V").output()?.stdout)
                 .trim()
                 .to_owned();
+        let dbd = match dbd_port {
+            Some(port) => Some(start_dbd(dir, &conf_path, &socket, port, &log)?),
+            None => {
+                println!("slurm: no MariaDB at 127.0.0.1:3306 (or no slurmdbd): running without accounting, sacct not checked");
+                None
+            }
+        };
         let ctld = Command::new("slurmctld")
             .args(["-D", "-i", "-f"])
             .arg(&conf_path)
@@ -738,6 +987,7 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
             .stdout(log("slurmctld.out")?)
             .stderr(log("slurmctld.err")?)
             .spawn()
+            .map(Daemon)
             .context("starting slurmctld")?;
         let slurmd = Command::new("slurmd")
             .args(["-D", "-N", "bfnode", "-f"])
@@ -746,6 +996,7 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
             .stdout(log("slurmd.out")?)
             .stderr(log("slurmd.err")?)
             .spawn()
+            .map(Daemon)
             .context("starting slurmd")?;
         let slurm = Self {
             conf: conf_path,
@@ -753,6 +1004,7 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
             munged,
             ctld,
             slurmd,
+            dbd,
         };
         wait_for(Duration::from_secs(60), || {
             Ok(slurm
@@ -807,9 +1059,14 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
             .collect())
     }
 
+    /// Waits for `job` to be in `state`. A pending array's tasks have no
+    /// record of their own until they are split off to start: until then
+    /// `scontrol` does not know them, and that counts as not yet.
     fn wait_state(&self, job: &str, state: &str, within: Duration) -> Result<()> {
         wait_for(within, || {
-            Ok(self.job(job)?.get("JobState").map(String::as_str) == Some(state))
+            Ok(self
+                .job(job)
+                .is_ok_and(|j| j.get("JobState").map(String::as_str) == Some(state)))
         })
         .with_context(|| format!("{job} never reached {state}: {:?}", self.job(job).ok()))
     }
@@ -879,24 +1136,33 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
     /// their pids and checks that none of them, nor any process of the
     /// run's jobs, is left.
     fn stop(&mut self, root: &Path) -> Result<()> {
-        if let Ok(ids) = self.run("squeue", &["-h", "-o", "%i"]) {
-            let ids: Vec<&str> = ids.split_whitespace().collect();
-            if !ids.is_empty() {
-                let _ = self.run("scancel", &ids);
-                let _ = wait_for(Duration::from_secs(60), || {
-                    Ok(self
-                        .run("squeue", &["-h", "-o", "%i"])
-                        .map(|s| s.trim().is_empty())
-                        .unwrap_or(true))
-                });
-            }
-        }
+        // Every job left, by its own id or its array's (a pending array's
+        // tasks are listed as `ID_[0-1%1]`, which scancel does not take).
+        let queued = || -> Vec<String> {
+            let ids = self.run("squeue", &["-h", "-o", "%F"]).unwrap_or_default();
+            let mut ids: Vec<String> = ids.split_whitespace().map(str::to_owned).collect();
+            ids.sort();
+            ids.dedup();
+            ids
+        };
         let mut left = Vec::new();
-        for (name, child) in [
-            ("slurmd", &mut self.slurmd),
-            ("slurmctld", &mut self.ctld),
-            ("munged", &mut self.munged),
-        ] {
+        for id in queued() {
+            let _ = self.run("scancel", &[&id]);
+        }
+        if wait_for(Duration::from_secs(60), || Ok(queued().is_empty())).is_err() {
+            left.push(format!("jobs still queued after scancel: {:?}", queued()));
+        }
+        let mut daemons = vec![
+            ("slurmd", &mut self.slurmd.0),
+            ("slurmctld", &mut self.ctld.0),
+        ];
+        let mut db = None;
+        if let Some((daemon, name)) = self.dbd.as_mut() {
+            daemons.push(("slurmdbd", &mut daemon.0));
+            db = Some(name.clone());
+        }
+        daemons.push(("munged", &mut self.munged.0));
+        for (name, child) in daemons {
             chaos::signal(child, "TERM");
             if chaos::wait_or_kill(child, Duration::from_secs(30)).is_none() {
                 left.push(format!(
@@ -912,21 +1178,21 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
                 left.push(format!("{name} (pid {}) still running", child.id()));
             }
         }
-        left.extend(processes_under(root));
+        if let Some(db) = db {
+            drop_database(&db);
+        }
+        let stray = processes_under(root);
+        for p in &stray {
+            if let Some(pid) = p.split(':').next() {
+                let _ = Command::new("kill").args(["-KILL", pid]).status();
+            }
+        }
+        left.extend(stray);
         if !left.is_empty() {
             bail!("after stopping the daemons: {left:?}");
         }
-        println!("slurm: slurmd, slurmctld and munged stopped; no process of the run left");
+        println!("slurm: the daemons stopped by their pids; no process of the run left");
         Ok(())
-    }
-}
-
-impl Drop for Slurm {
-    fn drop(&mut self) {
-        for child in [&mut self.slurmd, &mut self.ctld, &mut self.munged] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -955,6 +1221,17 @@ fn print(r: &SlurmReport) {
         "scaled: {} ({} tasks running); {} drained exits 0; {} redelivered, {} dead-lettered",
         r.scale_job, r.scaled_tasks_running, r.drained_exits, r.items_redelivered, r.dead_lettered
     );
+    println!(
+        "batchfleet status, items by worker: {}",
+        r.status_workers
+            .iter()
+            .map(|(w, n)| format!("{w} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if r.accounting {
+        println!("sacct --duplicates: {}", r.sacct.join("  "));
+    }
     if r.violations.is_empty() {
         println!("all invariants hold");
     } else {
