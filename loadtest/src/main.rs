@@ -212,7 +212,8 @@ enum Command {
     /// processes, loopback only, two GPUs played by device nodes): two GPU
     /// worker tasks, the coordinator as a job with --dependency; one task
     /// reaches its time limit (--signal=B:TERM@60), the other is preempted
-    /// with scancel --signal=TERM, a second array grows the fleet; checks
+    /// with scancel --signal=TERM, a second array grows the fleet, and a
+    /// higher-priority partition's job makes Slurm preempt one; checks
     /// every row exactly once, each stop a drain with exit 0 and a requeue,
     /// the workers cancelled at the end, sacct's record (slurmdbd on the
     /// local MariaDB, when it answers) and the daemons gone (exit 1 on a

@@ -17,7 +17,10 @@
 //!   drains, exits 0 and the task is requeued;
 //! * the fleet grows: a second array of `worker-cpu.sbatch` with one task
 //!   at a time (`%1`), then its throttle raised with `scontrol update
-//!   ArrayTaskThrottle=2`.
+//!   ArrayTaskThrottle=2`;
+//! * a job of a higher-priority partition asks for a GPU while both are
+//!   taken: Slurm preempts a GPU task (`PreemptMode=REQUEUE`), its worker
+//!   drains, and Slurm requeues it.
 //!
 //! A requeued task waits about two minutes (Slurm's requeue delay, reason
 //! `BeginTime`); the run starts it at once with `scontrol update
@@ -93,6 +96,13 @@ pub struct SlurmReport {
     pub preempt_requeued_after_s: f64,
     /// Items committed when the task was preempted.
     pub preempted_at_items: u64,
+    /// The GPU task Slurm preempted (PreemptMode=REQUEUE) for a job of a
+    /// higher-priority partition, and requeued.
+    pub priority_preempted_task: String,
+    /// From the urgent job's submission to that task back in the queue (s).
+    pub priority_requeued_after_s: f64,
+    /// How the urgent job ended.
+    pub urgent_state: String,
     /// Tasks of the second array running while the job ran (after the
     /// throttle was raised).
     pub scaled_tasks_running: u32,
@@ -294,9 +304,10 @@ fn run_job(
         Ok(())
     };
 
-    // Task 0 reaches its time limit: cut to the next minute boundary that
-    // leaves more than the template's 60 s signal offset plus Slurm's 30 s
-    // check interval, so the TERM comes at the next check.
+    // Task 0 reaches its time limit: its limit cut to end 100–160 s from
+    // now, more than the template's 60 s signal offset plus Slurm's 30 s
+    // check interval, so the TERM comes at a check within about a minute
+    // and the drain ends well before the limit.
     let limited = &tasks[0];
     let elapsed = slurm.run_seconds(limited)?;
     let minutes = (elapsed + 100).div_ceil(60);
@@ -314,7 +325,9 @@ fn run_job(
     println!("slurm: {limited}'s time limit cut to {minutes} min ({elapsed}s run so far)");
 
     // Task 1 preempted once a tenth of the items are in.
-    wait_for(cfg.timeout, || Ok(committed() * 10 >= report.items))?;
+    wait_for(cfg.timeout, || {
+        Ok(committed() * 10 >= report.items || !is_running(slurm, &coordinator))
+    })?;
     running("the preemption")?;
     let preempted = &tasks[1];
     report.preempted_task = preempted.clone();
@@ -375,6 +388,48 @@ fn run_job(
     println!(
         "slurm: {limited} signalled {:.0}s after its limit was cut, requeued after {:.0}s, running again",
         report.time_signal_after_s, report.time_limited_requeued_after_s
+    );
+
+    // A real preemption: a job of the higher-priority partition wants a
+    // GPU while both are taken; Slurm (PreemptMode=REQUEUE) signals one
+    // GPU task, which drains, and requeues it itself.
+    let urgent = sbatch(&[
+        "--partition=urgent",
+        "--gpus=1",
+        "--job-name=urgent",
+        "--output=logs/urgent-%j.out",
+        "--wrap=echo urgent job on GPU $CUDA_VISIBLE_DEVICES",
+    ])?;
+    let preempted_at = Instant::now();
+    let mut by_slurm = None;
+    wait_for(Duration::from_secs(90), || {
+        by_slurm = tasks.iter().find(|t| slurm.requeued(t, 2)).cloned();
+        Ok(by_slurm.is_some() || !is_running(slurm, &coordinator))
+    })
+    .with_context(|| {
+        format!(
+            "no GPU task was preempted for {urgent}: {:?}",
+            tasks.iter().map(|t| slurm.job(t).ok()).collect::<Vec<_>>()
+        )
+    })?;
+    running("the preemption by a higher-priority job")?;
+    let by_slurm = by_slurm.context("preempted task")?;
+    report.priority_preempted_task = by_slurm.clone();
+    report.priority_requeued_after_s = preempted_at.elapsed().as_secs_f64();
+    slurm.wait_gone(&urgent, Duration::from_secs(60))?;
+    report.urgent_state = slurm
+        .job(&urgent)?
+        .get("JobState")
+        .cloned()
+        .unwrap_or_default();
+    slurm.start_now(&by_slurm, &[])?;
+    wait_for(Duration::from_secs(60), || {
+        Ok(consuming(&logs, &by_slurm, 2) || !is_running(slurm, &coordinator))
+    })?;
+    running("the task preempted by Slurm came back")?;
+    println!(
+        "slurm: {by_slurm} preempted by {urgent} (partition urgent), requeued by Slurm after {:.1}s, running again",
+        report.priority_requeued_after_s
     );
 
     // The job's end: the coordinator exits, its template cancels the workers.
@@ -495,13 +550,26 @@ fn check(
                 "worker task {t} ended as {state}, not cancelled by coordinator.sbatch"
             ));
         }
-        if !state.ends_with("restarts=1") {
-            v.push(format!("worker task {t}: {state}, expected one requeue"));
+        let expected = if *t == report.priority_preempted_task {
+            2
+        } else {
+            1
+        };
+        if !state.ends_with(&format!("restarts={expected}")) {
+            v.push(format!(
+                "worker task {t}: {state}, expected {expected} requeue(s)"
+            ));
         }
     }
-    // Both runs of each GPU task took work, under their Slurm names.
+    // Each GPU task's first run and its run after the last requeue took
+    // work, under their Slurm names.
     for t in tasks {
-        for run in 0..2 {
+        let last = if *t == report.priority_preempted_task {
+            2
+        } else {
+            1
+        };
+        for run in [0, last] {
             let id = format!("slurm-{t}.0.r{run}");
             let items = report
                 .status_workers
@@ -525,6 +593,15 @@ fn check(
         let coordinator = format!("{}|COMPLETED|0:0", report.coordinator_job);
         if !sacct.contains(&coordinator) {
             v.push(format!("sacct has no {coordinator:?}: {sacct:?}"));
+        }
+        if !sacct
+            .iter()
+            .any(|l| l.starts_with(&format!("{}|PREEMPTED", report.priority_preempted_task)))
+        {
+            v.push(format!(
+                "sacct shows no PREEMPTED run of {}: {sacct:?}",
+                report.priority_preempted_task
+            ));
         }
         for t in tasks {
             for state in ["REQUEUED", "CANCELLED"] {
@@ -621,8 +698,21 @@ fn check(
         }
         report.worker_threads.push(threads);
     }
-    // Two requeues (time limit, preemption) and the end of four workers
-    // (two GPU tasks, two of the second array): six drains.
+    // Two requeues by the task script (time limit, preemption by signal)
+    // and the end of four workers (two GPU tasks, two of the second
+    // array): six drains logged by the task scripts.
+    if report.urgent_state != "COMPLETED" {
+        v.push(format!("the urgent job ended {}", report.urgent_state));
+    }
+    // Preempted by Slurm, the worker drains as well; its batch script may
+    // be ended before it logs (Slurm holds the preempted job for KillWait),
+    // so the worker's own log tells.
+    if !stopped_cleanly(logs, &report.priority_preempted_task, 1) {
+        v.push(format!(
+            "the worker of {} (run r1) did not log a clean stop when Slurm preempted it",
+            report.priority_preempted_task
+        ));
+    }
     if report.drained_exits < 6 {
         v.push(format!(
             "{} worker stop(s) logged as drained with exit 0, expected 6 (2 requeues, 4 at the end)",
@@ -658,6 +748,19 @@ fn consuming(logs: &Path, task: &str, restarts: u32) -> bool {
     let id = format!("slurm-{task}.0.r{restarts}");
     log.lines()
         .any(|l| l.contains("worker consuming") && l.contains(&id))
+}
+
+/// Whether the worker of `task`, in its run after `restarts` requeues,
+/// logged a clean stop (drained, exit 0) before the next run started.
+fn stopped_cleanly(logs: &Path, task: &str, restarts: u32) -> bool {
+    let log = std::fs::read_to_string(logs.join(format!("batchfleet-worker-{task}.0.log")))
+        .unwrap_or_default();
+    let id = format!("slurm-{task}.0.r{restarts}");
+    log.lines()
+        .skip_while(|l| !(l.contains("worker consuming") && l.contains(&id)))
+        .skip(1)
+        .take_while(|l| !l.contains("worker consuming"))
+        .any(|l| l.contains("worker stopped cleanly"))
 }
 
 fn is_running(slurm: &Slurm, job: &str) -> bool {
@@ -952,6 +1055,8 @@ JobAcctGatherType=jobacct_gather/none
 {accounting}SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 MpiDefault=none
 ReturnToService=2
 KillWait=30
@@ -959,7 +1064,8 @@ MinJobAge=3600
 GresTypes=gpu
 SlurmdParameters=config_overrides
 NodeName=bfnode NodeHostname={host} NodeAddr=127.0.0.1 CPUs=16 RealMemory=64000 Gres=gpu:2 State=UNKNOWN
-PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
+PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes=bfnode MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 ",
             socket = socket.display(),
         );
@@ -1073,21 +1179,30 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
 
     /// Waits for `job` to be back in the queue after a requeue.
     fn wait_requeued(&self, job: &str, within: Duration) -> Result<()> {
-        wait_for(within, || {
-            let j = self.job(job)?;
-            Ok(j.get("Restarts").map(String::as_str) == Some("1")
-                && j.get("JobState").map(String::as_str) == Some("PENDING"))
-        })
-        .with_context(|| format!("{job} was not requeued: {:?}", self.job(job).ok()))
+        wait_for(within, || Ok(self.requeued(job, 1)))
+            .with_context(|| format!("{job} was not requeued: {:?}", self.job(job).ok()))
     }
 
-    /// Starts a requeued `job` without Slurm's requeue delay (`scontrol
-    /// update StartTime=now`, with `settings` besides) and waits until it
-    /// runs. The delay is set when the requeue has finished (reason
+    /// Whether `job` waits in the queue after its `restarts`th requeue.
+    fn requeued(&self, job: &str, restarts: u32) -> bool {
+        self.job(job).is_ok_and(|j| {
+            j.get("Restarts") == Some(&restarts.to_string())
+                && j.get("JobState").map(String::as_str) == Some("PENDING")
+        })
+    }
+
+    /// Starts a just requeued `job` without Slurm's requeue delay
+    /// (`scontrol update StartTime=now`, with `settings` besides) and waits
+    /// until it runs. The delay is set when the requeue has finished (reason
     /// `BeginTime`); an update before that is overwritten, so it is made
-    /// (again) whenever the job waits for its begin time.
+    /// (again) whenever the job waits for its begin time. Not within 2 s of
+    /// the requeue: slurmd refuses (exit 1, the job FAILED) a launch whose
+    /// credential is from the second in which the previous run's was
+    /// revoked — the reason for Slurm's own delay — so this is a wait on
+    /// Slurm's clock, not on an event.
     fn start_now(&self, job: &str, settings: &[&str]) -> Result<()> {
         let id = format!("JobId={job}");
+        let earliest = Instant::now() + Duration::from_secs(2);
         wait_for(Duration::from_secs(90), || {
             let j = self.job(job)?;
             match (
@@ -1095,13 +1210,14 @@ PartitionName=batch Nodes=bfnode Default=YES MaxTime=INFINITE State=UP
                 j.get("Reason").map(String::as_str),
             ) {
                 (Some("RUNNING"), _) => return Ok(true),
-                (Some("PENDING"), Some("BeginTime")) => {
+                (Some("PENDING"), Some("BeginTime")) if Instant::now() >= earliest => {
                     self.run(
                         "scontrol",
                         &[&["update", &id], settings, &["StartTime=now"]].concat(),
                     )?;
                 }
-                _ => {}
+                (Some("PENDING" | "REQUEUED" | "COMPLETING" | "CONFIGURING") | None, _) => {}
+                (Some(state), _) => bail!("{job} ended {state} instead of starting again"),
             }
             Ok(false)
         })
@@ -1216,6 +1332,10 @@ fn print(r: &SlurmReport) {
     println!(
         "preemption: {} at {} items, drained and requeued {:.1}s after scancel --signal=TERM",
         r.preempted_task, r.preempted_at_items, r.preempt_requeued_after_s
+    );
+    println!(
+        "preemption by Slurm: {} requeued {:.1}s after the urgent job's submission (urgent job {})",
+        r.priority_preempted_task, r.priority_requeued_after_s, r.urgent_state
     );
     println!(
         "scaled: {} ({} tasks running); {} drained exits 0; {} redelivered, {} dead-lettered",
