@@ -475,7 +475,8 @@ fn run_job(
     if slurm.dbd.is_some() {
         report.accounting = true;
         let jobs = format!("{workers},{coordinator},{scale}");
-        // slurmctld hands records to slurmdbd as jobs end: wait for the last.
+        // slurmctld hands records to slurmdbd as jobs end: wait for each
+        // job's last run (an earlier, requeued run does not count).
         wait_for(Duration::from_secs(60), || {
             report.sacct = slurm
                 .run(
@@ -498,6 +499,7 @@ fn run_job(
                         && !l.contains("|RUNNING|")
                         && !l.contains("|PENDING|")
                         && !l.contains("|REQUEUED|")
+                        && !l.contains("|PREEMPTED|")
                 })
             };
             Ok(ended(&coordinator)
