@@ -139,7 +139,9 @@ pub fn free_port() -> Result<u16> {
         .port())
 }
 
-fn wait_listening(
+/// Waits until `child` (`what`, logging to `log`) listens on `port` on
+/// loopback; fails at once if it exits first, naming its log.
+pub fn wait_listening(
     port: u16,
     within: Duration,
     what: &str,

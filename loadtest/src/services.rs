@@ -11,7 +11,8 @@ pub const RABBITMQ: &str = "127.0.0.1:5672";
 /// Redis on loopback.
 pub const REDIS: &str = "127.0.0.1:6379";
 
-fn listening(addr: &str) -> bool {
+/// Whether something accepts TCP connections at `addr` (`ip:port`).
+pub fn listening(addr: &str) -> bool {
     let addr: SocketAddr = addr.parse().expect("valid socket address");
     TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
 }

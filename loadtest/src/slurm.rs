@@ -39,7 +39,7 @@
 
 use crate::chaos;
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::nodes::free_port;
+use batchfleet_loadtest::nodes::{free_port, wait_listening};
 use batchfleet_loadtest::python::repo_root;
 use batchfleet_loadtest::services;
 use std::collections::HashMap;
@@ -685,8 +685,7 @@ fn check(
         ));
     }
     for t in tasks {
-        let log = std::fs::read_to_string(logs.join(format!("batchfleet-worker-{t}.0.log")))
-            .unwrap_or_default();
+        let log = worker_log(logs, t);
         let threads = log
             .lines()
             .find(|l| l.contains("worker consuming"))
@@ -742,11 +741,16 @@ fn count_parts(out: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The log of the worker of GPU task `task` (all its runs, appended).
+fn worker_log(logs: &Path, task: &str) -> String {
+    std::fs::read_to_string(logs.join(format!("batchfleet-worker-{task}.0.log")))
+        .unwrap_or_default()
+}
+
 /// Whether the worker of `task`, in its run after `restarts` requeues,
 /// logged that it consumes.
 fn consuming(logs: &Path, task: &str, restarts: u32) -> bool {
-    let log = std::fs::read_to_string(logs.join(format!("batchfleet-worker-{task}.0.log")))
-        .unwrap_or_default();
+    let log = worker_log(logs, task);
     let id = format!("slurm-{task}.0.r{restarts}");
     log.lines()
         .any(|l| l.contains("worker consuming") && l.contains(&id))
@@ -755,8 +759,7 @@ fn consuming(logs: &Path, task: &str, restarts: u32) -> bool {
 /// Whether the worker of `task`, in its run after `restarts` requeues,
 /// logged a clean stop (drained, exit 0) before the next run started.
 fn stopped_cleanly(logs: &Path, task: &str, restarts: u32) -> bool {
-    let log = std::fs::read_to_string(logs.join(format!("batchfleet-worker-{task}.0.log")))
-        .unwrap_or_default();
+    let log = worker_log(logs, task);
     let id = format!("slurm-{task}.0.r{restarts}");
     log.lines()
         .skip_while(|l| !(l.contains("worker consuming") && l.contains(&id)))
@@ -844,11 +847,6 @@ fn processes_under(root: &Path) -> Vec<String> {
     found
 }
 
-fn mariadb_up() -> bool {
-    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], 3306).into(), Duration::from_secs(1))
-        .is_ok()
-}
-
 /// slurmdbd on the local MariaDB (user root, no password, a database of
 /// the run's own), reached on `port`, the cluster registered in it.
 fn start_dbd(
@@ -891,10 +889,14 @@ LogFile={d}/log/slurmdbd.log
         .stderr(log("slurmdbd.err")?)
         .spawn()
         .context("starting slurmdbd")?;
-    let dbd = (Daemon(child), db);
-    let up = wait_for(Duration::from_secs(60), || {
-        Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
-    });
+    let mut dbd = (Daemon(child), db);
+    let up = wait_listening(
+        port,
+        Duration::from_secs(60),
+        "slurmdbd",
+        &mut dbd.0 .0,
+        &dir.join("log/slurmdbd.log"),
+    );
     let registered = up.and_then(|()| {
         let out = Command::new("sacctmgr")
             .args(["-i", "add", "cluster", "batchfleet"])
@@ -1021,7 +1023,7 @@ impl Slurm {
         let (ctld_port, node_port) = (free_port()?, free_port()?);
         let d = dir.display();
         // Accounting (slurmdbd on the local MariaDB), for sacct.
-        let dbd_port = if mariadb_up() && which("slurmdbd").is_some() {
+        let dbd_port = if services::listening("127.0.0.1:3306") && which("slurmdbd").is_some() {
             Some(free_port()?)
         } else {
             None
