@@ -13,6 +13,7 @@
 use crate::config::{Connections, RunConfig};
 use crate::error::RunError;
 use crate::{status, RunOutcome};
+use batchfleet_shared::backend::Backend;
 use batchfleet_shared::config::ServiceArgs;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -93,12 +94,13 @@ impl GlobalArgs {
     /// error naming it.
     fn connections(&self) -> Result<Connections, String> {
         Ok(Connections {
-            amqp: self.services.amqp().map_err(|e| e.to_string())?,
-            redis: self.services.redis().map_err(|e| e.to_string())?,
-            redis_prefix: self.services.redis_prefix.clone(),
+            backend: Backend::Fleet {
+                amqp: self.services.amqp().map_err(|e| e.to_string())?,
+                redis: self.services.redis().map_err(|e| e.to_string())?,
+                redis_prefix: self.services.redis_prefix.clone(),
+            },
             connect_timeout: self.connect_timeout,
             signing_key: self.services.signing_key().map_err(|e| e.to_string())?,
-            local: None,
             retention: self.retention,
             hooks: crate::hooks::HookPolicy {
                 command_env: self.hook_env.clone(),

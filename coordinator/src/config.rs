@@ -2,8 +2,8 @@
 //! `batchfleet run` ([`RunConfig`]), built from the command line in [`crate::cli`].
 
 use crate::supervisor;
-use batchfleet_shared::broker::{self, Broker, BrokerError};
-use batchfleet_shared::endpoint::Endpoint;
+use batchfleet_shared::backend::Backend;
+use batchfleet_shared::broker::{Broker, BrokerError};
 use batchfleet_shared::store::{Store, StoreError};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,20 +12,14 @@ use std::time::Duration;
 /// Connection settings shared by every coordinator command.
 #[derive(Debug, Clone)]
 pub struct Connections {
-    /// RabbitMQ: URL and TLS files.
-    pub amqp: Endpoint,
-    /// Redis: URL and TLS files.
-    pub redis: Endpoint,
-    /// Prefix of every Redis key.
-    pub redis_prefix: String,
+    /// RabbitMQ and Redis, or the in-process queues and store of
+    /// `batchfleet run --local`.
+    pub backend: Backend,
     /// How long to wait for RabbitMQ or Redis to answer before giving up.
     pub connect_timeout: Duration,
     /// Signs every published work item when set (workers holding the same
     /// key refuse anything else).
     pub signing_key: Option<batchfleet_shared::signing::SigningKey>,
-    /// In-process queues and store (`batchfleet run --local`) instead of
-    /// RabbitMQ and Redis.
-    pub local: Option<LocalServices>,
     /// How long a finished job's state stays in Redis (its summary stays in
     /// the output folder for good).
     pub retention: Duration,
@@ -36,47 +30,15 @@ pub struct Connections {
 /// The default of `--retention` (`BATCHFLEET_RETENTION`).
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// The queues and job store of a `--local` run, shared by the coordinator
-/// and its in-process workers.
-#[derive(Debug, Clone)]
-pub struct LocalServices {
-    /// The queues.
-    pub queues: broker::local::LocalQueues,
-    /// The job store.
-    pub store: Store,
-}
-
-impl LocalServices {
-    /// Empty queues and an empty store.
-    pub fn new() -> Self {
-        Self {
-            queues: broker::local::LocalQueues::new(),
-            store: Store::local(),
-        }
-    }
-}
-
-impl Default for LocalServices {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Connections {
     /// Connects to Redis (or hands out the in-process store).
     pub async fn store(&self) -> Result<Store, StoreError> {
-        match &self.local {
-            Some(local) => Ok(local.store.clone()),
-            None => Store::connect(&self.redis, &self.redis_prefix, self.connect_timeout).await,
-        }
+        self.backend.store(self.connect_timeout).await
     }
 
     /// Connects to RabbitMQ as `name` (or opens a handle on the in-process queues).
     pub async fn broker(&self, name: &str) -> Result<Arc<dyn Broker>, BrokerError> {
-        match &self.local {
-            Some(local) => Ok(local.queues.handle()),
-            None => broker::connect(&self.amqp, name, self.connect_timeout).await,
-        }
+        self.backend.broker(name, self.connect_timeout).await
     }
 }
 

@@ -22,4 +22,7 @@ pub enum RunError {
     /// Output could not be written or is inconsistent.
     #[error("{0}")]
     Output(String),
+    /// The worker pipelines of a `--local` run could not start or all stopped.
+    #[error("{0}")]
+    LocalWorkers(String),
 }

@@ -15,13 +15,13 @@
 //!   (as well as listed in `summary.json`); `batchfleet dlq list --local`
 //!   reads them and `batchfleet dlq replay --local` runs them again.
 
-#[cfg(feature = "local")]
-use crate::config::LocalServices;
 use crate::config::RunConfig;
 use crate::dlq::DeadItem;
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::RunOutcome;
+#[cfg(feature = "local")]
+use batchfleet_shared::backend::{Backend, LocalServices};
 use batchfleet_shared::output::{DEAD_DIR, SUMMARY_FILE};
 use batchfleet_shared::source::fs;
 use std::path::Path;
@@ -34,16 +34,17 @@ use tokio_util::sync::CancellationToken;
 const NO_LOCAL: &str = "this batchfleet was built without local mode (the coordinator image leaves libtorch out); run --local with a full build (`cargo build --release`, default features) or the worker image";
 
 /// How many pipelines, and how many libtorch threads each.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct LocalOptions {
     /// Worker pipelines (each with its own model and runner thread).
     pub workers: usize,
     /// libtorch intra-op threads per pipeline.
     pub threads: usize,
-    /// More `batchfleet-worker` flags per pipeline: pipeline `i` takes
-    /// entry `i` (none when missing). Every `BATCHFLEET_*` variable applies
-    /// to all of them too.
-    pub worker_args: Vec<Vec<String>>,
+    /// The settings pipeline `i` starts from: entry `i`, or (when missing) a
+    /// worker's defaults and `BATCHFLEET_*` variables. The run sets the
+    /// pool, the id, the threads and the data roots.
+    #[cfg(feature = "local")]
+    pub worker_settings: Vec<batchfleet_worker::WorkerConfig>,
 }
 
 impl LocalOptions {
@@ -58,7 +59,8 @@ impl LocalOptions {
         Self {
             workers,
             threads,
-            worker_args: Vec::new(),
+            #[cfg(feature = "local")]
+            worker_settings: Vec::new(),
         }
     }
 }
@@ -99,7 +101,7 @@ pub async fn run_spec(
 ) -> Result<RunOutcome, RunError> {
     let services = LocalServices::new();
     let mut cfg = cfg.clone();
-    cfg.connections.local = Some(services.clone());
+    cfg.connections.backend = Backend::Local(services.clone());
     let roots = if cfg.data_roots.is_empty() {
         vec![spec
             .manifest_path
@@ -112,10 +114,7 @@ pub async fn run_spec(
     let mut workers = tokio::task::JoinSet::new();
     for i in 0..opts.workers {
         let wcfg = worker_config(spec, i, &opts, &roots)?;
-        let backend = batchfleet_worker::Backend::Local {
-            queues: services.queues.clone(),
-            store: services.store.clone(),
-        };
+        let backend = Backend::Local(services.clone());
         workers.spawn(batchfleet_worker::run_on(wcfg, backend, stop.clone()));
     }
     let outcome = tokio::select! {
@@ -151,8 +150,7 @@ pub async fn run_spec(
     outcome
 }
 
-/// The settings of pipeline `i`: the flags a `batchfleet-worker` would get
-/// (and, like it, every `BATCHFLEET_*` variable not set here).
+/// The settings of pipeline `i` (see [`LocalOptions::worker_settings`]).
 #[cfg(feature = "local")]
 fn worker_config(
     spec: &JobSpec,
@@ -160,29 +158,12 @@ fn worker_config(
     opts: &LocalOptions,
     roots: &[PathBuf],
 ) -> Result<batchfleet_worker::WorkerConfig, RunError> {
-    use clap::Parser;
-    let mut args: Vec<std::ffi::OsString> = vec![
-        "batchfleet-worker".into(),
-        "--pool".into(),
-        spec.pool.clone().into(),
-        "--threads".into(),
-        opts.threads.to_string().into(),
-        "--worker-id".into(),
-        format!("local-{i}").into(),
-    ];
-    for root in roots {
-        args.push("--data-root".into());
-        args.push(root.clone().into());
-    }
-    args.extend(
-        opts.worker_args
-            .get(i)
-            .into_iter()
-            .flatten()
-            .map(Into::into),
-    );
-    batchfleet_worker::WorkerConfig::try_parse_from(args)
-        .map_err(|e| RunError::Output(format!("local worker settings: {e}")))
+    let base = match opts.worker_settings.get(i) {
+        Some(cfg) => cfg.clone(),
+        None => batchfleet_worker::WorkerConfig::from_env()
+            .map_err(|e| RunError::LocalWorkers(format!("local worker settings: {e}")))?,
+    };
+    Ok(base.for_pipeline(&spec.pool, i, opts.threads, roots))
 }
 
 /// Waits until every pipeline has ended; what the last one said.

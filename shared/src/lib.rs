@@ -32,6 +32,7 @@
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
 
+pub mod backend;
 pub mod broker;
 pub mod columns;
 pub mod config;

@@ -7,6 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How a rejected row's reason says what to do about a missing value.
+pub const MISSING_HINT: &str =
+    "set [input] missing = \"nan\" or a number to score rows with missing values";
+
 /// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reject {

@@ -171,7 +171,7 @@ impl WorkerConfig {
     }
 
     /// The testing aids configured (all off by default).
-    pub fn debug_hooks(&self) -> crate::context::DebugHooks {
+    pub fn debug_hooks(&self) -> crate::debug::DebugHooks {
         let pick = |site| {
             self.debug_panic
                 .iter()
@@ -179,11 +179,34 @@ impl WorkerConfig {
                 .map(|(_, seq, attempt)| (*seq, *attempt))
                 .collect()
         };
-        crate::context::DebugHooks {
+        crate::debug::DebugHooks {
             panic_in_item: pick(PanicSite::Item),
             panic_on_runner: pick(PanicSite::Runner),
             disk_full_while: self.debug_disk_full_while.clone(),
         }
+    }
+
+    /// A worker's defaults with its `BATCHFLEET_*` environment variables
+    /// applied: what `batchfleet-worker` with no flags would run with.
+    pub fn from_env() -> Result<Self, clap::Error> {
+        Self::try_parse_from(["batchfleet-worker"])
+    }
+
+    /// These settings for in-process pipeline `index` of a `batchfleet run
+    /// --local` job in `pool`: the id `local-<index>`, `threads` libtorch
+    /// threads, and the run's data roots.
+    pub fn for_pipeline(
+        mut self,
+        pool: &str,
+        index: usize,
+        threads: usize,
+        data_roots: &[std::path::PathBuf],
+    ) -> Self {
+        self.pool = pool.to_owned();
+        self.worker_id = Some(format!("local-{index}"));
+        self.threads = threads;
+        self.data_roots = data_roots.to_vec();
+        self
     }
 
     /// The configured id, or `<hostname>-<pid>`.

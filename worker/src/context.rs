@@ -1,23 +1,26 @@
 //! What a worker's item handlers share: the job store, the broker, the model
-//! runner and its gate, the message guard (signing key, caps, data roots),
-//! and the worker-level states that containment adds — jobs this worker
-//! leaves to others for a while ([`Bench`]) and the disk-full pause
-//! ([`Pause`]).
+//! runner and the gate that admits one item at a time to it (a hung runner
+//! replaced, the worker restarted after too many), the message guard, the
+//! worker's timing, and the jobs this worker leaves to others for a while
+//! ([`Bench`]). The disk-full pause it holds is the consumer's
+//! ([`crate::consumer::pause`]).
 
 use crate::batch::Batch;
+use crate::consumer::pause::Pause;
+use crate::debug::{Clock, DebugHooks};
 use crate::error::ItemError;
+use crate::item::admission::Guard;
+use crate::item::signals::Signals;
 use crate::runner::{ModelRunner, Predictions};
 use batchfleet_shared::broker::{Broker, BrokerError, Outgoing, PoolQueues};
-use batchfleet_shared::message::{ItemLimits, WorkItem};
+use batchfleet_shared::message::WorkItem;
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::paths::DataRoots;
-use batchfleet_shared::signing::SigningKey;
 use batchfleet_shared::store::{Store, StoreError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// Runners abandoned to hung `forward` calls before the worker asks to be restarted.
@@ -55,6 +58,22 @@ pub struct Tuning {
     pub pause_max: Duration,
 }
 
+impl Tuning {
+    /// The timing a worker's flags set.
+    pub fn of(cfg: &crate::config::WorkerConfig) -> Self {
+        Self {
+            heartbeat: cfg.heartbeat,
+            lease_ttl: cfg.lease_ttl.max(cfg.heartbeat * 2),
+            ack_after: cfg.ack_after,
+            store_patience: cfg.connect_timeout,
+            unable_for: cfg.unable_for,
+            unknown_job_grace: cfg.unknown_job_grace,
+            pause_max: cfg.disk_full_max_pause,
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for Tuning {
     fn default() -> Self {
         Self {
@@ -67,74 +86,6 @@ impl Default for Tuning {
             unknown_job_grace: Duration::from_secs(120),
             pause_max: Duration::from_secs(60),
         }
-    }
-}
-
-/// What a message must pass before anything is read or written for it.
-#[derive(Debug, Clone, Default)]
-pub struct Guard {
-    /// The signing key: with one, unsigned or forged messages are rejected.
-    pub key: Option<SigningKey>,
-    /// Caps on what one item may ask for.
-    pub limits: ItemLimits,
-    /// Where an item's paths must stay (queue contents are not trusted).
-    pub roots: DataRoots,
-}
-
-/// The worker's wall clock (for stats and headers; never for leases, which
-/// use Redis's). A debug offset plays a machine whose clock is wrong.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Clock {
-    /// Milliseconds added to the system clock (may be negative).
-    pub offset_ms: i64,
-}
-
-impl Clock {
-    /// Now, in ms since the epoch, as this worker sees it.
-    pub fn now_ms(&self) -> u64 {
-        batchfleet_shared::now_ms().saturating_add_signed(self.offset_ms)
-    }
-}
-
-/// Testing aids, hidden from `--help`: panics on chosen items.
-#[derive(Debug, Clone, Default)]
-pub struct DebugHooks {
-    /// Panic in item handling for these (seq, attempt — 0 for every attempt).
-    pub panic_in_item: Vec<(u32, u32)>,
-    /// Panic on the runner thread for these (seq, attempt — 0 for every attempt).
-    pub panic_on_runner: Vec<(u32, u32)>,
-    /// While this file exists, writing output fails as a full disk would.
-    pub disk_full_while: Option<std::path::PathBuf>,
-}
-
-impl DebugHooks {
-    fn hits(list: &[(u32, u32)], seq: u32, attempt: u32) -> bool {
-        list.iter()
-            .any(|(s, a)| *s == seq && (*a == 0 || *a == attempt))
-    }
-
-    /// Whether item handling should panic for this item and attempt.
-    pub fn panic_in_item(&self, seq: u32, attempt: u32) -> bool {
-        Self::hits(&self.panic_in_item, seq, attempt)
-    }
-
-    /// Whether the runner should panic for this item and attempt.
-    pub fn panic_on_runner(&self, seq: u32, attempt: u32) -> bool {
-        Self::hits(&self.panic_on_runner, seq, attempt)
-    }
-
-    /// A full disk when one is being played now (writing `dest` fails).
-    pub fn check_disk(&self, dest: &std::path::Path) -> Result<(), ItemError> {
-        if self.disk_full_while.as_ref().is_some_and(|p| p.exists()) {
-            return Err(ItemError::new(
-                crate::error::FailureClass::DiskFull,
-                format!(
-                    "cannot write {}: No space left on device (played by --debug-disk-full-while)",
-                    dest.display()
-                ),
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -177,66 +128,6 @@ impl Bench {
     }
 }
 
-/// The disk-full pause: the worker stops consuming until `until`, doubling
-/// the pause (up to a cap) each time the disk is still full, and starts
-/// over once an item commits.
-#[derive(Debug, Default)]
-pub struct Pause {
-    state: Mutex<(Option<Instant>, Duration, String)>,
-    /// Woken when a pause starts, so the consume loop stops pulling at once.
-    pub started: Notify,
-    max: Duration,
-}
-
-impl Pause {
-    /// A pause that never exceeds `max`.
-    pub fn new(max: Duration) -> Self {
-        Self {
-            max,
-            ..Self::default()
-        }
-    }
-
-    /// Starts (or lengthens) a pause because of `why`; its length.
-    pub fn trigger(&self, why: &str) -> Duration {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let next = if s.1.is_zero() {
-            Duration::from_secs(1)
-        } else {
-            (s.1 * 2).min(self.max.max(Duration::from_secs(1)))
-        };
-        let until = Instant::now() + next;
-        if s.0.is_none_or(|u| u < until) {
-            s.0 = Some(until);
-        }
-        s.1 = next;
-        s.2 = why.to_owned();
-        metrics::gauge!(names::WORKER_PAUSED).set(1.0);
-        self.started.notify_waiters();
-        next
-    }
-
-    /// Until when (and why) the worker pauses, if it does now.
-    pub fn until(&self) -> Option<(Instant, String)> {
-        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.0.filter(|u| *u > Instant::now())
-            .map(|u| (u, s.2.clone()))
-    }
-
-    /// The pause is over (the consume loop resumes).
-    pub fn ended(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.0 = None;
-        metrics::gauge!(names::WORKER_PAUSED).set(0.0);
-    }
-
-    /// An item committed: the disk takes writes again; the next pause starts short.
-    pub fn reset(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.1 = Duration::ZERO;
-    }
-}
-
 /// What a worker's item handlers share.
 pub struct ItemContext {
     /// The job store.
@@ -267,7 +158,7 @@ pub struct ItemContext {
     /// Testing aids.
     pub debug: DebugHooks,
     runner: Mutex<RunnerSlot>,
-    make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
+    make_runner: MakeRunner,
     abandoned: AtomicUsize,
 }
 
@@ -279,6 +170,9 @@ impl std::fmt::Debug for ItemContext {
             .finish_non_exhaustive()
     }
 }
+
+/// Makes a model runner (again after a hung one is abandoned).
+pub type MakeRunner = Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>;
 
 /// What [`ItemContext::predict`] came back with.
 #[derive(Debug)]
@@ -327,7 +221,7 @@ pub struct Parts {
     /// Timing.
     pub tuning: Tuning,
     /// Makes a model runner (again after a hung one is abandoned).
-    pub make_runner: Box<dyn Fn() -> std::io::Result<ModelRunner> + Send + Sync>,
+    pub make_runner: MakeRunner,
     /// Signing key, caps and data roots.
     pub guard: Guard,
     /// The worker's wall clock.
@@ -446,9 +340,9 @@ impl ItemContext {
         batch: Batch,
         rows: std::ops::Range<usize>,
         budget: &mut Duration,
-        lease: &crate::lease::LeaseGuard,
+        signals: &Signals,
     ) -> Predicted {
-        let (at_model, give_up) = (&lease.signals.at_model, &lease.signals.waited_too_long);
+        let (at_model, give_up) = (&signals.at_model, &signals.waited_too_long);
         if budget.is_zero() {
             // Spent on earlier segments: the runner is fine, the item is too slow.
             return Predicted::TimedOut;

@@ -12,6 +12,7 @@
 //! A bad *row* is not an item failure at all: it is rejected into the
 //! item's rejects file (see `reader`).
 
+use batchfleet_shared::metrics::names;
 use std::fmt;
 
 /// Who a failure belongs to.
@@ -168,6 +169,23 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic with a non-text payload".into())
+}
+
+/// Runs `f` on the blocking pool; a panic in it fails the item (class `panic`).
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ItemError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        if e.is_panic() {
+            metrics::counter!(names::WORKER_PANICS, "where" => "item").increment(1);
+            ItemError::panic(format!(
+                "the worker panicked handling the item: {}",
+                panic_message(e.into_panic().as_ref())
+            ))
+        } else {
+            ItemError::transient(format!("worker task failed: {e}"))
+        }
+    })
 }
 
 #[cfg(test)]

@@ -69,7 +69,7 @@ pub fn probe(task: &TaskSpec) -> Result<Probed, ProbeFailure> {
                 batch.push(&format!("probe-{i}"), &vec![0.0; cols]);
                 batch.push_text(t);
             }
-            crate::text::tokenize(&mut batch, text, model.wants_type_ids())?;
+            crate::reader::text::tokenize(&mut batch, text, model.wants_type_ids())?;
             let tokens = batch.tokens.as_ref().expect("tokenized");
             predict_tokens(
                 &mut backend,

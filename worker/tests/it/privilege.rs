@@ -138,7 +138,12 @@ async fn a_job_runs_with_least_privilege_users_and_a_worker_cannot_touch_another
     // coordinator as its own.
     (env.amqp, env.redis) = endpoints(&worker, "w-pass");
     let mut cfg = env.run_config();
-    (cfg.connections.amqp, cfg.connections.redis) = endpoints(&coord, "c-pass");
+    let (amqp, redis) = endpoints(&coord, "c-pass");
+    cfg.connections.backend = batchfleet_shared::backend::Backend::Fleet {
+        amqp,
+        redis,
+        redis_prefix: env.prefix.clone(),
+    };
 
     let gen = JobGen {
         rows: 4_000,

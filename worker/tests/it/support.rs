@@ -38,12 +38,13 @@ impl TestEnv {
 
     pub fn connections(&self) -> Connections {
         Connections {
-            amqp: self.amqp.clone(),
-            redis: self.redis.clone(),
-            redis_prefix: self.prefix.clone(),
+            backend: batchfleet_shared::backend::Backend::Fleet {
+                amqp: self.amqp.clone(),
+                redis: self.redis.clone(),
+                redis_prefix: self.prefix.clone(),
+            },
             connect_timeout: Duration::from_secs(10),
             signing_key: None,
-            local: None,
             retention: batchfleet_coordinator::config::DEFAULT_RETENTION,
             hooks: Default::default(),
         }
@@ -420,14 +421,14 @@ impl TestEnv {
                     .await;
             }
             Backend::Local => {
-                local.worker_args = flags
+                local.worker_settings = flags
                     .iter()
                     .map(|f| {
-                        ["--drain-timeout", "20s"]
+                        let argv = ["batchfleet-worker", "--drain-timeout", "20s"]
                             .iter()
-                            .chain(f.iter())
-                            .map(|s| (*s).to_owned())
-                            .collect()
+                            .chain(f.iter());
+                        <batchfleet_worker::WorkerConfig as clap::Parser>::try_parse_from(argv)
+                            .expect("valid worker flags")
                     })
                     .collect();
             }

@@ -1,4 +1,5 @@
-//! The consume loop's unit of work: what happens to one delivery.
+//! What happens to one delivery, from admission to commit: the consume
+//! loop's unit of work.
 //!
 //! admit (signature, decode, caps, paths) → start (job record checks, lease)
 //! → read → predict → publish the part file → write the rejects file →
@@ -11,25 +12,44 @@
 //! Item handling runs under `catch_unwind`: a panic settles the item (class
 //! `panic`: retried, then dead-lettered) and releases its lease, and the
 //! worker carries on. A failure is settled by its owner ([`crate::error`]):
-//! see [`settle_error`].
+//! see [`settle::settle_error`].
+//!
+//! # Layout
+//! - this file: handle, start, process (look for a part, read, compute,
+//!   publish) and commit.
+//! - [`held`]: the delivery, acknowledged or returned once.
+//! - [`admission`]: what a message must pass before anything is done for it.
+//! - [`lease`]: the item's lease in Redis and its heartbeat.
+//! - [`signals`]: what the handler, the heartbeat and the model calls share.
+//! - [`call`]: one model call as the item sees it, and the item's tallies.
+//! - [`checkpoint`]: a long item in segments, each published as it finishes.
+//! - [`settle`]: every way a delivery is settled, chosen by who is at fault.
 
-use crate::checkpoint::{self, finished_segments, segment_path, segment_rejects};
-use crate::context::{ItemContext, Predicted};
-use crate::error::ItemError;
-use crate::lease::{lease_for, LeaseGuard};
-use crate::settle::{
-    give_back, hand_back, reject, settle_error, Handled, Held, UNKNOWN_SINCE_HEADER,
-};
-use crate::{admission, reader, writer};
+pub(crate) mod admission;
+mod call;
+mod checkpoint;
+mod held;
+mod lease;
+pub(crate) mod settle;
+pub(crate) mod signals;
+
+pub(crate) use settle::Handled;
+
+use crate::context::ItemContext;
+use crate::error::{blocking, ItemError};
+use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::Publish;
 use batchfleet_shared::message::{WorkItem, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
+use held::Held;
+use lease::{lease_for, LeaseGuard};
+use settle::{give_back, hand_back, reject, settle_error, UNKNOWN_SINCE_HEADER};
+use signals::Signals;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
@@ -93,7 +113,7 @@ pub async fn handle(
         };
         // A panic anywhere in the item's handling settles the item like a
         // failure of its own; the worker goes on with the others.
-        let result = AssertUnwindSafe(process(&item, attempt, &guard, &ctx))
+        let result = AssertUnwindSafe(process(&item, attempt, &guard.signals, &ctx))
             .catch_unwind()
             .await
             .unwrap_or_else(|payload| {
@@ -275,7 +295,7 @@ enum Publishing {
 async fn process(
     item: &WorkItem,
     attempt: u32,
-    lease: &LeaseGuard,
+    signals: &Signals,
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
     if ctx.debug.panic_in_item(item.seq, attempt) {
@@ -323,7 +343,7 @@ async fn process(
                     reader::read_unchanged(&slice, &versions, &layout, text.as_ref(), on_bad_row)
                         .and_then(|mut b| {
                             if let Some(t) = &text {
-                                crate::text::tokenize(&mut b, t, type_ids)?;
+                                crate::reader::text::tokenize(&mut b, t, type_ids)?;
                             }
                             Ok(b)
                         });
@@ -353,7 +373,7 @@ async fn process(
             existing_rows: Some(rows),
         } => (*batch, Publishing::Completing, rows),
     };
-    let computed = compute(item, attempt, batch, lease, ctx, &out).await?;
+    let computed = compute(item, attempt, batch, signals, ctx, &out).await?;
     let Computed {
         rows,
         rejects,
@@ -564,33 +584,26 @@ impl PartSource {
     }
 }
 
-/// Predicts the item's rows (segment by segment when it checkpoints).
+/// Predicts the item's rows: one model call, or segments with
+/// checkpoints when the item is longer than `checkpoint_rows`.
 /// `Ok(Err(outcome))` when it ended early (shutdown, a faster copy, a wait
 /// for the model that took too long).
 async fn compute(
     item: &WorkItem,
     attempt: u32,
     mut batch: crate::batch::Batch,
-    lease: &LeaseGuard,
+    signals: &Signals,
     ctx: &ItemContext,
     out: &Path,
 ) -> Result<Result<Computed, Handled>, ItemError> {
-    let policy = &item.task.failure;
-    let format = item.task.output.format;
-    let mut budget = Duration::from_millis(policy.item_timeout_ms);
+    let mut budget = Duration::from_millis(item.task.failure.item_timeout_ms);
     let seg = item.task.checkpoint_rows as usize;
     let mut rejects = std::mem::take(&mut batch.rejects);
     let rows = batch.rows();
-    let mut hist: Vec<Vec<u64>> = Vec::new();
-    if seg == 0 || rows <= seg {
-        let call = ctx
-            .predict(item, attempt, batch, 0..rows, &mut budget, lease)
-            .await;
-        let preds = match turn(call, policy)? {
-            Ok((b, p)) => {
-                batch = b;
-                p
-            }
+    let computed = if seg == 0 || rows <= seg {
+        let called = call::model(ctx, item, attempt, batch, 0..rows, &mut budget, signals).await?;
+        let (batch, preds) = match called {
+            Ok(done) => done,
             Err(early) => return Ok(Err(early)),
         };
         rejects.extend(
@@ -599,11 +612,10 @@ async fn compute(
                 .iter()
                 .map(|(i, msg)| batch.model_reject(*i, msg)),
         );
-        rejects.sort_by_key(|r| r.line);
-        log_rejects(&rejects);
+        let mut hist = Vec::new();
         // Failed rows are NaN, which no bin counts.
-        let vector = tally(&mut hist, item, &preds);
-        return Ok(Ok(Computed {
+        let vector = call::tally(&mut hist, item, &preds);
+        Computed {
             rows: (rows - preds.failed.len()) as u64,
             rejects,
             hist,
@@ -611,144 +623,29 @@ async fn compute(
             resumed: 0,
             source: PartSource::Rows(Box::new((batch, preds, item.task.output.clone()))),
             partial: None,
-        }));
-    }
-    let dir = checkpoint::item_dir(item.seq, &item.task.model.sha256);
-    let (o, d) = (out.to_owned(), dir.clone());
-    let (segments, mut model_rejects) =
-        blocking(move || finished_segments(&o, &d, seg, rows, format)).await??;
-    let resumed_files: Vec<PathBuf> = segments
-        .iter()
-        .map(|s| segment_path(&dir, *s, format))
-        .collect();
-    let (o, spec, files) = (
-        out.to_owned(),
-        item.task.output.clone(),
-        resumed_files.clone(),
-    );
-    let mut vector;
-    (hist, vector) = blocking(move || {
-        let (mut h, mut v) = (Vec::new(), None);
-        for f in &files {
-            let part = batchfleet_shared::output::histogram_under(&o, f, &spec)?;
-            merge_histogram(&mut h, &part.counts);
-            v = VectorStats::merge(v, part.vector);
         }
-        Ok::<_, std::io::Error>((h, v))
-    })
-    .await?
-    .map_err(|e| {
-        ItemError::output_io(
-            format!("cannot read the checkpoint {}", out.join(&dir).display()),
-            &e,
-        )
-    })?;
-    let mut next = segments.last().map_or(0, |s| s.1);
-    let resumed = next;
-    if resumed > 0 {
-        tracing::info!(
-            rows_resumed = resumed,
-            rows,
-            "resuming the item from its checkpoint"
-        );
-    }
-    lease
-        .signals
-        .rows_resumed
-        .store(resumed as u64, Ordering::Relaxed);
-    lease
-        .signals
-        .rows_done
-        .store(resumed as u64, Ordering::Relaxed);
-    let mut files = resumed_files;
-    let mut predicted = 0usize;
-    let mut failed = model_rejects.len();
-    while next < rows {
-        if lease.signals.done_elsewhere.is_cancelled() {
-            // A faster copy committed: this copy's segments are not
-            // needed (and the job's summary may already be written).
-            let (o, d) = (out.to_owned(), dir.clone());
-            let _ = blocking(move || checkpoint::remove(&o, &d)).await;
-            return Ok(Err(Handled::AlreadyDone));
-        }
-        if ctx.shutdown.is_cancelled() {
-            tracing::info!(
-                rows_done = next,
-                rows,
-                "shutdown: the item goes back to the queue with its checkpoint"
-            );
-            return Ok(Err(Handled::Released));
-        }
-        if lease.signals.job_stopped.is_cancelled() {
-            // Cancelled: the finished segments stay for a run of the job
-            // again to continue from.
-            tracing::info!(
-                rows_done = next,
-                rows,
-                "the job was cancelled: the item stops at this checkpoint"
-            );
-            return Ok(Err(Handled::Skipped));
-        }
-        let end = (next + seg).min(rows);
-        let call = ctx
-            .predict(item, attempt, batch, next..end, &mut budget, lease)
-            .await;
-        let preds = match turn(call, policy)? {
-            Ok((b, p)) => {
-                batch = b;
-                p
-            }
+    } else {
+        let segmented =
+            checkpoint::segments(item, attempt, batch, signals, ctx, out, &mut budget).await?;
+        let done = match segmented {
+            Ok(done) => done,
             Err(early) => return Ok(Err(early)),
         };
-        let seg_rejects: Vec<_> = preds
-            .failed
-            .iter()
-            .map(|(i, msg)| batch.model_reject(next + i, msg))
-            .collect();
-        failed += seg_rejects.len();
-        vector = VectorStats::merge(vector, tally(&mut hist, item, &preds));
-        let path = segment_path(&dir, (next, end), format);
-        ctx.debug.check_disk(&out.join(&path))?;
-        let (o, p, b, spec) = (
-            out.to_owned(),
-            path.clone(),
-            batch,
-            item.task.output.clone(),
-        );
-        let sr = seg_rejects.clone();
-        let write_started = Instant::now();
-        batch = blocking(move || {
-            // The segment's rejects first: its part file is what marks it finished.
-            if !sr.is_empty() {
-                writer::write_rejects(&o, &segment_rejects(&p), &sr)?;
-            }
-            writer::write_part_rows(&o, &p, &spec, &b, next..end, &preds)?;
-            Ok::<_, ItemError>(b)
-        })
-        .await??;
-        metrics::histogram!(names::WORKER_WRITE).record(write_started.elapsed().as_secs_f64());
-        model_rejects.extend(seg_rejects);
-        files.push(path);
-        predicted += end - next;
-        next = end;
-        lease
-            .signals
-            .rows_done
-            .store(next as u64, Ordering::Relaxed);
-    }
-    rejects.extend(model_rejects);
-    rejects.sort_by_key(|r| r.line);
-    log_rejects(&rejects);
-    tracing::debug!(predicted, resumed, "segments finished");
-    Ok(Ok(Computed {
-        rows: (rows - failed) as u64,
-        rejects,
-        hist,
-        vector,
-        resumed: resumed as u64,
-        source: PartSource::Segments(format, files),
-        partial: Some(dir),
-    }))
+        rejects.extend(done.rejects);
+        Computed {
+            rows: (rows - done.failed) as u64,
+            rejects,
+            hist: done.hist,
+            vector: done.vector,
+            resumed: done.resumed,
+            source: PartSource::Segments(item.task.output.format, done.files),
+            partial: Some(done.dir),
+        }
+    };
+    let mut computed = computed;
+    computed.rejects.sort_by_key(|r| r.line);
+    call::log_rejects(&computed.rejects);
+    Ok(Ok(computed))
 }
 
 /// Runs a closure when dropped (keeps a gauge balanced on every return path).
@@ -764,87 +661,11 @@ fn scopeguard<F: FnMut()>(f: F) -> OnDrop<F> {
     OnDrop(f)
 }
 
-/// Adds predictions to the item's histogram, or, for a vector output,
-/// returns the stats of their norms (no histogram per dimension).
-fn tally(
-    hist: &mut Vec<Vec<u64>>,
-    item: &WorkItem,
-    preds: &crate::runner::Predictions,
-) -> Option<VectorStats> {
-    if item.task.output.vector.is_some() {
-        return VectorStats::of(&preds.values, preds.width);
-    }
-    item.task
-        .output
-        .histogram
-        .add(hist, &preds.values, preds.width);
-    None
-}
-
-/// Adds `part` into `into`, column by column.
-fn merge_histogram(into: &mut Vec<Vec<u64>>, part: &[Vec<u64>]) {
-    for (c, col) in part.iter().enumerate() {
-        if into.len() <= c {
-            into.push(vec![0; col.len()]);
-        }
-        for (b, n) in col.iter().enumerate() {
-            if let Some(slot) = into[c].get_mut(b) {
-                *slot += n;
-            }
-        }
-    }
-}
-
 /// The `model` label: the model file's name (bounded: one per job).
 fn model_label(model: &batchfleet_shared::message::ModelRef) -> String {
     Path::new(&model.path)
         .file_name()
         .map_or_else(|| model.path.clone(), |n| n.to_string_lossy().into_owned())
-}
-
-/// What a model call came back with: the batch and its predictions, or how
-/// the item ends early — a timeout is the item's failure, a shutdown gives it
-/// back, a wait for the model that took too long hands it to another worker.
-fn turn(
-    predicted: Predicted,
-    policy: &batchfleet_shared::message::FailurePolicy,
-) -> Result<Result<(crate::batch::Batch, crate::runner::Predictions), Handled>, ItemError> {
-    match predicted {
-        Predicted::Done(b, p) => Ok(Ok((*b, p?))),
-        Predicted::TimedOut => Err(timed_out(policy)),
-        Predicted::Shutdown => Ok(Err(Handled::Released)),
-        Predicted::WaitedTooLong => Ok(Err(Handled::HandedBack)),
-    }
-}
-
-fn timed_out(policy: &batchfleet_shared::message::FailurePolicy) -> ItemError {
-    ItemError::timeout(format!(
-        "the model call did not finish within item_timeout ({}s)",
-        Duration::from_millis(policy.item_timeout_ms).as_secs_f64()
-    ))
-}
-
-fn log_rejects(rejects: &[crate::batch::Reject]) {
-    if let Some(first) = rejects.first() {
-        tracing::warn!(rejected = rejects.len(), first = %first.reason, "rows rejected");
-    }
-}
-
-/// Runs `f` on the blocking pool; a panic in it fails the item (class `panic`).
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ItemError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| {
-        if e.is_panic() {
-            metrics::counter!(names::WORKER_PANICS, "where" => "item").increment(1);
-            ItemError::panic(format!(
-                "the worker panicked handling the item: {}",
-                crate::error::panic_message(e.into_panic().as_ref())
-            ))
-        } else {
-            ItemError::transient(format!("worker task failed: {e}"))
-        }
-    })
 }
 
 #[cfg(test)]

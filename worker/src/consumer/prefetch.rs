@@ -12,12 +12,17 @@
 //! Quorum queues take a consumer's prefetch when it subscribes, so a new size
 //! means a new subscription: the old one is cancelled, what the broker had
 //! sent already is handled, and the queue is consumed again with the new size
-//! (see `resize` in lib.rs). Growing takes one period; shrinking waits for two
+//! (see [`resize`]). Growing takes one period; shrinking waits for two
 //! periods in a row that ask for less, so a pause between jobs does not flap it.
 
+use super::session::Session;
+use batchfleet_shared::broker::Delivery;
+use batchfleet_shared::metrics::names;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
 
 /// How often the settled count is reviewed.
 pub const PERIOD: Duration = Duration::from_secs(1);
@@ -102,6 +107,55 @@ pub fn wanted(settled: u64, elapsed: Duration, least: u16, most: u16) -> u16 {
     let per_hold = settled as f64 * HOLD.as_secs_f64() / elapsed.as_secs_f64().max(1e-9);
     let want = (per_hold.ceil().max(1.0) as u64).next_power_of_two();
     want.clamp(u64::from(least), u64::from(most.max(least))) as u16
+}
+
+/// The prefetch in force, how it is sized, and the deliveries of a
+/// subscription it replaced that are still to be handled.
+pub(crate) struct Sizing {
+    /// The prefetch in force.
+    pub(crate) prefetch: Prefetch,
+    /// When to review it.
+    pub(crate) next_review: Instant,
+    /// When to read the pool's active jobs again.
+    pub(crate) next_jobs: Instant,
+    /// Deliveries of a replaced subscription, handled first.
+    pub(crate) backlog: VecDeque<Delivery>,
+}
+
+/// Consumes the work queue again with `size` deliveries (quorum queues take
+/// a consumer's prefetch when it subscribes): the old subscription is
+/// cancelled and what it had sent already is kept, to be handled first with
+/// the in-flight permits like any other delivery — none is returned to the
+/// queue, which would count as a delivery against the item's limit.
+pub(crate) async fn resize(
+    session: &mut Session,
+    permits: &Arc<Semaphore>,
+    sizing: &mut Sizing,
+    size: u16,
+) -> Result<(), String> {
+    let old = session.prefetch;
+    sizing.backlog.extend(session.stop_work().await?);
+    session.prefetch = size;
+    session.resume_work().await?;
+    if size > old {
+        permits.add_permits(usize::from(size - old));
+    } else {
+        // Taken as the items in flight finish, and never given back.
+        let (permits, fewer) = (permits.clone(), u32::from(old - size));
+        tokio::spawn(async move {
+            if let Ok(taken) = permits.acquire_many_owned(fewer).await {
+                taken.forget();
+            }
+        });
+    }
+    metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(size));
+    tracing::info!(
+        from = old,
+        to = size,
+        held = sizing.backlog.len(),
+        "prefetch sized from the items settled in the last second"
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,8 +4,20 @@
 //!
 //! The item's bytes are read into memory once (items are megabytes), so a
 //! rejected row can be reported with its exact raw text and line.
+//!
+//! # Layout
+//! - this file: a slice's rows, by input kind — CSV and JSON Lines byte
+//!   ranges parsed here — and the checks that the input is still the one
+//!   the job was planned with.
+//! - [`columnar`]: Parquet row groups, projected columns.
+//! - [`images`]: image files, decoded and normalised.
+//! - [`text`]: text rows tokenized into token ids.
 
-use crate::batch::{raw_text, Batch, Reject};
+mod columnar;
+mod images;
+pub(crate) mod text;
+
+use crate::batch::{raw_text, Batch, Reject, MISSING_HINT};
 use crate::error::ItemError;
 use batchfleet_shared::message::{
     ByteRange, CsvLayout, InputSlice, JsonLayout, OnBadRow, TextSpec,
@@ -43,13 +55,13 @@ pub fn read(
             let Layout::Image(spec) = layout else {
                 return Err(mismatch(root));
             };
-            let list = crate::images::FileList {
+            let list = images::FileList {
                 root,
                 files,
                 sizes,
                 first_index: *first_index,
             };
-            crate::images::read_files(list, spec, on_bad_row, io_error)
+            images::read_files(list, spec, on_bad_row, io_error)
         }
         InputSlice::ParquetRowGroups {
             path,
@@ -62,21 +74,17 @@ pub fn read(
             let Layout::Parquet(layout) = layout else {
                 return Err(mismatch(path));
             };
-            let at = crate::columnar::RowGroups {
+            let at = columnar::RowGroups {
                 path,
                 first_group: *first_group,
                 groups: *groups,
                 first_row: *first_row,
                 file_len: *file_len,
             };
-            let batch = crate::columnar::read_parquet_text(
-                at,
-                layout,
-                text,
-                *rows as usize,
-                on_bad_row,
-                |e| io_error(path, e),
-            )?;
+            let batch =
+                columnar::read_parquet_text(at, layout, text, *rows as usize, on_bad_row, |e| {
+                    io_error(path, e)
+                })?;
             check_count(&batch, *rows, || {
                 format!("{path} row groups {first_group}+{groups}")
             })?;
@@ -271,10 +279,6 @@ fn align_error(path: &str, e: std::io::Error) -> ItemError {
         io_error(path, e)
     }
 }
-
-/// How a rejected row's reason says what to do about a missing value.
-pub const MISSING_HINT: &str =
-    "set [input] missing = \"nan\" or a number to score rows with missing values";
 
 /// Poison unless the batch saw (read or rejected) the `rows` the planner counted.
 fn check_count(batch: &Batch, rows: u64, what: impl Fn() -> String) -> Result<(), ItemError> {

@@ -10,8 +10,8 @@
 //! The copy is checked like any message (signature, decoding, the job record)
 //! before anything is recorded: a forged one fails no real item.
 
-use crate::admission;
 use crate::context::ItemContext;
+use crate::item::admission;
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::ItemFailure;

@@ -7,9 +7,8 @@
 //! it a value; its `raw` text is the row's values as a JSON
 //! object, and its `line` is the 1-based row number in the file.
 
-use crate::batch::{Batch, Reject};
+use crate::batch::{Batch, Reject, MISSING_HINT};
 use crate::error::ItemError;
-use crate::reader::MISSING_HINT;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,
@@ -42,6 +41,7 @@ pub struct RowGroups<'a> {
 
 /// Reads the item's rows. A file that changed since planning (length, row
 /// groups or columns) or does not decode is poison.
+#[cfg(test)]
 pub fn read_parquet(
     at: RowGroups<'_>,
     layout: &ParquetLayout,
@@ -52,8 +52,9 @@ pub fn read_parquet(
     read_parquet_text(at, layout, None, expected_rows, on_bad_row, io_error)
 }
 
-/// [`read_parquet`] with the text column of text input: a row whose text
-/// is null or not a string is a bad row.
+/// Reads the item's rows, with the text column of text input (a row whose
+/// text is null or not a string is a bad row). A file that changed since
+/// planning (length, row groups or columns) or does not decode is poison.
 pub fn read_parquet_text(
     at: RowGroups<'_>,
     layout: &ParquetLayout,

@@ -8,35 +8,13 @@
 //! a panic included — so an abandoned item's lease goes stale and the item
 //! is taken over instead of hanging its job.
 
+use super::held::Held;
+use super::signals::Signals;
 use crate::context::ItemContext;
-use crate::settle::Held;
 use batchfleet_shared::message::WorkItem;
 use batchfleet_shared::store::Lease;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tokio_util::sync::CancellationToken;
-
-/// What an item's handler and its heartbeat share.
-#[derive(Debug, Default)]
-pub struct Signals {
-    /// Rows of the item finished so far (checkpointed segments), for the heartbeat.
-    pub rows_done: AtomicU64,
-    /// Rows skipped thanks to a checkpoint, for the heartbeat.
-    pub rows_resumed: AtomicU64,
-    /// Cancelled when the heartbeat finds the item done elsewhere.
-    pub done_elsewhere: CancellationToken,
-    /// Cancelled when the heartbeat finds the job cancelled: the item stops
-    /// at its next checkpoint, keeping the segments it finished.
-    pub job_stopped: CancellationToken,
-    /// Cancelled when the item waited longer than `ack_after` without
-    /// reaching the model: it goes back to the queue for another worker.
-    pub waited_too_long: CancellationToken,
-    /// Set once the item had its first turn at the model. Only such an item
-    /// is acknowledged early, so unacknowledged items never exceed the prefetch in force.
-    pub at_model: AtomicBool,
-    /// Cancelled to stop the heartbeat.
-    stop: CancellationToken,
-}
 
 /// The lease on an item and the heartbeat task that keeps it fresh.
 pub struct LeaseGuard {

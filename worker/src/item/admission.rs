@@ -18,12 +18,22 @@
 //! agree) in the same round trip that starts the lease. A message failing
 //! any check is dead-lettered as `rejected` with its reason, touching no item.
 
-use crate::context::Guard;
 use batchfleet_shared::broker::Headers;
-use batchfleet_shared::message::{Envelope, WorkItem};
+use batchfleet_shared::message::{Envelope, ItemLimits, WorkItem};
 use batchfleet_shared::paths::DataRoots;
-use batchfleet_shared::signing::SIGNATURE_HEADER;
+use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use std::path::Path;
+
+/// What a message must pass before anything is read or written for it.
+#[derive(Debug, Clone, Default)]
+pub struct Guard {
+    /// The signing key: with one, unsigned or forged messages are rejected.
+    pub key: Option<SigningKey>,
+    /// Caps on what one item may ask for.
+    pub limits: ItemLimits,
+    /// Where an item's paths must stay (queue contents are not trusted).
+    pub roots: DataRoots,
+}
 
 /// Why a message was refused, and what went wrong with it (for metrics: a
 /// bounded label).

@@ -1,0 +1,263 @@
+//! Where a worker's deliveries come from, and how many it takes at once:
+//! the consume loop.
+//!
+//! # Layout
+//! - this file: [`run`] — consume until shutdown, re-open the session when
+//!   the broker is lost, then drain; one task per delivery, each holding an
+//!   in-flight permit until its item is settled.
+//! - [`session`]: one broker handle consuming the work and infra queues.
+//! - [`sources`]: the pool's work queue and each active job's queue, and the
+//!   weighted fair choice among them.
+//! - [`prefetch`]: the prefetch sized from the measured per-item time, and
+//!   the subscriptions re-made at a new size.
+//! - [`pause`]: the disk-full pause.
+//! - [`infra`]: items the broker dead-lettered itself, recorded as failed.
+
+mod infra;
+pub(crate) mod pause;
+mod prefetch;
+pub(crate) mod session;
+mod sources;
+
+use crate::config::WorkerConfig;
+use crate::connect;
+use crate::context::ItemContext;
+use crate::item::{self, Handled};
+use batchfleet_shared::backend::Backend;
+use batchfleet_shared::broker::Delivery;
+use batchfleet_shared::metrics::names;
+use prefetch::{resize, Prefetch, Sizing, PERIOD};
+use session::Session;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Consumes until shutdown (or the worker stops on its own), re-opening
+/// the session when the broker connection is lost, then drains. `Some(why)`
+/// when the broker was lost and could not be reached again within
+/// `--connect-timeout`.
+pub(crate) async fn run(
+    cfg: &WorkerConfig,
+    backend: &Backend,
+    mut session: Session,
+    ctx: &Arc<ItemContext>,
+    shutdown: &CancellationToken,
+) -> Option<String> {
+    // One permit per item in flight, held until the item is settled: an item
+    // acknowledged early (a long one) still counts, so a worker never holds
+    // more items than the prefetch in force, whatever the broker would send.
+    let permits = Arc::new(Semaphore::new(usize::from(cfg.prefetch)));
+    let tracker = TaskTracker::new();
+    let mut sizing = Sizing {
+        prefetch: Prefetch::new(cfg.prefetch, cfg.prefetch_max),
+        next_review: Instant::now() + PERIOD,
+        next_jobs: Instant::now(),
+        backlog: VecDeque::new(),
+    };
+    metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(sizing.prefetch.current()));
+    let lost = loop {
+        tracing::info!(worker = %ctx.worker_id, broker = %session.broker.describe(), queue = %ctx.queues.work(), prefetch = session.prefetch, prefetch_max = cfg.prefetch_max.max(cfg.prefetch), threads = cfg.threads, "worker consuming");
+        let lost = consume(&mut session, ctx, &permits, &tracker, shutdown, &mut sizing).await;
+        let Some(why) = lost else { break None };
+        if shutdown.is_cancelled() || ctx.stop.is_cancelled() {
+            break None;
+        }
+        let why = backend.scrub(&why);
+        tracing::warn!(error = %why, in_flight = tracker.len(), "lost the broker; reconnecting");
+        // Deliveries of the lost connection can no longer be acknowledged.
+        sizing.backlog.clear();
+        let prefetch = session.prefetch;
+        let reopen = async {
+            let broker = connect::broker(backend, cfg, &ctx.worker_id).await?;
+            anyhow::Ok(Session::open(broker, &ctx.queues, prefetch).await?)
+        };
+        let reopened = tokio::select! {
+            s = reopen => s,
+            _ = shutdown.cancelled() => break None,
+        };
+        match reopened {
+            Ok(fresh) => {
+                ctx.set_broker(fresh.broker.clone());
+                session.broker.close("replaced").await;
+                session = fresh;
+                tracing::info!("reconnected to the broker");
+            }
+            Err(e) => break Some(format!("{why}; reconnecting failed: {e:#}")),
+        }
+    };
+
+    drain(cfg, session, sizing.backlog, tracker).await;
+    lost
+}
+
+/// Drains: no new deliveries; items already started finish (or stop at a
+/// checkpoint) within `--drain-timeout`; then the broker handle is closed,
+/// which returns every unacknowledged delivery to its queue at once.
+async fn drain(
+    cfg: &WorkerConfig,
+    mut session: Session,
+    mut backlog: VecDeque<Delivery>,
+    tracker: TaskTracker,
+) {
+    session.cancel_consumers().await;
+    // Never started: back to the queue for another worker.
+    backlog.extend(session.work.waiting());
+    for delivery in backlog.drain(..) {
+        let _ = delivery.requeue().await;
+    }
+    tracker.close();
+    metrics::gauge!(names::WORKER_DRAINING).set(1.0);
+    if let Some(ready) = &cfg.ready_file {
+        let _ = std::fs::remove_file(ready);
+    }
+    tracing::info!(
+        in_flight = tracker.len(),
+        timeout_s = cfg.drain_timeout.as_secs(),
+        "draining"
+    );
+    if tokio::time::timeout(cfg.drain_timeout, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            in_flight = tracker.len(),
+            "drain timeout; unfinished items stay unacknowledged and return to the queue"
+        );
+    }
+    // Closing the handle returns every unacknowledged delivery to the queue at once.
+    session.broker.close("worker stopping").await;
+}
+
+/// Consumes the session's queues until shutdown, a stop, or a lost
+/// connection (`Some(why)`). A work delivery is taken only with an
+/// in-flight permit in hand; while the output disk is full the worker
+/// stops consuming (see [`pause`]).
+async fn consume(
+    session: &mut Session,
+    ctx: &Arc<ItemContext>,
+    permits: &Arc<Semaphore>,
+    tracker: &TaskTracker,
+    shutdown: &CancellationToken,
+    sizing: &mut Sizing,
+) -> Option<String> {
+    loop {
+        let now = Instant::now();
+        if now >= sizing.next_jobs {
+            sizing.next_jobs = now + JOBS_EVERY;
+            session.refresh_jobs(&ctx.store).await;
+            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
+        }
+        if sizing.prefetch.adapts() && now >= sizing.next_review {
+            sizing.next_review = now + PERIOD;
+            if let Some(size) = sizing.prefetch.review(now) {
+                if let Err(e) = resize(session, permits, sizing, size).await {
+                    return Some(e);
+                }
+            }
+        }
+        // Registered before the pause is checked: a pause that starts while
+        // this loop waits for a permit (its handlers hold them all) is seen.
+        let paused = ctx.pause.started.notified();
+        if let Some((until, why)) = ctx.pause.until() {
+            if let Err(e) = pause(session, ctx, until, &why, tracker, shutdown).await {
+                return Some(e);
+            }
+            if shutdown.is_cancelled() {
+                return None;
+            }
+            continue;
+        }
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => p.expect("the permits are never closed"),
+            _ = shutdown.cancelled() => return None,
+            _ = ctx.stop.cancelled() => return None,
+            next = session.infra.next() => match next {
+                Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); continue; }
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+        };
+        // What the last subscription had sent goes first.
+        if let Some(delivery) = sizing.backlog.pop_front() {
+            spawn_item(tracker, delivery, ctx, permit, sizing);
+            continue;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = ctx.stop.cancelled() => return None,
+            _ = paused => {}
+            // Time to look for new jobs' queues (the permit goes back).
+            _ = tokio::time::sleep_until(sizing.next_jobs.into()) => {}
+            next = session.infra.next() => match next {
+                Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); }
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+            next = session.work.next() => match next {
+                Some(Ok(delivery)) => spawn_item(tracker, delivery, ctx, permit, sizing),
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return Some("the broker closed the consumer".into()),
+            },
+        }
+    }
+}
+
+/// How often a worker reads its pool's active jobs (a job's queue is
+/// consumed within this of its publication).
+const JOBS_EVERY: Duration = Duration::from_secs(1);
+
+/// Handles a work delivery on its own task; an item settled with its work
+/// done counts towards the prefetch's sizing.
+fn spawn_item(
+    tracker: &TaskTracker,
+    delivery: Delivery,
+    ctx: &Arc<ItemContext>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    sizing: &Sizing,
+) {
+    let settled = sizing.prefetch.settled();
+    let handled = item::handle(delivery, ctx.clone(), permit);
+    tracker.spawn(async move {
+        let outcome = handled.await;
+        if matches!(outcome, Handled::Committed | Handled::AlreadyDone) {
+            settled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+}
+
+/// The output disk is full: stop consuming (the deliveries already sent
+/// are handed back by their handlers, which see the pause), wait out the
+/// pause ([`Pause::wait_out`](pause::Pause::wait_out)), then consume again.
+async fn pause(
+    session: &mut Session,
+    ctx: &Arc<ItemContext>,
+    until: Instant,
+    why: &str,
+    tracker: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> Result<(), String> {
+    tracing::warn!(
+        reason = why,
+        pause_s = until
+            .saturating_duration_since(Instant::now())
+            .as_secs_f64(),
+        "output disk full: not consuming until space is freed"
+    );
+    for delivery in session.stop_work().await? {
+        let (ctx, permits) = (ctx.clone(), Arc::new(Semaphore::new(1)));
+        let permit = permits.try_acquire_owned().expect("a fresh permit");
+        tracker.spawn(item::handle(delivery, ctx, permit));
+    }
+    if !ctx.pause.wait_out(until, shutdown).await {
+        return Ok(());
+    }
+    session
+        .resume_work()
+        .await
+        .map_err(|e| format!("consuming again after the pause: {e}"))?;
+    tracing::info!("resuming consumption after the pause; trying the disk again");
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! One broker handle consuming a worker's queues: the work queues (its
+//! pool's and its active jobs', [`Sources`]) and the infra queue. Replaced
+//! whole when the connection is lost.
+
+use super::sources::Sources;
+use batchfleet_shared::broker::{Broker, BrokerError, Delivery, PoolQueues, Subscription};
+use batchfleet_shared::store::Store;
+use std::sync::Arc;
+
+/// One broker handle consuming the work queues (the pool's and its active
+/// jobs', [`sources::Sources`]) and the infra queue.
+pub(crate) struct Session {
+    /// The broker handle.
+    pub(crate) broker: Arc<dyn Broker>,
+    /// The work queues.
+    pub(crate) work: Sources,
+    /// The queue of items the broker dead-lettered itself.
+    pub(crate) infra: Box<dyn Subscription>,
+    /// The prefetch in force.
+    pub(crate) prefetch: u16,
+    queues: PoolQueues,
+}
+
+impl Session {
+    /// Declares the pool's topology and starts consuming.
+    pub(crate) async fn open(
+        broker: Arc<dyn Broker>,
+        queues: &PoolQueues,
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        broker.declare(queues).await?;
+        let infra = broker.consume(&queues.infra(), prefetch).await?;
+        let work = Sources::open(&broker, &queues.work(), prefetch).await?;
+        Ok(Self {
+            broker,
+            work,
+            infra,
+            prefetch,
+            queues: queues.clone(),
+        })
+    }
+
+    /// Cancels the work subscriptions; the deliveries the broker had sent
+    /// already, which come out of the streams before their ends.
+    pub(crate) async fn stop_work(&mut self) -> Result<Vec<Delivery>, String> {
+        Ok(self.work.stop().await)
+    }
+
+    /// Consumes the work queues again with the prefetch in force.
+    pub(crate) async fn resume_work(&mut self) -> Result<(), String> {
+        self.work.resume(&self.broker, self.prefetch).await
+    }
+
+    /// Follows the pool's active jobs: their queues consumed, the ended
+    /// ones' let go (what they had sent goes back to its queue).
+    pub(crate) async fn refresh_jobs(&mut self, store: &Store) {
+        let active = match store.active_jobs(&self.queues.pool).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the pool's active jobs");
+                return;
+            }
+        };
+        let queues = self.queues.clone();
+        let returned = self
+            .work
+            .refresh(&self.broker, &active, |job| queues.job(job), self.prefetch)
+            .await;
+        for d in returned {
+            let _ = d.requeue().await;
+        }
+    }
+
+    /// Stops the consumers (draining).
+    pub(crate) async fn cancel_consumers(&mut self) {
+        self.work.cancel().await;
+        self.infra.cancel().await;
+    }
+}

@@ -1,0 +1,230 @@
+//! The model runner: libtorch on its own OS thread, behind the small
+//! synchronous [`Backend`] trait. Async code sends a request over a bounded
+//! channel and awaits a oneshot reply, so the tokio runtime never blocks on
+//! `forward`.
+//!
+//! # Layout
+//! - [`backend`]: the [`Backend`] trait and what crosses it.
+//! - [`predict`]: the algorithms over single calls — mini-batches,
+//!   out-of-memory halving, poison-row isolation, dynamic padding.
+//! - [`torch`]: the libtorch backend ([`TorchBackend`]): loading, caching,
+//!   tensors, output selection, error classes, queued GPU runs.
+//! - [`aoti`]: AOTInductor packages through libtorch's own loader.
+//! - this file: the runner thread ([`ModelRunner`]) and its requests.
+
+mod aoti;
+mod backend;
+mod predict;
+mod torch;
+
+pub use backend::{Arg, ArgValues, Backend, Delayed, ForwardError, Forwarded, Ran};
+pub use predict::{predict, predict_tokens, Predictions};
+pub use torch::TorchBackend;
+
+use crate::batch::Batch;
+use crate::error::ItemError;
+use batchfleet_shared::message::{FailurePolicy, ModelRef};
+use batchfleet_shared::metrics::names;
+use tokio::sync::{mpsc, oneshot};
+
+struct Request {
+    model: ModelRef,
+    batch: Batch,
+    rows: std::ops::Range<usize>,
+    batch_size: usize,
+    policy: FailurePolicy,
+    /// Only load the model (no rows).
+    load_only: bool,
+    /// Testing aid: panic on the runner thread instead of predicting.
+    inject_panic: bool,
+    reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
+}
+
+/// Handle to a runner thread; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ModelRunner {
+    tx: mpsc::Sender<Request>,
+}
+
+impl ModelRunner {
+    /// Starts a runner thread. `make_backend` runs on that thread, so
+    /// thread-local libtorch settings apply to every later call. The thread
+    /// ends once every handle is dropped and its current call returns.
+    pub fn spawn<B, F>(make_backend: F) -> std::io::Result<Self>
+    where
+        B: Backend,
+        F: FnOnce() -> B + Send + 'static,
+    {
+        // Callers take turns through a gate (see `consumer`), so one slot suffices.
+        let (tx, mut rx) = mpsc::channel::<Request>(1);
+        std::thread::Builder::new()
+            .name("model-runner".into())
+            .spawn(move || {
+                let mut backend = make_backend();
+                while let Some(req) = rx.blocking_recv() {
+                    let Request {
+                        model,
+                        batch,
+                        rows,
+                        batch_size,
+                        policy,
+                        load_only,
+                        inject_panic,
+                        reply,
+                    } = req;
+                    // A panic in the backend (a bug a model or an input
+                    // reaches) fails this request, not the thread: the item
+                    // is settled like any failed item and the runner goes on.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if inject_panic {
+                            panic!("injected panic on the model runner thread (--debug-panic)");
+                        }
+                        if load_only {
+                            return backend.load(&model).map(|()| Predictions::default());
+                        }
+                        if let Some(tokens) = &batch.tokens {
+                            return predict_tokens(
+                                &mut backend,
+                                &model,
+                                tokens,
+                                (&batch.features, batch.cols),
+                                rows.clone(),
+                                batch_size,
+                                &policy,
+                            );
+                        }
+                        let cols = batch.cols;
+                        let features = batch
+                            .features
+                            .get(rows.start * cols..rows.end * cols)
+                            .unwrap_or_default();
+                        predict(
+                            &mut backend,
+                            &model,
+                            features,
+                            &batch.row_shape(),
+                            batch_size,
+                            &policy,
+                        )
+                    }))
+                    .unwrap_or_else(|payload| {
+                        metrics::counter!(names::WORKER_PANICS, "where" => "runner").increment(1);
+                        Err(ItemError::panic(format!(
+                            "the model runner panicked running {}: {}",
+                            model.path,
+                            crate::error::panic_message(payload.as_ref())
+                        )))
+                    });
+                    let _ = reply.send((batch, result));
+                }
+            })?;
+        Ok(Self { tx })
+    }
+
+    /// Whether the runner thread is gone (it then takes no more requests).
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Loads (and caches) a model on the runner thread, checking its digest.
+    pub async fn load(&self, model: &ModelRef) -> Result<(), ItemError> {
+        let (reply, rx) = oneshot::channel();
+        let req = Request {
+            model: model.clone(),
+            batch: Batch::default(),
+            rows: 0..0,
+            batch_size: 1,
+            policy: FailurePolicy::default(),
+            load_only: true,
+            inject_panic: false,
+            reply,
+        };
+        if self.tx.send(req).await.is_err() {
+            return Err(ItemError::panic("the model runner thread has stopped"));
+        }
+        rx.await
+            .map_err(|_| ItemError::panic("the model runner thread died while loading"))?
+            .1
+            .map(|_| ())
+    }
+
+    /// Predicts a batch; hands the batch back with the result.
+    pub async fn predict(
+        &self,
+        model: &ModelRef,
+        batch: Batch,
+        batch_size: usize,
+        policy: &FailurePolicy,
+    ) -> (Batch, Result<Predictions, ItemError>) {
+        let rows = 0..batch.rows();
+        self.predict_rows(model, batch, rows, batch_size, policy, false)
+            .await
+    }
+
+    /// Predicts rows `rows` of a batch (a checkpoint segment); the
+    /// predictions (and failed row indices) are relative to `rows.start`.
+    /// `inject_panic` (a testing aid) panics on the runner thread instead.
+    pub async fn predict_rows(
+        &self,
+        model: &ModelRef,
+        batch: Batch,
+        rows: std::ops::Range<usize>,
+        batch_size: usize,
+        policy: &FailurePolicy,
+        inject_panic: bool,
+    ) -> (Batch, Result<Predictions, ItemError>) {
+        let (reply, rx) = oneshot::channel();
+        let req = Request {
+            model: model.clone(),
+            batch,
+            rows,
+            batch_size,
+            policy: policy.clone(),
+            load_only: false,
+            inject_panic,
+            reply,
+        };
+        if let Err(mpsc::error::SendError(req)) = self.tx.send(req).await {
+            return (
+                req.batch,
+                Err(ItemError::panic("the model runner thread has stopped")),
+            );
+        }
+        match rx.await {
+            Ok(out) => out,
+            Err(_) => (
+                Batch::default(),
+                Err(ItemError::panic(
+                    "the model runner thread died while predicting",
+                )),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runner::backend::fake::Fake;
+
+    fn model() -> ModelRef {
+        ModelRef::plain("m.pt", "x", "cpu")
+    }
+
+    #[tokio::test]
+    async fn runner_thread_returns_batch_and_predictions() {
+        let runner = ModelRunner::spawn(|| Fake {
+            max_rows: 9,
+            calls: 0,
+        })
+        .unwrap();
+        let mut b = Batch::with_capacity(2, 2);
+        b.push("a", &[1.0, 2.0]);
+        b.push("b", &[3.0, 4.0]);
+        let (back, preds) = runner
+            .predict(&model(), b.clone(), 8, &FailurePolicy::default())
+            .await;
+        assert_eq!(back, b);
+        assert_eq!(preds.unwrap().values, vec![3.0, 7.0]);
+    }
+}
