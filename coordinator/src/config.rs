@@ -1,7 +1,6 @@
 //! Settings every coordinator command shares ([`Connections`]) and those of
 //! `batchfleet run` ([`RunConfig`]), built from the command line in [`crate::cli`].
 
-use crate::supervisor;
 use batchfleet_shared::backend::Backend;
 use batchfleet_shared::broker::{Broker, BrokerError};
 use batchfleet_shared::store::{Store, StoreError};
@@ -86,9 +85,36 @@ pub struct RunConfig {
     /// Unconfirmed publishes allowed in flight.
     pub publish_window: usize,
     /// Stragglers, dead workers and lost items.
-    pub supervise: supervisor::SuperviseConfig,
+    pub supervise: SuperviseConfig,
     /// Folders every path of a job must stay under; empty: the manifest's folder.
     pub data_roots: Vec<PathBuf>,
     /// `--set key=value` overrides applied over the manifest file.
     pub overrides: Vec<String>,
+}
+
+/// Straggler and orphan settings.
+#[derive(Debug, Clone)]
+pub struct SuperviseConfig {
+    /// Speculate on an item held this many times the median item time (0 = never).
+    pub speculate_after: f64,
+    /// Never speculate on an item held less than this.
+    pub speculate_min: Duration,
+    /// An item neither queued nor leased for this long is published again.
+    pub orphan_grace: Duration,
+    /// How often the fleet is checked.
+    pub every: Duration,
+    /// Fail the job when workers cannot run it and nothing was committed for this long.
+    pub unable_timeout: Duration,
+}
+
+impl Default for SuperviseConfig {
+    fn default() -> Self {
+        Self {
+            speculate_after: 3.0,
+            speculate_min: Duration::from_secs(2),
+            orphan_grace: Duration::from_secs(10),
+            every: Duration::from_secs(1),
+            unable_timeout: Duration::from_secs(300),
+        }
+    }
 }

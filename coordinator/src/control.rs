@@ -62,7 +62,10 @@ pub async fn plan(
         let spec = spec.clone();
         tokio::task::spawn_blocking(move || crate::planner::plan(&spec))
             .await
-            .map_err(|e| RunError::Output(format!("planning failed: {e}")))??
+            .map_err(|e| RunError::Task {
+                what: "planning",
+                reason: e.to_string(),
+            })??
     };
     let record = match store {
         Some(s) => s.job(&spec.job_id).await?,
@@ -234,7 +237,7 @@ pub async fn supervise(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), RunError> {
     let store = cfg.connections.store().await?;
-    let me = crate::follower_id();
+    let me = crate::job::follower_id();
     tracing::info!(supervisor = %me, pools = ?pools, "supervising jobs nobody follows");
     let mut following: std::collections::HashMap<String, tokio::task::JoinHandle<()>> =
         std::collections::HashMap::new();
@@ -249,7 +252,8 @@ pub async fn supervise(
                     let Ok(Some(job)) = store.job(&id).await else {
                         continue;
                     };
-                    if crate::is_reduced(&job) || (!pools.is_empty() && !pools.contains(&job.pool))
+                    if crate::job::is_reduced(&job)
+                        || (!pools.is_empty() && !pools.contains(&job.pool))
                     {
                         continue;
                     }
@@ -270,8 +274,8 @@ pub async fn supervise(
                         id.clone(),
                     );
                     let task = tokio::spawn(async move {
-                        match crate::follow_job_as(&cfg, &store, &job_id, token, &me).await {
-                            Ok(crate::RunOutcome::Completed {
+                        match crate::job::follow_job_as(&cfg, &store, &job_id, token, &me).await {
+                            Ok(crate::job::RunOutcome::Completed {
                                 report, summary, ..
                             }) => {
                                 tracing::info!(job = %job_id, status = %report.status, summary = %summary.display(), "job finished");

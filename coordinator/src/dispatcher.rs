@@ -15,7 +15,7 @@ use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner;
 use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
-use batchfleet_shared::store::{JobRecord, JobStatus, Store};
+use batchfleet_shared::store::{JobStatus, RecordUpdate, Store};
 use std::path::{Path, PathBuf};
 
 pub use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
@@ -57,10 +57,10 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
             }))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(RunError::Output(format!("cannot read {}: {e}", owner.display()))),
+        Err(e) => return Err(RunError::io(format!("read {}", owner.display()), e)),
     }
     let has_parts = batchfleet_shared::source::fs::list_dir(dir)
-        .map_err(|e| RunError::Output(format!("cannot list {}: {e}", dir.display())))?
+        .map_err(RunError::io_while(format!("list {}", dir.display())))?
         .iter()
         .any(|name| name.starts_with("part-"));
     if has_parts {
@@ -72,17 +72,15 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
             }],
         }));
     }
-    batchfleet_shared::source::fs::create_dir_all(dir).map_err(|e| {
-        RunError::Output(format!(
-            "cannot create output folder {}: {e}",
-            dir.display()
-        ))
-    })?;
+    batchfleet_shared::source::fs::create_dir_all(dir).map_err(RunError::io_while(format!(
+        "create output folder {}",
+        dir.display()
+    )))?;
     batchfleet_shared::fsutil::publish_atomically(&dir.join(OWNER_FILE), true, |w| {
         use std::io::Write;
         writeln!(w, "{job_id}")
     })
-    .map_err(|e| RunError::Output(format!("cannot write {}: {e}", owner.display())))?;
+    .map_err(RunError::io_while(format!("write {}", owner.display())))?;
     Ok(false)
 }
 
@@ -123,10 +121,13 @@ pub async fn dispatch(
     match existing {
         Some(job) => {
             if job.items_total != plan.items.len() as u64 || job.rows_total != plan.rows_total {
-                return Err(RunError::Output(format!(
-                    "job {} was planned with {} items / {} rows but the input now gives {} / {}; the input changed under a running job — restore it, or change the manifest to start a new job",
-                    spec.job_id, job.items_total, job.rows_total, plan.items.len(), plan.rows_total
-                )));
+                return Err(RunError::InputChanged {
+                    job: spec.job_id.clone(),
+                    planned_items: job.items_total,
+                    planned_rows: job.rows_total,
+                    items: plan.items.len() as u64,
+                    rows: plan.rows_total,
+                });
             }
             tracing::info!(job = %spec.job_id, done = job.items_done, published = job.items_published, "resuming job");
             // Running again: its state must not expire under it.
@@ -144,25 +145,17 @@ pub async fn dispatch(
             // Only the status (and whether to merge, which the manifest may
             // have changed): the done counters belong to the workers' commits.
             store
-                .set_job_fields(
-                    &spec.job_id,
-                    &[
-                        ("status", JobStatus::Planning.as_str().to_owned()),
-                        ("merge", u8::from(spec.merge).to_string()),
-                        ("failed_reason", String::new()),
-                        ("failed_class", String::new()),
-                        // A new run of the job: it is reduced again.
-                        ("reducer", String::new()),
-                        ("finished_ms", "0".to_owned()),
-                    ],
-                )
+                // A new run of the job: it is reduced again.
+                .update_job(&spec.job_id, &RecordUpdate::Rerun { merge: spec.merge })
                 .await?;
         }
         None => {
             store
-                .put_job(&job_record(spec, &plan, submitted_ms))
+                .put_job(&crate::record::job_record(spec, &plan, submitted_ms))
                 .await?;
-            store.put_inputs(&spec.job_id, &input_fields(spec)).await?;
+            store
+                .put_inputs(&spec.job_id, &crate::record::input_fields(spec))
+                .await?;
             if ours_already {
                 seed_from_outputs(spec, &plan, store).await?;
             }
@@ -176,9 +169,9 @@ pub async fn dispatch(
     // weight: workers share their time among the active jobs by weight.
     broker.declare_job(&queues, &spec.job_id).await?;
     store
-        .set_job_fields(
+        .update_job(
             &spec.job_id,
-            &[("priority", spec.priority.as_str().to_owned())],
+            &RecordUpdate::Priority(spec.priority.as_str().to_owned()),
         )
         .await?;
     store
@@ -209,7 +202,7 @@ pub async fn dispatch(
             .await?;
         if end > watermark {
             store
-                .set_job_fields(&spec.job_id, &[("items_published", end.to_string())])
+                .update_job(&spec.job_id, &RecordUpdate::Published(end))
                 .await?;
         }
         crash_point(published);
@@ -238,7 +231,7 @@ async fn seed_from_outputs(
     plan: &planner::Plan,
     store: &Store,
 ) -> Result<(), RunError> {
-    let found = crate::supervisor::scan_job_outputs(spec, plan, |_| true, false).await?;
+    let found = crate::record::scan_job_outputs(spec, plan, |_| true, false).await?;
     let mut committed = 0u64;
     for (stats, hist) in &found {
         if store.commit_item(&spec.job_id, stats, hist).await? {
@@ -264,39 +257,6 @@ fn crash_point(published: u64) {
     }
 }
 
-/// A new job's record: planned totals, no progress.
-pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobRecord {
-    JobRecord {
-        id: spec.job_id.clone(),
-        name: spec.name.clone(),
-        status: JobStatus::Planning,
-        pool: spec.pool.clone(),
-        manifest: spec.manifest_path.to_string_lossy().into_owned(),
-        output_dir: spec.task.output.dir.clone(),
-        output_format: spec.task.output.format.as_str().to_owned(),
-        model: spec.task.model.path.clone(),
-        model_sha256: spec.task.model.sha256.clone(),
-        max_failed_items: spec.budget.max_failed_items,
-        max_failed_percent: spec.budget.max_failed_percent,
-        items_total: plan.items.len() as u64,
-        rows_total: plan.rows_total,
-        rows_estimated: plan.rows_estimated,
-        items_done: 0,
-        rows_done: 0,
-        rows_rejected: 0,
-        created_ms,
-        published_ms: 0,
-        finished_ms: 0,
-        items_published: 0,
-        merge: spec.merge,
-        failed_reason: String::new(),
-        failed_class: String::new(),
-        overrides: spec.overrides.clone(),
-        resolved_manifest: spec.resolved_manifest.clone(),
-        priority: spec.priority.as_str().to_owned(),
-    }
-}
-
 /// The job ended (summary written) or was cancelled: off the pool's active
 /// jobs, and its queue deleted with whatever is left in it (copies of items
 /// that are settled, or items a cancel skips). Errors are logged: workers
@@ -308,17 +268,6 @@ pub async fn retire_job(store: &Store, broker: &dyn Broker, pool: &str, job: &st
     if let Err(e) = broker.delete(&PoolQueues::new(pool).job(job)).await {
         tracing::warn!(job, error = %e, "could not delete the job's queue");
     }
-}
-
-/// The job's input files as the store records them: path → JSON fingerprint.
-pub fn input_fields(spec: &JobSpec) -> Vec<(String, String)> {
-    spec.input_files()
-        .into_iter()
-        .map(|f| {
-            let json = serde_json::to_string(&f.fingerprint).expect("fingerprints serialize");
-            (f.path, json)
-        })
-        .collect()
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {

@@ -11,7 +11,7 @@ use batchfleet_shared::message::{
     Envelope, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
     WORKER_HEADER,
 };
-use batchfleet_shared::store::{ItemFailure, JobStatus, Store};
+use batchfleet_shared::store::{ItemFailure, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -177,11 +177,9 @@ pub async fn replay(
                 Some(s) => s.clone(),
                 None => {
                     let s = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&path))
-                        .map_err(|e| {
-                            RunError::Output(format!(
-                                "cannot read model {path} to update its digest: {e}"
-                            ))
-                        })?;
+                        .map_err(RunError::io_while(format!(
+                            "read model {path} to update its digest"
+                        )))?;
                     digests.insert(path.clone(), s.clone());
                     s
                 }
@@ -200,22 +198,15 @@ pub async fn replay(
         }
     }
     for job in &out.jobs {
-        let mut fields = vec![
-            ("status", JobStatus::Running.as_str().to_owned()),
-            ("finished_ms", "0".to_owned()),
-            ("failed_reason", String::new()),
-            ("failed_class", String::new()),
-            // Reduced again when the replayed items settle.
-            ("reducer", String::new()),
-        ];
         let sha = chosen
             .iter()
             .find(|(_, _, i)| &i.job_id == job)
             .map(|(_, _, i)| i.task.model.sha256.clone());
-        if let (true, Some(sha)) = (update_model, sha) {
-            fields.push(("model_sha256", sha));
-        }
-        store.set_job_fields(job, &fields).await?;
+        // Running, and reduced again when the replayed items settle.
+        let replayed = RecordUpdate::Replayed {
+            model_sha256: sha.filter(|_| update_model),
+        };
+        store.update_job(job, &replayed).await?;
         // Running again: its state no longer expires, and its queue is back
         // among the pool's active jobs.
         store.persist_job(job).await?;

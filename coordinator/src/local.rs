@@ -18,8 +18,8 @@
 use crate::config::RunConfig;
 use crate::dlq::DeadItem;
 use crate::error::RunError;
+use crate::job::RunOutcome;
 use crate::manifest::JobSpec;
-use crate::RunOutcome;
 #[cfg(feature = "local")]
 use batchfleet_shared::backend::{Backend, LocalServices};
 use batchfleet_shared::output::{DEAD_DIR, SUMMARY_FILE};
@@ -28,10 +28,6 @@ use std::path::Path;
 #[cfg(feature = "local")]
 use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
-
-/// What a build without the `local` feature (the coordinator image) says.
-#[cfg(not(feature = "local"))]
-const NO_LOCAL: &str = "this batchfleet was built without local mode (the coordinator image leaves libtorch out); run --local with a full build (`cargo build --release`, default features) or the worker image";
 
 /// How many pipelines, and how many libtorch threads each.
 #[derive(Debug, Clone)]
@@ -87,7 +83,7 @@ pub async fn run_spec(
     _submitted_ms: u64,
     _shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    Err(RunError::Output(NO_LOCAL.into()))
+    Err(RunError::NoLocalMode)
 }
 
 /// [`run_job`] for a manifest validated already.
@@ -118,8 +114,8 @@ pub async fn run_spec(
         workers.spawn(batchfleet_worker::run_on(wcfg, backend, stop.clone()));
     }
     let outcome = tokio::select! {
-        outcome = crate::run_spec(&cfg, spec, submitted_ms, shutdown) => outcome,
-        why = all_ended(&mut workers) => Err(RunError::Output(format!(
+        outcome = crate::job::run_spec(&cfg, spec, submitted_ms, shutdown) => outcome,
+        why = all_ended(&mut workers) => Err(RunError::LocalWorkers(format!(
             "every local worker pipeline stopped before the job ended: {why}"
         ))),
     };
@@ -205,7 +201,7 @@ async fn write_dead(
     broker.close("listed").await;
     let dir = spec.output_dir().join(DEAD_DIR);
     let io = |what: &str, p: &Path, e: std::io::Error| {
-        RunError::Output(format!("cannot {what} {}: {e}", p.display()))
+        RunError::io(format!("{what} {}", p.display()), e)
     };
     let keep: Vec<String> = dead
         .iter()
@@ -248,12 +244,7 @@ pub fn list_dead(output: &Path) -> Result<Vec<DeadItem>, RunError> {
     let mut names = match fs::list_dir(&dir) {
         Ok(names) => names,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => {
-            return Err(RunError::Output(format!(
-                "cannot list {}: {e}",
-                dir.display()
-            )))
-        }
+        Err(e) => return Err(RunError::io(format!("list {}", dir.display()), e)),
     };
     names.sort();
     names
@@ -261,10 +252,13 @@ pub fn list_dead(output: &Path) -> Result<Vec<DeadItem>, RunError> {
         .filter(|n| n.ends_with(".json"))
         .map(|name| {
             let p = dir.join(&name);
-            let bytes = fs::read(&p)
-                .map_err(|e| RunError::Output(format!("cannot read {}: {e}", p.display())))?;
-            serde_json::from_slice(&bytes)
-                .map_err(|e| RunError::Output(format!("{} is not a dead item: {e}", p.display())))
+            let bytes =
+                fs::read(&p).map_err(RunError::io_while(format!("read {}", p.display())))?;
+            serde_json::from_slice(&bytes).map_err(|e| RunError::NotA {
+                path: p.clone(),
+                what: "a dead item",
+                reason: e.to_string(),
+            })
         })
         .collect()
 }
@@ -283,15 +277,14 @@ pub async fn replay(
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
     let summary_path = output.join(SUMMARY_FILE);
-    let summary: crate::reducer::Summary = fs::read(&summary_path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-        .map_err(|e| {
-            RunError::Output(format!(
-                "cannot read {}: {e}; `dlq replay --local` takes the output folder of a finished `batchfleet run --local`",
-                summary_path.display()
-            ))
-        })?;
+    let summary = crate::reducer::read_summary(&summary_path).map_err(|e| {
+        // What the folder was meant to be.
+        RunError::NotA {
+            path: output.to_owned(),
+            what: "the output folder of a finished `batchfleet run --local` (what `dlq replay --local` takes)",
+            reason: e.to_string(),
+        }
+    })?;
     let dead = list_dead(output)?;
     if dead.is_empty() {
         tracing::info!(output = %output.display(), "no dead items to replay");
@@ -299,10 +292,13 @@ pub async fn replay(
     let mut spec = cfg.load(Path::new(&summary.manifest), &summary.overrides)?;
     if spec.job_id != summary.job_id {
         if !update_model {
-            return Err(RunError::Output(format!(
-                "{} now describes job {} instead of {} (its input, settings or model changed); restore them, or pass --update-model if only the model file was fixed",
-                summary.manifest, spec.job_id, summary.job_id
-            )));
+            return Err(RunError::ManifestMoved {
+                manifest: summary.manifest,
+                now: spec.job_id,
+                was: summary.job_id,
+                changed: "its input, settings or model changed",
+                fix: "restore them, or pass --update-model if only the model file was fixed".into(),
+            });
         }
         tracing::warn!(job = %summary.job_id, sha256 = %spec.task.model.sha256, "replaying with the model file as it is now");
         spec.job_id = summary.job_id.clone();

@@ -138,7 +138,7 @@ pub async fn follow(
             // Lost with Redis's data: the supervisor rebuilds it from the files.
             supervisor.tick(store).await;
             store.job(job_id).await?.ok_or_else(|| {
-                RunError::Output(format!(
+                RunError::UnknownJob(format!(
                     "job {job_id} is not in Redis and could not be rebuilt"
                 ))
             })?

@@ -925,7 +925,7 @@ mod tests {
     }
 
     fn parquet_file(rows: usize, group: usize) -> (tempfile::TempDir, PathBuf) {
-        use batchfleet_loadtest::fixtures::{f64_column, string_column, write_parquet};
+        use batchfleet_testkit::fixtures::{f64_column, string_column, write_parquet};
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("in.parquet");
         let ids: Vec<Option<String>> = (0..rows).map(|i| Some(format!("r{i}"))).collect();

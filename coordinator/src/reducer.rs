@@ -5,7 +5,7 @@ use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
 use batchfleet_shared::output::{PARTIAL_DIR, SUCCESS_FILE, SUMMARY_FILE};
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, Store};
+use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -255,12 +255,11 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
 /// Reads a job's `summary.json`.
 pub fn read_summary(path: &std::path::Path) -> Result<Summary, RunError> {
     let bytes = batchfleet_shared::source::fs::read(path)
-        .map_err(|e| RunError::Output(format!("cannot read {}: {e}", path.display())))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        RunError::Output(format!(
-            "{} is not a batchfleet summary: {e}",
-            path.display()
-        ))
+        .map_err(RunError::io_while(format!("read {}", path.display())))?;
+    serde_json::from_slice(&bytes).map_err(|e| RunError::NotA {
+        path: path.to_owned(),
+        what: "a batchfleet summary",
+        reason: e.to_string(),
     })
 }
 
@@ -269,7 +268,7 @@ pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError
     let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
     publish_atomically(path, true, |w| std::io::Write::write_all(w, &json))
         .map(|_| ())
-        .map_err(|e| RunError::Output(format!("cannot write {}: {e}", path.display())))
+        .map_err(RunError::io_while(format!("write {}", path.display())))
 }
 
 /// Writes the merged output (for a job recorded with `merge`, when every
@@ -287,13 +286,11 @@ pub async fn finish(
 ) -> Result<(PathBuf, Summary), RunError> {
     let histogram = &output.histogram;
     let job = store.job(job_id).await?.ok_or_else(|| {
-        RunError::Output(format!("job {job_id} vanished from Redis while finishing"))
+        RunError::UnknownJob(format!("job {job_id} vanished from Redis while finishing"))
     })?;
-    let format = OutputFormat::parse(&job.output_format).ok_or_else(|| {
-        RunError::Output(format!(
-            "job {job_id} has unknown output format {:?}",
-            job.output_format
-        ))
+    let format = OutputFormat::parse(&job.output_format).ok_or_else(|| RunError::BadRecord {
+        job: job_id.to_owned(),
+        problem: format!("unknown output format {:?}", job.output_format),
     })?;
     let stats = store.item_stats(job_id).await?;
     let (deliveries, rows_computed) = store.work(job_id).await?;
@@ -308,7 +305,7 @@ pub async fn finish(
     let out = std::path::Path::new(&job.output_dir);
     // One listing of the folder (one request for S3), not a lookup per part.
     let present: std::collections::HashSet<String> = batchfleet_shared::source::fs::list_dir(out)
-        .map_err(|e| RunError::Output(format!("cannot list {}: {e}", out.display())))?
+        .map_err(RunError::io_while(format!("list {}", out.display())))?
         .into_iter()
         .collect();
     let missing: Vec<String> = stats
@@ -317,8 +314,8 @@ pub async fn finish(
         .filter(|name| !present.contains(name))
         .collect();
     if !missing.is_empty() {
-        return Err(RunError::Output(format!(
-            "{} committed item(s) have no part file in {} (first: {}); the output folder was changed during the job",
+        return Err(RunError::OutputChanged(format!(
+            "{} committed item(s) have no part file in {} (first: {})",
             missing.len(),
             out.display(),
             missing[0]
@@ -415,17 +412,15 @@ pub async fn finish(
                     )
                 })
                 .collect::<std::io::Result<Vec<_>>>()
-                .map_err(|e| {
-                    RunError::Output(format!(
-                        "cannot read the part files in {}: {e}",
-                        out.display()
-                    ))
-                })?;
+                .map_err(RunError::io_while(format!(
+                    "read the part files in {}",
+                    out.display()
+                )))?;
             let merged = out.join(batchfleet_shared::output::merged_file_name(format));
             publish_atomically(&merged, true, |w| {
                 batchfleet_shared::table::concat_parts(w, format, &parts)
             })
-            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", merged.display())))?;
+            .map_err(RunError::io_while(format!("write {}", merged.display())))?;
             tracing::info!(job = %job_id, path = %merged.display(), parts = parts.len(), "merged output written");
             summary.merged = Some(merged);
         } else {
@@ -436,7 +431,7 @@ pub async fn finish(
     let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
     let write = |p: &std::path::Path, bytes: &[u8]| {
         publish_atomically(p, true, |w| std::io::Write::write_all(w, bytes))
-            .map_err(|e| RunError::Output(format!("cannot write {}: {e}", p.display())))
+            .map_err(RunError::io_while(format!("write {}", p.display())))
     };
     // Checkpoint segments left by a slower copy of an item that lost the
     // race — unless the job was cancelled: then they are what a run of it
@@ -460,15 +455,15 @@ pub async fn mark_finished(
     summary: &Summary,
     retention: std::time::Duration,
 ) -> Result<(), RunError> {
-    store
-        .set_job_fields(
-            &summary.job_id,
-            &[
-                ("status", summary.status.clone()),
-                ("finished_ms", summary.finished_at_ms.to_string()),
-            ],
-        )
-        .await?;
+    let status = JobStatus::from_name(&summary.status).ok_or_else(|| RunError::BadRecord {
+        job: summary.job_id.clone(),
+        problem: format!("its summary has unknown status {:?}", summary.status),
+    })?;
+    let finished = RecordUpdate::Finished {
+        status,
+        at_ms: summary.finished_at_ms,
+    };
+    store.update_job(&summary.job_id, &finished).await?;
     store.expire_job(&summary.job_id, retention).await?;
     Ok(())
 }

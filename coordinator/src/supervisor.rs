@@ -33,13 +33,12 @@
 //! Lease times are Redis's clock, and so is `now` here: no machine's clock
 //! decides whether a lease is stale.
 
-use crate::config::Connections;
+use crate::config::{Connections, SuperviseConfig};
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner::Plan;
 use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::split::ItemRows;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -49,33 +48,6 @@ use std::time::{Duration, Instant};
 /// Copies of one item (after stale leases or as a lost message) the
 /// coordinator publishes before it gives the item up as failed (class `infra`).
 pub const MAX_COPIES: u64 = 5;
-
-/// Straggler and orphan settings.
-#[derive(Debug, Clone)]
-pub struct SuperviseConfig {
-    /// Speculate on an item held this many times the median item time (0 = never).
-    pub speculate_after: f64,
-    /// Never speculate on an item held less than this.
-    pub speculate_min: Duration,
-    /// An item neither queued nor leased for this long is published again.
-    pub orphan_grace: Duration,
-    /// How often the fleet is checked.
-    pub every: Duration,
-    /// Fail the job when workers cannot run it and nothing was committed for this long.
-    pub unable_timeout: Duration,
-}
-
-impl Default for SuperviseConfig {
-    fn default() -> Self {
-        Self {
-            speculate_after: 3.0,
-            speculate_min: Duration::from_secs(2),
-            orphan_grace: Duration::from_secs(10),
-            every: Duration::from_secs(1),
-            unable_timeout: Duration::from_secs(300),
-        }
-    }
-}
 
 /// Why the supervisor published a copy of an item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -495,7 +467,7 @@ impl Supervisor {
             .as_ref()
             .map(|r| (r.manifest.clone(), r.overrides.clone()))
             .ok_or_else(|| {
-                RunError::Output(format!(
+                RunError::UnknownJob(format!(
                     "job {} is not in Redis and its manifest is unknown; run the manifest again",
                     self.job_id
                 ))
@@ -506,10 +478,13 @@ impl Supervisor {
             &overrides,
         )?);
         if spec.job_id != self.job_id {
-            return Err(RunError::Output(format!(
-                "{manifest} now describes job {} instead of {}; restore it to continue the job",
-                spec.job_id, self.job_id
-            )));
+            return Err(RunError::ManifestMoved {
+                manifest,
+                now: spec.job_id.clone(),
+                was: self.job_id.clone(),
+                changed: "the manifest, its input or its model changed",
+                fix: "restore them to continue the job".into(),
+            });
         }
         self.spec = Some(spec.clone());
         Ok(spec)
@@ -539,7 +514,8 @@ impl Supervisor {
         let plan = self.plan().await?;
         // Not strict: a part whose rejects file is missing is computed again.
         let wanted: HashSet<u32> = seqs.iter().copied().collect();
-        let found = scan_job_outputs(&spec, &plan, |s| wanted.contains(&s), false).await?;
+        let found =
+            crate::record::scan_job_outputs(&spec, &plan, |s| wanted.contains(&s), false).await?;
         let mut recovered = HashSet::new();
         for (stats, hist) in &found {
             store.commit_item(&self.job_id, stats, hist).await?;
@@ -561,7 +537,7 @@ impl Supervisor {
         let plan = self.plan().await?;
         tracing::warn!(job = %self.job_id, "the job's state is missing from Redis (restarted empty or flushed); rebuilding it from the output files");
         let mut record = self.record.clone().unwrap_or_else(|| {
-            crate::dispatcher::job_record(&spec, &plan, batchfleet_shared::now_ms())
+            crate::record::job_record(&spec, &plan, batchfleet_shared::now_ms())
         });
         // The dead queue first: if RabbitMQ is down too, nothing is restored
         // and the whole rebuild is tried again on the next tick.
@@ -571,7 +547,7 @@ impl Supervisor {
             ..Default::default()
         };
         let dead = crate::dlq::list(&*broker, &record.pool, &filter).await?;
-        let found = scan_job_outputs(&spec, &plan, |_| true, true).await?;
+        let found = crate::record::scan_job_outputs(&spec, &plan, |_| true, true).await?;
 
         record.status = JobStatus::Running;
         record.items_total = plan.items.len() as u64;
@@ -579,7 +555,7 @@ impl Supervisor {
         record.items_published = record.items_total;
         store.restore_job(&record).await?;
         store
-            .put_inputs(&self.job_id, &crate::dispatcher::input_fields(&spec))
+            .put_inputs(&self.job_id, &crate::record::input_fields(&spec))
             .await?;
         let mut restored = 0;
         for (stats, hist) in &found {
@@ -623,92 +599,6 @@ fn median_latency(stats: &[ItemStats]) -> Option<u64> {
     Some(ms[ms.len() / 2])
 }
 
-/// A committed item found in the output folder: its stats and the histogram
-/// of its predictions (`counts[column][bin]`).
-pub type Recovered = (ItemStats, Vec<Vec<u64>>);
-
-/// [`scan_outputs`] over the job's output folder, for the plan's items
-/// that `wanted` selects, on a blocking thread.
-pub async fn scan_job_outputs(
-    spec: &JobSpec,
-    plan: &Plan,
-    wanted: impl Fn(u32) -> bool,
-    strict: bool,
-) -> Result<Vec<Recovered>, RunError> {
-    let out = spec.output_dir().to_owned();
-    let output = spec.task.output.clone();
-    let items: Vec<(u32, ItemRows)> = plan
-        .items
-        .iter()
-        .filter(|i| wanted(i.seq))
-        .map(|i| (i.seq, ItemRows::of(i)))
-        .collect();
-    tokio::task::spawn_blocking(move || scan_outputs(&out, &output, &items, strict))
-        .await
-        .map_err(|e| RunError::Output(format!("output scan failed: {e}")))?
-}
-
-/// The committed items found in an output folder, with the histograms of
-/// their predictions: each part file whose rows plus rejects add up to its
-/// item's rows. A part file that does not add up is an error naming it (the
-/// folder was changed under the job) when `strict`; otherwise it is left out,
-/// for a worker to complete (its writer died between the part and its rejects).
-pub fn scan_outputs(
-    out: &Path,
-    spec: &batchfleet_shared::message::OutputSpec,
-    items: &[(u32, ItemRows)],
-    strict: bool,
-) -> Result<Vec<Recovered>, RunError> {
-    let now = batchfleet_shared::now_ms();
-    let mut found = Vec::new();
-    for (seq, rows) in items {
-        let seq = *seq;
-        let name = spec.part_name(seq);
-        let part = out.join(&name);
-        // Read through the folder's handle: a link planted there is refused.
-        let there = batchfleet_shared::fsutil::exists_under(out, Path::new(&name))
-            .map_err(|e| RunError::Output(format!("cannot look for {}: {e}", part.display())))?;
-        if !there {
-            continue;
-        }
-        let read =
-            |e: std::io::Error| RunError::Output(format!("cannot read {}: {e}", part.display()));
-        let tally = batchfleet_shared::output::histogram_under(out, Path::new(&name), spec)
-            .map_err(read)?;
-        let (predicted, hist) = (tally.rows, tally.counts);
-        let rejected = batchfleet_shared::output::count_rejects_under(out, seq).map_err(read)?;
-        let rows = rows.get().map_err(|e| {
-            RunError::Output(format!("cannot count the input rows of item {seq}: {e}"))
-        })?;
-        if predicted + rejected != rows && !strict {
-            tracing::warn!(part = %part.display(), predicted, rejected, rows, "a part file whose rows do not add up; its item is computed again");
-            continue;
-        }
-        if predicted + rejected != rows {
-            return Err(RunError::Output(format!(
-                "{} holds {predicted} rows and {rejected} rejects but item {seq} has {rows}; the output folder was changed during the job",
-                part.display()
-            )));
-        }
-        found.push((
-            ItemStats {
-                seq,
-                rows: predicted,
-                rows_rejected: rejected,
-                worker: "rebuilt-from-files".into(),
-                started_ms: now,
-                finished_ms: now,
-                attempt: 0,
-                recovered: true,
-                rows_resumed: 0,
-                vector: tally.vector,
-            },
-            hist,
-        ));
-    }
-    Ok(found)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -735,46 +625,5 @@ mod tests {
             median_latency(&[stat(0, 50), stat(1, 7), stat(2, 9)]),
             Some(9)
         );
-    }
-
-    #[test]
-    fn scan_finds_committed_parts_and_rejects_and_refuses_a_short_one() {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path();
-        std::fs::write(out.join("part-000000.csv"), "id,score\na,1\nb,2\n").unwrap();
-        std::fs::create_dir_all(out.join("rejects")).unwrap();
-        std::fs::write(out.join("rejects/part-000000.jsonl"), "{}\n").unwrap();
-        let spec = batchfleet_shared::message::OutputSpec {
-            histogram: batchfleet_shared::message::HistogramSpec {
-                min: 0.0,
-                max: 2.0,
-                bins: 2,
-            },
-            ..Default::default()
-        };
-        let found = scan_outputs(
-            out,
-            &spec,
-            &[(0, ItemRows::Known(3)), (1, ItemRows::Known(4))],
-            true,
-        )
-        .unwrap();
-        assert_eq!(found.len(), 1, "item 1 has no part file");
-        let (stats, hist) = &found[0];
-        assert_eq!((stats.seq, stats.rows, stats.rows_rejected), (0, 2, 1));
-        assert!(stats.recovered);
-        // Scores 1 and 2 over [0, 2) in 2 bins: one in the second bin, one above.
-        assert_eq!(hist, &vec![vec![0, 0, 1, 1]]);
-        let err = scan_outputs(out, &spec, &[(0, ItemRows::Known(5))], true)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("part-000000.csv") && err.contains("item 0 has 5"),
-            "{err}"
-        );
-        // Not strict (a resume): the item whose part does not add up is left out.
-        assert!(scan_outputs(out, &spec, &[(0, ItemRows::Known(5))], false)
-            .unwrap()
-            .is_empty());
     }
 }

@@ -25,13 +25,13 @@
 //! cores the services share, that CPU is what bounds items/s.
 
 use crate::chaos::sibling;
+use crate::fleet::{manifest_into, run_job, run_job_with, CpuPerItem, CpuSample, Fleet};
 use crate::forward;
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services;
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Settings of a bench run.
@@ -143,75 +143,32 @@ pub struct ControlPlane {
     pub cpu: CpuPerItem,
 }
 
-/// Milliseconds of CPU (user + system) per item each part of the system used
-/// during the control-plane job, and the rate they allow on this machine.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct CpuPerItem {
-    /// Each worker process.
-    pub workers_ms: Vec<f64>,
-    /// The coordinator (planning, publishing, monitoring, the summary).
-    pub coordinator_ms: f64,
-    /// The RabbitMQ node(s) on this machine.
-    pub rabbitmq_ms: f64,
-    /// The Redis server.
-    pub redis_ms: f64,
-    /// All of them.
-    pub total_ms: f64,
-    /// Cores × 1000 ÷ `total_ms`: items/s if every core did nothing else.
-    pub ceiling_items_per_s: f64,
-    /// The same for RabbitMQ and Redis alone: what no worker change can pass.
-    pub services_ceiling_items_per_s: f64,
-}
-
-/// CPU seconds by part, read before and after a job.
-#[derive(Debug, Clone)]
-pub(crate) struct CpuSample {
-    workers: Vec<f64>,
-    coordinator: f64,
-    rabbitmq: f64,
-    redis: f64,
-}
-
-impl CpuSample {
-    pub(crate) fn take(worker_pids: &[u32]) -> Self {
-        Self {
-            workers: worker_pids
-                .iter()
-                .map(|p| services::cpu_s(*p).unwrap_or(0.0))
-                .collect(),
-            // The coordinator is the only child waited for during the job.
-            coordinator: services::ended_children_cpu_s().unwrap_or(0.0),
-            rabbitmq: services::rabbitmq_cpu_s().unwrap_or(0.0),
-            redis: services::redis_cpu_s().unwrap_or(0.0),
-        }
-    }
-
-    /// Per item, from `self` (before) to `after`.
-    pub(crate) fn per_item(&self, after: &CpuSample, items: u64, cores: usize) -> CpuPerItem {
-        let ms = |a: f64, b: f64| (b - a).max(0.0) * 1000.0 / items.max(1) as f64;
-        let workers_ms: Vec<f64> = self
-            .workers
-            .iter()
-            .zip(&after.workers)
-            .map(|(a, b)| ms(*a, *b))
-            .collect();
-        let (coordinator_ms, rabbitmq_ms, redis_ms) = (
-            ms(self.coordinator, after.coordinator),
-            ms(self.rabbitmq, after.rabbitmq),
-            ms(self.redis, after.redis),
+/// `batchfleet run --local` with `workers` pipelines of `threads` threads on
+/// the job of `dir`, into `out`, with no service reachable; (wall s, peak RSS MiB).
+fn run_local(
+    coordinator: &Path,
+    dir: &Path,
+    workers: usize,
+    threads: usize,
+    out: &str,
+) -> Result<(f64, f64)> {
+    let manifest = manifest_into(dir, out)?;
+    let args = [
+        "--local".to_owned(),
+        "--workers".into(),
+        workers.to_string(),
+        "--threads".into(),
+        threads.to_string(),
+    ];
+    let (wall, rss, _) = run_job_with(coordinator, &manifest, "bf-unused", &args, out)?;
+    let v = batchfleet_testkit::verify::verify(&dir.join(out), &dir.join("golden.csv"), 1e-4)?;
+    if !v.ok() {
+        bail!(
+            "local run into {out} does not match PyTorch: {}",
+            v.describe()
         );
-        let total_ms = workers_ms.iter().sum::<f64>() + coordinator_ms + rabbitmq_ms + redis_ms;
-        let ceiling = |ms: f64| cores as f64 * 1000.0 / ms.max(1e-9);
-        CpuPerItem {
-            workers_ms,
-            coordinator_ms,
-            rabbitmq_ms,
-            redis_ms,
-            total_ms,
-            ceiling_items_per_s: ceiling(total_ms),
-            services_ceiling_items_per_s: ceiling(rabbitmq_ms + redis_ms),
-        }
     }
+    Ok((wall, rss))
 }
 
 /// Everything a bench run measured.
@@ -231,228 +188,6 @@ pub struct BenchReport {
     pub text: Option<crate::textbench::TextRegime>,
     /// TorchScript against an AOTInductor package.
     pub formats: Option<crate::formatbench::FormatRegime>,
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// VmRSS or VmHWM of a process, in MiB.
-fn proc_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
-
-pub(crate) struct Fleet {
-    children: Vec<(Child, u16)>,
-}
-
-impl Fleet {
-    pub(crate) fn start(
-        bin: &Path,
-        dir: &Path,
-        pool: &str,
-        prefix: &str,
-        n: usize,
-        threads: usize,
-    ) -> Result<Self> {
-        let mut children = Vec::new();
-        for i in 0..n {
-            let port = free_port()?;
-            let log = std::fs::File::create(dir.join(format!("worker-{i}.log")))?;
-            let child = Command::new(bin)
-                .args(["--pool", pool, "--redis-prefix", prefix])
-                // The job (data, model, output) lives in `dir`.
-                .arg("--data-root")
-                .arg(dir)
-                .args([
-                    "--worker-id",
-                    &format!("bench-{i}"),
-                    "--threads",
-                    &threads.to_string(),
-                ])
-                .args([
-                    "--metrics-port",
-                    &port.to_string(),
-                    "--metrics-host",
-                    "127.0.0.1",
-                ])
-                .stdout(Stdio::from(log.try_clone()?))
-                .stderr(Stdio::from(log))
-                .spawn()?;
-            children.push((child, port));
-        }
-        // Workers are up once their metrics endpoints answer.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        for (_, port) in &children {
-            while ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
-                .call()
-                .is_err()
-            {
-                if Instant::now() > deadline {
-                    bail!("workers did not start; see {}", dir.display());
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        std::thread::sleep(Duration::from_millis(500)); // consumers attach after the endpoint
-        Ok(Self { children })
-    }
-
-    /// Sums a metric over the workers.
-    pub(crate) fn metric_sum(&self, name: &str) -> f64 {
-        let mut total = 0.0;
-        for (_, port) in &self.children {
-            let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call() else {
-                continue;
-            };
-            let text = resp.into_string().unwrap_or_default();
-            for line in text.lines() {
-                if line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']) {
-                    total += line
-                        .rsplit(' ')
-                        .next()
-                        .and_then(|v| v.parse::<f64>().ok())
-                        .unwrap_or(0.0);
-                }
-            }
-        }
-        total
-    }
-
-    pub(crate) fn rss(&self, field: &str) -> Vec<f64> {
-        self.children
-            .iter()
-            .filter_map(|(c, _)| proc_mib(c.id(), field))
-            .collect()
-    }
-
-    pub(crate) fn pids(&self) -> Vec<u32> {
-        self.children.iter().map(|(c, _)| c.id()).collect()
-    }
-
-    pub(crate) fn stop(&mut self) {
-        for (c, _) in &self.children {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
-        }
-        for (c, _) in &mut self.children {
-            let _ = c.wait();
-        }
-        self.children.clear();
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        for (c, _) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// Runs `batchfleet run` and returns (wall seconds from the summary, peak RSS MiB).
-pub(crate) fn run_job(
-    coordinator: &Path,
-    manifest: &Path,
-    prefix: &str,
-) -> Result<(f64, f64, serde_json::Value)> {
-    run_job_with(coordinator, manifest, prefix, &[], "out")
-}
-
-/// The manifest of `dir`, copied to write its output to `out` (another job).
-pub(crate) fn manifest_into(dir: &Path, out: &str) -> Result<PathBuf> {
-    let text = std::fs::read_to_string(dir.join("job.toml"))?;
-    if !text.contains("\ndir = \"out\"\n") {
-        bail!("{} has no `dir = \"out\"`", dir.join("job.toml").display());
-    }
-    let copy = dir.join(format!("job-{out}.toml"));
-    std::fs::write(
-        &copy,
-        text.replace("\ndir = \"out\"\n", &format!("\ndir = \"{out}\"\n")),
-    )?;
-    Ok(copy)
-}
-
-/// `batchfleet run --local` with `workers` pipelines of `threads` threads on
-/// the job of `dir`, into `out`, with no service reachable; (wall s, peak RSS MiB).
-fn run_local(
-    coordinator: &Path,
-    dir: &Path,
-    workers: usize,
-    threads: usize,
-    out: &str,
-) -> Result<(f64, f64)> {
-    let manifest = manifest_into(dir, out)?;
-    let args = [
-        "--local".to_owned(),
-        "--workers".into(),
-        workers.to_string(),
-        "--threads".into(),
-        threads.to_string(),
-    ];
-    let (wall, rss, _) = run_job_with(coordinator, &manifest, "bf-unused", &args, out)?;
-    let v = batchfleet_loadtest::verify::verify(&dir.join(out), &dir.join("golden.csv"), 1e-4)?;
-    if !v.ok() {
-        bail!(
-            "local run into {out} does not match PyTorch: {}",
-            v.describe()
-        );
-    }
-    Ok((wall, rss))
-}
-
-/// [`run_job`] with more `run` flags, the output in `out`.
-pub(crate) fn run_job_with(
-    coordinator: &Path,
-    manifest: &Path,
-    prefix: &str,
-    extra: &[String],
-    out: &str,
-) -> Result<(f64, f64, serde_json::Value)> {
-    let log = std::fs::File::create(manifest.with_extension("log"))?;
-    let mut cmd = Command::new(coordinator);
-    if !extra.is_empty() {
-        // Nothing listens there: a local run must not need the services.
-        cmd.env("BATCHFLEET_AMQP_URL", "amqp://127.0.0.1:9/%2f")
-            .env("BATCHFLEET_REDIS_URL", "redis://127.0.0.1:9/");
-    }
-    let mut child = cmd
-        .args(["--redis-prefix", prefix, "run", "--no-progress"])
-        .args(extra)
-        .arg(manifest)
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log))
-        .spawn()?;
-    let mut peak = 0.0f64;
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s;
-        }
-        peak = peak.max(proc_mib(child.id(), "VmHWM").unwrap_or(0.0));
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    if !status.success() {
-        bail!(
-            "the job failed; see {}",
-            manifest.with_extension("log").display()
-        );
-    }
-    let out = manifest.parent().unwrap_or(Path::new(".")).join(out);
-    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(
-        out.join(batchfleet_shared::output::SUMMARY_FILE),
-    )?)?;
-    if !out.join(batchfleet_shared::output::SUCCESS_FILE).is_file() {
-        bail!("no _SUCCESS in {}", out.display());
-    }
-    let wall = summary["duration_s"].as_f64().unwrap_or(0.0);
-    Ok((wall, peak, summary))
 }
 
 /// The I/O ceiling: every item of the job read, parsed and written with the
@@ -621,7 +356,7 @@ fn regime(
     let worker_rss = fleet.rss("VmHWM");
     fleet.stop();
     services::delete_pool_queues(&pool);
-    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-4)?;
+    let v = batchfleet_testkit::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-4)?;
     if !v.ok() {
         bail!("[{name}] output does not match PyTorch: {}", v.describe());
     }

@@ -14,8 +14,8 @@
 //! to land mid-job.
 
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::services;
 use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
+use batchfleet_testkit::services;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -194,9 +194,9 @@ pub(crate) fn fault_job(
     batch_size: u32,
     checkpoint_every: u32,
 ) -> Result<()> {
-    batchfleet_loadtest::python::make_job(
+    batchfleet_testkit::python::make_job(
         dir,
-        &batchfleet_loadtest::python::JobGen {
+        &batchfleet_testkit::python::JobGen {
             rows,
             files: 4,
             features: 16,
@@ -207,7 +207,7 @@ pub(crate) fn fault_job(
             item_rows,
             batch_size,
             checkpoint_every: Some(checkpoint_every),
-            ..batchfleet_loadtest::python::JobGen::default()
+            ..batchfleet_testkit::python::JobGen::default()
         },
     )
 }
@@ -350,7 +350,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
             )?;
         }
         // The second job's model is swapped for a state_dict once it is published.
-        batchfleet_loadtest::python::make_wrong_models(&root.join("swapped"))?;
+        batchfleet_testkit::python::make_wrong_models(&root.join("swapped"))?;
         let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| -> Result<Child> {
             let args: Vec<String> = ["--redis-prefix", &prefix]
                 .into_iter()
@@ -784,7 +784,7 @@ pub(crate) fn job_invariants(
     let num = |k: &str| summary_u64(&summary, k);
 
     // INV-ROWS: every input row exactly once, scores as PyTorch computes them.
-    let verification = batchfleet_loadtest::verify::verify(&out, &dir.join("golden.csv"), 1e-5)?;
+    let verification = batchfleet_testkit::verify::verify(&out, &dir.join("golden.csv"), 1e-5)?;
     if !verification.ok() {
         v.push(format!("INV-ROWS: {}", verification.describe()));
     }

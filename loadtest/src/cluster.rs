@@ -15,10 +15,10 @@
 
 use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::nodes::{RabbitCluster, RabbitNode};
-use batchfleet_loadtest::services;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
+use batchfleet_testkit::nodes::{RabbitCluster, RabbitNode};
+use batchfleet_testkit::services;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -370,9 +370,9 @@ fn control_job(
     report: &mut ClusterReport,
 ) -> Result<()> {
     let dir = root.join("control");
-    batchfleet_loadtest::python::make_job(
+    batchfleet_testkit::python::make_job(
         &dir,
-        &batchfleet_loadtest::python::JobGen {
+        &batchfleet_testkit::python::JobGen {
             rows: cfg.control_items,
             files: 1,
             features: 1,
@@ -382,7 +382,7 @@ fn control_job(
             pool: pool.to_owned(),
             item_rows: 1,
             batch_size: 1,
-            ..batchfleet_loadtest::python::JobGen::default()
+            ..batchfleet_testkit::python::JobGen::default()
         },
     )?;
     println!(

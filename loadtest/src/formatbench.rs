@@ -6,8 +6,8 @@
 //! difference between their outputs.
 
 use anyhow::{Context, Result};
-use batchfleet_loadtest::python::make_aoti_model;
 use batchfleet_shared::message::{FailurePolicy, ModelRef};
+use batchfleet_testkit::python::make_aoti_model;
 use batchfleet_worker::runner::{predict, TorchBackend};
 use serde::Serialize;
 use std::path::Path;

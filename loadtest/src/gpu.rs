@@ -13,12 +13,12 @@
 //! - Idle: one minus the device's busy time (the sum of
 //!   `batchfleet_worker_device_seconds`) over the job's wall time.
 
-use crate::bench::{run_job, Fleet};
 use crate::chaos::sibling;
+use crate::fleet::{run_job, Fleet};
 use crate::forward;
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services;
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -170,7 +170,7 @@ fn one(
     fleet.stop();
     services::delete_pool_queues(&pool);
     // TF32 and kernel choice differ from the CPU's: a looser tolerance.
-    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-3)?;
+    let v = batchfleet_testkit::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-3)?;
     if !v.ok() {
         bail!("[{name}] output does not match PyTorch: {}", v.describe());
     }

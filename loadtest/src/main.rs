@@ -1,9 +1,10 @@
 use anyhow::{bail, Result};
-use batchfleet_loadtest::{python, verify};
+use batchfleet_testkit::{python, verify};
 
 mod bench;
 mod chaos;
 mod cluster;
+mod fleet;
 mod formatbench;
 mod forward;
 mod gpu;

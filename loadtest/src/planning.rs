@@ -217,7 +217,7 @@ pub fn run(cfg: PlanningConfig, root: &Path) -> Result<Vec<PlanTime>> {
 }
 
 fn on_s3(cfg: PlanningConfig, root: &Path, model: &[u8]) -> Result<Vec<PlanTime>> {
-    let s3 = batchfleet_loadtest::services::S3Server::start()?;
+    let s3 = batchfleet_testkit::services::S3Server::start()?;
     s3.configure_this_process();
     let mut out = Vec::new();
     for (name, files, each) in [
@@ -230,7 +230,7 @@ fn on_s3(cfg: PlanningConfig, root: &Path, model: &[u8]) -> Result<Vec<PlanTime>
         std::fs::write(dir.join("model.pt"), model)?;
         let bytes = write_files(&data, files, each)?;
         println!("bench [planning] uploading {files} file(s) to the local S3 server…");
-        let prefix = batchfleet_loadtest::services::unique(name);
+        let prefix = batchfleet_testkit::services::unique(name);
         s3.put_dir("batchfleet-bench", &prefix, &data)?;
         let url = format!("s3://batchfleet-bench/{prefix}");
         let roots = [dir.clone(), PathBuf::from(&url)];

@@ -10,8 +10,8 @@
 
 use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::nodes::RedisNode;
-use batchfleet_loadtest::services;
+use batchfleet_testkit::nodes::RedisNode;
+use batchfleet_testkit::services;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -22,10 +22,10 @@
 //! when they are busy, otherwise the part whose CPU per item is the largest
 //! share of the services'.
 
-use crate::bench::{manifest_into, run_job_with, CpuPerItem, CpuSample, Fleet};
+use crate::fleet::{manifest_into, run_job_with, CpuPerItem, CpuSample, Fleet};
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services;
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

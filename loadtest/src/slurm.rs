@@ -39,9 +39,9 @@
 
 use crate::chaos;
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::nodes::{free_port, wait_listening};
-use batchfleet_loadtest::python::repo_root;
-use batchfleet_loadtest::services;
+use batchfleet_testkit::nodes::{free_port, wait_listening};
+use batchfleet_testkit::python::repo_root;
+use batchfleet_testkit::services;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

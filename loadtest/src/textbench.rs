@@ -13,10 +13,10 @@
 //!   Redis, submit to `_SUCCESS`; its outputs checked against the Python
 //!   loop's, row by row.
 
-use crate::bench::{run_job, run_job_with, Fleet};
+use crate::fleet::{run_job, run_job_with, Fleet};
 use anyhow::{bail, Context, Result};
-use batchfleet_loadtest::python::{interpreter, make_text_job, repo_root, TextGen};
-use batchfleet_loadtest::services;
+use batchfleet_testkit::python::{interpreter, make_text_job, repo_root, TextGen};
+use batchfleet_testkit::services;
 use serde::Serialize;
 use std::path::Path;
 use std::process::Command;
@@ -170,7 +170,7 @@ pub fn run(
         match run_job_with(bins.1, &path, prefix, &[], &out).and_then(|(w, _, _)| {
             Ok((
                 w,
-                batchfleet_loadtest::verify::agreement(&dir.join("out"), &dir.join(&out))?,
+                batchfleet_testkit::verify::agreement(&dir.join("out"), &dir.join(&out))?,
             ))
         }) {
             Ok((w, (diff, cosine))) => {
@@ -195,7 +195,7 @@ pub fn run(
         .chain((0..dim).map(|j| format!("score_{j}")))
         .collect();
     std::fs::write(&golden, format!("{}\n{loop_out}", header.join(",")))?;
-    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &golden, 1e-4)?;
+    let v = batchfleet_testkit::verify::verify(&dir.join("out"), &golden, 1e-4)?;
     if !v.ok() {
         bail!(
             "[text] the fleet's output does not match the Python loop's: {}",

@@ -50,8 +50,10 @@ pub enum Publish {
 }
 
 /// Name of the staging folder inside an output directory. Temp files live only
-/// here, so a crash never leaves a partial file where readers look.
-pub use crate::output::STAGING_DIR;
+/// here, so a crash never leaves a partial file where readers look (they
+/// are never read, and a name starting with `_` is one that dataset readers
+/// skip).
+pub const STAGING_DIR: &str = "_staging";
 
 /// An entry under an output folder that is a symbolic link (or not what it
 /// should be), refused: nothing under an output folder is followed through

@@ -32,8 +32,9 @@ pub const SUCCESS_FILE: &str = "_SUCCESS";
 pub const SUMMARY_FILE: &str = "summary.json";
 /// Folder holding the checkpoint segments of items in progress.
 pub const PARTIAL_DIR: &str = "_partial";
-/// Folder holding temporary files while they are written (never read).
-pub const STAGING_DIR: &str = "_staging";
+/// Folder holding temporary files while they are written (never read):
+/// the atomic publication's, so [`crate::fsutil`] owns its name.
+pub use crate::fsutil::STAGING_DIR;
 /// Items a `--local` run dead-lettered, one JSON file each with the reason
 /// (the fleet keeps them in its dead queue instead).
 pub const DEAD_DIR: &str = "_dead";

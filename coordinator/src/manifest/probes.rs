@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn parquet_input_needs_typed_columns_in_every_file() {
-        use batchfleet_loadtest::fixtures::{f64_column, string_column, write_parquet};
+        use batchfleet_testkit::fixtures::{f64_column, string_column, write_parquet};
         let fx = Fixture::new();
         let one = || f64_column([Some(0.5)]);
         let write = |name: &str, cols: Vec<(&str, arrow_array::ArrayRef)>| {

@@ -1,9 +1,9 @@
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services::{ensure_local, unique};
 use batchfleet_shared::broker::PoolQueues;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::Store;
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services::{ensure_local, unique};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -219,7 +219,7 @@ async fn models_that_are_not_torchscript_are_each_named_exit_2_and_publish_nothi
     // three ways people mistake for TorchScript.
     static WRONG: OnceLock<()> = OnceLock::new();
     WRONG.get_or_init(|| {
-        batchfleet_loadtest::python::make_wrong_models(fixture()).expect("wrong models")
+        batchfleet_testkit::python::make_wrong_models(fixture()).expect("wrong models")
     });
     for (file, named) in [
         ("state_dict.pt", "is a state_dict (weights only"),

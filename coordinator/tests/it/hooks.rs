@@ -7,8 +7,8 @@
 
 use batchfleet_coordinator::hooks::{self, HookOutcome, HookPolicy, BASE_ENV};
 use batchfleet_coordinator::manifest::OnComplete;
-use batchfleet_loadtest::nodes::{TestPki, WebhookServer};
 use batchfleet_shared::secret::SecretUrl;
+use batchfleet_testkit::nodes::{TestPki, WebhookServer};
 use std::path::Path;
 use std::time::Duration;
 

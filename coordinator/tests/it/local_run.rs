@@ -3,7 +3,7 @@
 //! store, every row is predicted once and equal to PyTorch's, and a run
 //! killed with SIGKILL resumes from its part files computing nothing twice.
 
-use batchfleet_loadtest::python::{make_job, JobGen};
+use batchfleet_testkit::python::{make_job, JobGen};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -43,7 +43,7 @@ fn summary(out: &Path) -> serde_json::Value {
 }
 
 fn verify(dir: &Path) {
-    let v = batchfleet_loadtest::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5)
+    let v = batchfleet_testkit::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5)
         .expect("verify");
     assert!(v.ok(), "{}", v.describe());
 }
@@ -263,10 +263,10 @@ fn rows_in(parts: &[(PathBuf, u64, std::time::SystemTime)]) -> u64 {
 /// and no item committed before the kill is computed or written again.
 fn a_job_killed_mid_way_resumes_and_computes_nothing_twice(backend: Backend) {
     if backend == Backend::Fleet {
-        batchfleet_loadtest::services::ensure_local().expect("RabbitMQ and Redis available");
+        batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
     }
-    let pool = batchfleet_loadtest::services::unique("resume");
-    let prefix = batchfleet_loadtest::services::unique("bftest-resume");
+    let pool = batchfleet_testkit::services::unique("resume");
+    let prefix = batchfleet_testkit::services::unique("bftest-resume");
     let dir = tempfile::tempdir().expect("temp dir");
     make_job(
         dir.path(),
@@ -327,8 +327,8 @@ fn a_job_killed_mid_way_resumes_and_computes_nothing_twice(backend: Backend) {
         ),
     }
     if backend == Backend::Fleet {
-        batchfleet_loadtest::services::delete_pool_queues(&pool);
-        batchfleet_loadtest::services::delete_redis_prefix(&prefix);
+        batchfleet_testkit::services::delete_pool_queues(&pool);
+        batchfleet_testkit::services::delete_redis_prefix(&prefix);
     }
 }
 

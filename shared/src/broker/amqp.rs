@@ -491,7 +491,7 @@ impl Broker for AmqpBroker {
                 .with_type(ShortString::from(msg.kind))
                 .with_message_id(ShortString::from(msg.message_id.as_str()))
                 .with_app_id(ShortString::from("batchfleet"))
-                .with_timestamp(crate::now_ms() / 1000)
+                .with_timestamp(crate::host::now_ms() / 1000)
                 .with_headers(to_table(&msg.headers));
             if let Some(ms) = msg.expiration_ms {
                 props = props.with_expiration(ShortString::from(ms.to_string()));
@@ -536,7 +536,7 @@ impl Broker for AmqpBroker {
         let tag = format!(
             "bf-{}-{}-{}",
             std::process::id(),
-            crate::now_ms(),
+            crate::host::now_ms(),
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
         let consumer = channel

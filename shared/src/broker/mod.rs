@@ -287,22 +287,25 @@ impl Outgoing {
         attempt: u32,
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
-        let body = crate::message::Envelope::V2(item.clone()).encode();
+        let sealed = crate::message::seal(item, key);
         let mut headers = Headers::default();
-        if let Some(key) = key {
-            headers.set([(crate::signing::SIGNATURE_HEADER, key.sign(&body))], []);
+        if let Some(signature) = sealed.signature {
+            headers.set([(crate::signing::SIGNATURE_HEADER, signature)], []);
         }
         headers.set(
             [],
             [
                 (crate::message::ATTEMPT_HEADER, i64::from(attempt)),
-                (crate::message::PUBLISHED_HEADER, crate::now_ms() as i64),
+                (
+                    crate::message::PUBLISHED_HEADER,
+                    crate::host::now_ms() as i64,
+                ),
             ],
         );
         Self {
             message_id: format!("{}/{}", item.job_id, item.seq),
-            kind: crate::message::MESSAGE_TYPE_V2,
-            body,
+            kind: sealed.kind,
+            body: sealed.body,
             headers,
             expiration_ms: None,
         }

@@ -16,18 +16,18 @@
 //! implementations pass the same tests (`shared/tests/it/store.rs`).
 //!
 //! The job record is kept as its hash fields (strings, as Redis holds them),
-//! so that [`JobStore::set_job_fields`], [`JobStore::restore_job`] and
+//! so that [`JobStore::update_job`], [`JobStore::restore_job`] and
 //! [`JobStore::put_job`] behave like `HSET` and a record is read back through
 //! the same [`JobRecord::from_fields`]. Everything else is kept typed: in
 //! memory nothing can hold undecodable JSON.
 //!
-//! The clock is this process's wall clock ([`crate::now_ms`]): with one
+//! The clock is this process's wall clock ([`crate::host::now_ms`]): with one
 //! process there is one clock, which [`JobStore::now_ms`] returns and the
 //! lease times are written with.
 
 use super::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, Start,
-    StoreError, UnableNote,
+    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
+    Start, StoreError, UnableNote,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -154,15 +154,11 @@ impl JobStore for LocalStore {
         Ok(())
     }
 
-    async fn set_job_fields(&self, id: &str, fields: &[(&str, String)]) -> Result<(), StoreError> {
-        if fields.is_empty() {
-            // Redis refuses an HSET without fields; nothing to write either way.
-            return Ok(());
-        }
+    async fn update_job(&self, id: &str, update: &RecordUpdate) -> Result<(), StoreError> {
         let mut state = self.lock();
         let job = state.entry(id);
-        for (k, v) in fields {
-            job.fields.insert((*k).to_owned(), v.clone());
+        for (k, v) in update.fields() {
+            job.fields.insert(k.to_owned(), v);
         }
         Ok(())
     }
@@ -179,7 +175,10 @@ impl JobStore for LocalStore {
             items_total: v("items_total")?,
             rows_total: v("rows_total")?,
             items_failed: job.failed.len() as u64,
-            status: job.fields.get("status").and_then(|s| JobStatus::parse(s)),
+            status: job
+                .fields
+                .get("status")
+                .and_then(|s| JobStatus::from_name(s)),
         })
     }
 
@@ -348,7 +347,7 @@ impl JobStore for LocalStore {
             return Ok(Start::FailedForGood);
         }
         if status != "planning" && status != "running" {
-            return match JobStatus::parse(&status) {
+            return match JobStatus::from_name(&status) {
                 Some(s) => Ok(Start::NotRunning(s)),
                 None => Err(StoreError::Corrupt {
                     key: job_key(id),
@@ -356,7 +355,7 @@ impl JobStore for LocalStore {
                 }),
             };
         }
-        let now = crate::now_ms();
+        let now = crate::host::now_ms();
         let mut held = lease.clone();
         held.started_ms = now;
         held.heartbeat_ms = now;
@@ -375,13 +374,13 @@ impl JobStore for LocalStore {
             return Ok(false);
         }
         let mut held = lease.clone();
-        held.heartbeat_ms = crate::now_ms();
+        held.heartbeat_ms = crate::host::now_ms();
         job.leases.insert(lease.field(), held);
         Ok(true)
     }
 
     async fn now_ms(&self) -> Result<u64, StoreError> {
-        Ok(crate::now_ms())
+        Ok(crate::host::now_ms())
     }
 
     /// [`FAIL_JOB_SCRIPT`](super::redis::FAIL_JOB_SCRIPT).
@@ -615,7 +614,7 @@ impl JobStore for LocalStore {
         who: &str,
         ttl: std::time::Duration,
     ) -> Result<bool, StoreError> {
-        let now = crate::now_ms();
+        let now = crate::host::now_ms();
         let mut state = self.lock();
         let job = state.entry(job);
         if let Some((holder, until)) = &job.follower {
@@ -664,7 +663,7 @@ impl JobStore for LocalStore {
         who: &str,
         stale: std::time::Duration,
     ) -> Result<bool, StoreError> {
-        let now = crate::now_ms();
+        let now = crate::host::now_ms();
         let mut state = self.lock();
         let Some(job) = state.jobs.get_mut(job) else {
             return Ok(false);
@@ -745,6 +744,16 @@ mod tests {
         }
     }
 
+    /// Writes a raw field of a job's record, as `HSET` would: what no
+    /// update of a job writes (a corrupt or hand-edited record).
+    fn poke(store: &LocalStore, id: &str, field: &str, value: &str) {
+        let mut state = store.lock();
+        state
+            .entry(id)
+            .fields
+            .insert(field.to_owned(), value.to_owned());
+    }
+
     fn lease(seq: u32, worker: &str) -> Lease {
         Lease {
             seq,
@@ -790,9 +799,10 @@ mod tests {
 
     #[tokio::test]
     async fn fields_set_on_an_unknown_job_make_a_corrupt_record() {
-        let store = Store::local();
+        let local = std::sync::Arc::new(LocalStore::default());
+        let store = Store::from_backend(local.clone());
         store
-            .set_job_fields("j", &[("status", "running".into())])
+            .update_job("j", &RecordUpdate::Replayed { model_sha256: None })
             .await
             .unwrap();
         let err = store.job("j").await.unwrap_err().to_string();
@@ -809,22 +819,19 @@ mod tests {
                 .unwrap(),
             Start::UnknownJob
         );
-        // set_job_fields writes like HSET: other fields stay.
+        // update_job writes like HSET: other fields stay.
         store.put_job(&record("r", 1)).await.unwrap();
-        store
-            .set_job_fields("r", &[("finished_ms", "9".into()), ("name", "n".into())])
-            .await
-            .unwrap();
+        let finished = RecordUpdate::Finished {
+            status: JobStatus::Completed,
+            at_ms: 9,
+        };
+        store.update_job("r", &finished).await.unwrap();
         let job = store.job("r").await.unwrap().unwrap();
         assert_eq!(
-            (job.finished_ms, job.name.as_str(), job.rows_total),
-            (9, "n", 300)
+            (job.finished_ms, job.status, job.rows_total),
+            (9, JobStatus::Completed, 300)
         );
-        store.set_job_fields("r", &[]).await.unwrap();
-        store
-            .set_job_fields("r", &[("status", "paused".into())])
-            .await
-            .unwrap();
+        poke(&local, "r", "status", "paused");
         assert_eq!(store.progress("r").await.unwrap().status, None);
         assert!(matches!(
             store.start_item("r", &lease(0, "w"), &claim()).await,
@@ -925,12 +932,10 @@ mod tests {
 
     #[tokio::test]
     async fn leases_are_in_seq_order_and_a_heartbeat_keeps_the_start() {
-        let store = Store::local();
+        let local = std::sync::Arc::new(LocalStore::default());
+        let store = Store::from_backend(local.clone());
         store.put_job(&record("j", 1)).await.unwrap();
-        store
-            .set_job_fields("j", &[("items_total", "20".into())])
-            .await
-            .unwrap();
+        poke(&local, "j", "items_total", "20");
         for (seq, w) in [(10, "a"), (2, "b"), (2, "a")] {
             store
                 .start_item("j", &lease(seq, w), &claim())
@@ -977,10 +982,11 @@ mod tests {
         let job = store.job("f").await.unwrap().unwrap();
         assert_eq!((job.status, job.published_ms), (JobStatus::Failed, 8));
         // Only a planning or running job fails; an unknown one is not created.
-        store
-            .set_job_fields("j", &[("status", "completed".into())])
-            .await
-            .unwrap();
+        let completed = RecordUpdate::Finished {
+            status: JobStatus::Completed,
+            at_ms: 9,
+        };
+        store.update_job("j", &completed).await.unwrap();
         assert!(!store.fail_job("j", "budget", "x").await.unwrap());
         assert!(!store.fail_job("nope", "budget", "x").await.unwrap());
         assert_eq!(store.job("nope").await.unwrap(), None);
@@ -1121,12 +1127,10 @@ mod tests {
 
     #[tokio::test]
     async fn an_items_total_that_is_not_a_number_refuses_every_seq() {
-        let store = Store::local();
+        let local = std::sync::Arc::new(LocalStore::default());
+        let store = Store::from_backend(local.clone());
         store.put_job(&record("j", 1)).await.unwrap();
-        store
-            .set_job_fields("j", &[("items_total", "many".into())])
-            .await
-            .unwrap();
+        poke(&local, "j", "items_total", "many");
         assert_eq!(
             store
                 .start_item("j", &lease(0, "w"), &claim())

@@ -19,7 +19,7 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
     let broker = connect(&crate::amqp(), "shared-tests", Duration::from_secs(10))
         .await
         .expect("connect");
-    let queues = PoolQueues::new(batchfleet_loadtest::services::unique("pub"));
+    let queues = PoolQueues::new(batchfleet_testkit::services::unique("pub"));
     broker.declare(&queues).await.expect("declare");
     // Declaring again with the same arguments is fine (both binaries do it).
     broker.declare(&queues).await.expect("re-declare");

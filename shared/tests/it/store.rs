@@ -3,7 +3,7 @@
 //! implementations of `JobStore` must behave the same.
 
 use batchfleet_shared::store::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, Start, Store, UnableNote,
+    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Start, Store, UnableNote,
 };
 
 /// Runs each `name: "redis key prefix stem"` test body against both stores.
@@ -326,7 +326,13 @@ async fn a_message_disagreeing_with_its_job_record_writes_nothing(store: Store) 
         Start::UnknownJob
     );
     store
-        .set_job_fields("j", &[("status", JobStatus::Completed.as_str().to_owned())])
+        .update_job(
+            "j",
+            &RecordUpdate::Finished {
+                status: JobStatus::Completed,
+                at_ms: 1,
+            },
+        )
         .await
         .expect("status");
     assert_eq!(
@@ -493,9 +499,12 @@ async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Stor
         .expect("stale"));
     // Reduced (final status, finish time): nobody claims it.
     store
-        .set_job_fields(
+        .update_job(
             "f",
-            &[("status", "completed".into()), ("finished_ms", "5".into())],
+            &RecordUpdate::Finished {
+                status: JobStatus::Completed,
+                at_ms: 5,
+            },
         )
         .await
         .expect("finish");
@@ -505,14 +514,7 @@ async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Stor
         .expect("claim"));
     // Run again, it is claimed once more.
     store
-        .set_job_fields(
-            "f",
-            &[
-                ("status", "planning".into()),
-                ("reducer", String::new()),
-                ("finished_ms", "0".into()),
-            ],
-        )
+        .update_job("f", &RecordUpdate::Rerun { merge: false })
         .await
         .expect("again");
     assert!(store.claim_reduce("f", "c", stale).await.expect("claim"));

@@ -19,7 +19,7 @@
 //! any check is dead-lettered as `rejected` with its reason, touching no item.
 
 use batchfleet_shared::broker::Headers;
-use batchfleet_shared::message::{Envelope, ItemLimits, WorkItem};
+use batchfleet_shared::message::{self, ItemLimits, OpenError, WorkItem};
 use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use std::path::Path;
@@ -55,28 +55,14 @@ pub fn admit(body: &[u8], headers: &Headers, guard: &Guard) -> Result<WorkItem, 
         reason,
         label,
     };
-    if let Some(key) = &guard.key {
-        match headers.str(SIGNATURE_HEADER) {
-            None => {
-                return Err(refuse(
-                    None,
-                    "unsigned message: this worker holds a signing key and takes only messages signed with it (is the coordinator configured with the same BATCHFLEET_SIGNING_KEY?)".into(),
-                    "signature",
-                ))
-            }
-            Some(sig) if !key.verify(body, sig) => {
-                return Err(refuse(
-                    None,
-                    "bad signature: the message was not signed with this worker's signing key (forged, altered, or signed with another key)".into(),
-                    "signature",
-                ))
-            }
-            Some(_) => {}
-        }
-    }
-    let item = Envelope::decode(body)
-        .map_err(|e| refuse(None, e.to_string(), "undecodable"))?
-        .into_item();
+    let item =
+        message::open(body, headers.str(SIGNATURE_HEADER), guard.key.as_ref()).map_err(|e| {
+            let label = match e {
+                OpenError::Unsigned | OpenError::BadSignature => "signature",
+                OpenError::Undecodable(_) => "undecodable",
+            };
+            refuse(None, e.to_string(), label)
+        })?;
     if let Err(why) = item.check(&guard.limits) {
         return Err(refuse(
             Some(&item),
@@ -152,7 +138,7 @@ pub fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchfleet_shared::signing::SigningKey;
+    use batchfleet_shared::message::Envelope;
 
     fn body() -> (WorkItem, Vec<u8>) {
         let item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);

@@ -334,7 +334,7 @@ fn cell_json(col: &ArrayRef, r: usize) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchfleet_loadtest::fixtures::{f64_column, string_column, write_parquet};
+    use batchfleet_testkit::fixtures::{f64_column, string_column, write_parquet};
     use std::sync::Arc;
 
     fn layout() -> ParquetLayout {

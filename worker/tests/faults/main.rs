@@ -13,10 +13,10 @@ mod support;
 
 use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{run_job, RunOutcome};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services;
-use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::store::{Lease, Store};
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services;
+use batchfleet_testkit::verify::verify;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

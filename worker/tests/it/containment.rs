@@ -5,12 +5,12 @@
 use crate::support::{stop_all, TestEnv, Worker};
 use batchfleet_coordinator::dlq::{self, DeadItem, Filter};
 use batchfleet_coordinator::{run_job, RunOutcome};
-use batchfleet_loadtest::python::{make_job, make_wrong_models, JobGen};
-use batchfleet_loadtest::services::unique;
-use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
 use batchfleet_shared::message::{Envelope, InputSlice, WorkItem, MESSAGE_TYPE_V2};
 use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
+use batchfleet_testkit::python::{make_job, make_wrong_models, JobGen};
+use batchfleet_testkit::services::unique;
+use batchfleet_testkit::verify::verify;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;

@@ -172,10 +172,10 @@ fn compose_worker_command() -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() {
     let env = TestEnv::new("deploy");
-    let name = batchfleet_loadtest::services::unique("deploy");
-    batchfleet_loadtest::python::make_job(
+    let name = batchfleet_testkit::services::unique("deploy");
+    batchfleet_testkit::python::make_job(
         env.path(),
-        &batchfleet_loadtest::python::JobGen {
+        &batchfleet_testkit::python::JobGen {
             rows: 4_000,
             files: 1,
             features: 8,
@@ -238,7 +238,7 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v = batchfleet_loadtest::verify::verify(
+    let v = batchfleet_testkit::verify::verify(
         &env.path().join("out"),
         &env.path().join("golden.csv"),
         1e-5,
@@ -260,9 +260,9 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_waits_for_the_preloaded_model_and_a_bad_model_exits_1() {
     let env = TestEnv::new("ready");
-    batchfleet_loadtest::python::make_job(
+    batchfleet_testkit::python::make_job(
         env.path(),
-        &batchfleet_loadtest::python::JobGen {
+        &batchfleet_testkit::python::JobGen {
             rows: 100,
             files: 1,
             features: 4,

@@ -4,16 +4,16 @@
 use crate::support::{matches_golden, TestEnv};
 use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{run_job, RunOutcome};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::broker::{Outgoing, PoolQueues};
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::verify::verify;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     let env = TestEnv::new("e2e");
-    let name = batchfleet_loadtest::services::unique("e2e");
+    let name = batchfleet_testkit::services::unique("e2e");
     let gen = JobGen {
         rows: 50_000,
         files: 4,
@@ -218,7 +218,7 @@ async fn json_lines_input_scores_every_record_matching_pytorch() {
         features: 8,
         hidden: 32,
         outputs: 2,
-        name: batchfleet_loadtest::services::unique("jsonl"),
+        name: batchfleet_testkit::services::unique("jsonl"),
         pool: env.pool.clone(),
         item_rows: 1_500,
         batch_size: 256,
@@ -273,7 +273,7 @@ async fn pandas_to_csv_input_with_missing_values_matches_pytorch() {
         features: 8,
         hidden: 32,
         outputs: 2,
-        name: batchfleet_loadtest::services::unique("pandas"),
+        name: batchfleet_testkit::services::unique("pandas"),
         pool: env.pool.clone(),
         item_rows: 1_500,
         batch_size: 256,
@@ -338,7 +338,7 @@ async fn quoted_line_breaks_past_the_sample_fail_their_items_with_the_fix_named(
         files: 20,
         features: 8,
         hidden: 16,
-        name: batchfleet_loadtest::services::unique("quoted"),
+        name: batchfleet_testkit::services::unique("quoted"),
         pool: env.pool.clone(),
         item_rows: 50,
         batch_size: 64,
@@ -407,7 +407,7 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
         features: 8,
         hidden: 32,
         outputs: 2,
-        name: batchfleet_loadtest::services::unique("parquet"),
+        name: batchfleet_testkit::services::unique("parquet"),
         pool: env.pool.clone(),
         item_rows: 1_500,
         batch_size: 256,
@@ -458,11 +458,11 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn image_files_are_scored_by_a_cnn_matching_pytorch() {
-    use batchfleet_loadtest::python::{make_image_job, ImageGen};
+    use batchfleet_testkit::python::{make_image_job, ImageGen};
     let env = TestEnv::new("images");
     let gen = ImageGen {
         images: 240,
-        name: batchfleet_loadtest::services::unique("images"),
+        name: batchfleet_testkit::services::unique("images"),
         pool: env.pool.clone(),
         item_rows: 25,
         batch_size: 16,
@@ -504,7 +504,7 @@ async fn labels_top_k_and_copied_columns_in_json_lines_output() {
         features: 8,
         hidden: 32,
         outputs: 3,
-        name: batchfleet_loadtest::services::unique("labels"),
+        name: batchfleet_testkit::services::unique("labels"),
         pool: env.pool.clone(),
         item_rows: 1_000,
         batch_size: 256,
@@ -595,12 +595,12 @@ async fn two_workers_complete(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
-    use batchfleet_loadtest::python::{make_image_job, ImageGen};
+    use batchfleet_testkit::python::{make_image_job, ImageGen};
     let _turn = crate::support::s3_turn().await;
-    let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
+    let s3 = batchfleet_testkit::services::S3Server::start().expect("moto");
     let env = TestEnv::new("s3");
     let bucket = "batchfleet-tests";
-    let prefix = batchfleet_loadtest::services::unique("s3");
+    let prefix = batchfleet_testkit::services::unique("s3");
     // The coordinator runs in this process: point its S3 client at moto.
     s3.configure_this_process();
     let settings = s3.env();
@@ -618,7 +618,7 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
 
     for (format, rows) in [("csv", 6_000), ("parquet", 6_000), ("files", 60)] {
         let dir = env.path().join(format);
-        let name = batchfleet_loadtest::services::unique(format);
+        let name = batchfleet_testkit::services::unique(format);
         if format == "files" {
             let gen = ImageGen {
                 images: 60,
@@ -723,10 +723,10 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_s3_file_outside_the_validation_sample_with_another_header_fails_only_its_items() {
     let _turn = crate::support::s3_turn().await;
-    let s3 = batchfleet_loadtest::services::S3Server::start().expect("moto");
+    let s3 = batchfleet_testkit::services::S3Server::start().expect("moto");
     let env = TestEnv::new("s3hdr");
     let bucket = "batchfleet-tests";
-    let prefix = batchfleet_loadtest::services::unique("s3hdr");
+    let prefix = batchfleet_testkit::services::unique("s3hdr");
     s3.configure_this_process();
     let settings = s3.env();
     let s3_root = format!("s3://{bucket}/{prefix}");
@@ -745,7 +745,7 @@ async fn an_s3_file_outside_the_validation_sample_with_another_header_fails_only
         files,
         features: 4,
         hidden: 8,
-        name: batchfleet_loadtest::services::unique("s3hdr"),
+        name: batchfleet_testkit::services::unique("s3hdr"),
         pool: env.pool.clone(),
         item_rows: 1_000,
         batch_size: 64,
@@ -821,7 +821,7 @@ async fn a_model_returning_integers_writes_integers() {
         features: 8,
         hidden: 16,
         outputs: 2,
-        name: batchfleet_loadtest::services::unique("ints"),
+        name: batchfleet_testkit::services::unique("ints"),
         pool: env.pool.clone(),
         item_rows: 1_000,
         batch_size: 256,
@@ -896,7 +896,7 @@ async fn short_items_deepen_the_prefetch_and_every_row_is_scored_once() {
         features: 2,
         hidden: 4,
         outputs: 1,
-        name: batchfleet_loadtest::services::unique("prefetch"),
+        name: batchfleet_testkit::services::unique("prefetch"),
         pool: env.pool.clone(),
         item_rows: 1,
         batch_size: 1,

@@ -4,8 +4,8 @@
 use crate::support::{stop_all, Backend, TestEnv};
 use batchfleet_coordinator::dlq::{self, Filter};
 use batchfleet_coordinator::reducer::Summary;
-use batchfleet_loadtest::python::{make_faulty_models, make_job, JobGen};
-use batchfleet_loadtest::verify::verify;
+use batchfleet_testkit::python::{make_faulty_models, make_job, JobGen};
+use batchfleet_testkit::verify::verify;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ fn job(
         files: 2,
         features: 8,
         hidden: 16,
-        name: batchfleet_loadtest::services::unique("fail"),
+        name: batchfleet_testkit::services::unique("fail"),
         pool: env.pool.clone(),
         item_rows,
         batch_size: 64,

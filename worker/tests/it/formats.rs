@@ -6,8 +6,8 @@
 //! are refused at validation.
 
 use crate::support::{Backend, TestEnv};
-use batchfleet_loadtest::python::make_aoti_model;
-use batchfleet_loadtest::verify::verify;
+use batchfleet_testkit::python::make_aoti_model;
+use batchfleet_testkit::verify::verify;
 
 fn manifest(env: &TestEnv, model: &str, out: &str, extra: &str) -> std::path::PathBuf {
     let text = format!(
@@ -32,7 +32,7 @@ inference_batch_size = 64
 [output]
 dir = "{out}"
 "#,
-        name = batchfleet_loadtest::services::unique("formats"),
+        name = batchfleet_testkit::services::unique("formats"),
         pool = env.pool,
     );
     let path = env.path().join(format!("{out}.toml"));

@@ -4,11 +4,11 @@
 
 use crate::support::{stop_all, TestEnv};
 use batchfleet_coordinator::manifest;
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::verify::verify;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::{JobRecord, JobStatus, Store, StoreError};
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::verify::verify;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ fn job(env: &TestEnv) -> PathBuf {
         files: 2,
         features: 8,
         hidden: 16,
-        name: batchfleet_loadtest::services::unique("lineage"),
+        name: batchfleet_testkit::services::unique("lineage"),
         pool: env.pool.clone(),
         item_rows: 250,
         batch_size: 64,
@@ -425,7 +425,7 @@ fn slow_job(env: &TestEnv, dir: &Path, rows: u64, item_rows: u64) -> PathBuf {
         files: 1,
         features: 8,
         hidden: 16,
-        name: batchfleet_loadtest::services::unique("ctl"),
+        name: batchfleet_testkit::services::unique("ctl"),
         pool: env.pool.clone(),
         item_rows,
         batch_size: 50,

@@ -8,17 +8,17 @@
 //! or another prefix's keys.
 
 use crate::support::{stop_all, TestEnv};
-use batchfleet_loadtest::python::{make_job, JobGen};
-use batchfleet_loadtest::services::{rabbitmqctl, unique};
 use batchfleet_shared::broker::PoolQueues;
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::services::{rabbitmqctl, unique};
 use std::time::Duration;
 
 /// Lines printed by a function of docker/rabbitmq/permissions.sh, the
 /// definitions the compose stack's broker applies and docs/deploy.md gives.
 fn shipped_permissions(call: &str) -> [String; 3] {
-    let script = batchfleet_loadtest::python::repo_root().join("docker/rabbitmq/permissions.sh");
+    let script = batchfleet_testkit::python::repo_root().join("docker/rabbitmq/permissions.sh");
     let out = std::process::Command::new("sh")
         .arg("-c")
         .arg(format!(". '{}'; {call}", script.display()))
@@ -35,7 +35,7 @@ fn shipped_permissions(call: &str) -> [String; 3] {
 /// with the test's key prefix for `bf`.
 fn shipped_redis_rules(prefix: &str) -> Vec<String> {
     let script = std::fs::read_to_string(
-        batchfleet_loadtest::python::repo_root().join("docker/redis/entrypoint.sh"),
+        batchfleet_testkit::python::repo_root().join("docker/redis/entrypoint.sh"),
     )
     .expect("docker/redis/entrypoint.sh");
     let rules = script

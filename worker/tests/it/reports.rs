@@ -6,8 +6,8 @@
 use crate::support::TestEnv;
 use batchfleet_coordinator::reducer::Summary;
 use batchfleet_coordinator::{run_job, RunOutcome};
-use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_shared::message::HistogramSpec;
+use batchfleet_testkit::python::{make_job, JobGen};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -70,7 +70,7 @@ fn generate(env: &TestEnv, dir: &Path, seed: u64) -> PathBuf {
             hidden: 16,
             outputs: 1,
             seed,
-            name: batchfleet_loadtest::services::unique("report"),
+            name: batchfleet_testkit::services::unique("report"),
             pool: env.pool.clone(),
             item_rows: 1_000,
             batch_size: 250,

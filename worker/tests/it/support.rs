@@ -22,12 +22,12 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub fn new(stem: &str) -> Self {
-        batchfleet_loadtest::services::ensure_local().expect("RabbitMQ and Redis available");
+        batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
         Self {
             amqp: Endpoint::amqp(SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f")),
             redis: Endpoint::redis(SecretUrl::new("redis://127.0.0.1:6379/")),
-            prefix: batchfleet_loadtest::services::unique(&format!("bftest-{stem}")),
-            pool: batchfleet_loadtest::services::unique(stem),
+            prefix: batchfleet_testkit::services::unique(&format!("bftest-{stem}")),
+            pool: batchfleet_testkit::services::unique(stem),
             dir: tempfile::tempdir().expect("temp dir"),
         }
     }
@@ -56,7 +56,7 @@ impl TestEnv {
             progress: false,
             poll_interval: Duration::from_millis(100),
             publish_window: 64,
-            supervise: batchfleet_coordinator::supervisor::SuperviseConfig {
+            supervise: batchfleet_coordinator::config::SuperviseConfig {
                 speculate_min: Duration::from_millis(500),
                 orphan_grace: Duration::from_secs(3),
                 ..Default::default()
@@ -326,7 +326,7 @@ pub async fn run_with_config_to_end(
 /// score within 1e-5 of PyTorch's) and its row count; the output folder.
 pub fn matches_golden(env: &TestEnv, rows: usize) -> PathBuf {
     let out = env.path().join("out");
-    let v = batchfleet_loadtest::verify::verify(&out, &env.path().join("golden.csv"), 1e-5)
+    let v = batchfleet_testkit::verify::verify(&out, &env.path().join("golden.csv"), 1e-5)
         .expect("verify");
     assert!(v.ok(), "{}", v.describe());
     assert_eq!(v.output_rows, rows);

@@ -5,8 +5,8 @@
 //! on worker processes and in one process; the ids against Python's.
 
 use crate::support::{Backend, TestEnv};
-use batchfleet_loadtest::python::{make_text_job, TextGen};
-use batchfleet_loadtest::verify::verify;
+use batchfleet_testkit::python::{make_text_job, TextGen};
+use batchfleet_testkit::verify::verify;
 use std::path::Path;
 
 const ROWS: u32 = 1_500;
@@ -37,7 +37,7 @@ inference_batch_size = 32
 dir = "out-{format}"
 format = "{out_format}"
 "#,
-        name = batchfleet_loadtest::services::unique("text"),
+        name = batchfleet_testkit::services::unique("text"),
         pool = env.pool,
     )
 }
@@ -522,7 +522,7 @@ async fn reduced_precision_runs_the_model_in_bfloat16() {
     let mut workers = env.workers(Backend::Local, &[&[]]).await;
     let (job, summary) = env.run_on(&workers, &path).await;
     assert_eq!(summary.status, "completed", "{summary:?}");
-    let (max_diff, min_cos) = batchfleet_loadtest::verify::agreement(
+    let (max_diff, min_cos) = batchfleet_testkit::verify::agreement(
         &env.path().join("expected.csv"),
         &env.path().join("out-csv"),
     )

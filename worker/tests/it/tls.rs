@@ -5,12 +5,12 @@
 //! certificate from another CA is refused with an error that says what to set.
 
 use crate::support::{stop_all, TestEnv};
-use batchfleet_loadtest::nodes::{RabbitNode, RabbitOptions, TestPki, TlsRedis};
-use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_shared::broker::BrokerError;
 use batchfleet_shared::endpoint::{Endpoint, TlsFiles};
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_shared::store::{Store, StoreError};
+use batchfleet_testkit::nodes::{RabbitNode, RabbitOptions, TestPki, TlsRedis};
+use batchfleet_testkit::python::{make_job, JobGen};
 use std::path::Path;
 use std::time::Duration;
 
@@ -120,7 +120,7 @@ async fn a_job_completes_over_tls_and_a_server_from_another_ca_is_refused() {
 
     // The job, end to end over TLS: two workers, and `batchfleet run` with
     // its URLs read from files.
-    let name = batchfleet_loadtest::services::unique("tls");
+    let name = batchfleet_testkit::services::unique("tls");
     let gen = JobGen {
         rows: 6_000,
         files: 2,

@@ -16,12 +16,12 @@
 mod support;
 
 use batchfleet_coordinator::{run_job, RunOutcome};
-use batchfleet_loadtest::nodes::{RabbitNode, RabbitOptions};
-use batchfleet_loadtest::python::{make_job, JobGen};
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::metrics::MetricsArgs;
 use batchfleet_shared::secret::SecretUrl;
+use batchfleet_testkit::nodes::{RabbitNode, RabbitOptions};
+use batchfleet_testkit::python::{make_job, JobGen};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{stop_all, TestEnv};
@@ -148,7 +148,7 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
     )
     .expect("a RabbitMQ node with rabbitmq_prometheus");
     env.amqp = Endpoint::amqp(SecretUrl::new(broker.url()));
-    let name = batchfleet_loadtest::services::unique("metrics");
+    let name = batchfleet_testkit::services::unique("metrics");
     make_job(
         env.path(),
         &JobGen {
@@ -366,7 +366,7 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
             features: 8,
             hidden: 16,
             outputs: 1,
-            name: batchfleet_loadtest::services::unique("idle"),
+            name: batchfleet_testkit::services::unique("idle"),
             pool: env.pool.clone(),
             item_rows: 500,
             batch_size: 500,

@@ -1,8 +1,8 @@
-//! batchfleet's data/model generation, verification and benchmarks.
-//!
-//! The library holds what tests share and never touches libtorch, so test
-//! binaries that link it need no libtorch; the benchmarks that do run
-//! libtorch live in the `batchfleet-loadtest` binary (`src/main.rs`, `src/forward.rs`).
+//! What batchfleet's tests and benchmarks share. It never touches libtorch
+//! and depends on no batchfleet crate but `batchfleet-shared`, so the tests
+//! of every crate (and `cargo test -p batchfleet-shared`) link it without
+//! building libtorch's bindings; the benchmarks and fault runs that do run
+//! libtorch live in the `batchfleet-loadtest` binary (`loadtest/src/`).
 //!
 //! # Layout
 //! - [`verify`]: checks a job's output folder against golden predictions

@@ -8,8 +8,9 @@ use std::process::Command;
 /// The repository root (parent of this crate's folder).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("loadtest lives in the repository")
+        .ancestors()
+        .nth(2)
+        .expect("loadtest/testkit lives in the repository")
         .to_path_buf()
 }
 

@@ -1,0 +1,536 @@
+//! The `batchfleet` command line as clap types: every command, its flags,
+//! their `BATCHFLEET_*` variables and help text, and the settings they make.
+
+use crate::config::{Connections, RunConfig};
+use batchfleet_shared::backend::Backend;
+use batchfleet_shared::config::ServiceArgs;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// batchfleet: batch inference over RabbitMQ, Redis and libtorch workers.
+#[derive(Debug, Parser)]
+#[command(name = "batchfleet", version, about, long_about = None)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Flags every command takes.
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    #[command(flatten)]
+    pub services: ServiceArgs,
+    #[command(flatten)]
+    pub metrics: batchfleet_shared::metrics::MetricsArgs,
+    /// How long to wait for RabbitMQ or Redis to answer (e.g. 10s, 1m).
+    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
+    pub connect_timeout: Duration,
+    /// How long a finished job's state stays in Redis (e.g. 7d, 12h); its
+    /// summary.json stays in the output folder for good. A running job's
+    /// state never expires.
+    #[arg(long, env = "BATCHFLEET_RETENTION", default_value = "7d", value_parser = humantime::parse_duration, global = true)]
+    pub retention: Duration,
+    /// A variable of this environment an `[on_complete]` command may see
+    /// (repeat, or separate with commas); it otherwise gets only the job's
+    /// BATCHFLEET_* variables and PATH, HOME, USER, LANG, LC_ALL, TZ, TMPDIR.
+    #[arg(
+        long = "hook-env",
+        env = "BATCHFLEET_HOOK_ENV",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub hook_env: Vec<String>,
+    /// A variable a manifest may name in `webhook_token_env` or
+    /// `webhook_url_env` (repeat, or separate with commas); none by default,
+    /// so no manifest can send this process's secrets to a URL it chooses.
+    #[arg(
+        long = "hook-token-env",
+        env = "BATCHFLEET_HOOK_TOKEN_ENV",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub hook_token_env: Vec<String>,
+    /// Allow `http://` webhooks (https only by default).
+    #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_HTTP", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
+    pub hook_allow_http: bool,
+    /// Allow webhooks to link-local and cloud metadata addresses (refused
+    /// by default, also when a host name resolves to one).
+    #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_LINK_LOCAL", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
+    pub hook_allow_link_local: bool,
+}
+
+impl GlobalArgs {
+    /// The connection settings; an unreadable secret or key file is an
+    /// error naming it.
+    pub(super) fn connections(&self) -> Result<Connections, String> {
+        Ok(Connections {
+            backend: Backend::Fleet {
+                amqp: self.services.amqp().map_err(|e| e.to_string())?,
+                redis: self.services.redis().map_err(|e| e.to_string())?,
+                redis_prefix: self.services.redis_prefix.clone(),
+            },
+            connect_timeout: self.connect_timeout,
+            signing_key: self.services.signing_key().map_err(|e| e.to_string())?,
+            retention: self.retention,
+            hooks: crate::hooks::HookPolicy {
+                command_env: self.hook_env.clone(),
+                token_env: self.hook_token_env.clone(),
+                allow_http: self.hook_allow_http,
+                allow_link_local: self.hook_allow_link_local,
+            },
+        })
+    }
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Validate a manifest, publish its work items and follow the job to completion.
+    ///
+    /// Running the same manifest again resumes an unfinished job and reports a
+    /// finished one without publishing anything.
+    Run(RunArgs),
+    /// Continue a job by its id (after the coordinator that ran it died):
+    /// publish what was never published, then follow it like `run`.
+    ///
+    /// The same as `batchfleet run` on the job's manifest, which must still
+    /// describe the same job.
+    Resume(ResumeArgs),
+    /// Follow a job (submitted with `run --detach`, or by another process)
+    /// to its end, with the exit codes of `run`.
+    Wait(WaitArgs),
+    /// Cancel a running job: queued items are skipped, in-flight ones stop
+    /// at their next checkpoint, committed part files stay; `run` of the
+    /// same manifest afterwards continues it from them.
+    Cancel(CancelArgs),
+    /// Follow every unfinished job nobody follows (detached ones): supervise
+    /// its items and write its summary, `_SUCCESS` and hooks when it ends.
+    /// One per fleet, next to RabbitMQ and Redis.
+    Supervise(SuperviseArgs),
+    /// Validate and plan a manifest without publishing anything: its job
+    /// id, items, rows and bytes, and whether the job is new, running or done.
+    Plan(PlanArgs),
+    /// Show a job's state: progress, rates, failures by class, items in
+    /// flight (slowest first) and workers.
+    Status(StatusArgs),
+    /// List recent jobs, newest first (the ones whose state is retained).
+    Jobs(JobsArgs),
+    /// Remove finished jobs' state from Redis now, instead of when their
+    /// retention (--retention) is up; their summaries stay in the output folders.
+    Gc(GcArgs),
+    /// Compare the prediction distributions of two jobs (e.g. a new model
+    /// version against the current one on the same data): histograms side
+    /// by side, population stability index and KS distance per output.
+    Compare(CompareArgs),
+    /// Dead-lettered items: list, replay, purge.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// Print a shell completion script for `batchfleet`: e.g.
+    /// `batchfleet completions bash > /etc/bash_completion.d/batchfleet`,
+    /// `batchfleet completions zsh > "${fpath[1]}/_batchfleet"`,
+    /// `batchfleet completions fish > ~/.config/fish/completions/batchfleet.fish`.
+    Completions(CompletionsArgs),
+}
+
+/// `batchfleet completions`.
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// `batchfleet dlq …`.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead items (nothing is removed).
+    List {
+        /// Read the dead items a `batchfleet run --local` wrote to this
+        /// output folder (`_dead/`) instead of a pool's dead queue.
+        #[arg(long, value_name = "OUTPUT")]
+        local: Option<PathBuf>,
+        /// Pool whose dead queue to read.
+        #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
+        pool: String,
+        /// Only this job.
+        #[arg(long)]
+        job: Option<String>,
+        /// Only this failure class (poison, transient, timeout, panic, infra, rejected).
+        #[arg(long)]
+        class: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish dead items of a job to the work queue again (attempts reset),
+    /// then follow the job and rewrite its summary. Rejected messages (class
+    /// `rejected`: forged or impossible) are never replayed; purge them.
+    Replay {
+        /// The job whose dead items to replay.
+        #[arg(long, required_unless_present = "local")]
+        job: Option<String>,
+        /// Run the dead items of the `batchfleet run --local` job whose
+        /// output folder this is again, in this process (its manifest, named
+        /// in summary.json, is run with the committed items taken as done).
+        #[arg(long, value_name = "OUTPUT", conflicts_with_all = ["class", "item", "pool", "no_wait"])]
+        local: Option<PathBuf>,
+        /// With --local: worker pipelines (default: one per core).
+        #[arg(long, requires = "local")]
+        workers: Option<usize>,
+        /// With --local: libtorch threads per pipeline (default: the cores shared out).
+        #[arg(long, requires = "local")]
+        threads: Option<usize>,
+        /// Only this failure class.
+        #[arg(long)]
+        class: Option<String>,
+        /// Only this item.
+        #[arg(long)]
+        item: Option<u32>,
+        /// Pool (default: the job's pool).
+        #[arg(long)]
+        pool: Option<String>,
+        /// Accept the model file as it is now: replace the digest in each
+        /// replayed item by the file's current digest (after swapping in a fixed model).
+        #[arg(long)]
+        update_model: bool,
+        /// Return after publishing instead of following the job.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Delete dead items for good.
+    Purge {
+        /// Pool whose dead queue to purge.
+        #[arg(long, env = "BATCHFLEET_POOL", default_value = "default")]
+        pool: String,
+        /// Only this job's items.
+        #[arg(long)]
+        job: Option<String>,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// `batchfleet run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The job manifest (TOML); see docs/manifest.md.
+    pub manifest: PathBuf,
+    /// Run the job in this process — the coordinator and `--workers`
+    /// pipelines over in-process queues and job state — with no RabbitMQ
+    /// or Redis. Same outputs, summary and exit codes; dead items go to
+    /// `<output>/_dead/`. Killed and run again, it resumes from the
+    /// committed part files.
+    #[arg(long, env = "BATCHFLEET_LOCAL", value_parser = clap::builder::BoolishValueParser::new())]
+    pub local: bool,
+    /// With --local: worker pipelines, each with its own model (default: one per core).
+    #[arg(long, env = "BATCHFLEET_LOCAL_WORKERS", requires = "local")]
+    pub workers: Option<usize>,
+    /// With --local: libtorch intra-op threads per pipeline (default: the
+    /// cores shared out between the pipelines). Its variable is not the
+    /// workers' BATCHFLEET_THREADS, which deployments share with the coordinator.
+    #[arg(long, env = "BATCHFLEET_LOCAL_THREADS", requires = "local")]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub overrides: OverrideArgs,
+    /// Return as soon as the items are published, printing the job id;
+    /// `batchfleet wait <job>` follows it later (or `batchfleet supervise`
+    /// finishes it).
+    #[arg(long, conflicts_with = "local")]
+    pub detach: bool,
+    /// Print one JSON object (job id, status, exit code, summary) on
+    /// stdout instead of the human report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `batchfleet wait`.
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
+    pub job: String,
+    /// Print one JSON object on stdout instead of the human report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `batchfleet cancel`.
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// Job id.
+    pub job: String,
+    /// Why, recorded as the job's `failed_reason` and in its summary.
+    #[arg(long, default_value = "cancelled with batchfleet cancel")]
+    pub reason: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Folder the job's paths must stay under, to load its manifest for its
+    /// hooks when this command writes its summary (as for `run`).
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
+}
+
+/// `batchfleet supervise`.
+#[derive(Debug, Args)]
+pub struct SuperviseArgs {
+    /// Only jobs of this pool (repeat for several; default: every pool).
+    #[arg(
+        long = "pool",
+        env = "BATCHFLEET_SUPERVISE_POOLS",
+        value_delimiter = ','
+    )]
+    pub pools: Vec<String>,
+    /// How often to look for jobs nobody follows.
+    #[arg(long, env = "BATCHFLEET_SUPERVISE_EVERY", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub every: Duration,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// `--set key=value`, on `run` and `plan`.
+#[derive(Debug, Args)]
+pub struct OverrideArgs {
+    /// Override a manifest value: `section.key=value`, the value in TOML
+    /// (`--set batching.item_rows=5000`, `--set 'input.paths=["s3://b/2026-12/*.parquet"]'`)
+    /// or, when it is not TOML, a string (`--set output.dir=out/2026-12`).
+    /// Repeat for several. Overrides are part of the job: its id covers them.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// `batchfleet plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The job manifest (TOML); see docs/manifest.md.
+    pub manifest: PathBuf,
+    #[command(flatten)]
+    pub overrides: OverrideArgs,
+    /// Say whether the job is new or done from its output folder alone,
+    /// with no Redis (a job for `run --local`).
+    #[arg(long, env = "BATCHFLEET_LOCAL", value_parser = clap::builder::BoolishValueParser::new())]
+    pub local: bool,
+    /// Folder every path of the job must stay under (as for `run`).
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet gc`.
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Remove jobs that finished at least this long ago (e.g. 7d, 12h, 0s).
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    pub older_than: Duration,
+    /// Only list what would be removed.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet resume`.
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
+    pub job: String,
+    #[command(flatten)]
+    pub follow: FollowArgs,
+}
+
+/// How `run` and `resume` publish and follow a job.
+#[derive(Debug, Args)]
+pub struct FollowArgs {
+    /// Do not draw a progress bar (it is drawn only on a terminal anyway).
+    #[arg(long, env = "BATCHFLEET_NO_PROGRESS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_progress: bool,
+    /// How often progress is read from Redis, at most: sooner as the end
+    /// nears (within half the time the remaining items should take, and
+    /// every 20 ms for the last 8), so that the job's end is seen at once.
+    #[arg(long, env = "BATCHFLEET_POLL_INTERVAL", default_value = "250ms", value_parser = humantime::parse_duration)]
+    pub poll_interval: Duration,
+    /// Publishes allowed in flight before waiting for the broker's confirms.
+    #[arg(long, env = "BATCHFLEET_PUBLISH_WINDOW", default_value_t = 512)]
+    pub publish_window: usize,
+    /// Once the queue is drained, publish a speculative copy of an item held
+    /// this many times longer than the median item (the first commit wins).
+    /// 0 turns speculation off.
+    #[arg(long, env = "BATCHFLEET_SPECULATE_AFTER", default_value_t = 3.0)]
+    pub speculate_after: f64,
+    /// Publish again an item that is neither queued, held by a live worker
+    /// nor settled for this long (a lost message).
+    #[arg(long, env = "BATCHFLEET_ORPHAN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub orphan_grace: Duration,
+    /// Fail the job when workers said they cannot run it (no CUDA device,
+    /// model unreadable there, out of memory on one row) and no item was
+    /// committed for this long: no able worker is taking its items.
+    #[arg(long, env = "BATCHFLEET_UNABLE_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub unable_timeout: Duration,
+    /// Folder every path of the job (input files, model, output folder)
+    /// must stay under, symlinks resolved, or an s3://bucket/prefix that
+    /// every s3:// location must stay under; repeat for several, or separate
+    /// them with ':' in the variable. Default: the manifest's folder.
+    #[arg(
+        long = "data-root",
+        env = "BATCHFLEET_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    pub data_roots: Vec<std::path::PathBuf>,
+}
+
+impl FollowArgs {
+    /// Following a job with the default settings (`dlq replay`).
+    pub(super) fn default_config(connections: Connections) -> RunConfig {
+        RunConfig {
+            connections,
+            progress: true,
+            poll_interval: Duration::from_millis(250),
+            publish_window: 512,
+            supervise: Default::default(),
+            data_roots: Vec::new(),
+            overrides: Vec::new(),
+        }
+    }
+
+    pub(super) fn run_config(&self, connections: Connections) -> RunConfig {
+        RunConfig {
+            connections,
+            progress: !self.no_progress,
+            poll_interval: self.poll_interval,
+            publish_window: self.publish_window,
+            supervise: crate::config::SuperviseConfig {
+                speculate_after: self.speculate_after,
+                orphan_grace: self.orphan_grace,
+                unable_timeout: self.unable_timeout,
+                ..Default::default()
+            },
+            data_roots: self.data_roots.clone(),
+            overrides: Vec::new(),
+        }
+    }
+}
+
+/// `batchfleet jobs`.
+#[derive(Debug, Args)]
+pub struct JobsArgs {
+    /// How many jobs to list.
+    #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Job A (the reference): a job id, or the path of its summary.json.
+    pub a: String,
+    /// Job B (the candidate): a job id, or the path of its summary.json.
+    pub b: String,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 if the PSI of any output exceeds this (a gate for pipelines).
+    #[arg(long)]
+    pub max_psi: Option<f64>,
+}
+
+/// `batchfleet status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
+    pub job: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Flags that choose what one invocation acts on or how it prints,
+    /// rather than how batchfleet runs: no environment variable, on purpose
+    /// (a `BATCHFLEET_YES` or `BATCHFLEET_JOB` in a deployment's environment
+    /// would act on every command). `dlq replay`'s settings are only
+    /// meaningful beside its per-invocation `--local <OUTPUT>`.
+    const PER_INVOCATION: &[&str] = &[
+        "run --set",
+        "run --detach",
+        "run --json",
+        "wait --json",
+        "cancel --reason",
+        "cancel --json",
+        "plan --set",
+        "plan --json",
+        "status --json",
+        "jobs --limit",
+        "jobs --json",
+        "gc --older-than",
+        "gc --dry-run",
+        "gc --json",
+        "compare --json",
+        "compare --max-psi",
+        "dlq list --local",
+        "dlq list --job",
+        "dlq list --class",
+        "dlq list --json",
+        "dlq replay --job",
+        "dlq replay --local",
+        "dlq replay --workers",
+        "dlq replay --threads",
+        "dlq replay --class",
+        "dlq replay --item",
+        "dlq replay --pool",
+        "dlq replay --update-model",
+        "dlq replay --no-wait",
+        "dlq purge --job",
+        "dlq purge --yes",
+    ];
+
+    fn without_env(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            if a.is_positional() || matches!(a.get_id().as_str(), "help" | "version") {
+                continue;
+            }
+            if a.get_env().is_none() {
+                let long = a.get_long().unwrap_or(a.get_id().as_str());
+                out.push(format!("{path}--{long}").trim_start().to_owned());
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            without_env(sub, &format!("{path}{} ", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_setting_has_an_environment_variable() {
+        let mut missing = Vec::new();
+        without_env(&Cli::command(), "", &mut missing);
+        missing.retain(|f| !PER_INVOCATION.contains(&f.as_str()));
+        assert!(
+            missing.is_empty(),
+            "flags without a BATCHFLEET_* variable: {missing:?}"
+        );
+    }
+}

@@ -1,0 +1,385 @@
+//! The `batchfleet` command line.
+//!
+//! Exit codes: 0 success (or job already complete), 1 runtime failure (broker,
+//! Redis, I/O), 2 invalid manifest or usage (nothing was published), 3 job
+//! finished but some items failed for good (listed in `summary.json`, no
+//! `_SUCCESS`), 4 job failed (error budget exceeded, remaining items skipped),
+//! 5 job failed at once because nobody can run it (the model is not
+//! TorchScript, changed or raises on load, or no worker could take its items
+//! within `--unable-timeout`), 6 job cancelled (`batchfleet cancel`; its
+//! committed items stay, and `run` continues it), 130 interrupted while
+//! following a job (the workers carry on).
+//!
+//! # Layout
+//! - this file: [`main`] and the body of each command.
+//! - [`args`]: the clap types — commands, flags, variables, help.
+//! - [`report`]: exit codes, and what a run's outcome or an error prints.
+//! - [`dlq`]: `batchfleet dlq list | replay | purge`.
+
+mod args;
+mod dlq;
+mod report;
+
+pub use args::{
+    CancelArgs, Cli, Command, CompareArgs, CompletionsArgs, DlqCommand, FollowArgs, GcArgs,
+    GlobalArgs, JobsArgs, OverrideArgs, PlanArgs, ResumeArgs, RunArgs, StatusArgs, SuperviseArgs,
+    WaitArgs,
+};
+pub use report::{
+    exit_code, outcome_json, EXIT_CANCELLED, EXIT_COMPLETED_WITH_FAILURES, EXIT_FAILURE,
+    EXIT_INTERRUPTED, EXIT_INVALID, EXIT_JOB_FAILED, EXIT_JOB_UNRUNNABLE,
+};
+
+use crate::config::Connections;
+use crate::error::RunError;
+use crate::job::RunOutcome;
+use crate::status;
+use report::{print_json, print_json_error, report_error, report_outcome, report_outcome_of};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Runs a parsed command line and returns the process exit code.
+pub async fn main(cli: Cli) -> ExitCode {
+    if let Command::Completions(args) = &cli.command {
+        return completions(args.shell);
+    }
+    cli.global.services.init_logging();
+    // Before any libtorch call (`run --local` and validation use it).
+    batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
+        "BATCHFLEET_LIBTORCH_LIB"
+    )));
+    let connections = match cli.global.connections() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_INVALID);
+        }
+    };
+    if let Err(e) = serve_metrics(&cli) {
+        eprintln!("error: {e}");
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    match cli.command {
+        Command::Run(args) => run_main(args, connections).await,
+        Command::Wait(args) => wait_main(args, connections).await,
+        Command::Cancel(args) => cancel_main(args, connections).await,
+        Command::Supervise(args) => {
+            let cfg = args.follow.run_config(connections);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            match crate::control::supervise(&cfg, &args.pools, args.every, shutdown).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Resume(args) => {
+            let cfg = args.follow.run_config(connections);
+            let shutdown = batchfleet_shared::shutdown::on_signals();
+            match crate::job::resume_job(&cfg, &args.job, shutdown).await {
+                Ok(outcome) => report_outcome(&outcome),
+                Err(e) => report_error(&e),
+            }
+        }
+        Command::Dlq(cmd) => dlq::main(cmd, &connections).await,
+        // Answered before anything else, above.
+        Command::Completions(_) => ExitCode::SUCCESS,
+        Command::Status(args) => status_main(args, connections).await,
+        Command::Jobs(args) => jobs_main(args, connections).await,
+        Command::Compare(args) => compare_main(&args, &connections).await,
+        Command::Plan(args) => plan_main(args, connections).await,
+        Command::Gc(args) => gc_main(args, connections).await,
+    }
+}
+
+/// `batchfleet completions SHELL`: the completion script on stdout.
+fn completions(shell: clap_complete::Shell) -> ExitCode {
+    use clap::CommandFactory;
+    use std::io::Write;
+    // Into memory first: the generator panics on a write error, and a
+    // closed pipe (`| head`) is not one worth a panic.
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "batchfleet", &mut script);
+    match std::io::stdout().write_all(&script) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write the completion script: {e}");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+/// Commands that follow a job serve metrics while they do.
+fn serve_metrics(cli: &Cli) -> Result<(), String> {
+    if !matches!(
+        cli.command,
+        Command::Run(_) | Command::Resume(_) | Command::Wait(_) | Command::Supervise(_)
+    ) {
+        return Ok(());
+    }
+    // A local run's worker pipelines set the worker's own gauges here.
+    let keep = match &cli.command {
+        Command::Run(args) if args.local => batchfleet_shared::metrics::names::WORKER_OWN_GAUGES,
+        _ => &[],
+    };
+    batchfleet_shared::metrics::install(&cli.global.metrics, "coordinator", &[], keep).map(|_| ())
+}
+
+/// `batchfleet run`: follow the job to its end, submit it (`--detach`), or
+/// run it in this process (`--local`).
+async fn run_main(args: RunArgs, connections: Connections) -> ExitCode {
+    let mut cfg = args.follow.run_config(connections);
+    cfg.overrides = args.overrides.set.clone();
+    let shutdown = batchfleet_shared::shutdown::on_signals();
+    let run = if args.detach {
+        crate::job::submit_job(&cfg, &args.manifest).await
+    } else if args.local {
+        let opts = crate::local::LocalOptions::resolve(args.workers, args.threads);
+        crate::local::run_job(&cfg, &args.manifest, opts, shutdown).await
+    } else {
+        crate::job::run_job(&cfg, &args.manifest, shutdown).await
+    };
+    match run {
+        Ok(outcome) if args.json => print_json(&outcome),
+        Err(e) if args.json => print_json_error(&e),
+        Ok(RunOutcome::Interrupted { job_id }) if args.local => {
+            eprintln!("interrupted; the local run of job {job_id} stopped. Its committed items are kept: run the same command again to resume it.");
+            ExitCode::from(EXIT_INTERRUPTED)
+        }
+        Ok(outcome) => report_outcome_of(&outcome, args.local),
+        Err(e) => report_error(&e),
+    }
+}
+
+/// `batchfleet wait JOB`: follow a job another process published.
+async fn wait_main(args: WaitArgs, connections: Connections) -> ExitCode {
+    let cfg = args.follow.run_config(connections);
+    let shutdown = batchfleet_shared::shutdown::on_signals();
+    let waited = async {
+        let store = cfg.connections.store().await?;
+        if store.job(&args.job).await?.is_none() {
+            return Err(RunError::UnknownJob(format!(
+                "no job \"{}\" in {}; job ids look like <name>-<hash>, as `batchfleet run` prints them. A job that finished more than --retention ago has left Redis: its summary.json is in its output folder",
+                args.job,
+                store.describe()
+            )));
+        }
+        crate::job::follow_job(&cfg, &store, &args.job, shutdown).await
+    };
+    match waited.await {
+        Ok(outcome) if args.json => print_json(&outcome),
+        Err(e) if args.json => print_json_error(&e),
+        Ok(outcome) => report_outcome(&outcome),
+        Err(e) => report_error(&e),
+    }
+}
+
+/// `batchfleet cancel JOB`.
+async fn cancel_main(args: CancelArgs, connections: Connections) -> ExitCode {
+    let mut cfg = FollowArgs::default_config(connections.clone());
+    cfg.data_roots = args.data_roots.clone();
+    let cancelled = async {
+        let store = connections.store().await?;
+        crate::job::cancel_job(&cfg, &store, &args.job, &args.reason).await
+    };
+    match cancelled.await {
+        Ok(c) if args.json => {
+            println!("{}", serde_json::to_string(&c).expect("json"));
+            ExitCode::SUCCESS
+        }
+        Ok(c) if c.cancelled => {
+            println!("job {} cancelled: its queued items are skipped and in-flight ones stop at their next checkpoint; its committed part files stay. Run the same manifest again to continue it from them.", c.job_id);
+            if let Some(s) = &c.summary {
+                println!("summary: {}", s.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(c) => {
+            println!(
+                "job {} is {}, not running: nothing to cancel",
+                c.job_id, c.status
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) if args.json => print_json_error(&e),
+        Err(e) => report_error(&e),
+    }
+}
+
+/// `batchfleet status JOB`.
+async fn status_main(args: StatusArgs, connections: Connections) -> ExitCode {
+    let store = match connections.store().await {
+        Ok(s) => s,
+        Err(e) => return report_error(&RunError::Store(e)),
+    };
+    let report = match status::report(&store, &args.job).await {
+        Ok(Some(mut r)) => {
+            r.consumers = pool_consumers(&connections, &r.job.pool).await;
+            Ok(Some(r))
+        }
+        other => other,
+    };
+    match report {
+        Ok(Some(r)) if args.json => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&r).expect("report serializes")
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(Some(r)) => {
+            println!("{}", status::render(&r));
+            ExitCode::SUCCESS
+        }
+        Ok(None) => {
+            eprintln!("error: no job \"{}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`", args.job, store.describe());
+            ExitCode::from(EXIT_FAILURE)
+        }
+        Err(e) => report_error(&RunError::Store(e)),
+    }
+}
+
+/// `batchfleet jobs`.
+async fn jobs_main(args: JobsArgs, connections: Connections) -> ExitCode {
+    let store = match connections.store().await {
+        Ok(s) => s,
+        Err(e) => return report_error(&RunError::Store(e)),
+    };
+    match status::jobs(&store, args.limit).await {
+        Ok(jobs) if args.json => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&jobs).expect("jobs serialize")
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(jobs) => {
+            println!("{}", status::render_jobs(&jobs));
+            ExitCode::SUCCESS
+        }
+        Err(e) => report_error(&RunError::Store(e)),
+    }
+}
+
+/// `batchfleet gc`.
+async fn gc_main(args: GcArgs, connections: Connections) -> ExitCode {
+    let store = match connections.store().await {
+        Ok(s) => s,
+        Err(e) => return report_error(&RunError::Store(e)),
+    };
+    match crate::control::gc(&store, args.older_than, args.dry_run).await {
+        Ok(collected) if args.json => {
+            let out = serde_json::json!({ "dry_run": args.dry_run, "jobs": collected });
+            println!("{}", serde_json::to_string_pretty(&out).expect("json"));
+            ExitCode::SUCCESS
+        }
+        Ok(collected) => {
+            println!("{}", crate::control::render_gc(&collected, args.dry_run));
+            ExitCode::SUCCESS
+        }
+        Err(e) => report_error(&RunError::Store(e)),
+    }
+}
+
+async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
+    let store = if args.local {
+        None
+    } else {
+        match connections.store().await {
+            Ok(s) => Some(s),
+            Err(e) => return report_error(&RunError::Store(e)),
+        }
+    };
+    let mut cfg = FollowArgs::default_config(connections);
+    cfg.data_roots = args.data_roots;
+    cfg.overrides = args.overrides.set;
+    match crate::control::plan(&cfg, &args.manifest, store.as_ref()).await {
+        Ok(r) if args.json => {
+            println!("{}", serde_json::to_string(&r).expect("plan serializes"));
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            println!("{}", crate::control::render_plan(&r));
+            ExitCode::SUCCESS
+        }
+        Err(RunError::Manifest(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_INVALID)
+        }
+        Err(e) => report_error(&e),
+    }
+}
+
+/// How many workers consume a pool's work queue now (`None` when the
+/// broker cannot say: unreachable, or the queue not declared yet).
+async fn pool_consumers(connections: &Connections, pool: &str) -> Option<u32> {
+    let broker = connections.broker("batchfleet status").await.ok()?;
+    let queue = batchfleet_shared::broker::PoolQueues::new(pool).work();
+    let n = broker.consumer_count(&queue).await.ok().flatten();
+    broker.close("bye").await;
+    n
+}
+
+/// Reads a summary from a path, or from the output folder of a job in Redis.
+async fn load_summary(
+    which: &str,
+    connections: &Connections,
+) -> Result<crate::reducer::Summary, String> {
+    let path = if std::path::Path::new(which).is_file() {
+        PathBuf::from(which)
+    } else {
+        let store = connections.store().await.map_err(|e| e.to_string())?;
+        let job = store
+            .job(which)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                format!("\"{which}\" is neither a summary.json file nor a job in Redis; a finished job's state expires after its retention (--retention), its summary stays: pass the path of its summary.json in the output folder")
+            })?;
+        PathBuf::from(job.output_dir).join(crate::dispatcher::SUMMARY_FILE)
+    };
+    let bytes = std::fs::read(&path).map_err(|e| {
+        format!(
+            "cannot read {}: {e} (has the job finished?)",
+            path.display()
+        )
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{} is not a batchfleet summary: {e}", path.display()))
+}
+
+async fn compare_main(args: &CompareArgs, connections: &Connections) -> ExitCode {
+    let loaded = async {
+        let a = load_summary(&args.a, connections).await?;
+        let b = load_summary(&args.b, connections).await?;
+        let da = a
+            .predictions
+            .clone()
+            .ok_or_else(|| format!("job {} recorded no prediction histogram", a.job_id))?;
+        let db = b
+            .predictions
+            .clone()
+            .ok_or_else(|| format!("job {} recorded no prediction histogram", b.job_id))?;
+        let drift = crate::compare::drift(&da, &db)?;
+        Ok::<_, String>((a, b, da, db, drift))
+    };
+    let (a, b, da, db, drift) = match loaded.await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    if args.json {
+        let out = serde_json::json!({ "a": a.job_id, "b": b.job_id, "a_distribution": da, "b_distribution": db, "drift": drift });
+        println!("{}", serde_json::to_string_pretty(&out).expect("json"));
+    } else {
+        println!("{}", crate::compare::render(&a, &b, &da, &db, &drift));
+    }
+    if let Some(limit) = args.max_psi {
+        if let Some(d) = drift.iter().find(|d| d.psi > limit) {
+            eprintln!("drift: {} has PSI {:.4} > --max-psi {limit}", d.name, d.psi);
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,745 @@
+//! The Redis implementation of [`JobStore`]: Lua scripts make each step
+//! atomic, and lease times come from Redis's own clock (`TIME`).
+//!
+//! # Layout
+//! - this file: [`RedisStore`], each [`JobStore`] operation as commands or a script.
+//! - [`connect`]: connections — one server, a Redis Cluster, or the primary
+//!   that Sentinels name — and the one connection operations share.
+//! - [`keys`]: the key layout (one hash slot per job).
+//! - [`scripts`]: the Lua scripts.
+
+mod connect;
+mod keys;
+mod scripts;
+
+pub use keys::{job_keys_pattern, job_of_key, job_scoped};
+pub use scripts::{
+    lease_script, reduce_script, start_script, COMMIT_SCRIPT, FAIL_JOB_SCRIPT, FAIL_SCRIPT,
+    FOLLOW_SCRIPT, PUBLISHED_SCRIPT, UNFOLLOW_SCRIPT,
+};
+
+use super::{
+    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
+    Start, StoreError, UnableNote,
+};
+use crate::endpoint::Endpoint;
+use connect::{Conn, Connections};
+use deadpool_redis::redis::{self, AsyncCommands};
+use keys::Keys;
+use scripts::Scripts;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::time::Duration;
+
+fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
+    move |e| StoreError::Command {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// `value` as JSON, for a Redis field or script argument.
+fn encode<T: Serialize + ?Sized>(op: &'static str, value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Command {
+        op,
+        reason: e.to_string(),
+    })
+}
+
+/// Handle to the job state in Redis; cheap to clone.
+#[derive(Clone)]
+pub struct RedisStore {
+    connections: Connections,
+    keys: Keys,
+    scripts: Scripts,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.keys.prefix())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects and checks the server answers `PING` within `timeout` (see
+    /// [`Connections::open`]).
+    pub async fn connect(
+        endpoint: &Endpoint,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        Ok(Self {
+            connections: Connections::open(endpoint, timeout).await?,
+            keys: Keys::new(prefix),
+            scripts: Scripts::new(),
+        })
+    }
+
+    /// Key prefix in use.
+    pub fn prefix(&self) -> &str {
+        self.keys.prefix()
+    }
+
+    /// The connection for one operation (see [`Connections::conn`]).
+    async fn conn(&self, op: &'static str) -> Result<Conn<'_>, StoreError> {
+        self.connections.conn(op).await
+    }
+
+    /// The JSON values of a hash keyed by item seq, decoded, in seq order.
+    async fn json_by_seq<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+        op: &'static str,
+    ) -> Result<Vec<T>, StoreError> {
+        let mut c = self.conn(op).await?;
+        let map: BTreeMap<u32, String> = c.hgetall(key).await.map_err(cmd(op))?;
+        map.values()
+            .map(|json| {
+                serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+                    key: key.to_owned(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl JobStore for RedisStore {
+    fn describe(&self) -> String {
+        format!("Redis (key prefix {})", self.keys.prefix())
+    }
+
+    /// Reads a job record, `None` if the job is unknown.
+    async fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        let key = self.keys.job_key(id);
+        let mut c = self.conn("HGETALL job").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL job"))?;
+        if map.is_empty() {
+            return Ok(None);
+        }
+        JobRecord::from_fields(&key, &map).map(Some)
+    }
+
+    /// Writes a new job record (all fields) and lists it in `P:jobs`.
+    async fn put_job(&self, job: &JobRecord) -> Result<(), StoreError> {
+        let mut c = self.conn("put job").await?;
+        // Two slots on a Redis Cluster, so two writes: the index first (a
+        // listed job without a record is skipped by its readers).
+        c.zadd::<_, _, _, ()>(self.keys.jobs_key(), &job.id, job.created_ms)
+            .await
+            .map_err(cmd("put job"))?;
+        c.hset_multiple::<_, _, _, ()>(self.keys.job_key(&job.id), &job.to_fields())
+            .await
+            .map_err(cmd("put job"))
+    }
+
+    /// Sets some fields of a job record. Never use it for the done counters.
+    async fn update_job(&self, id: &str, update: &RecordUpdate) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET job").await?;
+        c.hset_multiple::<_, _, _, ()>(self.keys.job_key(id), &update.fields())
+            .await
+            .map_err(cmd("HSET job"))
+    }
+
+    /// Reads the counters of a job in one round trip.
+    async fn progress(&self, id: &str) -> Result<Progress, StoreError> {
+        let mut c = self.conn("HMGET progress").await?;
+        let (vals, status, items_failed): (Vec<Option<u64>>, Option<String>, u64) = redis::pipe()
+            .cmd("HMGET")
+            .arg(self.keys.job_key(id))
+            .arg(&["items_done", "rows_done", "items_total", "rows_total"])
+            .hget(self.keys.job_key(id), "status")
+            .hlen(self.keys.failed_key(id))
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HMGET progress"))?;
+        let v = |i: usize| vals.get(i).copied().flatten().unwrap_or(0);
+        Ok(Progress {
+            items_done: v(0),
+            rows_done: v(1),
+            items_total: v(2),
+            rows_total: v(3),
+            items_failed,
+            status: status.as_deref().and_then(JobStatus::from_name),
+        })
+    }
+
+    /// Marks an item done and adds its prediction histogram (`counts[column][bin]`),
+    /// and drops the lease of `stats.worker` on it.
+    /// Returns `true` if this call won (first commit), `false` if the item
+    /// had already been committed by someone else (nothing is added then).
+    async fn commit_item(
+        &self,
+        job: &str,
+        stats: &ItemStats,
+        histogram: &[Vec<u64>],
+    ) -> Result<bool, StoreError> {
+        let hist = encode("encode histogram", histogram)?;
+        let json = encode("encode stats", stats)?;
+        let mut c = self.conn("commit item").await?;
+        let won: i64 = self
+            .scripts
+            .commit
+            .key(self.keys.done_key(job))
+            .key(self.keys.job_key(job))
+            .key(self.keys.stats_key(job))
+            .key(self.keys.failed_key(job))
+            .key(self.keys.hist_key(job))
+            .key(self.keys.leases_key(job))
+            .arg(stats.seq)
+            .arg(stats.rows + stats.rows_rejected)
+            .arg(json)
+            .arg(stats.rows_rejected)
+            .arg(hist)
+            .arg(format!("{}@{}", stats.seq, stats.worker))
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("commit item"))?;
+        Ok(won == 1)
+    }
+
+    /// Records that an item failed for good. Returns `false` (and records
+    /// nothing) if the item is already done.
+    async fn fail_item(&self, job: &str, failure: &ItemFailure) -> Result<bool, StoreError> {
+        let json = encode("encode failure", failure)?;
+        let mut c = self.conn("fail item").await?;
+        let recorded: i64 = self
+            .scripts
+            .fail
+            .key(self.keys.done_key(job))
+            .key(self.keys.failed_key(job))
+            .arg(failure.seq)
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("fail item"))?;
+        Ok(recorded == 1)
+    }
+
+    /// Items that failed for good, in seq order.
+    async fn failures(&self, job: &str) -> Result<Vec<ItemFailure>, StoreError> {
+        self.json_by_seq(&self.keys.failed_key(job), "HGETALL failed")
+            .await
+    }
+
+    /// Forgets recorded failures of a job (before its failed items are published again).
+    async fn clear_failures(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL failed").await?;
+        c.del::<_, ()>(self.keys.failed_key(job))
+            .await
+            .map_err(cmd("DEL failed"))
+    }
+
+    /// Forgets the failure of one item (before it is published again).
+    async fn clear_failure(&self, job: &str, seq: u32) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL failed").await?;
+        c.hdel::<_, _, ()>(self.keys.failed_key(job), seq)
+            .await
+            .map_err(cmd("HDEL failed"))
+    }
+
+    /// Whether an item is marked done.
+    async fn is_done(&self, job: &str, seq: u32) -> Result<bool, StoreError> {
+        let mut c = self.conn("SISMEMBER done").await?;
+        c.sismember(self.keys.done_key(job), seq)
+            .await
+            .map_err(cmd("SISMEMBER done"))
+    }
+
+    /// Which of `seqs` are done (one round trip).
+    async fn done_among(&self, job: &str, seqs: &[u32]) -> Result<HashSet<u32>, StoreError> {
+        if seqs.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let mut c = self.conn("SISMEMBER done").await?;
+        let mut pipe = redis::pipe();
+        for s in seqs {
+            pipe.sismember(self.keys.done_key(job), s);
+        }
+        let flags: Vec<bool> = pipe
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("SISMEMBER done"))?;
+        Ok(seqs
+            .iter()
+            .zip(flags)
+            .filter_map(|(s, d)| d.then_some(*s))
+            .collect())
+    }
+
+    /// All done seqs of a job.
+    async fn done_items(&self, job: &str) -> Result<HashSet<u32>, StoreError> {
+        let mut c = self.conn("SMEMBERS done").await?;
+        c.smembers(self.keys.done_key(job))
+            .await
+            .map_err(cmd("SMEMBERS done"))
+    }
+
+    /// Stats of every committed item, in seq order.
+    async fn item_stats(&self, job: &str) -> Result<Vec<ItemStats>, StoreError> {
+        self.json_by_seq(&self.keys.stats_key(job), "HGETALL stats")
+            .await
+    }
+
+    /// Starts holding an item (see [`start_script`]): checks the message's
+    /// `claim` against the job record and, only if the job runs and the item
+    /// is neither done nor failed, writes the lease (started and heartbeat
+    /// at Redis's time) and counts the delivery.
+    async fn start_item(
+        &self,
+        job: &str,
+        lease: &Lease,
+        claim: &Claim<'_>,
+    ) -> Result<Start, StoreError> {
+        let json = encode("encode lease", lease)?;
+        let mut c = self.conn("start item").await?;
+        let reply: Vec<String> = self
+            .scripts
+            .start
+            .key(self.keys.done_key(job))
+            .key(self.keys.leases_key(job))
+            .key(self.keys.work_key(job))
+            .key(self.keys.failed_key(job))
+            .key(self.keys.job_key(job))
+            .arg(lease.seq)
+            .arg(lease.field())
+            .arg(json)
+            .arg(claim.model_sha256)
+            .arg(claim.output_dir)
+            .arg(claim.pool)
+            .arg(claim.model)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("start item"))?;
+        let corrupt = |what: &str| StoreError::Corrupt {
+            key: self.keys.job_key(job),
+            reason: format!("the start script answered {what}"),
+        };
+        let word = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        Ok(match word(0).as_str() {
+            "started" => Start::Started {
+                at_ms: word(1).parse().map_err(|_| corrupt(&word(1)))?,
+            },
+            "done" => Start::Done,
+            "failed" => Start::FailedForGood,
+            "job_failed" => Start::JobFailed,
+            "unknown" => Start::UnknownJob,
+            "not_running" => {
+                Start::NotRunning(JobStatus::from_name(&word(1)).ok_or_else(|| corrupt(&word(1)))?)
+            }
+            "mismatch" => Start::Mismatch {
+                field: word(1),
+                recorded: word(2),
+            },
+            other => return Err(corrupt(other)),
+        })
+    }
+
+    /// Refreshes a lease (the heartbeat; its `heartbeat_ms` is set to
+    /// Redis's time). Returns `false`, writing nothing, once the item is
+    /// done: the holder may stop working on it.
+    async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
+        let json = encode("encode lease", lease)?;
+        let mut c = self.conn("heartbeat").await?;
+        let written: i64 = self
+            .scripts
+            .lease
+            .key(self.keys.done_key(job))
+            .key(self.keys.leases_key(job))
+            .key(self.keys.job_key(job))
+            .arg(lease.seq)
+            .arg(lease.field())
+            .arg(json)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("heartbeat"))?;
+        Ok(written == 1)
+    }
+
+    /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
+    async fn now_ms(&self) -> Result<u64, StoreError> {
+        let mut c = self.conn("TIME").await?;
+        let (s, us): (u64, u64) = redis::cmd("TIME")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("TIME"))?;
+        Ok(s * 1000 + us / 1000)
+    }
+
+    /// Fails a running job at once with `class` and `reason` (see
+    /// [`JobRecord::failed_class`]). `false` if it was not running (finished,
+    /// or failed already — the first reason stays).
+    async fn fail_job(&self, job: &str, class: &str, reason: &str) -> Result<bool, StoreError> {
+        let mut c = self.conn("fail job").await?;
+        let failed: i64 = self
+            .scripts
+            .fail_job
+            .key(self.keys.job_key(job))
+            .arg(class)
+            .arg(reason)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("fail job"))?;
+        Ok(failed == 1)
+    }
+
+    /// Marks the job published (every item confirmed by the broker) and
+    /// running, unless it failed meanwhile ([`PUBLISHED_SCRIPT`]).
+    async fn mark_published(&self, job: &str, at_ms: u64, items: u64) -> Result<(), StoreError> {
+        let mut c = self.conn("mark published").await?;
+        self.scripts
+            .published
+            .key(self.keys.job_key(job))
+            .arg(at_ms)
+            .arg(items)
+            .invoke_async::<i64>(&mut c)
+            .await
+            .map(|_| ())
+            .map_err(cmd("mark published"))
+    }
+
+    /// Records that `worker` cannot take the job's items for now.
+    async fn note_unable(
+        &self,
+        job: &str,
+        worker: &str,
+        note: &UnableNote,
+    ) -> Result<(), StoreError> {
+        let json = encode("encode unable note", note)?;
+        let mut c = self.conn("HSET unable").await?;
+        c.hset::<_, _, _, ()>(self.keys.unable_key(job), worker, json)
+            .await
+            .map_err(cmd("HSET unable"))
+    }
+
+    /// Forgets that `worker` could not take the job's items.
+    async fn clear_unable(&self, job: &str, worker: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL unable").await?;
+        c.hdel::<_, _, ()>(self.keys.unable_key(job), worker)
+            .await
+            .map_err(cmd("HDEL unable"))
+    }
+
+    /// Forgets every worker's note on the job (the job runs again).
+    async fn clear_unable_notes(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL unable").await?;
+        c.del::<_, ()>(self.keys.unable_key(job))
+            .await
+            .map_err(cmd("DEL unable"))
+    }
+
+    /// Workers that said they cannot take the job's items, by worker id.
+    async fn unable(&self, job: &str) -> Result<BTreeMap<String, UnableNote>, StoreError> {
+        let key = self.keys.unable_key(job);
+        let mut c = self.conn("HGETALL unable").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL unable"))?;
+        map.into_iter()
+            .map(|(w, json)| {
+                serde_json::from_str(&json)
+                    .map(|n| (w, n))
+                    .map_err(|e| StoreError::Corrupt {
+                        key: key.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect()
+    }
+
+    /// Drops leases by their `<seq>@<worker>` field.
+    async fn drop_leases(&self, job: &str, fields: &[String]) -> Result<(), StoreError> {
+        if fields.is_empty() {
+            return Ok(());
+        }
+        let mut c = self.conn("HDEL lease").await?;
+        c.hdel::<_, _, ()>(self.keys.leases_key(job), fields)
+            .await
+            .map_err(cmd("HDEL lease"))
+    }
+
+    /// Every lease of a job, in seq order.
+    async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError> {
+        let key = self.keys.leases_key(job);
+        let mut c = self.conn("HGETALL leases").await?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL leases"))?;
+        let mut leases = map
+            .values()
+            .map(|json| {
+                serde_json::from_str::<Lease>(json).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        leases.sort_by(|a, b| (a.seq, &a.worker).cmp(&(b.seq, &b.worker)));
+        Ok(leases)
+    }
+
+    /// The job's prediction histogram, `counts[column][bin]` (bins + 2 per column).
+    async fn histogram(&self, job: &str, bins: usize) -> Result<Vec<Vec<u64>>, StoreError> {
+        let key = self.keys.hist_key(job);
+        let mut c = self.conn("HGETALL hist").await?;
+        let map: BTreeMap<String, u64> = c.hgetall(&key).await.map_err(cmd("HGETALL hist"))?;
+        let mut counts: Vec<Vec<u64>> = Vec::new();
+        for (field, n) in map {
+            let parsed = field
+                .split_once(':')
+                .and_then(|(c, b)| Some((c.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+            let Some((col, bin)) = parsed.filter(|(_, b)| *b < bins) else {
+                return Err(StoreError::Corrupt {
+                    key,
+                    reason: format!("unexpected field {field}"),
+                });
+            };
+            if counts.len() <= col {
+                counts.resize(col + 1, vec![0; bins]);
+            }
+            counts[col][bin] = n;
+        }
+        Ok(counts)
+    }
+
+    /// Adds to the job's work counters: items started and rows put through
+    /// the model (the work actually done, including work a fault wasted).
+    async fn count_work(&self, job: &str, deliveries: u64, rows: u64) -> Result<(), StoreError> {
+        let mut c = self.conn("HINCRBY work").await?;
+        redis::pipe()
+            .hincr(self.keys.work_key(job), "deliveries", deliveries)
+            .ignore()
+            .hincr(self.keys.work_key(job), "rows_computed", rows)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("HINCRBY work"))
+    }
+
+    /// The job's work counters: (items started, rows computed).
+    async fn work(&self, job: &str) -> Result<(u64, u64), StoreError> {
+        let mut c = self.conn("HMGET work").await?;
+        let (d, r): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(self.keys.work_key(job))
+            .arg(&["deliveries", "rows_computed"])
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HMGET work"))?;
+        Ok((d.unwrap_or(0), r.unwrap_or(0)))
+    }
+
+    /// When the coordinator last published a copy of each item (seq → ms).
+    async fn redispatched(&self, job: &str) -> Result<BTreeMap<u32, u64>, StoreError> {
+        let mut c = self.conn("HGETALL redispatched").await?;
+        c.hgetall(self.keys.redispatched_key(job))
+            .await
+            .map_err(cmd("HGETALL redispatched"))
+    }
+
+    /// Records that a copy of item `seq` was published at `at_ms` (Redis
+    /// time); returns how many copies of it have been published in all.
+    async fn mark_redispatched(&self, job: &str, seq: u32, at_ms: u64) -> Result<u64, StoreError> {
+        let mut c = self.conn("HSET redispatched").await?;
+        let (copies,): (u64,) = redis::pipe()
+            .hset(self.keys.redispatched_key(job), seq, at_ms)
+            .ignore()
+            .hincr(self.keys.copies_key(job), seq, 1)
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HSET redispatched"))?;
+        Ok(copies)
+    }
+
+    /// How many copies of each item the coordinator published (seq → count).
+    async fn copies(&self, job: &str) -> Result<BTreeMap<u32, u64>, StoreError> {
+        let mut c = self.conn("HGETALL copies").await?;
+        c.hgetall(self.keys.copies_key(job))
+            .await
+            .map_err(cmd("HGETALL copies"))
+    }
+
+    /// Restores the descriptive fields of a job record lost with Redis's data
+    /// (status, totals, settings), never the counters the commits maintain.
+    async fn restore_job(&self, job: &JobRecord) -> Result<(), StoreError> {
+        let fields: Vec<(&'static str, String)> = job
+            .to_fields()
+            .into_iter()
+            .filter(|(k, _)| !matches!(*k, "items_done" | "rows_done" | "rows_rejected"))
+            .collect();
+        let mut c = self.conn("restore job").await?;
+        // Two slots on a Redis Cluster: the index first, as in `put_job`.
+        c.zadd::<_, _, _, ()>(self.keys.jobs_key(), &job.id, job.created_ms)
+            .await
+            .map_err(cmd("restore job"))?;
+        c.hset_multiple::<_, _, _, ()>(self.keys.job_key(&job.id), &fields)
+            .await
+            .map_err(cmd("restore job"))
+    }
+
+    /// Most recent job ids, newest first.
+    async fn recent_jobs(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+        let mut c = self.conn("ZREVRANGE jobs").await?;
+        let stop = limit.saturating_sub(1) as isize;
+        c.zrevrange(self.keys.jobs_key(), 0, stop)
+            .await
+            .map_err(cmd("ZREVRANGE jobs"))
+    }
+
+    /// Deletes every key of a job (tests and `purge`).
+    async fn delete_job(&self, id: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL job").await?;
+        // The job's keys (one slot), then the index (another).
+        c.del::<_, ()>(&self.keys.keys_of(id))
+            .await
+            .map_err(cmd("DEL job"))?;
+        c.zrem::<_, _, ()>(self.keys.jobs_key(), id)
+            .await
+            .map_err(cmd("DEL job"))
+    }
+
+    /// `HSET P:job:{<id>}:inputs`, a thousand files per command.
+    async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError> {
+        let key = self.keys.inputs_key(job);
+        let mut c = self.conn("HSET inputs").await?;
+        let mut pipe = redis::pipe();
+        for chunk in inputs.chunks(1000) {
+            pipe.hset_multiple(&key, chunk).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("HSET inputs"))
+    }
+
+    async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError> {
+        let mut c = self.conn("HGETALL inputs").await?;
+        c.hgetall(self.keys.inputs_key(job))
+            .await
+            .map_err(cmd("HGETALL inputs"))
+    }
+
+    /// `PEXPIRE` on every key of the job, in one `MULTI`.
+    async fn expire_job(&self, job: &str, ttl: std::time::Duration) -> Result<(), StoreError> {
+        let ms = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        let mut c = self.conn("PEXPIRE job").await?;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for key in self.keys.state_keys(job) {
+            pipe.cmd("PEXPIRE").arg(key).arg(ms).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("PEXPIRE job"))
+    }
+
+    /// `PERSIST` on every key of the job, in one `MULTI`.
+    async fn persist_job(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("PERSIST job").await?;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for key in self.keys.state_keys(job) {
+            pipe.persist(key).ignore();
+        }
+        pipe.query_async::<()>(&mut c)
+            .await
+            .map_err(cmd("PERSIST job"))
+    }
+
+    async fn follow_lease(&self, job: &str, who: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let mut c = self.conn("follower lease").await?;
+        let held: i64 = redis::Script::new(FOLLOW_SCRIPT)
+            .key(self.keys.follower_key(job))
+            .arg(who)
+            .arg(ttl.as_millis().max(1) as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("follower lease"))?;
+        Ok(held == 1)
+    }
+
+    async fn release_follow(&self, job: &str, who: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("release follower lease").await?;
+        redis::Script::new(UNFOLLOW_SCRIPT)
+            .key(self.keys.follower_key(job))
+            .arg(who)
+            .invoke_async::<()>(&mut c)
+            .await
+            .map_err(cmd("release follower lease"))
+    }
+
+    async fn claim_reduce(
+        &self,
+        job: &str,
+        who: &str,
+        stale: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut c = self.conn("claim reduce").await?;
+        let won: i64 = redis::Script::new(&reduce_script())
+            .key(self.keys.job_key(job))
+            .arg(who)
+            .arg(stale.as_millis() as u64)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("claim reduce"))?;
+        Ok(won == 1)
+    }
+
+    async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET pool jobs").await?;
+        c.hset::<_, _, _, ()>(self.keys.pool_jobs_key(pool), job, weight)
+            .await
+            .map_err(cmd("HSET pool jobs"))
+    }
+
+    async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("HDEL pool jobs").await?;
+        c.hdel::<_, _, ()>(self.keys.pool_jobs_key(pool), job)
+            .await
+            .map_err(cmd("HDEL pool jobs"))
+    }
+
+    async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError> {
+        let mut c = self.conn("HGETALL pool jobs").await?;
+        c.hgetall(self.keys.pool_jobs_key(pool))
+            .await
+            .map_err(cmd("HGETALL pool jobs"))
+    }
+
+    /// `maxmemory_policy` from `INFO memory` (managed Redis often refuses
+    /// `CONFIG GET`, never `INFO`).
+    async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
+        let mut c = self.conn("INFO memory").await?;
+        // One server answers with its text; a Redis Cluster with a map of
+        // every master's text.
+        let info: redis::Value = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("INFO memory"))?;
+        let texts: Vec<String> = match info {
+            redis::Value::Map(nodes) => nodes
+                .into_iter()
+                .filter_map(|(_, text)| redis::from_redis_value(text).ok())
+                .collect(),
+            other => vec![
+                redis::from_redis_value(other).map_err(|e| StoreError::Command {
+                    op: "INFO memory",
+                    reason: e.to_string(),
+                })?,
+            ],
+        };
+        let policies: Vec<String> = texts
+            .iter()
+            .filter_map(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+                    .map(|p| p.trim().to_owned())
+            })
+            .collect();
+        // The first that evicts a running job's keys, if any does.
+        Ok(policies
+            .iter()
+            .find(|p| super::evicts_job_state(p))
+            .or_else(|| policies.first())
+            .cloned())
+    }
+}

@@ -1,0 +1,209 @@
+//! The Lua scripts that make each step of a job atomic on Redis — commit
+//! (first commit wins), fail, lease, start, publish, fail the job, follow,
+//! reduce — with lease times from Redis's own clock (`TIME`). The
+//! in-process store ([`crate::store::local`]) mirrors each step by step.
+
+use deadpool_redis::redis;
+
+/// Adds the seq to the done set; only if it was not there yet, bumps the
+/// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
+/// `counts[column][bin]`) and stores the stats (and forgets an earlier
+/// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
+/// a done item needs none, and [`lease_script`] writes none for it again.
+/// Nothing is committed to a cancelled job (its part file, published
+/// already, is committed when the job is run again). Returns 1 for the
+/// winning commit, 0 otherwise.
+pub const COMMIT_SCRIPT: &str = r#"
+redis.call('HDEL', KEYS[6], ARGV[6])
+if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
+  return 0
+end
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'items_done', 1)
+  redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
+  redis.call('HINCRBY', KEYS[2], 'rows_rejected', ARGV[4])
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  local h = cjson.decode(ARGV[5])
+  for c = 1, #h do
+    for b = 1, #h[c] do
+      if h[c][b] > 0 then
+        redis.call('HINCRBY', KEYS[5], (c - 1) .. ':' .. (b - 1), h[c][b])
+      end
+    end
+  end
+  return 1
+end
+return 0
+"#;
+
+/// Lua: Redis's clock in ms.
+const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+
+/// Writes a lease unless the item is already done or its job cancelled
+/// (`KEYS[3]`, the job hash), its `heartbeat_ms` set
+/// to Redis's clock. Returns 1 if written.
+pub fn lease_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+if redis.call('HGET', KEYS[3], 'status') == 'cancelled' then
+  return 0
+end
+local lease = cjson.decode(ARGV[3])
+lease['heartbeat_ms'] = now
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
+return 1
+"#
+    )
+}
+
+/// Starts holding an item in one round trip, after checking the message
+/// against the job record (`ARGV[4..]`: model digest, output folder, pool,
+/// model path). Writes nothing unless the answer is `started`: then the
+/// lease (times from Redis's clock) and the delivery count.
+pub fn start_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model')
+if not job[1] then
+  return {'unknown'}
+end
+local checks = {{'pool', job[4], ARGV[6]}, {'model', job[6], ARGV[7]}, {'model_sha256', job[2], ARGV[4]}, {'output_dir', job[3], ARGV[5]}}
+for _, c in ipairs(checks) do
+  if c[2] ~= c[3] then
+    return {'mismatch', c[1], tostring(c[2] or '')}
+  end
+end
+if tonumber(ARGV[1]) >= (tonumber(job[5]) or 0) then
+  return {'mismatch', 'items_total', tostring(job[5] or '')}
+end
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return {'done'}
+end
+if job[1] == 'failed' or job[1] == 'cancelled' then
+  return {'job_failed'}
+end
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
+  return {'failed'}
+end
+if job[1] ~= 'planning' and job[1] ~= 'running' then
+  return {'not_running', job[1]}
+end
+local lease = cjson.decode(ARGV[3])
+lease['started_ms'] = now
+lease['heartbeat_ms'] = now
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
+redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
+return {'started', tostring(now)}
+"#
+    )
+}
+
+/// Marks a job published: `published_ms` and `items_published`, and the
+/// status `running` — unless a worker failed it meanwhile (nobody can run it).
+pub const PUBLISHED_SCRIPT: &str = r#"
+redis.call('HSET', KEYS[1], 'published_ms', ARGV[1], 'items_published', ARGV[2])
+if redis.call('HGET', KEYS[1], 'status') == 'planning' then
+  redis.call('HSET', KEYS[1], 'status', 'running')
+end
+return 1
+"#;
+
+/// Marks a running job failed (class `cancelled`: cancelled) with why, unless it is finished or failed
+/// already. Returns 1 if this call failed it.
+pub const FAIL_JOB_SCRIPT: &str = r#"
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'planning' and status ~= 'running' then
+  return 0
+end
+local to = 'failed'
+if ARGV[1] == 'cancelled' then
+  to = 'cancelled'
+end
+redis.call('HSET', KEYS[1], 'status', to, 'failed_class', ARGV[1], 'failed_reason', ARGV[2])
+return 1
+"#;
+
+/// Takes or keeps the follower lease (`KEYS[1]`) for `ARGV[1]` for
+/// `ARGV[2]` ms. Returns 1 if `ARGV[1]` holds it.
+pub const FOLLOW_SCRIPT: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"#;
+
+/// Gives the follower lease (`KEYS[1]`) up if `ARGV[1]` holds it.
+pub const UNFOLLOW_SCRIPT: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"#;
+
+/// Claims the reduce step of the job (`KEYS[1]`, fields `reducer` and
+/// `reducer_ms`) for `ARGV[1]`: refused once the job is reduced (a final
+/// status with `finished_ms`), or while another's claim is younger than
+/// `ARGV[2]` ms. Returns 1 if claimed.
+pub fn reduce_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+local j = redis.call('HMGET', KEYS[1], 'status', 'finished_ms', 'reducer', 'reducer_ms')
+if not j[1] then
+  return 0
+end
+if j[1] ~= 'planning' and j[1] ~= 'running' and (tonumber(j[2]) or 0) > 0 then
+  return 0
+end
+if j[3] and j[3] ~= '' and j[3] ~= ARGV[1] and now - (tonumber(j[4]) or 0) < tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'reducer', ARGV[1], 'reducer_ms', now)
+return 1
+"#
+    )
+}
+
+/// Records a failure unless the item is already done (a late failure of a
+/// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
+pub const FAIL_SCRIPT: &str = r#"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"#;
+
+/// The scripts, loaded once per store (each is sent by its digest, and
+/// loaded again only when Redis does not know it).
+#[derive(Clone)]
+pub(super) struct Scripts {
+    pub(super) commit: redis::Script,
+    pub(super) fail: redis::Script,
+    pub(super) lease: redis::Script,
+    pub(super) start: redis::Script,
+    pub(super) fail_job: redis::Script,
+    pub(super) published: redis::Script,
+}
+
+impl Scripts {
+    /// Every script.
+    pub(super) fn new() -> Self {
+        Self {
+            commit: redis::Script::new(COMMIT_SCRIPT),
+            fail: redis::Script::new(FAIL_SCRIPT),
+            lease: redis::Script::new(&lease_script()),
+            start: redis::Script::new(&start_script()),
+            fail_job: redis::Script::new(FAIL_JOB_SCRIPT),
+            published: redis::Script::new(PUBLISHED_SCRIPT),
+        }
+    }
+}
