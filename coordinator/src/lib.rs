@@ -2,12 +2,16 @@
 //!
 //! # Layout
 //! - [`config`]: where RabbitMQ and Redis are (or the in-process stand-ins of
-//!   `--local`), the signing key, and how `run` follows a job.
-//! - [`error`]: why a run failed, one variant per exit code.
+//!   `--local`), the signing key, and how `run` follows and supervises a job.
+//! - [`error`]: why a command failed, a variant per cause.
 //! - [`manifest`]: parse and fully validate a job manifest before anything is published:
 //!   the TOML types (`schema`), one check per section (`input`, `preprocess`,
 //!   `model`, `policy` for batching and failure, `output`, `on_complete`), the
 //!   file probes (`probes`) and the validated job with its id (`spec`).
+//! - [`job`]: a job's life — run, submit, resume, follow, cancel — and the
+//!   reduce claim, by which one follower writes its summary and hooks.
+//! - [`record`]: a job's record made from its spec and plan, and rebuilt
+//!   from its output folder.
 //! - [`planner`]: cut input files into evenly sized work items on record boundaries.
 //! - [`dispatcher`]: register the job in Redis and publish its items with confirms.
 //! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.
@@ -22,27 +26,30 @@
 //! - [`dlq`]: list, replay and purge dead-lettered items.
 //! - [`local`]: `run --local` — the coordinator and worker pipelines in one
 //!   process over the in-process queues and store; `dlq … --local`.
-//! - [`cli`]: the `batchfleet` command line and its exit codes.
+//! - [`cli`]: the `batchfleet` command line: one function per command, the
+//!   clap types, the exit codes and reports, the DLQ commands.
 //!
-//! [`run_job`] ties the parts together; `main.rs` only parses flags and calls [`cli::main`].
+//! [`run_job`] ties the parts together; `main.rs` only parses flags and
+//! calls [`cli::main`]. Modules are public where the tests, the worker's
+//! tests or the benchmarks use them.
 
 pub mod cli;
-pub mod compare;
+mod compare;
 pub mod config;
 pub mod control;
-pub mod dispatcher;
+mod dispatcher;
 pub mod dlq;
 pub mod error;
 pub mod hooks;
 mod job;
 pub mod local;
 pub mod manifest;
-pub mod monitor;
+mod monitor;
 pub mod planner;
-pub mod record;
+mod record;
 pub mod reducer;
 pub mod status;
-pub mod supervisor;
+mod supervisor;
 
 pub use config::{Connections, RunConfig};
 pub use error::RunError;
@@ -50,3 +57,4 @@ pub use job::{
     cancel_job, follow_job, follow_job_as, follower_id, is_reduced, resume_job, run_job, run_spec,
     submit_job, Cancelled, RunOutcome,
 };
+pub use supervisor::MAX_COPIES;

@@ -197,14 +197,7 @@ pub async fn follow(
         }
         if renewed.is_none_or(|at| at.elapsed() >= FOLLOW_RENEW) {
             renewed = Some(Instant::now());
-            let was = holder;
-            holder = store
-                .follow_lease(job_id, me, FOLLOW_TTL)
-                .await
-                .unwrap_or(holder);
-            if was != holder {
-                tracing::info!(job = %job_id, supervising = holder, "{}", if holder { "supervising the job (its follower lease is ours)" } else { "another process supervises the job; watching it" });
-            }
+            holder = renew(store, job_id, me, holder).await;
         }
         if holder {
             supervisor.tick(store).await;
@@ -251,49 +244,79 @@ pub async fn follow(
             }
         }
         last = p;
-        if p.status == Some(JobStatus::Cancelled) {
-            bar.abandon_with_message("the job was cancelled; its committed items are kept");
-            tracing::warn!(job = %job_id, "the job was cancelled; its remaining items are skipped");
-            return Ok(Followed::Cancelled);
+        if let Some(how) = ended(store, job_id, &pool, &p, &budget, &bar).await {
+            return Ok(how);
         }
-        if p.status == Some(JobStatus::Failed) {
-            let why = store
-                .job(job_id)
-                .await
-                .ok()
-                .flatten()
-                .map(|j| j.failed_reason)
-                .unwrap_or_default();
-            bar.abandon_with_message(format!("the job failed: {why}"));
-            tracing::error!(job = %job_id, reason = %why, "the job failed; its remaining items are skipped");
-            return Ok(Followed::JobFailed);
-        }
-        if budget.exceeded(p.items_failed, p.items_total) {
-            let reason = format!(
+    }
+}
+
+/// Takes or renews the job's follower lease as `me`: whether this process
+/// holds it now (on a Redis error, what it was).
+async fn renew(store: &Store, job_id: &str, me: &str, holder: bool) -> bool {
+    let now = store
+        .follow_lease(job_id, me, FOLLOW_TTL)
+        .await
+        .unwrap_or(holder);
+    if now != holder {
+        tracing::info!(job = %job_id, supervising = now, "{}", if now { "supervising the job (its follower lease is ours)" } else { "another process supervises the job; watching it" });
+    }
+    now
+}
+
+/// How the job ended, if its counters `p` say it did: cancelled, failed
+/// (a failure recorded, or the error budget exceeded now, which fails it),
+/// or every item settled.
+async fn ended(
+    store: &Store,
+    job_id: &str,
+    pool: &str,
+    p: &Progress,
+    budget: &ErrorBudget,
+    bar: &ProgressBar,
+) -> Option<Followed> {
+    if p.status == Some(JobStatus::Cancelled) {
+        bar.abandon_with_message("the job was cancelled; its committed items are kept");
+        tracing::warn!(job = %job_id, "the job was cancelled; its remaining items are skipped");
+        return Some(Followed::Cancelled);
+    }
+    if p.status == Some(JobStatus::Failed) {
+        let why = store
+            .job(job_id)
+            .await
+            .ok()
+            .flatten()
+            .map(|j| j.failed_reason)
+            .unwrap_or_default();
+        bar.abandon_with_message(format!("the job failed: {why}"));
+        tracing::error!(job = %job_id, reason = %why, "the job failed; its remaining items are skipped");
+        return Some(Followed::JobFailed);
+    }
+    if budget.exceeded(p.items_failed, p.items_total) {
+        let reason = format!(
                 "error budget exceeded: {} of {} items failed for good (max_failed_items = {}, max_failed_percent = {})",
                 p.items_failed,
                 p.items_total,
                 budget.max_failed_items.map_or("unset".into(), |v| v.to_string()),
                 budget.max_failed_percent.map_or("unset".into(), |v| v.to_string()),
             );
-            if let Err(e) = store.fail_job(job_id, "budget", &reason).await {
-                tracing::warn!(error = %e, "could not mark the job failed; trying again");
-                continue;
-            }
-            bar.abandon_with_message(format!(
-                "{} items failed: error budget exceeded; remaining items are skipped",
-                p.items_failed
-            ));
-            return Ok(Followed::BudgetExceeded);
+        if let Err(e) = store.fail_job(job_id, "budget", &reason).await {
+            tracing::warn!(error = %e, "could not mark the job failed; trying again");
+            return None;
         }
-        if p.settled() {
-            metrics::gauge!(names::JOB_FINISHED, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.clone()).set(1.0);
-            metrics::gauge!(names::JOB_ETA, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.clone())
-                .set(0.0);
-            bar.finish_with_message(items_message(&p));
-            return Ok(Followed::AllDone);
-        }
+        bar.abandon_with_message(format!(
+            "{} items failed: error budget exceeded; remaining items are skipped",
+            p.items_failed
+        ));
+        return Some(Followed::BudgetExceeded);
     }
+    if p.settled() {
+        metrics::gauge!(names::JOB_FINISHED, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.to_owned()).set(1.0);
+        metrics::gauge!(names::JOB_ETA, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.to_owned())
+                .set(0.0);
+        bar.finish_with_message(items_message(p));
+        return Some(Followed::AllDone);
+    }
+    None
 }
 
 /// The job's gauges for Prometheus.

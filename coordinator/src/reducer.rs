@@ -8,7 +8,7 @@ use batchfleet_shared::output::{PARTIAL_DIR, SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -303,24 +303,7 @@ pub async fn finish(
         JobStatus::CompletedWithFailures
     };
     let out = std::path::Path::new(&job.output_dir);
-    // One listing of the folder (one request for S3), not a lookup per part.
-    let present: std::collections::HashSet<String> = batchfleet_shared::source::fs::list_dir(out)
-        .map_err(RunError::io_while(format!("list {}", out.display())))?
-        .into_iter()
-        .collect();
-    let missing: Vec<String> = stats
-        .iter()
-        .map(|s| part_file_name(s.seq, format))
-        .filter(|name| !present.contains(name))
-        .collect();
-    if !missing.is_empty() {
-        return Err(RunError::OutputChanged(format!(
-            "{} committed item(s) have no part file in {} (first: {})",
-            missing.len(),
-            out.display(),
-            missing[0]
-        )));
-    }
+    check_parts(out, format, &stats)?;
     let finished = batchfleet_shared::now_ms();
     let duration_s = finished.saturating_sub(job.created_ms) as f64 / 1000.0;
     // rows_done counts every settled row: predicted or rejected.
@@ -402,34 +385,72 @@ pub async fn finish(
     };
     if job.merge {
         if status == JobStatus::Completed {
-            // Seq order is input order: items are numbered file by file, range by range.
-            let parts = stats
-                .iter()
-                .map(|s| {
-                    batchfleet_shared::fsutil::open_under(
-                        out,
-                        std::path::Path::new(&part_file_name(s.seq, format)),
-                    )
-                })
-                .collect::<std::io::Result<Vec<_>>>()
-                .map_err(RunError::io_while(format!(
-                    "read the part files in {}",
-                    out.display()
-                )))?;
-            let merged = out.join(batchfleet_shared::output::merged_file_name(format));
-            publish_atomically(&merged, true, |w| {
-                batchfleet_shared::table::concat_parts(w, format, &parts)
-            })
-            .map_err(RunError::io_while(format!("write {}", merged.display())))?;
-            tracing::info!(job = %job_id, path = %merged.display(), parts = parts.len(), "merged output written");
-            summary.merged = Some(merged);
+            summary.merged = Some(merge(job_id, out, format, &stats)?);
         } else {
             tracing::warn!(job = %job_id, items_failed = summary.items_failed, "no merged output: not every item completed; replay the dead-letter queue to complete the job, which then writes it");
         }
     }
+    let path = write_summary(out, &summary, status)?;
+    Ok((path, summary))
+}
+
+/// Every committed item has its part file in `out`: an error naming the
+/// missing ones otherwise (the output folder was changed during the job).
+fn check_parts(out: &Path, format: OutputFormat, stats: &[ItemStats]) -> Result<(), RunError> {
+    // One listing of the folder (one request for S3), not a lookup per part.
+    let present: std::collections::HashSet<String> = batchfleet_shared::source::fs::list_dir(out)
+        .map_err(RunError::io_while(format!("list {}", out.display())))?
+        .into_iter()
+        .collect();
+    let missing: Vec<String> = stats
+        .iter()
+        .map(|s| part_file_name(s.seq, format))
+        .filter(|name| !present.contains(name))
+        .collect();
+    if let Some(first) = missing.first() {
+        return Err(RunError::OutputChanged(format!(
+            "{} committed item(s) have no part file in {} (first: {first})",
+            missing.len(),
+            out.display(),
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the merged output of the committed items' part files, in seq
+/// order (which is input order: items are numbered file by file, range by
+/// range); its path.
+fn merge(
+    job_id: &str,
+    out: &Path,
+    format: OutputFormat,
+    stats: &[ItemStats],
+) -> Result<PathBuf, RunError> {
+    let parts = stats
+        .iter()
+        .map(|s| {
+            batchfleet_shared::fsutil::open_under(out, Path::new(&part_file_name(s.seq, format)))
+        })
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(RunError::io_while(format!(
+            "read the part files in {}",
+            out.display()
+        )))?;
+    let merged = out.join(batchfleet_shared::output::merged_file_name(format));
+    publish_atomically(&merged, true, |w| {
+        batchfleet_shared::table::concat_parts(w, format, &parts)
+    })
+    .map_err(RunError::io_while(format!("write {}", merged.display())))?;
+    tracing::info!(job = %job_id, path = %merged.display(), parts = parts.len(), "merged output written");
+    Ok(merged)
+}
+
+/// Writes `summary.json` (and `_SUCCESS` when the job completed) into
+/// `out`; its path.
+fn write_summary(out: &Path, summary: &Summary, status: JobStatus) -> Result<PathBuf, RunError> {
     let path = out.join(SUMMARY_FILE);
-    let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
-    let write = |p: &std::path::Path, bytes: &[u8]| {
+    let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
+    let write = |p: &Path, bytes: &[u8]| {
         publish_atomically(p, true, |w| std::io::Write::write_all(w, bytes))
             .map_err(RunError::io_while(format!("write {}", p.display())))
     };
@@ -437,14 +458,13 @@ pub async fn finish(
     // race — unless the job was cancelled: then they are what a run of it
     // again continues from.
     if status != JobStatus::Cancelled {
-        let _ =
-            batchfleet_shared::fsutil::remove_tree_under(out, std::path::Path::new(PARTIAL_DIR));
+        let _ = batchfleet_shared::fsutil::remove_tree_under(out, Path::new(PARTIAL_DIR));
     }
     write(&path, &json)?;
     if status == JobStatus::Completed {
         write(&out.join(SUCCESS_FILE), b"")?;
     }
-    Ok((path, summary))
+    Ok(path)
 }
 
 /// The reduce step's last write: the job's final status and finish time

@@ -351,14 +351,8 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         }
         // The second job's model is swapped for a state_dict once it is published.
         batchfleet_testkit::python::make_wrong_models(&root.join("swapped"))?;
-        let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| -> Result<Child> {
-            let args: Vec<String> = ["--redis-prefix", &prefix]
-                .into_iter()
-                .chain(args.iter().copied())
-                .chain(["--no-progress", "--speculate-after", "4"])
-                .map(str::to_owned)
-                .collect();
-            spawn_coordinator(&coordinator, dir, &args, log)
+        let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| {
+            chaos_coordinator(&coordinator, &prefix, dir, args, log)
         };
         let mut fleet = Fleet::new(
             worker_bin.clone(),
@@ -369,45 +363,12 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         );
 
         // Baseline: no faults.
-        println!(
-            "chaos: baseline run, {} rows, {} workers, no faults",
-            cfg.rows, cfg.workers
-        );
-        let base_dir = root.join("baseline");
-        fleet.start(cfg.workers)?;
-        let started = Instant::now();
-        let mut c = coordinator_cmd(&base_dir, &["run", "job.toml"], "coordinator.log")?;
-        let ok = wait_or_kill(&mut c, cfg.timeout);
-        report.baseline_s = started.elapsed().as_secs_f64();
-        fleet.stop();
-        if ok != Some(true) {
-            bail!(
-                "the baseline job failed; see {}",
-                base_dir.join("coordinator.log").display()
-            );
-        }
-        println!("chaos: baseline took {:.1}s", report.baseline_s);
+        report.baseline_s = baseline(cfg, &mut fleet, &coordinator, &prefix, &root)?;
 
         // Under faults. First a second job on the same pool, validated and
         // published, whose model file is then replaced by a state_dict: its
         // items wait in the queue ahead of the chaos job's.
-        let swapped_dir = root.join("swapped");
-        let mut swapped = coordinator_cmd(&swapped_dir, &["run", "job.toml"], "coordinator.log")?;
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !published(&prefix, "swapped-")? {
-            if Instant::now() > deadline || swapped.try_wait()?.is_some() {
-                bail!(
-                    "the second job was not published; see {}",
-                    swapped_dir.display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        std::fs::copy(
-            swapped_dir.join("state_dict.pt"),
-            swapped_dir.join("model.pt"),
-        )?;
-        println!("chaos: a second job on the pool is published; its model is now a state_dict");
+        let mut swapped = publish_swapped(&coordinator, &prefix, &root.join("swapped"))?;
         let dir = root.join("chaos");
         fleet.start(cfg.workers)?;
         let started = Instant::now();
@@ -472,32 +433,8 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
             } else if Instant::now() >= next_kill {
                 next_kill = Instant::now() + cfg.kill_every;
                 let slot = rng.usize(..fleet.workers.len());
-                let w = &mut fleet.workers[slot];
-                if kill9 {
-                    let _ = w.kill();
-                    let _ = w.wait();
-                    report.worker_kill9 += 1;
-                    println!(
-                        "chaos: {:>5.1}s worker {slot}: kill -9, restarted",
-                        t.as_secs_f64()
-                    );
-                } else {
-                    signal(w, "TERM");
-                    let clean = wait_or_kill(w, Duration::from_secs(30)) == Some(true);
-                    report.worker_sigterm += 1;
-                    report.worker_sigterm_clean += u32::from(clean);
-                    println!(
-                        "chaos: {:>5.1}s worker {slot}: SIGTERM, {}, restarted",
-                        t.as_secs_f64(),
-                        if clean {
-                            "drained and exited 0"
-                        } else {
-                            "did NOT exit cleanly"
-                        }
-                    );
-                }
+                kill_worker(&mut fleet, slot, kill9, t, &mut report)?;
                 kill9 = !kill9;
-                fleet.workers[slot] = fleet.spawn(slot)?;
             }
             std::thread::sleep(Duration::from_millis(100));
         };
@@ -507,28 +444,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
             None => None,
             Some(_) => swapped.try_wait()?.and_then(|s| s.code()),
         };
-        // Bad messages queued behind the job's items are settled by the
-        // fleet after it (an unknown job's after its grace): wait for them.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            let depths = queue_depths(&services::amqp(), &pool)?;
-            let dead = batchfleet_shared::broker::PoolQueues::new(&pool).dead();
-            let (dead_n, others): (u32, u32) =
-                depths.iter().fold(
-                    (0, 0),
-                    |(d, o), (q, n)| {
-                        if *q == dead {
-                            (d + n, o)
-                        } else {
-                            (d, o + n)
-                        }
-                    },
-                );
-            if others == 0 && u64::from(dead_n) >= report.bad_messages {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        await_bad_messages(&pool, report.bad_messages)?;
         // No worker may have exited on its own (every exit is one of ours).
         for w in &mut fleet.workers {
             if w.try_wait()?.is_some() {
@@ -547,6 +463,148 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     print(&report);
     keep_report(cfg.dir.as_deref(), &root, "chaos.json", &report)?;
     Ok(report)
+}
+
+/// The job of `root/baseline` on `cfg.workers` workers, no faults: its
+/// wall time (s).
+fn baseline(
+    cfg: &ChaosConfig,
+    fleet: &mut Fleet,
+    coordinator: &Path,
+    prefix: &str,
+    root: &Path,
+) -> Result<f64> {
+    println!(
+        "chaos: baseline run, {} rows, {} workers, no faults",
+        cfg.rows, cfg.workers
+    );
+    let base_dir = root.join("baseline");
+    fleet.start(cfg.workers)?;
+    let started = Instant::now();
+    let mut c = chaos_coordinator(
+        coordinator,
+        prefix,
+        &base_dir,
+        &["run", "job.toml"],
+        "coordinator.log",
+    )?;
+    let ok = wait_or_kill(&mut c, cfg.timeout);
+    let took = started.elapsed().as_secs_f64();
+    fleet.stop();
+    if ok != Some(true) {
+        bail!(
+            "the baseline job failed; see {}",
+            base_dir.join("coordinator.log").display()
+        );
+    }
+    println!("chaos: baseline took {took:.1}s");
+    Ok(took)
+}
+
+/// `batchfleet --redis-prefix PREFIX ARGS… --no-progress --speculate-after
+/// 4` in `dir`, logging to `log` there.
+fn chaos_coordinator(
+    coordinator: &Path,
+    prefix: &str,
+    dir: &Path,
+    args: &[&str],
+    log: &str,
+) -> Result<Child> {
+    let args: Vec<String> = ["--redis-prefix", prefix]
+        .into_iter()
+        .chain(args.iter().copied())
+        .chain(["--no-progress", "--speculate-after", "4"])
+        .map(str::to_owned)
+        .collect();
+    spawn_coordinator(coordinator, dir, &args, log)
+}
+
+/// A second job on the pool, validated and published, whose model file is
+/// then replaced by a state_dict: its items wait in the queue ahead of the
+/// chaos job's. Its coordinator.
+fn publish_swapped(coordinator: &Path, prefix: &str, dir: &Path) -> Result<Child> {
+    let mut swapped = chaos_coordinator(
+        coordinator,
+        prefix,
+        dir,
+        &["run", "job.toml"],
+        "coordinator.log",
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !published(prefix, "swapped-")? {
+        if Instant::now() > deadline || swapped.try_wait()?.is_some() {
+            bail!("the second job was not published; see {}", dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::fs::copy(dir.join("state_dict.pt"), dir.join("model.pt"))?;
+    println!("chaos: a second job on the pool is published; its model is now a state_dict");
+    Ok(swapped)
+}
+
+/// Stops worker `slot` at `t` into the run — `kill -9`, or SIGTERM and a
+/// wait for its drain — and starts another in its place.
+fn kill_worker(
+    fleet: &mut Fleet,
+    slot: usize,
+    kill9: bool,
+    t: Duration,
+    report: &mut ChaosReport,
+) -> Result<()> {
+    let w = &mut fleet.workers[slot];
+    if kill9 {
+        let _ = w.kill();
+        let _ = w.wait();
+        report.worker_kill9 += 1;
+        println!(
+            "chaos: {:>5.1}s worker {slot}: kill -9, restarted",
+            t.as_secs_f64()
+        );
+    } else {
+        signal(w, "TERM");
+        let clean = wait_or_kill(w, Duration::from_secs(30)) == Some(true);
+        report.worker_sigterm += 1;
+        report.worker_sigterm_clean += u32::from(clean);
+        println!(
+            "chaos: {:>5.1}s worker {slot}: SIGTERM, {}, restarted",
+            t.as_secs_f64(),
+            if clean {
+                "drained and exited 0"
+            } else {
+                "did NOT exit cleanly"
+            }
+        );
+    }
+    fleet.workers[slot] = fleet.spawn(slot)?;
+    Ok(())
+}
+
+/// Bad messages queued behind the job's items are settled by the fleet
+/// after it (an unknown job's after its grace): waits (up to a minute) for
+/// every queue of the pool but the dead one to be empty and `bad` messages
+/// in the dead one.
+fn await_bad_messages(pool: &str, bad: u64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
+    while Instant::now() < deadline {
+        let depths = queue_depths(&services::amqp(), pool)?;
+        let (dead_n, others): (u32, u32) =
+            depths.iter().fold(
+                (0, 0),
+                |(d, o), (q, n)| {
+                    if *q == dead {
+                        (d + n, o)
+                    } else {
+                        (d, o + n)
+                    }
+                },
+            );
+        if others == 0 && u64::from(dead_n) >= bad {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
 }
 
 /// Whether a job whose id starts with `stem` is registered and published

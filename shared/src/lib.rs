@@ -3,6 +3,8 @@
 //! # Layout
 //! - [`message`]: the wire format of a work item — a versioned enum encoded with
 //!   rmp-serde (named fields) and the AMQP headers that travel with it.
+//! - [`backend`]: where queues and job state live — RabbitMQ and Redis, or
+//!   the in-process queues and store of `run --local` — chosen in one place.
 //! - [`broker`]: the queue interface (`Broker`: confirmed publish, consume
 //!   with ack / requeue, get, purge, counts; plain `Headers`) and the queue
 //!   topology per pool, with two implementations: RabbitMQ (`broker::amqp`)
@@ -12,6 +14,11 @@
 //!   implementations: Redis (`store::redis`, atomic Lua scripts) and
 //!   in-process memory (`store::local`).
 //! - [`output`]: every name in a job's output folder, and its files read back.
+//! - [`split`]: byte ranges of text files cut blind and aligned to record
+//!   boundaries by whoever reads them.
+//! - [`numbers`]: numbers in text fields, parsed as workers read CSV features.
+//! - [`cuda`]: libtorch's CUDA support, loaded at start-up where a GPU can use it.
+//! - `host`: this machine's name and wall clock ([`host_name`], [`now_ms`]).
 //! - [`paths`]: data roots that confine every path of a job.
 //! - [`metrics`]: the Prometheus exporter and every metric's name.
 //! - [`columns`]: the Arrow column types a Parquet input may use.

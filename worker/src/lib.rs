@@ -37,7 +37,7 @@
 //! hand it to the consume loop until shutdown; `main.rs` only parses flags.
 
 pub mod batch;
-pub mod config;
+mod config;
 mod connect;
 mod consumer;
 mod context;

@@ -24,6 +24,8 @@
 //!   parameter names read from the archive.
 //! - `dry_run`: the model call tried on two sample rows (with libtorch in
 //!   the coordinator) before anything is published.
+//! - `cut`: how a CSV or JSON Lines job is cut into items: blind, from the
+//!   files' sizes, or by reading every record.
 //! - `policy`: `[batching]` and `[failure]`: item sizing, batch size,
 //!   checkpoints, retries, timeouts, the error budget.
 //! - `output`: `[output]`: folder, histogram, labels, `top_k`, column names,

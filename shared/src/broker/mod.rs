@@ -4,6 +4,12 @@
 //! `Arc<dyn Broker>`, plain [`Headers`] and [`Delivery`]s, and never names
 //! either implementation's types.
 //!
+//! # Layout
+//! - this file: the [`Broker`] seam, [`Delivery`], [`Headers`],
+//!   [`Outgoing`] and the topology of a pool ([`PoolQueues`]).
+//! - [`amqp`]: RabbitMQ through lapin.
+//! - [`local`]: queues in this process's memory.
+//!
 //! # Topology (per pool `P`)
 //! - `bf.P.work`: the queue workers consume. Each message's deliveries are
 //!   counted (`x-delivery-count`); past [`DELIVERY_LIMIT`] returns it is

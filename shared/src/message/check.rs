@@ -56,29 +56,7 @@ impl WorkItem {
                 truncated(&self.job_id)
             ));
         }
-        let sha = &t.model.sha256;
-        if sha.len() != 64
-            || !sha
-                .bytes()
-                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        {
-            return Err(format!(
-                "model sha256 {:?} is not a SHA-256 in hex",
-                truncated(sha)
-            ));
-        }
-        let device_ok = t.model.device == "cpu"
-            || t.model.device == "cuda"
-            || t.model
-                .device
-                .strip_prefix("cuda:")
-                .is_some_and(|n| n.len() <= 3 && n.parse::<u16>().is_ok());
-        if !device_ok {
-            return Err(format!(
-                "device {:?} is not cpu, cuda or cuda:N",
-                truncated(&t.model.device)
-            ));
-        }
+        check_model(&t.model)?;
         if t.batch_size == 0 {
             return Err("batch_size is 0".into());
         }
@@ -95,15 +73,6 @@ impl WorkItem {
                 h.bins, h.min, h.max, limits.max_histogram_bins
             ));
         }
-        let values = |rows: u64, per_row: u64| -> Result<(), String> {
-            match rows.checked_mul(per_row) {
-                Some(n) if n <= limits.max_item_values => Ok(()),
-                _ => Err(format!(
-                    "{rows} rows of {per_row} values exceed the {} values one item may hold (--max-item-values)",
-                    limits.max_item_values
-                )),
-            }
-        };
         if !t.layout.fits(&self.input) {
             return Err(format!(
                 "{} with a {} layout",
@@ -146,6 +115,23 @@ impl WorkItem {
         if self.versions.iter().any(|v| v.len() > 256) {
             return Err("an input version longer than 256 bytes".into());
         }
+        self.check_slice(limits)
+    }
+
+    /// The input slice against its layout and the caps: sizes, indices,
+    /// image settings, and the values the item may hold.
+    fn check_slice(&self, limits: &ItemLimits) -> Result<(), String> {
+        let t = &self.task;
+        let text = t.text.as_ref();
+        let values = |rows: u64, per_row: u64| -> Result<(), String> {
+            match rows.checked_mul(per_row) {
+                Some(n) if n <= limits.max_item_values => Ok(()),
+                _ => Err(format!(
+                    "{rows} rows of {per_row} values exceed the {} values one item may hold (--max-item-values)",
+                    limits.max_item_values
+                )),
+            }
+        };
         match (&self.input, &t.layout) {
             (InputSlice::CsvRange(r), Layout::Csv(l)) => {
                 check_range(r, limits)?;
@@ -201,6 +187,34 @@ impl WorkItem {
         }
         Ok(())
     }
+}
+
+/// The model's digest is a SHA-256 in hex, its device one a worker knows.
+fn check_model(model: &ModelRef) -> Result<(), String> {
+    let sha = &model.sha256;
+    if sha.len() != 64
+        || !sha
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    {
+        return Err(format!(
+            "model sha256 {:?} is not a SHA-256 in hex",
+            truncated(sha)
+        ));
+    }
+    let device_ok = model.device == "cpu"
+        || model.device == "cuda"
+        || model
+            .device
+            .strip_prefix("cuda:")
+            .is_some_and(|n| n.len() <= 3 && n.parse::<u16>().is_ok());
+    if !device_ok {
+        return Err(format!(
+            "device {:?} is not cpu, cuda or cuda:N",
+            truncated(&model.device)
+        ));
+    }
+    Ok(())
 }
 
 /// Arguments a model's `forward` may be given, and outputs one item may select.

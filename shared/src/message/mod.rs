@@ -9,6 +9,18 @@
 //! [`Layout`] — CSV columns, JSON Lines keys, Parquet columns or image
 //! preprocessing — next to the tagged [`InputSlice`]; version 1 ([`v1`]: a
 //! CSV layout always, the others as optional fields) is still decoded.
+//!
+//! # Layout
+//! - this file: the envelope and its codec, the work item and its task,
+//!   the failure policy, the AMQP headers.
+//! - [`input`]: the input slice and the layout of its records.
+//! - [`model`]: the model call (which model, its inputs, precision, outputs).
+//! - [`output`]: the output spec, its column names and part file names.
+//! - [`check`]: what one item may ask of a worker, checked before anything
+//!   is read ([`ItemLimits`], `WorkItem::check`).
+//! - [`seal`]: sealing (encode and sign) and opening (verify and decode), as
+//!   one pair.
+//! - [`v1`]: version 1 of the message, still decoded.
 
 pub mod v1;
 

@@ -4,6 +4,15 @@
 //! `batchfleet run --local`). Code outside this module holds a [`Store`]
 //! and never names either.
 //!
+//! # Layout
+//! - this file: the [`JobStore`] seam, the [`Store`] handle, what a commit,
+//!   a failure and a lease record.
+//! - [`record`]: a job's record, its hash-field encoding and the typed
+//!   updates each step makes ([`RecordUpdate`]).
+//! - [`error`]: [`StoreError`], and whether retrying can help.
+//! - [`redis`]: the fleet's store (connections, key layout, Lua scripts).
+//! - [`local`]: the in-process store of `run --local`.
+//!
 //! # Keys (Redis; prefix `P`, default `bf`)
 //! | key | type | holds |
 //! | --- | --- | --- |

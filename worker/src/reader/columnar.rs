@@ -18,7 +18,7 @@ use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::DataType;
 use batchfleet_shared::message::{OnBadRow, ParquetLayout, TextSpec};
 use batchfleet_shared::source::Input;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder};
 use parquet::arrow::ProjectionMask;
 
 /// Rows decoded per Arrow record batch.
@@ -69,50 +69,11 @@ pub fn read_parquet_text(
             "{path}: {what}; the input changed under the job — restore it or start a new job"
         ))
     };
-    let file = Input::open(std::path::Path::new(path)).map_err(&io_error)?;
-    let len = file.len().map_err(&io_error)?;
-    if len != at.file_len {
-        return Err(changed(format!(
-            "is {len} bytes but was {} when the job was planned",
-            at.file_len
-        )));
-    }
     let undecodable = |e: &dyn std::fmt::Display| {
         ItemError::poison(format!("{path}: cannot decode Parquet: {e}"))
     };
-    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| undecodable(&e))?;
-    let groups = at.first_group as usize..(at.first_group + at.groups) as usize;
-    if groups.end > builder.metadata().num_row_groups() {
-        return Err(changed(format!(
-            "has {} row groups, not the {} planned",
-            builder.metadata().num_row_groups(),
-            groups.end
-        )));
-    }
-    let schema = builder.schema().clone();
-    let mut roots = Vec::with_capacity(layout.feature_columns.len() + 1);
     let text_column = text.map(|t| &t.column);
-    for name in std::iter::once(&layout.id_column)
-        .chain(&layout.feature_columns)
-        .chain(&layout.include_columns)
-        .chain(text_column)
-    {
-        roots.push(
-            schema
-                .index_of(name)
-                .map_err(|_| changed(format!("has no column {name}")))?,
-        );
-    }
-    roots.sort_unstable();
-    roots.dedup();
-    let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
-    let reader = builder
-        .with_projection(mask)
-        .with_row_groups(groups.collect())
-        .with_batch_size(DECODE_ROWS)
-        .build()
-        .map_err(|e| undecodable(&e))?;
-
+    let reader = open(&at, layout, text_column, &changed, &undecodable, &io_error)?;
     let cols = layout.feature_columns.len();
     let mut batch = Batch::with_capacity(cols, expected_rows);
     batch.file = path.to_owned();
@@ -121,89 +82,34 @@ pub fn read_parquet_text(
     let mut id = String::new();
     for rb in reader {
         let rb = rb.map_err(|e| undecodable(&e))?;
-        let column = |name: &str| {
-            rb.column_by_name(name)
-                .cloned()
-                .ok_or_else(|| changed(format!("has no column {name}")))
-        };
-        let ids = column(&layout.id_column)?;
-        let features: Vec<ArrayRef> = layout
-            .feature_columns
-            .iter()
-            .map(|n| column(n))
-            .collect::<Result<_, _>>()?;
-        let includes: Vec<ArrayRef> = layout
-            .include_columns
-            .iter()
-            .map(|n| column(n))
-            .collect::<Result<_, _>>()?;
-        let texts = text_column.map(|n| column(n)).transpose()?;
+        let columns = Columns::of(&rb, layout, text_column, &changed)?;
         let n = rb.num_rows();
         // Column by column into a row-major block; nulls are found per row below.
         values.clear();
         values.resize(n * cols, 0f32);
-        for (j, (name, col)) in layout.feature_columns.iter().zip(&features).enumerate() {
+        for (j, (name, col)) in layout
+            .feature_columns
+            .iter()
+            .zip(&columns.features)
+            .enumerate()
+        {
             fill_column(col, &mut values, cols, j)
                 .map_err(|t| changed(format!("feature column {name} is {t}, not a number")))?;
         }
-        let fill = layout.missing.fill();
         for r in 0..n {
             let line = next_row + r as u64 + 1;
-            let mut bad = ids
-                .is_null(r)
-                .then(|| format!("column {} is null", layout.id_column));
-            for (j, (name, col)) in layout.feature_columns.iter().zip(&features).enumerate() {
-                if bad.is_some() || !col.is_null(r) {
-                    continue;
-                }
-                match fill {
-                    Some(v) => values[r * cols + j] = v,
-                    None => bad = Some(format!("column {name} is null; {MISSING_HINT}")),
-                }
-            }
-            let row_text = match (&texts, bad.is_some()) {
-                (Some(col), false) => match cell_json(col, r) {
-                    serde_json::Value::String(s) => s,
-                    serde_json::Value::Null => {
-                        bad = Some(format!(
-                            "column {} (the text) is null",
-                            text_column.map_or("", |c| c.as_str())
-                        ));
-                        String::new()
-                    }
-                    other => {
-                        bad = Some(format!(
-                            "column {} (the text) is not a string: {other}",
-                            text_column.map_or("", |c| c.as_str())
-                        ));
-                        String::new()
-                    }
-                },
-                _ => String::new(),
-            };
-            let reason = match bad {
-                Some(reason) => Some(reason),
-                None => {
-                    id.clear();
-                    id_text(&ids, r, &mut id).err().map(|t| {
-                        format!(
-                            "id column {} is {t}, not a string or integer",
-                            layout.id_column
-                        )
-                    })
-                }
-            };
-            match reason {
-                None => {
-                    batch.push_row(&id, &values[r * cols..(r + 1) * cols], line, (0, 0));
-                    for col in &includes {
+            let row = &mut values[r * cols..(r + 1) * cols];
+            match columns.row(r, layout, text_column, row, &mut id) {
+                Ok(row_text) => {
+                    batch.push_row(&id, row, line, (0, 0));
+                    for col in &columns.includes {
                         batch.push_extra(&cell_text(col, r));
                     }
-                    if texts.is_some() {
+                    if columns.texts.is_some() {
                         batch.push_text(&row_text);
                     }
                 }
-                Some(reason) => match on_bad_row {
+                Err(reason) => match on_bad_row {
                     OnBadRow::FailItem => {
                         return Err(ItemError::poison(format!("{path} row {line}: {reason}")))
                     }
@@ -220,6 +126,142 @@ pub fn read_parquet_text(
         next_row += n as u64;
     }
     Ok(batch)
+}
+
+/// A reader of the item's row groups, projected to the id, feature,
+/// copied and text columns, after checking the file is the one planned
+/// (its length, its row groups, its columns).
+fn open(
+    at: &RowGroups<'_>,
+    layout: &ParquetLayout,
+    text_column: Option<&String>,
+    changed: &dyn Fn(String) -> ItemError,
+    undecodable: &dyn Fn(&dyn std::fmt::Display) -> ItemError,
+    io_error: &dyn Fn(std::io::Error) -> ItemError,
+) -> Result<ParquetRecordBatchReader, ItemError> {
+    let file = Input::open(std::path::Path::new(at.path)).map_err(io_error)?;
+    let len = file.len().map_err(io_error)?;
+    if len != at.file_len {
+        return Err(changed(format!(
+            "is {len} bytes but was {} when the job was planned",
+            at.file_len
+        )));
+    }
+    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| undecodable(&e))?;
+    let groups = at.first_group as usize..(at.first_group + at.groups) as usize;
+    if groups.end > builder.metadata().num_row_groups() {
+        return Err(changed(format!(
+            "has {} row groups, not the {} planned",
+            builder.metadata().num_row_groups(),
+            groups.end
+        )));
+    }
+    let schema = builder.schema().clone();
+    let mut roots = Vec::with_capacity(layout.feature_columns.len() + 1);
+    for name in std::iter::once(&layout.id_column)
+        .chain(&layout.feature_columns)
+        .chain(&layout.include_columns)
+        .chain(text_column)
+    {
+        roots.push(
+            schema
+                .index_of(name)
+                .map_err(|_| changed(format!("has no column {name}")))?,
+        );
+    }
+    roots.sort_unstable();
+    roots.dedup();
+    let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
+    builder
+        .with_projection(mask)
+        .with_row_groups(groups.collect())
+        .with_batch_size(DECODE_ROWS)
+        .build()
+        .map_err(|e| undecodable(&e))
+}
+
+/// The columns of one decoded record batch that an item reads.
+struct Columns {
+    ids: ArrayRef,
+    features: Vec<ArrayRef>,
+    includes: Vec<ArrayRef>,
+    texts: Option<ArrayRef>,
+}
+
+impl Columns {
+    fn of(
+        rb: &RecordBatch,
+        layout: &ParquetLayout,
+        text_column: Option<&String>,
+        changed: &dyn Fn(String) -> ItemError,
+    ) -> Result<Self, ItemError> {
+        let column = |name: &str| {
+            rb.column_by_name(name)
+                .cloned()
+                .ok_or_else(|| changed(format!("has no column {name}")))
+        };
+        let all = |names: &[String]| -> Result<Vec<ArrayRef>, ItemError> {
+            names.iter().map(|n| column(n)).collect()
+        };
+        Ok(Self {
+            ids: column(&layout.id_column)?,
+            features: all(&layout.feature_columns)?,
+            includes: all(&layout.include_columns)?,
+            texts: text_column.map(|n| column(n)).transpose()?,
+        })
+    }
+
+    /// Row `r`'s text (empty without text input), its id into `id` and
+    /// its missing features filled into `row`; or why it is a bad row (a
+    /// null id, feature or text, an id of another type).
+    fn row(
+        &self,
+        r: usize,
+        layout: &ParquetLayout,
+        text_column: Option<&String>,
+        row: &mut [f32],
+        id: &mut String,
+    ) -> Result<String, String> {
+        if self.ids.is_null(r) {
+            return Err(format!("column {} is null", layout.id_column));
+        }
+        for (j, (name, col)) in layout
+            .feature_columns
+            .iter()
+            .zip(&self.features)
+            .enumerate()
+        {
+            if col.is_null(r) {
+                match layout.missing.fill() {
+                    Some(v) => row[j] = v,
+                    None => return Err(format!("column {name} is null; {MISSING_HINT}")),
+                }
+            }
+        }
+        let text = match &self.texts {
+            Some(col) => {
+                let name = text_column.map_or("", |c| c.as_str());
+                match cell_json(col, r) {
+                    serde_json::Value::String(s) => s,
+                    serde_json::Value::Null => {
+                        return Err(format!("column {name} (the text) is null"))
+                    }
+                    other => {
+                        return Err(format!("column {name} (the text) is not a string: {other}"))
+                    }
+                }
+            }
+            None => String::new(),
+        };
+        id.clear();
+        id_text(&self.ids, r, id).map_err(|t| {
+            format!(
+                "id column {} is {t}, not a string or integer",
+                layout.id_column
+            )
+        })?;
+        Ok(text)
+    }
 }
 
 /// Writes column `j` of a row-major block of `cols` columns as `f32`

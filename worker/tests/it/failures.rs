@@ -546,13 +546,13 @@ async fn messages_whose_paths_leave_the_roots_are_rejected_and_their_items_given
     let copies = store.copies(&job_id).await.expect("copies");
     assert_eq!(
         copies.values().copied().collect::<Vec<_>>(),
-        vec![batchfleet_coordinator::supervisor::MAX_COPIES; 4],
+        vec![batchfleet_coordinator::MAX_COPIES; 4],
         "copies are bounded"
     );
     let dead = dead(&env, &job_id).await;
     assert_eq!(
         dead.len() as u64,
-        4 * (1 + batchfleet_coordinator::supervisor::MAX_COPIES),
+        4 * (1 + batchfleet_coordinator::MAX_COPIES),
         "every copy was refused, once"
     );
     for d in &dead {

@@ -1,0 +1,814 @@
+//! The `batchfleet-loadtest` command line: one clap struct per command,
+//! each with the `run` that does it; the job and fleet flags the fault runs
+//! on clusters of their own share (`cluster`, `redis-failover`,
+//! `redis-cluster`) are one flattened struct, [`FaultJobArgs`], and their
+//! pace [`PaceArgs`].
+
+use crate::{bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm};
+use anyhow::{bail, Result};
+use batchfleet_testkit::{python, verify};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// batchfleet-loadtest: generate jobs, verify outputs, measure ceilings.
+#[derive(Debug, Parser)]
+#[command(name = "batchfleet-loadtest", version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Generate CSV input, a TorchScript MLP, golden predictions and job.toml.
+    Gen(GenArgs),
+    /// Check a job's part files against golden predictions (exit 1 on any difference).
+    Verify(VerifyArgs),
+    /// Run a job on a worker fleet while killing workers (-9 and SIGTERM,
+    /// alternating), the coordinator, RabbitMQ and Redis; check INV-ROWS,
+    /// INV-ACCT and INV-FILES and compare the wall time with a fault-free
+    /// run of the same job (exit 1 if an invariant is violated). Needs the
+    /// release binaries (`make release`) and the local RabbitMQ and Redis,
+    /// which it restarts.
+    Chaos(ChaosArgs),
+    /// Run a job on a RabbitMQ cluster of the run's own (nodes on loopback
+    /// ports, clustered with `rabbitmqctl join_cluster`) while the node
+    /// leading the job's quorum queue is killed mid-job and started again;
+    /// check every row exactly once against PyTorch's, nothing
+    /// dead-lettered, the queue replicated on three nodes and the workers
+    /// of the killed node moved to another; report the wall time next to
+    /// the same job on the healthy cluster (exit 1 on a violation). Needs
+    /// the release binaries (`make release`), the Debian rabbitmq-server
+    /// package and the local Redis.
+    Cluster(ClusterArgs),
+    /// Run a job three times on a Redis primary with a replica and three
+    /// Sentinels of its own (loopback ports, nothing on disk), every
+    /// process finding the primary through the Sentinels: without a fault;
+    /// with the primary killed mid-job (kill -9; the Sentinels promote the
+    /// replica; the old primary comes back empty as a replica); and with
+    /// replication cut, items committed on the primary alone and a failover
+    /// to the replica that missed them, whose lost commits the coordinator
+    /// must find in the output files. Checks every row exactly once, the
+    /// counts, nothing dead-lettered; prints the wall times side by side.
+    /// Needs the release binaries, redis-server and the local RabbitMQ.
+    RedisFailover(RedisFailoverArgs),
+    /// Run two jobs on a Redis Cluster of three masters of its own
+    /// (loopback ports, `redis-cli --cluster create`), every process given
+    /// its nodes with `--redis-cluster`: every row exactly once, the counts,
+    /// nothing dead-lettered, and every key of a job in one slot on one
+    /// master. Needs the release binaries, redis-server and the local
+    /// RabbitMQ.
+    RedisCluster(RedisClusterArgs),
+    /// A job through docker/slurm's templates on a single-node Slurm
+    /// cluster of its own (MUNGE, slurmctld and slurmd as this run's
+    /// processes, loopback only, two GPUs played by device nodes): two GPU
+    /// worker tasks, the coordinator as a job with --dependency; one task
+    /// reaches its time limit (--signal=B:TERM@60), the other is preempted
+    /// with scancel --signal=TERM, a second array grows the fleet, and a
+    /// higher-priority partition's job makes Slurm preempt one; checks
+    /// every row exactly once, each stop a drain with exit 0 and a requeue,
+    /// the workers cancelled at the end, sacct's record (slurmdbd on the
+    /// local MariaDB, when it answers) and the daemons gone (exit 1 on a
+    /// violation). Needs root, Slurm and MUNGE (make slurm-test installs
+    /// them), the release binaries and the local RabbitMQ and Redis.
+    Slurm(SlurmArgs),
+    /// Measure what one RabbitMQ and one Redis carry as the fleet grows:
+    /// jobs of one-row items with a model that does next to nothing on 1,
+    /// 2, 4 … worker processes, then jobs of 10,000-row items; for each,
+    /// items/s, Redis commands and bytes per item, AMQP messages and bytes
+    /// per item, CPU per item of the workers, the coordinator, RabbitMQ and
+    /// Redis, and where the items/s curve bends and what bends it — the
+    /// inputs of docs/scaling.md. Figures only, no assertion on them. Needs
+    /// the release binaries, the local RabbitMQ and Redis, and `ss`.
+    Scale(ScaleArgs),
+    /// Measure the fleet against the machine's ceilings, side by side: for a
+    /// small (I/O-bound) and a large (compute-bound) MLP, the libtorch compute
+    /// ceiling, the read+parse+write I/O ceiling, the fleet end to end and
+    /// `batchfleet run --local` (W pipelines, and one of all cores) on the
+    /// same data; then the control plane (one-row items/s vs raw RabbitMQ,
+    /// CPU per item by process and the rate it allows on this machine's
+    /// cores) and worker memory after 1k and 10k items; a sentence encoder
+    /// over a text corpus against a Python loop and its compute ceiling.
+    /// Needs the release binaries
+    /// (`make release`) and the local RabbitMQ and Redis.
+    Bench(BenchArgs),
+    /// Measure planning alone (the `bench` planning figures): many small CSV
+    /// files and one big one, locally and on a local S3 server, cut blind
+    /// and by reading every record.
+    Plan(PlanArgs),
+    /// Measure raw in-process libtorch forward rows/s on CSV rows held in memory.
+    Forward(ForwardArgs),
+    /// On a machine with a GPU: the fleet's rows/s on the GPU next to raw
+    /// libtorch forward on it, for a compute-bound and an I/O-bound model,
+    /// and the share of the job the GPU sat idle (under four minutes). On a
+    /// machine without one it says so and exits 0.
+    GpuCheck(GpuCheckArgs),
+}
+
+impl Command {
+    /// Runs the command.
+    pub(crate) fn run(self) -> Result<()> {
+        match self {
+            Command::Gen(args) => args.run(),
+            Command::Verify(args) => args.run(),
+            Command::Chaos(args) => args.run(),
+            Command::Cluster(args) => args.run(),
+            Command::RedisFailover(args) => args.run(),
+            Command::RedisCluster(args) => args.run(),
+            Command::Slurm(args) => args.run(),
+            Command::Scale(args) => args.run(),
+            Command::Bench(args) => args.run(),
+            Command::Plan(args) => args.run(),
+            Command::Forward(args) => args.run(),
+            Command::GpuCheck(args) => args.run(),
+        }
+    }
+}
+
+/// The job and fleet flags of the fault runs on clusters of their own
+/// (`cluster`, `redis-failover`, `redis-cluster`).
+#[derive(Debug, Args)]
+pub(crate) struct FaultJobArgs {
+    /// Worker processes.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) workers: usize,
+    /// Rows per work item.
+    #[arg(long, default_value_t = 2_000)]
+    pub(crate) item_rows: u64,
+    /// Fail if a job has not finished after this long.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub(crate) timeout: Duration,
+    /// Keep data, logs and the run's report (`<command>.json`) here
+    /// (default: a temporary folder).
+    #[arg(long)]
+    pub(crate) dir: Option<PathBuf>,
+}
+
+/// How heavy the model of a fault run plays (`cluster`, `redis-failover`).
+#[derive(Debug, Args)]
+pub(crate) struct PaceArgs {
+    /// Rows per mini-batch.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) batch_size: u32,
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts long enough for the fault).
+    #[arg(long, default_value = "60ms", value_parser = humantime::parse_duration)]
+    pub(crate) batch_delay: Duration,
+}
+
+/// `Gen`'s flags (see [`Command::Gen`]).
+#[derive(Debug, Args)]
+pub(crate) struct GenArgs {
+    /// Output folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Rows in all.
+    #[arg(long, default_value_t = 200_000)]
+    rows: u64,
+    /// Input files.
+    #[arg(long, default_value_t = 4)]
+    files: u32,
+    /// Features per row.
+    #[arg(long, default_value_t = 32)]
+    features: u32,
+    /// Hidden width of the MLP.
+    #[arg(long, default_value_t = 64)]
+    hidden: u32,
+    /// Model outputs per row.
+    #[arg(long, default_value_t = 1)]
+    outputs: u32,
+    /// Job name written into job.toml.
+    #[arg(long, default_value = "demo")]
+    name: String,
+    /// Pool written into job.toml.
+    #[arg(long, default_value = "default")]
+    pool: String,
+    /// item_rows written into job.toml.
+    #[arg(long, default_value_t = 10_000)]
+    item_rows: u64,
+    /// inference_batch_size written into job.toml.
+    #[arg(long, default_value_t = 1024)]
+    batch_size: u32,
+}
+
+impl GenArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            out,
+            rows,
+            files,
+            features,
+            hidden,
+            outputs,
+            name,
+            pool,
+            item_rows,
+            batch_size,
+        } = self;
+        python::make_job(
+            &out,
+            &python::JobGen {
+                rows,
+                files,
+                features,
+                hidden,
+                outputs,
+                seed: 7,
+                name,
+                pool,
+                item_rows,
+                batch_size,
+                ..python::JobGen::default()
+            },
+        )
+    }
+}
+
+/// `Verify`'s flags (see [`Command::Verify`]).
+#[derive(Debug, Args)]
+pub(crate) struct VerifyArgs {
+    /// The job's output folder.
+    #[arg(long)]
+    output: PathBuf,
+    /// Golden predictions (id plus score columns).
+    #[arg(long)]
+    golden: PathBuf,
+    /// Allowed difference (absolute; relative above magnitude 1).
+    #[arg(long, default_value_t = 1e-5)]
+    tolerance: f64,
+}
+
+impl VerifyArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            output,
+            golden,
+            tolerance,
+        } = self;
+        let v = verify::verify(&output, &golden, tolerance)?;
+        println!("{}", v.describe());
+        if !v.ok() {
+            bail!("output does not match the golden predictions");
+        }
+        println!("verified: every row exactly once, every score within {tolerance:e}");
+        Ok(())
+    }
+}
+
+/// `Chaos`'s flags (see [`Command::Chaos`]).
+#[derive(Debug, Args)]
+pub(crate) struct ChaosArgs {
+    /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
+    rows: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Kill a random worker this often.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    kill_every: Duration,
+    /// Rows per work item.
+    #[arg(long, default_value_t = 5_000)]
+    item_rows: u64,
+    /// Rows per mini-batch.
+    #[arg(long, default_value_t = 500)]
+    batch_size: u32,
+    /// Mini-batches per checkpoint.
+    #[arg(long, default_value_t = 2)]
+    checkpoint_every: u32,
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts long enough for the faults).
+    #[arg(long, default_value = "150ms", value_parser = humantime::parse_duration)]
+    batch_delay: Duration,
+    /// Fail if the job has not finished after this long.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Restart Redis empty (like one without persistence) instead of from
+    /// a snapshot. This empties the whole local Redis.
+    #[arg(long)]
+    redis_wipe: bool,
+    /// Keep data, logs and chaos.json here (default: a temporary folder).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl ChaosArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            rows,
+            workers,
+            kill_every,
+            item_rows,
+            batch_size,
+            checkpoint_every,
+            batch_delay,
+            timeout,
+            redis_wipe,
+            dir,
+        } = self;
+        let report = chaos::run(&chaos::ChaosConfig {
+            rows,
+            workers: workers.max(1),
+            kill_every,
+            item_rows,
+            batch_size,
+            checkpoint_every,
+            batch_delay,
+            timeout,
+            redis_wipe,
+            dir,
+        })?;
+        if !report.violations.is_empty() {
+            bail!("{} invariant violation(s)", report.violations.len());
+        }
+        Ok(())
+    }
+}
+
+/// `Cluster`'s flags (see [`Command::Cluster`]).
+#[derive(Debug, Args)]
+pub(crate) struct ClusterArgs {
+    /// RabbitMQ nodes (at least 3).
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
+    rows: u64,
+    /// One-row items of a last, control-plane job on the healthy
+    /// cluster, measuring the nodes' CPU per item (0: skip it).
+    #[arg(long, default_value_t = 3_000)]
+    control_items: u64,
+    #[command(flatten)]
+    job: FaultJobArgs,
+    #[command(flatten)]
+    pace: PaceArgs,
+}
+
+impl ClusterArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            nodes,
+            rows,
+            control_items,
+            job:
+                FaultJobArgs {
+                    workers,
+                    item_rows,
+                    timeout,
+                    dir,
+                },
+            pace: PaceArgs {
+                batch_size,
+                batch_delay,
+            },
+        } = self;
+        let report = cluster::run(&cluster::ClusterConfig {
+            control_items,
+            nodes,
+            rows,
+            workers: workers.max(1),
+            item_rows: item_rows.max(1),
+            batch_size,
+            batch_delay,
+            timeout,
+            dir,
+        })?;
+        if !report.violations.is_empty() {
+            bail!("{} violation(s)", report.violations.len());
+        }
+        Ok(())
+    }
+}
+
+/// `RedisFailover`'s flags (see [`Command::RedisFailover`]).
+#[derive(Debug, Args)]
+pub(crate) struct RedisFailoverArgs {
+    /// Rows in each job.
+    #[arg(long, default_value_t = 100_000)]
+    rows: u64,
+    #[command(flatten)]
+    job: FaultJobArgs,
+    #[command(flatten)]
+    pace: PaceArgs,
+}
+
+impl RedisFailoverArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            rows,
+            job:
+                FaultJobArgs {
+                    workers,
+                    item_rows,
+                    timeout,
+                    dir,
+                },
+            pace: PaceArgs {
+                batch_size,
+                batch_delay,
+            },
+        } = self;
+        let report = sentinel::run(&sentinel::SentinelConfig {
+            rows,
+            workers: workers.max(1),
+            item_rows: item_rows.max(1),
+            batch_size,
+            batch_delay,
+            timeout,
+            dir,
+        })?;
+        if !report.violations.is_empty() {
+            bail!("{} violation(s)", report.violations.len());
+        }
+        Ok(())
+    }
+}
+
+/// `RedisCluster`'s flags (see [`Command::RedisCluster`]).
+#[derive(Debug, Args)]
+pub(crate) struct RedisClusterArgs {
+    /// Rows in each job.
+    #[arg(long, default_value_t = 100_000)]
+    rows: u64,
+    #[command(flatten)]
+    job: FaultJobArgs,
+}
+
+impl RedisClusterArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            rows,
+            job:
+                FaultJobArgs {
+                    workers,
+                    item_rows,
+                    timeout,
+                    dir,
+                },
+        } = self;
+        let report = rediscluster::run(&rediscluster::RedisClusterConfig {
+            rows,
+            workers: workers.max(1),
+            item_rows: item_rows.max(1),
+            timeout,
+            dir,
+        })?;
+        if !report.violations.is_empty() {
+            bail!("{} violation(s)", report.violations.len());
+        }
+        Ok(())
+    }
+}
+
+/// `Slurm`'s flags (see [`Command::Slurm`]).
+#[derive(Debug, Args)]
+pub(crate) struct SlurmArgs {
+    /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
+    rows: u64,
+    /// Rows per work item.
+    #[arg(long, default_value_t = 1_000)]
+    item_rows: u64,
+    /// Rows per mini-batch.
+    #[arg(long, default_value_t = 250)]
+    batch_size: u32,
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts through the time limit's signal, which
+    /// Slurm sends on a 30 s check).
+    #[arg(long, default_value = "600ms", value_parser = humantime::parse_duration)]
+    batch_delay: Duration,
+    /// Fail if the job has not finished after this long.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Keep data, logs, Slurm's files and slurm.json here (default: a temporary folder).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl SlurmArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            rows,
+            item_rows,
+            batch_size,
+            batch_delay,
+            timeout,
+            dir,
+        } = self;
+        let report = slurm::run(&slurm::SlurmConfig {
+            rows,
+            item_rows: item_rows.max(1),
+            batch_size: batch_size.max(1),
+            batch_delay,
+            timeout,
+            dir,
+        })?;
+        if !report.violations.is_empty() {
+            bail!("{} violation(s)", report.violations.len());
+        }
+        Ok(())
+    }
+}
+
+/// `Scale`'s flags (see [`Command::Scale`]).
+#[derive(Debug, Args)]
+pub(crate) struct ScaleArgs {
+    /// Worker counts for the one-row jobs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    workers: Vec<usize>,
+    /// One-row items per job.
+    #[arg(long, default_value_t = 5_000)]
+    items: u64,
+    /// Worker counts for the 10,000-row jobs.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    realistic_workers: Vec<usize>,
+    /// Items per 10,000-row job.
+    #[arg(long, default_value_t = 40)]
+    realistic_items: u64,
+    /// Rows per realistic item.
+    #[arg(long, default_value_t = 10_000)]
+    realistic_rows: u64,
+    /// The short form for CI: 1, 2 and 4 workers, 3,000 one-row items,
+    /// 2 workers on 10 items of 10,000 rows.
+    #[arg(long)]
+    quick: bool,
+    /// Keep data, logs and scale.json here (default: a temporary folder).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl ScaleArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            workers,
+            items,
+            realistic_workers,
+            realistic_items,
+            realistic_rows,
+            quick,
+            dir,
+        } = self;
+        let cfg = if quick {
+            scale::ScaleConfig {
+                workers: vec![1, 2, 4],
+                items: 3_000,
+                realistic_workers: vec![2],
+                realistic_items: 10,
+                realistic_rows,
+                dir,
+            }
+        } else {
+            scale::ScaleConfig {
+                workers,
+                items,
+                realistic_workers,
+                realistic_items,
+                realistic_rows: realistic_rows.max(1),
+                dir,
+            }
+        };
+        scale::run(&cfg)?;
+        Ok(())
+    }
+}
+
+/// `Bench`'s flags (see [`Command::Bench`]).
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Rows of the small-model jobs (0 skips them).
+    #[arg(long, default_value_t = 2_000_000)]
+    small_rows: u64,
+    /// Rows of the large-model job (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    large_rows: u64,
+    /// One-row items of the control-plane job (0 skips it).
+    #[arg(long, default_value_t = 50_000)]
+    control_items: u64,
+    /// Texts of the sentence-encoder job (fleet vs a Python loop vs the
+    /// compute ceiling; 0 skips it).
+    #[arg(long, default_value_t = 50_000)]
+    text_rows: u64,
+    /// Rows of the model-format comparison (one MLP as TorchScript and as
+    /// an AOTInductor `.pt2`, in the worker's backend; 0 skips it).
+    #[arg(long, default_value_t = 200_000)]
+    pt2_rows: u64,
+    /// Worker processes (each gets cores / workers libtorch threads).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts, 20k format rows;
+    /// planning on 1,000 files, 200 MB, and 100 files, 20 MB in S3.
+    #[arg(long)]
+    quick: bool,
+    /// Planning: small CSV files of the many-files job (0: skip planning).
+    #[arg(long, default_value_t = 10_000)]
+    plan_files: usize,
+    /// Planning: gigabytes of the one-big-file job.
+    #[arg(long, default_value_t = 10.0)]
+    plan_gb: f64,
+    /// Planning on the local S3 server: files of the many-files job (0: skip S3).
+    #[arg(long, default_value_t = 1_000)]
+    plan_s3_files: usize,
+    /// Planning on the local S3 server: megabytes of the big object (moto holds it in memory).
+    #[arg(long, default_value_t = 1_000)]
+    plan_s3_mb: u64,
+    /// Keep data and logs here (default: a temporary folder).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Input formats to run the small-model job in besides CSV, on the
+    /// same rows (rows/s per format side by side; `pandas`: CSV written by
+    /// `DataFrame.to_csv`, full-precision floats); empty for none.
+    #[arg(long, value_delimiter = ',', default_value = "jsonl,parquet,pandas")]
+    formats: Vec<String>,
+}
+
+impl BenchArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            small_rows,
+            large_rows,
+            control_items,
+            text_rows,
+            pt2_rows,
+            workers,
+            quick,
+            plan_files,
+            plan_gb,
+            plan_s3_files,
+            plan_s3_mb,
+            dir,
+            json,
+            formats,
+        } = self;
+        let (small_rows, large_rows, control_items, text_rows, pt2_rows) = if quick {
+            (200_000, 10_000, 12_000, 2_000, pt2_rows.min(20_000))
+        } else {
+            (small_rows, large_rows, control_items, text_rows, pt2_rows)
+        };
+        let planning = (plan_files > 0).then(|| {
+            if quick {
+                planning::PlanningConfig {
+                    files: 1_000,
+                    big_bytes: 200_000_000,
+                    s3_files: 100,
+                    s3_big_bytes: 20_000_000,
+                    read: true,
+                }
+            } else {
+                planning::PlanningConfig {
+                    files: plan_files,
+                    big_bytes: (plan_gb * 1e9) as u64,
+                    s3_files: plan_s3_files,
+                    s3_big_bytes: plan_s3_mb * 1_000_000,
+                    read: true,
+                }
+            }
+        });
+        bench::run(&bench::BenchConfig {
+            small_rows,
+            large_rows,
+            control_items,
+            text_rows,
+            pt2_rows,
+            workers: workers.max(1),
+            dir,
+            json,
+            formats: formats.into_iter().filter(|f| !f.is_empty()).collect(),
+            planning,
+        })?;
+        Ok(())
+    }
+}
+
+/// `Plan`'s flags (see [`Command::Plan`]).
+#[derive(Debug, Args)]
+pub(crate) struct PlanArgs {
+    /// Small CSV files of the many-files job.
+    #[arg(long, default_value_t = 10_000)]
+    files: usize,
+    /// Gigabytes of the one-big-file job.
+    #[arg(long, default_value_t = 10.0)]
+    gb: f64,
+    /// Files of the many-files job in S3 (0: skip S3).
+    #[arg(long, default_value_t = 1_000)]
+    s3_files: usize,
+    /// Megabytes of the big S3 object.
+    #[arg(long, default_value_t = 1_000)]
+    s3_mb: u64,
+    /// Measure only the blind cut (planning by reading every record takes
+    /// minutes on thousands of S3 objects).
+    #[arg(long)]
+    blind_only: bool,
+    /// Work folder (default: a temporary one).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl PlanArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            files,
+            gb,
+            s3_files,
+            s3_mb,
+            blind_only,
+            dir,
+        } = self;
+        let tmp = tempfile::tempdir()?;
+        let root = dir.unwrap_or_else(|| tmp.path().to_owned());
+        std::fs::create_dir_all(&root)?;
+        let figures = planning::run(
+            planning::PlanningConfig {
+                files,
+                big_bytes: (gb * 1e9) as u64,
+                s3_files,
+                s3_big_bytes: s3_mb * 1_000_000,
+                read: !blind_only,
+            },
+            &root,
+        )?;
+        println!("{}", serde_json::to_string_pretty(&figures)?);
+        Ok(())
+    }
+}
+
+/// `Forward`'s flags (see [`Command::Forward`]).
+#[derive(Debug, Args)]
+pub(crate) struct ForwardArgs {
+    /// TorchScript model.
+    #[arg(long)]
+    model: PathBuf,
+    /// CSV files or globs (first column id, the rest features).
+    #[arg(long, required = true, num_args = 1..)]
+    data: Vec<String>,
+    /// Batch sizes to try.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+    batch_size: Vec<usize>,
+    /// libtorch intra-op threads (0: libtorch default).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Timed passes per batch size (median reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+}
+
+impl ForwardArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            model,
+            data,
+            batch_size,
+            threads,
+            repeats,
+        } = self;
+        let features = forward::load_csv(&forward::expand(&data)?)?;
+        println!(
+            "forward: {} rows × {} features, {threads} thread(s), median of {repeats}",
+            features.rows(),
+            features.cols
+        );
+        for r in forward::measure(
+            &model,
+            &features,
+            &batch_size,
+            threads,
+            repeats,
+            tch::Device::Cpu,
+        )? {
+            println!(
+                "  batch {:>6}: {:>12.0} rows/s",
+                r.batch_size, r.median_rows_per_s
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `GpuCheck`'s flags (see [`Command::GpuCheck`]).
+#[derive(Debug, Args)]
+pub(crate) struct GpuCheckArgs {
+    /// Rows of each model's job.
+    #[arg(long, default_value_t = 1_000_000)]
+    rows: u64,
+    /// Write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Work folder (default: a temporary one).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl GpuCheckArgs {
+    fn run(self) -> Result<()> {
+        let Self { rows, json, dir } = self;
+        let figures = gpu::run(&gpu::GpuCheckConfig { rows, dir })?;
+        if let (Some(path), Some(figures)) = (json, figures) {
+            std::fs::write(&path, serde_json::to_vec_pretty(&figures)?)?;
+            println!("figures written to {}", path.display());
+        }
+        Ok(())
+    }
+}
