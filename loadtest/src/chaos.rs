@@ -21,28 +21,39 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Settings of a chaos run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ChaosConfig {
     /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
     pub rows: u64,
     /// Worker processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub workers: usize,
-    /// A worker is killed this often.
+    /// Kill a random worker this often.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
     pub kill_every: Duration,
-    /// Rows per item.
+    /// Rows per work item.
+    #[arg(long, default_value_t = 5_000)]
     pub item_rows: u64,
     /// Rows per mini-batch.
+    #[arg(long, default_value_t = 500)]
     pub batch_size: u32,
     /// Mini-batches per checkpoint.
+    #[arg(long, default_value_t = 2)]
     pub checkpoint_every: u32,
-    /// Artificial delay per mini-batch on every worker.
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts long enough for the faults).
+    #[arg(long, default_value = "150ms", value_parser = humantime::parse_duration)]
     pub batch_delay: Duration,
-    /// Give up after this long (the run fails).
+    /// Fail if the job has not finished after this long.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
-    /// Restart Redis empty (as one without persistence would come back)
-    /// instead of from a snapshot. It empties the whole local Redis.
+    /// Restart Redis empty (like one without persistence) instead of from
+    /// a snapshot. This empties the whole local Redis.
+    #[arg(long)]
     pub redis_wipe: bool,
-    /// Work folder (a temporary one if `None`), kept with logs if given.
+    /// Keep data, logs and chaos.json here (default: a temporary folder).
+    #[arg(long)]
     pub dir: Option<PathBuf>,
 }
 
@@ -315,6 +326,37 @@ pub(crate) fn work_dir(dir: Option<&Path>) -> Result<(PathBuf, Option<tempfile::
             Ok((tmp.path().to_owned(), Some(tmp)))
         }
     }
+}
+
+/// The job and fleet flags of the fault runs on clusters of their own
+/// (`cluster`, `redis-failover`, `redis-cluster`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FaultJobArgs {
+    /// Worker processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub workers: usize,
+    /// Rows per work item.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub item_rows: u64,
+    /// Fail if a job has not finished after this long.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// Keep data, logs and the run's report (`<command>.json`) here
+    /// (default: a temporary folder).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// How heavy the model of a fault run plays (`cluster`, `redis-failover`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PaceArgs {
+    /// Rows per mini-batch.
+    #[arg(long, default_value_t = 500)]
+    pub batch_size: u32,
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts long enough for the fault).
+    #[arg(long, default_value = "60ms", value_parser = humantime::parse_duration)]
+    pub batch_delay: Duration,
 }
 
 /// Runs the baseline and the chaos run; prints and returns the figures.

@@ -1,15 +1,14 @@
 //! The `batchfleet-loadtest` command line: one clap struct per command,
 //! each with the `run` that does it; the job and fleet flags the fault runs
 //! on clusters of their own share (`cluster`, `redis-failover`,
-//! `redis-cluster`) are one flattened struct, [`FaultJobArgs`], and their
-//! pace [`PaceArgs`].
+//! `redis-cluster`) are one flattened struct, [`chaos::FaultJobArgs`], and
+//! their pace [`chaos::PaceArgs`]; a fault run's settings are its flags.
 
 use crate::{bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm};
 use anyhow::{bail, Result};
 use batchfleet_testkit::{python, verify};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// batchfleet-loadtest: generate jobs, verify outputs, measure ceilings.
 #[derive(Debug, Parser)]
@@ -31,7 +30,7 @@ pub(crate) enum Command {
     /// run of the same job (exit 1 if an invariant is violated). Needs the
     /// release binaries (`make release`) and the local RabbitMQ and Redis,
     /// which it restarts.
-    Chaos(ChaosArgs),
+    Chaos(chaos::ChaosConfig),
     /// Run a job on a RabbitMQ cluster of the run's own (nodes on loopback
     /// ports, clustered with `rabbitmqctl join_cluster`) while the node
     /// leading the job's quorum queue is killed mid-job and started again;
@@ -41,7 +40,7 @@ pub(crate) enum Command {
     /// the same job on the healthy cluster (exit 1 on a violation). Needs
     /// the release binaries (`make release`), the Debian rabbitmq-server
     /// package and the local Redis.
-    Cluster(ClusterArgs),
+    Cluster(cluster::ClusterConfig),
     /// Run a job three times on a Redis primary with a replica and three
     /// Sentinels of its own (loopback ports, nothing on disk), every
     /// process finding the primary through the Sentinels: without a fault;
@@ -52,14 +51,14 @@ pub(crate) enum Command {
     /// must find in the output files. Checks every row exactly once, the
     /// counts, nothing dead-lettered; prints the wall times side by side.
     /// Needs the release binaries, redis-server and the local RabbitMQ.
-    RedisFailover(RedisFailoverArgs),
+    RedisFailover(sentinel::SentinelConfig),
     /// Run two jobs on a Redis Cluster of three masters of its own
     /// (loopback ports, `redis-cli --cluster create`), every process given
     /// its nodes with `--redis-cluster`: every row exactly once, the counts,
     /// nothing dead-lettered, and every key of a job in one slot on one
     /// master. Needs the release binaries, redis-server and the local
     /// RabbitMQ.
-    RedisCluster(RedisClusterArgs),
+    RedisCluster(rediscluster::RedisClusterConfig),
     /// A job through docker/slurm's templates on a single-node Slurm
     /// cluster of its own (MUNGE, slurmctld and slurmd as this run's
     /// processes, loopback only, two GPUs played by device nodes): two GPU
@@ -72,7 +71,7 @@ pub(crate) enum Command {
     /// local MariaDB, when it answers) and the daemons gone (exit 1 on a
     /// violation). Needs root, Slurm and MUNGE (make slurm-test installs
     /// them), the release binaries and the local RabbitMQ and Redis.
-    Slurm(SlurmArgs),
+    Slurm(slurm::SlurmConfig),
     /// Measure what one RabbitMQ and one Redis carry as the fleet grows:
     /// jobs of one-row items with a model that does next to nothing on 1,
     /// 2, 4 … worker processes, then jobs of 10,000-row items; for each,
@@ -106,17 +105,26 @@ pub(crate) enum Command {
     GpuCheck(GpuCheckArgs),
 }
 
+/// A fault run's end: an error when an invariant was violated (each is
+/// printed in the run's report).
+fn held(violations: &[String]) -> Result<()> {
+    if !violations.is_empty() {
+        bail!("{} invariant violation(s)", violations.len());
+    }
+    Ok(())
+}
+
 impl Command {
     /// Runs the command.
     pub(crate) fn run(self) -> Result<()> {
         match self {
             Command::Gen(args) => args.run(),
             Command::Verify(args) => args.run(),
-            Command::Chaos(args) => args.run(),
-            Command::Cluster(args) => args.run(),
-            Command::RedisFailover(args) => args.run(),
-            Command::RedisCluster(args) => args.run(),
-            Command::Slurm(args) => args.run(),
+            Command::Chaos(cfg) => held(&chaos::run(&cfg)?.violations),
+            Command::Cluster(cfg) => held(&cluster::run(&cfg)?.violations),
+            Command::RedisFailover(cfg) => held(&sentinel::run(&cfg)?.violations),
+            Command::RedisCluster(cfg) => held(&rediscluster::run(&cfg)?.violations),
+            Command::Slurm(cfg) => held(&slurm::run(&cfg)?.violations),
             Command::Scale(args) => args.run(),
             Command::Bench(args) => args.run(),
             Command::Plan(args) => args.run(),
@@ -124,37 +132,6 @@ impl Command {
             Command::GpuCheck(args) => args.run(),
         }
     }
-}
-
-/// The job and fleet flags of the fault runs on clusters of their own
-/// (`cluster`, `redis-failover`, `redis-cluster`).
-#[derive(Debug, Args)]
-pub(crate) struct FaultJobArgs {
-    /// Worker processes.
-    #[arg(long, default_value_t = 3)]
-    pub(crate) workers: usize,
-    /// Rows per work item.
-    #[arg(long, default_value_t = 2_000)]
-    pub(crate) item_rows: u64,
-    /// Fail if a job has not finished after this long.
-    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
-    pub(crate) timeout: Duration,
-    /// Keep data, logs and the run's report (`<command>.json`) here
-    /// (default: a temporary folder).
-    #[arg(long)]
-    pub(crate) dir: Option<PathBuf>,
-}
-
-/// How heavy the model of a fault run plays (`cluster`, `redis-failover`).
-#[derive(Debug, Args)]
-pub(crate) struct PaceArgs {
-    /// Rows per mini-batch.
-    #[arg(long, default_value_t = 500)]
-    pub(crate) batch_size: u32,
-    /// Artificial delay per mini-batch on every worker (plays a heavier
-    /// model, so the job lasts long enough for the fault).
-    #[arg(long, default_value = "60ms", value_parser = humantime::parse_duration)]
-    pub(crate) batch_delay: Duration,
 }
 
 /// `Gen`'s flags (see [`Command::Gen`]).
@@ -252,261 +229,6 @@ impl VerifyArgs {
             bail!("output does not match the golden predictions");
         }
         println!("verified: every row exactly once, every score within {tolerance:e}");
-        Ok(())
-    }
-}
-
-/// `Chaos`'s flags (see [`Command::Chaos`]).
-#[derive(Debug, Args)]
-pub(crate) struct ChaosArgs {
-    /// Rows in the job.
-    #[arg(long, default_value_t = 200_000)]
-    rows: u64,
-    /// Worker processes.
-    #[arg(long, default_value_t = 3)]
-    workers: usize,
-    /// Kill a random worker this often.
-    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
-    kill_every: Duration,
-    /// Rows per work item.
-    #[arg(long, default_value_t = 5_000)]
-    item_rows: u64,
-    /// Rows per mini-batch.
-    #[arg(long, default_value_t = 500)]
-    batch_size: u32,
-    /// Mini-batches per checkpoint.
-    #[arg(long, default_value_t = 2)]
-    checkpoint_every: u32,
-    /// Artificial delay per mini-batch on every worker (plays a heavier
-    /// model, so the job lasts long enough for the faults).
-    #[arg(long, default_value = "150ms", value_parser = humantime::parse_duration)]
-    batch_delay: Duration,
-    /// Fail if the job has not finished after this long.
-    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
-    timeout: Duration,
-    /// Restart Redis empty (like one without persistence) instead of from
-    /// a snapshot. This empties the whole local Redis.
-    #[arg(long)]
-    redis_wipe: bool,
-    /// Keep data, logs and chaos.json here (default: a temporary folder).
-    #[arg(long)]
-    dir: Option<PathBuf>,
-}
-
-impl ChaosArgs {
-    fn run(self) -> Result<()> {
-        let Self {
-            rows,
-            workers,
-            kill_every,
-            item_rows,
-            batch_size,
-            checkpoint_every,
-            batch_delay,
-            timeout,
-            redis_wipe,
-            dir,
-        } = self;
-        let report = chaos::run(&chaos::ChaosConfig {
-            rows,
-            workers: workers.max(1),
-            kill_every,
-            item_rows,
-            batch_size,
-            checkpoint_every,
-            batch_delay,
-            timeout,
-            redis_wipe,
-            dir,
-        })?;
-        if !report.violations.is_empty() {
-            bail!("{} invariant violation(s)", report.violations.len());
-        }
-        Ok(())
-    }
-}
-
-/// `Cluster`'s flags (see [`Command::Cluster`]).
-#[derive(Debug, Args)]
-pub(crate) struct ClusterArgs {
-    /// RabbitMQ nodes (at least 3).
-    #[arg(long, default_value_t = 3)]
-    nodes: usize,
-    /// Rows in the job.
-    #[arg(long, default_value_t = 200_000)]
-    rows: u64,
-    /// One-row items of a last, control-plane job on the healthy
-    /// cluster, measuring the nodes' CPU per item (0: skip it).
-    #[arg(long, default_value_t = 3_000)]
-    control_items: u64,
-    #[command(flatten)]
-    job: FaultJobArgs,
-    #[command(flatten)]
-    pace: PaceArgs,
-}
-
-impl ClusterArgs {
-    fn run(self) -> Result<()> {
-        let Self {
-            nodes,
-            rows,
-            control_items,
-            job:
-                FaultJobArgs {
-                    workers,
-                    item_rows,
-                    timeout,
-                    dir,
-                },
-            pace: PaceArgs {
-                batch_size,
-                batch_delay,
-            },
-        } = self;
-        let report = cluster::run(&cluster::ClusterConfig {
-            control_items,
-            nodes,
-            rows,
-            workers: workers.max(1),
-            item_rows: item_rows.max(1),
-            batch_size,
-            batch_delay,
-            timeout,
-            dir,
-        })?;
-        if !report.violations.is_empty() {
-            bail!("{} violation(s)", report.violations.len());
-        }
-        Ok(())
-    }
-}
-
-/// `RedisFailover`'s flags (see [`Command::RedisFailover`]).
-#[derive(Debug, Args)]
-pub(crate) struct RedisFailoverArgs {
-    /// Rows in each job.
-    #[arg(long, default_value_t = 100_000)]
-    rows: u64,
-    #[command(flatten)]
-    job: FaultJobArgs,
-    #[command(flatten)]
-    pace: PaceArgs,
-}
-
-impl RedisFailoverArgs {
-    fn run(self) -> Result<()> {
-        let Self {
-            rows,
-            job:
-                FaultJobArgs {
-                    workers,
-                    item_rows,
-                    timeout,
-                    dir,
-                },
-            pace: PaceArgs {
-                batch_size,
-                batch_delay,
-            },
-        } = self;
-        let report = sentinel::run(&sentinel::SentinelConfig {
-            rows,
-            workers: workers.max(1),
-            item_rows: item_rows.max(1),
-            batch_size,
-            batch_delay,
-            timeout,
-            dir,
-        })?;
-        if !report.violations.is_empty() {
-            bail!("{} violation(s)", report.violations.len());
-        }
-        Ok(())
-    }
-}
-
-/// `RedisCluster`'s flags (see [`Command::RedisCluster`]).
-#[derive(Debug, Args)]
-pub(crate) struct RedisClusterArgs {
-    /// Rows in each job.
-    #[arg(long, default_value_t = 100_000)]
-    rows: u64,
-    #[command(flatten)]
-    job: FaultJobArgs,
-}
-
-impl RedisClusterArgs {
-    fn run(self) -> Result<()> {
-        let Self {
-            rows,
-            job:
-                FaultJobArgs {
-                    workers,
-                    item_rows,
-                    timeout,
-                    dir,
-                },
-        } = self;
-        let report = rediscluster::run(&rediscluster::RedisClusterConfig {
-            rows,
-            workers: workers.max(1),
-            item_rows: item_rows.max(1),
-            timeout,
-            dir,
-        })?;
-        if !report.violations.is_empty() {
-            bail!("{} violation(s)", report.violations.len());
-        }
-        Ok(())
-    }
-}
-
-/// `Slurm`'s flags (see [`Command::Slurm`]).
-#[derive(Debug, Args)]
-pub(crate) struct SlurmArgs {
-    /// Rows in the job.
-    #[arg(long, default_value_t = 200_000)]
-    rows: u64,
-    /// Rows per work item.
-    #[arg(long, default_value_t = 1_000)]
-    item_rows: u64,
-    /// Rows per mini-batch.
-    #[arg(long, default_value_t = 250)]
-    batch_size: u32,
-    /// Artificial delay per mini-batch on every worker (plays a heavier
-    /// model, so the job lasts through the time limit's signal, which
-    /// Slurm sends on a 30 s check).
-    #[arg(long, default_value = "600ms", value_parser = humantime::parse_duration)]
-    batch_delay: Duration,
-    /// Fail if the job has not finished after this long.
-    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
-    timeout: Duration,
-    /// Keep data, logs, Slurm's files and slurm.json here (default: a temporary folder).
-    #[arg(long)]
-    dir: Option<PathBuf>,
-}
-
-impl SlurmArgs {
-    fn run(self) -> Result<()> {
-        let Self {
-            rows,
-            item_rows,
-            batch_size,
-            batch_delay,
-            timeout,
-            dir,
-        } = self;
-        let report = slurm::run(&slurm::SlurmConfig {
-            rows,
-            item_rows: item_rows.max(1),
-            batch_size: batch_size.max(1),
-            batch_delay,
-            timeout,
-            dir,
-        })?;
-        if !report.violations.is_empty() {
-            bail!("{} violation(s)", report.violations.len());
-        }
         Ok(())
     }
 }

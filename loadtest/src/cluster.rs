@@ -19,32 +19,29 @@ use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
 use batchfleet_testkit::nodes::{RabbitCluster, RabbitNode};
 use batchfleet_testkit::services;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
 /// Settings of a cluster run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ClusterConfig {
-    /// RabbitMQ nodes in the cluster.
+    /// RabbitMQ nodes (at least 3).
+    #[arg(long, default_value_t = 3)]
     pub nodes: usize,
     /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
     pub rows: u64,
-    /// Worker processes.
-    pub workers: usize,
-    /// Rows per item.
-    pub item_rows: u64,
-    /// Rows per mini-batch.
-    pub batch_size: u32,
-    /// Artificial delay per mini-batch on every worker.
-    pub batch_delay: Duration,
-    /// Give up after this long (the run fails).
-    pub timeout: Duration,
-    /// One-row items of the control-plane job on the healthy cluster at the
-    /// end (0: none).
+    /// One-row items of a last, control-plane job on the healthy
+    /// cluster, measuring the nodes' CPU per item (0: skip it).
+    #[arg(long, default_value_t = 3_000)]
     pub control_items: u64,
-    /// Work folder (a temporary one if `None`), kept with logs if given.
-    pub dir: Option<PathBuf>,
+    /// Workers, item size, time limit, work folder.
+    #[command(flatten)]
+    pub job: chaos::FaultJobArgs,
+    /// Mini-batch size and delay.
+    #[command(flatten)]
+    pub pace: chaos::PaceArgs,
 }
 
 /// The figures of a run.
@@ -107,13 +104,13 @@ pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
     services::ensure_local()?;
     let worker_bin = chaos::sibling("batchfleet-worker")?;
     let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("cluster");
     let prefix = services::unique("bfcluster");
     let mut report = ClusterReport {
         nodes: cfg.nodes,
         rows: cfg.rows,
-        items: cfg.rows.div_ceil(cfg.item_rows),
+        items: cfg.rows.div_ceil(cfg.job.item_rows),
         ..ClusterReport::default()
     };
     println!(
@@ -149,7 +146,7 @@ pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
     drop(cluster);
     outcome?;
     print(&report);
-    chaos::keep_report(cfg.dir.as_deref(), &root, "cluster.json", &report)?;
+    chaos::keep_report(cfg.job.dir.as_deref(), &root, "cluster.json", &report)?;
     Ok(report)
 }
 
@@ -171,16 +168,16 @@ fn run_jobs(
             name,
             pool,
             cfg.rows,
-            cfg.item_rows,
-            cfg.batch_size,
+            cfg.job.item_rows,
+            cfg.pace.batch_size,
             2,
         )?;
     }
     let list = urls.join(",");
-    let args = chaos::fault_worker_args("2m", cfg.batch_delay, root);
+    let args = chaos::fault_worker_args("2m", cfg.pace.batch_delay, root);
     let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
     // Worker i is given the nodes starting from node i.
-    fleet.slot_args = (0..cfg.workers)
+    fleet.slot_args = (0..cfg.job.workers)
         .map(|i| {
             let n = urls.len();
             let rotated: Vec<&str> = (0..n).map(|k| urls[(i + k) % n].as_str()).collect();
@@ -199,13 +196,13 @@ fn run_jobs(
     // The healthy cluster.
     println!(
         "cluster: baseline run, {} rows, {} workers, no fault",
-        cfg.rows, cfg.workers
+        cfg.rows, cfg.job.workers
     );
     let dir = root.join("baseline");
-    fleet.start(cfg.workers)?;
+    fleet.start(cfg.job.workers)?;
     let started = Instant::now();
     let mut c = coordinator_cmd(&dir, "coordinator.log")?;
-    let ok = chaos::wait_or_kill(&mut c, cfg.timeout);
+    let ok = chaos::wait_or_kill(&mut c, cfg.job.timeout);
     report.baseline_s = started.elapsed().as_secs_f64();
     fleet.stop();
     if ok != Some(true) {
@@ -219,7 +216,7 @@ fn run_jobs(
     // The leader killed at 30% of the baseline's time, back at 50%.
     let dir = root.join("failover");
     let first_worker = fleet.spawned + 1;
-    fleet.start(cfg.workers)?;
+    fleet.start(cfg.job.workers)?;
     let started = Instant::now();
     let mut c = coordinator_cmd(&dir, "coordinator.log")?;
     let job_queue = format!("bf.{pool}.job.");
@@ -230,7 +227,7 @@ fn run_jobs(
     let done = std::sync::atomic::AtomicBool::new(false);
     let (finished, faults) = std::thread::scope(|s| {
         let faults = s.spawn(|| fault_schedule(cluster, &job_queue, baseline_s, started, &done));
-        let finished = chaos::wait_or_kill(&mut c, cfg.timeout);
+        let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
         report.failover_s = started.elapsed().as_secs_f64();
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         (finished, faults.join())
@@ -269,7 +266,7 @@ fn run_jobs(
         ),
         None => bail!(
             "the job did not finish within {:?} with the leader killed",
-            cfg.timeout
+            cfg.job.timeout
         ),
     }
     let Some(killed) = killed else {
@@ -278,7 +275,7 @@ fn run_jobs(
 
     // Which workers were on the killed node, and where they went.
     let killed_port = cluster.nodes[killed].port;
-    for slot in 0..cfg.workers {
+    for slot in 0..cfg.job.workers {
         let id = Fleet::id(slot, first_worker + slot as u32);
         let log = std::fs::read_to_string(fleet.log_of(&id)).unwrap_or_default();
         let ports: Vec<u16> = log
@@ -412,7 +409,7 @@ fn control_job(
     .map(str::to_owned)
     .collect();
     let mut c = chaos::spawn_coordinator(coordinator, &dir, &args, "coordinator.log")?;
-    let ok = chaos::wait_or_kill(&mut c, cfg.timeout);
+    let ok = chaos::wait_or_kill(&mut c, cfg.job.timeout);
     let after = cpu(&pids);
     fleet.stop();
     if ok != Some(true) {

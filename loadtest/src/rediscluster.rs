@@ -12,22 +12,18 @@ use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::nodes::RedisNode;
 use batchfleet_testkit::services;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Settings of a run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct RedisClusterConfig {
     /// Rows in each job.
+    #[arg(long, default_value_t = 100_000)]
     pub rows: u64,
-    /// Worker processes.
-    pub workers: usize,
-    /// Rows per item.
-    pub item_rows: u64,
-    /// Give up on a job after this long.
-    pub timeout: Duration,
-    /// Work folder (a temporary one if `None`), kept with logs if given.
-    pub dir: Option<PathBuf>,
+    /// Workers, item size, time limit, work folder.
+    #[command(flatten)]
+    pub job: chaos::FaultJobArgs,
 }
 
 /// What one job did.
@@ -106,7 +102,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
     services::ensure_local()?;
     let worker_bin = chaos::sibling("batchfleet-worker")?;
     let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("rcluster");
     let prefix = services::unique("bfrcluster");
     println!("redis-cluster: starting three Redis masters and making them a cluster");
@@ -124,15 +120,15 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
     let outcome = (|| -> Result<()> {
         for name in ["first", "second"] {
             let dir = root.join(name);
-            chaos::fault_job(&dir, name, &pool, cfg.rows, cfg.item_rows, 500, 2)?;
+            chaos::fault_job(&dir, name, &pool, cfg.rows, cfg.job.item_rows, 500, 2)?;
             let mut args = chaos::fault_worker_args("2m", Duration::ZERO, &root);
             args.extend(redis_args.iter().cloned());
             let mut fleet = Fleet::new(worker_bin.clone(), root.clone(), &pool, &prefix, args);
             println!(
                 "redis-cluster: {name} job, {} rows, {} workers",
-                cfg.rows, cfg.workers
+                cfg.rows, cfg.job.workers
             );
-            fleet.start(cfg.workers)?;
+            fleet.start(cfg.job.workers)?;
             let coordinator_args: Vec<String> = ["--redis-prefix", &prefix]
                 .into_iter()
                 .map(str::to_owned)
@@ -145,7 +141,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
                 .collect();
             let mut c =
                 chaos::spawn_coordinator(&coordinator, &dir, &coordinator_args, "coordinator.log")?;
-            let finished = chaos::wait_or_kill(&mut c, cfg.timeout);
+            let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
             fleet.stop();
             if finished != Some(true) {
                 bail!(
@@ -215,6 +211,6 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             println!("  VIOLATED   {v}");
         }
     }
-    chaos::keep_report(cfg.dir.as_deref(), &root, "redis-cluster.json", &report)?;
+    chaos::keep_report(cfg.job.dir.as_deref(), &root, "redis-cluster.json", &report)?;
     Ok(report)
 }

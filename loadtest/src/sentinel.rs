@@ -24,7 +24,7 @@ use crate::chaos::{self, Fleet};
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::nodes::RedisNode;
 use batchfleet_testkit::services;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// The name the Sentinels monitor the primary under.
@@ -34,22 +34,17 @@ const REPL_USER: &str = "bfrepl";
 const REPL_PASSWORD: &str = "bfrepl-secret";
 
 /// Settings of a run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct SentinelConfig {
     /// Rows in each job.
+    #[arg(long, default_value_t = 100_000)]
     pub rows: u64,
-    /// Worker processes.
-    pub workers: usize,
-    /// Rows per item.
-    pub item_rows: u64,
-    /// Rows per mini-batch.
-    pub batch_size: u32,
-    /// Artificial delay per mini-batch on every worker.
-    pub batch_delay: Duration,
-    /// Give up on a job after this long.
-    pub timeout: Duration,
-    /// Work folder (a temporary one if `None`), kept with logs if given.
-    pub dir: Option<PathBuf>,
+    /// Workers, item size, time limit, work folder.
+    #[command(flatten)]
+    pub job: chaos::FaultJobArgs,
+    /// Mini-batch size and delay.
+    #[command(flatten)]
+    pub pace: chaos::PaceArgs,
 }
 
 /// What one run with a fault measured.
@@ -273,7 +268,7 @@ pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     services::ensure_local()?;
     let worker_bin = chaos::sibling("batchfleet-worker")?;
     let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("sentinel");
     let prefix = services::unique("bfsentinel");
     println!("redis-failover: starting a Redis primary, a replica and three Sentinels");
@@ -287,7 +282,7 @@ pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     );
     let mut report = SentinelReport {
         rows: cfg.rows,
-        items: cfg.rows.div_ceil(cfg.item_rows),
+        items: cfg.rows.div_ceil(cfg.job.item_rows),
         ..SentinelReport::default()
     };
     let outcome = run_jobs(
@@ -304,7 +299,12 @@ pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     drop(topo);
     outcome?;
     print(&report);
-    chaos::keep_report(cfg.dir.as_deref(), &root, "redis-failover.json", &report)?;
+    chaos::keep_report(
+        cfg.job.dir.as_deref(),
+        &root,
+        "redis-failover.json",
+        &report,
+    )?;
     Ok(report)
 }
 
@@ -332,7 +332,15 @@ fn run_jobs(
         ("lost-writes", Fault::LostWrites),
     ] {
         let dir = root.join(name);
-        chaos::fault_job(&dir, name, pool, cfg.rows, cfg.item_rows, cfg.batch_size, 2)?;
+        chaos::fault_job(
+            &dir,
+            name,
+            pool,
+            cfg.rows,
+            cfg.job.item_rows,
+            cfg.pace.batch_size,
+            2,
+        )?;
         // Only the Sentinels know where Redis is: nothing listens on port 1.
         let redis_args = [
             "--redis-url".to_owned(),
@@ -342,14 +350,14 @@ fn run_jobs(
             "--redis-master".to_owned(),
             MASTER.to_owned(),
         ];
-        let mut args = chaos::fault_worker_args("2m", cfg.batch_delay, root);
+        let mut args = chaos::fault_worker_args("2m", cfg.pace.batch_delay, root);
         args.extend(redis_args.iter().cloned());
         let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
         println!(
             "redis-failover: {name} run, {} rows, {} workers",
-            cfg.rows, cfg.workers
+            cfg.rows, cfg.job.workers
         );
-        fleet.start(cfg.workers)?;
+        fleet.start(cfg.job.workers)?;
         let started = Instant::now();
         let coordinator_args: Vec<String> = ["--redis-prefix", prefix]
             .into_iter()
@@ -371,7 +379,7 @@ fn run_jobs(
                 Fault::Kill => kill_primary(topo, baseline_s, started, &done),
                 Fault::LostWrites => lose_writes(topo, prefix, baseline_s, started, &done),
             });
-            let finished = chaos::wait_or_kill(&mut c, cfg.timeout);
+            let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
             let wall_s = started.elapsed().as_secs_f64();
             done.store(true, std::sync::atomic::Ordering::SeqCst);
             (finished, wall_s, faults.join())
@@ -400,7 +408,7 @@ fn run_jobs(
                 "the {name} job failed; see {}",
                 dir.join("coordinator.log").display()
             ),
-            None => bail!("the {name} job did not finish within {:?}", cfg.timeout),
+            None => bail!("the {name} job did not finish within {:?}", cfg.job.timeout),
         }
         let v = &mut report.violations;
         let before = v.len();

@@ -57,20 +57,27 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// Settings of a Slurm run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct SlurmConfig {
     /// Rows in the job.
+    #[arg(long, default_value_t = 200_000)]
     pub rows: u64,
-    /// Rows per item.
+    /// Rows per work item.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub item_rows: u64,
     /// Rows per mini-batch.
+    #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u32).range(1..))]
     pub batch_size: u32,
-    /// Artificial delay per mini-batch on every worker (a heavier model:
-    /// the job lasts through the faults).
+    /// Artificial delay per mini-batch on every worker (plays a heavier
+    /// model, so the job lasts through the time limit's signal, which
+    /// Slurm sends on a 30 s check).
+    #[arg(long, default_value = "600ms", value_parser = humantime::parse_duration)]
     pub batch_delay: Duration,
-    /// Give up after this long (the run fails).
+    /// Fail if the job has not finished after this long.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
-    /// Work folder (a temporary one if `None`), kept with logs if given.
+    /// Keep data, logs, Slurm's files and slurm.json here (default: a temporary folder).
+    #[arg(long)]
     pub dir: Option<PathBuf>,
 }
 

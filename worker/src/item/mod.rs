@@ -600,7 +600,7 @@ async fn compute(
     let seg = item.task.checkpoint_rows as usize;
     let mut rejects = std::mem::take(&mut batch.rejects);
     let rows = batch.rows();
-    let computed = if seg == 0 || rows <= seg {
+    let mut computed = if seg == 0 || rows <= seg {
         let called = call::model(ctx, item, attempt, batch, 0..rows, &mut budget, signals).await?;
         let (batch, preds) = match called {
             Ok(done) => done,
@@ -642,7 +642,6 @@ async fn compute(
             partial: Some(done.dir),
         }
     };
-    let mut computed = computed;
     computed.rejects.sort_by_key(|r| r.line);
     call::log_rejects(&computed.rejects);
     Ok(Ok(computed))
