@@ -177,6 +177,9 @@ pub async fn dispatch(
     store
         .activate_job(&spec.pool, &spec.job_id, spec.priority.weight())
         .await?;
+    // The pool's workers hear of the job now and consume its queue while
+    // its items are published.
+    announce(broker, &queues, &spec.job_id).await;
     let job_queue = queues.job(&spec.job_id);
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
@@ -254,6 +257,15 @@ fn crash_point(published: u64) {
     if limit.is_some_and(|n| published >= n) {
         eprintln!("crash point reached after {published} published items (BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED)");
         std::process::abort();
+    }
+}
+
+/// Announces job `job` to the pool's workers (see [`Broker::announce`]).
+/// Best effort: a worker that does not hear it finds the job at its next
+/// look at the pool's active jobs, within seconds.
+pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str) {
+    if let Err(e) = broker.announce(queues, job).await {
+        tracing::warn!(job, error = %e, "could not announce the job; workers find it at their next look at the pool's active jobs");
     }
 }
 

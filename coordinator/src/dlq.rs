@@ -210,6 +210,7 @@ pub async fn replay(
         // Running again: its state no longer expires, and its queue is back
         // among the pool's active jobs.
         store.persist_job(job).await?;
+        broker.declare(&queues).await?;
         broker.declare_job(&queues, job).await?;
         let priority = store
             .job(job)
@@ -218,6 +219,7 @@ pub async fn replay(
             .unwrap_or_default();
         let weight = crate::manifest::Priority::of_record(&priority).weight();
         store.activate_job(&queues.pool, job, weight).await?;
+        crate::dispatcher::announce(broker, &queues, job).await;
     }
     for (msg, dead, item) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast

@@ -17,6 +17,10 @@
 //! A **sentence encoder** over a text corpus (`crate::textbench`): the fleet
 //! against a Python loop and the model's compute ceiling.
 //!
+//! The **job start** (`crate::startbench`): one-item jobs one after another
+//! on an idle fleet, publication to the item's start, and their wall time
+//! next to `run --local`'s.
+//!
 //! And the **control plane**: tens of thousands of one-row items with a tiny
 //! model (items/s through publish → consume → done → ack), next to raw
 //! RabbitMQ confirmed-publish and consume+ack rates measured in the same
@@ -58,6 +62,8 @@ pub struct BenchConfig {
     pub formats: Vec<String>,
     /// Planning time by file count and size (`None`: not measured).
     pub planning: Option<crate::planning::PlanningConfig>,
+    /// One-item jobs timed from publication to start (0: skipped).
+    pub start_jobs: usize,
 }
 
 /// One model regime's figures.
@@ -188,6 +194,8 @@ pub struct BenchReport {
     pub text: Option<crate::textbench::TextRegime>,
     /// TorchScript against an AOTInductor package.
     pub formats: Option<crate::formatbench::FormatRegime>,
+    /// How long a new job waits before its first item starts.
+    pub starts: Option<crate::startbench::JobStarts>,
 }
 
 /// The I/O ceiling: every item of the job read, parsed and written with the
@@ -594,6 +602,15 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         if cfg.control_items > 0 {
             report.control = Some(control_plane(cfg, &root, bins, &prefix)?);
         }
+        if cfg.start_jobs > 0 {
+            report.starts = Some(crate::startbench::run(
+                &root,
+                cfg.start_jobs,
+                cfg.workers,
+                bins,
+                &prefix,
+            )?);
+        }
         if let Some(p) = cfg.planning {
             report.planning = crate::planning::run(p, &root)?;
         }
@@ -677,6 +694,13 @@ fn print(r: &BenchReport) {
             cpu.workers_ms.iter().map(|m| (m * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
             cpu.coordinator_ms, cpu.rabbitmq_ms, cpu.redis_ms, cpu.total_ms,
             cpu.ceiling_items_per_s, r.cores, cpu.services_ceiling_items_per_s
+        );
+    }
+    if let Some(j) = &r.starts {
+        let ms: Vec<f64> = j.fleet_start_ms.iter().map(|m| m.round()).collect();
+        println!(
+            "  job start: {} one-item jobs; first item started {:.0} ms after publication (median; each {:?} ms), wall {:.2} s per job (median) on the fleet; run --local {:.2} s per job (median)",
+            j.jobs, j.fleet_start_median_ms, ms, j.fleet_wall_median_s, j.local_wall_median_s
         );
     }
 }

@@ -318,7 +318,7 @@ pub(crate) struct BenchArgs {
     /// Worker processes (each gets cores / workers libtorch threads).
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts, 20k format rows;
+    /// Short form for CI: 200k small rows, 10k large rows, 12k items, 2k texts, 20k format rows, 5 job starts;
     /// planning on 1,000 files, 200 MB, and 100 files, 20 MB in S3.
     #[arg(long)]
     quick: bool,
@@ -340,6 +340,11 @@ pub(crate) struct BenchArgs {
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// One-item jobs run one after another on an idle fleet and with `run
+    /// --local`, timing how long a new job waits (0 skips it; 5 in the
+    /// short form).
+    #[arg(long, default_value_t = 10)]
+    start_jobs: usize,
     /// Input formats to run the small-model job in besides CSV, on the
     /// same rows (rows/s per format side by side; `pandas`: CSV written by
     /// `DataFrame.to_csv`, full-precision floats); empty for none.
@@ -364,6 +369,7 @@ impl BenchArgs {
             dir,
             json,
             formats,
+            start_jobs,
         } = self;
         let (small_rows, large_rows, control_items, text_rows, pt2_rows) = if quick {
             (200_000, 10_000, 12_000, 2_000, pt2_rows.min(20_000))
@@ -389,6 +395,7 @@ impl BenchArgs {
                 }
             }
         });
+        let start_jobs = if quick { start_jobs.min(5) } else { start_jobs };
         bench::run(&bench::BenchConfig {
             small_rows,
             large_rows,
@@ -400,6 +407,7 @@ impl BenchArgs {
             json,
             formats: formats.into_iter().filter(|f| !f.is_empty()).collect(),
             planning,
+            start_jobs,
         })?;
         Ok(())
     }

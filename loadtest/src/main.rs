@@ -7,7 +7,8 @@
 //! - [`cli`]: the command line, one struct per command with its `run`.
 //! - [`fleet`]: worker processes, a job run to its summary, CPU per part.
 //! - [`bench`]: the fleet against the compute and I/O ceilings, the control
-//!   plane and memory; with [`textbench`] (a sentence encoder),
+//!   plane and memory; with [`startbench`] (how long a new job waits),
+//!   [`textbench`] (a sentence encoder),
 //!   [`formatbench`] (TorchScript against a `.pt2` package) and [`planning`]
 //!   (planning time by file count and size).
 //! - [`forward`]: the compute ceiling: libtorch `forward` on rows in memory.
@@ -36,6 +37,7 @@ mod rediscluster;
 mod scale;
 mod sentinel;
 mod slurm;
+mod startbench;
 mod textbench;
 
 fn main() -> Result<()> {

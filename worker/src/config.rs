@@ -120,6 +120,12 @@ pub struct WorkerConfig {
     /// play a machine whose clock is wrong.
     #[arg(long, env = "BATCHFLEET_DEBUG_CLOCK_OFFSET", default_value = "0s", value_parser = parse_offset_ms, allow_hyphen_values = true, hide = true)]
     pub debug_clock_offset: i64,
+    /// Testing aid: read the pool's active jobs this often whatever else
+    /// (by default every 5 s while the pool's announcements are heard, every
+    /// second when they are not); a long one leaves new jobs to the
+    /// announcements alone.
+    #[arg(long, env = "BATCHFLEET_DEBUG_JOBS_EVERY", value_parser = humantime::parse_duration, hide = true)]
+    pub debug_jobs_every: Option<Duration>,
     /// Testing aid: while this file exists, writing output fails as on a full disk.
     #[arg(long, env = "BATCHFLEET_DEBUG_DISK_FULL_WHILE", hide = true)]
     pub debug_disk_full_while: Option<std::path::PathBuf>,

@@ -243,7 +243,8 @@ pub fn amqp() -> batchfleet_shared::endpoint::Endpoint {
     ))
 }
 
-/// Deletes every queue of a pool (best effort): a tool's own pool, when it is done.
+/// Deletes every queue of a pool and its notice exchange (best effort): a
+/// tool's own pool, when it is done.
 pub fn delete_pool_queues(pool: &str) {
     let Ok(rt) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -261,9 +262,9 @@ pub fn delete_pool_queues(pool: &str) {
         else {
             return;
         };
-        for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-            let _ = conn.delete(&q).await;
-        }
+        let _ = conn
+            .delete_pool(&batchfleet_shared::broker::PoolQueues::new(pool))
+            .await;
         conn.close("bye").await;
     });
 }

@@ -11,6 +11,12 @@
 //!   exchange straight back into `bf.P.work`. Messages expire only at the
 //!   head of a queue, so one tier per order of magnitude bounds how long a
 //!   short delay can wait behind a longer one.
+//! - `bf.P.notices` is a durable fanout exchange: the coordinator announces
+//!   a job's start there, and each worker hears it on a queue of its own
+//!   (`bf.P.notices.<tag>`, exclusive to its connection, deleted with it), so
+//!   a new job's queue is consumed at once instead of at the next look at
+//!   the pool's active jobs. Announcements are not persistent: a worker that
+//!   was not listening finds the job at its next look.
 //! - Declarations are idempotent but their arguments must match exactly on
 //!   every declare, so they exist only here ([`AmqpBroker::declare`]).
 //!
@@ -19,8 +25,8 @@
 //! `basic.get`; closing it returns every unacknowledged delivery.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing, PoolQueues, Subscription,
-    DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notices, Outgoing, PoolQueues,
+    Subscription, DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use crate::endpoint::{is_certificate_error, Endpoint};
 use crate::secret::scrub;
@@ -28,7 +34,8 @@ use futures_lite::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
@@ -302,6 +309,19 @@ async fn declare_topology(channel: &Channel, queues: &PoolQueues) -> Result<(), 
             .await
             .map_err(op(format!("queue.bind {queue}")))?;
     }
+    let notices = queues.notices();
+    channel
+        .exchange_declare(
+            notices.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op(format!("exchange.declare {notices}")))?;
     channel
         .queue_declare(queues.work().into(), durable, quorum_args(Some(queues)))
         .await
@@ -427,6 +447,23 @@ struct AmqpSubscription {
     tag: String,
 }
 
+/// The announcements a worker hears on its own notice queue.
+struct AmqpNotices {
+    /// Kept open as long as the subscription.
+    _channel: Channel,
+    consumer: lapin::Consumer,
+}
+
+#[async_trait::async_trait]
+impl Notices for AmqpNotices {
+    async fn next(&mut self) -> Option<Result<String, BrokerError>> {
+        match self.consumer.next().await? {
+            Ok(d) => Some(Ok(String::from_utf8_lossy(&d.data).into_owned())),
+            Err(e) => Some(Err(BrokerError::Closed(e.to_string()))),
+        }
+    }
+}
+
 #[async_trait::async_trait]
 impl Subscription for AmqpSubscription {
     async fn next(&mut self) -> Option<Result<Delivery, BrokerError>> {
@@ -519,6 +556,104 @@ impl Broker for AmqpBroker {
             confirmed += 1;
         }
         Ok(confirmed)
+    }
+
+    /// Not persistent and not mandatory: an announcement matters only to
+    /// the workers listening now.
+    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+        let exchange = queues.notices();
+        let confirm = self
+            .publisher
+            .basic_publish(
+                exchange.as_str().into(),
+                "".into(),
+                BasicPublishOptions::default(),
+                job.as_bytes(),
+                BasicProperties::default().with_app_id(ShortString::from("batchfleet")),
+            )
+            .await
+            .map_err(op(format!("basic.publish {exchange}")))?;
+        match confirm
+            .await
+            .map_err(op(format!("publish to {exchange}")))?
+        {
+            Confirmation::Nack(_) => Err(BrokerError::NotConfirmed {
+                message_id: format!("notice of job {job}"),
+                reason: "the broker refused it".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A classic queue of this connection's own (whatever the vhost's
+    /// default queue type: an exclusive queue cannot be a quorum queue),
+    /// bound to the pool's notice exchange and consumed without acks.
+    /// On a channel of its own: a refusal (a user without rights on the
+    /// notice exchange) closes that channel, not the one consuming work.
+    async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let channel = self.scratch().await?;
+        let tag = format!(
+            "{}-{}-{}",
+            std::process::id(),
+            crate::host::now_ms(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let queue = queues.notices_for(&tag);
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), long("classic"));
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..QueueDeclareOptions::default()
+                },
+                args,
+            )
+            .await
+            .map_err(op(format!("queue.declare {queue}")))?;
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                queues.notices().as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op(format!("queue.bind {queue}")))?;
+        let consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                format!("bf-notices-{tag}").as_str().into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op(format!("basic.consume {queue}")))?;
+        Ok(Box::new(AmqpNotices {
+            _channel: channel,
+            consumer,
+        }))
+    }
+
+    async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
+        for queue in queues.all() {
+            self.delete(&queue).await?;
+        }
+        let channel = self.scratch().await?;
+        let exchange = queues.notices();
+        channel
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .map_err(op(format!("exchange.delete {exchange}")))?;
+        let _ = channel.close(200, "deleted".into()).await;
+        Ok(())
     }
 
     async fn consume(

@@ -20,6 +20,11 @@
 //!   nobody calls into the hub; until then the message is ready in its retry
 //!   queue (`ready_count`, `get` and `purge` see it). Expiration on any other
 //!   queue is ignored.
+//! - A pool's announcements ([`Broker::announce`]) go to every listener of
+//!   the pool ([`Broker::notices`]), each through a bounded channel of its
+//!   own; one that finds its channel full is dropped (a listener also reads
+//!   the pool's active jobs now and then), as RabbitMQ would not keep it for
+//!   a worker that was not listening either.
 //! - A delivery (from a subscription or [`Broker::get`]) is unsettled until
 //!   its [`Acker`] acks or returns it. Unsettled deliveries are kept in the
 //!   hub by (handle, tag): closing the handle returns all of them, and an
@@ -35,8 +40,8 @@
 //!   the queue, and the messages before it in the same call stay published.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing, PoolQueues, Subscription,
-    DELIVERY_COUNT_HEADER, DELIVERY_LIMIT, RETRY_TIERS_S,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notices, Outgoing, PoolQueues,
+    Subscription, DELIVERY_COUNT_HEADER, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -44,6 +49,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+/// Announcements a listener may hold unread before more are dropped.
+const NOTICES_HELD: usize = 64;
+
+/// A listener to a pool's announcements.
+struct LocalNotices {
+    rx: tokio::sync::mpsc::Receiver<String>,
+}
+
+#[async_trait::async_trait]
+impl Notices for LocalNotices {
+    async fn next(&mut self) -> Option<Result<String, BrokerError>> {
+        self.rx.recv().await.map(Ok)
+    }
+}
 
 /// The in-process queues, shared by every handle taken from them.
 ///
@@ -109,6 +129,9 @@ struct State {
     in_flight: HashMap<u64, usize>,
     /// Live subscriptions: id → (handle id, queue).
     consumers: HashMap<u64, (u64, String)>,
+    /// Listeners to each pool's announcements, by pool: a bounded channel
+    /// each (an announcement that finds one full is dropped: it is a hint).
+    listeners: HashMap<String, Vec<tokio::sync::mpsc::Sender<String>>>,
     next_seq: u64,
     next_sub: u64,
 }
@@ -389,6 +412,28 @@ impl Broker for LocalBroker {
             );
         }
         Ok(())
+    }
+
+    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+        let mut state = self.state()?;
+        if let Some(listeners) = state.listeners.get_mut(&queues.pool) {
+            listeners.retain(|l| !l.is_closed());
+            for l in listeners.iter() {
+                let _ = l.try_send(job.to_owned());
+            }
+        }
+        Ok(())
+    }
+
+    async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError> {
+        let mut state = self.state()?;
+        let (tx, rx) = tokio::sync::mpsc::channel(NOTICES_HELD);
+        state
+            .listeners
+            .entry(queues.pool.clone())
+            .or_default()
+            .push(tx);
+        Ok(Box::new(LocalNotices { rx }))
     }
 
     async fn declare_job(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {

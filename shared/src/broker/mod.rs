@@ -26,6 +26,10 @@
 //!   queue of their pool that the job store lists as active, choosing among
 //!   them by weighted fair queueing (the jobs' priorities), so that jobs
 //!   share the fleet instead of waiting behind each other in one queue.
+//! - `bf.P.notices`: a fanout exchange on which the coordinator announces a
+//!   job's start ([`Broker::announce`]); each worker listens through a queue
+//!   of its own ([`Broker::notices`]) and consumes the new job's queue at
+//!   once. A notice is a hint: workers also read the active jobs now and then.
 //! - `bf.P.retry.<tier>` ([`RETRY_TIERS_S`]): delayed retry without blocking
 //!   a worker. A failed item is published to the smallest tier that fits its
 //!   delay with a per-message expiration; when it expires it goes back to
@@ -165,6 +169,16 @@ impl PoolQueues {
     /// workers to record as failed items.
     pub fn infra(&self) -> String {
         format!("bf.{}.infra", self.pool)
+    }
+    /// The pool's notice exchange (fanout): the coordinator announces a
+    /// job's start there, and every worker of the pool hears it at once.
+    pub fn notices(&self) -> String {
+        format!("bf.{}.notices", self.pool)
+    }
+    /// A worker's own queue on the notice exchange (exclusive to its
+    /// connection, deleted with it); `tag` tells the workers apart.
+    pub fn notices_for(&self, tag: &str) -> String {
+        format!("bf.{}.notices.{tag}", self.pool)
     }
     /// Every queue of the pool: work, dead, infra and the retry tiers.
     pub fn all(&self) -> Vec<String> {
@@ -386,6 +400,17 @@ impl Delivery {
     }
 }
 
+/// The ids of jobs announced on a pool's notice exchange, as they are
+/// announced. A notice is a hint to look at the pool's active jobs now: it
+/// carries no instruction, and one lost (a worker reconnecting) is made up
+/// by the next look.
+#[async_trait::async_trait]
+pub trait Notices: Send {
+    /// The next announced job id; `None` when the broker ended the
+    /// subscription; `Err` when the connection is lost. Cancel-safe.
+    async fn next(&mut self) -> Option<Result<String, BrokerError>>;
+}
+
 /// Deliveries from one queue, at most `prefetch` unsettled at a time.
 #[async_trait::async_trait]
 pub trait Subscription: Send {
@@ -406,6 +431,20 @@ pub trait Broker: Send + Sync + fmt::Debug {
     fn describe(&self) -> String;
     /// Declares the pool's queues (idempotent).
     async fn declare(&self, queues: &PoolQueues) -> Result<(), BrokerError>;
+    /// Announces that job `job` of the pool started (or runs again) on the
+    /// pool's notice exchange; workers listening hear it at once. Nobody
+    /// listening is not an error.
+    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError>;
+    /// Listens to the pool's notice exchange (see [`Notices`]).
+    async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError>;
+    /// Deletes a pool's queues (and its notice exchange): tests and tools
+    /// cleaning up after a pool of their own.
+    async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
+        for queue in queues.all() {
+            self.delete(&queue).await?;
+        }
+        Ok(())
+    }
     /// Declares the queue of job `job` of the pool ([`PoolQueues::job`]),
     /// with the work queue's delivery limit and dead-lettering (idempotent).
     async fn declare_job(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError>;

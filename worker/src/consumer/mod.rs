@@ -30,7 +30,7 @@ use prefetch::{resize, Prefetch, Sizing, PERIOD};
 use session::Session;
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -55,6 +55,7 @@ pub(crate) async fn run(
         prefetch: Prefetch::new(cfg.prefetch, cfg.prefetch_max),
         next_review: Instant::now() + PERIOD,
         next_jobs: Instant::now(),
+        jobs_every: cfg.debug_jobs_every,
         backlog: VecDeque::new(),
     };
     metrics::gauge!(names::WORKER_PREFETCH).set(f64::from(sizing.prefetch.current()));
@@ -83,6 +84,8 @@ pub(crate) async fn run(
                 ctx.set_broker(fresh.broker.clone());
                 session.broker.close("replaced").await;
                 session = fresh;
+                // Announcements made while it was away were not heard.
+                sizing.next_jobs = Instant::now();
                 tracing::info!("reconnected to the broker");
             }
             Err(e) => break Some(format!("{why}; reconnecting failed: {e:#}")),
@@ -146,7 +149,7 @@ async fn consume(
     loop {
         let now = Instant::now();
         if now >= sizing.next_jobs {
-            sizing.next_jobs = now + JOBS_EVERY;
+            sizing.next_jobs = now + sizing.jobs_every(session.notices.is_some());
             session.refresh_jobs(&ctx.store).await;
             metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
         }
@@ -174,6 +177,12 @@ async fn consume(
             p = permits.clone().acquire_owned() => p.expect("the permits are never closed"),
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
+            announced = session::announced(&mut session.notices) => {
+                if let Some(why) = look_now(announced, sizing) {
+                    return Some(why);
+                }
+                continue;
+            }
             next = session.infra.next() => match next {
                 Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); continue; }
                 Some(Err(e)) => return Some(e.to_string()),
@@ -191,6 +200,11 @@ async fn consume(
             _ = paused => {}
             // Time to look for new jobs' queues (the permit goes back).
             _ = tokio::time::sleep_until(sizing.next_jobs.into()) => {}
+            announced = session::announced(&mut session.notices) => {
+                if let Some(why) = look_now(announced, sizing) {
+                    return Some(why);
+                }
+            }
             next = session.infra.next() => match next {
                 Some(Ok(d)) => { tracker.spawn(infra::record(d, ctx.clone())); }
                 Some(Err(e)) => return Some(e.to_string()),
@@ -205,9 +219,18 @@ async fn consume(
     }
 }
 
-/// How often a worker reads its pool's active jobs (a job's queue is
-/// consumed within this of its publication).
-const JOBS_EVERY: Duration = Duration::from_secs(1);
+/// A job announced: the pool's active jobs are looked at now, and its queue
+/// consumed; `Some(why)` when the announcements' connection was lost.
+fn look_now(announced: Result<String, String>, sizing: &mut Sizing) -> Option<String> {
+    match announced {
+        Ok(job) => {
+            tracing::debug!(%job, "job announced; looking at the pool's active jobs");
+            sizing.next_jobs = Instant::now();
+            None
+        }
+        Err(why) => Some(why),
+    }
+}
 
 /// Handles a work delivery on its own task; an item settled with its work
 /// done counts towards the prefetch's sizing.

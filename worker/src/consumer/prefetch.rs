@@ -118,9 +118,33 @@ pub(crate) struct Sizing {
     pub(crate) next_review: Instant,
     /// When to read the pool's active jobs again.
     pub(crate) next_jobs: Instant,
+    /// How often to read them, when set (a testing aid): see [`Sizing::jobs_every`].
+    pub(crate) jobs_every: Option<Duration>,
     /// Deliveries of a replaced subscription, handled first.
     pub(crate) backlog: VecDeque<Delivery>,
 }
+
+impl Sizing {
+    /// How often the pool's active jobs are read: every [`LISTENING_EVERY`]
+    /// while the worker hears the pool's announcements (a new job is
+    /// announced: the look is then only the fallback for one missed while
+    /// reconnecting, and for jobs' weights), every [`JOBS_EVERY`] while it
+    /// does not.
+    pub(crate) fn jobs_every(&self, listening: bool) -> Duration {
+        match (self.jobs_every, listening) {
+            (Some(every), _) => every,
+            (None, true) => LISTENING_EVERY,
+            (None, false) => JOBS_EVERY,
+        }
+    }
+}
+
+/// How often a worker that hears no announcements reads its pool's active
+/// jobs (a new job's queue is consumed within this of its publication).
+pub const JOBS_EVERY: Duration = Duration::from_secs(1);
+
+/// How often a worker that hears the announcements reads them anyway.
+pub const LISTENING_EVERY: Duration = Duration::from_secs(5);
 
 /// Consumes the work queue again with `size` deliveries (quorum queues take
 /// a consumer's prefetch when it subscribes): the old subscription is

@@ -1,14 +1,16 @@
 //! One broker handle consuming a worker's queues: the work queues (its
-//! pool's and its active jobs', [`Sources`]) and the infra queue. Replaced
-//! whole when the connection is lost.
+//! pool's and its active jobs', [`Sources`]), the infra queue, and the
+//! pool's announcements of new jobs. Replaced whole when the connection is
+//! lost.
 
 use super::sources::Sources;
-use batchfleet_shared::broker::{Broker, BrokerError, Delivery, PoolQueues, Subscription};
+use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Notices, PoolQueues, Subscription};
 use batchfleet_shared::store::Store;
 use std::sync::Arc;
 
 /// One broker handle consuming the work queues (the pool's and its active
-/// jobs', [`sources::Sources`]) and the infra queue.
+/// jobs', [`Sources`]) and the infra queue, and listening to the pool's
+/// announcements.
 pub(crate) struct Session {
     /// The broker handle.
     pub(crate) broker: Arc<dyn Broker>,
@@ -16,6 +18,10 @@ pub(crate) struct Session {
     pub(crate) work: Sources,
     /// The queue of items the broker dead-lettered itself.
     pub(crate) infra: Box<dyn Subscription>,
+    /// The pool's announcements of new jobs; `None` when this handle
+    /// cannot hear them (the pool's active jobs are then only looked at on
+    /// the timer).
+    pub(crate) notices: Option<Box<dyn Notices>>,
     /// The prefetch in force.
     pub(crate) prefetch: u16,
     queues: PoolQueues,
@@ -31,10 +37,18 @@ impl Session {
         broker.declare(queues).await?;
         let infra = broker.consume(&queues.infra(), prefetch).await?;
         let work = Sources::open(&broker, &queues.work(), prefetch).await?;
+        let notices = match broker.notices(queues).await {
+            Ok(n) => Some(n),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen to the pool's announcements; new jobs are found by looking at the pool's active jobs every second");
+                None
+            }
+        };
         Ok(Self {
             broker,
             work,
             infra,
+            notices,
             prefetch,
             queues: queues.clone(),
         })
@@ -75,5 +89,23 @@ impl Session {
     pub(crate) async fn cancel_consumers(&mut self) {
         self.work.cancel().await;
         self.infra.cancel().await;
+    }
+}
+
+/// The next announcement of a job of the pool. Pending for ever when
+/// this handle hears none, or no longer does (the broker ended the
+/// subscription: the timer is then the only way new jobs are found).
+pub(crate) async fn announced(listening: &mut Option<Box<dyn Notices>>) -> Result<String, String> {
+    let Some(notices) = listening.as_mut() else {
+        return std::future::pending().await;
+    };
+    match notices.next().await {
+        Some(Ok(job)) => Ok(job),
+        Some(Err(e)) => Err(e.to_string()),
+        None => {
+            tracing::warn!("the broker ended the subscription to the pool's announcements; new jobs are found by looking at the pool's active jobs every second");
+            *listening = None;
+            std::future::pending().await
+        }
     }
 }

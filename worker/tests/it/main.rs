@@ -10,6 +10,7 @@ mod jobs;
 mod privilege;
 mod reports;
 mod slurm_task;
+mod starts;
 mod support;
 mod text;
 mod tls;

@@ -208,9 +208,7 @@ async fn a_job_runs_with_least_privilege_users_and_a_worker_cannot_touch_another
             .is_some(),
         "the other pool's dead queue is still there"
     );
-    for q in other.all() {
-        let _ = admin.delete(&q).await;
-    }
+    let _ = admin.delete_pool(&other).await;
     admin.close("bye").await;
 
     // The worker's Redis user: its prefix only, and none of the commands

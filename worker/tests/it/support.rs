@@ -216,9 +216,7 @@ impl Drop for TestEnv {
                 else {
                     return;
                 };
-                for name in PoolQueues::new(&pool).all() {
-                    let _ = conn.delete(&name).await;
-                }
+                let _ = conn.delete_pool(&PoolQueues::new(&pool)).await;
                 conn.close("bye").await;
             });
         });
