@@ -642,18 +642,29 @@ impl Broker for AmqpBroker {
         }))
     }
 
+    /// Every queue, then the exchange, each tried whatever the others did;
+    /// the first failure.
     async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
+        let mut first = None;
         for queue in queues.all() {
-            self.delete(&queue).await?;
+            if let Err(e) = self.delete(&queue).await {
+                first.get_or_insert(e);
+            }
         }
-        let channel = self.scratch().await?;
         let exchange = queues.notices();
-        channel
-            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .map_err(op(format!("exchange.delete {exchange}")))?;
-        let _ = channel.close(200, "deleted".into()).await;
-        Ok(())
+        let deleted = async {
+            let channel = self.scratch().await?;
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await
+                .map_err(op(format!("exchange.delete {exchange}")))?;
+            let _ = channel.close(200, "deleted".into()).await;
+            Ok::<_, BrokerError>(())
+        };
+        if let Err(e) = deleted.await {
+            first.get_or_insert(e);
+        }
+        first.map_or(Ok(()), Err)
     }
 
     async fn consume(

@@ -437,13 +437,17 @@ pub trait Broker: Send + Sync + fmt::Debug {
     async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError>;
     /// Listens to the pool's notice exchange (see [`Notices`]).
     async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError>;
-    /// Deletes a pool's queues (and its notice exchange): tests and tools
-    /// cleaning up after a pool of their own.
+    /// Deletes a pool's queues (and its notice exchange), each tried
+    /// whatever the others did: tests and tools cleaning up after a pool of
+    /// their own. The first failure.
     async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
+        let mut first = None;
         for queue in queues.all() {
-            self.delete(&queue).await?;
+            if let Err(e) = self.delete(&queue).await {
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
     /// Declares the queue of job `job` of the pool ([`PoolQueues::job`]),
     /// with the work queue's delivery limit and dead-lettering (idempotent).
