@@ -28,7 +28,7 @@
 //! process used (workers, coordinator, RabbitMQ, Redis): on a machine whose
 //! cores the services share, that CPU is what bounds items/s.
 
-use crate::chaos::sibling;
+use crate::fault::sibling;
 use crate::fleet::{manifest_into, run_job, run_job_with, CpuPerItem, CpuSample, Fleet};
 use crate::forward;
 use anyhow::{bail, Context, Result};
@@ -535,7 +535,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     services::ensure_local()?;
     let worker = sibling("batchfleet-worker")?;
     let coordinator = sibling("batchfleet")?;
-    let (root, _tmp) = crate::chaos::work_dir(cfg.dir.as_deref())?;
+    let (root, _tmp) = crate::fault::work_dir(cfg.dir.as_deref())?;
     let prefix = services::unique("bfbench");
     let bins = (worker.as_path(), coordinator.as_path());
     let mut report = BenchReport {

@@ -13,8 +13,8 @@
 //! plays a heavier model so that the job lasts long enough for every fault
 //! to land mid-job.
 
+use crate::fault;
 use anyhow::{bail, Context, Result};
-use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_testkit::services;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -102,9 +102,6 @@ pub struct ChaosReport {
     pub violations: Vec<String>,
 }
 
-/// The message-signing key of a chaos run's fleet (a test key, not a secret).
-pub(crate) const CHAOS_KEY: &str = "chaos-run-signing-key-0123456789";
-
 /// Worker processes of one pool, each logging to `dir/<id>.log`.
 pub(crate) struct Fleet {
     pub(crate) worker_bin: PathBuf,
@@ -166,7 +163,7 @@ impl Fleet {
             ])
             .args(&self.args)
             .args(self.slot_args.get(slot).into_iter().flatten())
-            .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
+            .env("BATCHFLEET_SIGNING_KEY", fault::FAULT_KEY)
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .spawn()
@@ -184,187 +181,21 @@ impl Fleet {
     /// SIGTERM every worker and wait for them.
     pub(crate) fn stop(&mut self) {
         for w in &self.workers {
-            signal(w, "TERM");
+            fault::signal(w, "TERM");
         }
         for w in &mut self.workers {
-            wait_or_kill(w, Duration::from_secs(40));
+            fault::wait_or_kill(w, Duration::from_secs(40));
         }
         self.workers.clear();
     }
 }
 
-/// A fault run's job in `dir`: `rows` rows of a 16-feature MLP in 4 files
-/// (the same data for the same rows), checkpoints every
-/// `checkpoint_every` mini-batches.
-pub(crate) fn fault_job(
-    dir: &Path,
-    name: &str,
-    pool: &str,
-    rows: u64,
-    item_rows: u64,
-    batch_size: u32,
-    checkpoint_every: u32,
-) -> Result<()> {
-    batchfleet_testkit::python::make_job(
-        dir,
-        &batchfleet_testkit::python::JobGen {
-            rows,
-            files: 4,
-            features: 16,
-            hidden: 64,
-            outputs: 1,
-            name: format!("{name}-{}", std::process::id()),
-            pool: pool.to_owned(),
-            item_rows,
-            batch_size,
-            checkpoint_every: Some(checkpoint_every),
-            ..batchfleet_testkit::python::JobGen::default()
-        },
-    )
-}
-
-/// The worker flags of a fault run: one thread and one item at a time,
-/// heartbeats every second and 6 s leases (a dead worker's items move on
-/// quickly), outages ridden out for `connect_timeout`, every mini-batch
-/// slowed by `batch_delay` (a heavier model, so the job lasts through the
-/// faults), every path under `root`.
-pub(crate) fn fault_worker_args(
-    connect_timeout: &str,
-    batch_delay: Duration,
-    root: &Path,
-) -> Vec<String> {
-    [
-        "--threads",
-        "1",
-        "--prefetch",
-        "1",
-        "--drain-timeout",
-        "15s",
-        "--connect-timeout",
-        connect_timeout,
-        "--heartbeat",
-        "1s",
-        "--lease-ttl",
-        "6s",
-        "--debug-batch-delay",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .chain([
-        format!("{}ms", batch_delay.as_millis()),
-        "--data-root".to_owned(),
-        root.display().to_string(),
-    ])
-    .collect()
-}
-
-/// `batchfleet <args>` in `dir`, signing with the fleet's key, its output
-/// in `dir/<log>`.
-pub(crate) fn spawn_coordinator(
-    bin: &Path,
-    dir: &Path,
-    args: &[String],
-    log: &str,
-) -> Result<Child> {
-    let log = std::fs::File::create(dir.join(log))?;
-    Command::new(bin)
-        .args(args)
-        .env("BATCHFLEET_SIGNING_KEY", CHAOS_KEY)
-        .current_dir(dir)
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log))
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))
-}
-
-pub(crate) fn signal(child: &Child, sig: &str) {
-    let _ = Command::new("kill")
-        .args([&format!("-{sig}"), &child.id().to_string()])
-        .status();
-}
-
-/// Waits for a child up to `within`, then kills it. `Some(true)` if it exited 0.
-pub(crate) fn wait_or_kill(child: &mut Child, within: Duration) -> Option<bool> {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Some(status.success());
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// A binary built next to this one (`target/release/…`).
-pub(crate) fn sibling(name: &str) -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let path = exe.with_file_name(name);
-    if !path.is_file() {
-        bail!(
-            "{} not found next to {}; build the workspace's binaries first (make release)",
-            path.display(),
-            exe.display()
-        );
-    }
-    Ok(path)
-}
-
-/// The work folder `dir` (created), or a temporary one, kept as long as the
-/// returned guard lives.
-pub(crate) fn work_dir(dir: Option<&Path>) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
-    match dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            Ok((d.to_owned(), None))
-        }
-        None => {
-            let tmp = tempfile::tempdir()?;
-            Ok((tmp.path().to_owned(), Some(tmp)))
-        }
-    }
-}
-
-/// The job and fleet flags of the fault runs on clusters of their own
-/// (`cluster`, `redis-failover`, `redis-cluster`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct FaultJobArgs {
-    /// Worker processes.
-    #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    pub workers: usize,
-    /// Rows per work item.
-    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub item_rows: u64,
-    /// Fail if a job has not finished after this long.
-    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
-    pub timeout: Duration,
-    /// Keep data, logs and the run's report (`<command>.json`) here
-    /// (default: a temporary folder).
-    #[arg(long)]
-    pub dir: Option<PathBuf>,
-}
-
-/// How heavy the model of a fault run plays (`cluster`, `redis-failover`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct PaceArgs {
-    /// Rows per mini-batch.
-    #[arg(long, default_value_t = 500)]
-    pub batch_size: u32,
-    /// Artificial delay per mini-batch on every worker (plays a heavier
-    /// model, so the job lasts long enough for the fault).
-    #[arg(long, default_value = "60ms", value_parser = humantime::parse_duration)]
-    pub batch_delay: Duration,
-}
-
 /// Runs the baseline and the chaos run; prints and returns the figures.
 pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     services::ensure_local()?;
-    let worker_bin = sibling("batchfleet-worker")?;
-    let coordinator = sibling("batchfleet")?;
-    let (root, _tmp) = work_dir(cfg.dir.as_deref())?;
+    let worker_bin = fault::sibling("batchfleet-worker")?;
+    let coordinator = fault::sibling("batchfleet")?;
+    let (root, _tmp) = fault::work_dir(cfg.dir.as_deref())?;
     let pool = services::unique("chaos");
     let prefix = services::unique("bfchaos");
     let mut report = ChaosReport {
@@ -373,7 +204,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         items: cfg.rows.div_ceil(cfg.item_rows),
         ..ChaosReport::default()
     };
-    let mut worker_args = fault_worker_args("3m", cfg.batch_delay, &root);
+    let mut worker_args = fault::fault_worker_args("3m", cfg.batch_delay, &root);
     // Items of a job Redis forgot (restarted empty) wait this long for the
     // coordinator to restore it.
     worker_args.extend(["--unknown-job-grace".to_owned(), "3s".to_owned()]);
@@ -381,7 +212,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     let outcome = (|| -> Result<()> {
         // The same data twice (same seed), as two jobs.
         for name in ["baseline", "chaos", "swapped"] {
-            fault_job(
+            fault::fault_job(
                 &root.join(name),
                 name,
                 &pool,
@@ -482,10 +313,11 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         };
         report.chaos_s = started.elapsed().as_secs_f64();
         // The swapped job fails at once, whatever else happens.
-        report.swapped_model_exit = match wait_or_kill(&mut swapped, Duration::from_secs(120)) {
-            None => None,
-            Some(_) => swapped.try_wait()?.and_then(|s| s.code()),
-        };
+        report.swapped_model_exit =
+            match fault::wait_or_kill(&mut swapped, Duration::from_secs(120)) {
+                None => None,
+                Some(_) => swapped.try_wait()?.and_then(|s| s.code()),
+            };
         await_bad_messages(&pool, report.bad_messages)?;
         // No worker may have exited on its own (every exit is one of ours).
         for w in &mut fleet.workers {
@@ -503,7 +335,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     cleanup(&pool, &prefix);
     outcome?;
     print(&report);
-    keep_report(cfg.dir.as_deref(), &root, "chaos.json", &report)?;
+    fault::keep_report(cfg.dir.as_deref(), &root, "chaos.json", &report)?;
     Ok(report)
 }
 
@@ -530,7 +362,7 @@ fn baseline(
         &["run", "job.toml"],
         "coordinator.log",
     )?;
-    let ok = wait_or_kill(&mut c, cfg.timeout);
+    let ok = fault::wait_or_kill(&mut c, cfg.timeout);
     let took = started.elapsed().as_secs_f64();
     fleet.stop();
     if ok != Some(true) {
@@ -558,7 +390,7 @@ fn chaos_coordinator(
         .chain(["--no-progress", "--speculate-after", "4"])
         .map(str::to_owned)
         .collect();
-    spawn_coordinator(coordinator, dir, &args, log)
+    fault::spawn_coordinator(coordinator, dir, &args, log)
 }
 
 /// A second job on the pool, validated and published, whose model file is
@@ -603,8 +435,8 @@ fn kill_worker(
             t.as_secs_f64()
         );
     } else {
-        signal(w, "TERM");
-        let clean = wait_or_kill(w, Duration::from_secs(30)) == Some(true);
+        fault::signal(w, "TERM");
+        let clean = fault::wait_or_kill(w, Duration::from_secs(30)) == Some(true);
         report.worker_sigterm += 1;
         report.worker_sigterm_clean += u32::from(clean);
         println!(
@@ -629,7 +461,7 @@ fn await_bad_messages(pool: &str, bad: u64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
     while Instant::now() < deadline {
-        let depths = queue_depths(&services::amqp(), pool)?;
+        let depths = fault::queue_depths(&services::amqp(), pool)?;
         let (dead_n, others): (u32, u32) =
             depths.iter().fold(
                 (0, 0),
@@ -684,7 +516,7 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
     use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
     use batchfleet_shared::message::{Envelope, InputSlice, MESSAGE_TYPE_V2};
     let item = first_item(job_dir)?;
-    let key = batchfleet_shared::signing::SigningKey::new(CHAOS_KEY.as_bytes(), "chaos")?;
+    let key = batchfleet_shared::signing::SigningKey::new(fault::FAULT_KEY.as_bytes(), "chaos")?;
     let raw = |body: Vec<u8>, sig: Option<String>| Outgoing {
         message_id: "chaos-bad".into(),
         kind: MESSAGE_TYPE_V2,
@@ -782,15 +614,15 @@ fn job_id(prefix: &str) -> Result<String> {
 
 /// INV-ROWS, INV-ACCT and INV-FILES on the finished chaos job.
 fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
-    let summary = job_invariants(dir, report.rows, &mut report.violations)?;
-    let num = |k: &str| summary_u64(&summary, k);
+    let summary = fault::job_invariants(dir, report.rows, &mut report.violations)?;
+    let num = |k: &str| fault::summary_u64(&summary, k);
     report.items_redelivered = num("deliveries").saturating_sub(num("items_total"));
     report.items_redispatched = num("items_redispatched");
     report.rows_recomputed = num("rows_computed").saturating_sub(num("rows_total"));
     report.rows_resumed = num("rows_resumed");
     let v = &mut report.violations;
     let dead_queue = batchfleet_shared::broker::PoolQueues::new(pool).dead();
-    for (queue, ready) in queue_depths(&services::amqp(), pool)? {
+    for (queue, ready) in fault::queue_depths(&services::amqp(), pool)? {
         if queue == dead_queue {
             report.bad_messages_rejected = ready.into();
             continue;
@@ -820,154 +652,6 @@ fn check(dir: &Path, pool: &str, report: &mut ChaosReport) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// A finished job's summary (`out/summary.json` under its folder).
-pub(crate) fn read_summary(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("out").join(SUMMARY_FILE);
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-/// The job's own duration in its summary (s): planning to settled.
-pub(crate) fn job_seconds(summary: &serde_json::Value) -> f64 {
-    summary
-        .get("duration_s")
-        .and_then(serde_json::Value::as_f64)
-        .unwrap_or(0.0)
-}
-
-/// Waits until `at` seconds after `started`, or until `done` is set (a
-/// fault thread's clock beside a running job); whether `done` is still
-/// unset. Nothing to await but the clock and the coordinator's exit: poll.
-pub(crate) fn wait_until(at: f64, started: Instant, done: &std::sync::atomic::AtomicBool) -> bool {
-    let is_done = || done.load(std::sync::atomic::Ordering::SeqCst);
-    while !is_done() && started.elapsed().as_secs_f64() < at {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    !is_done()
-}
-
-/// Writes a run's figures as JSON to `root/file` when the run was given a
-/// folder to keep (`--dir`).
-pub(crate) fn keep_report<T: serde::Serialize>(
-    kept: Option<&Path>,
-    root: &Path,
-    file: &str,
-    report: &T,
-) -> Result<()> {
-    if kept.is_some() {
-        std::fs::write(root.join(file), serde_json::to_vec_pretty(report)?)?;
-    }
-    Ok(())
-}
-
-/// A count of a job's `summary.json` (0 when absent).
-pub(crate) fn summary_u64(summary: &serde_json::Value, key: &str) -> u64 {
-    summary
-        .get(key)
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or(0)
-}
-
-/// INV-ROWS, INV-ACCT (the summary's counts) and INV-FILES of the finished
-/// job in `dir` (`out/` against `golden.csv`, `rows` input rows): pushes
-/// each violation to `v` and returns the job's summary.
-pub(crate) fn job_invariants(
-    dir: &Path,
-    rows: u64,
-    v: &mut Vec<String>,
-) -> Result<serde_json::Value> {
-    let out = dir.join("out");
-    let summary = read_summary(dir)?;
-    let num = |k: &str| summary_u64(&summary, k);
-
-    // INV-ROWS: every input row exactly once, scores as PyTorch computes them.
-    let verification = batchfleet_testkit::verify::verify(&out, &dir.join("golden.csv"), 1e-5)?;
-    if !verification.ok() {
-        v.push(format!("INV-ROWS: {}", verification.describe()));
-    }
-    // INV-ACCT: items planned = done ⊎ dead-lettered; the queues end empty.
-    if num("items_completed") + num("items_failed") != num("items_total") {
-        v.push(format!(
-            "INV-ACCT: {} items planned but {} done and {} failed",
-            num("items_total"),
-            num("items_completed"),
-            num("items_failed")
-        ));
-    }
-    if num("rows_predicted") + num("rows_rejected") != rows {
-        v.push(format!(
-            "INV-ACCT: summary counts {} + {} rows of {}",
-            num("rows_predicted"),
-            num("rows_rejected"),
-            rows
-        ));
-    }
-    // INV-FILES: no temp file outside staging (and staging empty), _SUCCESS iff completed.
-    let completed = summary.get("status").and_then(|s| s.as_str()) == Some("completed");
-    if completed != out.join(SUCCESS_FILE).is_file() {
-        v.push(format!(
-            "INV-FILES: status {:?} but _SUCCESS present = {}",
-            summary.get("status"),
-            !completed
-        ));
-    }
-    for entry in walk(&out)? {
-        let rel = entry
-            .strip_prefix(&out)
-            .unwrap_or(&entry)
-            .to_string_lossy()
-            .into_owned();
-        let name = entry
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let known = rel.starts_with("part-")
-            || rel.starts_with("rejects/part-")
-            || [SUCCESS_FILE, OWNER_FILE, SUMMARY_FILE].contains(&name.as_str());
-        if !known {
-            v.push(format!("INV-FILES: unexpected file {rel}"));
-        }
-    }
-    Ok(summary)
-}
-
-fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            files.extend(walk(&path)?);
-        } else {
-            files.push(path);
-        }
-    }
-    Ok(files)
-}
-
-/// Ready messages in each of the pool's queues (work, retry tiers, dead)
-/// on the broker at `amqp`.
-pub(crate) fn queue_depths(
-    amqp: &batchfleet_shared::endpoint::Endpoint,
-    pool: &str,
-) -> Result<Vec<(String, u32)>> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let conn =
-            batchfleet_shared::broker::connect(amqp, "batchfleet-chaos", Duration::from_secs(30))
-                .await?;
-        let mut depths = Vec::new();
-        for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
-            let ready = conn.ready_count(&q).await?.unwrap_or(0);
-            depths.push((q, ready));
-        }
-        conn.close("bye").await;
-        Ok(depths)
-    })
 }
 
 /// Deletes the run's queues and Redis keys.

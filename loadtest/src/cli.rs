@@ -1,8 +1,8 @@
 //! The `batchfleet-loadtest` command line: one clap struct per command,
 //! each with the `run` that does it; the job and fleet flags the fault runs
 //! on clusters of their own share (`cluster`, `redis-failover`,
-//! `redis-cluster`) are one flattened struct, [`chaos::FaultJobArgs`], and
-//! their pace [`chaos::PaceArgs`]; a fault run's settings are its flags.
+//! `redis-cluster`) are one flattened struct, [`fault::FaultJobArgs`], and
+//! their pace [`fault::PaceArgs`]; a fault run's settings are its flags.
 
 use crate::{bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm};
 use anyhow::{bail, Result};

@@ -13,7 +13,8 @@
 //! on every node, each worker that was on the killed node reconnected to
 //! another (from its log), and no worker exited on its own.
 
-use crate::chaos::{self, Fleet};
+use crate::chaos::Fleet;
+use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_shared::endpoint::Endpoint;
 use batchfleet_shared::secret::SecretUrl;
@@ -38,10 +39,10 @@ pub struct ClusterConfig {
     pub control_items: u64,
     /// Workers, item size, time limit, work folder.
     #[command(flatten)]
-    pub job: chaos::FaultJobArgs,
+    pub job: fault::FaultJobArgs,
     /// Mini-batch size and delay.
     #[command(flatten)]
-    pub pace: chaos::PaceArgs,
+    pub pace: fault::PaceArgs,
 }
 
 /// The figures of a run.
@@ -102,9 +103,9 @@ pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
         bail!("--nodes must be at least 3: a quorum queue survives the loss of its leader only with a majority left");
     }
     services::ensure_local()?;
-    let worker_bin = chaos::sibling("batchfleet-worker")?;
-    let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
+    let worker_bin = fault::sibling("batchfleet-worker")?;
+    let coordinator = fault::sibling("batchfleet")?;
+    let (root, _tmp) = fault::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("cluster");
     let prefix = services::unique("bfcluster");
     let mut report = ClusterReport {
@@ -146,7 +147,7 @@ pub fn run(cfg: &ClusterConfig) -> Result<ClusterReport> {
     drop(cluster);
     outcome?;
     print(&report);
-    chaos::keep_report(cfg.job.dir.as_deref(), &root, "cluster.json", &report)?;
+    fault::keep_report(cfg.job.dir.as_deref(), &root, "cluster.json", &report)?;
     Ok(report)
 }
 
@@ -163,7 +164,7 @@ fn run_jobs(
     report: &mut ClusterReport,
 ) -> Result<()> {
     for name in ["baseline", "failover"] {
-        chaos::fault_job(
+        fault::fault_job(
             &root.join(name),
             name,
             pool,
@@ -174,7 +175,7 @@ fn run_jobs(
         )?;
     }
     let list = urls.join(",");
-    let args = chaos::fault_worker_args("2m", cfg.pace.batch_delay, root);
+    let args = fault::fault_worker_args("2m", cfg.pace.batch_delay, root);
     let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
     // Worker i is given the nodes starting from node i.
     fleet.slot_args = (0..cfg.job.workers)
@@ -190,7 +191,7 @@ fn run_jobs(
             .chain(["run", "job.toml", "--no-progress"])
             .map(str::to_owned)
             .collect();
-        chaos::spawn_coordinator(coordinator, dir, &args, log)
+        fault::spawn_coordinator(coordinator, dir, &args, log)
     };
 
     // The healthy cluster.
@@ -202,7 +203,7 @@ fn run_jobs(
     fleet.start(cfg.job.workers)?;
     let started = Instant::now();
     let mut c = coordinator_cmd(&dir, "coordinator.log")?;
-    let ok = chaos::wait_or_kill(&mut c, cfg.job.timeout);
+    let ok = fault::wait_or_kill(&mut c, cfg.job.timeout);
     report.baseline_s = started.elapsed().as_secs_f64();
     fleet.stop();
     if ok != Some(true) {
@@ -227,7 +228,7 @@ fn run_jobs(
     let done = std::sync::atomic::AtomicBool::new(false);
     let (finished, faults) = std::thread::scope(|s| {
         let faults = s.spawn(|| fault_schedule(cluster, &job_queue, baseline_s, started, &done));
-        let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
+        let finished = fault::wait_or_kill(&mut c, cfg.job.timeout);
         report.failover_s = started.elapsed().as_secs_f64();
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         (finished, faults.join())
@@ -273,7 +274,33 @@ fn run_jobs(
         bail!("the job finished before the leader was killed; give it more rows or a longer --batch-delay");
     };
 
-    // Which workers were on the killed node, and where they went.
+    moved_workers(cfg, cluster, &fleet, killed, first_worker, report);
+    check(cfg, root, &dir, pool, &list, report)?;
+    if cfg.control_items > 0 {
+        control_job(
+            cfg,
+            cluster,
+            &mut fleet,
+            root,
+            pool,
+            prefix,
+            coordinator,
+            report,
+        )?;
+    }
+    Ok(())
+}
+
+/// Which workers were on the killed node (the first node they consumed
+/// through, from their logs), and how many went on through another.
+fn moved_workers(
+    cfg: &ClusterConfig,
+    cluster: &RabbitCluster,
+    fleet: &Fleet,
+    killed: usize,
+    first_worker: u32,
+    report: &mut ClusterReport,
+) {
     let killed_port = cluster.nodes[killed].port;
     for slot in 0..cfg.job.workers {
         let id = Fleet::id(slot, first_worker + slot as u32);
@@ -290,17 +317,28 @@ fn run_jobs(
             }
         }
     }
+}
 
-    // INV-ROWS, INV-ACCT, INV-FILES; nothing dead-lettered; replication.
+/// INV-ROWS, INV-ACCT, INV-FILES of the job in `dir`; nothing
+/// dead-lettered; the queue replicated; the workers on the killed node moved
+/// and none exited on its own.
+fn check(
+    cfg: &ClusterConfig,
+    root: &Path,
+    dir: &Path,
+    pool: &str,
+    list: &str,
+    report: &mut ClusterReport,
+) -> Result<()> {
     let v = &mut report.violations;
-    let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
-    report.failover_job_s = chaos::job_seconds(&summary);
-    report.baseline_job_s = chaos::job_seconds(&chaos::read_summary(&root.join("baseline"))?);
-    report.items_redelivered = chaos::summary_u64(&summary, "deliveries")
-        .saturating_sub(chaos::summary_u64(&summary, "items_total"));
-    let endpoint = Endpoint::amqp(SecretUrl::new(list.clone()));
+    let summary = fault::job_invariants(dir, cfg.rows, v)?;
+    report.failover_job_s = fault::job_seconds(&summary);
+    report.baseline_job_s = fault::job_seconds(&fault::read_summary(&root.join("baseline"))?);
+    report.items_redelivered = fault::summary_u64(&summary, "deliveries")
+        .saturating_sub(fault::summary_u64(&summary, "items_total"));
+    let endpoint = Endpoint::amqp(SecretUrl::new(list.to_owned()));
     let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
-    for (queue, ready) in chaos::queue_depths(&endpoint, pool)? {
+    for (queue, ready) in fault::queue_depths(&endpoint, pool)? {
         if queue == dead {
             report.dead_lettered = ready.into();
         } else if ready > 0 {
@@ -336,18 +374,6 @@ fn run_jobs(
             "{} worker(s) exited on their own",
             report.workers_exited_on_their_own
         ));
-    }
-    if cfg.control_items > 0 {
-        control_job(
-            cfg,
-            cluster,
-            &mut fleet,
-            root,
-            pool,
-            prefix,
-            coordinator,
-            report,
-        )?;
     }
     Ok(())
 }
@@ -408,8 +434,8 @@ fn control_job(
     .chain(["run", "job.toml", "--no-progress"])
     .map(str::to_owned)
     .collect();
-    let mut c = chaos::spawn_coordinator(coordinator, &dir, &args, "coordinator.log")?;
-    let ok = chaos::wait_or_kill(&mut c, cfg.job.timeout);
+    let mut c = fault::spawn_coordinator(coordinator, &dir, &args, "coordinator.log")?;
+    let ok = fault::wait_or_kill(&mut c, cfg.job.timeout);
     let after = cpu(&pids);
     fleet.stop();
     if ok != Some(true) {
@@ -418,10 +444,10 @@ fn control_job(
             dir.join("coordinator.log").display()
         );
     }
-    let summary = chaos::read_summary(&dir)?;
-    let items = chaos::summary_u64(&summary, "items_total").max(1);
+    let summary = fault::read_summary(&dir)?;
+    let items = fault::summary_u64(&summary, "items_total").max(1);
     report.control_items = items;
-    report.control_items_per_s = items as f64 / chaos::job_seconds(&summary).max(1e-9);
+    report.control_items_per_s = items as f64 / fault::job_seconds(&summary).max(1e-9);
     report.control_node_ms = before
         .iter()
         .zip(&after)
@@ -456,7 +482,7 @@ fn fault_schedule(
 ) -> Result<Faults> {
     let is_done = || done.load(std::sync::atomic::Ordering::SeqCst);
     let mut f = Faults::default();
-    if !chaos::wait_until(0.3 * baseline_s, started, done) {
+    if !fault::wait_until(0.3 * baseline_s, started, done) {
         return Ok(f);
     }
     let t = started.elapsed().as_secs_f64();
@@ -502,7 +528,7 @@ fn fault_schedule(
             _ => std::thread::sleep(Duration::from_millis(200)),
         }
     }
-    chaos::wait_until(0.5 * baseline_s, started, done);
+    fault::wait_until(0.5 * baseline_s, started, done);
     f.restarted_at_s = started.elapsed().as_secs_f64();
     cluster.nodes[leader].restart()?;
     f.rejoined_at_s = started.elapsed().as_secs_f64();

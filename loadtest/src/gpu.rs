@@ -13,7 +13,7 @@
 //! - Idle: one minus the device's busy time (the sum of
 //!   `batchfleet_worker_device_seconds`) over the job's wall time.
 
-use crate::chaos::sibling;
+use crate::fault::sibling;
 use crate::fleet::{run_job, Fleet};
 use crate::forward;
 use anyhow::{bail, Context, Result};
@@ -63,7 +63,7 @@ pub fn run(cfg: &GpuCheckConfig) -> Result<Option<Vec<GpuFigures>>> {
     }
     services::ensure_local()?;
     let (worker, coordinator) = (sibling("batchfleet-worker")?, sibling("batchfleet")?);
-    let (root, _tmp) = crate::chaos::work_dir(cfg.dir.as_deref())?;
+    let (root, _tmp) = crate::fault::work_dir(cfg.dir.as_deref())?;
     let prefix = services::unique("bfgpu");
     println!(
         "gpu-check: {} CUDA device(s); measuring on cuda:0, {} rows per model",

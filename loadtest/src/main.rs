@@ -15,7 +15,9 @@
 //! - [`gpu`]: `gpu-check`, the fleet against raw `forward` on a GPU.
 //! - [`scale`]: what one RabbitMQ and one Redis carry as the fleet grows.
 //! - [`chaos`]: a job while workers, the coordinator, RabbitMQ and Redis are
-//!   killed; the shared pieces of every fault run.
+//!   killed.
+//! - [`fault`]: what every fault run shares — the job, the worker settings,
+//!   processes, the flags of the runs on clusters of their own, the checks.
 //! - [`cluster`]: a three-node RabbitMQ cluster losing the queue's leader.
 //! - [`sentinel`]: Redis Sentinel failovers, one losing writes.
 //! - [`rediscluster`]: jobs on a Redis Cluster.
@@ -28,6 +30,7 @@ mod bench;
 mod chaos;
 mod cli;
 mod cluster;
+mod fault;
 mod fleet;
 mod formatbench;
 mod forward;

@@ -8,7 +8,8 @@
 //! INV-FILES), nothing dead-lettered; and that every key of the job sits in
 //! one slot, on one master (the hash tag around its id).
 
-use crate::chaos::{self, Fleet};
+use crate::chaos::Fleet;
+use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::nodes::RedisNode;
 use batchfleet_testkit::services;
@@ -23,7 +24,7 @@ pub struct RedisClusterConfig {
     pub rows: u64,
     /// Workers, item size, time limit, work folder.
     #[command(flatten)]
-    pub job: chaos::FaultJobArgs,
+    pub job: fault::FaultJobArgs,
 }
 
 /// What one job did.
@@ -100,9 +101,9 @@ fn start_cluster(dir: &Path) -> Result<Vec<RedisNode>> {
 /// Runs the jobs; prints and returns the figures.
 pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
     services::ensure_local()?;
-    let worker_bin = chaos::sibling("batchfleet-worker")?;
-    let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
+    let worker_bin = fault::sibling("batchfleet-worker")?;
+    let coordinator = fault::sibling("batchfleet")?;
+    let (root, _tmp) = fault::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("rcluster");
     let prefix = services::unique("bfrcluster");
     println!("redis-cluster: starting three Redis masters and making them a cluster");
@@ -120,8 +121,8 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
     let outcome = (|| -> Result<()> {
         for name in ["first", "second"] {
             let dir = root.join(name);
-            chaos::fault_job(&dir, name, &pool, cfg.rows, cfg.job.item_rows, 500, 2)?;
-            let mut args = chaos::fault_worker_args("2m", Duration::ZERO, &root);
+            fault::fault_job(&dir, name, &pool, cfg.rows, cfg.job.item_rows, 500, 2)?;
+            let mut args = fault::fault_worker_args("2m", Duration::ZERO, &root);
             args.extend(redis_args.iter().cloned());
             let mut fleet = Fleet::new(worker_bin.clone(), root.clone(), &pool, &prefix, args);
             println!(
@@ -140,8 +141,8 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
                 )
                 .collect();
             let mut c =
-                chaos::spawn_coordinator(&coordinator, &dir, &coordinator_args, "coordinator.log")?;
-            let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
+                fault::spawn_coordinator(&coordinator, &dir, &coordinator_args, "coordinator.log")?;
+            let finished = fault::wait_or_kill(&mut c, cfg.job.timeout);
             fleet.stop();
             if finished != Some(true) {
                 bail!(
@@ -150,7 +151,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
                 );
             }
             let v = &mut report.violations;
-            let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
+            let summary = fault::job_invariants(&dir, cfg.rows, v)?;
             let job = summary
                 .get("job_id")
                 .and_then(serde_json::Value::as_str)
@@ -179,7 +180,7 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             match holders.as_slice() {
                 [(port, keys)] => report.jobs.push(ClusterJob {
                     job,
-                    job_s: chaos::job_seconds(&summary),
+                    job_s: fault::job_seconds(&summary),
                     master: *port,
                     keys: *keys,
                 }),
@@ -211,6 +212,6 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             println!("  VIOLATED   {v}");
         }
     }
-    chaos::keep_report(cfg.job.dir.as_deref(), &root, "redis-cluster.json", &report)?;
+    fault::keep_report(cfg.job.dir.as_deref(), &root, "redis-cluster.json", &report)?;
     Ok(report)
 }

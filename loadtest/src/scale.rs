@@ -155,9 +155,9 @@ fn amqp_socket_bytes() -> HashMap<String, u64> {
 /// Runs the steps; prints and returns the figures.
 pub fn run(cfg: &ScaleConfig) -> Result<ScaleReport> {
     services::ensure_local()?;
-    let worker_bin = crate::chaos::sibling("batchfleet-worker")?;
-    let coordinator = crate::chaos::sibling("batchfleet")?;
-    let (root, _tmp) = crate::chaos::work_dir(cfg.dir.as_deref())?;
+    let worker_bin = crate::fault::sibling("batchfleet-worker")?;
+    let coordinator = crate::fault::sibling("batchfleet")?;
+    let (root, _tmp) = crate::fault::work_dir(cfg.dir.as_deref())?;
     let prefix = services::unique("bfscale");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut report = ScaleReport {
@@ -231,7 +231,7 @@ pub fn run(cfg: &ScaleConfig) -> Result<ScaleReport> {
     report.bend_at_workers = bend;
     report.bent_by = by;
     print(&report);
-    crate::chaos::keep_report(cfg.dir.as_deref(), &root, "scale.json", &report)?;
+    crate::fault::keep_report(cfg.dir.as_deref(), &root, "scale.json", &report)?;
     Ok(report)
 }
 

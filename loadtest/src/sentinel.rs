@@ -20,7 +20,8 @@
 //! dead-lettered and no worker exiting on its own; the lost-writes run also
 //! that writes were lost and recovered from the files.
 
-use crate::chaos::{self, Fleet};
+use crate::chaos::Fleet;
+use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::nodes::RedisNode;
 use batchfleet_testkit::services;
@@ -41,10 +42,10 @@ pub struct SentinelConfig {
     pub rows: u64,
     /// Workers, item size, time limit, work folder.
     #[command(flatten)]
-    pub job: chaos::FaultJobArgs,
+    pub job: fault::FaultJobArgs,
     /// Mini-batch size and delay.
     #[command(flatten)]
-    pub pace: chaos::PaceArgs,
+    pub pace: fault::PaceArgs,
 }
 
 /// What one run with a fault measured.
@@ -266,9 +267,9 @@ fn job_id(server: &RedisNode, prefix: &str, stem: &str) -> Result<String> {
 /// Runs the three jobs; prints and returns the figures.
 pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     services::ensure_local()?;
-    let worker_bin = chaos::sibling("batchfleet-worker")?;
-    let coordinator = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.job.dir.as_deref())?;
+    let worker_bin = fault::sibling("batchfleet-worker")?;
+    let coordinator = fault::sibling("batchfleet")?;
+    let (root, _tmp) = fault::work_dir(cfg.job.dir.as_deref())?;
     let pool = services::unique("sentinel");
     let prefix = services::unique("bfsentinel");
     println!("redis-failover: starting a Redis primary, a replica and three Sentinels");
@@ -299,7 +300,7 @@ pub fn run(cfg: &SentinelConfig) -> Result<SentinelReport> {
     drop(topo);
     outcome?;
     print(&report);
-    chaos::keep_report(
+    fault::keep_report(
         cfg.job.dir.as_deref(),
         &root,
         "redis-failover.json",
@@ -313,6 +314,48 @@ enum Fault {
     None,
     Kill,
     LostWrites,
+}
+
+/// The invariants of run `name`'s job in `dir` (INV-ROWS, INV-ACCT,
+/// INV-FILES, nothing dead-lettered, no worker exited on its own), its
+/// figures read from its summary and the coordinator's log.
+fn check_run(
+    cfg: &SentinelConfig,
+    dir: &Path,
+    pool: &str,
+    name: &str,
+    run: &mut FaultRun,
+    v: &mut Vec<String>,
+) -> Result<()> {
+    let before = v.len();
+    let summary = fault::job_invariants(dir, cfg.rows, v)?;
+    for msg in v.iter_mut().skip(before) {
+        *msg = format!("{name}: {msg}");
+    }
+    run.job_s = fault::job_seconds(&summary);
+    let num = |k: &str| fault::summary_u64(&summary, k);
+    run.items_redelivered = num("deliveries").saturating_sub(num("items_total"));
+    run.rows_recomputed = num("rows_computed").saturating_sub(num("rows_total"));
+    let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
+    for (queue, ready) in fault::queue_depths(&services::amqp(), pool)? {
+        if queue == dead {
+            run.dead_lettered = ready.into();
+        }
+    }
+    run.commits_recovered = recovered_in_log(&dir.join("coordinator.log"));
+    if run.dead_lettered > 0 {
+        v.push(format!(
+            "{name}: {} item(s) dead-lettered",
+            run.dead_lettered
+        ));
+    }
+    if run.workers_exited_on_their_own > 0 {
+        v.push(format!(
+            "{name}: {} worker(s) exited on their own",
+            run.workers_exited_on_their_own
+        ));
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -332,7 +375,7 @@ fn run_jobs(
         ("lost-writes", Fault::LostWrites),
     ] {
         let dir = root.join(name);
-        chaos::fault_job(
+        fault::fault_job(
             &dir,
             name,
             pool,
@@ -350,7 +393,7 @@ fn run_jobs(
             "--redis-master".to_owned(),
             MASTER.to_owned(),
         ];
-        let mut args = chaos::fault_worker_args("2m", cfg.pace.batch_delay, root);
+        let mut args = fault::fault_worker_args("2m", cfg.pace.batch_delay, root);
         args.extend(redis_args.iter().cloned());
         let mut fleet = Fleet::new(worker_bin.to_owned(), root.to_owned(), pool, prefix, args);
         println!(
@@ -370,7 +413,7 @@ fn run_jobs(
             )
             .collect();
         let mut c =
-            chaos::spawn_coordinator(coordinator, &dir, &coordinator_args, "coordinator.log")?;
+            fault::spawn_coordinator(coordinator, &dir, &coordinator_args, "coordinator.log")?;
         let done = std::sync::atomic::AtomicBool::new(false);
         let baseline_s = report.baseline_s;
         let (finished, wall_s, faults) = std::thread::scope(|s| {
@@ -379,7 +422,7 @@ fn run_jobs(
                 Fault::Kill => kill_primary(topo, baseline_s, started, &done),
                 Fault::LostWrites => lose_writes(topo, prefix, baseline_s, started, &done),
             });
-            let finished = chaos::wait_or_kill(&mut c, cfg.job.timeout);
+            let finished = fault::wait_or_kill(&mut c, cfg.job.timeout);
             let wall_s = started.elapsed().as_secs_f64();
             done.store(true, std::sync::atomic::Ordering::SeqCst);
             (finished, wall_s, faults.join())
@@ -410,35 +453,8 @@ fn run_jobs(
             ),
             None => bail!("the {name} job did not finish within {:?}", cfg.job.timeout),
         }
+        check_run(cfg, &dir, pool, name, &mut run, &mut report.violations)?;
         let v = &mut report.violations;
-        let before = v.len();
-        let summary = chaos::job_invariants(&dir, cfg.rows, v)?;
-        for msg in v.iter_mut().skip(before) {
-            *msg = format!("{name}: {msg}");
-        }
-        run.job_s = chaos::job_seconds(&summary);
-        let num = |k: &str| chaos::summary_u64(&summary, k);
-        run.items_redelivered = num("deliveries").saturating_sub(num("items_total"));
-        run.rows_recomputed = num("rows_computed").saturating_sub(num("rows_total"));
-        let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
-        for (queue, ready) in chaos::queue_depths(&services::amqp(), pool)? {
-            if queue == dead {
-                run.dead_lettered = ready.into();
-            }
-        }
-        run.commits_recovered = recovered_in_log(&dir.join("coordinator.log"));
-        if run.dead_lettered > 0 {
-            v.push(format!(
-                "{name}: {} item(s) dead-lettered",
-                run.dead_lettered
-            ));
-        }
-        if run.workers_exited_on_their_own > 0 {
-            v.push(format!(
-                "{name}: {} worker(s) exited on their own",
-                run.workers_exited_on_their_own
-            ));
-        }
         match fault {
             Fault::None => {
                 report.baseline_s = run.wall_s;
@@ -503,7 +519,7 @@ fn kill_primary(
     done: &std::sync::atomic::AtomicBool,
 ) -> Result<FaultRun> {
     let mut run = FaultRun::default();
-    if !chaos::wait_until(0.3 * baseline_s, started, done) {
+    if !fault::wait_until(0.3 * baseline_s, started, done) {
         return Ok(run);
     }
     run.primary_before = topo.primary_port()?;
@@ -544,7 +560,7 @@ fn lose_writes(
     done: &std::sync::atomic::AtomicBool,
 ) -> Result<FaultRun> {
     let mut run = FaultRun::default();
-    if !chaos::wait_until(0.3 * baseline_s, started, done) {
+    if !fault::wait_until(0.3 * baseline_s, started, done) {
         return Ok(run);
     }
     run.primary_before = topo.primary_port()?;

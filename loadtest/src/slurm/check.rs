@@ -3,7 +3,7 @@
 //! and the logs; and the readings of those logs the run itself waits on.
 
 use super::{SlurmConfig, SlurmReport};
-use crate::chaos;
+use crate::fault;
 use anyhow::Result;
 use batchfleet_testkit::services;
 use std::path::Path;
@@ -19,11 +19,11 @@ pub(super) fn check(
     report: &mut SlurmReport,
 ) -> Result<()> {
     let mut v = Vec::new();
-    let summary = chaos::job_invariants(job_dir, cfg.rows, &mut v)?;
-    report.items_redelivered = chaos::summary_u64(&summary, "deliveries")
-        .saturating_sub(chaos::summary_u64(&summary, "items_total"));
+    let summary = fault::job_invariants(job_dir, cfg.rows, &mut v)?;
+    report.items_redelivered = fault::summary_u64(&summary, "deliveries")
+        .saturating_sub(fault::summary_u64(&summary, "items_total"));
     let dead = batchfleet_shared::broker::PoolQueues::new(pool).dead();
-    for (queue, ready) in chaos::queue_depths(&services::amqp(), pool)? {
+    for (queue, ready) in fault::queue_depths(&services::amqp(), pool)? {
         if queue == dead {
             report.dead_lettered = ready.into();
         } else if ready > 0 {

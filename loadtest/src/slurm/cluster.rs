@@ -3,7 +3,7 @@
 //! their configuration and state in its folder; the Slurm commands the run
 //! uses, and what is left after the daemons are stopped.
 
-use crate::chaos;
+use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::nodes::{free_port, wait_listening};
 use batchfleet_testkit::services;
@@ -410,8 +410,8 @@ impl Slurm {
         }
         daemons.push(("munged", &mut self.munged.0));
         for (name, child) in daemons {
-            chaos::signal(child, "TERM");
-            if chaos::wait_or_kill(child, Duration::from_secs(30)).is_none() {
+            fault::signal(child, "TERM");
+            if fault::wait_or_kill(child, Duration::from_secs(30)).is_none() {
                 left.push(format!(
                     "{name} (pid {}) ignored SIGTERM for 30 s",
                     child.id()

@@ -8,7 +8,7 @@
 use super::check::{consuming, count_parts, log_time};
 use super::cluster::{is_running, wait_for, Slurm};
 use super::{SlurmConfig, SlurmReport};
-use crate::chaos;
+use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::python::repo_root;
 use batchfleet_testkit::services;
@@ -47,7 +47,7 @@ impl<'a> JobRun<'a> {
         (worker_bin, coordinator_bin): (&Path, &Path),
     ) -> Result<Self> {
         let job_dir = root.join("job");
-        chaos::fault_job(
+        fault::fault_job(
             &job_dir,
             "slurm",
             pool,
@@ -84,7 +84,7 @@ impl<'a> JobRun<'a> {
         };
         let amqp = secret("amqp-url", services::amqp().url.expose())?;
         let redis = secret("redis-url", "redis://127.0.0.1:6379/")?;
-        let key = secret("signing-key", chaos::CHAOS_KEY)?;
+        let key = secret("signing-key", fault::FAULT_KEY)?;
         let env = vec![
             ("BATCHFLEET_BIN", bin.display().to_string()),
             ("BATCHFLEET_DATA_ROOTS", root.display().to_string()),
@@ -93,7 +93,7 @@ impl<'a> JobRun<'a> {
             ("BATCHFLEET_SIGNING_KEY_FILE", key.display().to_string()),
             ("BATCHFLEET_POOL", pool.to_owned()),
             ("BATCHFLEET_REDIS_PREFIX", prefix.to_owned()),
-            // A fault run's worker settings (chaos::fault_worker_args).
+            // A fault run's worker settings (fault::fault_worker_args).
             ("BATCHFLEET_PREFETCH", "1".to_owned()),
             ("BATCHFLEET_HEARTBEAT", "1s".to_owned()),
             ("BATCHFLEET_LEASE_TTL", "6s".to_owned()),

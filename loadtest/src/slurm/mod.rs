@@ -49,7 +49,7 @@ mod check;
 mod cluster;
 mod job;
 
-use crate::chaos;
+use crate::fault;
 use anyhow::{bail, Result};
 use batchfleet_testkit::services;
 use cluster::{is_root, which, Slurm};
@@ -164,9 +164,9 @@ pub fn run(cfg: &SlurmConfig) -> Result<SlurmReport> {
         bail!("the Slurm run needs root: slurmd starts every task as its submitting user, and the GPU stand-ins are device nodes (mknod)");
     }
     services::ensure_local()?;
-    let worker_bin = chaos::sibling("batchfleet-worker")?;
-    let coordinator_bin = chaos::sibling("batchfleet")?;
-    let (root, _tmp) = chaos::work_dir(cfg.dir.as_deref())?;
+    let worker_bin = fault::sibling("batchfleet-worker")?;
+    let coordinator_bin = fault::sibling("batchfleet")?;
+    let (root, _tmp) = fault::work_dir(cfg.dir.as_deref())?;
     let pool = services::unique("slurm");
     let prefix = services::unique("bfslurm");
     let mut report = SlurmReport {
@@ -208,7 +208,7 @@ pub fn run(cfg: &SlurmConfig) -> Result<SlurmReport> {
         report.violations.push(format!("{e:#}"));
     }
     print(&report);
-    chaos::keep_report(cfg.dir.as_deref(), &root, "slurm.json", &report)?;
+    fault::keep_report(cfg.dir.as_deref(), &root, "slurm.json", &report)?;
     Ok(report)
 }
 
