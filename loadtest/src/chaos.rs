@@ -236,7 +236,10 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
         );
 
         // Baseline: no faults.
-        report.baseline_s = baseline(cfg, &mut fleet, &coordinator, &prefix, &root)?;
+        let shape = (cfg.rows, cfg.workers, cfg.timeout);
+        report.baseline_s = baseline("chaos", shape, &mut fleet, &root, |dir, log| {
+            chaos_coordinator(&coordinator, &prefix, dir, &["run", "job.toml"], log)
+        })?;
 
         // Under faults. First a second job on the same pool, validated and
         // published, whose model file is then replaced by a state_dict: its
@@ -339,30 +342,22 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
     Ok(report)
 }
 
-/// The job of `root/baseline` on `cfg.workers` workers, no faults: its
-/// wall time (s).
-fn baseline(
-    cfg: &ChaosConfig,
+/// The job of `root/baseline` on `workers` workers of `fleet`, no faults,
+/// its coordinator started by `coordinator_cmd` (in a folder, with a log
+/// file): its wall time (s). `run` names the fault run in what it prints.
+pub(crate) fn baseline(
+    run: &str,
+    (rows, workers, timeout): (u64, usize, Duration),
     fleet: &mut Fleet,
-    coordinator: &Path,
-    prefix: &str,
     root: &Path,
+    coordinator_cmd: impl FnOnce(&Path, &str) -> Result<Child>,
 ) -> Result<f64> {
-    println!(
-        "chaos: baseline run, {} rows, {} workers, no faults",
-        cfg.rows, cfg.workers
-    );
+    println!("{run}: baseline run, {rows} rows, {workers} workers, no faults");
     let base_dir = root.join("baseline");
-    fleet.start(cfg.workers)?;
+    fleet.start(workers)?;
     let started = Instant::now();
-    let mut c = chaos_coordinator(
-        coordinator,
-        prefix,
-        &base_dir,
-        &["run", "job.toml"],
-        "coordinator.log",
-    )?;
-    let ok = fault::wait_or_kill(&mut c, cfg.timeout);
+    let mut c = coordinator_cmd(&base_dir, "coordinator.log")?;
+    let ok = fault::wait_or_kill(&mut c, timeout);
     let took = started.elapsed().as_secs_f64();
     fleet.stop();
     if ok != Some(true) {
@@ -371,7 +366,7 @@ fn baseline(
             base_dir.join("coordinator.log").display()
         );
     }
-    println!("chaos: baseline took {took:.1}s");
+    println!("{run}: baseline took {took:.1}s");
     Ok(took)
 }
 

@@ -13,7 +13,7 @@
 //! on every node, each worker that was on the killed node reconnected to
 //! another (from its log), and no worker exited on its own.
 
-use crate::chaos::Fleet;
+use crate::chaos::{self, Fleet};
 use crate::fault;
 use anyhow::{bail, Context, Result};
 use batchfleet_shared::endpoint::Endpoint;
@@ -195,24 +195,8 @@ fn run_jobs(
     };
 
     // The healthy cluster.
-    println!(
-        "cluster: baseline run, {} rows, {} workers, no fault",
-        cfg.rows, cfg.job.workers
-    );
-    let dir = root.join("baseline");
-    fleet.start(cfg.job.workers)?;
-    let started = Instant::now();
-    let mut c = coordinator_cmd(&dir, "coordinator.log")?;
-    let ok = fault::wait_or_kill(&mut c, cfg.job.timeout);
-    report.baseline_s = started.elapsed().as_secs_f64();
-    fleet.stop();
-    if ok != Some(true) {
-        bail!(
-            "the baseline job failed; see {}",
-            dir.join("coordinator.log").display()
-        );
-    }
-    println!("cluster: baseline took {:.1}s", report.baseline_s);
+    let shape = (cfg.rows, cfg.job.workers, cfg.job.timeout);
+    report.baseline_s = chaos::baseline("cluster", shape, &mut fleet, root, coordinator_cmd)?;
 
     // The leader killed at 30% of the baseline's time, back at 50%.
     let dir = root.join("failover");

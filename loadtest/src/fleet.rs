@@ -5,6 +5,7 @@
 //! per item ([`CpuSample`]).
 
 use anyhow::{bail, Result};
+use batchfleet_testkit::nodes::free_port;
 use batchfleet_testkit::services;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -80,12 +81,6 @@ impl CpuSample {
             services_ceiling_items_per_s: ceiling(rabbitmq_ms + redis_ms),
         }
     }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// VmRSS or VmHWM of a process, in MiB.

@@ -645,12 +645,7 @@ impl Broker for AmqpBroker {
     /// Every queue, then the exchange, each tried whatever the others did;
     /// the first failure.
     async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
-        let mut first = None;
-        for queue in queues.all() {
-            if let Err(e) = self.delete(&queue).await {
-                first.get_or_insert(e);
-            }
-        }
+        let mut first = super::delete_queues(self, queues).await;
         let exchange = queues.notices();
         let deleted = async {
             let channel = self.scratch().await?;

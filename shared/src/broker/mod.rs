@@ -441,13 +441,7 @@ pub trait Broker: Send + Sync + fmt::Debug {
     /// whatever the others did: tests and tools cleaning up after a pool of
     /// their own. The first failure.
     async fn delete_pool(&self, queues: &PoolQueues) -> Result<(), BrokerError> {
-        let mut first = None;
-        for queue in queues.all() {
-            if let Err(e) = self.delete(&queue).await {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        delete_queues(self, queues).await.map_or(Ok(()), Err)
     }
     /// Declares the queue of job `job` of the pool ([`PoolQueues::job`]),
     /// with the work queue's delivery limit and dead-lettering (idempotent).
@@ -487,6 +481,22 @@ pub trait Broker: Send + Sync + fmt::Debug {
     fn is_open(&self) -> bool;
     /// Closes the handle; unsettled deliveries return to their queues.
     async fn close(&self, why: &str);
+}
+
+/// Deletes every queue of a pool, each tried whatever the others did; the
+/// first failure (what [`Broker::delete_pool`] does before a backend's own
+/// extras).
+pub(crate) async fn delete_queues<B: Broker + ?Sized>(
+    broker: &B,
+    queues: &PoolQueues,
+) -> Option<BrokerError> {
+    let mut first = None;
+    for queue in queues.all() {
+        if let Err(e) = broker.delete(&queue).await {
+            first.get_or_insert(e);
+        }
+    }
+    first
 }
 
 /// Connects to RabbitMQ at `endpoint` (see [`amqp::AmqpBroker::connect`]).
