@@ -162,6 +162,9 @@ pub async fn dispatch(
         }
     }
 
+    // Stored once per job (again on a resume: a newer coordinator may
+    // encode it another way): the messages name it by digest.
+    store.put_task(&spec.job_id, &plan.task).await?;
     let done = store.done_items(&spec.job_id).await?;
     let queues = PoolQueues::new(&spec.pool);
     broker.declare(&queues).await?;

@@ -8,10 +8,10 @@
 use crate::error::RunError;
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Outgoing, PoolQueues};
 use batchfleet_shared::message::{
-    Envelope, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER, JOB_HEADER,
-    WORKER_HEADER,
+    Envelope, Opened, StoredTask, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER,
+    ERROR_HEADER, ITEM_HEADER, JOB_HEADER, WORKER_HEADER,
 };
-use batchfleet_shared::store::{ItemFailure, RecordUpdate, Store};
+use batchfleet_shared::store::{ItemFailure, RecordUpdate, Store, TaskLookup};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -58,18 +58,18 @@ impl Filter {
 
 fn describe(msg: &Delivery) -> DeadItem {
     let h = &msg.headers;
-    let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_item);
+    let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_opened);
     let job = h
         .str(JOB_HEADER)
         .filter(|j| !j.is_empty())
         .map(str::to_owned)
-        .or_else(|| decoded.as_ref().map(|i| i.job_id.clone()))
+        .or_else(|| decoded.as_ref().map(|i| i.job_id().to_owned()))
         .unwrap_or_default();
     let item = h
         .int(ITEM_HEADER)
         .filter(|i| *i >= 0)
         .map(|i| i as u32)
-        .or_else(|| decoded.as_ref().map(|i| i.seq));
+        .or_else(|| decoded.as_ref().map(Opened::seq));
     let text = |name| h.str(name).unwrap_or_default().to_owned();
     match h.str(CLASS_HEADER) {
         Some(class) => DeadItem {
@@ -111,6 +111,37 @@ async fn take_all(broker: &dyn Broker, queue: &str) -> Result<Vec<Delivery>, Bro
         }
     }
     Ok(out)
+}
+
+/// The whole item of a dead message: a version 3 one with its job's
+/// stored task (fetched once per job and digest into `tasks`). `None`
+/// (with a warning) when the task is gone from Redis: the item stays dead.
+async fn whole(
+    store: &Store,
+    opened: Opened,
+    tasks: &mut HashMap<(String, String), batchfleet_shared::message::TaskSpec>,
+) -> Result<Option<WorkItem>, RunError> {
+    let r = match opened {
+        Opened::Whole(item) => return Ok(Some(item)),
+        Opened::Ref(r) => r,
+    };
+    let key = (r.job_id.clone(), r.task_sha256.clone());
+    if let Some(task) = tasks.get(&key) {
+        return Ok(Some(r.with_task(task.clone())));
+    }
+    let why = match store.task(&r.job_id, &r.task_sha256).await? {
+        TaskLookup::Found(bytes) => match StoredTask::open(&bytes, &r.task_sha256) {
+            Ok(task) => {
+                tasks.insert(key, task.clone());
+                return Ok(Some(r.with_task(task)));
+            }
+            Err(e) => e.to_string(),
+        },
+        TaskLookup::NotOfJob => format!("job {} stores no task {}", r.job_id, r.task_sha256),
+        TaskLookup::UnknownJob => format!("no job {} in Redis", r.job_id),
+    };
+    tracing::warn!(job = %r.job_id, item = r.seq, "not replaying a dead item whose task cannot be read ({why}); run the job's manifest again to publish its unfinished items anew");
+    Ok(None)
 }
 
 /// Lists the dead items of `pool` that match `filter`.
@@ -156,6 +187,8 @@ pub async fn replay(
     let queues = PoolQueues::new(pool);
     let taken = take_all(broker, &queues.dead()).await?;
     let mut digests: HashMap<String, String> = HashMap::new();
+    let mut tasks = HashMap::new();
+    let mut stored_anew = Vec::new();
     let mut chosen = Vec::new();
     let mut rejected = 0;
     for msg in &taken {
@@ -167,8 +200,11 @@ pub async fn replay(
             rejected += 1;
             continue;
         }
-        let Some(mut item) = Envelope::decode(&msg.body).ok().map(Envelope::into_item) else {
+        let Some(opened) = Envelope::decode(&msg.body).ok().map(Envelope::into_opened) else {
             tracing::warn!("skipping an undecodable dead message; `dlq purge` removes it");
+            continue;
+        };
+        let Some(mut item) = whole(store, opened, &mut tasks).await? else {
             continue;
         };
         if update_model {
@@ -185,6 +221,15 @@ pub async fn replay(
                 }
             };
             item.task.model.sha256 = sha;
+            if item.task_sha256.is_some() {
+                // The task changed: stored under its new digest, once.
+                let stored = StoredTask::of(&item.task);
+                if !stored_anew.contains(&(item.job_id.clone(), stored.sha256.clone())) {
+                    store.put_task(&item.job_id, &stored).await?;
+                    stored_anew.push((item.job_id.clone(), stored.sha256.clone()));
+                }
+                item.task_sha256 = Some(stored.sha256);
+            }
         }
         chosen.push((msg, dead, item));
     }

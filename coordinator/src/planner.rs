@@ -14,7 +14,7 @@
 //! consecutive row groups of about the item size each.
 
 use crate::manifest::{ItemSizing, JobSpec};
-use batchfleet_shared::message::{ByteRange, Envelope, InputSlice, Layout, WorkItem};
+use batchfleet_shared::message::{ByteRange, InputSlice, Layout, StoredTask, WorkItem};
 use batchfleet_shared::source::Input;
 use batchfleet_shared::split;
 use std::io::BufReader;
@@ -54,13 +54,8 @@ pub struct Plan {
     /// and the sample's mean record size, and each item's rows are known
     /// once it is read.
     pub rows_estimated: bool,
-}
-
-impl Plan {
-    /// Encoded message bodies, in seq order.
-    pub fn envelopes(&self) -> impl Iterator<Item = Envelope> + '_ {
-        self.items.iter().cloned().map(Envelope::V2)
-    }
+    /// The job's task, stored once per job: every item names it by digest.
+    pub task: StoredTask,
 }
 
 /// One file's slices, or why it could not be planned.
@@ -94,6 +89,7 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
             });
         }
     });
+    let task = StoredTask::of(&spec.task);
     let mut items = Vec::new();
     let mut rows_total = 0;
     for slot in per_file {
@@ -120,6 +116,7 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
                 input,
                 task: spec.task.clone(),
                 versions,
+                task_sha256: Some(task.sha256.clone()),
             });
         }
     }
@@ -127,6 +124,7 @@ pub fn plan(spec: &JobSpec) -> Result<Plan, PlanError> {
         items,
         rows_total,
         rows_estimated: spec.blind.is_some(),
+        task,
     })
 }
 
@@ -211,6 +209,7 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
         names.push(rel.to_string_lossy().into_owned());
     }
     let runs = file_runs(&sizes, spec.sizing);
+    let task = StoredTask::of(&spec.task);
     let items = runs
         .into_iter()
         .enumerate()
@@ -227,6 +226,7 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
                 versions: versions_of(spec, &input)?,
                 input,
                 task: spec.task.clone(),
+                task_sha256: Some(task.sha256.clone()),
             })
         })
         .collect::<Result<_, PlanError>>()?;
@@ -234,6 +234,7 @@ fn plan_files(spec: &JobSpec, root: &Path) -> Result<Plan, PlanError> {
         items,
         rows_total: spec.files.len() as u64,
         rows_estimated: false,
+        task,
     })
 }
 
@@ -363,6 +364,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             text: None,
         },
         versions: Vec::new(),
+        task_sha256: None,
     }
 }
 

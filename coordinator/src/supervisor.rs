@@ -326,6 +326,9 @@ impl Supervisor {
             return Ok(());
         }
         let plan = self.plan().await?;
+        // The copies name the job's task by digest: make sure it is there
+        // (Redis may have lost it, or a newer coordinator encode it anew).
+        store.put_task(&self.job_id, &plan.task).await?;
         let key = self.connections.signing_key.clone();
         let mut messages = Vec::new();
         for (seq, attempt, why) in &to_send {
@@ -557,6 +560,7 @@ impl Supervisor {
         store
             .put_inputs(&self.job_id, &crate::record::input_fields(&spec))
             .await?;
+        store.put_task(&self.job_id, &plan.task).await?;
         let mut restored = 0;
         for (stats, hist) in &found {
             if store.commit_item(&self.job_id, stats, hist).await? {

@@ -147,6 +147,12 @@ pub struct ControlPlane {
     pub rss_after_10k_mib: Vec<f64>,
     /// CPU per item by process, while the job ran.
     pub cpu: CpuPerItem,
+    /// Body bytes of one of the job's work messages as published (version
+    /// 3: the item and its task's digest).
+    pub message_body_bytes: usize,
+    /// The same item with its whole task in the message (version 2, what
+    /// was published before tasks were stored once per job).
+    pub whole_message_body_bytes: usize,
 }
 
 /// `batchfleet run --local` with `workers` pipelines of `threads` threads on
@@ -475,6 +481,7 @@ fn control_plane(
             ..JobGen::default()
         },
     )?;
+    let (message_body_bytes, whole_message_body_bytes) = message_sizes(&dir.join("job.toml"))?;
     println!("bench [control] raw RabbitMQ, {items} messages…");
     let (raw_publish, raw_consume) = raw_broker(items)?;
     println!("bench [control] {items} one-row items through the fleet…");
@@ -527,7 +534,21 @@ fn control_plane(
         rss_after_1k_mib: rss_1k,
         rss_after_10k_mib: rss_10k,
         cpu: cpu_before.per_item(&cpu_after, items, cores),
+        message_body_bytes,
+        whole_message_body_bytes,
     })
+}
+
+/// Body bytes of the first work message of the job of `manifest`: as
+/// published (the task named by digest), and with the task inside.
+fn message_sizes(manifest: &Path) -> Result<(usize, usize)> {
+    let spec = batchfleet_coordinator::manifest::load(manifest, &[])?;
+    let plan = batchfleet_coordinator::planner::plan(&spec)?;
+    let mut item = plan.items.first().context("the job has no items")?.clone();
+    let published = batchfleet_shared::message::seal(&item, None).body.len();
+    item.task_sha256 = None;
+    let whole = batchfleet_shared::message::seal(&item, None).body.len();
+    Ok((published, whole))
 }
 
 /// Runs the benchmark and prints the table.
@@ -676,6 +697,10 @@ fn print(r: &BenchReport) {
         println!(
             "  control plane: {} one-row items at {:.0} items/s; raw RabbitMQ {:.0} confirmed publishes/s, {:.0} consume+ack/s (fleet ÷ raw consume {:.2})",
             c.items, c.items_per_s, c.raw_publish_per_s, c.raw_consume_ack_per_s, c.ratio_to_raw_consume
+        );
+        println!(
+            "  work message body: {} bytes (the item, its task named by digest); {} bytes with the whole task inside",
+            c.message_body_bytes, c.whole_message_body_bytes
         );
         println!(
             "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB",

@@ -128,6 +128,33 @@ impl Bench {
     }
 }
 
+/// Rows this worker ran through the model, per job, not yet added to the
+/// job's `rows_computed`: counted in memory at the model gate and sent with
+/// the next commit (or [`ItemContext::flush_work`]).
+#[derive(Debug, Default)]
+pub struct WorkTally {
+    rows: Mutex<HashMap<String, u64>>,
+}
+
+impl WorkTally {
+    /// Adds `rows` to `job`'s tally.
+    pub fn add(&self, job: &str, rows: u64) {
+        let mut tally = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        match tally.get_mut(job) {
+            Some(n) => *n += rows,
+            None => {
+                tally.insert(job.to_owned(), rows);
+            }
+        }
+    }
+
+    /// Takes `job`'s tally (0 if none), leaving none.
+    pub fn take(&self, job: &str) -> u64 {
+        let mut tally = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        tally.remove(job).unwrap_or(0)
+    }
+}
+
 /// What a worker's item handlers share.
 pub struct ItemContext {
     /// The job store.
@@ -151,6 +178,10 @@ pub struct ItemContext {
     pub guard: Guard,
     /// Jobs left to other workers for now.
     pub bench: Bench,
+    /// The jobs' tasks fetched so far (version 3 messages name them).
+    pub tasks: crate::item::task::Tasks,
+    /// Model rows per job not yet counted in Redis.
+    pub work: WorkTally,
     /// The disk-full pause.
     pub pause: Pause,
     /// This worker's wall clock.
@@ -254,6 +285,8 @@ impl ItemContext {
             stop_reason: Mutex::new(None),
             guard: parts.guard,
             bench: Bench::default(),
+            tasks: Default::default(),
+            work: WorkTally::default(),
             pause,
             clock: parts.clock,
             debug: parts.debug,
@@ -360,9 +393,10 @@ impl ItemContext {
                 continue; // that runner was replaced while we waited; take the new one
             };
             at_model.store(true, Ordering::SeqCst);
-            // Counted as it goes in (rows a crash or timeout throws away count
-            // too), alongside the call so that the model never waits for Redis.
-            let counted = self.count_work(&item.job_id, 0, rows.len() as u64);
+            // Tallied as it goes in (rows a timeout throws away count too) and
+            // sent with this worker's next commit of the job, or when an item
+            // ends otherwise: never a Redis round trip under the gate.
+            self.work.add(&item.job_id, rows.len() as u64);
             let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
@@ -372,8 +406,7 @@ impl ItemContext {
                 self.debug.panic_on_runner(item.seq, attempt),
             );
             let started = Instant::now();
-            let (timed, ()) = tokio::join!(tokio::time::timeout(*budget, call), counted);
-            return match timed {
+            return match tokio::time::timeout(*budget, call).await {
                 Ok((batch, result)) => {
                     *budget = budget.saturating_sub(started.elapsed());
                     if slot.runner.is_closed() {
@@ -391,9 +424,15 @@ impl ItemContext {
         }
     }
 
-    /// Best effort: the counters measure wasted work, they decide nothing.
-    pub async fn count_work(&self, job: &str, deliveries: u64, rows: u64) {
-        if let Err(e) = self.store.count_work(job, deliveries, rows).await {
+    /// Sends the job's tallied model rows that no commit took (an item that
+    /// failed, lost to a faster copy or was handed back after its model
+    /// call). Best effort: the counters measure wasted work, they decide nothing.
+    pub async fn flush_work(&self, job: &str) {
+        let rows = self.work.take(job);
+        if rows == 0 {
+            return;
+        }
+        if let Err(e) = self.store.count_work(job, 0, rows).await {
             tracing::debug!(error = %e, "could not count work");
         }
     }

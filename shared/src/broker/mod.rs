@@ -289,7 +289,7 @@ impl Headers {
 pub struct Outgoing {
     /// Unique id (`<job>/<seq>`), used in errors and for deduplication by readers.
     pub message_id: String,
-    /// Message type (`batchfleet.work.v1`).
+    /// Message type (`batchfleet.work_item.v3` and the older versions).
     pub kind: &'static str,
     /// Encoded body.
     pub body: Vec<u8>,
@@ -301,13 +301,29 @@ pub struct Outgoing {
 
 impl Outgoing {
     /// A work item for the work queue, at delivery attempt `attempt`, signed
-    /// with `key` when one is configured.
+    /// with `key` when one is configured (version 3 when the item names its
+    /// job's stored task, else version 2).
     pub fn work_item(
         item: &crate::message::WorkItem,
         attempt: u32,
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let sealed = crate::message::seal(item, key);
+        Self::sealed(&item.job_id, item.seq, sealed, attempt)
+    }
+
+    /// A version 3 work item (naming its job's stored task), at delivery
+    /// attempt `attempt`, signed with `key` when one is configured.
+    pub fn item_ref(
+        item: &crate::message::ItemRef,
+        attempt: u32,
+        key: Option<&crate::signing::SigningKey>,
+    ) -> Self {
+        let sealed = crate::message::seal_ref(item, key);
+        Self::sealed(&item.job_id, item.seq, sealed, attempt)
+    }
+
+    fn sealed(job: &str, seq: u32, sealed: crate::message::Sealed, attempt: u32) -> Self {
         let mut headers = Headers::default();
         if let Some(signature) = sealed.signature {
             headers.set([(crate::signing::SIGNATURE_HEADER, signature)], []);
@@ -323,7 +339,7 @@ impl Outgoing {
             ],
         );
         Self {
-            message_id: format!("{}/{}", item.job_id, item.seq),
+            message_id: format!("{job}/{seq}"),
             kind: sealed.kind,
             body: sealed.body,
             headers,

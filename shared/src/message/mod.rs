@@ -5,10 +5,15 @@
 //! be added without breaking old workers; the delivery attempt travels in the
 //! AMQP header [`ATTEMPT_HEADER`] because a retried message body is immutable.
 //!
-//! Version 2 (what is published) carries the input's layout as one tagged
-//! [`Layout`] — CSV columns, JSON Lines keys, Parquet columns or image
-//! preprocessing — next to the tagged [`InputSlice`]; version 1 ([`v1`]: a
-//! CSV layout always, the others as optional fields) is still decoded.
+//! Version 3 (what is published) carries the item alone and names its
+//! job's task by digest ([`ItemRef`]): the task is stored once per job
+//! ([`StoredTask`]) and fetched once per job by each worker. Version 2
+//! carries the whole task with every item, the input's layout as one
+//! tagged [`Layout`] — CSV columns, JSON Lines keys, Parquet columns or
+//! image preprocessing — next to the tagged [`InputSlice`]; version 1
+//! ([`v1`]: a CSV layout always, the others as optional fields) has it as
+//! optional fields. Both are still decoded, and a worker seals an item
+//! that came whole as version 2 again.
 //!
 //! # Layout
 //! - this file: the envelope and its codec, the work item and its task,
@@ -20,6 +25,8 @@
 //!   is read ([`ItemLimits`], `WorkItem::check`).
 //! - [`seal`]: sealing (encode and sign) and opening (verify and decode), as
 //!   one pair.
+//! - [`task`]: the task stored once per job and the version 3 message that
+//!   names it.
 //! - [`v1`]: version 1 of the message, still decoded.
 
 pub mod v1;
@@ -29,6 +36,7 @@ mod input;
 mod model;
 mod output;
 mod seal;
+mod task;
 
 pub use check::{
     valid_job_id, ItemLimits, MAX_MODEL_INPUTS, MAX_SELECTED_OUTPUTS, MAX_TOKENS_PER_ROW,
@@ -39,7 +47,8 @@ pub use input::{
 };
 pub use model::{InputSource, ModelInput, ModelRef, Pooling, Precision, Selector, TensorType};
 pub use output::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
-pub use seal::{open, seal, OpenError, Sealed};
+pub use seal::{open, seal, seal_ref, OpenError, Sealed};
+pub use task::{ItemRef, Opened, StoredTask, TaskError};
 
 use serde::{Deserialize, Serialize};
 
@@ -47,8 +56,10 @@ use serde::{Deserialize, Serialize};
 pub const CONTENT_TYPE: &str = "application/msgpack";
 /// AMQP `type` property of a [`Envelope::V1`] work item.
 pub const MESSAGE_TYPE_V1: &str = "batchfleet.work_item.v1";
-/// AMQP `type` property of a [`Envelope::V2`] work item (what is published).
+/// AMQP `type` property of a [`Envelope::V2`] work item (a whole item).
 pub const MESSAGE_TYPE_V2: &str = "batchfleet.work_item.v2";
+/// AMQP `type` property of a [`Envelope::V3`] work item (what is published).
+pub const MESSAGE_TYPE_V3: &str = "batchfleet.work_item.v3";
 /// Header with the 1-based delivery attempt, maintained by batchfleet itself
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
@@ -77,8 +88,10 @@ pub const DEAD_AT_HEADER: &str = "x-bf-dead-at";
 pub enum Envelope {
     /// Version 1 of the work item (a CSV layout plus optional ones), still decoded.
     V1(v1::WorkItem),
-    /// Version 2: the layout as one tagged enum.
+    /// Version 2: the layout as one tagged enum, the task in every message.
     V2(WorkItem),
+    /// Version 3: the item naming its job's stored task by digest.
+    V3(ItemRef),
 }
 
 /// One independently processable unit of a job.
@@ -99,6 +112,11 @@ pub struct WorkItem {
     /// Empty: not checked (messages planned before versions were recorded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub versions: Vec<String>,
+    /// The digest of the job's stored task ([`StoredTask`]) this item names:
+    /// set, it is sealed as version 3; `None`, as version 2 with the task
+    /// inside. Never on the wire of version 2 itself.
+    #[serde(skip)]
+    pub task_sha256: Option<String>,
 }
 
 /// Everything a worker needs besides the input slice; identical for all items of a job.
@@ -221,14 +239,26 @@ impl Envelope {
         match self {
             Envelope::V1(_) => MESSAGE_TYPE_V1,
             Envelope::V2(_) => MESSAGE_TYPE_V2,
+            Envelope::V3(_) => MESSAGE_TYPE_V3,
         }
     }
 
-    /// The work item inside, whatever the version.
-    pub fn into_item(self) -> WorkItem {
+    /// What is inside, whatever the version: a whole item, or one naming
+    /// its job's stored task.
+    pub fn into_opened(self) -> Opened {
         match self {
-            Envelope::V1(item) => item.into(),
-            Envelope::V2(item) => item,
+            Envelope::V1(item) => Opened::Whole(item.into()),
+            Envelope::V2(item) => Opened::Whole(item),
+            Envelope::V3(r) => Opened::Ref(r),
+        }
+    }
+
+    /// The whole work item inside a version 1 or 2 message; `None` for a
+    /// version 3 one, whose task is stored apart.
+    pub fn into_item(self) -> Option<WorkItem> {
+        match self.into_opened() {
+            Opened::Whole(item) => Some(item),
+            Opened::Ref(_) => None,
         }
     }
 }
@@ -270,6 +300,7 @@ pub(crate) fn sample_item() -> WorkItem {
             text: None,
         },
         versions: Vec::new(),
+        task_sha256: None,
     }
 }
 
@@ -319,7 +350,7 @@ mod tests {
     fn version_1_messages_still_decode_into_the_same_item() {
         let bytes = Envelope::V1(sample_v1()).encode();
         let item = Envelope::decode(&bytes).unwrap().into_item();
-        assert_eq!(item, sample_item());
+        assert_eq!(item, Some(sample_item()));
         // Each optional layout of version 1 picks its variant, images first.
         let mut v1 = sample_v1();
         let keys = JsonLayout {
@@ -373,8 +404,9 @@ mod tests {
         });
         let env = Envelope::V2(item);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
-        assert_eq!(env.clone().into_item().input.rows(), 20_000);
-        assert_eq!(env.into_item().input.path(), "/data/in.parquet");
+        let item = env.into_item().unwrap();
+        assert_eq!(item.input.rows(), 20_000);
+        assert_eq!(item.input.path(), "/data/in.parquet");
     }
 
     #[test]

@@ -2,12 +2,13 @@
 //! coordinator, a worker carrying an item on) does to an item before it
 //! goes on the wire, and what a reader does before believing one.
 //!
-//! Sealing encodes the item in the newest version and, with a signing key,
-//! signs the body ([`crate::signing`]). Opening checks the signature first,
+//! Sealing encodes the item — as version 3 when its job's task is stored
+//! (the item knows its digest), else whole as version 2 — and, with a
+//! signing key, signs the body ([`crate::signing`]). Opening checks the signature first,
 //! when a key is configured, and decodes only a body that passed: nothing
 //! is read out of a message that anyone without the key could have written.
 
-use super::{Envelope, WorkItem, MESSAGE_TYPE_V2};
+use super::{Envelope, ItemRef, Opened, WorkItem};
 use crate::signing::SigningKey;
 
 /// A sealed work item: its body and, when a key is configured, the body's
@@ -22,13 +23,27 @@ pub struct Sealed {
     pub signature: Option<String>,
 }
 
-/// Encodes `item` (newest version) and signs it with `key` when given.
+/// Encodes `item` — version 3 when it names a stored task
+/// ([`WorkItem::task_sha256`]), version 2 otherwise — and signs it with
+/// `key` when given.
 pub fn seal(item: &WorkItem, key: Option<&SigningKey>) -> Sealed {
-    let body = Envelope::V2(item.clone()).encode();
+    match item.to_ref() {
+        Some(r) => seal_envelope(&Envelope::V3(r), key),
+        None => seal_envelope(&Envelope::V2(item.clone()), key),
+    }
+}
+
+/// Encodes `item` as version 3 and signs it with `key` when given.
+pub fn seal_ref(item: &ItemRef, key: Option<&SigningKey>) -> Sealed {
+    seal_envelope(&Envelope::V3(item.clone()), key)
+}
+
+fn seal_envelope(envelope: &Envelope, key: Option<&SigningKey>) -> Sealed {
+    let body = envelope.encode();
     let signature = key.map(|k| k.sign(&body));
     Sealed {
         body,
-        kind: MESSAGE_TYPE_V2,
+        kind: envelope.kind(),
         signature,
     }
 }
@@ -48,12 +63,13 @@ pub enum OpenError {
 }
 
 /// Checks `body`'s `signature` against `key` (when one is configured),
-/// then decodes the work item of any known version.
+/// then decodes the work item of any known version (version 3: the item
+/// naming its job's task, to be fetched and checked against the digest).
 pub fn open(
     body: &[u8],
     signature: Option<&str>,
     key: Option<&SigningKey>,
-) -> Result<WorkItem, OpenError> {
+) -> Result<Opened, OpenError> {
     if let Some(key) = key {
         match signature {
             None => return Err(OpenError::Unsigned),
@@ -61,12 +77,12 @@ pub fn open(
             Some(_) => {}
         }
     }
-    Ok(Envelope::decode(body)?.into_item())
+    Ok(Envelope::decode(body)?.into_opened())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::sample_item;
+    use super::super::{sample_item, StoredTask, MESSAGE_TYPE_V2, MESSAGE_TYPE_V3};
     use super::*;
 
     fn key(k: &str) -> SigningKey {
@@ -78,7 +94,10 @@ mod tests {
         let (item, k) = (sample_item(), key("0123456789abcdef0123"));
         let sealed = seal(&item, Some(&k));
         let sig = sealed.signature.as_deref();
-        assert_eq!(open(&sealed.body, sig, Some(&k)).unwrap(), item);
+        assert_eq!(
+            open(&sealed.body, sig, Some(&k)).unwrap(),
+            Opened::Whole(item)
+        );
         assert!(matches!(
             open(&sealed.body, sig, Some(&key("another key, also long"))),
             Err(OpenError::BadSignature)
@@ -101,10 +120,37 @@ mod tests {
         let sealed = seal(&item, None);
         assert_eq!(sealed.signature, None);
         assert_eq!(sealed.kind, MESSAGE_TYPE_V2);
-        assert_eq!(open(&sealed.body, Some("anything"), None).unwrap(), item);
+        assert_eq!(
+            open(&sealed.body, Some("anything"), None).unwrap(),
+            Opened::Whole(item)
+        );
         assert!(matches!(
             open(b"not msgpack", None, None),
             Err(OpenError::Undecodable(_))
         ));
+    }
+
+    #[test]
+    fn an_item_of_a_stored_task_is_sealed_small_and_opens_as_a_reference() {
+        let mut item = sample_item();
+        let whole = seal(&item, None);
+        item.task_sha256 = Some(StoredTask::of(&item.task).sha256);
+        let k = key("0123456789abcdef0123");
+        let sealed = seal(&item, Some(&k));
+        assert_eq!(sealed.kind, MESSAGE_TYPE_V3);
+        let sig = sealed.signature.as_deref();
+        let Opened::Ref(r) = open(&sealed.body, sig, Some(&k)).unwrap() else {
+            panic!("a version 3 message opens as a reference");
+        };
+        assert_eq!(r, item.to_ref().unwrap());
+        // The task (0.4 KB here, more with a real layout) is gone
+        // from the body: what is left is the item and the digest.
+        assert!(
+            sealed.body.len() < 260 && whole.body.len() > 2 * sealed.body.len(),
+            "v3 {} bytes, v2 {} bytes",
+            sealed.body.len(),
+            whole.body.len()
+        );
+        assert_eq!(seal_ref(&r, Some(&k)), sealed);
     }
 }

@@ -87,6 +87,7 @@ impl From<WorkItem> for super::WorkItem {
             input: i.input,
             task: i.task.into(),
             versions: Vec::new(),
+            task_sha256: None,
         }
     }
 }

@@ -27,7 +27,7 @@
 
 use super::{
     Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
-    Start, StoreError, UnableNote,
+    Start, StoreError, TaskLookup, UnableNote,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -59,6 +59,8 @@ struct JobState {
     unable: BTreeMap<String, UnableNote>,
     /// `P:job:{<id>}:inputs`: path → JSON fingerprint.
     inputs: BTreeMap<String, String>,
+    /// `P:job:{<id>}:tasks`: digest → the encoded task.
+    tasks: BTreeMap<String, Vec<u8>>,
     /// `P:job:{<id>}:follower`: who holds the follower lease, until when (ms).
     follower: Option<(String, u64)>,
 }
@@ -183,17 +185,19 @@ impl JobStore for LocalStore {
     }
 
     /// [`COMMIT_SCRIPT`](super::redis::COMMIT_SCRIPT).
-    async fn commit_item(
+    async fn commit_counted(
         &self,
         job: &str,
         stats: &ItemStats,
         histogram: &[Vec<u64>],
+        rows_computed: u64,
     ) -> Result<bool, StoreError> {
         let mut state = self.lock();
         let id = job;
         let job = state.entry(id);
         job.leases
             .remove(&format!("{}@{}", stats.seq, stats.worker));
+        job.rows_computed = job.rows_computed.saturating_add(rows_computed);
         if job.done.contains(&stats.seq)
             || job.fields.get("status").map(String::as_str) == Some("cancelled")
         {
@@ -592,6 +596,34 @@ impl JobStore for LocalStore {
             .get(job)
             .map(|j| j.inputs.clone())
             .unwrap_or_default())
+    }
+
+    async fn put_task(
+        &self,
+        job: &str,
+        task: &crate::message::StoredTask,
+    ) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        state
+            .entry(job)
+            .tasks
+            .insert(task.sha256.clone(), task.bytes.clone());
+        Ok(())
+    }
+
+    async fn task(&self, job: &str, sha256: &str) -> Result<TaskLookup, StoreError> {
+        let state = self.lock();
+        let Some(job) = state
+            .jobs
+            .get(job)
+            .filter(|j| j.fields.contains_key("status"))
+        else {
+            return Ok(TaskLookup::UnknownJob);
+        };
+        Ok(match job.tasks.get(sha256) {
+            Some(bytes) => TaskLookup::Found(bytes.clone()),
+            None => TaskLookup::NotOfJob,
+        })
     }
 
     /// Local state lives as long as the process: nothing to expire.

@@ -27,6 +27,8 @@
 //! | `P:job:{<id>}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
 //! | `P:job:{<id>}:copies` | hash | seq → how many copies the coordinator published (bounded: see the supervisor) |
 //! | `P:job:{<id>}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
+//! | `P:job:{<id>}:inputs` | hash | input path → JSON fingerprint (size, version) when the job was planned |
+//! | `P:job:{<id>}:tasks` | hash | hex SHA-256 → the job's task, encoded ([`crate::message::StoredTask`]); version 3 messages name it by digest |
 //!
 //! The braces around the id are a Redis Cluster hash tag: every key of one
 //! job hashes to the id's slot, so the scripts that touch several of them
@@ -258,6 +260,17 @@ pub enum Start {
     },
 }
 
+/// What [`Store::task`] found for a job and a task digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskLookup {
+    /// The stored task's bytes (to be checked against the digest).
+    Found(Vec<u8>),
+    /// The job is known but stores no task under that digest.
+    NotOfJob,
+    /// No such job in Redis (unknown, deleted, or not restored yet).
+    UnknownJob,
+}
+
 /// A worker that cannot take a job's items for now, as shown by `batchfleet status`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnableNote {
@@ -327,6 +340,22 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         job: &str,
         stats: &ItemStats,
         histogram: &[Vec<u64>],
+    ) -> Result<bool, StoreError> {
+        self.commit_counted(job, stats, histogram, 0).await
+    }
+
+    /// [`JobStore::commit_item`], adding `rows_computed` — rows the
+    /// committing worker ran through the model for the job since it last
+    /// counted them (this item's and others', wasted work included) — to
+    /// the job's `rows_computed` whether or not this commit wins: the
+    /// worker counts its model work with its commits, never under the
+    /// model gate.
+    async fn commit_counted(
+        &self,
+        job: &str,
+        stats: &ItemStats,
+        histogram: &[Vec<u64>],
+        rows_computed: u64,
     ) -> Result<bool, StoreError>;
 
     /// Records that an item failed for good. Returns `false` (and records
@@ -446,6 +475,17 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// Records what each input file was when the job was planned: path →
     /// JSON fingerprint (`P:job:{<id>}:inputs`).
     async fn put_inputs(&self, job: &str, inputs: &[(String, String)]) -> Result<(), StoreError>;
+
+    /// Stores the job's task under its digest (once per job and version:
+    /// storing it again changes nothing).
+    async fn put_task(
+        &self,
+        job: &str,
+        task: &crate::message::StoredTask,
+    ) -> Result<(), StoreError>;
+
+    /// The job's task stored under `sha256`, if the job stores one.
+    async fn task(&self, job: &str, sha256: &str) -> Result<TaskLookup, StoreError>;
 
     /// The input files [`JobStore::put_inputs`] recorded, by path.
     async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError>;

@@ -37,6 +37,7 @@ on_both_stores! {
     a_cancelled_job_starts_heartbeats_and_commits_nothing_more: "bftest-cancel",
     one_follower_holds_the_lease_and_one_claim_reduces_each_run: "bftest-follow",
     inputs_are_recorded_by_path: "bftest-inputs",
+    a_task_is_stored_once_per_job_under_its_digest: "bftest-tasks",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -88,11 +89,12 @@ fn stats(seq: u32, worker: &str) -> ItemStats {
 
 async fn concurrent_commits_of_one_item_count_once(store: Store) {
     store.put_job(&record("j")).await.expect("put");
+    // Every commit carries its worker's model rows: counted win or lose.
     let commits = (0..16).map(|i| {
         let store = store.clone();
         tokio::spawn(async move {
             store
-                .commit_item("j", &stats(1, &format!("w{i}")), &[vec![1, 2, 3]])
+                .commit_counted("j", &stats(1, &format!("w{i}")), &[vec![1, 2, 3]], 10)
                 .await
                 .expect("commit")
         })
@@ -112,6 +114,11 @@ async fn concurrent_commits_of_one_item_count_once(store: Store) {
     assert_eq!(store.item_stats("j").await.expect("stats").len(), 1);
     assert!(store.is_done("j", 1).await.expect("done"));
     assert!(!store.is_done("j", 2).await.expect("done"));
+    assert_eq!(store.work("j").await.expect("work"), (0, 160));
+    // Nothing to count sends nothing and changes nothing.
+    store.count_work("j", 0, 0).await.expect("count");
+    store.count_work("j", 0, 5).await.expect("count");
+    assert_eq!(store.work("j").await.expect("work"), (0, 165));
     store.delete_job("j").await.expect("cleanup");
 }
 
@@ -542,6 +549,71 @@ async fn inputs_are_recorded_by_path(store: Store) {
     );
     store.delete_job("i").await.expect("cleanup");
     assert!(store.inputs("i").await.expect("inputs").is_empty());
+}
+
+/// A small task (a CSV layout, a model, an output folder).
+fn sample_task() -> batchfleet_shared::message::TaskSpec {
+    use batchfleet_shared::message::{
+        CsvLayout, FailurePolicy, Layout, ModelRef, OutputSpec, TaskSpec,
+    };
+    TaskSpec {
+        model: ModelRef::plain("/models/m.pt", "00".repeat(32), "cpu"),
+        layout: Layout::Csv(CsvLayout {
+            delimiter: b',',
+            fields: 3,
+            id_column: 0,
+            feature_columns: vec![1, 2],
+            include_columns: Vec::new(),
+            missing: Default::default(),
+            header: Vec::new(),
+        }),
+        batch_size: 64,
+        output: OutputSpec {
+            dir: "/data/out".into(),
+            ..OutputSpec::default()
+        },
+        failure: FailurePolicy::default(),
+        checkpoint_rows: 0,
+        text: None,
+    }
+}
+
+async fn a_task_is_stored_once_per_job_under_its_digest(store: Store) {
+    use batchfleet_shared::message::StoredTask;
+    use batchfleet_shared::store::TaskLookup;
+    let item = sample_task();
+    let task = StoredTask::of(&item);
+    assert_eq!(
+        store.task("t", &task.sha256).await.expect("task"),
+        TaskLookup::UnknownJob
+    );
+    store.put_job(&record("t")).await.expect("put");
+    assert_eq!(
+        store.task("t", &task.sha256).await.expect("task"),
+        TaskLookup::NotOfJob
+    );
+    store.put_task("t", &task).await.expect("put task");
+    store
+        .put_task("t", &task)
+        .await
+        .expect("stored again: no change");
+    let TaskLookup::Found(bytes) = store.task("t", &task.sha256).await.expect("task") else {
+        panic!("the task was stored");
+    };
+    assert_eq!(StoredTask::open(&bytes, &task.sha256).expect("opens"), item);
+    // Another job does not share it.
+    store.put_job(&record("u")).await.expect("put");
+    assert_eq!(
+        store.task("u", &task.sha256).await.expect("task"),
+        TaskLookup::NotOfJob
+    );
+    for id in ["t", "u"] {
+        store.delete_job(id).await.expect("cleanup");
+    }
+    assert_eq!(
+        store.task("t", &task.sha256).await.expect("task"),
+        TaskLookup::UnknownJob
+    );
 }
 
 #[tokio::test]

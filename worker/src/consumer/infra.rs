@@ -12,7 +12,9 @@
 
 use crate::context::ItemContext;
 use crate::item::admission;
+use crate::item::task::{self, Missing};
 use batchfleet_shared::broker::Delivery;
+use batchfleet_shared::message::{Opened, TaskSpec};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::ItemFailure;
 use std::sync::Arc;
@@ -27,10 +29,42 @@ async fn later(delivery: &Delivery) {
 /// Records the item of a broker dead letter as failed (class `infra`), then acks.
 pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
     let headers = &delivery.headers;
-    let item = match admission::admit(&delivery.body, headers, &ctx.guard) {
+    let ignore = |reason: &str| {
+        tracing::warn!(reason, "ignoring a broker dead letter that is not a valid work item (it stays in the dead queue)");
+    };
+    let opened = match admission::open(&delivery.body, headers, &ctx.guard) {
+        Ok(opened) => opened,
+        Err(refusal) => {
+            ignore(&refusal.reason);
+            let _ = delivery.ack().await;
+            return;
+        }
+    };
+    let whole = match opened {
+        Opened::Whole(item) => item,
+        Opened::Ref(r) => match task::fetch(&r, &ctx).await {
+            Ok(t) => r.with_task(TaskSpec::clone(&t)),
+            Err(Missing::Store(e)) => {
+                tracing::warn!(error = %e, "cannot read the task of a broker dead letter; trying again later");
+                later(&delivery).await;
+                return;
+            }
+            Err(Missing::Refused(why)) => {
+                ignore(&why);
+                let _ = delivery.ack().await;
+                return;
+            }
+            Err(Missing::UnknownJob) => {
+                tracing::warn!(job = %r.job_id, item = r.seq, "a broker dead letter of no running job; nothing recorded");
+                let _ = delivery.ack().await;
+                return;
+            }
+        },
+    };
+    let item = match admission::check(whole, &ctx.guard) {
         Ok(item) => item,
         Err(refusal) => {
-            tracing::warn!(reason = %refusal.reason, "ignoring a broker dead letter that is not a valid work item (it stays in the dead queue)");
+            ignore(&refusal.reason);
             let _ = delivery.ack().await;
             return;
         }

@@ -5,7 +5,9 @@
 //! until all pass:
 //! 1. **Signature** — with a signing key configured, the header
 //!    `x-bf-signature` must be the HMAC-SHA256 of the body.
-//! 2. **Decoding** — a known message version.
+//! 2. **Decoding** — a known message version. A version 3 message names
+//!    its job's task by digest: the task is fetched (once per job and
+//!    worker, [`super::task`]) and taken only if it hashes to that digest.
 //! 3. **Sanity and caps** — [`WorkItem::check`]: indices inside the layout,
 //!    a byte range inside the file length it names, sizes under the caps.
 //! 4. **Paths** — every input file, the model and the output folder under
@@ -19,7 +21,7 @@
 //! any check is dead-lettered as `rejected` with its reason, touching no item.
 
 use batchfleet_shared::broker::Headers;
-use batchfleet_shared::message::{self, ItemLimits, OpenError, WorkItem};
+use batchfleet_shared::message::{self, ItemLimits, OpenError, Opened, WorkItem};
 use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use std::path::Path;
@@ -47,34 +49,42 @@ pub struct Refusal {
     pub label: &'static str,
 }
 
-/// Checks a message's signature, decodes it and checks the item against the
-/// caps and this worker's data roots.
-pub fn admit(body: &[u8], headers: &Headers, guard: &Guard) -> Result<WorkItem, Refusal> {
-    let refuse = |claimed: Option<&WorkItem>, reason: String, label| Refusal {
-        claimed: claimed.map(|i| Box::new(i.clone())),
+/// Checks a message's signature and decodes it: a whole item (versions 1
+/// and 2), or one naming its job's stored task (version 3), to be fetched
+/// ([`super::task`]) before [`check`].
+pub fn open(body: &[u8], headers: &Headers, guard: &Guard) -> Result<Opened, Refusal> {
+    message::open(body, headers.str(SIGNATURE_HEADER), guard.key.as_ref()).map_err(|e| {
+        let label = match e {
+            OpenError::Unsigned | OpenError::BadSignature => "signature",
+            OpenError::Undecodable(_) => "undecodable",
+        };
+        Refusal {
+            claimed: None,
+            reason: e.to_string(),
+            label,
+        }
+    })
+}
+
+/// Checks a whole item against the caps and this worker's data roots.
+pub fn check(item: WorkItem, guard: &Guard) -> Result<WorkItem, Refusal> {
+    let refuse = |item: WorkItem, reason: String, label| Refusal {
+        claimed: Some(Box::new(item)),
         reason,
         label,
     };
-    let item =
-        message::open(body, headers.str(SIGNATURE_HEADER), guard.key.as_ref()).map_err(|e| {
-            let label = match e {
-                OpenError::Unsigned | OpenError::BadSignature => "signature",
-                OpenError::Undecodable(_) => "undecodable",
-            };
-            refuse(None, e.to_string(), label)
-        })?;
     if let Err(why) = item.check(&guard.limits) {
         return Err(refuse(
-            Some(&item),
+            item,
             format!("impossible work item: {why}"),
             "limits",
         ));
     }
     if let Err(why) = check_paths(&guard.roots, &item) {
-        return Err(refuse(Some(&item), why, "paths"));
+        return Err(refuse(item, why, "paths"));
     }
     if let Err(why) = check_range_end(&item) {
-        return Err(refuse(Some(&item), why, "limits"));
+        return Err(refuse(item, why, "limits"));
     }
     Ok(item)
 }
@@ -139,6 +149,14 @@ pub fn check_paths(roots: &DataRoots, item: &WorkItem) -> Result<(), String> {
 mod tests {
     use super::*;
     use batchfleet_shared::message::Envelope;
+
+    /// A whole item's message opened and checked.
+    fn admit(body: &[u8], headers: &Headers, guard: &Guard) -> Result<WorkItem, Refusal> {
+        match open(body, headers, guard)? {
+            Opened::Whole(item) => check(item, guard),
+            Opened::Ref(r) => panic!("a whole item was expected, not {r:?}"),
+        }
+    }
 
     fn body() -> (WorkItem, Vec<u8>) {
         let item = batchfleet_coordinator::planner::sample_item("j-00000000", 0);

@@ -152,7 +152,10 @@ async fn heartbeat_loop(
         lease.rows_done = signals.rows_done.load(Ordering::Relaxed);
         lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
         match ctx.store.heartbeat(&job, &lease).await {
-            Ok(true) => {}
+            // A long item's model rows are counted a heartbeat late at
+            // most, not at its commit: a worker killed mid-item leaves its
+            // wasted work counted.
+            Ok(true) => ctx.flush_work(&job).await,
             Ok(false) => match ctx.store.is_done(&job, lease.seq).await {
                 Ok(false) => {
                     tracing::info!(

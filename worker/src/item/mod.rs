@@ -1,7 +1,7 @@
 //! What happens to one delivery, from admission to commit: the consume
 //! loop's unit of work.
 //!
-//! admit (signature, decode, caps, paths) → start (job record checks, lease)
+//! admit (signature, decode, the job's task, caps, paths) → start (job record checks, lease)
 //! → read → predict → publish the part file → write the rejects file →
 //! mark done in Redis → ack. The ack comes last, so a worker that dies at any
 //! point leaves the item to be redelivered, and the done set plus
@@ -24,6 +24,7 @@
 //! - [`call`]: one model call as the item sees it, and the item's tallies.
 //! - [`checkpoint`]: a long item in segments, each published as it finishes.
 //! - [`settle`]: every way a delivery is settled, chosen by who is at fault.
+//! - [`task`]: a version 3 message's task, fetched once per job and kept.
 
 pub(crate) mod admission;
 mod call;
@@ -32,6 +33,7 @@ mod held;
 mod lease;
 pub(crate) mod settle;
 pub(crate) mod signals;
+pub(crate) mod task;
 
 pub(crate) use settle::Handled;
 
@@ -40,13 +42,13 @@ use crate::error::{blocking, ItemError};
 use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::Publish;
-use batchfleet_shared::message::{WorkItem, PUBLISHED_HEADER};
+use batchfleet_shared::message::{Opened, WorkItem, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
 use held::Held;
 use lease::{lease_for, LeaseGuard};
-use settle::{give_back, hand_back, reject, settle_error, UNKNOWN_SINCE_HEADER};
+use settle::{give_back, hand_back, reject, settle_error, Carried, UNKNOWN_SINCE_HEADER};
 use signals::Signals;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -75,17 +77,22 @@ pub async fn handle(
         held.requeue("stopping before start").await;
         return Handled::Released;
     }
-    let item = match admission::admit(&held.delivery.body, held.headers(), &ctx.guard) {
+    let opened = match admission::open(&held.delivery.body, held.headers(), &ctx.guard) {
+        Ok(opened) => opened,
+        Err(refusal) => return reject(&held, None, &refusal.reason, refusal.label, &ctx).await,
+    };
+    let whole = match opened {
+        Opened::Whole(item) => item,
+        Opened::Ref(r) => match task::resolve(&held, r, attempt, &ctx).await {
+            Ok(item) => item,
+            Err(settled) => return settled,
+        },
+    };
+    let item = match admission::check(whole, &ctx.guard) {
         Ok(item) => item,
         Err(refusal) => {
-            return reject(
-                &held,
-                refusal.claimed.as_deref(),
-                &refusal.reason,
-                refusal.label,
-                &ctx,
-            )
-            .await
+            let claimed = refusal.claimed.as_deref().map(|i| i as &dyn Carried);
+            return reject(&held, claimed, &refusal.reason, refusal.label, &ctx).await;
         }
     };
     let span = tracing::info_span!("item", job = %item.job_id, item = item.seq, attempt);
@@ -139,6 +146,9 @@ pub async fn handle(
         };
         if outcome == Handled::Committed {
             ctx.pause.reset();
+        } else {
+            // Model rows no commit carried (a failure, a faster copy).
+            ctx.flush_work(&item.job_id).await;
         }
         // A commit dropped the lease itself.
         guard
@@ -248,7 +258,7 @@ fn mismatch_reason(item: &WorkItem, pool: &str, field: &str, recorded: &str) -> 
 /// An item of a job Redis does not know. Redis may have lost its data (a
 /// restart without persistence) and the coordinator not restored the job
 /// yet, so the item is handed back for a while; past the grace it is rejected.
-async fn unknown_job(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Handled {
+async fn unknown_job(held: &Held, item: &dyn Carried, attempt: u32, ctx: &ItemContext) -> Handled {
     let now = ctx.clock.now_ms();
     let since = held
         .headers()
@@ -258,7 +268,7 @@ async fn unknown_job(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemConte
     if waited >= ctx.tuning.unknown_job_grace {
         let reason = format!(
             "no job {} in Redis for {}s (unknown, deleted, or its state was lost and not restored; run its manifest again to restore it)",
-            item.job_id,
+            item.job_id(),
             waited.as_secs()
         );
         return reject(held, Some(item), &reason, "unknown_job", ctx).await;
@@ -508,11 +518,16 @@ async fn commit(
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
     stats.finished_ms = ctx.clock.now_ms();
-    let won = ctx
+    // The job's model rows tallied since this worker last counted them go
+    // with the commit (put back if it never lands).
+    let computed = ctx.work.take(&item.job_id);
+    let committed = ctx
         .patient("commit", || {
-            ctx.store.commit_item(&item.job_id, &stats, hist)
+            ctx.store
+                .commit_counted(&item.job_id, &stats, hist, computed)
         })
-        .await?;
+        .await;
+    let won = committed.inspect_err(|_| ctx.work.add(&item.job_id, computed))?;
     if let Some((out, dir)) = partial {
         // The segments are in the part file now.
         let _ = blocking(move || checkpoint::remove(&out, &dir)).await;

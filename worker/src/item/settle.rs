@@ -12,8 +12,8 @@ use crate::context::ItemContext;
 use crate::error::{FailureClass, ItemError};
 use batchfleet_shared::broker::{Headers, Outgoing};
 use batchfleet_shared::message::{
-    Envelope, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER, ITEM_HEADER,
-    JOB_HEADER, MESSAGE_TYPE_V2, PUBLISHED_HEADER, WORKER_HEADER,
+    Envelope, ItemRef, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER, ERROR_HEADER,
+    ITEM_HEADER, JOB_HEADER, MESSAGE_TYPE_V3, PUBLISHED_HEADER, WORKER_HEADER,
 };
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, UnableNote};
@@ -22,6 +22,42 @@ use std::time::Duration;
 /// Header of a handed-back message of an unknown job: when a worker first
 /// found the job missing (ms), so the grace runs out however often it returns.
 pub const UNKNOWN_SINCE_HEADER: &str = "x-bf-unknown-since";
+
+/// What settling a message needs to know of it: whose item it is, and how
+/// to seal it anew once its delivery was acknowledged early. A whole item,
+/// or — before its job's task is fetched — a version 3 reference.
+pub trait Carried: Sync {
+    /// The job.
+    fn job_id(&self) -> &str;
+    /// The item number.
+    fn seq(&self) -> u32;
+    /// The item sealed anew at `attempt`.
+    fn seal(&self, attempt: u32, ctx: &ItemContext) -> Outgoing;
+}
+
+impl Carried for WorkItem {
+    fn job_id(&self) -> &str {
+        &self.job_id
+    }
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+    fn seal(&self, attempt: u32, ctx: &ItemContext) -> Outgoing {
+        Outgoing::work_item(self, attempt, ctx.guard.key.as_ref())
+    }
+}
+
+impl Carried for ItemRef {
+    fn job_id(&self) -> &str {
+        &self.job_id
+    }
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+    fn seal(&self, attempt: u32, ctx: &ItemContext) -> Outgoing {
+        Outgoing::item_ref(self, attempt, ctx.guard.key.as_ref())
+    }
+}
 
 /// How an item ended on this worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,18 +98,18 @@ fn headers_from<'a>(
 /// The AMQP `type` of a body carried on as it came: its version's (a body
 /// that does not decode — a rejected one — is labelled as what is published).
 fn kind_of(body: &[u8]) -> &'static str {
-    Envelope::decode(body).map_or(MESSAGE_TYPE_V2, |e| e.kind())
+    Envelope::decode(body).map_or(MESSAGE_TYPE_V3, |e| e.kind())
 }
 
 /// The message that carries `item` on: the delivery itself (body and
 /// headers), or — once it was acknowledged early and is gone — the item
 /// encoded anew at `attempt`.
-fn carried(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> Outgoing {
+fn carried(held: &Held, item: &dyn Carried, attempt: u32, ctx: &ItemContext) -> Outgoing {
     if held.is_settled() {
-        return Outgoing::work_item(item, attempt, ctx.guard.key.as_ref());
+        return item.seal(attempt, ctx);
     }
     Outgoing {
-        message_id: format!("{}/{}", item.job_id, item.seq),
+        message_id: format!("{}/{}", item.job_id(), item.seq()),
         kind: kind_of(&held.delivery.body),
         body: held.delivery.body.clone(),
         headers: held.headers().own(),
@@ -236,12 +272,12 @@ async fn fail_job(
 
 /// Returns an item to the work queue: a nack, or — once acknowledged early —
 /// a confirmed publish of a copy. `false` if neither worked.
-pub async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemContext) -> bool {
+pub async fn give_back(held: &Held, item: &dyn Carried, attempt: u32, ctx: &ItemContext) -> bool {
     if held.requeue("released").await {
         return true;
     }
-    let msg = Outgoing::work_item(item, attempt, ctx.guard.key.as_ref());
-    match ctx.publish_item(&item.job_id, msg).await {
+    let msg = item.seal(attempt, ctx);
+    match ctx.publish_item(item.job_id(), msg).await {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!(error = %e, "could not hand the item back; its lease will go stale and the coordinator will publish it again");
@@ -256,7 +292,7 @@ pub async fn give_back(held: &Held, item: &WorkItem, attempt: u32, ctx: &ItemCon
 /// queue), then the ack. Returns the outcome and whether the lease must be kept.
 pub async fn hand_back(
     held: &Held,
-    item: &WorkItem,
+    item: &dyn Carried,
     attempt: u32,
     delay: Option<Duration>,
     extra: &[(&str, i64)],
@@ -271,7 +307,7 @@ pub async fn hand_back(
             msg.expiration_ms = Some(ms);
             ctx.publish(&ctx.queues.retry_for(ms), msg).await
         }
-        None => ctx.publish_item(&item.job_id, msg).await,
+        None => ctx.publish_item(item.job_id(), msg).await,
     };
     if let Err(err) = published {
         tracing::warn!(error = %err, "could not publish the item on; returning it to the queue");
@@ -401,7 +437,7 @@ pub async fn dead_letter(
 /// refusal in metrics (bounded: `signature`, `undecodable`, `limits`, …).
 pub async fn reject(
     held: &Held,
-    claimed: Option<&WorkItem>,
+    claimed: Option<&dyn Carried>,
     reason: &str,
     label: &'static str,
     ctx: &ItemContext,
@@ -412,7 +448,7 @@ pub async fn reject(
     );
     metrics::counter!(names::WORKER_MESSAGES_REJECTED, "reason" => label).increment(1);
     let (job, seq) = claimed.map_or((String::new(), -1), |i| {
-        (i.job_id.clone(), i64::from(i.seq))
+        (i.job_id().to_owned(), i64::from(i.seq()))
     });
     let headers = headers_from(
         held,
@@ -430,7 +466,7 @@ pub async fn reject(
     );
     let id = claimed.map_or_else(
         || "rejected".to_owned(),
-        |i| format!("{}/{}", i.job_id, i.seq),
+        |i| format!("{}/{}", i.job_id(), i.seq()),
     );
     if publish_dead(held, id, headers, ctx).await {
         held.ack().await;

@@ -327,6 +327,14 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
         let sig = key.sign(&body);
         raw(body, Some(sig))
     };
+    // Version 3: the item and its job's task digest, the task in Redis.
+    let signed_ref = |item: &WorkItem, task_sha256: &str| {
+        let mut r = item.to_ref().expect("planned items name their task");
+        r.task_sha256 = task_sha256.to_owned();
+        let body = Envelope::V3(r).encode();
+        let sig = key.sign(&body);
+        raw(body, Some(sig))
+    };
     let forged = |f: &dyn Fn(&mut WorkItem)| {
         let mut item = items[1].clone();
         f(&mut item);
@@ -363,6 +371,17 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
         (
             signed(&forged(&|i| i.job_id = "nosuchjob-00000000".into())),
             "no job nosuchjob-00000000 in Redis",
+        ),
+        (
+            signed_ref(&items[1], &"cd".repeat(32)),
+            "stores no task cdcd",
+        ),
+        (
+            signed_ref(
+                &forged(&|i| i.job_id = "nosuchjob-00000001".into()),
+                items[1].task_sha256.as_deref().expect("a digest"),
+            ),
+            "no job nosuchjob-00000001 in Redis",
         ),
         (
             signed(&range(&|r| r.end = r.file_len + 1)),
@@ -460,11 +479,9 @@ async fn forged_messages_are_rejected_with_their_reasons_touching_nothing_and_a_
     }
     let store = env.connections().store().await.expect("redis");
     assert!(store.failures(&id).await.expect("failures").is_empty());
-    assert!(store
-        .job("nosuchjob-00000000")
-        .await
-        .expect("job")
-        .is_none());
+    for ghost in ["nosuchjob-00000000", "nosuchjob-00000001"] {
+        assert!(store.job(ghost).await.expect("job").is_none());
+    }
     let grown = rss_kib(workers[0].child.id()).saturating_sub(baseline);
     assert!(grown < 64 * 1024, "worker RSS grew by {grown} KiB");
     alive(&mut workers);
@@ -544,8 +561,8 @@ async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_a
     let mut deliveries = 0;
     loop {
         let m = broker.get(&queue).await.expect("get").expect("a message");
-        let item = Envelope::decode(&m.body).expect("item").into_item();
-        assert_eq!(item.seq, 0, "the head of the queue comes back each time");
+        let item = Envelope::decode(&m.body).expect("item").into_opened();
+        assert_eq!(item.seq(), 0, "the head of the queue comes back each time");
         deliveries += 1;
         m.requeue().await.expect("nack");
         if deliveries > batchfleet_shared::broker::DELIVERY_LIMIT {

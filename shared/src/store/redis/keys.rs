@@ -27,7 +27,7 @@ pub fn job_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, bool)> {
 }
 
 /// Every key one job has, its record's first.
-pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 12] {
+pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 13] {
     [
         "",
         ":done",
@@ -40,6 +40,7 @@ pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 12] {
         ":copies",
         ":unable",
         ":inputs",
+        ":tasks",
         ":follower",
     ]
     .map(|suffix| job_scoped(prefix, id, suffix))
@@ -97,6 +98,9 @@ impl Keys {
     pub(super) fn inputs_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":inputs")
     }
+    pub(super) fn tasks_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":tasks")
+    }
     pub(super) fn follower_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":follower")
     }
@@ -110,13 +114,13 @@ impl Keys {
     /// Every key of a job's state: what expires with it and is kept when it
     /// runs again (not its follower lease, which has a time to live of its
     /// own that neither may change).
-    pub(super) fn state_keys(&self, id: &str) -> [String; 11] {
+    pub(super) fn state_keys(&self, id: &str) -> [String; 12] {
         let [state @ .., _follower] = self.keys_of(id);
         state
     }
 
     /// Every key one job has.
-    pub(super) fn keys_of(&self, id: &str) -> [String; 12] {
+    pub(super) fn keys_of(&self, id: &str) -> [String; 13] {
         job_keys(&self.prefix, id)
     }
 }
@@ -169,7 +173,7 @@ mod tests {
             ("t", "x"),
         ] {
             let keys = job_keys(prefix, id);
-            assert_eq!(keys.len(), 12);
+            assert_eq!(keys.len(), 13);
             let first = slot(&keys[0]);
             for k in &keys {
                 assert!(k.starts_with(&format!("{prefix}:job:{{{id}}}")), "{k}");

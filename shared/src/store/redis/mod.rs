@@ -20,7 +20,7 @@ pub use scripts::{
 
 use super::{
     Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
-    Start, StoreError, UnableNote,
+    Start, StoreError, TaskLookup, UnableNote,
 };
 use crate::endpoint::Endpoint;
 use connect::{Conn, Connections};
@@ -172,11 +172,12 @@ impl JobStore for RedisStore {
     /// and drops the lease of `stats.worker` on it.
     /// Returns `true` if this call won (first commit), `false` if the item
     /// had already been committed by someone else (nothing is added then).
-    async fn commit_item(
+    async fn commit_counted(
         &self,
         job: &str,
         stats: &ItemStats,
         histogram: &[Vec<u64>],
+        rows_computed: u64,
     ) -> Result<bool, StoreError> {
         let hist = encode("encode histogram", histogram)?;
         let json = encode("encode stats", stats)?;
@@ -190,12 +191,14 @@ impl JobStore for RedisStore {
             .key(self.keys.failed_key(job))
             .key(self.keys.hist_key(job))
             .key(self.keys.leases_key(job))
+            .key(self.keys.work_key(job))
             .arg(stats.seq)
             .arg(stats.rows + stats.rows_rejected)
             .arg(json)
             .arg(stats.rows_rejected)
             .arg(hist)
             .arg(format!("{}@{}", stats.seq, stats.worker))
+            .arg(rows_computed)
             .invoke_async(&mut c)
             .await
             .map_err(cmd("commit item"))?;
@@ -504,14 +507,19 @@ impl JobStore for RedisStore {
 
     /// Adds to the job's work counters: items started and rows put through
     /// the model (the work actually done, including work a fault wasted).
+    /// One `HINCRBY` per counter that changes; nothing when neither does.
     async fn count_work(&self, job: &str, deliveries: u64, rows: u64) -> Result<(), StoreError> {
+        if deliveries == 0 && rows == 0 {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (field, by) in [("deliveries", deliveries), ("rows_computed", rows)] {
+            if by > 0 {
+                pipe.hincr(self.keys.work_key(job), field, by).ignore();
+            }
+        }
         let mut c = self.conn("HINCRBY work").await?;
-        redis::pipe()
-            .hincr(self.keys.work_key(job), "deliveries", deliveries)
-            .ignore()
-            .hincr(self.keys.work_key(job), "rows_computed", rows)
-            .ignore()
-            .query_async::<()>(&mut c)
+        pipe.query_async::<()>(&mut c)
             .await
             .map_err(cmd("HINCRBY work"))
     }
@@ -615,6 +623,34 @@ impl JobStore for RedisStore {
         c.hgetall(self.keys.inputs_key(job))
             .await
             .map_err(cmd("HGETALL inputs"))
+    }
+
+    /// `HSET P:job:{<id>}:tasks <sha256> <bytes>`.
+    async fn put_task(
+        &self,
+        job: &str,
+        task: &crate::message::StoredTask,
+    ) -> Result<(), StoreError> {
+        let mut c = self.conn("HSET tasks").await?;
+        c.hset::<_, _, _, ()>(self.keys.tasks_key(job), &task.sha256, &task.bytes)
+            .await
+            .map_err(cmd("HSET tasks"))
+    }
+
+    /// `HGET` of the task and `EXISTS` of the job record, in one round trip.
+    async fn task(&self, job: &str, sha256: &str) -> Result<TaskLookup, StoreError> {
+        let mut c = self.conn("HGET tasks").await?;
+        let (bytes, known): (Option<Vec<u8>>, bool) = redis::pipe()
+            .hget(self.keys.tasks_key(job), sha256)
+            .exists(self.keys.job_key(job))
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HGET tasks"))?;
+        Ok(match (bytes, known) {
+            (Some(b), true) => TaskLookup::Found(b),
+            (_, false) => TaskLookup::UnknownJob,
+            (None, true) => TaskLookup::NotOfJob,
+        })
     }
 
     /// `PEXPIRE` on every key of the job, in one `MULTI`.

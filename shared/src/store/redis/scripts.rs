@@ -9,12 +9,17 @@ use deadpool_redis::redis;
 /// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
 /// `counts[column][bin]`) and stores the stats (and forgets an earlier
 /// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
-/// a done item needs none, and [`lease_script`] writes none for it again.
+/// a done item needs none, and [`lease_script`] writes none for it again;
+/// and adds the committer's model rows since its last count (`ARGV[7]`) to
+/// `rows_computed` (`KEYS[7]`, the job's work counters).
 /// Nothing is committed to a cancelled job (its part file, published
 /// already, is committed when the job is run again). Returns 1 for the
 /// winning commit, 0 otherwise.
 pub const COMMIT_SCRIPT: &str = r#"
 redis.call('HDEL', KEYS[6], ARGV[6])
+if tonumber(ARGV[7]) > 0 then
+  redis.call('HINCRBY', KEYS[7], 'rows_computed', ARGV[7])
+end
 if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
   return 0
 end
