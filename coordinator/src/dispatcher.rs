@@ -238,12 +238,7 @@ async fn seed_from_outputs(
     store: &Store,
 ) -> Result<(), RunError> {
     let found = crate::record::scan_job_outputs(spec, plan, |_| true, false).await?;
-    let mut committed = 0u64;
-    for (stats, hist) in &found {
-        if store.commit_item(&spec.job_id, stats, hist).await? {
-            committed += 1;
-        }
-    }
+    let committed = crate::record::commit_found(store, &spec.job_id, &found).await?;
     if committed > 0 {
         tracing::info!(job = %spec.job_id, items = committed, "resuming from the output folder: these items are committed there already");
     }

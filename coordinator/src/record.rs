@@ -8,7 +8,7 @@ use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner::{self, Plan};
 use batchfleet_shared::split::ItemRows;
-use batchfleet_shared::store::{ItemStats, JobRecord, JobStatus};
+use batchfleet_shared::store::{Commit, ItemStats, JobRecord, JobStatus};
 use std::path::Path;
 
 /// A new job's record: planned totals, no progress.
@@ -58,6 +58,25 @@ pub fn input_fields(spec: &JobSpec) -> Vec<(String, String)> {
 /// A committed item found in the output folder: its stats and the histogram
 /// of its predictions (`counts[column][bin]`).
 pub type Recovered = (ItemStats, Vec<Vec<u64>>);
+
+/// Commits the items found in the output folder, a few hundred per Redis
+/// call (group commit); how many of them won (were not committed yet).
+pub async fn commit_found(
+    store: &batchfleet_shared::store::Store,
+    job: &str,
+    found: &[Recovered],
+) -> Result<u64, RunError> {
+    let mut won = 0;
+    for chunk in found.chunks(256) {
+        let commits: Vec<Commit<'_>> = chunk
+            .iter()
+            .map(|(stats, histogram)| Commit { stats, histogram })
+            .collect();
+        let answers = store.commit_group(job, &commits, 0).await?;
+        won += answers.into_iter().filter(|w| *w).count() as u64;
+    }
+    Ok(won)
+}
 
 /// [`scan_outputs`] over the job's output folder, for the plan's items
 /// that `wanted` selects, on a blocking thread.

@@ -519,11 +519,8 @@ impl Supervisor {
         let wanted: HashSet<u32> = seqs.iter().copied().collect();
         let found =
             crate::record::scan_job_outputs(&spec, &plan, |s| wanted.contains(&s), false).await?;
-        let mut recovered = HashSet::new();
-        for (stats, hist) in &found {
-            store.commit_item(&self.job_id, stats, hist).await?;
-            recovered.insert(stats.seq);
-        }
+        crate::record::commit_found(store, &self.job_id, &found).await?;
+        let recovered: HashSet<u32> = found.iter().map(|(stats, _)| stats.seq).collect();
         if !recovered.is_empty() {
             let mut seqs: Vec<u32> = recovered.iter().copied().collect();
             seqs.sort_unstable();
@@ -561,12 +558,7 @@ impl Supervisor {
             .put_inputs(&self.job_id, &crate::record::input_fields(&spec))
             .await?;
         store.put_task(&self.job_id, &plan.task).await?;
-        let mut restored = 0;
-        for (stats, hist) in &found {
-            if store.commit_item(&self.job_id, stats, hist).await? {
-                restored += 1;
-            }
-        }
+        let restored = crate::record::commit_found(store, &self.job_id, &found).await?;
         let mut failures = 0;
         for d in dead {
             let Some(seq) = d.item else { continue };

@@ -153,6 +153,8 @@ pub struct ControlPlane {
     /// The same item with its whole task in the message (version 2, what
     /// was published before tasks were stored once per job).
     pub whole_message_body_bytes: usize,
+    /// Items per Redis commit call, on average (group commit).
+    pub commit_group_mean: f64,
 }
 
 /// `batchfleet run --local` with `workers` pipelines of `threads` threads on
@@ -516,6 +518,11 @@ fn control_plane(
         let (wall, _, summary) = r?;
         Ok((wall, summary, a, b, cpu_after))
     })?;
+    // Group commit: items per commit call, over the job (0 with a build
+    // that commits one item per call and has no such metric).
+    let group =
+        |part: &str| fleet.metric_sum(&format!("batchfleet_worker_commit_group_items_{part}"));
+    let commit_group_mean = group("sum") / group("count").max(1.0);
     fleet.stop();
     services::delete_pool_queues(&pool);
     if summary["items_completed"].as_u64() != Some(items) {
@@ -536,6 +543,7 @@ fn control_plane(
         cpu: cpu_before.per_item(&cpu_after, items, cores),
         message_body_bytes,
         whole_message_body_bytes,
+        commit_group_mean,
     })
 }
 
@@ -699,8 +707,8 @@ fn print(r: &BenchReport) {
             c.items, c.items_per_s, c.raw_publish_per_s, c.raw_consume_ack_per_s, c.ratio_to_raw_consume
         );
         println!(
-            "  work message body: {} bytes (the item, its task named by digest); {} bytes with the whole task inside",
-            c.message_body_bytes, c.whole_message_body_bytes
+            "  work message body: {} bytes (the item, its task named by digest); {} bytes with the whole task inside; {:.1} items per commit call",
+            c.message_body_bytes, c.whole_message_body_bytes, c.commit_group_mean
         );
         println!(
             "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB",

@@ -234,6 +234,21 @@ impl Folder {
     where
         F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
     {
+        self.publish_with(name, overwrite, NameSync::Now, write)
+    }
+
+    /// [`Folder::publish`], the folder fsynced now or — `NameSync::Later` —
+    /// by the caller ([`sync_folder`]) before it relies on the new name.
+    pub fn publish_with<F>(
+        &self,
+        name: &str,
+        overwrite: bool,
+        sync: NameSync,
+        write: F,
+    ) -> io::Result<Publish>
+    where
+        F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
+    {
         let staging = self.sub(Path::new(STAGING_DIR), true)?;
         let tmp = format!("{name}.{:016x}.tmp", fastrand::u64(..));
         let fd = openat(
@@ -268,9 +283,32 @@ impl Folder {
         })();
         let _ = unlinkat(&staging.fd, tmp.as_str(), AtFlags::empty());
         let outcome = result?;
-        fsync(&self.fd)?;
+        if sync == NameSync::Now {
+            fsync(&self.fd)?;
+        }
         Ok(outcome)
     }
+}
+
+/// When the name of a published file is made durable. The file's bytes are
+/// fsynced before it is linked into place either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameSync {
+    /// The folder is fsynced at once.
+    Now,
+    /// The caller fsyncs the folder ([`sync_folder`]) before it relies on
+    /// the name — once for several files published in it (a worker's group
+    /// commit).
+    Later,
+}
+
+/// Fsyncs the folder `path`, making the names published in it with
+/// [`NameSync::Later`] durable. Nothing to do for an object store URL.
+pub fn sync_folder(path: &Path) -> io::Result<()> {
+    if crate::source::is_url(path) {
+        return Ok(());
+    }
+    fsync(&Folder::open(path, false)?.fd).map_err(io::Error::from)
 }
 
 /// The plain components of a relative path; `..`, roots and the like refused.
@@ -315,13 +353,27 @@ pub fn publish_under<F>(root: &Path, rel: &Path, overwrite: bool, write: F) -> i
 where
     F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
 {
+    publish_under_with(root, rel, overwrite, NameSync::Now, write)
+}
+
+/// [`publish_under`], the folder fsynced now or by the caller (`sync`).
+pub fn publish_under_with<F>(
+    root: &Path,
+    rel: &Path,
+    overwrite: bool,
+    sync: NameSync,
+    write: F,
+) -> io::Result<Publish>
+where
+    F: FnOnce(&mut io::BufWriter<&File>) -> io::Result<()>,
+{
     if crate::source::is_url(root) {
         return publish_object(&root.join(rel), overwrite, write);
     }
     let (dir, name) = split_name(rel)?;
     Folder::open(root, true)?
         .sub(dir, true)?
-        .publish(name, overwrite, write)
+        .publish_with(name, overwrite, sync, write)
 }
 
 /// Writes `dest` atomically in its folder (see [`Folder::publish`]).
@@ -456,6 +508,26 @@ mod tests {
         assert_eq!(
             fs::read_dir(dir.path().join(STAGING_DIR)).unwrap().count(),
             0
+        );
+    }
+
+    #[test]
+    fn a_name_published_for_a_later_sync_is_there_at_once_and_first_still_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let rel = Path::new("sub/part-000002.csv");
+        let write = |bytes: &'static [u8]| move |w: &mut io::BufWriter<&File>| w.write_all(bytes);
+        let first = publish_under_with(dir.path(), rel, false, NameSync::Later, write(b"a"));
+        let second = publish_under_with(dir.path(), rel, false, NameSync::Later, write(b"b"));
+        assert_eq!(
+            (first.unwrap(), second.unwrap()),
+            (Publish::Committed, Publish::AlreadyExists)
+        );
+        assert_eq!(fs::read(dir.path().join(rel)).unwrap(), b"a");
+        sync_folder(&dir.path().join("sub")).unwrap();
+        sync_folder(Path::new("s3://bucket/out")).expect("nothing to sync in an object store");
+        assert_eq!(
+            sync_folder(&dir.path().join("missing")).unwrap_err().kind(),
+            io::ErrorKind::NotFound
         );
     }
 

@@ -82,6 +82,8 @@ pub mod names {
     pub const WORKER_DEVICE_SECONDS: &str = "batchfleet_worker_device_seconds";
     /// Worker: rows per `forward` call (histogram, rows; pool).
     pub const WORKER_BATCH_SIZE: &str = "batchfleet_worker_batch_size_rows";
+    /// Worker: items committed by one Redis call (histogram, items; pool).
+    pub const WORKER_COMMIT_GROUP: &str = "batchfleet_worker_commit_group_items";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
     /// Worker: 1 while running (gauge; pool).
@@ -155,6 +157,7 @@ pub mod names {
         (WORKER_DEVICE_SECONDS, Kind::Histogram, "Seconds an item's rows (or a checkpoint segment) kept the model's device busy, by device; the rate of its sum is the device's busy share."),
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
+        (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
         (WORKER_UP, Kind::Gauge, "1 while the worker runs."),
         (WORKER_DRAINING, Kind::Gauge, "1 while the worker drains after SIGTERM."),
@@ -202,6 +205,8 @@ pub const QUEUE_WAIT_BUCKETS: &[f64] = &[
 pub const BATCH_BUCKETS: &[f64] = &[
     1.0, 8.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
+/// Buckets of commit group sizes: 1 to 64 items.
+pub const GROUP_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 /// Buckets of model load times: 10 ms to 2 min.
 pub const LOAD_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0];
 
@@ -238,6 +243,7 @@ pub fn install(
         (names::WORKER_DEVICE_SECONDS, STAGE_BUCKETS),
         (names::WORKER_WRITE, STAGE_BUCKETS),
         (names::WORKER_BATCH_SIZE, BATCH_BUCKETS),
+        (names::WORKER_COMMIT_GROUP, GROUP_BUCKETS),
         (names::WORKER_MODEL_LOAD, LOAD_BUCKETS),
     ];
     for (name, b) in buckets {
@@ -324,7 +330,7 @@ mod tests {
             );
             if *kind == names::Kind::Histogram {
                 assert!(
-                    n.ends_with("_seconds") || n.ends_with("_rows"),
+                    n.ends_with("_seconds") || n.ends_with("_rows") || n.ends_with("_items"),
                     "{n}: a histogram names its unit"
                 );
             }

@@ -128,6 +128,34 @@ impl Bench {
     }
 }
 
+/// Runs a Redis operation, retried with backoff while Redis is unreachable
+/// (at most `patience`, and not past shutdown); then an error the item
+/// settles as transient.
+pub async fn patiently<T, F, Fut>(
+    patience: Duration,
+    shutdown: &CancellationToken,
+    what: &str,
+    op: F,
+) -> Result<T, ItemError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    use backon::{ExponentialBuilder, Retryable};
+    let deadline = Instant::now() + patience;
+    op.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(3))
+            .with_jitter()
+            .without_max_times(),
+    )
+    .when(|e: &StoreError| !e.is_permanent() && Instant::now() < deadline && !shutdown.is_cancelled())
+    .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "Redis {what} failed; waiting for Redis"))
+    .await
+    .map_err(|e| ItemError::transient(e.to_string()))
+}
+
 /// Rows this worker ran through the model, per job, not yet added to the
 /// job's `rows_computed`: counted in memory at the model gate and sent with
 /// the next commit (or [`ItemContext::flush_work`]).
@@ -181,7 +209,9 @@ pub struct ItemContext {
     /// The jobs' tasks fetched so far (version 3 messages name them).
     pub tasks: crate::item::task::Tasks,
     /// Model rows per job not yet counted in Redis.
-    pub work: WorkTally,
+    pub work: Arc<WorkTally>,
+    /// Commits finished items, together when they finish together.
+    pub committer: crate::item::group::Committer,
     /// The disk-full pause.
     pub pause: Pause,
     /// This worker's wall clock.
@@ -274,6 +304,13 @@ impl ItemContext {
     pub fn new(parts: Parts) -> std::io::Result<Self> {
         let runner = (parts.make_runner)()?;
         let pause = Pause::new(parts.tuning.pause_max);
+        let work = Arc::new(WorkTally::default());
+        let committer = crate::item::group::Committer::start(crate::item::group::Setup {
+            store: parts.store.clone(),
+            work: work.clone(),
+            patience: parts.tuning.store_patience,
+            shutdown: parts.shutdown.clone(),
+        });
         Ok(Self {
             store: parts.store,
             broker: Mutex::new(parts.broker),
@@ -286,7 +323,8 @@ impl ItemContext {
             guard: parts.guard,
             bench: Bench::default(),
             tasks: Default::default(),
-            work: WorkTally::default(),
+            work,
+            committer,
             pause,
             clock: parts.clock,
             debug: parts.debug,
@@ -339,19 +377,7 @@ impl ItemContext {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
     {
-        use backon::{ExponentialBuilder, Retryable};
-        let deadline = Instant::now() + self.tuning.store_patience;
-        op.retry(
-            ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(100))
-                .with_max_delay(Duration::from_secs(3))
-                .with_jitter()
-                .without_max_times(),
-        )
-        .when(|e: &StoreError| !e.is_permanent() && Instant::now() < deadline && !self.shutdown.is_cancelled())
-        .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "Redis {what} failed; waiting for Redis"))
-        .await
-        .map_err(|e| ItemError::transient(e.to_string()))
+        patiently(self.tuning.store_patience, &self.shutdown, what, op).await
     }
 
     fn slot(&self) -> RunnerSlot {

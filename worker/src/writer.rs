@@ -7,7 +7,7 @@
 use crate::batch::{Batch, Reject};
 use crate::error::ItemError;
 use crate::runner::Predictions;
-use batchfleet_shared::fsutil::{publish_under, Publish};
+use batchfleet_shared::fsutil::{publish_under, publish_under_with, NameSync, Publish};
 use batchfleet_shared::message::{OutputFormat, OutputSpec};
 use batchfleet_shared::table::{Cell, Kind, PartWriter};
 use std::io::Write;
@@ -66,11 +66,12 @@ pub fn write_part(
     batch: &Batch,
     preds: &Predictions,
 ) -> Result<Publish, ItemError> {
-    write_part_rows(out, rel, spec, batch, 0..batch.rows(), preds)
+    write_part_rows(out, rel, spec, batch, 0..batch.rows(), preds, NameSync::Now)
 }
 
-/// Like [`write_part`] for rows `rows` of the batch (a checkpoint segment),
-/// whose predictions `preds` are.
+/// Like [`write_part`] for rows `rows` of the batch (a checkpoint segment,
+/// or the whole item), whose predictions `preds` are; its folder fsynced
+/// now or by the caller (`sync`).
 pub fn write_part_rows(
     out: &Path,
     rel: &Path,
@@ -78,6 +79,7 @@ pub fn write_part_rows(
     batch: &Batch,
     rows: std::ops::Range<usize>,
     preds: &Predictions,
+    sync: NameSync,
 ) -> Result<Publish, ItemError> {
     let width = preds.width.max(1);
     if !rows.is_empty() && preds.values.len() != rows.len() * preds.width {
@@ -109,7 +111,7 @@ pub fn write_part_rows(
         }
     };
     let extras = spec.include_columns.len();
-    let result = publish_under(out, rel, false, |w| {
+    let result = publish_under_with(out, rel, false, sync, |w| {
         let mut part = PartWriter::new(w, spec.format, names, kinds)?;
         let mut failed = preds.failed.iter().map(|(i, _)| *i).peekable();
         let mut cells: Vec<Cell> = Vec::with_capacity(part.kinds().len());
@@ -170,12 +172,13 @@ fn cannot_write(out: &Path, rel: &Path, e: &std::io::Error) -> ItemError {
 
 /// Publishes `out/rel` as the concatenation of the part files `parts`
 /// (relative to `out`, all in `format`, with the same columns), streamed,
-/// first commit wins.
+/// first commit wins; its folder fsynced now or by the caller (`sync`).
 pub fn concat_parts(
     out: &Path,
     rel: &Path,
     format: OutputFormat,
     parts: &[std::path::PathBuf],
+    sync: NameSync,
 ) -> Result<Publish, ItemError> {
     let inputs = match parts
         .iter()
@@ -193,7 +196,7 @@ pub fn concat_parts(
         }
         Err(e) => return Err(ItemError::output_io("cannot read a checkpoint segment", &e)),
     };
-    let result = publish_under(out, rel, false, |w| {
+    let result = publish_under_with(out, rel, false, sync, |w| {
         batchfleet_shared::table::concat_parts(w, format, &inputs)
     });
     result.map_err(|e| cannot_write(out, rel, &e))
@@ -423,7 +426,8 @@ mod tests {
                 out,
                 Path::new("part-000000.csv"),
                 OutputFormat::Csv,
-                &[a.into(), b.into()]
+                &[a.into(), b.into()],
+                NameSync::Now
             )
             .unwrap(),
             Publish::Committed

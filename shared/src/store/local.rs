@@ -26,8 +26,8 @@
 //! lease times are written with.
 
 use super::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
-    Start, StoreError, TaskLookup, UnableNote,
+    Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress,
+    RecordUpdate, Start, StoreError, TaskLookup, UnableNote,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -185,26 +185,32 @@ impl JobStore for LocalStore {
     }
 
     /// [`COMMIT_SCRIPT`](super::redis::COMMIT_SCRIPT).
-    async fn commit_counted(
+    async fn commit_group(
         &self,
         job: &str,
-        stats: &ItemStats,
-        histogram: &[Vec<u64>],
+        commits: &[Commit<'_>],
         rows_computed: u64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Vec<bool>, StoreError> {
         let mut state = self.lock();
         let id = job;
         let job = state.entry(id);
-        job.leases
-            .remove(&format!("{}@{}", stats.seq, stats.worker));
         job.rows_computed = job.rows_computed.saturating_add(rows_computed);
-        if job.done.contains(&stats.seq)
-            || job.fields.get("status").map(String::as_str) == Some("cancelled")
-        {
-            return Ok(false);
+        for c in commits {
+            job.leases
+                .remove(&format!("{}@{}", c.stats.seq, c.stats.worker));
+        }
+        if job.fields.get("status").map(String::as_str) == Some("cancelled") {
+            return Ok(vec![false; commits.len()]);
         }
         // The counters are read (and checked) before anything else changes,
-        // so a corrupt field leaves the item uncommitted.
+        // so a corrupt field leaves the items uncommitted.
+        let winners: Vec<&Commit<'_>> = {
+            let mut seen = BTreeSet::new();
+            commits
+                .iter()
+                .filter(|c| !job.done.contains(&c.stats.seq) && seen.insert(c.stats.seq))
+                .collect()
+        };
         let add = |field: &str, by: u64| -> Result<(String, String), StoreError> {
             let now = field_u64(&job.fields, id, field)?;
             let sum = now.checked_add(by).ok_or_else(|| StoreError::Corrupt {
@@ -213,24 +219,32 @@ impl JobStore for LocalStore {
             })?;
             Ok((field.to_owned(), sum.to_string()))
         };
+        let sum = |f: fn(&ItemStats) -> u64| winners.iter().map(|c| f(c.stats)).sum::<u64>();
         let counters = [
-            add("items_done", 1)?,
-            add("rows_done", stats.rows + stats.rows_rejected)?,
-            add("rows_rejected", stats.rows_rejected)?,
+            add("items_done", winners.len() as u64)?,
+            add("rows_done", sum(|s| s.rows + s.rows_rejected))?,
+            add("rows_rejected", sum(|s| s.rows_rejected))?,
         ];
-        job.done.insert(stats.seq);
         job.fields.extend(counters);
-        job.stats.insert(stats.seq, stats.clone());
-        job.failed.remove(&stats.seq);
-        for (c, column) in histogram.iter().enumerate() {
-            for (b, &n) in column.iter().enumerate() {
-                if n > 0 {
-                    let count = job.hist.entry((c, b)).or_default();
-                    *count = count.saturating_add(n);
+        let mut won = Vec::with_capacity(commits.len());
+        for c in commits {
+            let first = job.done.insert(c.stats.seq);
+            won.push(first);
+            if !first {
+                continue;
+            }
+            job.stats.insert(c.stats.seq, c.stats.clone());
+            job.failed.remove(&c.stats.seq);
+            for (col, column) in c.histogram.iter().enumerate() {
+                for (b, &n) in column.iter().enumerate() {
+                    if n > 0 {
+                        let count = job.hist.entry((col, b)).or_default();
+                        *count = count.saturating_add(n);
+                    }
                 }
             }
         }
-        Ok(true)
+        Ok(won)
     }
 
     /// [`FAIL_SCRIPT`](super::redis::FAIL_SCRIPT).

@@ -58,6 +58,15 @@ pub mod redis;
 pub use error::StoreError;
 pub use record::{JobRecord, JobStatus, RecordUpdate};
 
+/// One item's commit, in a group ([`JobStore::commit_group`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Commit<'a> {
+    /// What the committing worker recorded about the item.
+    pub stats: &'a ItemStats,
+    /// The item's prediction histogram, `counts[column][bin]`.
+    pub histogram: &'a [Vec<u64>],
+}
+
 /// What the worker whose commit won recorded about an item.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ItemStats {
@@ -341,22 +350,26 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         stats: &ItemStats,
         histogram: &[Vec<u64>],
     ) -> Result<bool, StoreError> {
-        self.commit_counted(job, stats, histogram, 0).await
+        let won = self
+            .commit_group(job, &[Commit { stats, histogram }], 0)
+            .await?;
+        Ok(won.first().copied().unwrap_or(false))
     }
 
-    /// [`JobStore::commit_item`], adding `rows_computed` — rows the
-    /// committing worker ran through the model for the job since it last
-    /// counted them (this item's and others', wasted work included) — to
-    /// the job's `rows_computed` whether or not this commit wins: the
-    /// worker counts its model work with its commits, never under the
-    /// model gate.
-    async fn commit_counted(
+    /// [`JobStore::commit_item`] for several items of one job in one
+    /// atomic step (group commit): whether each won, in order — first commit
+    /// wins per item, and only the winners' counters, stats and histograms
+    /// are added (the histograms summed first: one write per filled bin of
+    /// the group). Adds `rows_computed` — rows the committing worker ran
+    /// through the model for the job since it last counted them, wasted
+    /// work included — to the job's `rows_computed` whatever wins: a worker
+    /// counts its model work with its commits, never under the model gate.
+    async fn commit_group(
         &self,
         job: &str,
-        stats: &ItemStats,
-        histogram: &[Vec<u64>],
+        commits: &[Commit<'_>],
         rows_computed: u64,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Vec<bool>, StoreError>;
 
     /// Records that an item failed for good. Returns `false` (and records
     /// nothing) if the item is already done.

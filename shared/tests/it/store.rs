@@ -3,7 +3,8 @@
 //! implementations of `JobStore` must behave the same.
 
 use batchfleet_shared::store::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Start, Store, UnableNote,
+    Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Start, Store,
+    UnableNote,
 };
 
 /// Runs each `name: "redis key prefix stem"` test body against both stores.
@@ -38,6 +39,7 @@ on_both_stores! {
     one_follower_holds_the_lease_and_one_claim_reduces_each_run: "bftest-follow",
     inputs_are_recorded_by_path: "bftest-inputs",
     a_task_is_stored_once_per_job_under_its_digest: "bftest-tasks",
+    a_group_commits_each_item_once_and_adds_only_the_winners: "bftest-group",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -93,10 +95,15 @@ async fn concurrent_commits_of_one_item_count_once(store: Store) {
     let commits = (0..16).map(|i| {
         let store = store.clone();
         tokio::spawn(async move {
+            let stats = stats(1, &format!("w{i}"));
+            let commit = Commit {
+                stats: &stats,
+                histogram: &[vec![1, 2, 3]],
+            };
             store
-                .commit_counted("j", &stats(1, &format!("w{i}")), &[vec![1, 2, 3]], 10)
+                .commit_group("j", &[commit], 10)
                 .await
-                .expect("commit")
+                .expect("commit")[0]
         })
     });
     let mut winners = 0;
@@ -549,6 +556,69 @@ async fn inputs_are_recorded_by_path(store: Store) {
     );
     store.delete_job("i").await.expect("cleanup");
     assert!(store.inputs("i").await.expect("inputs").is_empty());
+}
+
+async fn a_group_commits_each_item_once_and_adds_only_the_winners(store: Store) {
+    store.put_job(&record("g")).await.expect("put");
+    assert!(store
+        .commit_item("g", &stats(0, "early"), &[vec![5, 0, 0]])
+        .await
+        .expect("commit"));
+    let (s0, s1, s1b, s2) = (stats(0, "w"), stats(1, "w"), stats(1, "w2"), stats(2, "w"));
+    let hist = [vec![100, 100, 100]];
+    let group = [
+        Commit {
+            stats: &s0,
+            histogram: &hist, // done already: not added
+        },
+        Commit {
+            stats: &s1,
+            histogram: &[vec![1, 0, 2]],
+        },
+        Commit {
+            stats: &s1b,
+            histogram: &hist, // the same item twice in one group: the first wins
+        },
+        Commit {
+            stats: &s2,
+            histogram: &[vec![0, 3, 1]],
+        },
+    ];
+    let won = store.commit_group("g", &group, 7).await.expect("group");
+    assert_eq!(won, vec![false, true, false, true]);
+    let p = store.progress("g").await.expect("progress");
+    assert_eq!((p.items_done, p.rows_done), (3, 300));
+    assert_eq!(
+        store.histogram("g", 3).await.expect("histogram"),
+        vec![vec![6, 3, 3]]
+    );
+    let winners: Vec<String> = store
+        .item_stats("g")
+        .await
+        .expect("stats")
+        .into_iter()
+        .map(|s| format!("{}@{}", s.seq, s.worker))
+        .collect();
+    assert_eq!(winners.len(), 3);
+    assert!(winners.contains(&"1@w".to_owned()), "{winners:?}");
+    assert_eq!(store.work("g").await.expect("work"), (0, 7));
+    // A cancelled job takes no commit, and still counts the model rows.
+    store
+        .fail_job("g", "cancelled", "by hand")
+        .await
+        .expect("cancel");
+    let s3 = stats(3, "w");
+    let late = [Commit {
+        stats: &s3,
+        histogram: &[],
+    }];
+    assert_eq!(
+        store.commit_group("g", &late, 2).await.expect("group"),
+        vec![false]
+    );
+    assert_eq!(store.work("g").await.expect("work"), (0, 9));
+    assert_eq!(store.progress("g").await.expect("progress").items_done, 3);
+    store.delete_job("g").await.expect("cleanup");
 }
 
 /// A small task (a CSV layout, a model, an output folder).

@@ -230,7 +230,8 @@ pub(super) async fn segments(
             if !sr.is_empty() {
                 writer::write_rejects(&o, &segment_rejects(&p), &sr)?;
             }
-            writer::write_part_rows(&o, &p, &spec, &b, next..end, &preds)?;
+            let sync = batchfleet_shared::fsutil::NameSync::Now;
+            writer::write_part_rows(&o, &p, &spec, &b, next..end, &preds, sync)?;
             Ok::<_, ItemError>(b)
         })
         .await??;

@@ -24,11 +24,14 @@
 //! - [`call`]: one model call as the item sees it, and the item's tallies.
 //! - [`checkpoint`]: a long item in segments, each published as it finishes.
 //! - [`settle`]: every way a delivery is settled, chosen by who is at fault.
+//! - [`group`]: group commit — the items that finish together, committed
+//!   in one Redis call.
 //! - [`task`]: a version 3 message's task, fetched once per job and kept.
 
 pub(crate) mod admission;
 mod call;
 mod checkpoint;
+pub(crate) mod group;
 mod held;
 mod lease;
 pub(crate) mod settle;
@@ -41,7 +44,7 @@ use crate::context::ItemContext;
 use crate::error::{blocking, ItemError};
 use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
-use batchfleet_shared::fsutil::Publish;
+use batchfleet_shared::fsutil::{NameSync, Publish};
 use batchfleet_shared::message::{Opened, WorkItem, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
@@ -508,8 +511,9 @@ fn look_and_read(
     })
 }
 
-/// Marks the item done in Redis (first commit wins), then removes its
-/// checkpoint folder, if any.
+/// Makes the part file's name durable and marks the item done in Redis
+/// (first commit wins), both with the group it finishes with; then removes
+/// its checkpoint folder, if any.
 async fn commit(
     item: &WorkItem,
     mut stats: ItemStats,
@@ -518,16 +522,16 @@ async fn commit(
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
     stats.finished_ms = ctx.clock.now_ms();
-    // The job's model rows tallied since this worker last counted them go
-    // with the commit (put back if it never lands).
-    let computed = ctx.work.take(&item.job_id);
-    let committed = ctx
-        .patient("commit", || {
-            ctx.store
-                .commit_counted(&item.job_id, &stats, hist, computed)
-        })
-        .await;
-    let won = committed.inspect_err(|_| ctx.work.add(&item.job_id, computed))?;
+    // With the others that finish meanwhile, and the job's model rows
+    // tallied since this worker last counted them. The part file's name
+    // was published unsynced: its folder is fsynced once for the group,
+    // before the commit.
+    let part = Path::new(&item.task.output.dir).join(item.task.output.part_name(item.seq));
+    let folder = part.parent().map(Path::to_path_buf);
+    let won = ctx
+        .committer
+        .commit(&item.job_id, stats.clone(), hist.to_vec(), folder)
+        .await?;
     if let Some((out, dir)) = partial {
         // The segments are in the part file now.
         let _ = blocking(move || checkpoint::remove(&out, &dir)).await;
@@ -592,9 +596,12 @@ impl PartSource {
         match self {
             PartSource::Rows(b) => {
                 let (batch, preds, spec) = *b;
-                writer::write_part(out, part, &spec, &batch, &preds)
+                let rows = 0..batch.rows();
+                writer::write_part_rows(out, part, &spec, &batch, rows, &preds, NameSync::Later)
             }
-            PartSource::Segments(format, files) => writer::concat_parts(out, part, format, &files),
+            PartSource::Segments(format, files) => {
+                writer::concat_parts(out, part, format, &files, NameSync::Later)
+            }
         }
     }
 }

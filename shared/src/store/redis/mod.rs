@@ -19,8 +19,8 @@ pub use scripts::{
 };
 
 use super::{
-    Claim, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress, RecordUpdate,
-    Start, StoreError, TaskLookup, UnableNote,
+    Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress,
+    RecordUpdate, Start, StoreError, TaskLookup, UnableNote,
 };
 use crate::endpoint::Endpoint;
 use connect::{Conn, Connections};
@@ -168,23 +168,18 @@ impl JobStore for RedisStore {
         })
     }
 
-    /// Marks an item done and adds its prediction histogram (`counts[column][bin]`),
-    /// and drops the lease of `stats.worker` on it.
-    /// Returns `true` if this call won (first commit), `false` if the item
-    /// had already been committed by someone else (nothing is added then).
-    async fn commit_counted(
+    /// One [`COMMIT_SCRIPT`] call for the whole group.
+    async fn commit_group(
         &self,
         job: &str,
-        stats: &ItemStats,
-        histogram: &[Vec<u64>],
+        commits: &[Commit<'_>],
         rows_computed: u64,
-    ) -> Result<bool, StoreError> {
-        let hist = encode("encode histogram", histogram)?;
-        let json = encode("encode stats", stats)?;
-        let mut c = self.conn("commit item").await?;
-        let won: i64 = self
-            .scripts
-            .commit
+    ) -> Result<Vec<bool>, StoreError> {
+        if commits.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut invocation = self.scripts.commit.prepare_invoke();
+        invocation
             .key(self.keys.done_key(job))
             .key(self.keys.job_key(job))
             .key(self.keys.stats_key(job))
@@ -192,17 +187,22 @@ impl JobStore for RedisStore {
             .key(self.keys.hist_key(job))
             .key(self.keys.leases_key(job))
             .key(self.keys.work_key(job))
-            .arg(stats.seq)
-            .arg(stats.rows + stats.rows_rejected)
-            .arg(json)
-            .arg(stats.rows_rejected)
-            .arg(hist)
-            .arg(format!("{}@{}", stats.seq, stats.worker))
-            .arg(rows_computed)
+            .arg(rows_computed);
+        for Commit { stats, histogram } in commits {
+            invocation
+                .arg(stats.seq)
+                .arg(stats.rows + stats.rows_rejected)
+                .arg(encode("encode stats", stats)?)
+                .arg(stats.rows_rejected)
+                .arg(encode("encode histogram", histogram)?)
+                .arg(format!("{}@{}", stats.seq, stats.worker));
+        }
+        let mut c = self.conn("commit items").await?;
+        let won: Vec<i64> = invocation
             .invoke_async(&mut c)
             .await
-            .map_err(cmd("commit item"))?;
-        Ok(won == 1)
+            .map_err(cmd("commit items"))?;
+        Ok(won.into_iter().map(|w| w == 1).collect())
     }
 
     /// Records that an item failed for good. Returns `false` (and records

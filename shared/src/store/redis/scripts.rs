@@ -5,41 +5,73 @@
 
 use deadpool_redis::redis;
 
-/// Adds the seq to the done set; only if it was not there yet, bumps the
-/// counters, adds the item's prediction histogram (`ARGV[5]`, JSON
-/// `counts[column][bin]`) and stores the stats (and forgets an earlier
-/// failure of the item). Either way drops the committer's lease (`ARGV[6]`):
-/// a done item needs none, and [`lease_script`] writes none for it again;
-/// and adds the committer's model rows since its last count (`ARGV[7]`) to
-/// `rows_computed` (`KEYS[7]`, the job's work counters).
-/// Nothing is committed to a cancelled job (its part file, published
-/// already, is committed when the job is run again). Returns 1 for the
-/// winning commit, 0 otherwise.
+/// Commits a group of items of one job (`ARGV[2..]`, six per item: seq,
+/// rows settled, stats JSON, rows rejected, histogram JSON
+/// `counts[column][bin]`, lease field). An item wins when its seq was not
+/// in the done set yet (first commit wins, per item); only the winners'
+/// counters, stats and histograms are added — the histograms summed in the
+/// script, one `HINCRBY` per filled bin of the group — and their earlier
+/// failures forgotten. Whatever wins, drops the committers' leases (a done
+/// item needs none, and [`lease_script`] writes none for it again) and adds
+/// `ARGV[1]`, the committer's model rows since its last count, to
+/// `rows_computed` (`KEYS[7]`). Nothing is committed to a cancelled job
+/// (its part files, published already, are committed when the job is run
+/// again). Returns 1 or 0 per item, in order.
 pub const COMMIT_SCRIPT: &str = r#"
-redis.call('HDEL', KEYS[6], ARGV[6])
-if tonumber(ARGV[7]) > 0 then
-  redis.call('HINCRBY', KEYS[7], 'rows_computed', ARGV[7])
+if tonumber(ARGV[1]) > 0 then
+  redis.call('HINCRBY', KEYS[7], 'rows_computed', ARGV[1])
 end
+local leases = {}
+for i = 2, #ARGV, 6 do
+  leases[#leases + 1] = ARGV[i + 5]
+end
+redis.call('HDEL', KEYS[6], unpack(leases))
+local won = {}
 if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
-  return 0
+  for i = 2, #ARGV, 6 do
+    won[#won + 1] = 0
+  end
+  return won
 end
-if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[2], 'items_done', 1)
-  redis.call('HINCRBY', KEYS[2], 'rows_done', ARGV[2])
-  redis.call('HINCRBY', KEYS[2], 'rows_rejected', ARGV[4])
-  redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
-  redis.call('HDEL', KEYS[4], ARGV[1])
-  local h = cjson.decode(ARGV[5])
-  for c = 1, #h do
-    for b = 1, #h[c] do
-      if h[c][b] > 0 then
-        redis.call('HINCRBY', KEYS[5], (c - 1) .. ':' .. (b - 1), h[c][b])
+local items, rows, rejected = 0, 0, 0
+local stats, seqs, sum, bins = {}, {}, {}, {}
+for i = 2, #ARGV, 6 do
+  if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then
+    won[#won + 1] = 1
+    items = items + 1
+    rows = rows + tonumber(ARGV[i + 1])
+    rejected = rejected + tonumber(ARGV[i + 3])
+    stats[#stats + 1] = ARGV[i]
+    stats[#stats + 1] = ARGV[i + 2]
+    seqs[#seqs + 1] = ARGV[i]
+    local h = cjson.decode(ARGV[i + 4])
+    for c = 1, #h do
+      for b = 1, #h[c] do
+        if h[c][b] > 0 then
+          local k = (c - 1) .. ':' .. (b - 1)
+          if not sum[k] then
+            bins[#bins + 1] = k
+            sum[k] = 0
+          end
+          sum[k] = sum[k] + h[c][b]
+        end
       end
     end
+  else
+    won[#won + 1] = 0
   end
-  return 1
 end
-return 0
+if items > 0 then
+  redis.call('HINCRBY', KEYS[2], 'items_done', items)
+  redis.call('HINCRBY', KEYS[2], 'rows_done', rows)
+  redis.call('HINCRBY', KEYS[2], 'rows_rejected', rejected)
+  redis.call('HSET', KEYS[3], unpack(stats))
+  redis.call('HDEL', KEYS[4], unpack(seqs))
+  for _, k in ipairs(bins) do
+    redis.call('HINCRBY', KEYS[5], k, sum[k])
+  end
+end
+return won
 "#;
 
 /// Lua: Redis's clock in ms.

@@ -1,0 +1,236 @@
+//! Group commit: the items a worker finishes while one commit is on its way
+//! to Redis are committed together, in one script call per job
+//! ([`JobStore::commit_group`](batchfleet_shared::store::JobStore::commit_group)),
+//! each with its own answer (first commit wins stays per item).
+//!
+//! Before the call, the folders of the group's part files are fsynced, once
+//! each: the files' bytes were fsynced before they were linked into place
+//! ([`NameSync::Later`](batchfleet_shared::fsutil::NameSync)), and their
+//! names become durable here — so a committed item's part file survives a
+//! power loss, as when each item fsynced its own folder, for one folder
+//! fsync per group instead of one per item.
+//!
+//! One task per worker takes what handlers hand it: the first item that
+//! arrives, and every other item already waiting, up to [`MOST`]. Nothing
+//! waits for a group to fill — an item alone is committed at once, as
+//! before — so groups form only when items finish faster than Redis
+//! answers, which is exactly when a call per item would cost most. Each
+//! call carries the job's model rows tallied since the last
+//! ([`WorkTally`]); a group whose call fails puts them back, and each of its
+//! items gets the error to settle like any failed commit.
+
+use crate::context::{patiently, WorkTally};
+use crate::error::ItemError;
+use batchfleet_shared::metrics::names;
+use batchfleet_shared::store::{Commit, ItemStats, Store};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// Most items in one commit call.
+pub const MOST: usize = 64;
+
+/// An item waiting for its commit.
+struct Pending {
+    job: String,
+    stats: ItemStats,
+    histogram: Vec<Vec<u64>>,
+    /// The folder of the item's part file, to fsync before the commit.
+    folder: Option<PathBuf>,
+    reply: oneshot::Sender<Result<bool, ItemError>>,
+}
+
+/// Hands finished items to the worker's commit task.
+#[derive(Debug)]
+pub struct Committer {
+    to_task: mpsc::UnboundedSender<Pending>,
+}
+
+/// What the commit task needs.
+pub struct Setup {
+    /// The job store.
+    pub store: Store,
+    /// The model rows not yet counted.
+    pub work: Arc<WorkTally>,
+    /// How long a commit waits for Redis to come back.
+    pub patience: Duration,
+    /// Ends the waits for Redis.
+    pub shutdown: CancellationToken,
+}
+
+impl Committer {
+    /// Starts the commit task (it ends when the committer is dropped).
+    pub fn start(setup: Setup) -> Self {
+        let (to_task, from_handlers) = mpsc::unbounded_channel();
+        tokio::spawn(run(setup, from_handlers));
+        Self { to_task }
+    }
+
+    /// Commits one item of `job` with the others that finish meanwhile,
+    /// after fsyncing `folder` (where its part file was published): whether
+    /// its commit won.
+    pub async fn commit(
+        &self,
+        job: &str,
+        stats: ItemStats,
+        histogram: Vec<Vec<u64>>,
+        folder: Option<PathBuf>,
+    ) -> Result<bool, ItemError> {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            job: job.to_owned(),
+            stats,
+            histogram,
+            folder,
+            reply,
+        };
+        let stopped = || ItemError::transient("the worker's commit task stopped");
+        self.to_task.send(pending).map_err(|_| stopped())?;
+        answer.await.unwrap_or_else(|_| Err(stopped()))
+    }
+}
+
+async fn run(setup: Setup, mut from_handlers: mpsc::UnboundedReceiver<Pending>) {
+    while let Some(first) = from_handlers.recv().await {
+        let mut group = vec![first];
+        while group.len() < MOST {
+            match from_handlers.try_recv() {
+                Ok(more) => group.push(more),
+                Err(_) => break,
+            }
+        }
+        metrics::histogram!(names::WORKER_COMMIT_GROUP).record(group.len() as f64);
+        // One call per job, the jobs in the order their first item came.
+        while !group.is_empty() {
+            let job = group[0].job.clone();
+            let (of_job, rest): (Vec<_>, Vec<_>) = group.into_iter().partition(|p| p.job == job);
+            group = rest;
+            commit_job(&setup, &job, of_job).await;
+        }
+    }
+}
+
+async fn commit_job(setup: &Setup, job: &str, items: Vec<Pending>) {
+    if let Err(e) = sync_folders(&items).await {
+        for p in items {
+            let _ = p.reply.send(Err(e.clone()));
+        }
+        return;
+    }
+    let computed = setup.work.take(job);
+    let commits: Vec<Commit<'_>> = items
+        .iter()
+        .map(|p| Commit {
+            stats: &p.stats,
+            histogram: &p.histogram,
+        })
+        .collect();
+    let result = patiently(setup.patience, &setup.shutdown, "commit", || {
+        setup.store.commit_group(job, &commits, computed)
+    })
+    .await;
+    drop(commits);
+    match result {
+        Ok(won) => {
+            for (p, w) in items
+                .into_iter()
+                .zip(won.into_iter().chain(std::iter::repeat(false)))
+            {
+                let _ = p.reply.send(Ok(w));
+            }
+        }
+        Err(e) => {
+            setup.work.add(job, computed);
+            for p in items {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// Fsyncs each folder the items' part files were published in, once.
+async fn sync_folders(items: &[Pending]) -> Result<(), ItemError> {
+    let folders: BTreeSet<PathBuf> = items.iter().filter_map(|p| p.folder.clone()).collect();
+    if folders.is_empty() {
+        return Ok(());
+    }
+    crate::error::blocking(move || {
+        for folder in &folders {
+            batchfleet_shared::fsutil::sync_folder(folder).map_err(|e| {
+                ItemError::output_io(format!("cannot fsync {}", folder.display()), &e)
+            })?;
+        }
+        Ok(())
+    })
+    .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(seq: u32, worker: &str) -> ItemStats {
+        ItemStats {
+            seq,
+            rows: 10,
+            rows_rejected: 0,
+            worker: worker.into(),
+            started_ms: 1,
+            finished_ms: 2,
+            attempt: 1,
+            recovered: false,
+            rows_resumed: 0,
+            vector: None,
+        }
+    }
+
+    fn committer(store: &Store, work: &Arc<WorkTally>) -> Committer {
+        Committer::start(Setup {
+            store: store.clone(),
+            work: work.clone(),
+            patience: Duration::from_secs(1),
+            shutdown: CancellationToken::new(),
+        })
+    }
+
+    #[tokio::test]
+    async fn items_finishing_together_each_get_their_own_answer_and_the_tally_goes_once() {
+        let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
+        let c = committer(&store, &work);
+        work.add("a", 5);
+        let dir = tempfile::tempdir().unwrap();
+        let folder = || Some(dir.path().to_path_buf());
+        let (a0, a1, b0, a0_again) = tokio::join!(
+            c.commit("a", stats(0, "w"), vec![vec![1]], folder()),
+            c.commit("a", stats(1, "w"), vec![vec![1]], folder()),
+            c.commit("b", stats(0, "w"), vec![vec![1]], None),
+            c.commit("a", stats(0, "w2"), vec![vec![1]], folder()),
+        );
+        assert_eq!(
+            [a0.unwrap(), a1.unwrap(), b0.unwrap(), a0_again.unwrap()],
+            [true, true, true, false],
+            "first commit wins, per item and job"
+        );
+        assert_eq!(store.work("a").await.unwrap(), (0, 5));
+        assert_eq!(work.take("a"), 0, "sent with the commit");
+        assert_eq!(store.histogram("a", 1).await.unwrap(), vec![vec![2]]);
+    }
+
+    #[tokio::test]
+    async fn a_folder_that_cannot_be_synced_fails_its_items_and_commits_nothing() {
+        let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
+        let c = committer(&store, &work);
+        work.add("a", 3);
+        let gone = Some(PathBuf::from("/nonexistent-batchfleet-folder"));
+        let e = c
+            .commit("a", stats(0, "w"), Vec::new(), gone)
+            .await
+            .unwrap_err();
+        assert!(e.message.contains("cannot fsync"), "{e}");
+        assert!(!store.is_done("a", 0).await.unwrap());
+        assert_eq!(work.take("a"), 3, "the tally waits for a commit that lands");
+    }
+}
