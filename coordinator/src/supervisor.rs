@@ -408,15 +408,17 @@ impl Supervisor {
         Ok(true)
     }
 
-    /// The median item time, from the commits' stats, read at most every
-    /// 30 s once known (the stats of a big job are large).
+    /// The median item time, estimated from the stats of up to
+    /// [`MEDIAN_SAMPLE`] committed items picked at random (a read that does
+    /// not grow with the job), read at most every 30 s once known.
     async fn median(&mut self, store: &Store) -> Result<Option<u64>, RunError> {
         if let Some((at, m)) = self.median_cache {
             if at.elapsed() < Duration::from_secs(30) {
                 return Ok(Some(m));
             }
         }
-        let m = median_latency(&store.item_stats(&self.job_id).await?);
+        let sample = store.sample_item_stats(&self.job_id, MEDIAN_SAMPLE).await?;
+        let m = median_latency(&sample);
         self.median_cache = m.map(|m| (Instant::now(), m));
         Ok(m)
     }
@@ -586,6 +588,9 @@ impl Supervisor {
 }
 
 /// Median wall time of committed items; `None` with fewer than 3.
+/// Committed items a running job's median item time is estimated from.
+pub const MEDIAN_SAMPLE: usize = 255;
+
 fn median_latency(stats: &[ItemStats]) -> Option<u64> {
     if stats.len() < 3 {
         return None;

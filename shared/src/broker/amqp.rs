@@ -61,6 +61,9 @@ pub struct AmqpBroker {
     publisher: Channel,
     consuming: OnceCell<Channel>,
     getting: OnceCell<Channel>,
+    /// The channel of passive declares, kept open between them: one round
+    /// trip per count, a new channel only after a 404 closed the last.
+    inspecting: tokio::sync::Mutex<Option<Channel>>,
 }
 
 impl std::fmt::Debug for AmqpBroker {
@@ -184,6 +187,7 @@ impl AmqpBroker {
             publisher,
             consuming: OnceCell::new(),
             getting: OnceCell::new(),
+            inspecting: tokio::sync::Mutex::new(None),
         })
     }
 
@@ -753,6 +757,9 @@ impl Broker for AmqpBroker {
         {
             let _ = channel.close(200, why.into()).await;
         }
+        if let Some(channel) = self.inspecting.lock().await.take() {
+            let _ = channel.close(200, why.into()).await;
+        }
         let _ = self.publisher.close(200, why.into()).await;
         let _ = self.conn.close(200, why.into()).await;
     }
@@ -760,8 +767,18 @@ impl Broker for AmqpBroker {
 
 impl AmqpBroker {
     /// A passive declare: the queue's counts, `None` when it does not exist.
+    /// On the inspection channel, kept open: a supervisor counting queues
+    /// every second opens no channel while they exist.
     async fn inspect(&self, queue: &str) -> Result<Option<lapin::Queue>, BrokerError> {
-        let channel = self.scratch().await?;
+        let mut slot = self.inspecting.lock().await;
+        let channel = match slot.as_ref() {
+            Some(c) if c.status().connected() => c.clone(),
+            _ => {
+                let c = self.scratch().await?;
+                *slot = Some(c.clone());
+                c
+            }
+        };
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -770,12 +787,11 @@ impl AmqpBroker {
             .queue_declare(queue.into(), passive, FieldTable::default())
             .await
         {
-            Ok(q) => {
-                let _ = channel.close(200, "counted".into()).await;
-                Ok(Some(q))
-            }
-            // The broker closes the channel on a failed passive declare.
+            Ok(q) => Ok(Some(q)),
+            // The broker closes the channel on a failed passive declare:
+            // the next inspection opens another.
             Err(e) => {
+                *slot = None;
                 let text = e.to_string();
                 if text.contains("NOT_FOUND") || text.contains("404") {
                     Ok(None)

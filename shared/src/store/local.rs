@@ -319,6 +319,16 @@ impl JobStore for LocalStore {
             .unwrap_or_default())
     }
 
+    /// Up to `n` items, spread evenly over the committed ones.
+    async fn sample_item_stats(&self, job: &str, n: usize) -> Result<Vec<ItemStats>, StoreError> {
+        let state = self.lock();
+        let Some(j) = state.jobs.get(job) else {
+            return Ok(Vec::new());
+        };
+        let step = j.stats.len().div_ceil(n.max(1)).max(1);
+        Ok(j.stats.values().step_by(step).cloned().collect())
+    }
+
     /// [`start_script`](super::redis::start_script), checks in the same order.
     async fn start_item(
         &self,

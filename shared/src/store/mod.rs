@@ -396,6 +396,11 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// Stats of every committed item, in seq order.
     async fn item_stats(&self, job: &str) -> Result<Vec<ItemStats>, StoreError>;
 
+    /// Stats of up to `n` committed items picked at random (`HRANDFIELD`):
+    /// what a running job's median item time is estimated from, at a cost
+    /// that does not grow with the job.
+    async fn sample_item_stats(&self, job: &str, n: usize) -> Result<Vec<ItemStats>, StoreError>;
+
     /// Starts holding an item (see [`start_script`]): checks the message's
     /// `claim` against the job record and, only if the job runs and the item
     /// is neither done nor failed, writes the lease (started and heartbeat

@@ -44,6 +44,21 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
             .expect("count of a missing queue"),
         None
     );
+    // The missing queue's 404 closed the inspection channel: the next count
+    // (and the next) opens another and answers, on the same handle.
+    for _ in 0..2 {
+        assert_eq!(
+            broker.ready_count(&queues.work()).await.expect("count"),
+            Some(25)
+        );
+    }
+    assert_eq!(
+        broker
+            .consumer_count(&queues.work())
+            .await
+            .expect("consumers"),
+        Some(0)
+    );
 
     // Taken in order, headers intact; one dropped unsettled comes back.
     let first = broker.get(&queues.work()).await.expect("get").expect("m0");

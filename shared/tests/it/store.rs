@@ -40,6 +40,7 @@ on_both_stores! {
     inputs_are_recorded_by_path: "bftest-inputs",
     a_task_is_stored_once_per_job_under_its_digest: "bftest-tasks",
     a_group_commits_each_item_once_and_adds_only_the_winners: "bftest-group",
+    a_sample_of_item_stats_holds_distinct_committed_items: "bftest-sample",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -619,6 +620,31 @@ async fn a_group_commits_each_item_once_and_adds_only_the_winners(store: Store) 
     assert_eq!(store.work("g").await.expect("work"), (0, 9));
     assert_eq!(store.progress("g").await.expect("progress").items_done, 3);
     store.delete_job("g").await.expect("cleanup");
+}
+
+async fn a_sample_of_item_stats_holds_distinct_committed_items(store: Store) {
+    store.put_job(&record("s")).await.expect("put");
+    assert!(store
+        .sample_item_stats("s", 4)
+        .await
+        .expect("sample")
+        .is_empty());
+    let stats: Vec<ItemStats> = (0..10).map(|i| stats(i, "w")).collect();
+    let commits: Vec<Commit<'_>> = stats
+        .iter()
+        .map(|stats| Commit {
+            stats,
+            histogram: &[],
+        })
+        .collect();
+    store.commit_group("s", &commits, 0).await.expect("commit");
+    let some = store.sample_item_stats("s", 4).await.expect("sample");
+    let seqs: std::collections::BTreeSet<u32> = some.iter().map(|s| s.seq).collect();
+    assert_eq!((some.len(), seqs.len()), (4, 4), "{seqs:?}");
+    assert!(seqs.iter().all(|s| *s < 10));
+    let all = store.sample_item_stats("s", 100).await.expect("sample");
+    assert_eq!(all.len(), 10, "never more than there are");
+    store.delete_job("s").await.expect("cleanup");
 }
 
 /// A small task (a CSV layout, a model, an output folder).

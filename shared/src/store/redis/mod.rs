@@ -288,6 +288,28 @@ impl JobStore for RedisStore {
             .await
     }
 
+    /// `HRANDFIELD <stats> n WITHVALUES`: distinct items, O(n).
+    async fn sample_item_stats(&self, job: &str, n: usize) -> Result<Vec<ItemStats>, StoreError> {
+        let key = self.keys.stats_key(job);
+        let mut c = self.conn("HRANDFIELD stats").await?;
+        let flat: Vec<String> = redis::cmd("HRANDFIELD")
+            .arg(&key)
+            .arg(n.max(1))
+            .arg("WITHVALUES")
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HRANDFIELD stats"))?;
+        flat.chunks(2)
+            .filter_map(|pair| pair.get(1))
+            .map(|json| {
+                serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
     /// Starts holding an item (see [`start_script`]): checks the message's
     /// `claim` against the job record and, only if the job runs and the item
     /// is neither done nor failed, writes the lease (started and heartbeat
