@@ -24,12 +24,34 @@ pub struct Connections {
     pub retention: Duration,
     /// What a job's `[on_complete]` may do.
     pub hooks: crate::hooks::HookPolicy,
+    /// Publish work messages whole (version 2: the task in every message)
+    /// rather than naming the job's stored task (version 3), for a fleet
+    /// whose workers are not all of this version yet.
+    pub whole_messages: bool,
 }
 
 /// The default of `--retention` (`BATCHFLEET_RETENTION`).
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 impl Connections {
+    /// A work item's message as this coordinator publishes it, at delivery
+    /// attempt `attempt`: signed when a key is set; version 3 unless
+    /// [`Connections::whole_messages`].
+    pub fn work_message(
+        &self,
+        item: &batchfleet_shared::message::WorkItem,
+        attempt: u32,
+    ) -> batchfleet_shared::broker::Outgoing {
+        use batchfleet_shared::broker::Outgoing;
+        let key = self.signing_key.as_ref();
+        if self.whole_messages && item.task_sha256.is_some() {
+            let mut whole = item.clone();
+            whole.task_sha256 = None;
+            return Outgoing::work_item(&whole, attempt, key);
+        }
+        Outgoing::work_item(item, attempt, key)
+    }
+
     /// Connects to Redis (or hands out the in-process store).
     pub async fn store(&self) -> Result<Store, StoreError> {
         self.backend.store(self.connect_timeout).await

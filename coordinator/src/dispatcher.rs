@@ -14,7 +14,7 @@ use crate::config::RunConfig;
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner;
-use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
+use batchfleet_shared::broker::{Broker, PoolQueues};
 use batchfleet_shared::store::{JobStatus, RecordUpdate, Store};
 use std::path::{Path, PathBuf};
 
@@ -194,11 +194,7 @@ pub async fn dispatch(
             !done.contains(&item.seq)
                 && (u64::from(item.seq) >= watermark || again.contains(&item.seq))
         }) {
-            messages.push(Outgoing::work_item(
-                item,
-                1,
-                cfg.connections.signing_key.as_ref(),
-            ));
+            messages.push(cfg.connections.work_message(item, 1));
         }
         if messages.is_empty() {
             continue;

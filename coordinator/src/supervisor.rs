@@ -37,7 +37,7 @@ use crate::config::{Connections, SuperviseConfig};
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use crate::planner::Plan;
-use batchfleet_shared::broker::{Broker, Outgoing, PoolQueues};
+use batchfleet_shared::broker::{Broker, PoolQueues};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -329,7 +329,6 @@ impl Supervisor {
         // The copies name the job's task by digest: make sure it is there
         // (Redis may have lost it, or a newer coordinator encode it anew).
         store.put_task(&self.job_id, &plan.task).await?;
-        let key = self.connections.signing_key.clone();
         let mut messages = Vec::new();
         for (seq, attempt, why) in &to_send {
             let Some(item) = plan.items.get(*seq as usize) else {
@@ -338,7 +337,7 @@ impl Supervisor {
             if *why == Redispatch::StaleLease {
                 tracing::warn!(job = %self.job_id, item = seq, "worker holding the item went silent; publishing it again");
             }
-            messages.push(Outgoing::work_item(item, *attempt, key.as_ref()));
+            messages.push(self.connections.work_message(item, *attempt));
         }
         // To the job's own queue (declared again: a job run or replayed
         // after it ended has had its queue deleted).

@@ -60,6 +60,12 @@ pub struct GlobalArgs {
     /// by default, also when a host name resolves to one).
     #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_LINK_LOCAL", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
     pub hook_allow_link_local: bool,
+    /// Publish work messages whole, the job's task in every message
+    /// (version 2), instead of naming the task stored once per job
+    /// (version 3): set it while workers older than version 3 still run,
+    /// which reject version 3 messages.
+    #[arg(long, env = "BATCHFLEET_WHOLE_MESSAGES", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
+    pub whole_messages: bool,
 }
 
 impl GlobalArgs {
@@ -81,6 +87,7 @@ impl GlobalArgs {
                 allow_http: self.hook_allow_http,
                 allow_link_local: self.hook_allow_link_local,
             },
+            whole_messages: self.whole_messages,
         })
     }
 }

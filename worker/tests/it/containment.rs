@@ -985,3 +985,39 @@ fn testing_aids_are_hidden_from_help_and_the_signing_key_is_documented() {
         assert!(help.contains(shown), "{shown} is not in --help:\n{help}");
     }
 }
+
+/// `--whole-messages` (for a fleet with workers older than version 3):
+/// every message the coordinator publishes carries the job's task, and the
+/// job runs as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_messages_carry_the_task_in_every_message() {
+    let env = TestEnv::new("whole");
+    let mut cfg = env.run_config();
+    cfg.connections.whole_messages = true;
+    let manifest = job_in(&env, "whole", 2_000, 1_000);
+    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
+        .expect("manifest")
+        .job_id;
+    // No worker yet: the messages wait in the job's queue to be looked at.
+    let run = start_run(&cfg, &manifest);
+    let broker = env.broker().await;
+    let queue = PoolQueues::new(&env.pool).job(&id);
+    until("both items published", Duration::from_secs(60), || async {
+        broker.ready_count(&queue).await.ok().flatten() == Some(2)
+    })
+    .await;
+    for _ in 0..2 {
+        let m = broker.get(&queue).await.expect("get").expect("a message");
+        match Envelope::decode(&m.body).expect("decodes") {
+            Envelope::V2(item) => assert_eq!(item.job_id, id),
+            other => panic!("a whole message was expected, not {other:?}"),
+        }
+        // Dropped unsettled: back to the queue for the worker.
+    }
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    let report = summary(run, Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert!(verified(&env.path().join("whole")).is_empty());
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}

@@ -47,6 +47,7 @@ impl TestEnv {
             signing_key: None,
             retention: batchfleet_coordinator::config::DEFAULT_RETENTION,
             hooks: Default::default(),
+            whole_messages: false,
         }
     }
 
