@@ -112,44 +112,14 @@ async fn every_worker_of_a_pool_hears_a_job_announced() {
     );
     let pool = PoolQueues::new(batchfleet_testkit::services::unique("notices"));
     let elsewhere = PoolQueues::new(batchfleet_testkit::services::unique("notices-other"));
-    for q in [&pool, &elsewhere] {
-        coordinator.declare(q).await.expect("declare");
-    }
-    // Nobody listening yet: nothing to deliver, and no error.
-    coordinator
-        .announce(&pool, "early")
-        .await
-        .expect("announce");
-    let mut heard = Vec::new();
-    for w in [&w1, &w2] {
-        heard.push(w.notices(&pool).await.expect("listen"));
-    }
-    let mut other_heard = other.notices(&elsewhere).await.expect("listen");
-    coordinator
-        .announce(&pool, "job-1")
-        .await
-        .expect("announce");
-    coordinator
-        .announce(&elsewhere, "job-2")
-        .await
-        .expect("announce");
-    let soon = Duration::from_secs(10);
-    for n in &mut heard {
-        let job = tokio::time::timeout(soon, n.next())
-            .await
-            .expect("heard in time")
-            .expect("still listening")
-            .expect("no error");
-        assert_eq!(job, "job-1", "the first it hears is after it listened");
-    }
-    // Announced after the first pool's, on the same channel: were the other
-    // pool's listener to hear the first, it would hear it first.
-    let job = tokio::time::timeout(soon, other_heard.next())
-        .await
-        .expect("heard in time")
-        .expect("still listening")
-        .expect("no error");
-    assert_eq!(job, "job-2");
+    crate::announcements_reach_their_pool_only(
+        &*coordinator,
+        [&*w1, &*w2],
+        &*other,
+        &pool,
+        &elsewhere,
+    )
+    .await;
     for b in [w1, w2, other] {
         b.close("bye").await;
     }

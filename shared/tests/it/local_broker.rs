@@ -543,31 +543,15 @@ async fn delete_removes_a_queue_and_ends_its_subscriptions() {
 async fn every_listener_of_a_pool_hears_a_job_announced_and_no_other_pools() {
     let (hub, coordinator, pool) = setup("notices").await;
     let elsewhere = PoolQueues::new("notices-other");
-    coordinator.declare(&elsewhere).await.expect("declare");
-    coordinator
-        .announce(&pool, "early")
-        .await
-        .expect("nobody listening is fine");
-    let (w1, w2) = (hub.handle(), hub.handle());
-    let mut heard = vec![
-        w1.notices(&pool).await.expect("listen"),
-        w2.notices(&pool).await.expect("listen"),
-    ];
-    let mut other = hub.handle().notices(&elsewhere).await.expect("listen");
-    coordinator
-        .announce(&pool, "job-1")
-        .await
-        .expect("announce");
-    coordinator
-        .announce(&elsewhere, "job-2")
-        .await
-        .expect("announce");
-    for n in &mut heard {
-        let job = timeout(SOON, n.next()).await.expect("in time");
-        assert_eq!(job.expect("listening").expect("no error"), "job-1");
-    }
-    let job = timeout(SOON, other.next()).await.expect("in time");
-    assert_eq!(job.expect("listening").expect("no error"), "job-2");
+    let (w1, w2, other) = (hub.handle(), hub.handle(), hub.handle());
+    let mut heard = crate::announcements_reach_their_pool_only(
+        &*coordinator,
+        [&*w1, &*w2],
+        &*other,
+        &pool,
+        &elsewhere,
+    )
+    .await;
     assert!(
         timeout(BRIEFLY, heard[0].next()).await.is_err(),
         "nothing more was announced to the pool"

@@ -26,3 +26,52 @@ pub async fn store(stem: &str) -> batchfleet_shared::store::Store {
     .await
     .expect("redis")
 }
+
+/// What every broker keeps of announcements: with both pools declared and
+/// nobody listening, an announcement is no error; once `listeners` listen
+/// to `pool` and `other` to `elsewhere`, each hears only its own pool's
+/// job (`job-1`, `job-2`), the first it hears being one announced after it
+/// listened. The listeners' notices, for checks of a broker's own.
+pub async fn announcements_reach_their_pool_only(
+    coordinator: &dyn batchfleet_shared::broker::Broker,
+    listeners: [&dyn batchfleet_shared::broker::Broker; 2],
+    other: &dyn batchfleet_shared::broker::Broker,
+    pool: &batchfleet_shared::broker::PoolQueues,
+    elsewhere: &batchfleet_shared::broker::PoolQueues,
+) -> Vec<Box<dyn batchfleet_shared::broker::Notices>> {
+    for q in [pool, elsewhere] {
+        coordinator.declare(q).await.expect("declare");
+    }
+    coordinator
+        .announce(pool, "early")
+        .await
+        .expect("nobody listening is fine");
+    let mut heard = Vec::new();
+    for w in listeners {
+        heard.push(w.notices(pool).await.expect("listen"));
+    }
+    let mut other_heard = other.notices(elsewhere).await.expect("listen");
+    coordinator.announce(pool, "job-1").await.expect("announce");
+    coordinator
+        .announce(elsewhere, "job-2")
+        .await
+        .expect("announce");
+    let soon = Duration::from_secs(10);
+    for n in &mut heard {
+        let job = tokio::time::timeout(soon, n.next())
+            .await
+            .expect("heard in time")
+            .expect("still listening")
+            .expect("no error");
+        assert_eq!(job, "job-1", "the first it hears is after it listened");
+    }
+    // Announced after the first pool's, on the same channel: were the other
+    // pool's listener to hear the first, it would hear it first.
+    let job = tokio::time::timeout(soon, other_heard.next())
+        .await
+        .expect("heard in time")
+        .expect("still listening")
+        .expect("no error");
+    assert_eq!(job, "job-2");
+    heard
+}
