@@ -204,12 +204,19 @@ impl JobStore for LocalStore {
         }
         // The counters are read (and checked) before anything else changes,
         // so a corrupt field leaves the items uncommitted.
-        let winners: Vec<&Commit<'_>> = {
-            let mut seen = BTreeSet::new();
+        // Which win is decided once: a seq not done yet, its first commit
+        // in the group.
+        let mut seen = BTreeSet::new();
+        let won: Vec<bool> = commits
+            .iter()
+            .map(|c| !job.done.contains(&c.stats.seq) && seen.insert(c.stats.seq))
+            .collect();
+        let winners = || {
             commits
                 .iter()
-                .filter(|c| !job.done.contains(&c.stats.seq) && seen.insert(c.stats.seq))
-                .collect()
+                .zip(&won)
+                .filter(|(_, w)| **w)
+                .map(|(c, _)| c)
         };
         let add = |field: &str, by: u64| -> Result<(String, String), StoreError> {
             let now = field_u64(&job.fields, id, field)?;
@@ -219,20 +226,15 @@ impl JobStore for LocalStore {
             })?;
             Ok((field.to_owned(), sum.to_string()))
         };
-        let sum = |f: fn(&ItemStats) -> u64| winners.iter().map(|c| f(c.stats)).sum::<u64>();
+        let sum = |f: fn(&ItemStats) -> u64| winners().map(|c| f(c.stats)).sum::<u64>();
         let counters = [
-            add("items_done", winners.len() as u64)?,
+            add("items_done", winners().count() as u64)?,
             add("rows_done", sum(|s| s.rows + s.rows_rejected))?,
             add("rows_rejected", sum(|s| s.rows_rejected))?,
         ];
         job.fields.extend(counters);
-        let mut won = Vec::with_capacity(commits.len());
-        for c in commits {
-            let first = job.done.insert(c.stats.seq);
-            won.push(first);
-            if !first {
-                continue;
-            }
+        for c in winners() {
+            job.done.insert(c.stats.seq);
             job.stats.insert(c.stats.seq, c.stats.clone());
             job.failed.remove(&c.stats.seq);
             for (col, column) in c.histogram.iter().enumerate() {
