@@ -70,9 +70,15 @@ pub async fn commit_found(
     for chunk in found.chunks(256) {
         let commits: Vec<Commit<'_>> = chunk
             .iter()
-            .map(|(stats, histogram)| Commit { stats, histogram })
+            .map(|(stats, histogram)| Commit {
+                stats,
+                histogram,
+                leased: true,
+            })
             .collect();
-        let answers = store.commit_group(job, &commits, 0).await?;
+        let answers = store
+            .commit_group(job, &commits, batchfleet_shared::store::Work::default())
+            .await?;
         won += answers.into_iter().filter(|w| *w).count() as u64;
     }
     Ok(won)

@@ -337,7 +337,12 @@ impl Supervisor {
             if *why == Redispatch::StaleLease {
                 tracing::warn!(job = %self.job_id, item = seq, "worker holding the item went silent; publishing it again");
             }
-            messages.push(self.connections.work_message(item, *attempt));
+            let mut message = self.connections.work_message(item, *attempt);
+            message.headers.insert(
+                batchfleet_shared::message::COPY_HEADER,
+                batchfleet_shared::broker::HeaderValue::Int(1),
+            );
+            messages.push(message);
         }
         // To the job's own queue (declared again: a job run or replayed
         // after it ended has had its queue deleted).

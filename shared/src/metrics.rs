@@ -84,6 +84,10 @@ pub mod names {
     pub const WORKER_BATCH_SIZE: &str = "batchfleet_worker_batch_size_rows";
     /// Worker: items committed by one Redis call (histogram, items; pool).
     pub const WORKER_COMMIT_GROUP: &str = "batchfleet_worker_commit_group_items";
+    /// Worker: items started, by how (`quick`: a first delivery checked
+    /// against the job's facts, no Redis request; `checked`: the start
+    /// script) (counter; pool, how).
+    pub const WORKER_ITEM_STARTS: &str = "batchfleet_worker_item_starts_total";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
     /// Worker: 1 while running (gauge; pool).
@@ -158,6 +162,7 @@ pub mod names {
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
+        (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
         (WORKER_UP, Kind::Gauge, "1 while the worker runs."),
         (WORKER_DRAINING, Kind::Gauge, "1 while the worker drains after SIGTERM."),

@@ -15,7 +15,7 @@ use crate::runner::{ModelRunner, Predictions};
 use batchfleet_shared::broker::{Broker, BrokerError, Outgoing, PoolQueues};
 use batchfleet_shared::message::WorkItem;
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::store::{Store, StoreError};
+use batchfleet_shared::store::{Store, StoreError, Work};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -156,30 +156,56 @@ where
     .map_err(|e| ItemError::transient(e.to_string()))
 }
 
-/// Rows this worker ran through the model, per job, not yet added to the
-/// job's `rows_computed`: counted in memory at the model gate and sent with
-/// the next commit (or [`ItemContext::flush_work`]).
+/// Work this worker did for each job and has not counted in Redis yet: rows
+/// it ran through the model (tallied at the model gate) and items it
+/// started without the start script (which counts its own), sent with the
+/// job's next commit (or [`ItemContext::flush_work`]).
 #[derive(Debug, Default)]
 pub struct WorkTally {
-    rows: Mutex<HashMap<String, u64>>,
+    work: Mutex<HashMap<String, Work>>,
 }
 
 impl WorkTally {
-    /// Adds `rows` to `job`'s tally.
-    pub fn add(&self, job: &str, rows: u64) {
-        let mut tally = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+    /// Adds `work` to `job`'s tally.
+    pub fn add(&self, job: &str, work: Work) {
+        let mut tally = self.work.lock().unwrap_or_else(|p| p.into_inner());
         match tally.get_mut(job) {
-            Some(n) => *n += rows,
+            Some(w) => {
+                w.rows += work.rows;
+                w.deliveries += work.deliveries;
+            }
             None => {
-                tally.insert(job.to_owned(), rows);
+                tally.insert(job.to_owned(), work);
             }
         }
     }
 
-    /// Takes `job`'s tally (0 if none), leaving none.
-    pub fn take(&self, job: &str) -> u64 {
-        let mut tally = self.rows.lock().unwrap_or_else(|p| p.into_inner());
-        tally.remove(job).unwrap_or(0)
+    /// Adds `rows` model rows to `job`'s tally.
+    pub fn add_rows(&self, job: &str, rows: u64) {
+        self.add(
+            job,
+            Work {
+                deliveries: 0,
+                rows,
+            },
+        );
+    }
+
+    /// Counts an item of `job` started without the start script.
+    pub fn add_delivery(&self, job: &str) {
+        self.add(
+            job,
+            Work {
+                deliveries: 1,
+                rows: 0,
+            },
+        );
+    }
+
+    /// Takes `job`'s tally (nothing if none), leaving none.
+    pub fn take(&self, job: &str) -> Work {
+        let mut tally = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        tally.remove(job).unwrap_or_default()
     }
 }
 
@@ -208,6 +234,8 @@ pub struct ItemContext {
     pub bench: Bench,
     /// The jobs' tasks fetched so far (version 3 messages name them).
     pub tasks: crate::item::task::Tasks,
+    /// The jobs' facts read so far (a first delivery is checked against them).
+    pub facts: crate::item::facts::Facts,
     /// Model rows per job not yet counted in Redis.
     pub work: Arc<WorkTally>,
     /// Commits finished items, together when they finish together.
@@ -323,6 +351,7 @@ impl ItemContext {
             guard: parts.guard,
             bench: Bench::default(),
             tasks: Default::default(),
+            facts: Default::default(),
             work,
             committer,
             pause,
@@ -422,7 +451,7 @@ impl ItemContext {
             // Tallied as it goes in (rows a timeout throws away count too) and
             // sent with this worker's next commit of the job, or when an item
             // ends otherwise: never a Redis round trip under the gate.
-            self.work.add(&item.job_id, rows.len() as u64);
+            self.work.add_rows(&item.job_id, rows.len() as u64);
             let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
@@ -450,15 +479,15 @@ impl ItemContext {
         }
     }
 
-    /// Sends the job's tallied model rows that no commit took (an item that
-    /// failed, lost to a faster copy or was handed back after its model
-    /// call). Best effort: the counters measure wasted work, they decide nothing.
+    /// Sends the job's tallied work that no commit took (an item that
+    /// failed, lost to a faster copy or was handed back). Best effort: the
+    /// counters measure work done, wasted work included; they decide nothing.
     pub async fn flush_work(&self, job: &str) {
-        let rows = self.work.take(job);
-        if rows == 0 {
+        let work = self.work.take(job);
+        if work.is_empty() {
             return;
         }
-        if let Err(e) = self.store.count_work(job, 0, rows).await {
+        if let Err(e) = self.store.count_work(job, work.deliveries, work.rows).await {
             tracing::debug!(error = %e, "could not count work");
         }
     }

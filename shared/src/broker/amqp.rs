@@ -386,11 +386,12 @@ fn delivery(d: lapin::message::Delivery) -> Delivery {
         .map(|s| s.as_str().to_owned())
         .unwrap_or_default();
     let tag = d.delivery_tag;
+    let redelivered = d.redelivered;
     let acker = AmqpAcker {
         acker: d.acker,
         settled: AtomicBool::new(false),
     };
-    Delivery::new(d.data, headers, message_id, tag, Arc::new(acker))
+    Delivery::new(d.data, headers, message_id, tag, Arc::new(acker)).redelivered(redelivered)
 }
 
 /// Settles a delivery once; one dropped unsettled is returned (`basic.nack`

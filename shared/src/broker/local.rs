@@ -298,6 +298,7 @@ impl State {
         }
         let body = msg.body.clone();
         let message_id = msg.message_id.clone();
+        let redelivered = msg.delivery_count > 0;
         if let Some(sub) = sub {
             *self.in_flight.entry(sub).or_default() += 1;
         }
@@ -314,13 +315,9 @@ impl State {
             key: (handle.id, tag),
             settled: AtomicBool::new(false),
         };
-        Some(Delivery::new(
-            body,
-            headers,
-            message_id,
-            tag,
-            Arc::new(acker),
-        ))
+        Some(
+            Delivery::new(body, headers, message_id, tag, Arc::new(acker)).redelivered(redelivered),
+        )
     }
 }
 

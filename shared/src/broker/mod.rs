@@ -368,6 +368,8 @@ pub struct Delivery {
     pub message_id: String,
     /// This handle's number for it (for logs).
     pub tag: u64,
+    /// Whether the broker delivered it before (AMQP's `redelivered` flag).
+    redelivered: bool,
     acker: Arc<dyn Acker>,
 }
 
@@ -395,8 +397,20 @@ impl Delivery {
             headers,
             message_id,
             tag,
+            redelivered: false,
             acker,
         }
+    }
+    /// The same delivery, flagged as delivered before (or not).
+    pub fn redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
+    /// Whether the broker delivered the message before: its `redelivered`
+    /// flag, or a delivery count above 0. A message that is not may still
+    /// be a copy published anew (a retry, a hand-back, a supervisor copy).
+    pub fn is_redelivery(&self) -> bool {
+        self.redelivered || self.delivery_count() > 0
     }
     /// Acknowledges it.
     pub async fn ack(&self) -> Result<(), BrokerError> {

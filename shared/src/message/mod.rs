@@ -63,6 +63,11 @@ pub const MESSAGE_TYPE_V3: &str = "batchfleet.work_item.v3";
 /// Header with the 1-based delivery attempt, maintained by batchfleet itself
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
+/// Header (1) on a copy of an item the coordinator published again (a lost
+/// message, a dead worker's item, a straggler): its original may be done,
+/// so a worker starts it through the start script, which checks. Unsigned:
+/// it can only make a worker check more.
+pub const COPY_HEADER: &str = "x-bf-copy";
 /// Work items: when the item was published (ms since epoch), for the queue-wait metric.
 pub const PUBLISHED_HEADER: &str = "x-bf-published-ms";
 

@@ -27,7 +27,7 @@
 
 use super::{
     Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress,
-    RecordUpdate, Start, StoreError, TaskLookup, UnableNote,
+    RecordUpdate, Start, StoreError, TaskLookup, UnableNote, Work,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -189,13 +189,14 @@ impl JobStore for LocalStore {
         &self,
         job: &str,
         commits: &[Commit<'_>],
-        rows_computed: u64,
+        work: Work,
     ) -> Result<Vec<bool>, StoreError> {
         let mut state = self.lock();
         let id = job;
         let job = state.entry(id);
-        job.rows_computed = job.rows_computed.saturating_add(rows_computed);
-        for c in commits {
+        job.rows_computed = job.rows_computed.saturating_add(work.rows);
+        job.deliveries = job.deliveries.saturating_add(work.deliveries);
+        for c in commits.iter().filter(|c| c.leased) {
             job.leases
                 .remove(&format!("{}@{}", c.stats.seq, c.stats.worker));
         }
@@ -236,7 +237,9 @@ impl JobStore for LocalStore {
         for c in winners() {
             job.done.insert(c.stats.seq);
             job.stats.insert(c.stats.seq, c.stats.clone());
-            job.failed.remove(&c.stats.seq);
+            if c.leased {
+                job.failed.remove(&c.stats.seq);
+            }
             for (col, column) in c.histogram.iter().enumerate() {
                 for (b, &n) in column.iter().enumerate() {
                     if n > 0 {
@@ -395,7 +398,7 @@ impl JobStore for LocalStore {
     }
 
     /// [`lease_script`](super::redis::lease_script).
-    async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
+    async fn heartbeat(&self, job: &str, lease: &Lease, held_ms: u64) -> Result<bool, StoreError> {
         let mut state = self.lock();
         let job = state.entry(job);
         if job.done.contains(&lease.seq)
@@ -405,6 +408,9 @@ impl JobStore for LocalStore {
         }
         let mut held = lease.clone();
         held.heartbeat_ms = crate::host::now_ms();
+        if held.started_ms == 0 {
+            held.started_ms = held.heartbeat_ms.saturating_sub(held_ms).max(1);
+        }
         job.leases.insert(lease.field(), held);
         Ok(true)
     }
@@ -982,7 +988,7 @@ mod tests {
         // b's heartbeat writes nothing now that the item is done.
         let mut beat = left[0].clone();
         beat.rows_done = 50;
-        assert!(!store.heartbeat("j", &beat).await.unwrap());
+        assert!(!store.heartbeat("j", &beat, 0).await.unwrap());
         assert_eq!(store.leases("j").await.unwrap()[0].rows_done, 0);
         store.release("j", &beat).await.unwrap();
         assert!(store.leases("j").await.unwrap().is_empty());
@@ -1013,7 +1019,7 @@ mod tests {
         let mut beat = lease(10, "a");
         beat.started_ms = 3;
         beat.rows_done = 40;
-        assert!(store.heartbeat("j", &beat).await.unwrap());
+        assert!(store.heartbeat("j", &beat, 0).await.unwrap());
         let l = store.leases("j").await.unwrap().pop().unwrap();
         assert_eq!((l.started_ms, l.rows_done), (3, 40));
         assert!(l.heartbeat_ms >= before);

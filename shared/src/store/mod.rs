@@ -65,6 +65,11 @@ pub struct Commit<'a> {
     pub stats: &'a ItemStats,
     /// The item's prediction histogram, `counts[column][bin]`.
     pub histogram: &'a [Vec<u64>],
+    /// Whether the committer may hold a lease on the item (to drop) and the
+    /// item may have failed before (a failure to forget if it wins). False
+    /// only for an item started without the start script and never
+    /// leased: neither can exist, and the commit writes neither.
+    pub leased: bool,
 }
 
 /// What the worker whose commit won recorded about an item.
@@ -239,6 +244,72 @@ pub struct Claim<'a> {
     pub output_dir: &'a str,
 }
 
+/// What a worker checks a work message against: the job record's fields
+/// the start script reads ([`Store::start_item`]), read on their own
+/// ([`JobStore::job_facts`]) so that a worker can check the first delivery
+/// of an item against a copy it read moments ago, without a round trip.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobFacts {
+    /// The job's status.
+    pub status: JobStatus,
+    /// Its pool.
+    pub pool: String,
+    /// Its model file.
+    pub model: String,
+    /// Its model digest.
+    pub model_sha256: String,
+    /// Its output folder.
+    pub output_dir: String,
+    /// Its items.
+    pub items_total: u64,
+}
+
+impl JobFacts {
+    /// The facts of a job record.
+    pub fn of(record: &JobRecord) -> Self {
+        Self {
+            status: record.status,
+            pool: record.pool.clone(),
+            model: record.model.clone(),
+            model_sha256: record.model_sha256.clone(),
+            output_dir: record.output_dir.clone(),
+            items_total: record.items_total,
+        }
+    }
+
+    /// Whether item `seq` of a message claiming `claim` may start: the job
+    /// runs (or is being published) and agrees with the claim, field by
+    /// field, as the start script checks. Anything else — a finished,
+    /// failed or cancelled job, a disagreement — is for the start script to
+    /// settle, with its exact answer.
+    pub fn admit(&self, seq: u32, claim: &Claim<'_>) -> bool {
+        matches!(self.status, JobStatus::Planning | JobStatus::Running)
+            && self.pool == claim.pool
+            && self.model == claim.model
+            && self.model_sha256 == claim.model_sha256
+            && self.output_dir == claim.output_dir
+            && u64::from(seq) < self.items_total
+    }
+}
+
+/// Work a worker did for a job and counts with its next commit (or on its
+/// own, [`JobStore::count_work`]): items it started without the start
+/// script, and rows it put through the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Work {
+    /// Items started (deliveries).
+    pub deliveries: u64,
+    /// Rows put through the model, wasted work included.
+    pub rows: u64,
+}
+
+impl Work {
+    /// Whether there is nothing to count.
+    pub fn is_empty(&self) -> bool {
+        self.deliveries == 0 && self.rows == 0
+    }
+}
+
 /// What [`Store::start_item`] found. Only [`Start::Started`] wrote anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Start {
@@ -351,7 +422,15 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         histogram: &[Vec<u64>],
     ) -> Result<bool, StoreError> {
         let won = self
-            .commit_group(job, &[Commit { stats, histogram }], 0)
+            .commit_group(
+                job,
+                &[Commit {
+                    stats,
+                    histogram,
+                    leased: true,
+                }],
+                Work::default(),
+            )
             .await?;
         Ok(won.first().copied().unwrap_or(false))
     }
@@ -360,15 +439,16 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// atomic step (group commit): whether each won, in order — first commit
     /// wins per item, and only the winners' counters, stats and histograms
     /// are added (the histograms summed first: one write per filled bin of
-    /// the group). Adds `rows_computed` — rows the committing worker ran
-    /// through the model for the job since it last counted them, wasted
-    /// work included — to the job's `rows_computed` whatever wins: a worker
-    /// counts its model work with its commits, never under the model gate.
+    /// the group). Adds `work` — what the committing worker did for the
+    /// job since it last counted: items it started without the start
+    /// script, and rows it ran through the model, wasted work included — to
+    /// the job's work counters whatever wins: a worker counts its work with
+    /// its commits, never under the model gate nor at an item's start.
     async fn commit_group(
         &self,
         job: &str,
         commits: &[Commit<'_>],
-        rows_computed: u64,
+        work: Work,
     ) -> Result<Vec<bool>, StoreError>;
 
     /// Records that an item failed for good. Returns `false` (and records
@@ -412,10 +492,19 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         claim: &Claim<'_>,
     ) -> Result<Start, StoreError>;
 
-    /// Refreshes a lease (the heartbeat; its `heartbeat_ms` is set to
-    /// Redis's time). Returns `false`, writing nothing, once the item is
-    /// done or its job cancelled: the holder may stop working on it.
-    async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError>;
+    /// Refreshes a lease, or writes it the first time for an item started
+    /// without one (the heartbeat; its `heartbeat_ms` is set to Redis's
+    /// time, and a lease whose `started_ms` is 0 starts `held_ms` — how long
+    /// the worker has held the item — before that). Returns `false`,
+    /// writing nothing, once the item is done or its job cancelled: the
+    /// holder may stop working on it.
+    async fn heartbeat(&self, job: &str, lease: &Lease, held_ms: u64) -> Result<bool, StoreError>;
+
+    /// The fields of a job record a work message is checked against, in one
+    /// cheap read (not the whole record); `None` if the job is unknown.
+    async fn job_facts(&self, id: &str) -> Result<Option<JobFacts>, StoreError> {
+        Ok(self.job(id).await?.as_ref().map(JobFacts::of))
+    }
 
     /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
     async fn now_ms(&self) -> Result<u64, StoreError>;

@@ -3,8 +3,8 @@
 //! implementations of `JobStore` must behave the same.
 
 use batchfleet_shared::store::{
-    Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Start, Store,
-    UnableNote,
+    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, RecordUpdate, Start,
+    Store, UnableNote, Work,
 };
 
 /// Runs each `name: "redis key prefix stem"` test body against both stores.
@@ -41,6 +41,7 @@ on_both_stores! {
     a_task_is_stored_once_per_job_under_its_digest: "bftest-tasks",
     a_group_commits_each_item_once_and_adds_only_the_winners: "bftest-group",
     a_sample_of_item_stats_holds_distinct_committed_items: "bftest-sample",
+    a_job_s_facts_and_a_lease_written_at_the_first_heartbeat: "bftest-facts",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -100,9 +101,17 @@ async fn concurrent_commits_of_one_item_count_once(store: Store) {
             let commit = Commit {
                 stats: &stats,
                 histogram: &[vec![1, 2, 3]],
+                leased: true,
             };
             store
-                .commit_group("j", &[commit], 10)
+                .commit_group(
+                    "j",
+                    &[commit],
+                    Work {
+                        deliveries: 0,
+                        rows: 10,
+                    },
+                )
                 .await
                 .expect("commit")[0]
         })
@@ -237,7 +246,7 @@ async fn starting_an_item_checks_the_claim_leases_on_the_store_clock_and_a_commi
     let mut beat = lease(0, "w");
     beat.started_ms = at_ms;
     beat.heartbeat_ms = 7;
-    assert!(store.heartbeat("j", &beat).await.expect("beat"));
+    assert!(store.heartbeat("j", &beat, 0).await.expect("beat"));
     let leases = store.leases("j").await.expect("leases");
     assert!(leases[0].heartbeat_ms > at_ms, "{:?}", leases[0]);
     assert_eq!(leases[0].started_ms, at_ms);
@@ -445,7 +454,7 @@ async fn a_cancelled_job_starts_heartbeats_and_commits_nothing_more(store: Store
             .expect("start"),
         Start::JobFailed
     );
-    assert!(!store.heartbeat("c", &held).await.expect("heartbeat"));
+    assert!(!store.heartbeat("c", &held, 0).await.expect("heartbeat"));
     assert!(
         !store.is_done("c", 1).await.expect("done"),
         "not done: stopped by the cancel"
@@ -571,21 +580,29 @@ async fn a_group_commits_each_item_once_and_adds_only_the_winners(store: Store) 
         Commit {
             stats: &s0,
             histogram: &hist, // done already: not added
+            leased: true,
         },
         Commit {
             stats: &s1,
             histogram: &[vec![1, 0, 2]],
+            leased: true,
         },
         Commit {
             stats: &s1b,
             histogram: &hist, // the same item twice in one group: the first wins
+            leased: true,
         },
         Commit {
             stats: &s2,
             histogram: &[vec![0, 3, 1]],
+            leased: true,
         },
     ];
-    let won = store.commit_group("g", &group, 7).await.expect("group");
+    let work = |deliveries, rows| Work { deliveries, rows };
+    let won = store
+        .commit_group("g", &group, work(3, 7))
+        .await
+        .expect("group");
     assert_eq!(won, vec![false, true, false, true]);
     let p = store.progress("g").await.expect("progress");
     assert_eq!((p.items_done, p.rows_done), (3, 300));
@@ -602,8 +619,8 @@ async fn a_group_commits_each_item_once_and_adds_only_the_winners(store: Store) 
         .collect();
     assert_eq!(winners.len(), 3);
     assert!(winners.contains(&"1@w".to_owned()), "{winners:?}");
-    assert_eq!(store.work("g").await.expect("work"), (0, 7));
-    // A cancelled job takes no commit, and still counts the model rows.
+    assert_eq!(store.work("g").await.expect("work"), (3, 7));
+    // A cancelled job takes no commit, and still counts the work.
     store
         .fail_job("g", "cancelled", "by hand")
         .await
@@ -612,12 +629,16 @@ async fn a_group_commits_each_item_once_and_adds_only_the_winners(store: Store) 
     let late = [Commit {
         stats: &s3,
         histogram: &[],
+        leased: true,
     }];
     assert_eq!(
-        store.commit_group("g", &late, 2).await.expect("group"),
+        store
+            .commit_group("g", &late, work(1, 2))
+            .await
+            .expect("group"),
         vec![false]
     );
-    assert_eq!(store.work("g").await.expect("work"), (0, 9));
+    assert_eq!(store.work("g").await.expect("work"), (4, 9));
     assert_eq!(store.progress("g").await.expect("progress").items_done, 3);
     store.delete_job("g").await.expect("cleanup");
 }
@@ -635,9 +656,13 @@ async fn a_sample_of_item_stats_holds_distinct_committed_items(store: Store) {
         .map(|stats| Commit {
             stats,
             histogram: &[],
+            leased: true,
         })
         .collect();
-    store.commit_group("s", &commits, 0).await.expect("commit");
+    store
+        .commit_group("s", &commits, Work::default())
+        .await
+        .expect("commit");
     let some = store.sample_item_stats("s", 4).await.expect("sample");
     let seqs: std::collections::BTreeSet<u32> = some.iter().map(|s| s.seq).collect();
     assert_eq!((some.len(), seqs.len()), (4, 4), "{seqs:?}");
@@ -740,4 +765,147 @@ async fn sentinels_that_do_not_answer_are_named_without_their_passwords() {
         !text.contains("sentinel-pw") && !text.contains("data-pw"),
         "{text}"
     );
+}
+
+/// What a worker checks a first delivery against without the start script
+/// (the record's fields, read on their own), and the lease of such an item,
+/// written only at its first heartbeat, starting when the worker took it.
+async fn a_job_s_facts_and_a_lease_written_at_the_first_heartbeat(store: Store) {
+    assert_eq!(store.job_facts("f").await.expect("facts"), None);
+    store.put_job(&record("f")).await.expect("put");
+    let facts = store.job_facts("f").await.expect("facts").expect("known");
+    assert_eq!(facts, JobFacts::of(&record("f")));
+    assert_eq!(
+        (facts.status, facts.items_total, facts.pool.as_str()),
+        (JobStatus::Running, 3, "p")
+    );
+    assert!(facts.admit(2, &claim()));
+    assert!(!facts.admit(3, &claim()), "past the job's items");
+    let other_model = Claim {
+        model_sha256: "cd",
+        ..claim()
+    };
+    assert!(!facts.admit(0, &other_model));
+    // No lease until the first heartbeat, which dates it back by the time held.
+    assert!(store.leases("f").await.expect("leases").is_empty());
+    let now = store.now_ms().await.expect("clock");
+    let mut late = lease(1, "w");
+    late.started_ms = 0;
+    assert!(store.heartbeat("f", &late, 5_000).await.expect("beat"));
+    let leases = store.leases("f").await.expect("leases");
+    assert_eq!(leases.len(), 1);
+    let l = &leases[0];
+    assert!(l.heartbeat_ms >= now, "{l:?}");
+    assert_eq!(
+        l.heartbeat_ms - l.started_ms,
+        5_000,
+        "started when the worker took the item, on the store's clock: {l:?}"
+    );
+    // Later beats keep that start.
+    let mut again = l.clone();
+    again.rows_done = 50;
+    assert!(store.heartbeat("f", &again, 9_000).await.expect("beat"));
+    let l2 = &store.leases("f").await.expect("leases")[0];
+    assert_eq!((l2.started_ms, l2.rows_done), (l.started_ms, 50));
+    // The commit of an item started without the start script: its delivery
+    // counted with it, and no lease dropped nor failure forgotten when it
+    // says it was never leased (here a lease is there only to show that
+    // such a commit does not touch the leases).
+    let s = stats(1, "w");
+    let quick = [Commit {
+        stats: &s,
+        histogram: &[],
+        leased: false,
+    }];
+    let won = store
+        .commit_group(
+            "f",
+            &quick,
+            Work {
+                deliveries: 1,
+                rows: 100,
+            },
+        )
+        .await
+        .expect("commit");
+    assert_eq!(won, vec![true]);
+    assert_eq!(store.work("f").await.expect("work"), (1, 100));
+    assert_eq!(store.leases("f").await.expect("leases").len(), 1);
+    assert!(
+        !store.heartbeat("f", l2, 0).await.expect("beat"),
+        "a done item is leased no more"
+    );
+    store
+        .fail_job("f", "cancelled", "by hand")
+        .await
+        .expect("cancel");
+    let facts = store.job_facts("f").await.expect("facts").expect("known");
+    assert_eq!(facts.status, JobStatus::Cancelled);
+    assert!(!facts.admit(0, &claim()), "a cancelled job starts nothing");
+    store.delete_job("f").await.expect("cleanup");
+}
+
+/// The histogram is one running field per committing worker, written once
+/// per group whatever the output's width; fields of the earlier kind (one
+/// `<column>:<bin>` count each, from workers before it) read back summed
+/// with them, so a job committed across an upgrade keeps its histogram.
+#[tokio::test]
+async fn a_histogram_is_a_field_per_worker_and_reads_back_older_bin_fields() {
+    batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
+    let prefix = batchfleet_testkit::services::unique("bftest-hist");
+    let url = batchfleet_shared::endpoint::Endpoint::redis(
+        batchfleet_shared::secret::SecretUrl::new("redis://127.0.0.1:6379/"),
+    );
+    let store = Store::connect(&url, &prefix, std::time::Duration::from_secs(5))
+        .await
+        .expect("redis");
+    store.put_job(&record("h")).await.expect("put");
+    let key = batchfleet_shared::store::redis::job_scoped(&prefix, "h", ":hist");
+    let client = ::redis::Client::open("redis://127.0.0.1:6379/").expect("client");
+    let mut raw = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    // An older worker's commit: one field per filled bin.
+    let _: () = ::redis::pipe()
+        .hincr(&key, "0:1", 5)
+        .hincr(&key, "1:0", 2)
+        .query_async(&mut raw)
+        .await
+        .expect("old fields");
+    let (a, b, c) = (stats(0, "w1"), stats(1, "w1"), stats(2, "w2"));
+    let commit = |stats, histogram| Commit {
+        stats,
+        histogram,
+        leased: false,
+    };
+    let h1 = [vec![1, 2, 0], vec![0, 0, 3]];
+    let h2 = [vec![0, 1, 1], vec![4, 0, 0]];
+    store
+        .commit_group("h", &[commit(&a, &h1), commit(&b, &h2)], Work::default())
+        .await
+        .expect("group");
+    store
+        .commit_group("h", &[commit(&c, &h1)], Work::default())
+        .await
+        .expect("group");
+    let fields: std::collections::BTreeMap<String, String> = ::redis::cmd("HGETALL")
+        .arg(&key)
+        .query_async(&mut raw)
+        .await
+        .expect("fields");
+    assert_eq!(
+        fields.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["0:1", "1:0", "w1", "w2"],
+        "one field per committing worker beside the older ones"
+    );
+    assert_eq!(
+        fields["w1"], "[[1,3,1],[4,0,3]]",
+        "the group's two items summed"
+    );
+    assert_eq!(
+        store.histogram("h", 3).await.expect("histogram"),
+        vec![vec![2, 10, 1], vec![6, 0, 6]]
+    );
+    store.delete_job("h").await.expect("cleanup");
 }

@@ -15,8 +15,9 @@
 //! waits for a group to fill — an item alone is committed at once, as
 //! before — so groups form only when items finish faster than Redis
 //! answers, which is exactly when a call per item would cost most. Each
-//! call carries the job's model rows tallied since the last
-//! ([`WorkTally`]); a group whose call fails puts them back, and each of its
+//! call carries the job's work tallied since the last (model rows, items
+//! started without the start script: [`WorkTally`]); a group whose call
+//! fails puts it back, and each of its
 //! items gets the error to settle like any failed commit.
 
 use crate::context::{patiently, WorkTally};
@@ -40,6 +41,8 @@ struct Pending {
     histogram: Vec<Vec<u64>>,
     /// The folder of the item's part file, to fsync before the commit.
     folder: Option<PathBuf>,
+    /// Whether the item's lease was written (see [`Commit::leased`]).
+    leased: bool,
     reply: oneshot::Sender<Result<bool, ItemError>>,
 }
 
@@ -71,13 +74,15 @@ impl Committer {
 
     /// Commits one item of `job` with the others that finish meanwhile,
     /// after fsyncing `folder` (where its part file was published): whether
-    /// its commit won.
+    /// its commit won. `leased`: whether the item's lease was written (the
+    /// commit drops it).
     pub async fn commit(
         &self,
         job: &str,
         stats: ItemStats,
         histogram: Vec<Vec<u64>>,
         folder: Option<PathBuf>,
+        leased: bool,
     ) -> Result<bool, ItemError> {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
@@ -85,6 +90,7 @@ impl Committer {
             stats,
             histogram,
             folder,
+            leased,
             reply,
         };
         let stopped = || ItemError::transient("the worker's commit task stopped");
@@ -120,16 +126,17 @@ async fn commit_job(setup: &Setup, job: &str, items: Vec<Pending>) {
         }
         return;
     }
-    let computed = setup.work.take(job);
+    let work = setup.work.take(job);
     let commits: Vec<Commit<'_>> = items
         .iter()
         .map(|p| Commit {
             stats: &p.stats,
             histogram: &p.histogram,
+            leased: p.leased,
         })
         .collect();
     let result = patiently(setup.patience, &setup.shutdown, "commit", || {
-        setup.store.commit_group(job, &commits, computed)
+        setup.store.commit_group(job, &commits, work)
     })
     .await;
     drop(commits);
@@ -143,7 +150,7 @@ async fn commit_job(setup: &Setup, job: &str, items: Vec<Pending>) {
             }
         }
         Err(e) => {
-            setup.work.add(job, computed);
+            setup.work.add(job, work);
             for p in items {
                 let _ = p.reply.send(Err(e.clone()));
             }
@@ -200,22 +207,23 @@ mod tests {
     async fn items_finishing_together_each_get_their_own_answer_and_the_tally_goes_once() {
         let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
         let c = committer(&store, &work);
-        work.add("a", 5);
+        work.add_rows("a", 5);
+        work.add_delivery("a");
         let dir = tempfile::tempdir().unwrap();
         let folder = || Some(dir.path().to_path_buf());
         let (a0, a1, b0, a0_again) = tokio::join!(
-            c.commit("a", stats(0, "w"), vec![vec![1]], folder()),
-            c.commit("a", stats(1, "w"), vec![vec![1]], folder()),
-            c.commit("b", stats(0, "w"), vec![vec![1]], None),
-            c.commit("a", stats(0, "w2"), vec![vec![1]], folder()),
+            c.commit("a", stats(0, "w"), vec![vec![1]], folder(), false),
+            c.commit("a", stats(1, "w"), vec![vec![1]], folder(), true),
+            c.commit("b", stats(0, "w"), vec![vec![1]], None, false),
+            c.commit("a", stats(0, "w2"), vec![vec![1]], folder(), true),
         );
         assert_eq!(
             [a0.unwrap(), a1.unwrap(), b0.unwrap(), a0_again.unwrap()],
             [true, true, true, false],
             "first commit wins, per item and job"
         );
-        assert_eq!(store.work("a").await.unwrap(), (0, 5));
-        assert_eq!(work.take("a"), 0, "sent with the commit");
+        assert_eq!(store.work("a").await.unwrap(), (1, 5));
+        assert!(work.take("a").is_empty(), "sent with the commit");
         assert_eq!(store.histogram("a", 1).await.unwrap(), vec![vec![2]]);
     }
 
@@ -223,14 +231,18 @@ mod tests {
     async fn a_folder_that_cannot_be_synced_fails_its_items_and_commits_nothing() {
         let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
         let c = committer(&store, &work);
-        work.add("a", 3);
+        work.add_rows("a", 3);
         let gone = Some(PathBuf::from("/nonexistent-batchfleet-folder"));
         let e = c
-            .commit("a", stats(0, "w"), Vec::new(), gone)
+            .commit("a", stats(0, "w"), Vec::new(), gone, true)
             .await
             .unwrap_err();
         assert!(e.message.contains("cannot fsync"), "{e}");
         assert!(!store.is_done("a", 0).await.unwrap());
-        assert_eq!(work.take("a"), 3, "the tally waits for a commit that lands");
+        assert_eq!(
+            work.take("a").rows,
+            3,
+            "the tally waits for a commit that lands"
+        );
     }
 }

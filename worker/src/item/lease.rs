@@ -2,6 +2,15 @@
 //! fresh in Redis. The coordinator sees what is in flight where, and
 //! publishes a copy of an item whose lease goes stale (its worker died).
 //!
+//! An item started by the start script has its lease from the start; an
+//! item started without it ([`LeaseGuard::lazy`], a first delivery checked
+//! against the job's facts) gets one only at its first heartbeat, dated
+//! back to when the worker took it: an item shorter than a heartbeat —
+//! most items — costs no lease write and no lease drop. Until then the
+//! broker holds the item for it (the delivery is unacknowledged), and the
+//! coordinator takes an item for lost only after `orphan_grace`, several
+//! heartbeats.
+//!
 //! Lease times are Redis's clock (the scripts set them), never this
 //! machine's: a worker whose clock is off cannot make its live lease look
 //! stale. A lease holder stops its heartbeat when dropped — on every path,
@@ -48,6 +57,24 @@ impl LeaseGuard {
     ) -> Self {
         let lease = lease_for(item, attempt, &ctx, at_ms);
         let signals = Arc::new(Signals::default());
+        signals.leased.store(true, Ordering::SeqCst);
+        Self::with(item, lease, signals, held, ctx)
+    }
+
+    /// An item started without a lease: the first heartbeat writes it
+    /// (unless the item is settled by then, as most are).
+    pub fn lazy(item: &WorkItem, attempt: u32, held: Arc<Held>, ctx: Arc<ItemContext>) -> Self {
+        let lease = lease_for(item, attempt, &ctx, 0);
+        Self::with(item, lease, Arc::default(), held, ctx)
+    }
+
+    fn with(
+        item: &WorkItem,
+        lease: Lease,
+        signals: Arc<Signals>,
+        held: Arc<Held>,
+        ctx: Arc<ItemContext>,
+    ) -> Self {
         let task = tokio::spawn(heartbeat_loop(
             item.job_id.clone(),
             lease.clone(),
@@ -74,7 +101,7 @@ impl LeaseGuard {
             let _ = task.await;
         }
         self.released = true;
-        if drop {
+        if drop && self.signals.leased.load(Ordering::SeqCst) {
             if let Err(e) = self.ctx.store.release(&self.job, &self.lease).await {
                 tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
             }
@@ -87,7 +114,7 @@ impl Drop for LeaseGuard {
     /// stops and the lease is dropped, so the item is not held by nobody.
     fn drop(&mut self) {
         self.signals.stop.cancel();
-        if self.released {
+        if self.released || !self.signals.leased.load(Ordering::SeqCst) {
             return;
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -100,7 +127,8 @@ impl Drop for LeaseGuard {
     }
 }
 
-/// The lease a worker writes for `item` (times are set by Redis).
+/// The lease a worker writes for `item` (times are set by Redis; `at_ms`
+/// 0 for a lease first written by a heartbeat, which dates it).
 pub fn lease_for(item: &WorkItem, attempt: u32, ctx: &ItemContext, at_ms: u64) -> Lease {
     Lease {
         seq: item.seq,
@@ -123,9 +151,12 @@ async fn heartbeat_loop(
     ctx: Arc<ItemContext>,
     signals: Arc<Signals>,
 ) {
+    let started = std::time::Instant::now();
     let mut tick = tokio::time::interval(ctx.tuning.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await; // the first tick is immediate; the lease was just written
+    // The first tick is immediate: the lease was just written, or the item
+    // goes without one until it outlives a heartbeat.
+    tick.tick().await;
     loop {
         tokio::select! {
             _ = signals.stop.cancelled() => return,
@@ -151,16 +182,22 @@ async fn heartbeat_loop(
         }
         lease.rows_done = signals.rows_done.load(Ordering::Relaxed);
         lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
-        match ctx.store.heartbeat(&job, &lease).await {
+        let held_ms = started.elapsed().as_millis() as u64;
+        match ctx.store.heartbeat(&job, &lease, held_ms).await {
             // A long item's model rows are counted a heartbeat late at
             // most, not at its commit: a worker killed mid-item leaves its
             // wasted work counted.
-            Ok(true) => ctx.flush_work(&job).await,
+            Ok(true) => {
+                signals.leased.store(true, Ordering::SeqCst);
+                ctx.flush_work(&job).await;
+            }
             Ok(false) => match ctx.store.is_done(&job, lease.seq).await {
                 Ok(false) => {
                     tracing::info!(
                         "the job was cancelled; stopping the item at its next checkpoint"
                     );
+                    // Its next items go through the start script, which skips them.
+                    ctx.facts.forget(&job);
                     signals.job_stopped.cancel();
                     return;
                 }

@@ -1,7 +1,8 @@
 //! What happens to one delivery, from admission to commit: the consume
 //! loop's unit of work.
 //!
-//! admit (signature, decode, the job's task, caps, paths) → start (job record checks, lease)
+//! admit (signature, decode, the job's task, caps, paths) → start (job record checks, lease;
+//! for a first delivery, against the job's facts read moments ago, the lease only at the first heartbeat)
 //! → read → predict → publish the part file → write the rejects file →
 //! mark done in Redis → ack. The ack comes last, so a worker that dies at any
 //! point leaves the item to be redelivered, and the done set plus
@@ -27,10 +28,14 @@
 //! - [`group`]: group commit — the items that finish together, committed
 //!   in one Redis call.
 //! - [`task`]: a version 3 message's task, fetched once per job and kept.
+//! - [`facts`]: the job record's fields a message is checked against,
+//!   read once in a while per job: a first delivery starts without a
+//!   Redis request.
 
 pub(crate) mod admission;
 mod call;
 mod checkpoint;
+pub(crate) mod facts;
 pub(crate) mod group;
 mod held;
 mod lease;
@@ -45,7 +50,7 @@ use crate::error::{blocking, ItemError};
 use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::{NameSync, Publish};
-use batchfleet_shared::message::{Opened, WorkItem, PUBLISHED_HEADER};
+use batchfleet_shared::message::{Opened, WorkItem, COPY_HEADER, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
@@ -55,6 +60,7 @@ use settle::{give_back, hand_back, reject, settle_error, Carried, UNKNOWN_SINCE_
 use signals::Signals;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
@@ -153,31 +159,53 @@ pub async fn handle(
             // Model rows no commit carried (a failure, a faster copy).
             ctx.flush_work(&item.job_id).await;
         }
-        // A commit dropped the lease itself.
-        guard
-            .finish(!keep_lease && outcome != Handled::Committed)
-            .await;
+        // A commit dropped the lease itself, if it was written by then.
+        let committed =
+            outcome == Handled::Committed && guard.signals.lease_committed.load(Ordering::SeqCst);
+        guard.finish(!keep_lease && !committed).await;
         outcome
     };
     work.instrument(span).await
 }
 
-/// Checks the message against the job record and starts the lease (one
-/// Redis round trip): the lease to go on with, or how the delivery was
-/// settled here instead.
+/// Checks the message against the job record and starts the lease: the
+/// lease to go on with, or how the delivery was settled here instead.
+///
+/// A first delivery (no earlier attempt, never returned by the broker, not
+/// a coordinator's copy) of an item of a job whose facts, read moments ago,
+/// say it runs and agree with the message starts at once: no Redis
+/// request, no lease until it outlives a heartbeat, its delivery counted
+/// with its commit. Such an item is neither done nor failed yet — every
+/// other delivery (a redelivery after a worker died, a retry, a copy, a job
+/// the facts do not admit) goes through the start script, one round trip
+/// that checks the job record, the done and failed sets, and writes the
+/// lease. (Should a first delivery be done after all — a copy stripped of
+/// its header — its commit simply loses: first commit wins.)
 async fn start(
     held: &Arc<Held>,
     item: &WorkItem,
     attempt: u32,
     ctx: &Arc<ItemContext>,
 ) -> Result<LeaseGuard, Handled> {
-    let lease = lease_for(item, attempt, ctx, 0);
     let claim = Claim {
         pool: &ctx.queues.pool,
         model: &item.task.model.path,
         model_sha256: &item.task.model.sha256,
         output_dir: &item.task.output.dir,
     };
+    let first =
+        attempt == 1 && !held.delivery.is_redelivery() && held.headers().int(COPY_HEADER).is_none();
+    if first {
+        if let Some(facts) = ctx.facts.get(&item.job_id, &ctx.store).await {
+            if facts.admit(item.seq, &claim) {
+                metrics::counter!(names::WORKER_ITEM_STARTS, "how" => "quick").increment(1);
+                ctx.work.add_delivery(&item.job_id);
+                return Ok(LeaseGuard::lazy(item, attempt, held.clone(), ctx.clone()));
+            }
+        }
+    }
+    metrics::counter!(names::WORKER_ITEM_STARTS, "how" => "checked").increment(1);
+    let lease = lease_for(item, attempt, ctx, 0);
     let started = ctx
         .patient("start", || {
             ctx.store.start_item(&item.job_id, &lease, &claim)
@@ -375,7 +403,7 @@ async fn process(
         } => {
             (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
             stats.vector = vector;
-            return commit(item, stats, &hist, None, ctx).await;
+            return commit(item, stats, &hist, None, signals, ctx).await;
         }
         Looked::Read {
             batch,
@@ -444,7 +472,7 @@ async fn process(
         return Ok(Handled::AlreadyDone);
     }
     let partial = partial.map(|dir| (out, dir));
-    commit(item, stats, &hist, partial, ctx).await
+    commit(item, stats, &hist, partial, signals, ctx).await
 }
 
 /// What [`look_and_read`] found.
@@ -519,9 +547,15 @@ async fn commit(
     mut stats: ItemStats,
     hist: &[Vec<u64>],
     partial: Option<(PathBuf, PathBuf)>,
+    signals: &Signals,
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
     stats.finished_ms = ctx.clock.now_ms();
+    // A lease the first heartbeat writes after this is dropped when the
+    // item is finished (`LeaseGuard::finish`), unless the item is done by
+    // then: the lease script writes none for a done item.
+    let leased = signals.leased.load(Ordering::SeqCst);
+    signals.lease_committed.store(leased, Ordering::SeqCst);
     // With the others that finish meanwhile, and the job's model rows
     // tallied since this worker last counted them. The part file's name
     // was published unsynced: its folder is fsynced once for the group,
@@ -530,7 +564,7 @@ async fn commit(
     let folder = part.parent().map(Path::to_path_buf);
     let won = ctx
         .committer
-        .commit(&item.job_id, stats.clone(), hist.to_vec(), folder)
+        .commit(&item.job_id, stats.clone(), hist.to_vec(), folder, leased)
         .await?;
     if let Some((out, dir)) = partial {
         // The segments are in the part file now.

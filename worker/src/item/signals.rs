@@ -24,6 +24,13 @@ pub struct Signals {
     /// Set once the item had its first turn at the model. Only such an item
     /// is acknowledged early, so unacknowledged items never exceed the prefetch in force.
     pub at_model: AtomicBool,
+    /// Set once the item's lease is in Redis: written by the start script,
+    /// or by the first heartbeat of an item started without one. An item
+    /// settled before that has no lease to drop.
+    pub leased: AtomicBool,
+    /// Set when the item's commit carried its lease (the commit script
+    /// dropped it); a lease written after that is dropped at the end.
+    pub lease_committed: AtomicBool,
     /// Cancelled to stop the heartbeat.
     pub(crate) stop: CancellationToken,
 }

@@ -40,3 +40,103 @@ async fn a_new_job_is_consumed_as_soon_as_it_is_announced(backend: Backend) {
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     env.cleanup(&ids).await;
 }
+
+/// The first delivery of an item starts without the start script (no Redis
+/// request; its delivery counted with its commit) and takes a lease only
+/// once it outlives a heartbeat, dated back to when the worker took it.
+/// Items here take 300 ms at the model against a 100 ms heartbeat, so each
+/// is leased while it runs; none is left leased at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_deliveries_start_without_a_round_trip_and_lease_only_past_a_heartbeat() {
+    let env = TestEnv::new("quick");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let workers = env
+        .workers(
+            Backend::Fleet,
+            &[&[
+                "--metrics-port",
+                &port,
+                "--heartbeat",
+                "100ms",
+                "--debug-batch-delay",
+                "300ms",
+            ]],
+        )
+        .await;
+    let dir = env.path().join("job");
+    let gen = JobGen {
+        rows: 800,
+        files: 1,
+        features: 4,
+        hidden: 8,
+        name: batchfleet_testkit::services::unique("quick"),
+        pool: env.pool.clone(),
+        item_rows: 100,
+        batch_size: 100,
+        ..JobGen::default()
+    };
+    make_job(&dir, &gen).expect("generate job");
+    let store = env.connections().store().await.expect("redis");
+    let watch = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            // The leases seen while the job runs (the job id is the only
+            // one under this env's prefix).
+            let mut seen = Vec::new();
+            for _ in 0..600 {
+                for id in store.recent_jobs(4).await.unwrap_or_default() {
+                    seen.extend(store.leases(&id).await.unwrap_or_default());
+                }
+                if seen.len() >= 3 {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            seen
+        })
+    };
+    let (job_id, report) = env.run_on(&workers, &dir.join("job.toml")).await;
+    assert_eq!(report.status, "completed");
+    let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    let seen = watch.await.expect("watch");
+    assert!(!seen.is_empty(), "items outliving a heartbeat are leased");
+    for l in &seen {
+        assert!(
+            l.heartbeat_ms >= l.started_ms + 80,
+            "a lease written at the first heartbeat starts when the item was taken: {l:?}"
+        );
+    }
+    assert!(store.leases(&job_id).await.expect("leases").is_empty());
+    assert_eq!(
+        report.deliveries, report.items_total,
+        "each start counted once, with its commit: {report:?}"
+    );
+    let metrics = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape")
+        .into_string()
+        .expect("text");
+    let starts = |how: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("batchfleet_worker_item_starts_total")
+                    && l.contains(&format!("how=\"{how}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    assert_eq!(
+        (starts("quick"), starts("checked")),
+        (report.items_total, 0),
+        "every item was a first delivery: {metrics}"
+    );
+    let mut workers = workers;
+    workers.stop();
+    env.cleanup(&[job_id.as_str()]).await;
+}

@@ -19,8 +19,8 @@ pub use scripts::{
 };
 
 use super::{
-    Claim, Commit, ItemFailure, ItemStats, JobRecord, JobStatus, JobStore, Lease, Progress,
-    RecordUpdate, Start, StoreError, TaskLookup, UnableNote,
+    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, JobStore, Lease,
+    Progress, RecordUpdate, Start, StoreError, TaskLookup, UnableNote, Work,
 };
 use crate::endpoint::Endpoint;
 use connect::{Conn, Connections};
@@ -124,6 +124,53 @@ impl JobStore for RedisStore {
         JobRecord::from_fields(&key, &map).map(Some)
     }
 
+    /// The fields a work message is checked against, in one `HMGET`: a
+    /// worker reads them once in a while per job, not the whole record
+    /// (which holds the manifest).
+    async fn job_facts(&self, id: &str) -> Result<Option<JobFacts>, StoreError> {
+        let key = self.keys.job_key(id);
+        let mut c = self.conn("HMGET job").await?;
+        let fields: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&key)
+            .arg(&[
+                "status",
+                "pool",
+                "model",
+                "model_sha256",
+                "output_dir",
+                "items_total",
+            ])
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HMGET job"))?;
+        let [Some(status), pool, model, sha, dir, total] = <[Option<String>; 6]>::try_from(fields)
+            .map_err(|_| StoreError::Corrupt {
+                key: key.clone(),
+                reason: "HMGET answered the wrong number of fields".into(),
+            })?
+        else {
+            return Ok(None);
+        };
+        let corrupt = |reason: String| StoreError::Corrupt {
+            key: key.clone(),
+            reason,
+        };
+        Ok(Some(JobFacts {
+            status: JobStatus::from_name(&status)
+                .ok_or_else(|| corrupt(format!("unknown status {status}")))?,
+            pool: pool.unwrap_or_default(),
+            model: model.unwrap_or_default(),
+            model_sha256: sha.unwrap_or_default(),
+            output_dir: dir.unwrap_or_default(),
+            items_total: match total {
+                None => 0,
+                Some(t) => t
+                    .parse()
+                    .map_err(|_| corrupt(format!("field items_total is not a number: {t}")))?,
+            },
+        }))
+    }
+
     /// Writes a new job record (all fields) and lists it in `P:jobs`.
     async fn put_job(&self, job: &JobRecord) -> Result<(), StoreError> {
         let mut c = self.conn("put job").await?;
@@ -173,7 +220,7 @@ impl JobStore for RedisStore {
         &self,
         job: &str,
         commits: &[Commit<'_>],
-        rows_computed: u64,
+        work: Work,
     ) -> Result<Vec<bool>, StoreError> {
         if commits.is_empty() {
             return Ok(Vec::new());
@@ -187,15 +234,28 @@ impl JobStore for RedisStore {
             .key(self.keys.hist_key(job))
             .key(self.keys.leases_key(job))
             .key(self.keys.work_key(job))
-            .arg(rows_computed);
-        for Commit { stats, histogram } in commits {
+            .arg(work.rows)
+            .arg(work.deliveries)
+            // The running histogram's field: the committing worker's (a
+            // worker's groups hold its own items only).
+            .arg(&commits[0].stats.worker);
+        for Commit {
+            stats,
+            histogram,
+            leased,
+        } in commits
+        {
             invocation
                 .arg(stats.seq)
                 .arg(stats.rows + stats.rows_rejected)
                 .arg(encode("encode stats", stats)?)
                 .arg(stats.rows_rejected)
                 .arg(encode("encode histogram", histogram)?)
-                .arg(format!("{}@{}", stats.seq, stats.worker));
+                .arg(if *leased {
+                    format!("{}@{}", stats.seq, stats.worker)
+                } else {
+                    String::new()
+                });
         }
         let mut c = self.conn("commit items").await?;
         let won: Vec<i64> = invocation
@@ -367,7 +427,7 @@ impl JobStore for RedisStore {
     /// Refreshes a lease (the heartbeat; its `heartbeat_ms` is set to
     /// Redis's time). Returns `false`, writing nothing, once the item is
     /// done: the holder may stop working on it.
-    async fn heartbeat(&self, job: &str, lease: &Lease) -> Result<bool, StoreError> {
+    async fn heartbeat(&self, job: &str, lease: &Lease, held_ms: u64) -> Result<bool, StoreError> {
         let json = encode("encode lease", lease)?;
         let mut c = self.conn("heartbeat").await?;
         let written: i64 = self
@@ -379,6 +439,7 @@ impl JobStore for RedisStore {
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
+            .arg(held_ms)
             .invoke_async(&mut c)
             .await
             .map_err(cmd("heartbeat"))?;
@@ -507,22 +568,39 @@ impl JobStore for RedisStore {
     async fn histogram(&self, job: &str, bins: usize) -> Result<Vec<Vec<u64>>, StoreError> {
         let key = self.keys.hist_key(job);
         let mut c = self.conn("HGETALL hist").await?;
-        let map: BTreeMap<String, u64> = c.hgetall(&key).await.map_err(cmd("HGETALL hist"))?;
+        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL hist"))?;
+        let corrupt = |field: &str| StoreError::Corrupt {
+            key: key.clone(),
+            reason: format!("unexpected field {field}"),
+        };
         let mut counts: Vec<Vec<u64>> = Vec::new();
-        for (field, n) in map {
-            let parsed = field
-                .split_once(':')
-                .and_then(|(c, b)| Some((c.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
-            let Some((col, bin)) = parsed.filter(|(_, b)| *b < bins) else {
-                return Err(StoreError::Corrupt {
-                    key,
-                    reason: format!("unexpected field {field}"),
-                });
-            };
+        let mut add = |col: usize, bin: usize, n: u64| {
             if counts.len() <= col {
                 counts.resize(col + 1, vec![0; bins]);
             }
-            counts[col][bin] = n;
+            counts[col][bin] += n;
+        };
+        for (field, value) in map {
+            // A committer's running histogram (`counts[column][bin]`, JSON)…
+            if let Ok(each) = serde_json::from_str::<Vec<Vec<u64>>>(&value) {
+                if each.iter().any(|column| column.len() > bins) {
+                    return Err(corrupt(&field));
+                }
+                for (col, column) in each.iter().enumerate() {
+                    for (bin, &n) in column.iter().enumerate() {
+                        add(col, bin, n);
+                    }
+                }
+                continue;
+            }
+            // …or, from workers before it, one count per `<column>:<bin>`.
+            let parsed = field
+                .split_once(':')
+                .and_then(|(c, b)| Some((c.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+            match (parsed.filter(|(_, b)| *b < bins), value.parse::<u64>()) {
+                (Some((col, bin)), Ok(n)) => add(col, bin, n),
+                _ => return Err(corrupt(&field)),
+            }
         }
         Ok(counts)
     }

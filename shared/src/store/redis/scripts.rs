@@ -5,70 +5,112 @@
 
 use deadpool_redis::redis;
 
-/// Commits a group of items of one job (`ARGV[2..]`, six per item: seq,
+/// Commits a group of items of one job (`ARGV[4..]`, six per item: seq,
 /// rows settled, stats JSON, rows rejected, histogram JSON
-/// `counts[column][bin]`, lease field). An item wins when its seq was not
-/// in the done set yet (first commit wins, per item); only the winners'
-/// counters, stats and histograms are added — the histograms summed in the
-/// script, one `HINCRBY` per filled bin of the group — and their earlier
-/// failures forgotten. Whatever wins, drops the committers' leases (a done
-/// item needs none, and [`lease_script`] writes none for it again) and adds
-/// `ARGV[1]`, the committer's model rows since its last count, to
-/// `rows_computed` (`KEYS[7]`). Nothing is committed to a cancelled job
-/// (its part files, published already, are committed when the job is run
-/// again). Returns 1 or 0 per item, in order.
+/// `counts[column][bin]`, lease field — empty for an item started without
+/// the start script and never leased, which has neither a lease to drop nor
+/// an earlier failure to forget). An item wins when its seq was not in the
+/// done set yet (first commit wins, per item; one `SMISMEMBER` and one
+/// `SADD` for the group); only the winners' counters, stats and histograms
+/// are added, and their earlier failures forgotten. The winners'
+/// histograms are summed into the committer's (`ARGV[3]`) running
+/// histogram of the job, one field of `KEYS[5]` read and written once per
+/// group whatever the output's width (readers sum the fields: one per
+/// worker that ever committed to the job). Whatever wins, drops the
+/// committers' leases (a done item needs none, and [`lease_script`] writes
+/// none for it again) and adds the committer's work since its last count
+/// to the work counters (`KEYS[7]`): `ARGV[1]` model rows to
+/// `rows_computed`, `ARGV[2]` items it started without the start script to
+/// `deliveries`. Nothing is committed to a cancelled job (its part files,
+/// published already, are committed when the job is run again). Returns 1
+/// or 0 per item, in order. No command runs for nothing: a counter that
+/// does not change is not written.
 pub const COMMIT_SCRIPT: &str = r#"
 if tonumber(ARGV[1]) > 0 then
   redis.call('HINCRBY', KEYS[7], 'rows_computed', ARGV[1])
 end
-local leases = {}
-for i = 2, #ARGV, 6 do
-  leases[#leases + 1] = ARGV[i + 5]
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HINCRBY', KEYS[7], 'deliveries', ARGV[2])
 end
-redis.call('HDEL', KEYS[6], unpack(leases))
+local leases, seqs = {}, {}
+for i = 4, #ARGV, 6 do
+  seqs[#seqs + 1] = ARGV[i]
+  if ARGV[i + 5] ~= '' then
+    leases[#leases + 1] = ARGV[i + 5]
+  end
+end
+if #leases > 0 then
+  redis.call('HDEL', KEYS[6], unpack(leases))
+end
 local won = {}
 if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
-  for i = 2, #ARGV, 6 do
-    won[#won + 1] = 0
+  for n = 1, #seqs do
+    won[n] = 0
   end
   return won
 end
+local was = redis.call('SMISMEMBER', KEYS[1], unpack(seqs))
 local items, rows, rejected = 0, 0, 0
-local stats, seqs, sum, bins = {}, {}, {}, {}
-for i = 2, #ARGV, 6 do
-  if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then
-    won[#won + 1] = 1
+local taken, added, forget, stats, hists = {}, {}, {}, {}, {}
+for n = 1, #seqs do
+  local i = 4 + (n - 1) * 6
+  local seq = ARGV[i]
+  if was[n] == 0 and not taken[seq] then
+    taken[seq] = true
+    won[n] = 1
     items = items + 1
     rows = rows + tonumber(ARGV[i + 1])
     rejected = rejected + tonumber(ARGV[i + 3])
-    stats[#stats + 1] = ARGV[i]
+    added[#added + 1] = seq
+    stats[#stats + 1] = seq
     stats[#stats + 1] = ARGV[i + 2]
-    seqs[#seqs + 1] = ARGV[i]
-    local h = cjson.decode(ARGV[i + 4])
-    for c = 1, #h do
-      for b = 1, #h[c] do
-        if h[c][b] > 0 then
-          local k = (c - 1) .. ':' .. (b - 1)
-          if not sum[k] then
-            bins[#bins + 1] = k
-            sum[k] = 0
-          end
-          sum[k] = sum[k] + h[c][b]
-        end
-      end
+    if ARGV[i + 5] ~= '' then
+      forget[#forget + 1] = seq
+    end
+    if ARGV[i + 4] ~= '[]' then
+      hists[#hists + 1] = ARGV[i + 4]
     end
   else
-    won[#won + 1] = 0
+    won[n] = 0
   end
 end
 if items > 0 then
+  redis.call('SADD', KEYS[1], unpack(added))
   redis.call('HINCRBY', KEYS[2], 'items_done', items)
   redis.call('HINCRBY', KEYS[2], 'rows_done', rows)
-  redis.call('HINCRBY', KEYS[2], 'rows_rejected', rejected)
+  if rejected > 0 then
+    redis.call('HINCRBY', KEYS[2], 'rows_rejected', rejected)
+  end
   redis.call('HSET', KEYS[3], unpack(stats))
-  redis.call('HDEL', KEYS[4], unpack(seqs))
-  for _, k in ipairs(bins) do
-    redis.call('HINCRBY', KEYS[5], k, sum[k])
+  if #forget > 0 then
+    redis.call('HDEL', KEYS[4], unpack(forget))
+  end
+end
+if #hists > 0 then
+  local acc = {}
+  local mine = redis.call('HGET', KEYS[5], ARGV[3])
+  if mine then
+    acc = cjson.decode(mine)
+  end
+  local filled = false
+  for _, json in ipairs(hists) do
+    local h = cjson.decode(json)
+    for c = 1, #h do
+      local col = acc[c]
+      if type(col) ~= 'table' then
+        col = {}
+        acc[c] = col
+      end
+      for b = 1, #h[c] do
+        col[b] = (col[b] or 0) + h[c][b]
+        if h[c][b] > 0 then
+          filled = true
+        end
+      end
+    end
+  end
+  if filled then
+    redis.call('HSET', KEYS[5], ARGV[3], cjson.encode(acc))
   end
 end
 return won
@@ -78,8 +120,10 @@ return won
 const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
 /// Writes a lease unless the item is already done or its job cancelled
-/// (`KEYS[3]`, the job hash), its `heartbeat_ms` set
-/// to Redis's clock. Returns 1 if written.
+/// (`KEYS[3]`, the job hash), its `heartbeat_ms` set to Redis's clock — and,
+/// for the first write of an item started without a lease (`started_ms`
+/// 0), its `started_ms` that clock less `ARGV[4]`, how long the worker has
+/// held the item. Returns 1 if written.
 pub fn lease_script() -> String {
     format!(
         "{NOW_LUA}{}",
@@ -92,6 +136,9 @@ if redis.call('HGET', KEYS[3], 'status') == 'cancelled' then
 end
 local lease = cjson.decode(ARGV[3])
 lease['heartbeat_ms'] = now
+if (tonumber(lease['started_ms']) or 0) == 0 then
+  lease['started_ms'] = math.max(now - (tonumber(ARGV[4]) or 0), 1)
+end
 redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
 return 1
 "#

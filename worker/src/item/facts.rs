@@ -1,0 +1,158 @@
+//! What a worker knows of each job it works for: the fields of the job
+//! record a message is checked against ([`JobFacts`]), read with one
+//! `HMGET` at most once per [`FRESH`] per job and kept for its items.
+//!
+//! They let the first delivery of an item start with no Redis request at
+//! all ([`super::start`]): checked against facts read moments ago, with no
+//! lease until the item outlives a heartbeat. Everything else — a
+//! redelivery, a later attempt, a job the facts say is not running or that
+//! disagrees with the message, a job Redis does not know — goes through the
+//! start script, which gives the exact answer. The items of a new job arrive
+//! together; the first to ask reads the facts and the others wait for that
+//! read (one request per job and worker, not one per item).
+//!
+//! A job cancelled or failed is seen by every worker within [`FRESH`]: an
+//! item started meanwhile is refused at its commit (cancelled) or settles
+//! as any item in flight when its job failed.
+
+use batchfleet_shared::store::{JobFacts, Store};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::OnceCell;
+
+/// How long facts read from Redis are used before they are read again.
+pub const FRESH: Duration = Duration::from_secs(2);
+
+/// Jobs whose facts are kept; the oldest read is dropped past this many.
+const KEPT: usize = 64;
+
+/// One read of a job's facts (`None`: unknown job, or Redis did not answer).
+type Read = Arc<OnceCell<Option<Arc<JobFacts>>>>;
+
+/// The facts of the jobs this worker works for.
+#[derive(Debug, Default)]
+pub struct Facts {
+    reads: Mutex<HashMap<String, (Instant, Read)>>,
+}
+
+impl Facts {
+    /// `job`'s facts as read within the last [`FRESH`], reading them now if
+    /// older; `None` if Redis does not know the job or did not answer (the
+    /// start script then decides, as for any item it sees).
+    pub async fn get(&self, job: &str, store: &Store) -> Option<Arc<JobFacts>> {
+        let read = {
+            let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+            match reads.get(job) {
+                Some((at, read)) if at.elapsed() < FRESH => read.clone(),
+                _ => {
+                    if reads.len() >= KEPT && !reads.contains_key(job) {
+                        let oldest = reads
+                            .iter()
+                            .min_by_key(|(_, (at, _))| *at)
+                            .map(|(j, _)| j.clone());
+                        if let Some(oldest) = oldest {
+                            reads.remove(&oldest);
+                        }
+                    }
+                    let read = Read::default();
+                    reads.insert(job.to_owned(), (Instant::now(), read.clone()));
+                    read
+                }
+            }
+        };
+        read.get_or_init(|| async {
+            match store.job_facts(job).await {
+                Ok(facts) => facts.map(Arc::new),
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not read the job's facts");
+                    None
+                }
+            }
+        })
+        .await
+        .clone()
+    }
+
+    /// Forgets `job`'s facts: the next item reads them again.
+    pub fn forget(&self, job: &str) {
+        self.reads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(job);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchfleet_shared::store::{JobRecord, JobStatus};
+
+    fn record(id: &str) -> JobRecord {
+        JobRecord {
+            id: id.into(),
+            name: "t".into(),
+            status: JobStatus::Planning,
+            pool: "p".into(),
+            manifest: "/m".into(),
+            output_dir: "/o".into(),
+            output_format: "csv".into(),
+            model: "/m.pt".into(),
+            model_sha256: "ab".into(),
+            max_failed_items: None,
+            max_failed_percent: None,
+            items_total: 3,
+            rows_total: 300,
+            rows_estimated: false,
+            items_done: 0,
+            rows_done: 0,
+            rows_rejected: 0,
+            created_ms: 1,
+            published_ms: 0,
+            finished_ms: 0,
+            items_published: 0,
+            merge: false,
+            failed_reason: String::new(),
+            failed_class: String::new(),
+            overrides: Vec::new(),
+            resolved_manifest: String::new(),
+            priority: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn facts_are_read_once_while_fresh_and_again_once_forgotten() {
+        let store = Store::local();
+        let facts = Facts::default();
+        assert!(facts.get("a", &store).await.is_none(), "unknown job");
+        facts.forget("a");
+        store.put_job(&record("a")).await.unwrap();
+        let read = facts.get("a", &store).await.expect("known");
+        assert_eq!(read.status, JobStatus::Planning);
+        store.fail_job("a", "cancelled", "by hand").await.unwrap();
+        let kept = facts.get("a", &store).await.expect("kept");
+        assert!(Arc::ptr_eq(&read, &kept), "read once while fresh");
+        facts.forget("a");
+        let again = facts.get("a", &store).await.expect("known");
+        assert_eq!(again.status, JobStatus::Cancelled);
+    }
+
+    #[tokio::test]
+    async fn concurrent_items_of_a_job_share_one_read() {
+        let store = Store::local();
+        store.put_job(&record("b")).await.unwrap();
+        let facts = Facts::default();
+        let (x, y) = tokio::join!(facts.get("b", &store), facts.get("b", &store));
+        assert!(Arc::ptr_eq(&x.unwrap(), &y.unwrap()));
+    }
+
+    #[tokio::test]
+    async fn only_so_many_jobs_are_kept() {
+        let store = Store::local();
+        let facts = Facts::default();
+        for i in 0..KEPT + 5 {
+            facts.get(&format!("j{i}"), &store).await;
+        }
+        assert_eq!(facts.reads.lock().unwrap().len(), KEPT);
+    }
+}
