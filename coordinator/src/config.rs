@@ -25,8 +25,9 @@ pub struct Connections {
     /// What a job's `[on_complete]` may do.
     pub hooks: crate::hooks::HookPolicy,
     /// Publish work messages whole (version 2: the task in every message)
-    /// rather than naming the job's stored task (version 3), for a fleet
-    /// whose workers are not all of this version yet.
+    /// rather than naming the job's stored task (version 3), and create new
+    /// jobs with a done set rather than a bitmap, for a fleet whose workers
+    /// are not all of this version yet.
     pub whole_messages: bool,
 }
 

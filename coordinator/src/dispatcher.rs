@@ -150,9 +150,10 @@ pub async fn dispatch(
                 .await?;
         }
         None => {
-            store
-                .put_job(&crate::record::job_record(spec, &plan, submitted_ms))
-                .await?;
+            let mut record = crate::record::job_record(spec, &plan, submitted_ms);
+            // Workers before the bitmap done set know only the set.
+            record.done_bits = !cfg.connections.whole_messages;
+            store.put_job(&record).await?;
             store
                 .put_inputs(&spec.job_id, &crate::record::input_fields(spec))
                 .await?;

@@ -41,6 +41,8 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         overrides: spec.overrides.clone(),
         resolved_manifest: spec.resolved_manifest.clone(),
         priority: spec.priority.as_str().to_owned(),
+        // A bitmap done set; `--whole-messages` (workers before it) turns it off.
+        done_bits: true,
     }
 }
 

@@ -543,7 +543,9 @@ impl Supervisor {
         let plan = self.plan().await?;
         tracing::warn!(job = %self.job_id, "the job's state is missing from Redis (restarted empty or flushed); rebuilding it from the output files");
         let mut record = self.record.clone().unwrap_or_else(|| {
-            crate::record::job_record(&spec, &plan, batchfleet_shared::now_ms())
+            let mut record = crate::record::job_record(&spec, &plan, batchfleet_shared::now_ms());
+            record.done_bits = !self.connections.whole_messages;
+            record
         });
         // The dead queue first: if RabbitMQ is down too, nothing is restored
         // and the whole rebuild is tried again on the next tick.

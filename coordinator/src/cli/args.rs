@@ -62,8 +62,9 @@ pub struct GlobalArgs {
     pub hook_allow_link_local: bool,
     /// Publish work messages whole, the job's task in every message
     /// (version 2), instead of naming the task stored once per job
-    /// (version 3): set it while workers older than version 3 still run,
-    /// which reject version 3 messages.
+    /// (version 3), and create new jobs with a done set of seqs rather than
+    /// a bitmap: set it while workers older than version 3 still run,
+    /// which reject version 3 messages and read only the set.
     #[arg(long, env = "BATCHFLEET_WHOLE_MESSAGES", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
     pub whole_messages: bool,
 }

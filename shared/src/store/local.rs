@@ -200,7 +200,10 @@ impl JobStore for LocalStore {
             job.leases
                 .remove(&format!("{}@{}", c.stats.seq, c.stats.worker));
         }
-        if job.fields.get("status").map(String::as_str) == Some("cancelled") {
+        if matches!(
+            job.fields.get("status").map(String::as_str),
+            None | Some("cancelled")
+        ) {
             return Ok(vec![false; commits.len()]);
         }
         // The counters are read (and checked) before anything else changes,
@@ -790,6 +793,7 @@ mod tests {
             overrides: Vec::new(),
             resolved_manifest: String::new(),
             priority: String::new(),
+            done_bits: true,
         }
     }
 

@@ -134,6 +134,11 @@ pub struct JobRecord {
     /// `[job] priority` (`high`, `normal`, `low`; empty: normal): its
     /// share of the pool's workers beside other jobs.
     pub priority: String,
+    /// Whether the job's done set is a bitmap (`P:job:{<id>}:donebits`, one
+    /// bit per item: jobs created by this version) rather than a set of
+    /// seqs (`P:job:{<id>}:done`: jobs created before it, or with
+    /// `--whole-messages` for workers before it). Fixed for a job's life.
+    pub done_bits: bool,
 }
 
 impl JobRecord {
@@ -181,6 +186,7 @@ impl JobRecord {
             ),
             ("resolved_manifest", self.resolved_manifest.clone()),
             ("priority", self.priority.clone()),
+            ("done_bits", u8::from(self.done_bits).to_string()),
         ]
     }
 
@@ -253,6 +259,7 @@ impl JobRecord {
             },
             resolved_manifest: map.get("resolved_manifest").cloned().unwrap_or_default(),
             priority: map.get("priority").cloned().unwrap_or_default(),
+            done_bits: num("done_bits")? == 1,
         })
     }
 }
@@ -358,6 +365,7 @@ mod tests {
             overrides: Vec::new(),
             resolved_manifest: String::new(),
             priority: String::new(),
+            done_bits: true,
         }
     }
 

@@ -73,6 +73,7 @@ fn record(id: &str) -> JobRecord {
         overrides: Vec::new(),
         resolved_manifest: String::new(),
         priority: String::new(),
+        done_bits: true,
     }
 }
 
@@ -908,4 +909,105 @@ async fn a_histogram_is_a_field_per_worker_and_reads_back_older_bin_fields() {
         vec![vec![2, 10, 1], vec![6, 0, 6]]
     );
     store.delete_job("h").await.expect("cleanup");
+}
+
+/// A job's done set is a bitmap — one bit per item, whatever the job's
+/// size — and a job from before it (its record without `done_bits`) keeps
+/// its set of seqs: every step (commit, start, lease, failure, the reads)
+/// looks where the job's record says.
+#[tokio::test]
+async fn a_done_set_is_a_bitmap_and_an_older_job_keeps_its_set() {
+    batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
+    let prefix = batchfleet_testkit::services::unique("bftest-bits");
+    let url = batchfleet_shared::endpoint::Endpoint::redis(
+        batchfleet_shared::secret::SecretUrl::new("redis://127.0.0.1:6379/"),
+    );
+    let store = Store::connect(&url, &prefix, std::time::Duration::from_secs(5))
+        .await
+        .expect("redis");
+    let client = ::redis::Client::open("redis://127.0.0.1:6379/").expect("client");
+    let mut raw = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let key = |id: &str, part: &str| batchfleet_shared::store::redis::job_scoped(&prefix, id, part);
+    for (id, bits) in [("new", true), ("old", false)] {
+        let mut r = record(id);
+        r.items_total = 10_000;
+        r.done_bits = bits;
+        store.put_job(&r).await.expect("put");
+        let stats: Vec<ItemStats> = (0..10_000).map(|i| stats(i, "w")).collect();
+        for chunk in stats.chunks(64) {
+            let commits: Vec<Commit<'_>> = chunk
+                .iter()
+                .map(|stats| Commit {
+                    stats,
+                    histogram: &[],
+                    leased: false,
+                })
+                .collect();
+            let won = store
+                .commit_group(id, &commits, Work::default())
+                .await
+                .expect("commit");
+            assert!(won.iter().all(|w| *w), "{id}");
+        }
+        // Committed once only, whichever the format.
+        let again = [Commit {
+            stats: &stats[17],
+            histogram: &[],
+            leased: false,
+        }];
+        assert_eq!(
+            store
+                .commit_group(id, &again, Work::default())
+                .await
+                .expect("again"),
+            vec![false],
+            "{id}"
+        );
+        let (set_len, bitmap_len): (u64, u64) = ::redis::pipe()
+            .scard(key(id, ":done"))
+            .strlen(key(id, ":donebits"))
+            .query_async(&mut raw)
+            .await
+            .expect("sizes");
+        if bits {
+            assert_eq!(
+                (set_len, bitmap_len),
+                (0, 1_250),
+                "one bit per item, nothing in a set"
+            );
+        } else {
+            assert_eq!((set_len, bitmap_len), (10_000, 0), "the older job's set");
+        }
+        assert_eq!(store.done_items(id).await.expect("done").len(), 10_000);
+        assert!(store.is_done(id, 9_999).await.expect("done"));
+        assert_eq!(
+            store.done_among(id, &[5, 10_000]).await.expect("among"),
+            [5].into_iter().collect()
+        );
+        assert_eq!(
+            store
+                .start_item(id, &lease(42, "w"), &claim())
+                .await
+                .expect("start"),
+            Start::Done,
+            "{id}"
+        );
+        assert!(
+            !store.heartbeat(id, &lease(42, "w"), 0).await.expect("beat"),
+            "{id}"
+        );
+        let failure = ItemFailure {
+            seq: 42,
+            class: "model".into(),
+            reason: "late".into(),
+            worker: "w".into(),
+            attempt: 1,
+            at_ms: 1,
+        };
+        assert!(!store.fail_item(id, &failure).await.expect("fail"), "{id}");
+        store.delete_job(id).await.expect("cleanup");
+    }
 }

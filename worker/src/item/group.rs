@@ -206,6 +206,12 @@ mod tests {
     #[tokio::test]
     async fn items_finishing_together_each_get_their_own_answer_and_the_tally_goes_once() {
         let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
+        for job in ["a", "b"] {
+            store
+                .put_job(&crate::item::facts::test_record(job))
+                .await
+                .unwrap();
+        }
         let c = committer(&store, &work);
         work.add_rows("a", 5);
         work.add_delivery("a");

@@ -167,7 +167,7 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
     // Every key of the finished job has the retention as its time to live.
     for k in [
         key.clone(),
-        format!("{key}:done"),
+        format!("{key}:donebits"),
         format!("{key}:stats"),
         format!("{key}:inputs"),
     ] {
@@ -178,7 +178,7 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
     let store = env.connections().store().await.expect("redis");
     store.persist_job(&id).await.expect("persist");
     assert_eq!(pttl(&mut c, &key).await, -1);
-    assert_eq!(pttl(&mut c, &format!("{key}:done")).await, -1);
+    assert_eq!(pttl(&mut c, &format!("{key}:donebits")).await, -1);
     // A short retention: the state goes, the summary stays, and `compare`
     // still reads it from the output folder.
     store
@@ -194,7 +194,7 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
         .await
         .expect("the state expired");
     let exists: u32 = redis::cmd("EXISTS")
-        .arg(format!("{key}:done"))
+        .arg(format!("{key}:donebits"))
         .arg(format!("{key}:stats"))
         .arg(format!("{key}:inputs"))
         .query_async(&mut c)
@@ -255,6 +255,7 @@ fn record(id: &str, status: JobStatus, created_ms: u64, finished_ms: u64) -> Job
         overrides: Vec::new(),
         resolved_manifest: String::new(),
         priority: String::new(),
+        done_bits: true,
     }
 }
 

@@ -27,10 +27,11 @@ pub fn job_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, bool)> {
 }
 
 /// Every key one job has, its record's first.
-pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 13] {
+pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 14] {
     [
         "",
         ":done",
+        ":donebits",
         ":stats",
         ":failed",
         ":leases",
@@ -70,6 +71,9 @@ impl Keys {
     }
     pub(super) fn done_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":done")
+    }
+    pub(super) fn done_bits_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":donebits")
     }
     pub(super) fn stats_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":stats")
@@ -114,13 +118,13 @@ impl Keys {
     /// Every key of a job's state: what expires with it and is kept when it
     /// runs again (not its follower lease, which has a time to live of its
     /// own that neither may change).
-    pub(super) fn state_keys(&self, id: &str) -> [String; 12] {
+    pub(super) fn state_keys(&self, id: &str) -> [String; 13] {
         let [state @ .., _follower] = self.keys_of(id);
         state
     }
 
     /// Every key one job has.
-    pub(super) fn keys_of(&self, id: &str) -> [String; 13] {
+    pub(super) fn keys_of(&self, id: &str) -> [String; 14] {
         job_keys(&self.prefix, id)
     }
 }
@@ -173,7 +177,7 @@ mod tests {
             ("t", "x"),
         ] {
             let keys = job_keys(prefix, id);
-            assert_eq!(keys.len(), 13);
+            assert_eq!(keys.len(), 14);
             let first = slot(&keys[0]);
             for k in &keys {
                 assert!(k.starts_with(&format!("{prefix}:job:{{{id}}}")), "{k}");

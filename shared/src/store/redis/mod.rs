@@ -39,6 +39,16 @@ fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
     }
 }
 
+/// The numbers of the set bits of a Redis bitmap (bit 0 is the most
+/// significant bit of the first byte, as `SETBIT` counts).
+fn set_bits(bitmap: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bitmap.iter().enumerate().flat_map(|(i, byte)| {
+        (0..8u32)
+            .filter(move |b| byte & (0x80 >> b) != 0)
+            .map(move |b| i as u32 * 8 + b)
+    })
+}
+
 /// `value` as JSON, for a Redis field or script argument.
 fn encode<T: Serialize + ?Sized>(op: &'static str, value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(|e| StoreError::Command {
@@ -234,6 +244,7 @@ impl JobStore for RedisStore {
             .key(self.keys.hist_key(job))
             .key(self.keys.leases_key(job))
             .key(self.keys.work_key(job))
+            .key(self.keys.done_bits_key(job))
             .arg(work.rows)
             .arg(work.deliveries)
             // The running histogram's field: the committing worker's (a
@@ -275,6 +286,8 @@ impl JobStore for RedisStore {
             .fail
             .key(self.keys.done_key(job))
             .key(self.keys.failed_key(job))
+            .key(self.keys.job_key(job))
+            .key(self.keys.done_bits_key(job))
             .arg(failure.seq)
             .arg(json)
             .invoke_async(&mut c)
@@ -305,41 +318,58 @@ impl JobStore for RedisStore {
             .map_err(cmd("HDEL failed"))
     }
 
-    /// Whether an item is marked done.
+    /// Whether an item is marked done (in the job's bitmap, or in the set
+    /// of a job from before it: both are read, one holds nothing).
     async fn is_done(&self, job: &str, seq: u32) -> Result<bool, StoreError> {
-        let mut c = self.conn("SISMEMBER done").await?;
-        c.sismember(self.keys.done_key(job), seq)
+        let mut c = self.conn("read done").await?;
+        let (set, bit): (bool, u8) = redis::pipe()
+            .sismember(self.keys.done_key(job), seq)
+            .getbit(self.keys.done_bits_key(job), seq as usize)
+            .query_async(&mut c)
             .await
-            .map_err(cmd("SISMEMBER done"))
+            .map_err(cmd("read done"))?;
+        Ok(set || bit == 1)
     }
 
-    /// Which of `seqs` are done (one round trip).
+    /// Which of `seqs` are done (one round trip: one `SMISMEMBER` and one
+    /// `BITFIELD … GET`).
     async fn done_among(&self, job: &str, seqs: &[u32]) -> Result<HashSet<u32>, StoreError> {
         if seqs.is_empty() {
             return Ok(HashSet::new());
         }
-        let mut c = self.conn("SISMEMBER done").await?;
-        let mut pipe = redis::pipe();
+        let mut c = self.conn("read done").await?;
+        let mut get = redis::cmd("BITFIELD");
+        get.arg(self.keys.done_bits_key(job));
         for s in seqs {
-            pipe.sismember(self.keys.done_key(job), s);
+            get.arg("GET").arg("u1").arg(format!("#{s}"));
         }
-        let flags: Vec<bool> = pipe
+        let (set, bits): (Vec<bool>, Vec<u8>) = redis::pipe()
+            .cmd("SMISMEMBER")
+            .arg(self.keys.done_key(job))
+            .arg(seqs)
+            .add_command(get)
             .query_async(&mut c)
             .await
-            .map_err(cmd("SISMEMBER done"))?;
+            .map_err(cmd("read done"))?;
         Ok(seqs
             .iter()
-            .zip(flags)
-            .filter_map(|(s, d)| d.then_some(*s))
+            .zip(set.into_iter().zip(bits))
+            .filter_map(|(s, (in_set, bit))| (in_set || bit == 1).then_some(*s))
             .collect())
     }
 
-    /// All done seqs of a job.
+    /// All done seqs of a job (the bitmap's set bits, and the members of
+    /// the set of a job from before it).
     async fn done_items(&self, job: &str) -> Result<HashSet<u32>, StoreError> {
-        let mut c = self.conn("SMEMBERS done").await?;
-        c.smembers(self.keys.done_key(job))
+        let mut c = self.conn("read done").await?;
+        let (mut done, bitmap): (HashSet<u32>, Vec<u8>) = redis::pipe()
+            .smembers(self.keys.done_key(job))
+            .get(self.keys.done_bits_key(job))
+            .query_async(&mut c)
             .await
-            .map_err(cmd("SMEMBERS done"))
+            .map_err(cmd("read done"))?;
+        done.extend(set_bits(&bitmap));
+        Ok(done)
     }
 
     /// Stats of every committed item, in seq order.
@@ -390,6 +420,7 @@ impl JobStore for RedisStore {
             .key(self.keys.work_key(job))
             .key(self.keys.failed_key(job))
             .key(self.keys.job_key(job))
+            .key(self.keys.done_bits_key(job))
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
@@ -436,6 +467,7 @@ impl JobStore for RedisStore {
             .key(self.keys.done_key(job))
             .key(self.keys.leases_key(job))
             .key(self.keys.job_key(job))
+            .key(self.keys.done_bits_key(job))
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
@@ -877,5 +909,15 @@ impl JobStore for RedisStore {
             .find(|p| super::evicts_job_state(p))
             .or_else(|| policies.first())
             .cloned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_bitmap_names_its_set_bits_as_setbit_counts_them() {
+        let seqs: Vec<u32> = super::set_bits(&[0b1000_0001, 0, 0b0100_0000]).collect();
+        assert_eq!(seqs, [0, 7, 17]);
+        assert_eq!(super::set_bits(&[]).count(), 0);
     }
 }

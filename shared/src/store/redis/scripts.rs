@@ -9,9 +9,12 @@ use deadpool_redis::redis;
 /// rows settled, stats JSON, rows rejected, histogram JSON
 /// `counts[column][bin]`, lease field — empty for an item started without
 /// the start script and never leased, which has neither a lease to drop nor
-/// an earlier failure to forget). An item wins when its seq was not in the
-/// done set yet (first commit wins, per item; one `SMISMEMBER` and one
-/// `SADD` for the group); only the winners' counters, stats and histograms
+/// an earlier failure to forget). An item wins when its seq was not done
+/// yet (first commit wins, per item): for a job whose `done_bits` is 1, one
+/// `BITFIELD … SET u1` on the bitmap `KEYS[8]` tests and sets every item of
+/// the group at once (a seq twice in the group: the second finds the bit the
+/// first set); for an older job, one `SMISMEMBER` and one `SADD` on the set
+/// `KEYS[1]`. Only the winners' counters, stats and histograms
 /// are added, and their earlier failures forgotten. The winners'
 /// histograms are summed into the committer's (`ARGV[3]`) running
 /// histogram of the job, one field of `KEYS[5]` read and written once per
@@ -22,36 +25,58 @@ use deadpool_redis::redis;
 /// to the work counters (`KEYS[7]`): `ARGV[1]` model rows to
 /// `rows_computed`, `ARGV[2]` items it started without the start script to
 /// `deliveries`. Nothing is committed to a cancelled job (its part files,
-/// published already, are committed when the job is run again). Returns 1
+/// published already, are committed when the job is run again), nor to a
+/// job whose record Redis lost (restarted empty): the coordinator's rebuild
+/// commits its part files, and a commit meanwhile would go to a done set
+/// the restored record no longer names. Returns 1
 /// or 0 per item, in order. No command runs for nothing: a counter that
 /// does not change is not written.
 pub const COMMIT_SCRIPT: &str = r#"
+local seqs, leases, hists = {}, {}, {}
+for i = 4, #ARGV, 6 do
+  seqs[#seqs + 1] = ARGV[i]
+  if ARGV[i + 5] ~= '' then
+    leases[#leases + 1] = ARGV[i + 5]
+  end
+  -- Decoded before anything is written: a script stopped by an error keeps
+  -- what it wrote.
+  if ARGV[i + 4] ~= '[]' then
+    hists[#seqs] = cjson.decode(ARGV[i + 4])
+  end
+end
 if tonumber(ARGV[1]) > 0 then
   redis.call('HINCRBY', KEYS[7], 'rows_computed', ARGV[1])
 end
 if tonumber(ARGV[2]) > 0 then
   redis.call('HINCRBY', KEYS[7], 'deliveries', ARGV[2])
 end
-local leases, seqs = {}, {}
-for i = 4, #ARGV, 6 do
-  seqs[#seqs + 1] = ARGV[i]
-  if ARGV[i + 5] ~= '' then
-    leases[#leases + 1] = ARGV[i + 5]
-  end
-end
 if #leases > 0 then
   redis.call('HDEL', KEYS[6], unpack(leases))
 end
 local won = {}
-if redis.call('HGET', KEYS[2], 'status') == 'cancelled' then
+local job = redis.call('HMGET', KEYS[2], 'status', 'done_bits')
+if not job[1] or job[1] == 'cancelled' then
   for n = 1, #seqs do
     won[n] = 0
   end
   return won
 end
-local was = redis.call('SMISMEMBER', KEYS[1], unpack(seqs))
+local bits = job[2] == '1'
+local was
+if bits then
+  local ops = {}
+  for n = 1, #seqs do
+    ops[#ops + 1] = 'SET'
+    ops[#ops + 1] = 'u1'
+    ops[#ops + 1] = '#' .. seqs[n]
+    ops[#ops + 1] = 1
+  end
+  was = redis.call('BITFIELD', KEYS[8], unpack(ops))
+else
+  was = redis.call('SMISMEMBER', KEYS[1], unpack(seqs))
+end
 local items, rows, rejected = 0, 0, 0
-local taken, added, forget, stats, hists = {}, {}, {}, {}, {}
+local taken, added, forget, stats, summed = {}, {}, {}, {}, {}
 for n = 1, #seqs do
   local i = 4 + (n - 1) * 6
   local seq = ARGV[i]
@@ -67,15 +92,17 @@ for n = 1, #seqs do
     if ARGV[i + 5] ~= '' then
       forget[#forget + 1] = seq
     end
-    if ARGV[i + 4] ~= '[]' then
-      hists[#hists + 1] = ARGV[i + 4]
+    if hists[n] then
+      summed[#summed + 1] = hists[n]
     end
   else
     won[n] = 0
   end
 end
 if items > 0 then
-  redis.call('SADD', KEYS[1], unpack(added))
+  if not bits then
+    redis.call('SADD', KEYS[1], unpack(added))
+  end
   redis.call('HINCRBY', KEYS[2], 'items_done', items)
   redis.call('HINCRBY', KEYS[2], 'rows_done', rows)
   if rejected > 0 then
@@ -86,15 +113,14 @@ if items > 0 then
     redis.call('HDEL', KEYS[4], unpack(forget))
   end
 end
-if #hists > 0 then
+if #summed > 0 then
   local acc = {}
   local mine = redis.call('HGET', KEYS[5], ARGV[3])
   if mine then
     acc = cjson.decode(mine)
   end
   local filled = false
-  for _, json in ipairs(hists) do
-    local h = cjson.decode(json)
+  for _, h in ipairs(summed) do
     for c = 1, #h do
       local col = acc[c]
       if type(col) ~= 'table' then
@@ -119,7 +145,8 @@ return won
 /// Lua: Redis's clock in ms.
 const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
-/// Writes a lease unless the item is already done or its job cancelled
+/// Writes a lease unless the item is already done (`KEYS[1]`, or the bit in
+/// `KEYS[4]` for a job whose `done_bits` is 1) or its job cancelled
 /// (`KEYS[3]`, the job hash), its `heartbeat_ms` set to Redis's clock — and,
 /// for the first write of an item started without a lease (`started_ms`
 /// 0), its `started_ms` that clock less `ARGV[4]`, how long the worker has
@@ -128,10 +155,14 @@ pub fn lease_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
-  return 0
+local job = redis.call('HMGET', KEYS[3], 'status', 'done_bits')
+local done
+if job[2] == '1' then
+  done = redis.call('GETBIT', KEYS[4], ARGV[1])
+else
+  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
 end
-if redis.call('HGET', KEYS[3], 'status') == 'cancelled' then
+if done == 1 or job[1] == 'cancelled' then
   return 0
 end
 local lease = cjson.decode(ARGV[3])
@@ -153,7 +184,7 @@ pub fn start_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
-local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model')
+local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model', 'done_bits')
 if not job[1] then
   return {'unknown'}
 end
@@ -166,7 +197,13 @@ end
 if tonumber(ARGV[1]) >= (tonumber(job[5]) or 0) then
   return {'mismatch', 'items_total', tostring(job[5] or '')}
 end
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+local done
+if job[7] == '1' then
+  done = redis.call('GETBIT', KEYS[6], ARGV[1])
+else
+  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
+end
+if done == 1 then
   return {'done'}
 end
 if job[1] == 'failed' or job[1] == 'cancelled' then
@@ -257,9 +294,17 @@ return 1
 }
 
 /// Records a failure unless the item is already done (a late failure of a
-/// duplicate delivery must not mark a committed item failed). Returns 1 if recorded.
+/// duplicate delivery must not mark a committed item failed; the done set
+/// `KEYS[1]`, or the bitmap `KEYS[4]` when the job hash `KEYS[3]` says
+/// `done_bits`). Returns 1 if recorded.
 pub const FAIL_SCRIPT: &str = r#"
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+local done
+if redis.call('HGET', KEYS[3], 'done_bits') == '1' then
+  done = redis.call('GETBIT', KEYS[4], ARGV[1])
+else
+  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
+end
+if done == 1 then
   return 0
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
