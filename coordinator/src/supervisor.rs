@@ -7,7 +7,9 @@
 //!   counters are rebuilt from the committed part files — the files are the
 //!   truth — through the same first-commit-wins step the workers use, so a
 //!   worker committing at the same moment is never counted twice. Items that
-//!   failed for good are recovered from the dead queue.
+//!   failed for good are recovered from the dead queue, and the job is put
+//!   back on its pool's active jobs and announced, so the workers consume
+//!   what of it is still queued.
 //! - **Dead workers**: an item whose only leases are stale (no heartbeat for
 //!   the lease's ttl) is published again once the queues are drained (or at
 //!   once, if its worker had acknowledged the delivery early and held it by
@@ -585,6 +587,14 @@ impl Supervisor {
                 failures += 1;
             }
         }
+        // Back on its pool's active jobs (Redis lost that list too), and
+        // announced: the workers consume its queue again, whatever of the job
+        // still sits there.
+        let queues = PoolQueues::new(&record.pool);
+        store
+            .activate_job(&record.pool, &self.job_id, spec.priority.weight())
+            .await?;
+        crate::dispatcher::announce(&*broker, &queues, &self.job_id).await;
         self.record = Some(record);
         self.report.rebuilds += 1;
         self.report.rebuilt_items += restored;

@@ -402,35 +402,38 @@ async fn workers_and_coordinator_ride_out_a_redis_restart() {
     env.cleanup(&[&job]).await;
 }
 
+/// Deletes every key of this test's prefix, as a Redis restarted empty
+/// would have lost them.
+fn forget_everything(env: &TestEnv) {
+    let keys = std::process::Command::new("redis-cli")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "--scan",
+            "--pattern",
+            &format!("{}:*", env.prefix),
+        ])
+        .output()
+        .expect("redis-cli scan");
+    let keys: Vec<String> = String::from_utf8_lossy(&keys.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert!(!keys.is_empty());
+    let status = std::process::Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "del"])
+        .args(&keys)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("redis-cli del");
+    assert!(status.success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_redis_state_is_rebuilt_from_the_output_files() {
     let _serial = SERIAL.lock().await;
-    let (env, summary, job, mut workers) = survive("redisflush", |env, _, _| {
-        // Every key of this test's prefix, as a Redis restarted empty would have it.
-        let keys = std::process::Command::new("redis-cli")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "--scan",
-                "--pattern",
-                &format!("{}:*", env.prefix),
-            ])
-            .output()
-            .expect("redis-cli scan");
-        let keys: Vec<String> = String::from_utf8_lossy(&keys.stdout)
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        assert!(!keys.is_empty());
-        let status = std::process::Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "del"])
-            .args(&keys)
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("redis-cli del");
-        assert!(status.success());
-    })
-    .await;
+    let (env, summary, job, mut workers) =
+        survive("redisflush", |env, _, _| forget_everything(env)).await;
     assert_exactly_once(&env, &summary);
     let store = env.connections().store().await.expect("redis");
     let stats = store.item_stats(&job).await.expect("stats");
@@ -438,6 +441,48 @@ async fn lost_redis_state_is_rebuilt_from_the_output_files() {
         stats.iter().any(|s| s.worker == "rebuilt-from-files"),
         "items committed before the loss were recovered from their files"
     );
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}
+
+/// Redis loses everything while most of a job still sits in its queue (the
+/// workers hold one item each): the rebuild puts the job back on its pool's
+/// active jobs — a list Redis lost too — so the workers go on consuming its
+/// queue, and the job ends with every row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_redis_state_with_most_items_still_queued_is_rebuilt_and_the_job_ends() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("redisqueued");
+    let manifest = job(&env, "redisqueued", 40, 100, 1);
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    // One item at a time each, and a look at the pool's active jobs every
+    // 200 ms: a job missing from that list is let go of at once.
+    let slow = [
+        "--prefetch",
+        "1",
+        "--prefetch-max",
+        "1",
+        "--debug-batch-delay",
+        "100ms",
+        "--debug-jobs-every",
+        "200ms",
+    ];
+    let mut workers = vec![env.spawn_worker("w1", &slow), env.spawn_worker("w2", &slow)];
+    env.wait_for_consumers(2, &mut workers).await;
+    let run = start_job(&env, &manifest);
+    wait_until("3 items done", Duration::from_secs(60), || async {
+        store.progress(&job).await.is_ok_and(|p| p.items_done >= 3)
+    })
+    .await;
+    let before = store.progress(&job).await.expect("progress").items_done;
+    forget_everything(&env);
+    assert!(
+        before < 20,
+        "most of the job was still queued: {before} done"
+    );
+    let summary = finished(run).await;
+    assert_exactly_once(&env, &summary);
     stop_all(&mut workers);
     env.cleanup(&[&job]).await;
 }
