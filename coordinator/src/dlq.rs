@@ -4,6 +4,12 @@
 //! whatever is not replayed or purged returns to the dead queue when it is
 //! dropped, so listing never loses an item. A replayed item is published to
 //! the work queue (confirmed) *before* its dead copy is acknowledged.
+//!
+//! A replay signs what it publishes, so it first checks what it reads: a
+//! dead message is replayed only if its own signature verifies with the
+//! coordinator's key (as a worker checks it), or, with `--trust-unsigned`,
+//! if it carries none. A forged one stays dead. `--update-model` hashes
+//! only the model file the job's record names.
 
 use crate::error::RunError;
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Outgoing, PoolQueues};
@@ -11,6 +17,7 @@ use batchfleet_shared::message::{
     Envelope, Opened, StoredTask, WorkItem, ATTEMPT_HEADER, CLASS_HEADER, DEAD_AT_HEADER,
     ERROR_HEADER, ITEM_HEADER, JOB_HEADER, WORKER_HEADER,
 };
+use batchfleet_shared::signing::{SigningKey, SIGNATURE_HEADER};
 use batchfleet_shared::store::{ItemFailure, RecordUpdate, Store, TaskLookup};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -166,6 +173,44 @@ pub struct Replayed {
     pub items: Vec<u32>,
     /// Jobs they belong to.
     pub jobs: Vec<String>,
+    /// Dead messages left dead because they could not be trusted (a
+    /// signature that does not verify, none where one is required, a model
+    /// path the job's record does not name), each with why.
+    pub refused: Vec<String>,
+}
+
+/// Which dead messages a replay may sign and publish again.
+#[derive(Debug, Clone, Copy)]
+pub struct Trust<'a> {
+    /// The coordinator's signing key: a dead message must carry a
+    /// signature that verifies with it.
+    pub key: Option<&'a SigningKey>,
+    /// Also replay messages that carry no signature (a deployment without
+    /// a key, or messages from before one was set). A signature that is
+    /// there and does not verify is refused all the same.
+    pub unsigned: bool,
+}
+
+/// A dead message opened as a worker opens it, its signature checked; why
+/// not when it is not to be trusted.
+fn verified(msg: &Delivery, trust: Trust<'_>) -> Result<Opened, String> {
+    let signature = msg.headers.str(SIGNATURE_HEADER);
+    match (trust.key, signature) {
+        (Some(key), Some(_)) => batchfleet_shared::message::open(&msg.body, signature, Some(key))
+            .map_err(|e| {
+                format!("its signature does not verify ({e}): forged, or signed with another key")
+            }),
+        (_, None) | (None, Some(_)) if trust.unsigned => Envelope::decode(&msg.body)
+            .map(Envelope::into_opened)
+            .map_err(|e| format!("it does not decode ({e})")),
+        (Some(_), None) => Err(
+            "it is unsigned (pass --trust-unsigned to replay unsigned messages)".into(),
+        ),
+        (None, _) => Err(
+            "no signing key is set to check it with (set the coordinator's signing key, or pass --trust-unsigned to replay unverified messages)"
+                .into(),
+        ),
+    }
 }
 
 /// Publishes the matching dead items of `pool` to its work queue with the
@@ -174,23 +219,27 @@ pub struct Replayed {
 /// first, so no worker finds a replayed item's job finished. With
 /// `update_model`, the model digest in each item — and in the job record —
 /// is replaced by the current digest of its file (for replays after a fixed
-/// model was swapped in under the same path). Rejected messages (forged or
-/// impossible) are never replayed.
+/// model was swapped in under the same path): only the file the job's record
+/// names is read, and an item naming another is refused. Rejected messages
+/// (forged or impossible) are never replayed, nor any that `trust` does not
+/// admit: those stay dead, each named in [`Replayed::refused`].
 pub async fn replay(
     broker: &dyn Broker,
     store: &Store,
     pool: &str,
     filter: &Filter,
     update_model: bool,
-    key: Option<&batchfleet_shared::signing::SigningKey>,
+    trust: Trust<'_>,
 ) -> Result<Replayed, RunError> {
     let queues = PoolQueues::new(pool);
     let taken = take_all(broker, &queues.dead()).await?;
     let mut digests: HashMap<String, String> = HashMap::new();
+    let mut models: HashMap<String, Option<String>> = HashMap::new();
     let mut tasks = HashMap::new();
     let mut stored_anew = Vec::new();
     let mut chosen = Vec::new();
     let mut rejected = 0;
+    let mut refused = Vec::new();
     for msg in &taken {
         let dead = describe(msg);
         if !filter.matches(&dead) {
@@ -200,14 +249,49 @@ pub async fn replay(
             rejected += 1;
             continue;
         }
-        let Some(opened) = Envelope::decode(&msg.body).ok().map(Envelope::into_opened) else {
-            tracing::warn!("skipping an undecodable dead message; `dlq purge` removes it");
-            continue;
+        let name = format!(
+            "item {} of job {}",
+            dead.item.map_or("?".to_owned(), |i| i.to_string()),
+            dead.job
+        );
+        let opened = match verified(msg, trust) {
+            Ok(opened) => opened,
+            Err(why) => {
+                tracing::warn!(
+                    "not replaying dead {name}: {why}; it stays dead (`dlq purge` removes it)"
+                );
+                refused.push(format!("{name}: {why}"));
+                continue;
+            }
         };
         let Some(mut item) = whole(store, opened, &mut tasks).await? else {
             continue;
         };
         if update_model {
+            // Only the model file the coordinator registered for the job.
+            let recorded = match models.get(&item.job_id) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = store.job(&item.job_id).await?.map(|r| r.model);
+                    models.insert(item.job_id.clone(), m.clone());
+                    m
+                }
+            };
+            if recorded.as_deref() != Some(item.task.model.path.as_str()) {
+                let why = match recorded {
+                    Some(m) => format!(
+                        "it names model {} but job {} was run with {m}; --update-model reads only the file the job's record names",
+                        item.task.model.path, item.job_id
+                    ),
+                    None => format!(
+                        "job {} is not in Redis, so there is no recorded model to update it to",
+                        item.job_id
+                    ),
+                };
+                tracing::warn!("not replaying dead {name}: {why}");
+                refused.push(format!("{name}: {why}"));
+                continue;
+            }
             let path = item.task.model.path.clone();
             let sha = match digests.get(&path) {
                 Some(s) => s.clone(),
@@ -236,7 +320,10 @@ pub async fn replay(
     if rejected > 0 {
         tracing::warn!(rejected, "rejected messages (forged or impossible) are not replayed; `batchfleet dlq purge` removes them");
     }
-    let mut out = Replayed::default();
+    let mut out = Replayed {
+        refused,
+        ..Replayed::default()
+    };
     for (_, _, item) in &chosen {
         if !out.jobs.contains(&item.job_id) {
             out.jobs.push(item.job_id.clone());
@@ -270,7 +357,7 @@ pub async fn replay(
         // Forget the failure first, so a fresh failure recorded by a fast
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
-        let outgoing = Outgoing::work_item(&item, 1, key);
+        let outgoing = Outgoing::work_item(&item, 1, trust.key);
         if let Err(e) = broker
             .publish(&queues.job(&item.job_id), vec![outgoing], 1)
             .await

@@ -204,6 +204,13 @@ pub enum DlqCommand {
         /// replayed item by the file's current digest (after swapping in a fixed model).
         #[arg(long)]
         update_model: bool,
+        /// Also replay dead messages that carry no signature. Every dead
+        /// message is checked as a worker checks it before it is signed and
+        /// published again: one whose signature does not verify with the
+        /// coordinator's key stays dead. Without a signing key nothing can
+        /// be checked, and replay needs this flag.
+        #[arg(long, env = "BATCHFLEET_TRUST_UNSIGNED", value_parser = clap::builder::BoolishValueParser::new())]
+        trust_unsigned: bool,
         /// Return after publishing instead of following the job.
         #[arg(long)]
         no_wait: bool,

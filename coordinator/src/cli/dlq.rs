@@ -90,6 +90,7 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             item,
             pool,
             update_model,
+            trust_unsigned,
             no_wait,
             ..
         } => {
@@ -97,6 +98,10 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 eprintln!("error: --job (or --local OUTPUT) is required");
                 return ExitCode::from(EXIT_INVALID);
             };
+            if connections.signing_key.is_none() && !trust_unsigned {
+                eprintln!("error: no signing key is set (BATCHFLEET_SIGNING_KEY or BATCHFLEET_SIGNING_KEY_FILE), so the dead messages' signatures cannot be checked, and a replay signs and publishes them again; set the key the coordinator signs with, or pass --trust-unsigned to replay them unverified (a deployment without a key trusts its queues)");
+                return ExitCode::from(EXIT_INVALID);
+            }
             let store = match connections.store().await {
                 Ok(s) => s,
                 Err(e) => return report_error(&RunError::Store(e)),
@@ -121,7 +126,10 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 &pool,
                 &filter,
                 update_model,
-                connections.signing_key.as_ref(),
+                crate::dlq::Trust {
+                    key: connections.signing_key.as_ref(),
+                    unsigned: trust_unsigned,
+                },
             )
             .await
             {
@@ -132,6 +140,15 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 "replayed {} item(s) of job {job} to bf.{pool}.job.{job}",
                 replayed.items.len()
             );
+            if !replayed.refused.is_empty() {
+                eprintln!(
+                    "left {} dead message(s) dead, not to be trusted:",
+                    replayed.refused.len()
+                );
+                for why in &replayed.refused {
+                    eprintln!("  {why}");
+                }
+            }
             if no_wait || store.job(&job).await.ok().flatten().is_none() {
                 ExitCode::SUCCESS
             } else {

@@ -1021,3 +1021,163 @@ async fn whole_messages_carry_the_task_in_every_message() {
     stop_all(&mut workers);
     env.cleanup(&[&id]).await;
 }
+
+/// `dlq replay` signs what it publishes, so it checks what it reads. Of
+/// three dead copies of a job's items — one signed with the coordinator's
+/// key, one unsigned, one signed with another key — only the first is
+/// replayed; `--trust-unsigned` adds the unsigned one, never the forged
+/// one; and `--update-model` reads no file but the model the job's record
+/// names. What is refused stays in the dead queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
+    use batchfleet_shared::message::CLASS_HEADER;
+    use batchfleet_shared::store::{JobRecord, JobStatus};
+    let env = TestEnv::new("replaysign");
+    let key = SigningKey::new(b"0123456789abcdef-replay-key", "test").expect("key");
+    let other = SigningKey::new(b"another-secret-0123456789", "test").expect("key");
+    let job = unique("replaysign");
+    let item = |seq| batchfleet_coordinator::planner::sample_item(&job, seq);
+    let store = env.connections().store().await.expect("redis");
+    store
+        .put_job(&JobRecord {
+            id: job.clone(),
+            name: "replaysign".into(),
+            status: JobStatus::CompletedWithFailures,
+            pool: env.pool.clone(),
+            manifest: "/m.toml".into(),
+            output_dir: item(0).task.output.dir.clone(),
+            output_format: "csv".into(),
+            model: item(0).task.model.path.clone(),
+            model_sha256: item(0).task.model.sha256.clone(),
+            max_failed_items: None,
+            max_failed_percent: None,
+            items_total: 4,
+            rows_total: 4,
+            rows_estimated: false,
+            items_done: 0,
+            rows_done: 0,
+            rows_rejected: 0,
+            created_ms: 1,
+            published_ms: 1,
+            finished_ms: 2,
+            items_published: 4,
+            merge: false,
+            failed_reason: String::new(),
+            failed_class: String::new(),
+            overrides: Vec::new(),
+            resolved_manifest: String::new(),
+            priority: String::new(),
+            done_bits: true,
+        })
+        .await
+        .expect("put job");
+    let broker = env.broker().await;
+    let queues = PoolQueues::new(&env.pool);
+    broker.declare(&queues).await.expect("declare");
+    let dead = |item: &WorkItem, key: Option<&SigningKey>| {
+        let mut m = Outgoing::work_item(item, 1, key);
+        m.headers.set([(CLASS_HEADER, "model".to_owned())], []);
+        m
+    };
+    let mut elsewhere = item(3);
+    elsewhere.task.model.path = "/etc/hostname".into();
+    broker
+        .publish(
+            &queues.dead(),
+            vec![
+                dead(&item(0), Some(&key)),
+                dead(&item(1), None),
+                dead(&item(2), Some(&other)),
+                dead(&elsewhere, Some(&key)),
+            ],
+            4,
+        )
+        .await
+        .expect("publish dead items");
+    let filter = Filter {
+        job: Some(job.clone()),
+        ..Filter::default()
+    };
+    let replay = |unsigned, update_model| {
+        let (broker, store, filter, key) = (broker.clone(), store.clone(), filter.clone(), &key);
+        let pool = env.pool.clone();
+        async move {
+            dlq::replay(
+                &*broker,
+                &store,
+                &pool,
+                &filter,
+                update_model,
+                dlq::Trust {
+                    key: Some(key),
+                    unsigned,
+                },
+            )
+            .await
+            .expect("replay")
+        }
+    };
+    let first = replay(false, false).await;
+    assert_eq!(first.items, [0, 3], "the signed ones: {first:?}");
+    assert_eq!(first.refused.len(), 2, "{first:?}");
+    assert!(
+        first
+            .refused
+            .iter()
+            .any(|r| r.contains("item 1") && r.contains("unsigned")),
+        "{first:?}"
+    );
+    assert!(
+        first
+            .refused
+            .iter()
+            .any(|r| r.contains("item 2") && r.contains("does not verify")),
+        "{first:?}"
+    );
+    // What was published is signed with the coordinator's key.
+    let replayed = broker
+        .get(&queues.job(&job))
+        .await
+        .expect("get")
+        .expect("a replayed item");
+    let opened = batchfleet_shared::message::open(
+        &replayed.body,
+        replayed.headers.str(SIGNATURE_HEADER),
+        Some(&key),
+    )
+    .expect("signed with the key");
+    assert_eq!(opened.seq(), 0);
+    replayed.ack().await.expect("ack");
+    let second = replay(true, false).await;
+    assert_eq!(second.items, [1], "now the unsigned one: {second:?}");
+    assert_eq!(second.refused.len(), 1, "the forged one, still: {second:?}");
+    // The forged one stays dead; and a signed dead item naming another
+    // model than the job's is not hashed by --update-model.
+    broker
+        .publish(&queues.dead(), vec![dead(&elsewhere, Some(&key))], 1)
+        .await
+        .expect("publish");
+    let third = replay(false, true).await;
+    assert!(third.items.is_empty(), "{third:?}");
+    assert!(
+        third.refused.iter().any(|r| r.contains("/etc/hostname")
+            && r.contains("--update-model reads only the file the job's record names")),
+        "{third:?}"
+    );
+    // What was refused is still dead: back in the dead queue once the
+    // replay let go of it (returned unacknowledged).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = dlq::list(&*broker, &env.pool, &filter).await.expect("list");
+        if left.len() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "what was refused is still dead: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.close("bye").await;
+    env.cleanup(&[job.as_str()]).await;
+}

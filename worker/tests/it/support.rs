@@ -514,7 +514,10 @@ impl TestEnv {
                     &self.pool,
                     &filter,
                     update_model,
-                    None,
+                    batchfleet_coordinator::dlq::Trust {
+                        key: None,
+                        unsigned: true,
+                    },
                 )
                 .await
                 .expect("replay");
