@@ -39,6 +39,14 @@ pub(super) fn check(
         sacct_record(tasks, report, &mut v);
     }
     task_logs(tasks, logs, report, &mut v)?;
+    if !report.crashed_task.is_empty()
+        && !cpu_worker_log(logs, &report.crashed_task).contains("(a crash: 1 of")
+    {
+        v.push(format!(
+            "the task script of {} logged no restart in place after its worker's SIGKILL",
+            report.crashed_task
+        ));
+    }
     report.violations.extend(v);
     Ok(())
 }
@@ -273,6 +281,21 @@ pub(super) fn consuming(logs: &Path, task: &str, restarts: u32) -> bool {
     let id = format!("slurm-{task}.0.r{restarts}");
     log.lines()
         .any(|l| l.contains("worker consuming") && l.contains(&id))
+}
+
+/// The log of the CPU worker task `task` (worker-cpu.sbatch; all its runs).
+pub(super) fn cpu_worker_log(logs: &Path, task: &str) -> String {
+    std::fs::read_to_string(logs.join(format!("batchfleet-worker-cpu-{task}.0.log")))
+        .unwrap_or_default()
+}
+
+/// How many times a worker of CPU task `task` started consuming, over all
+/// its runs (requeues and restarts in place alike).
+pub(super) fn consuming_runs(logs: &Path, task: &str) -> usize {
+    cpu_worker_log(logs, task)
+        .lines()
+        .filter(|l| l.contains("worker consuming"))
+        .count()
 }
 
 /// Whether the worker of `task`, in its run after `restarts` requeues,

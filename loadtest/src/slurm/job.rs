@@ -2,10 +2,11 @@
 //! the site installed as an operator would (binaries, secrets as files, one
 //! environment file), the GPU workers and the coordinator submitted, a
 //! time limit cut, a preemption by signal, the fleet grown by a second
-//! array, a preemption by Slurm for a higher-priority job, and the job's
+//! array, a worker killed (SIGKILL) and restarted in place, a preemption by
+//! Slurm for a higher-priority job, and the job's
 //! end as Slurm, `batchfleet status` and `sacct` record it.
 
-use super::check::{consuming, count_parts, log_time};
+use super::check::{consuming, consuming_runs, count_parts, log_time};
 use super::cluster::{is_running, wait_for, Slurm};
 use super::{SlurmConfig, SlurmReport};
 use crate::fault;
@@ -127,6 +128,7 @@ impl<'a> JobRun<'a> {
         let (cut, cut_at) = self.cut_time_limit(report)?;
         self.preempt_by_signal(report)?;
         self.grow(report)?;
+        self.crash_a_worker(report)?;
         self.time_limited_back(cut, cut_at, report)?;
         self.preempt_by_priority(report)?;
         self.end(job_started, report)?;
@@ -279,6 +281,62 @@ impl<'a> JobRun<'a> {
         println!("slurm: fleet grown by {scale} (worker-cpu.sbatch, %1 then ArrayTaskThrottle=2)");
         self.scale = scale;
         Ok(())
+    }
+
+    /// The worker of the second array's first task (worker-cpu.sbatch),
+    /// consuming, killed with SIGKILL, as the kernel's OOM killer kills
+    /// (a SIGSEGV sent from outside does not do: the Rust runtime's handler
+    /// takes it for a stack overflow check and returns): the task script
+    /// restarts it in the same
+    /// allocation, the task is neither requeued nor failed, and what the
+    /// worker held goes back to the queue.
+    fn crash_a_worker(&self, report: &mut SlurmReport) -> Result<()> {
+        let task = format!("{}_0", self.scale);
+        wait_for(Duration::from_secs(60), || {
+            Ok(consuming_runs(&self.logs, &task) >= 1)
+        })
+        .with_context(|| format!("{task}'s worker never consumed"))?;
+        let pid = self.worker_pid(&task)?;
+        let before = consuming_runs(&self.logs, &task);
+        let crashed = Instant::now();
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        wait_for(Duration::from_secs(60), || {
+            Ok(consuming_runs(&self.logs, &task) > before
+                || !is_running(self.slurm, &self.coordinator))
+        })?;
+        self.running("the crashed worker came back")?;
+        report.crashed_task = task.clone();
+        report.crash_restarted_after_s = crashed.elapsed().as_secs_f64();
+        println!(
+            "slurm: {task}'s worker killed with SIGKILL (as the OOM killer does); restarted in the same allocation and consuming {:.1}s later",
+            report.crash_restarted_after_s
+        );
+        Ok(())
+    }
+
+    /// The pid of the `batchfleet-worker` process of `task` (`scontrol
+    /// listpids`: the node is this machine).
+    fn worker_pid(&self, task: &str) -> Result<u32> {
+        let job = self.slurm.job(task)?;
+        let id = job.get("JobId").context("the task's JobId")?.clone();
+        let mut found = None;
+        wait_for(Duration::from_secs(30), || {
+            let out = self.slurm.run("scontrol", &["listpids", &id])?;
+            found = out
+                .lines()
+                .filter_map(|l| l.split_whitespace().next()?.parse::<u32>().ok())
+                .find(|pid| {
+                    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .is_ok_and(|c| c.trim_end() == "batchfleet-work")
+                });
+            Ok(found.is_some())
+        })
+        .with_context(|| {
+            format!("no batchfleet-worker process in {task} (scontrol listpids {id})")
+        })?;
+        found.context("worker pid")
     }
 
     /// The time-limited task: signalled, drained, requeued; started again

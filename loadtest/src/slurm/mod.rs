@@ -122,6 +122,11 @@ pub struct SlurmReport {
     /// Tasks of the second array running while the job ran (after the
     /// throttle was raised).
     pub scaled_tasks_running: u32,
+    /// The task whose worker was killed with SIGKILL mid-job.
+    pub crashed_task: String,
+    /// From the SIGKILL to the restarted worker consuming again in the same
+    /// allocation (s).
+    pub crash_restarted_after_s: f64,
     /// Wall time of the job, the coordinator's Slurm job start to end (s).
     pub job_s: f64,
     /// The coordinator job's state and exit code at the end.

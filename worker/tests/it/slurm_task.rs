@@ -84,6 +84,11 @@ impl Stage {
 
     /// The task script as the batch script of array task 40_1 (job id 41).
     fn start(&self, requeue_code: &str) -> Child {
+        self.start_with(requeue_code, &[])
+    }
+
+    /// [`Stage::start`] with extra environment variables.
+    fn start_with(&self, requeue_code: &str, envs: &[(&str, &str)]) -> Child {
         let path = format!(
             "{}:{}",
             self.path("bin").display(),
@@ -106,6 +111,10 @@ impl Stage {
             .env("COUNT", self.path("count"))
             .env("EXITS", self.path("exits"))
             .env("READY", self.path("ready"))
+            // Crash restarts pause 50 ms, 100 ms, … here, not 1 s, 2 s, ….
+            .env("BATCHFLEET_SLURM_RESTART_PAUSE", "0.05")
+            .env_remove("BATCHFLEET_SLURM_RESTARTS")
+            .envs(envs.iter().copied())
             .stdout(std::process::Stdio::null())
             .process_group(0)
             .spawn()
@@ -229,4 +238,45 @@ fn the_coordinator_requeues_on_130_and_ends_on_0() {
     let status = finish(interrupted.start("130"));
     assert_eq!(status.signal(), Some(9), "{:?}", interrupted.calls());
     assert!(has(&interrupted.calls(), "scontrol requeue 40_1"));
+}
+
+#[test]
+fn a_crashing_worker_is_restarted_in_place_and_the_task_goes_on() {
+    // SIGSEGV, SIGABRT, the OOM killer's SIGKILL, an exit 1: each costs a
+    // restart in the same allocation, not the task.
+    let s = Stage::new(&["139", "134", "137", "1", "0"], "COMPLETING");
+    let status = finish(s.start("0"));
+    let calls = s.calls();
+    assert_eq!(status.code(), Some(0), "{calls:?}");
+    assert!(has(&calls, "prog run 5 "), "{calls:?}");
+    assert_eq!(
+        calls.iter().filter(|c| c.starts_with("srun")).count(),
+        1,
+        "one step: {calls:?}"
+    );
+}
+
+#[test]
+fn a_worker_crashing_past_its_restart_budget_ends_the_task_with_the_crash() {
+    let s = Stage::new(&["139", "139", "139", "0"], "RUNNING");
+    let status = finish(s.start_with("0", &[("BATCHFLEET_SLURM_RESTARTS", "2")]));
+    let calls = s.calls();
+    assert_eq!(status.code(), Some(139), "{calls:?}");
+    assert!(has(&calls, "prog run 3 "), "{calls:?}");
+    assert!(
+        !has(&calls, "prog run 4 "),
+        "two restarts, no more: {calls:?}"
+    );
+    assert!(!has(&calls, "scontrol requeue"), "{calls:?}");
+}
+
+#[test]
+fn the_coordinator_is_not_restarted_on_its_own_failures() {
+    // `batchfleet run` exiting 1 (or 2, 3, 4: its verdicts) ends the task;
+    // only a death by a signal would restart it.
+    let s = Stage::new(&["1", "0"], "RUNNING");
+    let status = finish(s.start("130"));
+    let calls = s.calls();
+    assert_eq!(status.code(), Some(1), "{calls:?}");
+    assert!(!has(&calls, "prog run 2 "), "{calls:?}");
 }
