@@ -1117,6 +1117,23 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
             .expect("replay")
         }
     };
+    // What a replay leaves dead goes back to the dead queue when the replay
+    // lets go of it (returned unacknowledged): wait for `n` there, counted
+    // without taking them, before the next step reads the queue.
+    let dead_again = |n: u32| {
+        let (broker, queue) = (broker.clone(), queues.dead());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let ready = broker.ready_count(&queue).await.expect("count");
+                if ready == Some(n) {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{ready:?} dead, {n} expected");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
     let first = replay(false, false).await;
     assert_eq!(first.items, [0, 3], "the signed ones: {first:?}");
     assert_eq!(first.refused.len(), 2, "{first:?}");
@@ -1148,15 +1165,18 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
     .expect("signed with the key");
     assert_eq!(opened.seq(), 0);
     replayed.ack().await.expect("ack");
+    dead_again(2).await;
     let second = replay(true, false).await;
     assert_eq!(second.items, [1], "now the unsigned one: {second:?}");
     assert_eq!(second.refused.len(), 1, "the forged one, still: {second:?}");
     // The forged one stays dead; and a signed dead item naming another
     // model than the job's is not hashed by --update-model.
+    dead_again(1).await;
     broker
         .publish(&queues.dead(), vec![dead(&elsewhere, Some(&key))], 1)
         .await
         .expect("publish");
+    dead_again(2).await;
     let third = replay(false, true).await;
     assert!(third.items.is_empty(), "{third:?}");
     assert!(
@@ -1164,20 +1184,15 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
             && r.contains("--update-model reads only the file the job's record names")),
         "{third:?}"
     );
-    // What was refused is still dead: back in the dead queue once the
-    // replay let go of it (returned unacknowledged).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left = dlq::list(&*broker, &env.pool, &filter).await.expect("list");
-        if left.len() == 2 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "what was refused is still dead: {left:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // What was refused is still dead.
+    dead_again(2).await;
+    assert_eq!(
+        dlq::list(&*broker, &env.pool, &filter)
+            .await
+            .expect("list")
+            .len(),
+        2
+    );
     broker.close("bye").await;
     env.cleanup(&[job.as_str()]).await;
 }
