@@ -7,7 +7,7 @@
 //! lock is never held across an `.await`), so each step is atomic exactly
 //! like its Redis counterpart. The methods mirror
 //! [`COMMIT_SCRIPT`](super::redis::COMMIT_SCRIPT),
-//! [`FAIL_SCRIPT`](super::redis::FAIL_SCRIPT),
+//! [`fail_script`](super::redis::fail_script),
 //! [`lease_script`](super::redis::lease_script),
 //! [`start_script`](super::redis::start_script),
 //! [`PUBLISHED_SCRIPT`](super::redis::PUBLISHED_SCRIPT),
@@ -255,7 +255,7 @@ impl JobStore for LocalStore {
         Ok(won)
     }
 
-    /// [`FAIL_SCRIPT`](super::redis::FAIL_SCRIPT).
+    /// [`fail_script`](super::redis::fail_script).
     async fn fail_item(&self, job: &str, failure: &ItemFailure) -> Result<bool, StoreError> {
         let mut state = self.lock();
         let job = state.entry(job);

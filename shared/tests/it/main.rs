@@ -14,17 +14,18 @@ pub fn amqp() -> batchfleet_shared::endpoint::Endpoint {
 }
 
 pub async fn store(stem: &str) -> batchfleet_shared::store::Store {
+    store_at(&batchfleet_testkit::services::unique(stem)).await
+}
+
+/// The local Redis as a store under key prefix `prefix`.
+pub async fn store_at(prefix: &str) -> batchfleet_shared::store::Store {
     batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
     let url = batchfleet_shared::endpoint::Endpoint::redis(
         batchfleet_shared::secret::SecretUrl::new("redis://127.0.0.1:6379/"),
     );
-    batchfleet_shared::store::Store::connect(
-        &url,
-        &batchfleet_testkit::services::unique(stem),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("redis")
+    batchfleet_shared::store::Store::connect(&url, prefix, Duration::from_secs(5))
+        .await
+        .expect("redis")
 }
 
 /// What every broker keeps of announcements: with both pools declared and

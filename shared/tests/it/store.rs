@@ -846,27 +846,28 @@ async fn a_job_s_facts_and_a_lease_written_at_the_first_heartbeat(store: Store) 
     store.delete_job("f").await.expect("cleanup");
 }
 
+/// The local Redis as a store under a key prefix of its own (returned), and
+/// a plain connection to look at its keys as they are.
+async fn redis_with_raw(stem: &str) -> (Store, String, ::redis::aio::MultiplexedConnection) {
+    let prefix = batchfleet_testkit::services::unique(stem);
+    let store = crate::store_at(&prefix).await;
+    let raw = ::redis::Client::open("redis://127.0.0.1:6379/")
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    (store, prefix, raw)
+}
+
 /// The histogram is one running field per committing worker, written once
 /// per group whatever the output's width; fields of the earlier kind (one
 /// `<column>:<bin>` count each, from workers before it) read back summed
 /// with them, so a job committed across an upgrade keeps its histogram.
 #[tokio::test]
 async fn a_histogram_is_a_field_per_worker_and_reads_back_older_bin_fields() {
-    batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
-    let prefix = batchfleet_testkit::services::unique("bftest-hist");
-    let url = batchfleet_shared::endpoint::Endpoint::redis(
-        batchfleet_shared::secret::SecretUrl::new("redis://127.0.0.1:6379/"),
-    );
-    let store = Store::connect(&url, &prefix, std::time::Duration::from_secs(5))
-        .await
-        .expect("redis");
+    let (store, prefix, mut raw) = redis_with_raw("bftest-hist").await;
     store.put_job(&record("h")).await.expect("put");
     let key = batchfleet_shared::store::redis::job_scoped(&prefix, "h", ":hist");
-    let client = ::redis::Client::open("redis://127.0.0.1:6379/").expect("client");
-    let mut raw = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
     // An older worker's commit: one field per filled bin.
     let _: () = ::redis::pipe()
         .hincr(&key, "0:1", 5)
@@ -917,19 +918,7 @@ async fn a_histogram_is_a_field_per_worker_and_reads_back_older_bin_fields() {
 /// looks where the job's record says.
 #[tokio::test]
 async fn a_done_set_is_a_bitmap_and_an_older_job_keeps_its_set() {
-    batchfleet_testkit::services::ensure_local().expect("RabbitMQ and Redis available");
-    let prefix = batchfleet_testkit::services::unique("bftest-bits");
-    let url = batchfleet_shared::endpoint::Endpoint::redis(
-        batchfleet_shared::secret::SecretUrl::new("redis://127.0.0.1:6379/"),
-    );
-    let store = Store::connect(&url, &prefix, std::time::Duration::from_secs(5))
-        .await
-        .expect("redis");
-    let client = ::redis::Client::open("redis://127.0.0.1:6379/").expect("client");
-    let mut raw = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let (store, prefix, mut raw) = redis_with_raw("bftest-bits").await;
     let key = |id: &str, part: &str| batchfleet_shared::store::redis::job_scoped(&prefix, id, part);
     for (id, bits) in [("new", true), ("old", false)] {
         let mut r = record(id);

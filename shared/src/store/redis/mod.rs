@@ -14,7 +14,7 @@ mod scripts;
 
 pub use keys::{job_keys_pattern, job_of_key, job_scoped};
 pub use scripts::{
-    lease_script, reduce_script, start_script, COMMIT_SCRIPT, FAIL_JOB_SCRIPT, FAIL_SCRIPT,
+    fail_script, lease_script, reduce_script, start_script, COMMIT_SCRIPT, FAIL_JOB_SCRIPT,
     FOLLOW_SCRIPT, PUBLISHED_SCRIPT, UNFOLLOW_SCRIPT,
 };
 

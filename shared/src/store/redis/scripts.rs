@@ -145,6 +145,20 @@ return won
 /// Lua: Redis's clock in ms.
 const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
+/// Lua: `is_done(done_bits, set, bitmap, seq)`, whether item `seq` is
+/// committed — its bit in the bitmap key `bitmap` when the job record's
+/// `done_bits` is `'1'`, else its membership of the set key `set` (a job
+/// from before the bitmap). The one done check of the start, lease and
+/// fail scripts.
+const IS_DONE_LUA: &str = r#"
+local function is_done(done_bits, set, bitmap, seq)
+  if done_bits == '1' then
+    return redis.call('GETBIT', bitmap, seq) == 1
+  end
+  return redis.call('SISMEMBER', set, seq) == 1
+end
+"#;
+
 /// Writes a lease unless the item is already done (`KEYS[1]`, or the bit in
 /// `KEYS[4]` for a job whose `done_bits` is 1) or its job cancelled
 /// (`KEYS[3]`, the job hash), its `heartbeat_ms` set to Redis's clock — and,
@@ -153,16 +167,10 @@ const NOW_LUA: &str = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) 
 /// held the item. Returns 1 if written.
 pub fn lease_script() -> String {
     format!(
-        "{NOW_LUA}{}",
+        "{NOW_LUA}{IS_DONE_LUA}{}",
         r#"
 local job = redis.call('HMGET', KEYS[3], 'status', 'done_bits')
-local done
-if job[2] == '1' then
-  done = redis.call('GETBIT', KEYS[4], ARGV[1])
-else
-  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
-end
-if done == 1 or job[1] == 'cancelled' then
+if is_done(job[2], KEYS[1], KEYS[4], ARGV[1]) or job[1] == 'cancelled' then
   return 0
 end
 local lease = cjson.decode(ARGV[3])
@@ -182,7 +190,7 @@ return 1
 /// lease (times from Redis's clock) and the delivery count.
 pub fn start_script() -> String {
     format!(
-        "{NOW_LUA}{}",
+        "{NOW_LUA}{IS_DONE_LUA}{}",
         r#"
 local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model', 'done_bits')
 if not job[1] then
@@ -197,13 +205,7 @@ end
 if tonumber(ARGV[1]) >= (tonumber(job[5]) or 0) then
   return {'mismatch', 'items_total', tostring(job[5] or '')}
 end
-local done
-if job[7] == '1' then
-  done = redis.call('GETBIT', KEYS[6], ARGV[1])
-else
-  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
-end
-if done == 1 then
+if is_done(job[7], KEYS[1], KEYS[6], ARGV[1]) then
   return {'done'}
 end
 if job[1] == 'failed' or job[1] == 'cancelled' then
@@ -297,19 +299,18 @@ return 1
 /// duplicate delivery must not mark a committed item failed; the done set
 /// `KEYS[1]`, or the bitmap `KEYS[4]` when the job hash `KEYS[3]` says
 /// `done_bits`). Returns 1 if recorded.
-pub const FAIL_SCRIPT: &str = r#"
-local done
-if redis.call('HGET', KEYS[3], 'done_bits') == '1' then
-  done = redis.call('GETBIT', KEYS[4], ARGV[1])
-else
-  done = redis.call('SISMEMBER', KEYS[1], ARGV[1])
-end
-if done == 1 then
+pub fn fail_script() -> String {
+    format!(
+        "{IS_DONE_LUA}{}",
+        r#"
+if is_done(redis.call('HGET', KEYS[3], 'done_bits'), KEYS[1], KEYS[4], ARGV[1]) then
   return 0
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
-"#;
+"#
+    )
+}
 
 /// The scripts, loaded once per store (each is sent by its digest, and
 /// loaded again only when Redis does not know it).
@@ -328,7 +329,7 @@ impl Scripts {
     pub(super) fn new() -> Self {
         Self {
             commit: redis::Script::new(COMMIT_SCRIPT),
-            fail: redis::Script::new(FAIL_SCRIPT),
+            fail: redis::Script::new(&fail_script()),
             lease: redis::Script::new(&lease_script()),
             start: redis::Script::new(&start_script()),
             fail_job: redis::Script::new(FAIL_JOB_SCRIPT),
