@@ -29,6 +29,12 @@ pub struct Connections {
     /// jobs with a done set rather than a bitmap, for a fleet whose workers
     /// are not all of this version yet.
     pub whole_messages: bool,
+    /// Most items in one work message (`--bundle`): a job of many short
+    /// items is published as bundles of consecutive items (version 4),
+    /// fewer where items are long or few
+    /// ([`batchfleet_shared::message::bundle_size`]); 1 publishes one item
+    /// per message (version 3), for workers older than version 4.
+    pub bundle: usize,
 }
 
 /// The default of `--retention` (`BATCHFLEET_RETENTION`).
@@ -51,6 +57,39 @@ impl Connections {
             return Outgoing::work_item(&whole, attempt, key);
         }
         Outgoing::work_item(item, attempt, key)
+    }
+
+    /// The messages of `items` (all of one job, whose items average
+    /// `rows_per_item` rows, `job_items` in all) at attempt 1: bundles of
+    /// up to [`Connections::bundle`] consecutive items where items are
+    /// short, else one item per message.
+    pub fn work_messages(
+        &self,
+        items: &[&batchfleet_shared::message::WorkItem],
+        job_items: usize,
+        rows_per_item: u64,
+    ) -> Vec<batchfleet_shared::broker::Outgoing> {
+        use batchfleet_shared::broker::Outgoing;
+        use batchfleet_shared::message::{bundle_size, Bundle};
+        let size = if self.whole_messages {
+            1
+        } else {
+            bundle_size(job_items, rows_per_item, self.bundle)
+        };
+        if size <= 1 {
+            return items.iter().map(|i| self.work_message(i, 1)).collect();
+        }
+        let key = self.signing_key.as_ref();
+        let mut out = Vec::with_capacity(items.len().div_ceil(size));
+        for chunk in items.chunks(size) {
+            let refs: Option<Vec<_>> = chunk.iter().map(|i| i.to_ref()).collect();
+            match refs.as_deref().and_then(Bundle::of) {
+                Some(bundle) if chunk.len() > 1 => out.push(Outgoing::bundle(bundle, key)),
+                // One item left over, or items that carry their task: alone.
+                _ => out.extend(chunk.iter().map(|i| self.work_message(i, 1))),
+            }
+        }
+        out
     }
 
     /// Connects to Redis (or hands out the in-process store).

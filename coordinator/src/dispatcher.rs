@@ -188,21 +188,27 @@ pub async fn dispatch(
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
     let mut end = 0u64;
+    let job_items = plan.items.len();
+    let rows_per_item = plan.rows_total / (job_items.max(1) as u64);
     for chunk in plan.items.chunks(PUBLISH_CHUNK) {
         end += chunk.len() as u64;
-        let mut messages = Vec::with_capacity(chunk.len());
-        for item in chunk.iter().filter(|item| {
-            !done.contains(&item.seq)
-                && (u64::from(item.seq) >= watermark || again.contains(&item.seq))
-        }) {
-            messages.push(cfg.connections.work_message(item, 1));
-        }
-        if messages.is_empty() {
+        let todo: Vec<_> = chunk
+            .iter()
+            .filter(|item| {
+                !done.contains(&item.seq)
+                    && (u64::from(item.seq) >= watermark || again.contains(&item.seq))
+            })
+            .collect();
+        if todo.is_empty() {
             continue;
         }
-        published += broker
+        let messages = cfg
+            .connections
+            .work_messages(&todo, job_items, rows_per_item);
+        broker
             .publish(&job_queue, messages, cfg.publish_window)
             .await?;
+        published += todo.len() as u64;
         if end > watermark {
             store
                 .update_job(&spec.job_id, &RecordUpdate::Published(end))

@@ -63,6 +63,23 @@ impl Filter {
     }
 }
 
+/// A dead message as the dead items it holds: one, or — a bundle the
+/// broker dead-lettered — one per item of the bundle.
+fn describe_all(msg: &Delivery) -> Vec<DeadItem> {
+    let first = describe(msg);
+    match Envelope::decode(&msg.body).map(Envelope::into_opened) {
+        Ok(Opened::Bundle(b)) if msg.headers.int(ITEM_HEADER).is_none() => b
+            .items
+            .iter()
+            .map(|m| DeadItem {
+                item: Some(m.seq),
+                ..first.clone()
+            })
+            .collect(),
+        _ => vec![first],
+    }
+}
+
 fn describe(msg: &Delivery) -> DeadItem {
     let h = &msg.headers;
     let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_opened);
@@ -127,20 +144,31 @@ async fn whole(
     store: &Store,
     opened: Opened,
     tasks: &mut HashMap<(String, String), batchfleet_shared::message::TaskSpec>,
-) -> Result<Option<WorkItem>, RunError> {
+) -> Result<Vec<WorkItem>, RunError> {
     let r = match opened {
-        Opened::Whole(item) => return Ok(Some(item)),
+        Opened::Whole(item) => return Ok(vec![item]),
         Opened::Ref(r) => r,
+        Opened::Bundle(b) => {
+            if let Err(why) = b.check() {
+                tracing::warn!(job = %b.job_id, "not replaying a malformed dead bundle ({why})");
+                return Ok(Vec::new());
+            }
+            let mut out = Vec::with_capacity(b.items.len());
+            for member in b.members() {
+                out.extend(Box::pin(whole(store, Opened::Ref(member), tasks)).await?);
+            }
+            return Ok(out);
+        }
     };
     let key = (r.job_id.clone(), r.task_sha256.clone());
     if let Some(task) = tasks.get(&key) {
-        return Ok(Some(r.with_task(task.clone())));
+        return Ok(vec![r.with_task(task.clone())]);
     }
     let why = match store.task(&r.job_id, &r.task_sha256).await? {
         TaskLookup::Found(bytes) => match StoredTask::open(&bytes, &r.task_sha256) {
             Ok(task) => {
                 tasks.insert(key, task.clone());
-                return Ok(Some(r.with_task(task)));
+                return Ok(vec![r.with_task(task)]);
             }
             Err(e) => e.to_string(),
         },
@@ -148,7 +176,7 @@ async fn whole(
         TaskLookup::UnknownJob => format!("no job {} in Redis", r.job_id),
     };
     tracing::warn!(job = %r.job_id, item = r.seq, "not replaying a dead item whose task cannot be read ({why}); run the job's manifest again to publish its unfinished items anew");
-    Ok(None)
+    Ok(Vec::new())
 }
 
 /// Lists the dead items of `pool` that match `filter`.
@@ -161,7 +189,7 @@ pub async fn list(
     // Dropped unacknowledged: every message returns to the dead queue.
     Ok(taken
         .iter()
-        .map(describe)
+        .flat_map(describe_all)
         .filter(|d| filter.matches(d))
         .collect())
 }
@@ -241,10 +269,10 @@ pub async fn replay(
     let mut rejected = 0;
     let mut refused = Vec::new();
     for msg in &taken {
-        let dead = describe(msg);
-        if !filter.matches(&dead) {
+        // A dead bundle is replayed whole when any of its items matches.
+        let Some(dead) = describe_all(msg).into_iter().find(|d| filter.matches(d)) else {
             continue;
-        }
+        };
         if dead.class == "rejected" {
             rejected += 1;
             continue;
@@ -264,21 +292,21 @@ pub async fn replay(
                 continue;
             }
         };
-        let Some(mut item) = whole(store, opened, &mut tasks).await? else {
-            continue;
-        };
-        if update_model {
-            // Only the model file the coordinator registered for the job.
-            let recorded = match models.get(&item.job_id) {
-                Some(m) => m.clone(),
-                None => {
-                    let m = store.job(&item.job_id).await?.map(|r| r.model);
-                    models.insert(item.job_id.clone(), m.clone());
-                    m
-                }
-            };
-            if recorded.as_deref() != Some(item.task.model.path.as_str()) {
-                let why = match recorded {
+        let items = whole(store, opened, &mut tasks).await?;
+        let before = chosen.len();
+        for mut item in items {
+            if update_model {
+                // Only the model file the coordinator registered for the job.
+                let recorded = match models.get(&item.job_id) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let m = store.job(&item.job_id).await?.map(|r| r.model);
+                        models.insert(item.job_id.clone(), m.clone());
+                        m
+                    }
+                };
+                if recorded.as_deref() != Some(item.task.model.path.as_str()) {
+                    let why = match recorded {
                     Some(m) => format!(
                         "it names model {} but job {} was run with {m}; --update-model reads only the file the job's record names",
                         item.task.model.path, item.job_id
@@ -288,34 +316,46 @@ pub async fn replay(
                         item.job_id
                     ),
                 };
-                tracing::warn!("not replaying dead {name}: {why}");
-                refused.push(format!("{name}: {why}"));
-                continue;
+                    tracing::warn!("not replaying dead {name}: {why}");
+                    refused.push(format!("{name}: {why}"));
+                    continue;
+                }
+                let path = item.task.model.path.clone();
+                let sha = match digests.get(&path) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let s = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&path))
+                            .map_err(RunError::io_while(format!(
+                                "read model {path} to update its digest"
+                            )))?;
+                        digests.insert(path.clone(), s.clone());
+                        s
+                    }
+                };
+                item.task.model.sha256 = sha;
+                if item.task_sha256.is_some() {
+                    // The task changed: stored under its new digest, once.
+                    let stored = StoredTask::of(&item.task);
+                    if !stored_anew.contains(&(item.job_id.clone(), stored.sha256.clone())) {
+                        store.put_task(&item.job_id, &stored).await?;
+                        stored_anew.push((item.job_id.clone(), stored.sha256.clone()));
+                    }
+                    item.task_sha256 = Some(stored.sha256);
+                }
             }
-            let path = item.task.model.path.clone();
-            let sha = match digests.get(&path) {
-                Some(s) => s.clone(),
-                None => {
-                    let s = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&path))
-                        .map_err(RunError::io_while(format!(
-                            "read model {path} to update its digest"
-                        )))?;
-                    digests.insert(path.clone(), s.clone());
-                    s
-                }
+            let dead = DeadItem {
+                item: Some(item.seq),
+                ..dead.clone()
             };
-            item.task.model.sha256 = sha;
-            if item.task_sha256.is_some() {
-                // The task changed: stored under its new digest, once.
-                let stored = StoredTask::of(&item.task);
-                if !stored_anew.contains(&(item.job_id.clone(), stored.sha256.clone())) {
-                    store.put_task(&item.job_id, &stored).await?;
-                    stored_anew.push((item.job_id.clone(), stored.sha256.clone()));
-                }
-                item.task_sha256 = Some(stored.sha256);
+            chosen.push((msg, dead, item, false));
+        }
+        // The dead message is acknowledged after the last of its items is
+        // published.
+        if chosen.len() > before {
+            if let Some(last) = chosen.last_mut() {
+                last.3 = true;
             }
         }
-        chosen.push((msg, dead, item));
     }
     if rejected > 0 {
         tracing::warn!(rejected, "rejected messages (forged or impossible) are not replayed; `batchfleet dlq purge` removes them");
@@ -324,7 +364,7 @@ pub async fn replay(
         refused,
         ..Replayed::default()
     };
-    for (_, _, item) in &chosen {
+    for (_, _, item, _) in &chosen {
         if !out.jobs.contains(&item.job_id) {
             out.jobs.push(item.job_id.clone());
         }
@@ -332,8 +372,8 @@ pub async fn replay(
     for job in &out.jobs {
         let sha = chosen
             .iter()
-            .find(|(_, _, i)| &i.job_id == job)
-            .map(|(_, _, i)| i.task.model.sha256.clone());
+            .find(|(_, _, i, _)| &i.job_id == job)
+            .map(|(_, _, i, _)| i.task.model.sha256.clone());
         // Running, and reduced again when the replayed items settle.
         let replayed = RecordUpdate::Replayed {
             model_sha256: sha.filter(|_| update_model),
@@ -353,7 +393,7 @@ pub async fn replay(
         store.activate_job(&queues.pool, job, weight).await?;
         crate::dispatcher::announce(broker, &queues, job).await;
     }
-    for (msg, dead, item) in chosen {
+    for (msg, dead, item, last) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast
         // worker is not erased after the publish.
         store.clear_failure(&item.job_id, item.seq).await?;
@@ -374,7 +414,9 @@ pub async fn replay(
             let _ = store.fail_item(&item.job_id, &failure).await;
             return Err(e.into());
         }
-        msg.ack().await?;
+        if last {
+            msg.ack().await?;
+        }
         out.items.push(item.seq);
     }
     Ok(out)

@@ -88,6 +88,10 @@ pub mod names {
     /// against the job's facts, no Redis request; `checked`: the start
     /// script) (counter; pool, how).
     pub const WORKER_ITEM_STARTS: &str = "batchfleet_worker_item_starts_total";
+    /// Worker: bundles (several items in one message) received, by how
+    /// (`opened`: worked; `split`: it came back, its items published one
+    /// by one) (counter; pool, how).
+    pub const WORKER_BUNDLES: &str = "batchfleet_worker_bundles_total";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
     /// Worker: 1 while running (gauge; pool).
@@ -162,6 +166,7 @@ pub mod names {
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
+        (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
         (WORKER_UP, Kind::Gauge, "1 while the worker runs."),

@@ -323,6 +323,19 @@ impl Outgoing {
         Self::sealed(&item.job_id, item.seq, sealed, attempt)
     }
 
+    /// A bundle of items (version 4) at delivery attempt 1, signed with
+    /// `key` when one is configured.
+    pub fn bundle(
+        bundle: crate::message::Bundle,
+        key: Option<&crate::signing::SigningKey>,
+    ) -> Self {
+        let id = bundle.message_id();
+        let sealed = crate::message::seal_bundle(bundle, key);
+        let mut out = Self::sealed("", 0, sealed, 1);
+        out.message_id = id;
+        out
+    }
+
     fn sealed(job: &str, seq: u32, sealed: crate::message::Sealed, attempt: u32) -> Self {
         let mut headers = Headers::default();
         if let Some(signature) = sealed.signature {

@@ -5,9 +5,12 @@
 //! be added without breaking old workers; the delivery attempt travels in the
 //! AMQP header [`ATTEMPT_HEADER`] because a retried message body is immutable.
 //!
-//! Version 3 (what is published) carries the item alone and names its
-//! job's task by digest ([`ItemRef`]): the task is stored once per job
-//! ([`StoredTask`]) and fetched once per job by each worker. Version 2
+//! Version 3 carries the item alone and names its job's task by digest
+//! ([`ItemRef`]): the task is stored once per job ([`StoredTask`]) and
+//! fetched once per job by each worker. Version 4 ([`Bundle`], what is
+//! published for jobs of many short items) carries several consecutive
+//! items of one job the same way; each is still retried, committed and
+//! dead-lettered alone, as the version 3 message it stands for. Version 2
 //! carries the whole task with every item, the input's layout as one
 //! tagged [`Layout`] — CSV columns, JSON Lines keys, Parquet columns or
 //! image preprocessing — next to the tagged [`InputSlice`]; version 1
@@ -27,10 +30,12 @@
 //!   one pair.
 //! - [`task`]: the task stored once per job and the version 3 message that
 //!   names it.
+//! - [`bundle`]: version 4, several items of a job in one message.
 //! - [`v1`]: version 1 of the message, still decoded.
 
 pub mod v1;
 
+mod bundle;
 mod check;
 mod input;
 mod model;
@@ -38,6 +43,9 @@ mod output;
 mod seal;
 mod task;
 
+pub use bundle::{
+    bundle_size, Bundle, Member, BUNDLE_ROWS, DEFAULT_BUNDLE, MAX_BUNDLE, MIN_MESSAGES,
+};
 pub use check::{
     valid_job_id, ItemLimits, MAX_MODEL_INPUTS, MAX_SELECTED_OUTPUTS, MAX_TOKENS_PER_ROW,
 };
@@ -47,7 +55,7 @@ pub use input::{
 };
 pub use model::{InputSource, ModelInput, ModelRef, Pooling, Precision, Selector, TensorType};
 pub use output::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
-pub use seal::{open, seal, seal_ref, OpenError, Sealed};
+pub use seal::{open, seal, seal_bundle, seal_ref, OpenError, Sealed};
 pub use task::{ItemRef, Opened, StoredTask, TaskError};
 
 use serde::{Deserialize, Serialize};
@@ -58,8 +66,10 @@ pub const CONTENT_TYPE: &str = "application/msgpack";
 pub const MESSAGE_TYPE_V1: &str = "batchfleet.work_item.v1";
 /// AMQP `type` property of a [`Envelope::V2`] work item (a whole item).
 pub const MESSAGE_TYPE_V2: &str = "batchfleet.work_item.v2";
-/// AMQP `type` property of a [`Envelope::V3`] work item (what is published).
+/// AMQP `type` property of a [`Envelope::V3`] work item (one item).
 pub const MESSAGE_TYPE_V3: &str = "batchfleet.work_item.v3";
+/// AMQP `type` property of a [`Envelope::V4`] message (a bundle of items).
+pub const MESSAGE_TYPE_V4: &str = "batchfleet.work_bundle.v4";
 /// Header with the 1-based delivery attempt, maintained by batchfleet itself
 /// (RabbitMQ's `x-death` is not relied on: it is absent after a manual replay).
 pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
@@ -97,6 +107,8 @@ pub enum Envelope {
     V2(WorkItem),
     /// Version 3: the item naming its job's stored task by digest.
     V3(ItemRef),
+    /// Version 4: several items of one job naming its stored task.
+    V4(Bundle),
 }
 
 /// One independently processable unit of a job.
@@ -245,6 +257,7 @@ impl Envelope {
             Envelope::V1(_) => MESSAGE_TYPE_V1,
             Envelope::V2(_) => MESSAGE_TYPE_V2,
             Envelope::V3(_) => MESSAGE_TYPE_V3,
+            Envelope::V4(_) => MESSAGE_TYPE_V4,
         }
     }
 
@@ -255,15 +268,16 @@ impl Envelope {
             Envelope::V1(item) => Opened::Whole(item.into()),
             Envelope::V2(item) => Opened::Whole(item),
             Envelope::V3(r) => Opened::Ref(r),
+            Envelope::V4(b) => Opened::Bundle(b),
         }
     }
 
     /// The whole work item inside a version 1 or 2 message; `None` for a
-    /// version 3 one, whose task is stored apart.
+    /// version 3 or 4 one, whose task is stored apart.
     pub fn into_item(self) -> Option<WorkItem> {
         match self.into_opened() {
             Opened::Whole(item) => Some(item),
-            Opened::Ref(_) => None,
+            Opened::Ref(_) | Opened::Bundle(_) => None,
         }
     }
 }

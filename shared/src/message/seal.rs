@@ -8,7 +8,7 @@
 //! when a key is configured, and decodes only a body that passed: nothing
 //! is read out of a message that anyone without the key could have written.
 
-use super::{Envelope, ItemRef, Opened, WorkItem};
+use super::{Bundle, Envelope, ItemRef, Opened, WorkItem};
 use crate::signing::SigningKey;
 
 /// A sealed work item: its body and, when a key is configured, the body's
@@ -36,6 +36,11 @@ pub fn seal(item: &WorkItem, key: Option<&SigningKey>) -> Sealed {
 /// Encodes `item` as version 3 and signs it with `key` when given.
 pub fn seal_ref(item: &ItemRef, key: Option<&SigningKey>) -> Sealed {
     seal_envelope(&Envelope::V3(item.clone()), key)
+}
+
+/// Encodes `bundle` as version 4 and signs it with `key` when given.
+pub fn seal_bundle(bundle: Bundle, key: Option<&SigningKey>) -> Sealed {
+    seal_envelope(&Envelope::V4(bundle), key)
 }
 
 fn seal_envelope(envelope: &Envelope, key: Option<&SigningKey>) -> Sealed {

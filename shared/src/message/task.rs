@@ -9,7 +9,7 @@
 //! The digest travels inside the signed body, so a task read from Redis is
 //! believed only when its bytes hash to what the signed message names.
 
-use super::{InputSlice, TaskSpec, WorkItem};
+use super::{Bundle, InputSlice, TaskSpec, WorkItem};
 use serde::{Deserialize, Serialize};
 
 /// A task as stored once per job: its encoding and that encoding's digest.
@@ -124,8 +124,9 @@ impl WorkItem {
     }
 }
 
-/// A message opened: a whole item (versions 1 and 2), or an item whose
-/// task is still to be fetched (version 3).
+/// A message opened: a whole item (versions 1 and 2), an item whose
+/// task is still to be fetched (version 3), or several such items
+/// (version 4).
 #[derive(Debug, Clone, PartialEq)]
 // Made once per message and taken apart at once: boxing would only add an
 // allocation.
@@ -135,6 +136,8 @@ pub enum Opened {
     Whole(WorkItem),
     /// The item naming its job's stored task.
     Ref(ItemRef),
+    /// Items of one job naming its stored task.
+    Bundle(Bundle),
 }
 
 impl Opened {
@@ -143,14 +146,24 @@ impl Opened {
         match self {
             Opened::Whole(i) => &i.job_id,
             Opened::Ref(r) => &r.job_id,
+            Opened::Bundle(b) => &b.job_id,
         }
     }
 
-    /// The item number the message claims.
+    /// The item number the message claims (a bundle's first).
     pub fn seq(&self) -> u32 {
         match self {
             Opened::Whole(i) => i.seq,
             Opened::Ref(r) => r.seq,
+            Opened::Bundle(b) => b.first_seq(),
+        }
+    }
+
+    /// Every item number the message claims, in order.
+    pub fn seqs(&self) -> Vec<u32> {
+        match self {
+            Opened::Bundle(b) => b.items.iter().map(|m| m.seq).collect(),
+            other => vec![other.seq()],
         }
     }
 }

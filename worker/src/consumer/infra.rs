@@ -26,13 +26,10 @@ async fn later(delivery: &Delivery) {
     let _ = delivery.requeue().await;
 }
 
-/// Records the item of a broker dead letter as failed (class `infra`), then acks.
+/// Records the item of a broker dead letter as failed (class `infra`) —
+/// each of its items, for a bundle — then acks.
 pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
-    let headers = &delivery.headers;
-    let ignore = |reason: &str| {
-        tracing::warn!(reason, "ignoring a broker dead letter that is not a valid work item (it stays in the dead queue)");
-    };
-    let opened = match admission::open(&delivery.body, headers, &ctx.guard) {
+    let opened = match admission::open(&delivery.body, &delivery.headers, &ctx.guard) {
         Ok(opened) => opened,
         Err(refusal) => {
             ignore(&refusal.reason);
@@ -40,41 +37,81 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
             return;
         }
     };
-    let whole = match opened {
-        Opened::Whole(item) => item,
-        Opened::Ref(r) => match task::fetch(&r, &ctx).await {
-            Ok(t) => r.with_task(TaskSpec::clone(&t)),
-            Err(Missing::Store(e)) => {
-                tracing::warn!(error = %e, "cannot read the task of a broker dead letter; trying again later");
-                later(&delivery).await;
-                return;
-            }
-            Err(Missing::Refused(why)) => {
+    let items = match opened {
+        Opened::Bundle(b) => match b.check() {
+            Ok(()) => b.members().map(Opened::Ref).collect(),
+            Err(why) => {
                 ignore(&why);
                 let _ = delivery.ack().await;
                 return;
             }
+        },
+        one => vec![one],
+    };
+    for opened in items {
+        if record_one(opened, &delivery, &ctx).await == Recorded::Later {
+            // What was recorded already is recorded again, to the same effect.
+            later(&delivery).await;
+            return;
+        }
+    }
+    let _ = delivery.ack().await;
+}
+
+fn ignore(reason: &str) {
+    tracing::warn!(
+        reason,
+        "ignoring a broker dead letter that is not a valid work item (it stays in the dead queue)"
+    );
+}
+
+/// Whether an item of a broker dead letter was dealt with.
+#[derive(Debug, PartialEq, Eq)]
+enum Recorded {
+    /// Recorded failed, or nothing to record.
+    Done,
+    /// Redis could not be read or written: the dead letter is tried later.
+    Later,
+}
+
+/// Records one item of a broker dead letter as failed, when it is an item
+/// of a running job that agrees with its record.
+async fn record_one(opened: Opened, delivery: &Delivery, ctx: &ItemContext) -> Recorded {
+    let headers = &delivery.headers;
+    let whole = match opened {
+        Opened::Whole(item) => item,
+        Opened::Ref(r) => match task::fetch(&r, ctx).await {
+            Ok(t) => r.with_task(TaskSpec::clone(&t)),
+            Err(Missing::Store(e)) => {
+                tracing::warn!(error = %e, "cannot read the task of a broker dead letter; trying again later");
+                return Recorded::Later;
+            }
+            Err(Missing::Refused(why)) => {
+                ignore(&why);
+                return Recorded::Done;
+            }
             Err(Missing::UnknownJob) => {
                 tracing::warn!(job = %r.job_id, item = r.seq, "a broker dead letter of no running job; nothing recorded");
-                let _ = delivery.ack().await;
-                return;
+                return Recorded::Done;
             }
         },
+        Opened::Bundle(_) => {
+            ignore("a bundle inside a bundle");
+            return Recorded::Done;
+        }
     };
     let item = match admission::check(whole, &ctx.guard) {
         Ok(item) => item,
         Err(refusal) => {
             ignore(&refusal.reason);
-            let _ = delivery.ack().await;
-            return;
+            return Recorded::Done;
         }
     };
     let job = match ctx.store.job(&item.job_id).await {
         Ok(job) => job,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read the job of a broker dead letter; trying again later");
-            later(&delivery).await;
-            return;
+            return Recorded::Later;
         }
     };
     let belongs = job.as_ref().is_some_and(|j| {
@@ -86,8 +123,7 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
     });
     if !belongs {
         tracing::warn!(job = %item.job_id, item = item.seq, "a broker dead letter of no running job (or disagreeing with its record); nothing recorded");
-        let _ = delivery.ack().await;
-        return;
+        return Recorded::Done;
     }
     let deliveries = delivery.delivery_count();
     let failure = ItemFailure {
@@ -110,11 +146,11 @@ pub async fn record(delivery: Delivery, ctx: Arc<ItemContext>) {
                 metrics::counter!(names::WORKER_BROKER_DEAD_LETTERS, batchfleet_shared::metrics::JOB_LABEL => item.job_id.clone())
                     .increment(1);
             }
-            let _ = delivery.ack().await;
+            Recorded::Done
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot record a broker dead letter; trying again later");
-            later(&delivery).await;
+            Recorded::Later
         }
     }
 }

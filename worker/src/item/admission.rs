@@ -154,7 +154,7 @@ mod tests {
     fn admit(body: &[u8], headers: &Headers, guard: &Guard) -> Result<WorkItem, Refusal> {
         match open(body, headers, guard)? {
             Opened::Whole(item) => check(item, guard),
-            Opened::Ref(r) => panic!("a whole item was expected, not {r:?}"),
+            other => panic!("a whole item was expected, not {other:?}"),
         }
     }
 

@@ -28,11 +28,14 @@
 //! - [`group`]: group commit — the items that finish together, committed
 //!   in one Redis call.
 //! - [`task`]: a version 3 message's task, fetched once per job and kept.
+//! - [`bundle`]: a bundle's members, each handled as a message of its own,
+//!   the bundle acknowledged once all are settled.
 //! - [`facts`]: the job record's fields a message is checked against,
 //!   read once in a while per job: a first delivery starts without a
 //!   Redis request.
 
 pub(crate) mod admission;
+mod bundle;
 mod call;
 mod checkpoint;
 pub(crate) mod facts;
@@ -73,8 +76,69 @@ pub async fn handle(
     ctx: Arc<ItemContext>,
     permit: OwnedSemaphorePermit,
 ) -> Handled {
-    let _permit = permit;
     let held = Arc::new(Held::new(delivery));
+    match open(&held, &ctx).await {
+        Ok(Opened::Bundle(b)) => {
+            let _permit = permit;
+            bundle::handle(held, b, ctx).await
+        }
+        Ok(opened) => one(held, opened, ctx, permit).await,
+        Err(settled) => settled,
+    }
+}
+
+/// Handles one member of a bundle, delivered as a version 3 message of its
+/// own (see [`bundle`]).
+async fn member(
+    delivery: Delivery,
+    ctx: Arc<ItemContext>,
+    permit: OwnedSemaphorePermit,
+) -> Handled {
+    let held = Arc::new(Held::new(delivery));
+    match open(&held, &ctx).await {
+        Ok(Opened::Bundle(_)) => {
+            reject(&held, None, "a bundle inside a bundle", "bundle", &ctx).await
+        }
+        Ok(opened) => one(held, opened, ctx, permit).await,
+        Err(settled) => settled,
+    }
+}
+
+/// Opens a delivery (signature, decoding), or settles it: returned when
+/// the worker is stopping, rejected when it is not a message to trust.
+async fn open(held: &Arc<Held>, ctx: &Arc<ItemContext>) -> Result<Opened, Handled> {
+    if ctx.shutdown.is_cancelled() || ctx.stop.is_cancelled() {
+        held.requeue("stopping before start").await;
+        return Err(Handled::Released);
+    }
+    match admission::open(&held.delivery.body, held.headers(), &ctx.guard) {
+        Ok(opened) => Ok(opened),
+        Err(refusal) => Err(reject(held, None, &refusal.reason, refusal.label, ctx).await),
+    }
+}
+
+/// Handles one item's message (versions 1 to 3) to the end.
+async fn one(
+    held: Arc<Held>,
+    opened: Opened,
+    ctx: Arc<ItemContext>,
+    permit: OwnedSemaphorePermit,
+) -> Handled {
+    let _permit = permit;
+    let opened = match opened {
+        Opened::Whole(item) => Ok(item),
+        Opened::Ref(r) => Err(r),
+        Opened::Bundle(_) => {
+            return reject(
+                &held,
+                None,
+                "a bundle where one item was expected",
+                "bundle",
+                &ctx,
+            )
+            .await
+        }
+    };
     metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).increment(1.0);
     let _in_flight = scopeguard(|| metrics::gauge!(names::WORKER_ITEMS_IN_FLIGHT).decrement(1.0));
     if let Some(published) = held.headers().int(PUBLISHED_HEADER) {
@@ -82,17 +146,10 @@ pub async fn handle(
         metrics::histogram!(names::WORKER_QUEUE_WAIT).record(waited as f64 / 1000.0);
     }
     let attempt = held.attempt();
-    if ctx.shutdown.is_cancelled() || ctx.stop.is_cancelled() {
-        held.requeue("stopping before start").await;
-        return Handled::Released;
-    }
-    let opened = match admission::open(&held.delivery.body, held.headers(), &ctx.guard) {
-        Ok(opened) => opened,
-        Err(refusal) => return reject(&held, None, &refusal.reason, refusal.label, &ctx).await,
-    };
     let whole = match opened {
-        Opened::Whole(item) => item,
-        Opened::Ref(r) => match task::resolve(&held, r, attempt, &ctx).await {
+        Ok(item) => item,
+        // Version 3: the task is fetched (once per job) and checked.
+        Err(r) => match task::resolve(&held, r, attempt, &ctx).await {
             Ok(item) => item,
             Err(settled) => return settled,
         },

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 /// A job of `rows` rows in `items` items generated in `env/<sub>`, with its
 /// own name; its manifest.
-fn job_in(env: &TestEnv, sub: &str, rows: u64, item_rows: u64) -> PathBuf {
+pub(crate) fn job_in(env: &TestEnv, sub: &str, rows: u64, item_rows: u64) -> PathBuf {
     let dir = env.path().join(sub);
     std::fs::create_dir_all(&dir).expect("job folder");
     let gen = JobGen {
@@ -37,7 +37,7 @@ fn job_in(env: &TestEnv, sub: &str, rows: u64, item_rows: u64) -> PathBuf {
 
 /// INV-ROWS for the job in `dir`: every row of the golden file in the
 /// outputs exactly once, with PyTorch's score; the missing rows' ids.
-fn verified(dir: &Path) -> Vec<String> {
+pub(crate) fn verified(dir: &Path) -> Vec<String> {
     let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
     assert!(
         v.duplicated.is_empty() && v.unexpected.is_empty() && v.mismatched.is_empty(),
@@ -49,11 +49,11 @@ fn verified(dir: &Path) -> Vec<String> {
     missing
 }
 
-type Run = tokio::task::JoinHandle<Result<RunOutcome, batchfleet_coordinator::RunError>>;
+pub(crate) type Run = tokio::task::JoinHandle<Result<RunOutcome, batchfleet_coordinator::RunError>>;
 
 /// Starts `batchfleet run` on `manifest` in this process (a coordinator
 /// validating, publishing and following the job).
-fn start_run(cfg: &batchfleet_coordinator::RunConfig, manifest: &Path) -> Run {
+pub(crate) fn start_run(cfg: &batchfleet_coordinator::RunConfig, manifest: &Path) -> Run {
     let (cfg, manifest) = (cfg.clone(), manifest.to_owned());
     tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
 }
@@ -68,7 +68,10 @@ async fn settled(run: Run, within: Duration) -> RunOutcome {
 }
 
 /// The summary of `run`, which must have followed its job to the end.
-async fn summary(run: Run, within: Duration) -> batchfleet_coordinator::reducer::Summary {
+pub(crate) async fn summary(
+    run: Run,
+    within: Duration,
+) -> batchfleet_coordinator::reducer::Summary {
     match settled(run, within).await {
         RunOutcome::Completed { report, .. } => *report,
         other => panic!("{other:?}"),
@@ -98,7 +101,7 @@ fn alive(workers: &mut [Worker]) {
     }
 }
 
-async fn dead_items(env: &TestEnv, filter: Filter) -> Vec<DeadItem> {
+pub(crate) async fn dead_items(env: &TestEnv, filter: Filter) -> Vec<DeadItem> {
     let broker = env.broker().await;
     let items = dlq::list(&*broker, &env.pool, &filter)
         .await
@@ -108,7 +111,7 @@ async fn dead_items(env: &TestEnv, filter: Filter) -> Vec<DeadItem> {
 }
 
 /// Waits until `cond` holds (an event no other signal announces), up to `within`.
-async fn until<F, Fut>(what: &str, within: Duration, mut cond: F)
+pub(crate) async fn until<F, Fut>(what: &str, within: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -145,7 +148,7 @@ fn raw(body: Vec<u8>, signature: Option<String>) -> Outgoing {
     }
 }
 
-fn plan(manifest: &Path) -> Vec<WorkItem> {
+pub(crate) fn plan(manifest: &Path) -> Vec<WorkItem> {
     let spec = batchfleet_coordinator::manifest::load(manifest, &[]).expect("manifest");
     batchfleet_coordinator::planner::plan(&spec)
         .expect("plan")

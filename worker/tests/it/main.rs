@@ -1,6 +1,7 @@
 //! Worker integration tests against the real RabbitMQ, Redis and libtorch.
 //! Each test uses its own pool, Redis prefix and temp folder, and cleans up.
 
+mod bundles;
 mod containment;
 mod deploy;
 mod e2e;

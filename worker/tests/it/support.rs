@@ -48,6 +48,7 @@ impl TestEnv {
             retention: batchfleet_coordinator::config::DEFAULT_RETENTION,
             hooks: Default::default(),
             whole_messages: false,
+            bundle: batchfleet_shared::message::DEFAULT_BUNDLE,
         }
     }
 

@@ -1,0 +1,152 @@
+//! Bundles (version 4 of the work message) against the real RabbitMQ, Redis
+//! and libtorch: a job of many short items travels several items to a
+//! message, each item is still started, committed and dead-lettered alone,
+//! and a bundle that comes back is split into its items.
+
+use crate::containment::{dead_items, job_in, start_run, summary, until, verified};
+use crate::support::{stop_all, Backend, TestEnv};
+use batchfleet_coordinator::dlq::Filter;
+use batchfleet_shared::broker::{Outgoing, PoolQueues};
+use batchfleet_shared::message::{Envelope, InputSlice};
+use batchfleet_shared::signing::SigningKey;
+use std::time::Duration;
+
+/// The sum of a worker's counter `name` over the samples labelled `how`.
+fn counter(metrics: &str, name: &str, how: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(&format!("how=\"{how}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string()
+}
+
+crate::on_both_backends!(a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once);
+
+/// 256 items of 5 rows: published four to a message (the job keeps 64
+/// messages), worked on two workers, each row predicted once and each item
+/// started once.
+async fn a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once(backend: Backend) {
+    let env = TestEnv::new("bundled");
+    let mut workers = env.workers(backend, &[&[], &[]]).await;
+    let manifest = job_in(&env, "job", 1_280, 5);
+    let (id, report) = env.run_on(&workers, &manifest).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(report.items_total, 256);
+    assert!(verified(&env.path().join("job")).is_empty());
+    assert_eq!(
+        report.deliveries, report.items_total,
+        "each item started once: {report:?}"
+    );
+    workers.stop();
+    env.cleanup(&[&id]).await;
+}
+
+/// A bundle's items are worked one by one: of a signed bundle whose one
+/// item names a file outside the data root, only that item is rejected
+/// (the supervisor publishes the real one again as a lost message), and
+/// its other items are committed. A bundle that comes back (taken and
+/// returned: a redelivery) is split into its items, each checked where it
+/// starts. Every row ends up predicted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_item_costs_only_itself_and_a_bundle_that_comes_back_is_split() {
+    let env = TestEnv::new("bundle-parts");
+    let secret = "0123456789abcdef-test-signing-key";
+    let key = SigningKey::new(secret.as_bytes(), "test").expect("key");
+    let mut cfg = env.run_config();
+    cfg.connections.signing_key = Some(key.clone());
+    let manifest = job_in(&env, "job", 1_280, 5);
+    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
+        .expect("manifest")
+        .job_id;
+    // No worker yet: the messages wait in the job's queue.
+    let run = start_run(&cfg, &manifest);
+    let broker = env.broker().await;
+    let queue = PoolQueues::new(&env.pool).job(&id);
+    until(
+        "every bundle published",
+        Duration::from_secs(60),
+        || async { broker.ready_count(&queue).await.ok().flatten() == Some(64) },
+    )
+    .await;
+    // One bundle comes back (taken and returned)...
+    let back = broker.get(&queue).await.expect("get").expect("a bundle");
+    let Ok(Envelope::V4(returned)) = Envelope::decode(&back.body) else {
+        panic!("256 five-row items travel in bundles")
+    };
+    // ...and another is replaced by a copy with one item forged, signed.
+    let taken = broker.get(&queue).await.expect("get").expect("a bundle");
+    let Ok(Envelope::V4(mut forged)) = Envelope::decode(&taken.body) else {
+        panic!("a bundle")
+    };
+    back.requeue().await.expect("return");
+    taken.ack().await.expect("ack");
+    assert_eq!((returned.items.len(), forged.items.len()), (4, 4));
+    let elsewhere = tempfile::tempdir().expect("elsewhere");
+    let outside = elsewhere.path().join("secret.csv");
+    std::fs::write(&outside, "id,f0\nx,1\n").expect("secret");
+    let bad_seq = forged.items[1].seq;
+    if let InputSlice::CsvRange(r) = &mut forged.items[1].input {
+        r.path = outside.to_string_lossy().into_owned();
+    }
+    broker
+        .publish(
+            &queue,
+            vec![Outgoing::bundle(forged.clone(), Some(&key))],
+            1,
+        )
+        .await
+        .expect("publish");
+
+    let port = free_port();
+    let mut workers = vec![env.spawn_worker_with_env(
+        "w1",
+        &["--metrics-port", &port],
+        &[("BATCHFLEET_SIGNING_KEY", secret.to_owned())],
+    )];
+    let report = summary(run, Duration::from_secs(180)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(report.items_failed, 0, "a rejected message fails no item");
+    assert!(verified(&env.path().join("job")).is_empty());
+    // Only the forged item is dead, as a rejected message of its own.
+    let dead = dead_items(
+        &env,
+        Filter {
+            job: Some(id.clone()),
+            ..Filter::default()
+        },
+    )
+    .await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        (dead[0].class.as_str(), dead[0].item),
+        ("rejected", Some(bad_seq))
+    );
+    assert!(
+        dead[0].error.contains("refusing the item's input file"),
+        "{dead:?}"
+    );
+    let metrics = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape")
+        .into_string()
+        .expect("text");
+    let bundles = |how| counter(&metrics, "batchfleet_worker_bundles_total", how);
+    assert_eq!(bundles("split"), 1, "{metrics}");
+    assert_eq!(bundles("opened"), 63, "{metrics}");
+    // The returned bundle's items, and the forged one's real item published
+    // again, started through the start script; every other item at once.
+    let starts = |how| counter(&metrics, "batchfleet_worker_item_starts_total", how);
+    assert_eq!(starts("checked"), 5, "{metrics}");
+    assert_eq!(starts("quick"), 251, "{metrics}");
+    stop_all(&mut workers);
+    broker.close("bye").await;
+    env.cleanup(&[&id]).await;
+}
