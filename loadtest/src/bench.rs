@@ -153,6 +153,12 @@ pub struct ControlPlane {
     /// The same item with its whole task in the message (version 2, what
     /// was published before tasks were stored once per job).
     pub whole_message_body_bytes: usize,
+    /// Body bytes per item of the job's first message as published: a
+    /// bundle of several items (version 4) where the job's items are
+    /// short and many, else one item (as `message_body_bytes`).
+    pub bundled_body_bytes_per_item: f64,
+    /// Items in that message.
+    pub bundle_items: usize,
     /// Items per Redis commit call, on average (group commit).
     pub commit_group_mean: f64,
 }
@@ -483,7 +489,8 @@ fn control_plane(
             ..JobGen::default()
         },
     )?;
-    let (message_body_bytes, whole_message_body_bytes) = message_sizes(&dir.join("job.toml"))?;
+    let (message_body_bytes, whole_message_body_bytes, bundle_items, bundled_body_bytes) =
+        message_sizes(&dir.join("job.toml"))?;
     println!("bench [control] raw RabbitMQ, {items} messages…");
     let (raw_publish, raw_consume) = raw_broker(items)?;
     println!("bench [control] {items} one-row items through the fleet…");
@@ -543,20 +550,36 @@ fn control_plane(
         cpu: cpu_before.per_item(&cpu_after, items, cores),
         message_body_bytes,
         whole_message_body_bytes,
+        bundled_body_bytes_per_item: bundled_body_bytes as f64 / bundle_items.max(1) as f64,
+        bundle_items,
         commit_group_mean,
     })
 }
 
 /// Body bytes of the first work message of the job of `manifest`: as
-/// published (the task named by digest), and with the task inside.
-fn message_sizes(manifest: &Path) -> Result<(usize, usize)> {
+/// published for one item (the task named by digest), with the task
+/// inside, and — with the items in the job's first message as the
+/// coordinator bundles them by default — how many items that is and its
+/// body bytes.
+fn message_sizes(manifest: &Path) -> Result<(usize, usize, usize, usize)> {
+    use batchfleet_shared::message::{bundle_size, seal, seal_bundle, Bundle, DEFAULT_BUNDLE};
     let spec = batchfleet_coordinator::manifest::load(manifest, &[])?;
     let plan = batchfleet_coordinator::planner::plan(&spec)?;
     let mut item = plan.items.first().context("the job has no items")?.clone();
-    let published = batchfleet_shared::message::seal(&item, None).body.len();
+    let published = seal(&item, None).body.len();
+    let n = plan.items.len();
+    let size = bundle_size(n, plan.rows_total / n.max(1) as u64, DEFAULT_BUNDLE);
+    let refs: Vec<_> = plan.items[..size.min(n)]
+        .iter()
+        .filter_map(|i| i.to_ref())
+        .collect();
+    let bundled = match Bundle::of(&refs) {
+        Some(b) if refs.len() > 1 => seal_bundle(b, None).body.len(),
+        _ => published,
+    };
     item.task_sha256 = None;
-    let whole = batchfleet_shared::message::seal(&item, None).body.len();
-    Ok((published, whole))
+    let whole = seal(&item, None).body.len();
+    Ok((published, whole, refs.len().max(1), bundled))
 }
 
 /// Runs the benchmark and prints the table.
@@ -707,8 +730,8 @@ fn print(r: &BenchReport) {
             c.items, c.items_per_s, c.raw_publish_per_s, c.raw_consume_ack_per_s, c.ratio_to_raw_consume
         );
         println!(
-            "  work message body: {} bytes (the item, its task named by digest); {} bytes with the whole task inside; {:.1} items per commit call",
-            c.message_body_bytes, c.whole_message_body_bytes, c.commit_group_mean
+            "  work message body: {} bytes (the item, its task named by digest); {} bytes with the whole task inside; {:.0} bytes per item in a bundle of {}; {:.1} items per commit call",
+            c.message_body_bytes, c.whole_message_body_bytes, c.bundled_body_bytes_per_item, c.bundle_items, c.commit_group_mean
         );
         println!(
             "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB",

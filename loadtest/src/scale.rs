@@ -10,8 +10,9 @@
 //! - Redis commands per item and bytes per item on its wire (`INFO stats`:
 //!   `total_commands_processed`, `total_net_input_bytes`,
 //!   `total_net_output_bytes`);
-//! - RabbitMQ messages per item (publishes, deliveries and acks, from the
-//!   job's summary) and bytes per item on its wire (the broker's sockets'
+//! - RabbitMQ messages per item (publishes, deliveries and acks: three
+//!   per message the workers took, a bundle of several items counting
+//!   once) and bytes per item on its wire (the broker's sockets'
 //!   `bytes_sent` + `bytes_received`, from `ss -ti`, sampled through the job
 //!   so that the coordinator's short-lived connections count too);
 //! - CPU milliseconds per item of the workers, the coordinator, RabbitMQ
@@ -281,6 +282,7 @@ fn measure(
     });
     let cpu_after = CpuSample::take(&fleet.pids());
     let redis_after = redis_stats()?;
+    let fleet_messages = fleet.metric_sum("batchfleet_worker_messages_received_total");
     fleet.stop();
     let (wall, _, summary) = job?;
     // Items cut blind may be a few more than rows ÷ item rows.
@@ -297,8 +299,15 @@ fn measure(
         .map(|(peer, after)| after.saturating_sub(sockets_before.get(peer).copied().unwrap_or(0)))
         .sum();
     let num = |k: &str| summary[k].as_u64().unwrap_or(0) as f64;
-    // Each item published once (plus copies), each delivery acknowledged once.
-    let messages = num("items_total") + num("items_redispatched") + 2.0 * num("deliveries");
+    // Each message taken published once, delivered once, acknowledged
+    // once (a bundle of several items is one message); a build without
+    // the counter published, delivered and acknowledged each item.
+    let received = fleet_messages;
+    let messages = if received > 0.0 {
+        3.0 * received
+    } else {
+        num("items_total") + num("items_redispatched") + 2.0 * num("deliveries")
+    };
     let cpu = cpu_before.per_item(&cpu_after, items, cores);
     let machine_busy = cpu.total_ms * items as f64 / 1000.0 / (wall.max(1e-9) * cores as f64);
     Ok(Step {

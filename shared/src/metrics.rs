@@ -88,6 +88,9 @@ pub mod names {
     /// against the job's facts, no Redis request; `checked`: the start
     /// script) (counter; pool, how).
     pub const WORKER_ITEM_STARTS: &str = "batchfleet_worker_item_starts_total";
+    /// Worker: work messages taken from the broker, a bundle counted once
+    /// (counter; pool).
+    pub const WORKER_MESSAGES: &str = "batchfleet_worker_messages_received_total";
     /// Worker: bundles (several items in one message) received, by how
     /// (`opened`: worked; `split`: it came back, its items published one
     /// by one) (counter; pool, how).
@@ -166,6 +169,7 @@ pub mod names {
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
+        (WORKER_MESSAGES, Kind::Counter, "Work messages taken from the broker (a bundle of several items counts once)."),
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),

@@ -76,6 +76,7 @@ pub async fn handle(
     ctx: Arc<ItemContext>,
     permit: OwnedSemaphorePermit,
 ) -> Handled {
+    metrics::counter!(names::WORKER_MESSAGES).increment(1);
     let held = Arc::new(Held::new(delivery));
     match open(&held, &ctx).await {
         Ok(Opened::Bundle(b)) => {

@@ -296,7 +296,15 @@ async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
         (record.status.as_str(), record.items_published),
         ("planning", 1024)
     );
-    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(1024));
+    // Five-row items travel in bundles: the queue holds messages of
+    // `bundle` items each.
+    let bundle = batchfleet_shared::message::bundle_size(
+        2_400,
+        5,
+        batchfleet_shared::message::DEFAULT_BUNDLE,
+    ) as u32;
+    assert_eq!(bundle, 16);
+    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(1024 / bundle));
 
     // `batchfleet resume <job>` publishes the 1376 never-confirmed items, not all 2400.
     let mut resume = command(&["resume", &job])
@@ -313,7 +321,7 @@ async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
             .is_some_and(|j| j.status.as_str() == "running")
     })
     .await;
-    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(2_400));
+    assert_eq!(env.work_queue().await.map(|(r, _)| r), Some(2_400 / bundle));
 
     let mut workers = vec![env.spawn_worker("w1", &[]), env.spawn_worker("w2", &[])];
     let deadline = Instant::now() + Duration::from_secs(240);
