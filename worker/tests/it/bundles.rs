@@ -150,3 +150,104 @@ async fn a_bad_item_costs_only_itself_and_a_bundle_that_comes_back_is_split() {
     broker.close("bye").await;
     env.cleanup(&[&id]).await;
 }
+
+/// A bundle the broker dead-letters itself (it came back past the delivery
+/// limit without ever reaching a worker that could split it) fails each of
+/// its items as `infra`, is listed item by item by `dlq list`, and is
+/// replayed whole by `dlq replay`: the job then completes with every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item() {
+    let env = TestEnv::new("bundle-limit");
+    let manifest = job_in(&env, "job", 1_280, 5);
+    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
+        .expect("manifest")
+        .job_id;
+    let run = start_run(&env.run_config(), &manifest);
+    let broker = env.broker().await;
+    let queue = PoolQueues::new(&env.pool).job(&id);
+    until("every bundle published", Duration::from_secs(60), || async {
+        broker.ready_count(&queue).await.ok().flatten() == Some(64)
+    })
+    .await;
+    let mut deliveries = 0;
+    let head = loop {
+        let m = broker.get(&queue).await.expect("get").expect("a message");
+        let Ok(Envelope::V4(b)) = Envelope::decode(&m.body) else {
+            panic!("a bundle")
+        };
+        assert_eq!(b.first_seq(), 0, "the head of the queue comes back each time");
+        deliveries += 1;
+        m.requeue().await.expect("nack");
+        if deliveries > batchfleet_shared::broker::DELIVERY_LIMIT {
+            break b;
+        }
+    };
+    until("dead-lettered by the broker", Duration::from_secs(30), || async {
+        broker.ready_count(&queue).await.ok().flatten() == Some(63)
+    })
+    .await;
+    let seqs: Vec<u32> = head.items.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3]);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    let report = summary(run, Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed_with_failures", "{report:?}");
+    let failed: Vec<_> = report
+        .failed_items
+        .iter()
+        .map(|f| (f.seq, f.class.as_str()))
+        .collect();
+    assert_eq!(
+        failed,
+        seqs.iter().map(|&s| (s, "infra")).collect::<Vec<_>>()
+    );
+    let filter = Filter {
+        job: Some(id.clone()),
+        ..Filter::default()
+    };
+    let dead = dead_items(&env, filter.clone()).await;
+    let listed: Vec<_> = dead.iter().map(|d| (d.item, d.class.as_str())).collect();
+    assert_eq!(
+        listed,
+        seqs.iter().map(|&s| (Some(s), "infra")).collect::<Vec<_>>()
+    );
+    // Only item 2 is asked for: the bundle is replayed whole.
+    let store = env.connections().store().await.expect("redis");
+    let replayed = batchfleet_coordinator::dlq::replay(
+        &*broker,
+        &store,
+        &env.pool,
+        &Filter {
+            item: Some(2),
+            ..filter.clone()
+        },
+        false,
+        batchfleet_coordinator::dlq::Trust {
+            key: None,
+            unsigned: true,
+        },
+    )
+    .await
+    .expect("replay");
+    assert_eq!(replayed.items, seqs);
+    let followed = tokio::time::timeout(
+        Duration::from_secs(120),
+        batchfleet_coordinator::follow_job(
+            &env.run_config(),
+            &store,
+            &id,
+            tokio_util::sync::CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the replayed job settled in time")
+    .expect("followed");
+    let batchfleet_coordinator::RunOutcome::Completed { report: again, .. } = followed else {
+        panic!("{followed:?}")
+    };
+    assert_eq!(again.status, "completed", "{again:?}");
+    assert!(verified(&env.path().join("job")).is_empty());
+    assert!(dead_items(&env, filter).await.is_empty(), "nothing left dead");
+    stop_all(&mut workers);
+    broker.close("bye").await;
+    env.cleanup(&[&id]).await;
+}
