@@ -167,6 +167,38 @@ mod tests {
     }
 
     #[test]
+    fn a_bundle_travels_packed_and_a_packed_body_must_be_a_bundle_of_bounded_size() {
+        let items = refs(16);
+        let env = Envelope::V4(Bundle::of(&items).unwrap());
+        let (plain, packed) = (env.encode(), env.encode_packed());
+        assert!(
+            packed.len() * 3 < plain.len(),
+            "16 items of one file pack to a fraction: {} of {}",
+            packed.len(),
+            plain.len()
+        );
+        assert_eq!(Envelope::decode(&packed).unwrap(), env);
+        // Sealed (and signed) packed: opened as the same bundle.
+        let key = crate::signing::SigningKey::new(b"0123456789abcdef0123", "test").unwrap();
+        let sealed = super::super::seal_bundle(Bundle::of(&items).unwrap(), Some(&key));
+        assert_eq!(sealed.body, packed);
+        let opened =
+            super::super::open(&sealed.body, sealed.signature.as_deref(), Some(&key)).unwrap();
+        assert_eq!(opened, Opened::Bundle(Bundle::of(&items).unwrap()));
+        // One item alone is never packed; packed, it is refused.
+        let one = Envelope::V3(items[0].clone());
+        assert_eq!(one.encode_packed(), one.encode());
+        let forced = zstd::bulk::compress(&one.encode(), 3).unwrap();
+        let e = Envelope::decode(&forced).unwrap_err().to_string();
+        assert!(e.contains("only bundles are packed"), "{e}");
+        // A small body that unpacks past the bound is refused, not unpacked.
+        let bomb = zstd::bulk::compress(&vec![0u8; super::super::MAX_UNPACKED + 1], 3).unwrap();
+        assert!(bomb.len() < 4096);
+        let e = Envelope::decode(&bomb).unwrap_err().to_string();
+        assert!(e.contains("does not unpack to at most"), "{e}");
+    }
+
+    #[test]
     fn malformed_bundles_are_refused_whole() {
         assert!(Bundle::of(&[]).is_none());
         let mut b = Bundle::of(&refs(3)).unwrap();

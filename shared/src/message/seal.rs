@@ -44,7 +44,7 @@ pub fn seal_bundle(bundle: Bundle, key: Option<&SigningKey>) -> Sealed {
 }
 
 fn seal_envelope(envelope: &Envelope, key: Option<&SigningKey>) -> Sealed {
-    let body = envelope.encode();
+    let body = envelope.encode_packed();
     let signature = key.map(|k| k.sign(&body));
     Sealed {
         body,
