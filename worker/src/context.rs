@@ -338,6 +338,7 @@ impl ItemContext {
             work: work.clone(),
             patience: parts.tuning.store_patience,
             shutdown: parts.shutdown.clone(),
+            linger: crate::item::group::LINGER,
         });
         Ok(Self {
             store: parts.store,

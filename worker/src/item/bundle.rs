@@ -9,7 +9,9 @@
 //! bad member costs only itself. The members' deliveries settle a shared
 //! [`Parts`], which acknowledges the bundle once every member is settled,
 //! or returns it to the queue when any member was returned (a worker
-//! stopping, a commit that could not be made).
+//! stopping, a commit that could not be made). The members' commits are
+//! grouped: the commit task waits for the members still on their way
+//! (up to [`group::LINGER`]), so a bundle is mostly one Redis call.
 //!
 //! A bundle that comes back — a worker died holding it, or a member was
 //! returned — is not worked as a bundle again: it is split into its
@@ -17,6 +19,7 @@
 //! goes through the start script, which skips the members already done,
 //! and an item that kills workers costs only itself.
 
+use super::group;
 use super::held::Held;
 use super::settle::{reject, Handled};
 use crate::context::ItemContext;
@@ -94,6 +97,8 @@ pub async fn handle(held: Arc<Held>, bundle: Bundle, ctx: Arc<ItemContext>) -> H
     let key = ctx.guard.key.as_ref();
     let permits = Arc::new(Semaphore::new(n));
     let mut tasks = Vec::with_capacity(n);
+    // Their commits go in one group, as far as they finish together.
+    let mut tickets = ctx.committer.expect(n);
     for member in bundle.members() {
         let sealed = seal_ref(&member, key);
         let mut headers = held.headers().own();
@@ -112,7 +117,11 @@ pub async fn handle(held: Arc<Held>, bundle: Bundle, ctx: Arc<ItemContext>) -> H
             .clone()
             .try_acquire_owned()
             .expect("one permit per member");
-        tasks.push(tokio::spawn(super::member(delivery, ctx.clone(), permit)));
+        let ticket = tickets.pop().expect("one ticket per member");
+        tasks.push(tokio::spawn(group::holding(
+            ticket,
+            super::member(delivery, ctx.clone(), permit),
+        )));
     }
     let mut outcome = Handled::Committed;
     for task in tasks {

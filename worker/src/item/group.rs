@@ -11,10 +11,15 @@
 //! fsync per group instead of one per item.
 //!
 //! One task per worker takes what handlers hand it: the first item that
-//! arrives, and every other item already waiting, up to [`MOST`]. Nothing
-//! waits for a group to fill — an item alone is committed at once, as
-//! before — so groups form only when items finish faster than Redis
-//! answers, which is exactly when a call per item would cost most. Each
+//! arrives, and every other item already waiting, up to [`MOST`]. An item
+//! alone is committed at once — groups form when items finish faster than
+//! Redis answers, which is exactly when a call per item would cost most —
+//! with one exception: while items of a bundle this worker is working on
+//! have not come to their commit yet ([`Expected`]), the group waits for
+//! them, up to [`LINGER`]. A bundle's items finish moments apart (they
+//! take turns at the model), and its delivery is acknowledged only once
+//! all of them are settled anyway, so waiting costs the bundle nothing and
+//! commits it in one call instead of one per two or three items. Each
 //! call carries the job's work tallied since the last (model rows, items
 //! started without the start script: [`WorkTally`]); a group whose call
 //! fails puts it back, and each of its
@@ -26,6 +31,7 @@ use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{Commit, ItemStats, Store};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -33,6 +39,55 @@ use tokio_util::sync::CancellationToken;
 
 /// Most items in one commit call.
 pub const MOST: usize = 64;
+
+/// Longest a group waits for the items of bundles still on their way to
+/// their commit.
+pub const LINGER: Duration = Duration::from_millis(10);
+
+/// Items of bundles on this worker that have not come to their commit
+/// (nor ended without one) yet.
+#[derive(Debug, Default)]
+pub struct Expected(AtomicUsize);
+
+impl Expected {
+    /// How many.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// One bundle item's place in [`Expected`], given up once: when its commit
+/// is handed to the commit task, or when its handling ends without one.
+#[derive(Debug)]
+pub struct Ticket {
+    expected: Arc<Expected>,
+    given: AtomicBool,
+}
+
+impl Ticket {
+    fn give(&self) {
+        if !self.given.swap(true, Ordering::SeqCst) {
+            self.expected.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.give();
+    }
+}
+
+tokio::task_local! {
+    /// The ticket of the bundle item this task handles.
+    static TICKET: Ticket;
+}
+
+/// Runs `handling` (one bundle item's whole handling, on a task of its
+/// own) holding `ticket`, given up by its commit or when it ends.
+pub async fn holding<F: std::future::Future>(ticket: Ticket, handling: F) -> F::Output {
+    TICKET.scope(ticket, handling).await
+}
 
 /// An item waiting for its commit.
 struct Pending {
@@ -50,6 +105,7 @@ struct Pending {
 #[derive(Debug)]
 pub struct Committer {
     to_task: mpsc::UnboundedSender<Pending>,
+    expected: Arc<Expected>,
 }
 
 /// What the commit task needs.
@@ -62,14 +118,29 @@ pub struct Setup {
     pub patience: Duration,
     /// Ends the waits for Redis.
     pub shutdown: CancellationToken,
+    /// Longest a group waits for bundle items on their way ([`LINGER`]).
+    pub linger: Duration,
 }
 
 impl Committer {
     /// Starts the commit task (it ends when the committer is dropped).
     pub fn start(setup: Setup) -> Self {
         let (to_task, from_handlers) = mpsc::unbounded_channel();
-        tokio::spawn(run(setup, from_handlers));
-        Self { to_task }
+        let expected = Arc::new(Expected::default());
+        tokio::spawn(run(setup, from_handlers, expected.clone()));
+        Self { to_task, expected }
+    }
+
+    /// Tickets for the `n` items of a bundle about to be worked: groups
+    /// wait for their commits (see [`holding`]).
+    pub fn expect(&self, n: usize) -> Vec<Ticket> {
+        self.expected.0.fetch_add(n, Ordering::SeqCst);
+        (0..n)
+            .map(|_| Ticket {
+                expected: self.expected.clone(),
+                given: AtomicBool::new(false),
+            })
+            .collect()
     }
 
     /// Commits one item of `job` with the others that finish meanwhile,
@@ -95,16 +166,31 @@ impl Committer {
         };
         let stopped = || ItemError::transient("the worker's commit task stopped");
         self.to_task.send(pending).map_err(|_| stopped())?;
+        // Sent first: a group that waits for this item finds it when it
+        // sees the ticket given up.
+        let _ = TICKET.try_with(Ticket::give);
         answer.await.unwrap_or_else(|_| Err(stopped()))
     }
 }
 
-async fn run(setup: Setup, mut from_handlers: mpsc::UnboundedReceiver<Pending>) {
+async fn run(
+    setup: Setup,
+    mut from_handlers: mpsc::UnboundedReceiver<Pending>,
+    expected: Arc<Expected>,
+) {
     while let Some(first) = from_handlers.recv().await {
         let mut group = vec![first];
+        let linger = tokio::time::Instant::now() + setup.linger;
         while group.len() < MOST {
             match from_handlers.try_recv() {
                 Ok(more) => group.push(more),
+                // Bundle items still to come: wait for the next, a while.
+                Err(_) if expected.get() > 0 => {
+                    match tokio::time::timeout_at(linger, from_handlers.recv()).await {
+                        Ok(Some(more)) => group.push(more),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
                 Err(_) => break,
             }
         }
@@ -195,11 +281,16 @@ mod tests {
     }
 
     fn committer(store: &Store, work: &Arc<WorkTally>) -> Committer {
+        committer_lingering(store, work, LINGER)
+    }
+
+    fn committer_lingering(store: &Store, work: &Arc<WorkTally>, linger: Duration) -> Committer {
         Committer::start(Setup {
             store: store.clone(),
             work: work.clone(),
             patience: Duration::from_secs(1),
             shutdown: CancellationToken::new(),
+            linger,
         })
     }
 
@@ -231,6 +322,62 @@ mod tests {
         assert_eq!(store.work("a").await.unwrap(), (1, 5));
         assert!(work.take("a").is_empty(), "sent with the commit");
         assert_eq!(store.histogram("a", 1).await.unwrap(), vec![vec![2]]);
+    }
+
+    #[tokio::test]
+    async fn a_group_waits_for_the_items_of_a_bundle_still_on_their_way() {
+        let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
+        store
+            .put_job(&crate::item::facts::test_record("a"))
+            .await
+            .unwrap();
+        // Waits as long as it takes: the first item is answered only once
+        // the second came.
+        let hour = Duration::from_secs(3600);
+        let c = Arc::new(committer_lingering(&store, &work, hour));
+        let mut tickets = c.expect(3);
+        let commit = |seq: u32, ticket: Ticket| {
+            let c = c.clone();
+            tokio::spawn(holding(ticket, async move {
+                c.commit("a", stats(seq, "w"), Vec::new(), None, false)
+                    .await
+            }))
+        };
+        let (first_sent, sent) = oneshot::channel();
+        let first = {
+            let c = c.clone();
+            let ticket = tickets.pop().unwrap();
+            tokio::spawn(holding(ticket, async move {
+                let answer = c.commit("a", stats(0, "w"), Vec::new(), None, false);
+                tokio::pin!(answer);
+                // Polled once: handed to the commit task.
+                let early = futures_lite::future::poll_once(&mut answer).await;
+                let _ = first_sent.send(early.is_some());
+                answer.await
+            }))
+        };
+        assert!(!sent.await.unwrap(), "not answered at once");
+        // The third item ends without a commit (a failure): its ticket goes.
+        drop(tickets.pop());
+        // Long enough for a commit that did not wait to be answered.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !first.is_finished(),
+            "the group waits for the bundle's item still on its way"
+        );
+        let second = commit(1, tickets.pop().unwrap());
+        let within = Duration::from_secs(60);
+        let both = tokio::time::timeout(within, async { (first.await, second.await) })
+            .await
+            .expect("both answered once the second came");
+        assert!(both.0.unwrap().unwrap() && both.1.unwrap().unwrap());
+        assert_eq!(c.expected.get(), 0, "every ticket given up");
+        // Nothing on its way: an item alone is committed at once.
+        let alone = c.commit("a", stats(2, "w"), Vec::new(), None, false);
+        assert!(tokio::time::timeout(within, alone)
+            .await
+            .expect("at once")
+            .unwrap());
     }
 
     #[tokio::test]

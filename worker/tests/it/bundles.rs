@@ -165,9 +165,11 @@ async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item()
     let run = start_run(&env.run_config(), &manifest);
     let broker = env.broker().await;
     let queue = PoolQueues::new(&env.pool).job(&id);
-    until("every bundle published", Duration::from_secs(60), || async {
-        broker.ready_count(&queue).await.ok().flatten() == Some(64)
-    })
+    until(
+        "every bundle published",
+        Duration::from_secs(60),
+        || async { broker.ready_count(&queue).await.ok().flatten() == Some(64) },
+    )
     .await;
     let mut deliveries = 0;
     let head = loop {
@@ -175,16 +177,22 @@ async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item()
         let Ok(Envelope::V4(b)) = Envelope::decode(&m.body) else {
             panic!("a bundle")
         };
-        assert_eq!(b.first_seq(), 0, "the head of the queue comes back each time");
+        assert_eq!(
+            b.first_seq(),
+            0,
+            "the head of the queue comes back each time"
+        );
         deliveries += 1;
         m.requeue().await.expect("nack");
         if deliveries > batchfleet_shared::broker::DELIVERY_LIMIT {
             break b;
         }
     };
-    until("dead-lettered by the broker", Duration::from_secs(30), || async {
-        broker.ready_count(&queue).await.ok().flatten() == Some(63)
-    })
+    until(
+        "dead-lettered by the broker",
+        Duration::from_secs(30),
+        || async { broker.ready_count(&queue).await.ok().flatten() == Some(63) },
+    )
     .await;
     let seqs: Vec<u32> = head.items.iter().map(|m| m.seq).collect();
     assert_eq!(seqs, vec![0, 1, 2, 3]);
@@ -246,7 +254,10 @@ async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item()
     };
     assert_eq!(again.status, "completed", "{again:?}");
     assert!(verified(&env.path().join("job")).is_empty());
-    assert!(dead_items(&env, filter).await.is_empty(), "nothing left dead");
+    assert!(
+        dead_items(&env, filter).await.is_empty(),
+        "nothing left dead"
+    );
     stop_all(&mut workers);
     broker.close("bye").await;
     env.cleanup(&[&id]).await;
