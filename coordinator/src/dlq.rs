@@ -307,15 +307,15 @@ pub async fn replay(
                 };
                 if recorded.as_deref() != Some(item.task.model.path.as_str()) {
                     let why = match recorded {
-                    Some(m) => format!(
-                        "it names model {} but job {} was run with {m}; --update-model reads only the file the job's record names",
-                        item.task.model.path, item.job_id
-                    ),
-                    None => format!(
-                        "job {} is not in Redis, so there is no recorded model to update it to",
-                        item.job_id
-                    ),
-                };
+                        Some(m) => format!(
+                            "it names model {} but job {} was run with {m}; --update-model reads only the file the job's record names",
+                            item.task.model.path, item.job_id
+                        ),
+                        None => format!(
+                            "job {} is not in Redis, so there is no recorded model to update it to",
+                            item.job_id
+                        ),
+                    };
                     tracing::warn!("not replaying dead {name}: {why}");
                     refused.push(format!("{name}: {why}"));
                     continue;
