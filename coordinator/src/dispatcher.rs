@@ -271,12 +271,17 @@ pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str) {
 }
 
 /// The job ended (summary written) or was cancelled: off the pool's active
-/// jobs, and its queue deleted with whatever is left in it (copies of items
-/// that are settled, or items a cancel skips). Errors are logged: workers
-/// skip a finished job's items anyway.
+/// jobs, and then its queue deleted with whatever is left in it (copies of
+/// items that are settled, or items a cancel skips) — not when taking it
+/// off the list failed. Errors are logged: workers skip a finished job's
+/// items anyway.
 pub async fn retire_job(store: &Store, broker: &dyn Broker, pool: &str, job: &str) {
     if let Err(e) = store.deactivate_job(pool, job).await {
-        tracing::warn!(job, error = %e, "could not take the job off the pool's active jobs");
+        // Its queue stays: workers consume the queues of the jobs listed
+        // active, and a listed job without its queue would only send them
+        // looking for it. The next retire (the job run again) takes both.
+        tracing::warn!(job, error = %e, "could not take the job off the pool's active jobs; keeping its queue");
+        return;
     }
     if let Err(e) = broker.delete(&PoolQueues::new(pool).job(job)).await {
         tracing::warn!(job, error = %e, "could not delete the job's queue");

@@ -673,6 +673,17 @@ impl Broker for AmqpBroker {
         prefetch: u16,
     ) -> Result<Box<dyn Subscription>, BrokerError> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        // A missing queue is found on the inspection channel: a
+        // `basic.consume` that fails with 404 would close the consuming
+        // channel, and with it every subscription this handle has.
+        if self.inspect(queue).await?.is_none() {
+            return Err(BrokerError::Op {
+                op: format!("basic.consume {queue}"),
+                reason:
+                    "NOT_FOUND - no such queue (not consumed; the other subscriptions carry on)"
+                        .into(),
+            });
+        }
         let channel = self.consuming().await?.clone();
         // Per consumer (not global): each subscription gets `prefetch`.
         channel

@@ -1199,3 +1199,42 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
     broker.close("bye").await;
     env.cleanup(&[job.as_str()]).await;
 }
+
+/// A job listed among the pool's active jobs whose queue is gone (say, a
+/// retire that deleted the queue but could not take the job off the list)
+/// costs the workers nothing: the missing queue is found on the inspection
+/// channel, never by a `basic.consume` whose 404 would close the channel
+/// every subscription of the worker rides on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_listed_active_without_its_queue_closes_no_channel() {
+    let env = TestEnv::new("noqueue");
+    let store = env.connections().store().await.expect("redis");
+    let ghost = "ghost-00000000";
+    store
+        .activate_job(&env.pool, ghost, 2)
+        .await
+        .expect("listed");
+    // The worker looks at the active jobs every 100 ms: it tries the
+    // missing queue again and again while a real job runs.
+    let mut workers = vec![env.spawn_worker("w1", &["--debug-jobs-every", "100ms"])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let manifest = job_in(&env, "real", 4_000, 500);
+    let (id, report) = crate::support::run_with_config_to_end(
+        &env.run_config(),
+        &manifest,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert!(verified(&env.path().join("real")).is_empty());
+    assert_eq!(report.deliveries, report.items_total, "no item came back");
+    alive(&mut workers);
+    let log = workers[0].log_text();
+    assert!(!log.contains("lost the broker"), "{log}");
+    stop_all(&mut workers);
+    store
+        .deactivate_job(&env.pool, ghost)
+        .await
+        .expect("unlisted");
+    env.cleanup(&[&id]).await;
+}
