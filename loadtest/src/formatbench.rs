@@ -49,7 +49,7 @@ pub fn run(root: &Path, rows: u64) -> Result<FormatRegime> {
     let compile_s = started.elapsed().as_secs_f64();
     let features = crate::forward::load_csv(&[dir.join("input.csv")])?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut backend = TorchBackend::new(cores);
+    let mut backend = TorchBackend::new(cores, 1);
     let model = |file: &str| -> Result<ModelRef> {
         let path = dir.join(file);
         let sha = batchfleet_shared::fsutil::sha256_file(&path)

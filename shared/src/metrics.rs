@@ -95,6 +95,8 @@ pub mod names {
     /// (`opened`: worked; `split`: it came back, its items published one
     /// by one) (counter; pool, how).
     pub const WORKER_BUNDLES: &str = "batchfleet_worker_bundles_total";
+    /// Worker: models kept loaded (gauge; pool).
+    pub const WORKER_MODELS_LOADED: &str = "batchfleet_worker_models_loaded";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
     /// Worker: 1 while running (gauge; pool).
@@ -150,6 +152,7 @@ pub mod names {
         WORKER_JOB_QUEUES,
         WORKER_JOBS_BENCHED,
         WORKER_PAUSED,
+        WORKER_MODELS_LOADED,
     ];
 
     /// Every metric above with its type and its HELP text.
@@ -169,6 +172,7 @@ pub mod names {
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
+        (WORKER_MODELS_LOADED, Kind::Gauge, "Models this worker keeps loaded (at most --models-kept; the least recently used is dropped past it)."),
         (WORKER_MESSAGES, Kind::Counter, "Work messages taken from the broker (a bundle of several items counts once)."),
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),

@@ -30,6 +30,11 @@ pub struct WorkerConfig {
     /// workers on a node, give each cores / N.
     #[arg(long, env = "BATCHFLEET_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Models kept loaded (on each device) for the jobs to come: past this
+    /// many, the least recently used is dropped and its memory freed, so a
+    /// long-lived worker that runs many models holds a bounded number.
+    #[arg(long, env = "BATCHFLEET_MODELS_KEPT", default_value_t = crate::runner::DEFAULT_MODELS_KEPT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub models_kept: usize,
     /// Worker id in logs and Redis; default `<hostname>-<pid>`.
     #[arg(long, env = "BATCHFLEET_WORKER_ID")]
     pub worker_id: Option<String>,

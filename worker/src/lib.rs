@@ -141,6 +141,7 @@ pub async fn run_on(
     metrics::gauge!(names::WORKER_DRAINING).set(0.0);
     metrics::gauge!(names::WORKER_PAUSED).set(0.0);
     metrics::gauge!(names::WORKER_JOBS_BENCHED).set(0.0);
+    metrics::gauge!(names::WORKER_MODELS_LOADED).set(0.0);
     let store = connect::store(&backend, &cfg).await?;
     let session = Session::open(
         connect::broker(&backend, &cfg, &worker_id).await?,
@@ -231,10 +232,10 @@ fn trust(cfg: &WorkerConfig, fleet: bool) -> anyhow::Result<(DataRoots, Option<S
 /// Makes a model runner (again after a hung one is abandoned): libtorch
 /// with `--threads`, slowed by `--debug-batch-delay` when set.
 fn runner_factory(cfg: &WorkerConfig) -> context::MakeRunner {
-    let (threads, delay) = (cfg.threads, cfg.debug_batch_delay);
+    let (threads, delay, kept) = (cfg.threads, cfg.debug_batch_delay, cfg.models_kept);
     Box::new(move || {
         runner::ModelRunner::spawn(move || runner::Delayed {
-            inner: runner::TorchBackend::new(threads),
+            inner: runner::TorchBackend::new(threads, kept),
             delay,
         })
     })

@@ -50,7 +50,7 @@ pub fn probe(task: &TaskSpec) -> Result<Probed, ProbeFailure> {
         isolate_poison_rows: false,
         ..FailurePolicy::default()
     };
-    let mut backend = TorchBackend::new(0);
+    let mut backend = TorchBackend::new(0, 1);
     // A model this process cannot load (no libtorch for it, a file only
     // workers can read) says nothing about the call.
     if let Err(e) = crate::runner::Backend::load(&mut backend, &model) {

@@ -19,7 +19,7 @@ mod torch;
 
 pub use backend::{Arg, ArgValues, Backend, Delayed, ForwardError, Forwarded, Ran};
 pub use predict::{predict, predict_tokens, Predictions};
-pub use torch::TorchBackend;
+pub use torch::{TorchBackend, DEFAULT_MODELS_KEPT};
 
 use crate::batch::Batch;
 use crate::error::ItemError;

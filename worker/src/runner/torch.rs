@@ -1,5 +1,6 @@
 //! The libtorch backend through `tch`: TorchScript modules and AOTInductor
-//! packages loaded once per (path, digest, precision) and cached, each file
+//! packages loaded once per (path, digest, device, precision) and cached —
+//! the `--models-kept` most recently used, the others dropped — each file
 //! read once so its digest is checked on the bytes that are loaded; tensors
 //! built from the arguments, the model's output selected, pooled and shaped
 //! per row; libtorch's errors classified (out of memory, raised, unusable);
@@ -12,11 +13,27 @@ use super::backend::{
 use crate::error::ItemError;
 use batchfleet_shared::message::{ModelRef, Pooling, Precision, Selector, TensorType};
 use batchfleet_shared::metrics::names;
-use std::collections::HashMap;
+/// Models a worker keeps loaded by default (`--models-kept`).
+pub const DEFAULT_MODELS_KEPT: usize = 4;
 
-/// precision.
+/// What a loaded model is cached under: its file, digest, device and
+/// precision (the same file on another device is another module).
+type Key = (String, String, String, Option<Precision>);
+
+fn key_of(model: &ModelRef) -> Key {
+    (
+        model.path.clone(),
+        model.sha256.clone(),
+        model.device.clone(),
+        model.dtype,
+    )
+}
+
+/// The libtorch backend: the models it has loaded, the most recently used
+/// last, at most `kept` of them.
 pub struct TorchBackend {
-    cache: HashMap<(String, String, Option<Precision>), Loaded>,
+    cache: Vec<(Key, Loaded)>,
+    kept: usize,
 }
 
 /// A model loaded by [`TorchBackend`]: a TorchScript module, or an
@@ -58,14 +75,16 @@ impl std::fmt::Debug for TorchBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TorchBackend")
             .field("models", &self.cache.len())
+            .field("kept", &self.kept)
             .finish()
     }
 }
 
 impl TorchBackend {
     /// Sets libtorch's intra-op threads (0 keeps libtorch's default) and an
-    /// inter-op pool of one: each worker runs one forward at a time.
-    pub fn new(intra_op_threads: usize) -> Self {
+    /// inter-op pool of one: each worker runs one forward at a time. Keeps
+    /// the `kept` (at least 1) most recently used models loaded.
+    pub fn new(intra_op_threads: usize, kept: usize) -> Self {
         if intra_op_threads > 0 {
             tch::set_num_threads(intra_op_threads as i32);
         }
@@ -74,7 +93,8 @@ impl TorchBackend {
         static INTEROP: std::sync::Once = std::sync::Once::new();
         INTEROP.call_once(|| tch::set_num_interop_threads(1));
         Self {
-            cache: HashMap::new(),
+            cache: Vec::new(),
+            kept: kept.max(1),
         }
     }
 
@@ -101,16 +121,53 @@ impl TorchBackend {
     /// Loads (or finds cached) the module of `model`. The file is read once:
     /// the digest is checked on those bytes and those bytes are loaded, so a
     /// file swapped in between can never run unpinned.
+    ///
+    /// The cache keeps the `kept` most recently used models: room is made
+    /// (the least recently used dropped, freeing its memory) before a new
+    /// one loads. A load that runs out of memory with other models still
+    /// loaded drops them all and tries once more; out of memory alone, the
+    /// worker cannot take the job now (`unable`: another worker may have
+    /// the memory), where any other load error fails the job.
     pub fn module(&mut self, model: &ModelRef) -> Result<&Loaded, ItemError> {
-        let key = (model.path.clone(), model.sha256.clone(), model.dtype);
-        if !self.cache.contains_key(&key) {
+        let key = key_of(model);
+        if let Some(i) = self.cache.iter().position(|(k, _)| *k == key) {
+            let used = self.cache.remove(i);
+            self.cache.push(used);
+        } else {
+            while self.cache.len() >= self.kept {
+                self.drop_oldest("more models than --models-kept");
+            }
             let started = std::time::Instant::now();
-            let module = load_pinned(model)?;
+            let module = match load_pinned(model) {
+                Err(e)
+                    if e.class == crate::error::FailureClass::Unable
+                        && is_out_of_memory(&e.message)
+                        && !self.cache.is_empty() =>
+                {
+                    tracing::warn!(model = %model.path, "out of memory loading the model; dropping the other models and trying again");
+                    while !self.cache.is_empty() {
+                        self.drop_oldest("out of memory loading another");
+                    }
+                    load_pinned(model)?
+                }
+                other => other?,
+            };
             tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
-            self.cache.insert(key.clone(), module);
+            self.cache.push((key, module));
         }
-        Ok(&self.cache[&key])
+        metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
+        Ok(&self.cache.last().expect("the model just used").1)
+    }
+
+    /// Drops the least recently used model (its memory freed with it).
+    fn drop_oldest(&mut self, why: &str) {
+        if self.cache.is_empty() {
+            return;
+        }
+        let ((path, _, device, _), _) = self.cache.remove(0);
+        tracing::info!(model = %path, device = %device, reason = why, "model dropped from the cache");
+        metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
     }
 }
 
@@ -125,9 +182,10 @@ fn precision_kind(p: Precision) -> tch::Kind {
 /// Reads `model`'s file once, checks its digest and kind on those bytes,
 /// and loads them onto the model's device (in its `dtype`, when set); an
 /// AOTInductor package is loaded from a private copy of those bytes. Who
-/// is at fault decides the class: a file this worker cannot read is this
-/// worker's problem (`unable`: another may have it mounted); a file that is
-/// not the job's (digest) or not TorchScript, or that libtorch refuses,
+/// is at fault decides the class: a file this worker cannot read, or a
+/// load that runs out of memory, is this worker's problem (`unable`:
+/// another may have it mounted, or the memory); a file that is not the
+/// job's (digest) or not TorchScript, or that libtorch refuses otherwise,
 /// fails the job (`unrunnable`).
 fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
     let bytes = std::fs::read(&model.path).map_err(|e| {
@@ -158,20 +216,31 @@ fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
     if kind == batchfleet_shared::model_file::ModelKind::AotiPackage {
         return load_package(model, &bytes, device).map(Loaded::Package);
     }
-    let mut module =
-        tch::CModule::load_data_on_device(&mut bytes.as_slice(), device).map_err(|e| {
-            ItemError::unrunnable(format!(
-                "libtorch cannot load TorchScript model {}: {}",
-                model.path,
-                error_summary(&e.to_string())
-            ))
-        })?;
+    let mut module = tch::CModule::load_data_on_device(&mut bytes.as_slice(), device)
+        .map_err(|e| load_error(model, &e.to_string()))?;
     module.set_eval();
     if let Some(p) = model.dtype {
         // Floating-point parameters and buffers only (integer buffers keep their type).
         module.to(device, precision_kind(p), false);
     }
     Ok(Loaded::Script(module))
+}
+
+/// A libtorch load error, classed: out of memory is this worker's
+/// (`unable`), anything else the model's (`unrunnable`).
+fn load_error(model: &ModelRef, text: &str) -> ItemError {
+    let summary = error_summary(text);
+    if is_out_of_memory(text) {
+        ItemError::unable(format!(
+            "out of memory loading model {} on {}: {summary}; this worker leaves the job to others for now",
+            model.path, model.device
+        ))
+    } else {
+        ItemError::unrunnable(format!(
+            "libtorch cannot load TorchScript model {}: {summary}",
+            model.path
+        ))
+    }
 }
 
 /// Loads an AOTInductor package from `bytes` (already checked against the
@@ -204,6 +273,9 @@ fn load_package(model: &ModelRef, bytes: &[u8], device: tch::Device) -> Result<P
     let loaded = Package::load(&copy, cuda);
     let _ = std::fs::remove_file(&copy);
     loaded.map_err(|e| {
+        if is_out_of_memory(&e) {
+            return load_error(model, &e);
+        }
         ItemError::unrunnable(format!(
             "libtorch cannot load AOTInductor package {} on {}: {}; a package runs only on the device kind it was compiled for (compile it with the model and inputs on that device)",
             model.path,
@@ -674,5 +746,35 @@ mod tests {
             "RuntimeError: poison sentinel in input"
         );
         assert_eq!(error_summary("plain message\nmore"), "plain message");
+    }
+
+    #[test]
+    fn a_model_on_another_device_is_another_cache_entry() {
+        let cpu = ModelRef::plain("/models/m.pt", "ab".repeat(32), "cpu");
+        let mut cuda = cpu.clone();
+        cuda.device = "cuda:0".into();
+        assert_ne!(key_of(&cpu), key_of(&cuda));
+        let mut half = cpu.clone();
+        half.dtype = Some(Precision::Float16);
+        assert_ne!(key_of(&cpu), key_of(&half));
+        assert_eq!(key_of(&cpu), key_of(&cpu.clone()));
+    }
+
+    #[test]
+    fn out_of_memory_loading_is_this_workers_and_other_load_errors_the_models() {
+        let model = ModelRef::plain("/models/m.pt", "ab".repeat(32), "cuda:0");
+        let oom = load_error(
+            &model,
+            "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.8 GiB total capacity)",
+        );
+        assert_eq!(oom.class, crate::error::FailureClass::Unable, "{oom}");
+        assert!(oom.message.contains("leaves the job to others"), "{oom}");
+        let cpu = load_error(&model, "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes");
+        assert_eq!(cpu.class, crate::error::FailureClass::Unable, "{cpu}");
+        let bad = load_error(
+            &model,
+            "PytorchStreamReader failed locating file constants.pkl: file not found",
+        );
+        assert_eq!(bad.class, crate::error::FailureClass::Unrunnable, "{bad}");
     }
 }

@@ -8,6 +8,7 @@ mod e2e;
 mod failures;
 mod formats;
 mod jobs;
+mod models;
 mod privilege;
 mod reports;
 mod slurm_task;

@@ -1,0 +1,105 @@
+//! A long-lived worker keeps a bounded number of models loaded: the
+//! `--models-kept` most recently used, the others dropped and loaded again
+//! when a job needs them.
+
+use crate::support::{stop_all, TestEnv};
+use batchfleet_testkit::python::{make_job, JobGen};
+use batchfleet_testkit::verify::verify;
+use std::time::Duration;
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string()
+}
+
+/// A worker's metric, summed over its samples.
+fn metric(port: &str, name: &str) -> f64 {
+    let text = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape")
+        .into_string()
+        .expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Three jobs with three models on a worker that keeps two: the first
+/// model is dropped when the third loads (two stay loaded), and a later job
+/// of the first model loads it again, which drops the least recently used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeps_its_most_recently_used_models_and_drops_the_others() {
+    let env = TestEnv::new("models");
+    let port = free_port();
+    let mut workers =
+        vec![env.spawn_worker("w1", &["--models-kept", "2", "--metrics-port", &port])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let mut ids = Vec::new();
+    let mut manifests = Vec::new();
+    // Three models: another hidden width each, so three digests.
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let dir = env.path().join(name);
+        let gen = JobGen {
+            rows: 400,
+            files: 1,
+            features: 4,
+            hidden: 8 + i as u32,
+            name: batchfleet_testkit::services::unique(name),
+            pool: env.pool.clone(),
+            item_rows: 200,
+            batch_size: 100,
+            ..JobGen::default()
+        };
+        make_job(&dir, &gen).expect("generate job");
+        let manifest = dir.join("job.toml");
+        let (id, report) = crate::support::run_with_config_to_end(
+            &env.run_config(),
+            &manifest,
+            Duration::from_secs(120),
+        )
+        .await;
+        assert_eq!(report.status, "completed", "{name}: {report:?}");
+        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+        assert!(v.ok(), "{name}: {}", v.describe());
+        ids.push(id);
+        manifests.push(manifest);
+    }
+    let loads = |port: &str| metric(port, "batchfleet_worker_model_load_seconds_count");
+    assert_eq!(loads(&port), 3.0, "each model loaded once");
+    assert_eq!(
+        metric(&port, "batchfleet_worker_models_loaded"),
+        2.0,
+        "two kept"
+    );
+    let log = workers[0].log_text();
+    assert_eq!(
+        log.matches("model dropped from the cache").count(),
+        1,
+        "the first model went when the third came: {log}"
+    );
+    // The first model again, in a job of its own (another output folder):
+    // loaded anew, and the second model dropped in its turn.
+    let mut cfg = env.run_config();
+    cfg.overrides = vec!["output.dir=out-again".into()];
+    let (again, report) =
+        crate::support::run_with_config_to_end(&cfg, &manifests[0], Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(loads(&port), 4.0, "the dropped model loaded again");
+    assert_eq!(metric(&port, "batchfleet_worker_models_loaded"), 2.0);
+    assert_eq!(
+        workers[0]
+            .log_text()
+            .matches("model dropped from the cache")
+            .count(),
+        2
+    );
+    ids.push(again);
+    stop_all(&mut workers);
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.cleanup(&ids).await;
+}
