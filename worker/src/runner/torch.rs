@@ -129,10 +129,21 @@ impl TorchBackend {
     /// worker cannot take the job now (`unable`: another worker may have
     /// the memory), where any other load error fails the job.
     pub fn module(&mut self, model: &ModelRef) -> Result<&Loaded, ItemError> {
-        let key = key_of(model);
-        if let Some(i) = self.cache.iter().position(|(k, _)| *k == key) {
-            let used = self.cache.remove(i);
-            self.cache.push(used);
+        // Called for every forward: found without building a key.
+        let found = self
+            .cache
+            .iter()
+            .position(|((path, sha, device, dtype), _)| {
+                *path == model.path
+                    && *sha == model.sha256
+                    && *device == model.device
+                    && *dtype == model.dtype
+            });
+        if let Some(i) = found {
+            if i + 1 < self.cache.len() {
+                let used = self.cache.remove(i);
+                self.cache.push(used);
+            }
         } else {
             while self.cache.len() >= self.kept {
                 self.drop_oldest("more models than --models-kept");
@@ -154,9 +165,9 @@ impl TorchBackend {
             };
             tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
-            self.cache.push((key, module));
+            self.cache.push((key_of(model), module));
+            metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
         }
-        metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
         Ok(&self.cache.last().expect("the model just used").1)
     }
 
