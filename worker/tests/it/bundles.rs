@@ -4,7 +4,7 @@
 //! and a bundle that comes back is split into its items.
 
 use crate::containment::{dead_items, job_in, start_run, summary, until, verified};
-use crate::support::{stop_all, Backend, TestEnv};
+use crate::support::{free_port, stop_all, Backend, TestEnv};
 use batchfleet_coordinator::dlq::Filter;
 use batchfleet_shared::broker::{Outgoing, PoolQueues};
 use batchfleet_shared::message::{Envelope, InputSlice};
@@ -18,14 +18,6 @@ fn counter(metrics: &str, name: &str, how: &str) -> u64 {
         .filter(|l| l.starts_with(name) && l.contains(&format!("how=\"{how}\"")))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
-}
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-        .to_string()
 }
 
 crate::on_both_backends!(a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once);

@@ -2,18 +2,10 @@
 //! `--models-kept` most recently used, the others dropped and loaded again
 //! when a job needs them.
 
-use crate::support::{stop_all, TestEnv};
+use crate::support::{free_port, stop_all, TestEnv};
 use batchfleet_testkit::python::{make_job, JobGen};
 use batchfleet_testkit::verify::verify;
 use std::time::Duration;
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-        .to_string()
-}
 
 /// A worker's metric, summed over its samples.
 fn metric(port: &str, name: &str) -> f64 {

@@ -590,3 +590,12 @@ pub async fn s3_turn() -> tokio::sync::MutexGuard<'static, ()> {
     static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     TURN.lock().await
 }
+
+/// A TCP port free on 127.0.0.1 now (for a worker's `--metrics-port`).
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string()
+}
