@@ -766,34 +766,11 @@ mod tests {
 
     fn record(id: &str, created_ms: u64) -> JobRecord {
         JobRecord {
-            id: id.into(),
-            name: "t".into(),
-            status: JobStatus::Planning,
-            pool: "p".into(),
-            manifest: "/m".into(),
-            output_dir: "/o".into(),
-            output_format: "csv".into(),
-            model: "/m.pt".into(),
-            model_sha256: "ab".into(),
             max_failed_items: Some(1),
             max_failed_percent: Some(2.5),
-            items_total: 3,
-            rows_total: 300,
-            rows_estimated: false,
-            items_done: 0,
-            rows_done: 0,
-            rows_rejected: 0,
             created_ms,
-            published_ms: 0,
-            finished_ms: 0,
-            items_published: 0,
             merge: true,
-            failed_reason: String::new(),
-            failed_class: String::new(),
-            overrides: Vec::new(),
-            resolved_manifest: String::new(),
-            priority: String::new(),
-            done_bits: true,
+            ..JobRecord::sample(id)
         }
     }
 

@@ -142,6 +142,43 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// A plain record of job `id` — three items of 100 rows, planning,
+    /// every other field set to something ordinary — for tests and
+    /// examples, which change the fields they care about
+    /// (`JobRecord { status: …, ..JobRecord::sample(id) }`).
+    pub fn sample(id: &str) -> Self {
+        Self {
+            id: id.into(),
+            name: "t".into(),
+            status: JobStatus::Planning,
+            pool: "p".into(),
+            manifest: "/m".into(),
+            output_dir: "/o".into(),
+            output_format: "csv".into(),
+            model: "/m.pt".into(),
+            model_sha256: "ab".into(),
+            max_failed_items: None,
+            max_failed_percent: None,
+            items_total: 3,
+            rows_total: 300,
+            rows_estimated: false,
+            items_done: 0,
+            rows_done: 0,
+            rows_rejected: 0,
+            created_ms: 1,
+            published_ms: 0,
+            finished_ms: 0,
+            items_published: 0,
+            merge: false,
+            failed_reason: String::new(),
+            failed_class: String::new(),
+            overrides: Vec::new(),
+            resolved_manifest: String::new(),
+            priority: String::new(),
+            done_bits: true,
+        }
+    }
+
     /// The record as hash fields (as Redis holds it, and the in-process
     /// store mirrors).
     pub(crate) fn to_fields(&self) -> Vec<(&'static str, String)> {
@@ -338,34 +375,21 @@ mod tests {
 
     fn record() -> JobRecord {
         JobRecord {
-            id: "j-1".into(),
             name: "j".into(),
             status: JobStatus::Running,
             pool: "default".into(),
             manifest: "/m.toml".into(),
             output_dir: "/out".into(),
-            output_format: "csv".into(),
-            model: "/m.pt".into(),
-            model_sha256: "ab".into(),
             max_failed_items: Some(2),
-            max_failed_percent: None,
-            items_total: 3,
             rows_total: 30,
-            rows_estimated: false,
             items_done: 1,
             rows_done: 10,
             rows_rejected: 1,
             created_ms: 5,
             published_ms: 6,
-            finished_ms: 0,
             items_published: 2,
             merge: true,
-            failed_reason: String::new(),
-            failed_class: String::new(),
-            overrides: Vec::new(),
-            resolved_manifest: String::new(),
-            priority: String::new(),
-            done_bits: true,
+            ..JobRecord::sample("j-1")
         }
     }
 

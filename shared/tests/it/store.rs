@@ -46,34 +46,8 @@ on_both_stores! {
 
 fn record(id: &str) -> JobRecord {
     JobRecord {
-        id: id.into(),
-        name: "t".into(),
         status: JobStatus::Running,
-        pool: "p".into(),
-        manifest: "/m".into(),
-        output_dir: "/o".into(),
-        output_format: "csv".into(),
-        model: "/m.pt".into(),
-        model_sha256: "ab".into(),
-        max_failed_items: None,
-        max_failed_percent: None,
-        items_total: 3,
-        rows_total: 300,
-        rows_estimated: false,
-        items_done: 0,
-        rows_done: 0,
-        rows_rejected: 0,
-        created_ms: 1,
-        published_ms: 0,
-        finished_ms: 0,
-        items_published: 0,
-        merge: false,
-        failed_reason: String::new(),
-        failed_class: String::new(),
-        overrides: Vec::new(),
-        resolved_manifest: String::new(),
-        priority: String::new(),
-        done_bits: true,
+        ..JobRecord::sample(id)
     }
 }
 

@@ -83,49 +83,13 @@ impl Facts {
     }
 }
 
-/// A planning job's record with three items, for tests.
-#[cfg(test)]
-pub(crate) fn test_record(id: &str) -> batchfleet_shared::store::JobRecord {
-    use batchfleet_shared::store::{JobRecord, JobStatus};
-    JobRecord {
-        id: id.into(),
-        name: "t".into(),
-        status: JobStatus::Planning,
-        pool: "p".into(),
-        manifest: "/m".into(),
-        output_dir: "/o".into(),
-        output_format: "csv".into(),
-        model: "/m.pt".into(),
-        model_sha256: "ab".into(),
-        max_failed_items: None,
-        max_failed_percent: None,
-        items_total: 3,
-        rows_total: 300,
-        rows_estimated: false,
-        items_done: 0,
-        rows_done: 0,
-        rows_rejected: 0,
-        created_ms: 1,
-        published_ms: 0,
-        finished_ms: 0,
-        items_published: 0,
-        merge: false,
-        failed_reason: String::new(),
-        failed_class: String::new(),
-        overrides: Vec::new(),
-        resolved_manifest: String::new(),
-        priority: String::new(),
-        done_bits: true,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use batchfleet_shared::store::JobStatus;
 
     fn record(id: &str) -> batchfleet_shared::store::JobRecord {
-        test_record(id)
+        batchfleet_shared::store::JobRecord::sample(id)
     }
 
     #[tokio::test]

@@ -299,7 +299,7 @@ mod tests {
         let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
         for job in ["a", "b"] {
             store
-                .put_job(&crate::item::facts::test_record(job))
+                .put_job(&batchfleet_shared::store::JobRecord::sample(job))
                 .await
                 .unwrap();
         }
@@ -328,7 +328,7 @@ mod tests {
     async fn a_group_waits_for_the_items_of_a_bundle_still_on_their_way() {
         let (store, work) = (Store::local(), Arc::new(WorkTally::default()));
         store
-            .put_job(&crate::item::facts::test_record("a"))
+            .put_job(&batchfleet_shared::store::JobRecord::sample("a"))
             .await
             .unwrap();
         // Waits as long as it takes: the first item is answered only once

@@ -3,10 +3,10 @@
 //! message, each item is still started, committed and dead-lettered alone,
 //! and a bundle that comes back is split into its items.
 
-use crate::containment::{dead_items, job_in, start_run, summary, until, verified};
+use crate::containment::{dead_items, job_in, start_waiting, summary, until, verified, Waiting};
 use crate::support::{free_port, stop_all, Backend, TestEnv};
 use batchfleet_coordinator::dlq::Filter;
-use batchfleet_shared::broker::{Outgoing, PoolQueues};
+use batchfleet_shared::broker::Outgoing;
 use batchfleet_shared::message::{Envelope, InputSlice};
 use batchfleet_shared::signing::SigningKey;
 use std::time::Duration;
@@ -55,19 +55,13 @@ async fn a_bad_item_costs_only_itself_and_a_bundle_that_comes_back_is_split() {
     let mut cfg = env.run_config();
     cfg.connections.signing_key = Some(key.clone());
     let manifest = job_in(&env, "job", 1_280, 5);
-    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
-        .expect("manifest")
-        .job_id;
-    // No worker yet: the messages wait in the job's queue.
-    let run = start_run(&cfg, &manifest);
-    let broker = env.broker().await;
-    let queue = PoolQueues::new(&env.pool).job(&id);
-    until(
-        "every bundle published",
-        Duration::from_secs(60),
-        || async { broker.ready_count(&queue).await.ok().flatten() == Some(64) },
-    )
-    .await;
+    // No worker yet: the 64 bundles wait in the job's queue.
+    let Waiting {
+        id,
+        run,
+        broker,
+        queue,
+    } = start_waiting(&env, &cfg, &manifest, 64).await;
     // One bundle comes back (taken and returned)...
     let back = broker.get(&queue).await.expect("get").expect("a bundle");
     let Ok(Envelope::V4(returned)) = Envelope::decode(&back.body) else {
@@ -151,18 +145,12 @@ async fn a_bad_item_costs_only_itself_and_a_bundle_that_comes_back_is_split() {
 async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item() {
     let env = TestEnv::new("bundle-limit");
     let manifest = job_in(&env, "job", 1_280, 5);
-    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
-        .expect("manifest")
-        .job_id;
-    let run = start_run(&env.run_config(), &manifest);
-    let broker = env.broker().await;
-    let queue = PoolQueues::new(&env.pool).job(&id);
-    until(
-        "every bundle published",
-        Duration::from_secs(60),
-        || async { broker.ready_count(&queue).await.ok().flatten() == Some(64) },
-    )
-    .await;
+    let Waiting {
+        id,
+        run,
+        broker,
+        queue,
+    } = start_waiting(&env, &env.run_config(), &manifest, 64).await;
     let mut deliveries = 0;
     let head = loop {
         let m = broker.get(&queue).await.expect("get").expect("a message");

@@ -58,6 +58,43 @@ pub(crate) fn start_run(cfg: &batchfleet_coordinator::RunConfig, manifest: &Path
     tokio::spawn(async move { run_job(&cfg, &manifest, CancellationToken::new()).await })
 }
 
+/// A job started with no worker yet: `run` publishing and following it,
+/// and its queue, in which its messages wait.
+pub(crate) struct Waiting {
+    pub(crate) id: String,
+    pub(crate) run: Run,
+    pub(crate) broker: std::sync::Arc<dyn batchfleet_shared::broker::Broker>,
+    pub(crate) queue: String,
+}
+
+/// Starts `batchfleet run` on `manifest` (see [`start_run`]) with no
+/// worker consuming, and returns once `messages` wait in the job's queue.
+pub(crate) async fn start_waiting(
+    env: &TestEnv,
+    cfg: &batchfleet_coordinator::RunConfig,
+    manifest: &Path,
+    messages: u32,
+) -> Waiting {
+    let id = batchfleet_coordinator::manifest::load(manifest, &[])
+        .expect("manifest")
+        .job_id;
+    let run = start_run(cfg, manifest);
+    let broker = env.broker().await;
+    let queue = PoolQueues::new(&env.pool).job(&id);
+    until(
+        "every message published",
+        Duration::from_secs(60),
+        || async { broker.ready_count(&queue).await.ok().flatten() == Some(messages) },
+    )
+    .await;
+    Waiting {
+        id,
+        run,
+        broker,
+        queue,
+    }
+}
+
 /// How `run` ended, once it settled (within `within`).
 async fn settled(run: Run, within: Duration) -> RunOutcome {
     tokio::time::timeout(within, run)
@@ -548,19 +585,11 @@ async fn panics_in_item_handling_and_on_the_runner_settle_the_item_and_the_worke
 async fn an_item_the_broker_dead_letters_fails_as_infra_and_is_never_published_again() {
     let env = TestEnv::new("limit");
     let manifest = job_in(&env, "l", 4_000, 1_000);
-    let cfg = env.run_config();
-    let run = start_run(&cfg, &manifest);
-    until("published", Duration::from_secs(60), || async {
-        env.work_queue().await.map(|(ready, _)| ready) == Some(4)
-    })
-    .await;
+    let Waiting {
+        run, broker, queue, ..
+    } = start_waiting(&env, &env.run_config(), &manifest, 4).await;
     // Item 0 keeps coming back unsettled — what workers dying on it look
     // like to the broker — until the delivery limit dead-letters it.
-    let broker = env.broker().await;
-    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
-        .expect("manifest")
-        .job_id;
-    let queue = PoolQueues::new(&env.pool).job(&id);
     let mut deliveries = 0;
     loop {
         let m = broker.get(&queue).await.expect("get").expect("a message");
@@ -998,17 +1027,13 @@ async fn whole_messages_carry_the_task_in_every_message() {
     let mut cfg = env.run_config();
     cfg.connections.whole_messages = true;
     let manifest = job_in(&env, "whole", 2_000, 1_000);
-    let id = batchfleet_coordinator::manifest::load(&manifest, &[])
-        .expect("manifest")
-        .job_id;
     // No worker yet: the messages wait in the job's queue to be looked at.
-    let run = start_run(&cfg, &manifest);
-    let broker = env.broker().await;
-    let queue = PoolQueues::new(&env.pool).job(&id);
-    until("both items published", Duration::from_secs(60), || async {
-        broker.ready_count(&queue).await.ok().flatten() == Some(2)
-    })
-    .await;
+    let Waiting {
+        id,
+        run,
+        broker,
+        queue,
+    } = start_waiting(&env, &cfg, &manifest, 2).await;
     for _ in 0..2 {
         let m = broker.get(&queue).await.expect("get").expect("a message");
         match Envelope::decode(&m.body).expect("decodes") {
@@ -1043,34 +1068,19 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
     let store = env.connections().store().await.expect("redis");
     store
         .put_job(&JobRecord {
-            id: job.clone(),
             name: "replaysign".into(),
             status: JobStatus::CompletedWithFailures,
             pool: env.pool.clone(),
             manifest: "/m.toml".into(),
             output_dir: item(0).task.output.dir.clone(),
-            output_format: "csv".into(),
             model: item(0).task.model.path.clone(),
             model_sha256: item(0).task.model.sha256.clone(),
-            max_failed_items: None,
-            max_failed_percent: None,
             items_total: 4,
             rows_total: 4,
-            rows_estimated: false,
-            items_done: 0,
-            rows_done: 0,
-            rows_rejected: 0,
-            created_ms: 1,
             published_ms: 1,
             finished_ms: 2,
             items_published: 4,
-            merge: false,
-            failed_reason: String::new(),
-            failed_class: String::new(),
-            overrides: Vec::new(),
-            resolved_manifest: String::new(),
-            priority: String::new(),
-            done_bits: true,
+            ..JobRecord::sample(&job)
         })
         .await
         .expect("put job");

@@ -228,34 +228,18 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
 
 fn record(id: &str, status: JobStatus, created_ms: u64, finished_ms: u64) -> JobRecord {
     JobRecord {
-        id: id.into(),
         name: "gc".into(),
         status,
-        pool: "p".into(),
         manifest: "/m.toml".into(),
         output_dir: format!("/out/{id}"),
-        output_format: "csv".into(),
-        model: "/m.pt".into(),
         model_sha256: "00".repeat(32),
-        max_failed_items: None,
-        max_failed_percent: None,
         items_total: 1,
         rows_total: 1,
-        rows_estimated: false,
-        items_done: 0,
-        rows_done: 0,
-        rows_rejected: 0,
         created_ms,
         published_ms: created_ms,
         finished_ms,
         items_published: 1,
-        merge: false,
-        failed_reason: String::new(),
-        failed_class: String::new(),
-        overrides: Vec::new(),
-        resolved_manifest: String::new(),
-        priority: String::new(),
-        done_bits: true,
+        ..JobRecord::sample(id)
     }
 }
 
