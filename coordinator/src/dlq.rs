@@ -66,9 +66,10 @@ impl Filter {
 /// A dead message as the dead items it holds: one, or — a bundle the
 /// broker dead-lettered — one per item of the bundle.
 fn describe_all(msg: &Delivery) -> Vec<DeadItem> {
-    let first = describe(msg);
-    match Envelope::decode(&msg.body).map(Envelope::into_opened) {
-        Ok(Opened::Bundle(b)) if msg.headers.int(ITEM_HEADER).is_none() => b
+    let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_opened);
+    let first = describe_opened(msg, decoded.as_ref());
+    match decoded {
+        Some(Opened::Bundle(b)) if msg.headers.int(ITEM_HEADER).is_none() => b
             .items
             .iter()
             .map(|m| DeadItem {
@@ -81,19 +82,24 @@ fn describe_all(msg: &Delivery) -> Vec<DeadItem> {
 }
 
 fn describe(msg: &Delivery) -> DeadItem {
-    let h = &msg.headers;
     let decoded = Envelope::decode(&msg.body).ok().map(Envelope::into_opened);
+    describe_opened(msg, decoded.as_ref())
+}
+
+/// [`describe`], the body decoded already (`None`: it does not decode).
+fn describe_opened(msg: &Delivery, decoded: Option<&Opened>) -> DeadItem {
+    let h = &msg.headers;
     let job = h
         .str(JOB_HEADER)
         .filter(|j| !j.is_empty())
         .map(str::to_owned)
-        .or_else(|| decoded.as_ref().map(|i| i.job_id().to_owned()))
+        .or_else(|| decoded.map(|i| i.job_id().to_owned()))
         .unwrap_or_default();
     let item = h
         .int(ITEM_HEADER)
         .filter(|i| *i >= 0)
         .map(|i| i as u32)
-        .or_else(|| decoded.as_ref().map(Opened::seq));
+        .or_else(|| decoded.map(Opened::seq));
     let text = |name| h.str(name).unwrap_or_default().to_owned();
     match h.str(CLASS_HEADER) {
         Some(class) => DeadItem {

@@ -309,7 +309,7 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let sealed = crate::message::seal(item, key);
-        Self::sealed(&item.job_id, item.seq, sealed, attempt)
+        Self::sealed(format!("{}/{}", item.job_id, item.seq), sealed, attempt)
     }
 
     /// A version 3 work item (naming its job's stored task), at delivery
@@ -320,7 +320,7 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let sealed = crate::message::seal_ref(item, key);
-        Self::sealed(&item.job_id, item.seq, sealed, attempt)
+        Self::sealed(format!("{}/{}", item.job_id, item.seq), sealed, attempt)
     }
 
     /// A bundle of items (version 4) at delivery attempt 1, signed with
@@ -330,13 +330,10 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let id = bundle.message_id();
-        let sealed = crate::message::seal_bundle(bundle, key);
-        let mut out = Self::sealed("", 0, sealed, 1);
-        out.message_id = id;
-        out
+        Self::sealed(id, crate::message::seal_bundle(bundle, key), 1)
     }
 
-    fn sealed(job: &str, seq: u32, sealed: crate::message::Sealed, attempt: u32) -> Self {
+    fn sealed(message_id: String, sealed: crate::message::Sealed, attempt: u32) -> Self {
         let mut headers = Headers::default();
         if let Some(signature) = sealed.signature {
             headers.set([(crate::signing::SIGNATURE_HEADER, signature)], []);
@@ -352,7 +349,7 @@ impl Outgoing {
             ],
         );
         Self {
-            message_id: format!("{job}/{seq}"),
+            message_id,
             kind: sealed.kind,
             body: sealed.body,
             headers,
