@@ -146,7 +146,13 @@ pub async fn dispatch(
             // have changed): the done counters belong to the workers' commits.
             store
                 // A new run of the job: it is reduced again.
-                .update_job(&spec.job_id, &RecordUpdate::Rerun { merge: spec.merge })
+                .update_job(
+                    &spec.job_id,
+                    &RecordUpdate::Rerun {
+                        merge: spec.merge,
+                        max_crashes: spec.budget.max_crashes,
+                    },
+                )
                 .await?;
         }
         None => {

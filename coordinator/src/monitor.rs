@@ -148,6 +148,9 @@ pub async fn follow(
     let budget = ErrorBudget {
         max_failed_items: job.max_failed_items,
         max_failed_percent: job.max_failed_percent,
+        max_crashes: job.max_crashes,
+        max_rejected_rows: job.max_rejected_rows,
+        max_rejected_percent: job.max_rejected_percent,
     };
     let pool = job.pool;
     let created_ms = job.created_ms;
@@ -309,6 +312,15 @@ async fn ended(
         ));
         return Some(Followed::BudgetExceeded);
     }
+    if let Some(reason) = budget.rejected_too_many(p) {
+        if let Err(e) = store.fail_job(job_id, "budget", &reason).await {
+            tracing::warn!(error = %e, "could not mark the job failed; trying again");
+            return None;
+        }
+        bar.abandon_with_message(format!("{reason}; remaining items are skipped"));
+        tracing::error!(job = %job_id, %reason, "failing the job: too many rows rejected");
+        return Some(Followed::BudgetExceeded);
+    }
     if p.settled() {
         metrics::gauge!(names::JOB_FINISHED, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.to_owned()).set(1.0);
         metrics::gauge!(names::JOB_ETA, batchfleet_shared::metrics::JOB_LABEL => job_id.to_owned(), "pool" => pool.to_owned())
@@ -389,6 +401,7 @@ mod tests {
             items_total: 4,
             rows_total: 400,
             items_failed: 0,
+            rows_rejected: 0,
             status: None,
         };
         assert_eq!(eta(&p, 100.0), 3);

@@ -43,6 +43,9 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         priority: spec.priority.as_str().to_owned(),
         // A bitmap done set; `--whole-messages` (workers before it) turns it off.
         done_bits: true,
+        max_crashes: spec.budget.max_crashes,
+        max_rejected_rows: spec.budget.max_rejected_rows,
+        max_rejected_percent: spec.budget.max_rejected_percent,
     }
 }
 

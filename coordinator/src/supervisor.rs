@@ -10,12 +10,15 @@
 //!   failed for good are recovered from the dead queue, and the job is put
 //!   back on its pool's active jobs and announced, so the workers consume
 //!   what of it is still queued.
-//! - **Dead workers**: an item whose only leases are stale (no heartbeat for
-//!   the lease's ttl) is published again once the queues are drained (or at
-//!   once, if its worker had acknowledged the delivery early and held it by
-//!   the lease alone).
+//! - **Dead workers**: a stale lease (no heartbeat for the lease's ttl) of
+//!   an unsettled item is a crash of the item, counted in Redis and dropped
+//!   (once: a worker's start counts the same way). The broker returns the
+//!   delivery of a dead worker itself; only an item whose worker had
+//!   acknowledged the delivery early (holding it by the lease alone) is
+//!   published again here — or, once `max_crashes` workers died holding
+//!   it, recorded failed, class `crash`.
 //! - **Stragglers**: once the queues are drained, an item on its first
-//!   attempt held far longer than the typical item (`speculate_after` × the
+//!   attempt that no worker died holding, held far longer than the typical item (`speculate_after` × the
 //!   median item time) gets one speculative copy; the first commit wins and
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
@@ -80,6 +83,10 @@ pub struct SuperviseReport {
     pub lost_commits_recovered: u64,
     /// Items given up after [`MAX_COPIES`] copies (recorded failed, `infra`).
     pub copies_exhausted: u64,
+    /// Items given up after `max_crashes` workers died holding them
+    /// (recorded failed, `crash`) by the supervisor; a worker's start gives
+    /// up the others, dead-lettering their deliveries.
+    pub crashes_given_up: u64,
 }
 
 /// The supervisor of one job.
@@ -197,34 +204,48 @@ impl Supervisor {
             .map(|f| f.seq)
             .collect();
         let redispatched = store.redispatched(&self.job_id).await?;
+        // Items workers died holding: never speculated on (the holder may
+        // be dead, its lease not stale yet, and a copy would kill another).
+        let suspects = store.crashes(&self.job_id).await?;
         let mut to_send: Vec<(u32, u32, Redispatch)> = Vec::new();
         let mut dead_leases = Vec::new();
+        // Stale leases of unsettled items: each is a worker that died
+        // holding the item, a crash of it.
+        let mut crashed = Vec::new();
+        // Items held by acknowledged deliveries whose workers died: nothing
+        // of them is left in the broker, so a copy is published (or the item
+        // given up after `max_crashes`). (seq, next attempt)
+        let mut orphaned_by_crash = Vec::new();
         for (seq, leases) in &by_seq {
             let settled = done.contains(seq) || failed.contains(seq);
             let (live, stale): (Vec<&Lease>, Vec<&Lease>) =
                 leases.iter().partition(|l| !l.is_stale(now));
-            if settled || !live.is_empty() {
-                dead_leases.extend(stale.iter().map(|l| format!("{}@{}", l.seq, l.worker)));
-            }
+            let fields = stale.iter().map(|l| format!("{}@{}", l.seq, l.worker));
             if settled {
+                dead_leases.extend(fields);
                 continue;
             }
+            crashed.extend(fields);
             let last_copy = redispatched.get(seq).copied().unwrap_or(0);
             if live.is_empty() {
-                // Its worker died. Unless it acked early, the broker returned
-                // the delivery already: wait for the queues to drain first.
+                // Its worker died. Unless it acked early, the broker returns
+                // the delivery (the next worker's start waits until this
+                // lease is stale, and counts the crash first).
                 let acked = stale.iter().any(|l| l.acked);
                 let newest_beat = stale.iter().map(|l| l.heartbeat_ms).max().unwrap_or(0);
-                if (drained || acked) && last_copy < newest_beat {
+                if acked && last_copy < newest_beat {
                     // The worker died on this attempt: the copy is the next one.
                     let attempt = stale.iter().map(|l| l.attempt).max().unwrap_or(1) + 1;
-                    to_send.push((*seq, attempt, Redispatch::StaleLease));
-                    dead_leases.extend(stale.iter().map(|l| format!("{}@{}", l.seq, l.worker)));
+                    orphaned_by_crash.push((*seq, attempt));
                 }
             } else if drained
                 && live.len() == 1
                 && live[0].attempt == 1
                 && last_copy == 0
+                && !suspects.contains_key(seq)
+                // Its holder has renewed the lease since it started: alive
+                // then, not a worker that died on the item a moment ago.
+                && live[0].heartbeat_ms > live[0].started_ms
                 && self.cfg.speculate_after > 0.0
             {
                 // Only first attempts: an item that failed or timed out before
@@ -293,6 +314,16 @@ impl Supervisor {
         if !dead_leases.is_empty() {
             store.drop_leases(&self.job_id, &dead_leases).await?;
         }
+        let crashes = store.count_crashes(&self.job_id, &crashed).await?;
+        for (seq, attempt) in orphaned_by_crash {
+            let n = crashes.get(&seq).copied().unwrap_or(0);
+            if record.max_crashes > 0 && n >= record.max_crashes {
+                self.give_up_crashed(store, seq, attempt - 1, n, record.max_crashes, now)
+                    .await?;
+            } else {
+                to_send.push((seq, attempt, Redispatch::StaleLease));
+            }
+        }
         if to_send.is_empty() {
             return Ok(());
         }
@@ -360,6 +391,36 @@ impl Supervisor {
                 Redispatch::Straggler => self.report.speculated += 1,
                 Redispatch::Orphan => self.report.orphans_redispatched += 1,
             }
+        }
+        Ok(())
+    }
+
+    /// Records item `seq` failed, class `crash`: `crashes` workers died
+    /// holding it, the job's `max_crashes`. (Its last delivery was
+    /// acknowledged early, so the broker holds nothing of it to dead-letter.)
+    async fn give_up_crashed(
+        &mut self,
+        store: &Store,
+        seq: u32,
+        attempt: u32,
+        crashes: u32,
+        max: u32,
+        now: u64,
+    ) -> Result<(), RunError> {
+        let reason = format!(
+            "{crashes} workers died holding the item ([failure] max_crashes = {max}): it kills the process that runs it (out of memory, a fault in the model or its libraries); given up so the job goes on"
+        );
+        tracing::error!(job = %self.job_id, item = seq, "{reason}");
+        let failure = ItemFailure {
+            seq,
+            class: "crash".into(),
+            reason,
+            worker: String::new(),
+            attempt: attempt.max(1),
+            at_ms: now,
+        };
+        if store.fail_item(&self.job_id, &failure).await? {
+            self.report.crashes_given_up += 1;
         }
         Ok(())
     }

@@ -35,6 +35,16 @@ pub struct WorkerConfig {
     /// long-lived worker that runs many models holds a bounded number.
     #[arg(long, env = "BATCHFLEET_MODELS_KEPT", default_value_t = crate::runner::DEFAULT_MODELS_KEPT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub models_kept: usize,
+    /// Recycling: after handling this many items, stop taking more, drain,
+    /// and exit 75 for the supervisor (systemd, Kubernetes, compose, the
+    /// Slurm task wrapper) to start a fresh process. 0 = never.
+    #[arg(long, env = "BATCHFLEET_MAX_ITEMS", default_value_t = 0)]
+    pub max_items: u64,
+    /// Recycling: once the process's resident memory passes this (`8GiB`,
+    /// `512MiB`, or bytes; looked at every 5 s), drain and exit 75 the same
+    /// way. Unset = never.
+    #[arg(long, env = "BATCHFLEET_MAX_RSS", value_parser = parse_size)]
+    pub max_rss: Option<u64>,
     /// Worker id in logs and Redis; default `<hostname>-<pid>`.
     #[arg(long, env = "BATCHFLEET_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -118,7 +128,9 @@ pub struct WorkerConfig {
     pub debug_batch_delay: Duration,
     /// Testing aid: panic while handling chosen items, `item:SEQ[@ATTEMPT]`
     /// (in item handling) or `runner:SEQ[@ATTEMPT]` (on the model runner
-    /// thread), comma-separated; without `@ATTEMPT`, on every attempt.
+    /// thread), or kill the whole worker process (`abort:SEQ[@ATTEMPT]`,
+    /// SIGABRT as the item reaches the model: an item that crashes its
+    /// worker), comma-separated; without `@ATTEMPT`, on every attempt.
     #[arg(long, env = "BATCHFLEET_DEBUG_PANIC", value_delimiter = ',', value_parser = parse_panic_spec, hide = true)]
     pub debug_panic: Vec<(PanicSite, u32, u32)>,
     /// Testing aid: add this to the worker's clock (e.g. `60s`, `-60s`), to
@@ -143,14 +155,19 @@ pub enum PanicSite {
     Item,
     /// On the model runner thread.
     Runner,
+    /// The process aborts as the item reaches the model.
+    Abort,
 }
 
 fn parse_panic_spec(s: &str) -> Result<(PanicSite, u32, u32), String> {
-    let bad = || format!("{s:?}: expected item:SEQ[@ATTEMPT] or runner:SEQ[@ATTEMPT]");
+    let bad = || {
+        format!("{s:?}: expected item:SEQ[@ATTEMPT], runner:SEQ[@ATTEMPT] or abort:SEQ[@ATTEMPT]")
+    };
     let (site, rest) = s.split_once(':').ok_or_else(bad)?;
     let site = match site {
         "item" => PanicSite::Item,
         "runner" => PanicSite::Runner,
+        "abort" => PanicSite::Abort,
         _ => return Err(bad()),
     };
     let (seq, attempt) = rest.split_once('@').unwrap_or((rest, "0"));
@@ -159,6 +176,37 @@ fn parse_panic_spec(s: &str) -> Result<(PanicSite, u32, u32), String> {
         seq.parse().map_err(|_| bad())?,
         attempt.parse().map_err(|_| bad())?,
     ))
+}
+
+/// A size in bytes: a number, optionally followed by `K`, `M`, `G` or `T`
+/// (powers of 1024; `KiB`, `KB`, `kb` … read the same).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 8GiB, 512MiB or 1073741824"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_lowercase()
+        .trim_end_matches('b')
+        .trim_end_matches('i')
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?}; use K, M, G or T (powers of 1024)"
+            ))
+        }
+    };
+    n.checked_mul(1 << shift)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{s:?}: must be above 0 and below 16 EiB"))
 }
 
 fn parse_offset_ms(s: &str) -> Result<i64, String> {
@@ -193,6 +241,7 @@ impl WorkerConfig {
         crate::debug::DebugHooks {
             panic_in_item: pick(PanicSite::Item),
             panic_on_runner: pick(PanicSite::Runner),
+            abort_at_model: pick(PanicSite::Abort),
             disk_full_while: self.debug_disk_full_while.clone(),
         }
     }
@@ -233,6 +282,20 @@ impl WorkerConfig {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn sizes_read_in_powers_of_1024() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("512mb"), Ok(512 << 20));
+        assert_eq!(parse_size("1073741824"), Ok(1 << 30));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("8 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
 
     #[test]
     fn every_flag_has_an_environment_variable() {

@@ -246,6 +246,14 @@ pub struct ItemContext {
     pub clock: Clock,
     /// Testing aids.
     pub debug: DebugHooks,
+    /// Items handled to the end; at `max_items` (above 0) the worker
+    /// recycles itself (`--max-items`).
+    served: std::sync::atomic::AtomicU64,
+    max_items: u64,
+    /// Items run under its read side; an item workers died holding before
+    /// (a suspect) under its write side, alone: should it kill this worker
+    /// too, no other item's crash count goes up with it.
+    pub alone: tokio::sync::RwLock<()>,
     runner: Mutex<RunnerSlot>,
     make_runner: MakeRunner,
     abandoned: AtomicUsize,
@@ -317,6 +325,8 @@ pub struct Parts {
     pub clock: Clock,
     /// Testing aids.
     pub debug: DebugHooks,
+    /// `--max-items` (0 = never recycle for items handled).
+    pub max_items: u64,
 }
 
 impl std::fmt::Debug for Parts {
@@ -358,6 +368,9 @@ impl ItemContext {
             pause,
             clock: parts.clock,
             debug: parts.debug,
+            served: std::sync::atomic::AtomicU64::new(0),
+            max_items: parts.max_items,
+            alone: tokio::sync::RwLock::new(()),
             runner: Mutex::new(RunnerSlot::new(runner)),
             make_runner: parts.make_runner,
             abandoned: AtomicUsize::new(0),
@@ -453,6 +466,7 @@ impl ItemContext {
             // sent with this worker's next commit of the job, or when an item
             // ends otherwise: never a Redis round trip under the gate.
             self.work.add_rows(&item.job_id, rows.len() as u64);
+            self.debug.abort_at_model(item.seq, attempt);
             let call = slot.runner.predict_rows(
                 &item.task.model,
                 batch.take().expect("batch is sent once"),
@@ -490,6 +504,21 @@ impl ItemContext {
         }
         if let Err(e) = self.store.count_work(job, work.deliveries, work.rows).await {
             tracing::debug!(error = %e, "could not count work");
+        }
+    }
+
+    /// Counts an item handled to the end; past `--max-items`, stops
+    /// consuming for a fresh process to take over (recycling).
+    pub fn served(&self) {
+        let n = self.served.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.max_items > 0 && n == self.max_items {
+            tracing::info!(
+                items = n,
+                "handled --max-items items; draining for a fresh process to take over"
+            );
+            self.stop_with(StopReason::Restart(format!(
+                "recycling after {n} items (--max-items)"
+            )));
         }
     }
 

@@ -1,6 +1,7 @@
 //! The worker's wall clock and its testing aids (flags hidden from
 //! `--help`, all off by default): faults a test cannot cause on demand for
-//! real — a panic on a chosen item, a full disk, a clock that is wrong.
+//! real — a panic on a chosen item, a worker killed by its item, a full
+//! disk, a clock that is wrong.
 
 use crate::error::{FailureClass, ItemError};
 
@@ -26,6 +27,9 @@ pub struct DebugHooks {
     pub panic_in_item: Vec<(u32, u32)>,
     /// Panic on the runner thread for these (seq, attempt — 0 for every attempt).
     pub panic_on_runner: Vec<(u32, u32)>,
+    /// Abort the process as these reach the model (seq, attempt — 0 for
+    /// every attempt): an item that kills its worker.
+    pub abort_at_model: Vec<(u32, u32)>,
     /// While this file exists, writing output fails as a full disk would.
     pub disk_full_while: Option<std::path::PathBuf>,
 }
@@ -44,6 +48,15 @@ impl DebugHooks {
     /// Whether the runner should panic for this item and attempt.
     pub fn panic_on_runner(&self, seq: u32, attempt: u32) -> bool {
         Self::hits(&self.panic_on_runner, seq, attempt)
+    }
+
+    /// Aborts the process (SIGABRT) if this item and attempt should kill
+    /// its worker.
+    pub fn abort_at_model(&self, seq: u32, attempt: u32) {
+        if Self::hits(&self.abort_at_model, seq, attempt) {
+            eprintln!("injected crash: aborting the worker at item {seq} (--debug-panic abort)");
+            std::process::abort();
+        }
     }
 
     /// A full disk when one is being played now (writing `dest` fails).

@@ -55,6 +55,10 @@ pub enum FailureClass {
     /// A forged or impossible message: dead-letter it as `rejected` without
     /// touching any item's state.
     Rejected,
+    /// `max_crashes` workers died holding the item (killed, out of memory,
+    /// a fault inside libtorch): it kills whoever runs it. Dead-lettered
+    /// when the next worker takes it, before it runs; the job goes on.
+    Crash,
 }
 
 impl FailureClass {
@@ -72,7 +76,8 @@ impl FailureClass {
             FailureClass::Transient
             | FailureClass::Timeout
             | FailureClass::Panic
-            | FailureClass::Poison => Owner::Item,
+            | FailureClass::Poison
+            | FailureClass::Crash => Owner::Item,
             FailureClass::Unrunnable => Owner::Job,
             FailureClass::Unable | FailureClass::DiskFull => Owner::Worker,
             FailureClass::Rejected => Owner::Message,
@@ -90,6 +95,7 @@ impl FailureClass {
             FailureClass::Unable => "unable",
             FailureClass::DiskFull => "disk_full",
             FailureClass::Rejected => "rejected",
+            FailureClass::Crash => "crash",
         }
     }
 }

@@ -167,9 +167,13 @@ pub async fn run_on(
                 offset_ms: cfg.debug_clock_offset,
             },
             debug: cfg.debug_hooks(),
+            max_items: cfg.max_items,
         })
         .context("starting the model runner thread")?,
     );
+    if let Some(limit) = cfg.max_rss {
+        tokio::spawn(watch_rss(ctx.clone(), limit));
+    }
     preload(&cfg, &ctx).await?;
     if let Some(ready) = &cfg.ready_file {
         std::fs::write(ready, b"ready\n")
@@ -239,6 +243,51 @@ fn runner_factory(cfg: &WorkerConfig) -> context::MakeRunner {
             delay,
         })
     })
+}
+
+/// Recycling by memory (`--max-rss`): once the process's resident set
+/// passes `limit`, the worker stops consuming, drains and exits
+/// [`EXIT_RESTART`] for a fresh process (memory a long run fragmented or a
+/// library leaked goes back with it).
+async fn watch_rss(ctx: Arc<ItemContext>, limit: u64) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = ctx.stop.cancelled() => return,
+            () = ctx.shutdown.cancelled() => return,
+        }
+        let Some(rss) = resident_bytes() else {
+            tracing::warn!("cannot read this process's resident memory (/proc/self/status); --max-rss is not enforced");
+            return;
+        };
+        if rss > limit {
+            let (mib, limit_mib) = (rss >> 20, limit >> 20);
+            tracing::warn!(
+                rss_mib = mib,
+                limit_mib,
+                "resident memory past --max-rss; draining for a fresh process to take over"
+            );
+            ctx.stop_with(StopReason::Restart(format!(
+                "recycling at {mib} MiB resident (--max-rss {limit_mib} MiB)"
+            )));
+            return;
+        }
+    }
+}
+
+/// This process's resident memory in bytes (`VmRSS` of `/proc/self/status`).
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib << 10)
 }
 
 /// Loads `--preload-model` before consuming; a model that does not load

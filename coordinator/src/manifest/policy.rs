@@ -114,10 +114,13 @@ pub(super) fn failure(f: &FailureSection, problems: &mut Problems) -> (FailurePo
     if max_attempts == 0 {
         problems.add("[failure] max_attempts", "must be at least 1".into());
     }
-    if let Some(pct) = f.max_failed_percent {
-        if !(0.0..=100.0).contains(&pct) {
+    for (field, pct) in [
+        ("[failure] max_failed_percent", f.max_failed_percent),
+        ("[failure] max_rejected_percent", f.max_rejected_percent),
+    ] {
+        if let Some(pct) = pct.filter(|p| !(0.0..=100.0).contains(p)) {
             problems.add(
-                "[failure] max_failed_percent",
+                field,
                 format!("{pct} is not a percentage between 0 and 100"),
             );
         }
@@ -142,6 +145,11 @@ pub(super) fn failure(f: &FailureSection, problems: &mut Problems) -> (FailurePo
     let budget = ErrorBudget {
         max_failed_items: f.max_failed_items,
         max_failed_percent: f.max_failed_percent,
+        max_rejected_rows: f.max_rejected_rows,
+        max_rejected_percent: f.max_rejected_percent,
+        max_crashes: f
+            .max_crashes
+            .unwrap_or(batchfleet_shared::store::DEFAULT_MAX_CRASHES),
     };
     (failure, budget)
 }

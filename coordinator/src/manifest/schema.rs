@@ -75,6 +75,15 @@ pub struct FailureSection {
     pub max_failed_items: Option<u64>,
     /// Job fails when more than this percent of items fail for good.
     pub max_failed_percent: Option<f64>,
+    /// Job fails when more rows than this are rejected (bad rows, rows the
+    /// model raised on).
+    pub max_rejected_rows: Option<u64>,
+    /// Job fails when more than this percent of its rows are rejected.
+    pub max_rejected_percent: Option<f64>,
+    /// Workers that may die holding one item (a crash: killed, out of
+    /// memory, a fault inside libtorch) before it is dead-lettered as
+    /// `crash`. Default 2; 0 never gives an item up for crashes.
+    pub max_crashes: Option<u32>,
 }
 
 /// `[job]`

@@ -149,12 +149,18 @@ pub struct OnComplete {
 }
 
 /// Error budget of a job (Azure's `error_threshold`): exceeded → job `failed`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct ErrorBudget {
     /// Most items that may fail.
     pub max_failed_items: Option<u64>,
     /// Most percent of items that may fail.
     pub max_failed_percent: Option<f64>,
+    /// Crashes of one item before it is dead-lettered as `crash` (0: never).
+    pub max_crashes: u32,
+    /// Most rows that may be rejected (bad rows, rows the model raised on).
+    pub max_rejected_rows: Option<u64>,
+    /// Most percent of the job's rows that may be rejected.
+    pub max_rejected_percent: Option<f64>,
 }
 
 impl ErrorBudget {
@@ -165,6 +171,32 @@ impl ErrorBudget {
             .max_failed_percent
             .is_some_and(|pct| total > 0 && (failed as f64) * 100.0 > pct * total as f64);
         by_count || by_share
+    }
+
+    /// Why the rows rejected so far break the budget, if they do: more than
+    /// `max_rejected_rows`, more than `max_rejected_percent` of the job's
+    /// rows, or — whatever the limits — every row of a settled job.
+    pub fn rejected_too_many(&self, p: &batchfleet_shared::store::Progress) -> Option<String> {
+        let rejected = p.rows_rejected;
+        if let Some(max) = self.max_rejected_rows.filter(|&max| rejected > max) {
+            return Some(format!(
+                "{rejected} rows rejected, more than [failure] max_rejected_rows = {max}"
+            ));
+        }
+        if let Some(pct) = self.max_rejected_percent.filter(|&pct| {
+            p.rows_total > 0 && (rejected as f64) * 100.0 > pct * p.rows_total as f64
+        }) {
+            return Some(format!(
+                "{rejected} of {} rows rejected, more than [failure] max_rejected_percent = {pct}",
+                p.rows_total
+            ));
+        }
+        (p.settled() && p.rows_done > 0 && rejected >= p.rows_done).then(|| {
+            format!(
+                "every row was rejected ({rejected} of {}): nothing was predicted — see rejects/ for why (a wrong [input] layout, a model that raises on every row)",
+                p.rows_done
+            )
+        })
     }
 }
 

@@ -49,6 +49,8 @@ struct JobState {
     redispatched: BTreeMap<u32, u64>,
     /// `P:job:{<id>}:copies`: seq → copies published.
     copies: BTreeMap<u32, u64>,
+    /// `P:job:{<id>}:crashes`: seq → workers that died holding the item.
+    crashes: BTreeMap<u32, u32>,
     /// `P:job:{<id>}:hist`: `(column, bin)` → rows (only counts above 0 are ever added).
     hist: BTreeMap<(usize, usize), u64>,
     /// `P:job:{<id>}:work` `deliveries`.
@@ -177,6 +179,7 @@ impl JobStore for LocalStore {
             items_total: v("items_total")?,
             rows_total: v("rows_total")?,
             items_failed: job.failed.len() as u64,
+            rows_rejected: v("rows_rejected")?,
             status: job
                 .fields
                 .get("status")
@@ -278,6 +281,7 @@ impl JobStore for LocalStore {
     async fn clear_failures(&self, job: &str) -> Result<(), StoreError> {
         if let Some(job) = self.lock().jobs.get_mut(job) {
             job.failed.clear();
+            job.crashes.clear();
         }
         Ok(())
     }
@@ -285,6 +289,7 @@ impl JobStore for LocalStore {
     async fn clear_failure(&self, job: &str, seq: u32) -> Result<(), StoreError> {
         if let Some(job) = self.lock().jobs.get_mut(job) {
             job.failed.remove(&seq);
+            job.crashes.remove(&seq);
         }
         Ok(())
     }
@@ -392,12 +397,42 @@ impl JobStore for LocalStore {
             };
         }
         let now = crate::host::now_ms();
+        let max = lua_number(job.fields.get("max_crashes")).map_or(2, |n| n as u32);
+        let own = lease.field();
+        let prefix = format!("{}@", lease.seq);
+        let (mut workers, mut wait) = (Vec::new(), 0);
+        let others: Vec<Lease> = job
+            .leases
+            .iter()
+            .filter(|(f, l)| f.starts_with(&prefix) && (**f != own || l.boot != lease.boot))
+            .map(|(_, l)| l.clone())
+            .collect();
+        for other in others {
+            if other.is_stale(now) {
+                job.leases.remove(&other.field());
+                *job.crashes.entry(lease.seq).or_default() += 1;
+                workers.push(other.worker);
+            } else if claim.returned {
+                let left = (other.heartbeat_ms + other.ttl_ms).saturating_sub(now);
+                wait = wait.max(left + 1);
+            }
+        }
+        let crashes = job.crashes.get(&lease.seq).copied().unwrap_or(0);
+        if max > 0 && crashes >= max {
+            return Ok(Start::Crashed { crashes, workers });
+        }
+        if wait > 0 {
+            return Ok(Start::Held { wait_ms: wait });
+        }
         let mut held = lease.clone();
         held.started_ms = now;
         held.heartbeat_ms = now;
-        job.leases.insert(lease.field(), held);
+        job.leases.insert(own, held);
         job.deliveries = job.deliveries.saturating_add(1);
-        Ok(Start::Started { at_ms: now })
+        Ok(Start::Started {
+            at_ms: now,
+            crashes,
+        })
     }
 
     /// [`lease_script`](super::redis::lease_script).
@@ -507,6 +542,36 @@ impl JobStore for LocalStore {
             }
         }
         Ok(())
+    }
+
+    async fn crashes(&self, job: &str) -> Result<BTreeMap<u32, u32>, StoreError> {
+        Ok(self
+            .lock()
+            .jobs
+            .get(job)
+            .map(|j| j.crashes.clone())
+            .unwrap_or_default())
+    }
+
+    /// [`CRASH_SCRIPT`](super::redis::CRASH_SCRIPT).
+    async fn count_crashes(
+        &self,
+        job: &str,
+        fields: &[String],
+    ) -> Result<BTreeMap<u32, u32>, StoreError> {
+        let mut state = self.lock();
+        let job = state.entry(job);
+        let mut counts = BTreeMap::new();
+        for f in fields {
+            let Some(seq) = f.split_once('@').and_then(|(s, _)| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            if job.leases.remove(f).is_some() {
+                *job.crashes.entry(seq).or_default() += 1;
+            }
+            counts.insert(seq, job.crashes.get(&seq).copied().unwrap_or(0));
+        }
+        Ok(counts)
     }
 
     async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError> {
@@ -811,6 +876,7 @@ mod tests {
             rows: 100,
             rows_resumed: 0,
             acked: false,
+            boot: String::new(),
         }
     }
 
@@ -820,6 +886,7 @@ mod tests {
             model: "/m.pt",
             model_sha256: "ab",
             output_dir: "/o",
+            returned: false,
         }
     }
 

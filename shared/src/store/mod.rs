@@ -26,6 +26,7 @@
 //! | `P:job:{<id>}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
 //! | `P:job:{<id>}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
 //! | `P:job:{<id>}:copies` | hash | seq → how many copies the coordinator published (bounded: see the supervisor) |
+//! | `P:job:{<id>}:crashes` | hash | seq → how many workers died holding the item (leased); at the job's `max_crashes` it is dead-lettered as `crash` |
 //! | `P:job:{<id>}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
 //! | `P:job:{<id>}:inputs` | hash | input path → JSON fingerprint (size, version) when the job was planned |
 //! | `P:job:{<id>}:tasks` | hash | hex SHA-256 → the job's task, encoded ([`crate::message::StoredTask`]); version 3 messages name it by digest |
@@ -56,7 +57,7 @@ mod record;
 pub mod redis;
 
 pub use error::StoreError;
-pub use record::{JobRecord, JobStatus, RecordUpdate};
+pub use record::{JobRecord, JobStatus, RecordUpdate, DEFAULT_MAX_CRASHES};
 
 /// One item's commit, in a group ([`JobStore::commit_group`]).
 #[derive(Debug, Clone, Copy)]
@@ -212,6 +213,19 @@ pub struct Lease {
     /// item by this lease alone (long items, see the worker's `--ack-after`).
     #[serde(default)]
     pub acked: bool,
+    /// Which process of the worker wrote it ([`boot_id`]): a worker restarted
+    /// under the same id finds the lease its dead predecessor left, and
+    /// counts it as a crash like any other.
+    #[serde(default)]
+    pub boot: String,
+}
+
+/// This process's boot id for its leases: when it started (ms, hex) and its
+/// pid. A string, as Lua's JSON would round a number this long.
+pub fn boot_id() -> String {
+    static BOOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BOOT.get_or_init(|| format!("{:x}-{}", crate::now_ms(), std::process::id()))
+        .clone()
 }
 
 impl Lease {
@@ -242,6 +256,12 @@ pub struct Claim<'a> {
     pub model_sha256: &'a str,
     /// The output folder it names.
     pub output_dir: &'a str,
+    /// The broker returned this delivery (AMQP's `redelivered`): whoever
+    /// held it before may have died on it. Another worker's live lease on
+    /// the item then makes the start wait ([`Start::Held`]) until that lease
+    /// is settled or stale, so that a crash is counted before the item runs
+    /// again.
+    pub returned: bool,
 }
 
 /// What a worker checks a work message against: the job record's fields
@@ -318,6 +338,24 @@ pub enum Start {
     Started {
         /// Redis's clock when the lease was written.
         at_ms: u64,
+        /// Crashes of the item counted so far: workers that died holding
+        /// it. Above 0 the item is a suspect, run alone on its worker.
+        crashes: u32,
+    },
+    /// The broker returned the delivery while another worker's lease on the
+    /// item is still live: wait `wait_ms` (until that lease is stale, if its
+    /// worker died) and start again, not returned.
+    Held {
+        /// How long until the live lease goes stale, if it is not renewed.
+        wait_ms: u64,
+    },
+    /// The item's crashes reached the job's `max_crashes`: dead-letter it,
+    /// class `crash`. Nothing was written but the count.
+    Crashed {
+        /// Crashes counted.
+        crashes: u32,
+        /// The workers that died holding it (the stale leases just counted).
+        workers: Vec<String>,
     },
     /// The item is committed already: acknowledge without work.
     Done,
@@ -378,6 +416,8 @@ pub struct Progress {
     pub rows_total: u64,
     /// Items that failed for good.
     pub items_failed: u64,
+    /// Rows committed as rejected (bad rows, rows the model raised on).
+    pub rows_rejected: u64,
     /// The job's status (`None` while the record is missing).
     pub status: Option<JobStatus>,
 }
@@ -484,7 +524,11 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// Starts holding an item (see [`start_script`]): checks the message's
     /// `claim` against the job record and, only if the job runs and the item
     /// is neither done nor failed, writes the lease (started and heartbeat
-    /// at Redis's time) and counts the delivery.
+    /// at Redis's time) and counts the delivery. Other workers' stale leases
+    /// on the item are crashes: each is dropped and counted, and once the
+    /// count reaches the job's `max_crashes` the answer is
+    /// [`Start::Crashed`]. A returned delivery waits for another worker's
+    /// live lease ([`Start::Held`]).
     async fn start_item(
         &self,
         job: &str,
@@ -544,6 +588,20 @@ pub trait JobStore: Send + Sync + fmt::Debug {
 
     /// Drops leases by their `<seq>@<worker>` field.
     async fn drop_leases(&self, job: &str, fields: &[String]) -> Result<(), StoreError>;
+
+    /// The items that have crashes counted, with their counts (a small
+    /// hash: only items workers died holding).
+    async fn crashes(&self, job: &str) -> Result<BTreeMap<u32, u32>, StoreError>;
+
+    /// Drops stale leases (`<seq>@<worker>` fields) of items that are not
+    /// settled, counting a crash of the item for each lease this call
+    /// dropped (a worker died holding it; a lease another caller dropped
+    /// first is not counted twice). Returns each named item's crash count.
+    async fn count_crashes(
+        &self,
+        job: &str,
+        fields: &[String],
+    ) -> Result<BTreeMap<u32, u32>, StoreError>;
 
     /// Every lease of a job, in seq order.
     async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError>;
@@ -709,6 +767,7 @@ mod tests {
             rows: 10,
             rows_resumed: 0,
             acked: false,
+            boot: String::new(),
         };
         assert!(!lease.is_stale(7_000));
         assert!(lease.is_stale(7_001));

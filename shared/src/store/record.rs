@@ -139,7 +139,20 @@ pub struct JobRecord {
     /// seqs (`P:job:{<id>}:done`: jobs created before it, or with
     /// `--whole-messages` for workers before it). Fixed for a job's life.
     pub done_bits: bool,
+    /// `[failure] max_crashes`: crashes of one item (its worker died
+    /// holding it, leased) after which it is dead-lettered as `crash`; 0
+    /// never gives an item up for crashes. A record from before the field
+    /// reads [`DEFAULT_MAX_CRASHES`].
+    pub max_crashes: u32,
+    /// `[failure] max_rejected_rows`: most rows that may be rejected.
+    pub max_rejected_rows: Option<u64>,
+    /// `[failure] max_rejected_percent`: most percent of rows that may be rejected.
+    pub max_rejected_percent: Option<f64>,
 }
+
+/// Crashes of one item after which it is dead-lettered (class `crash`)
+/// unless `[failure] max_crashes` says otherwise.
+pub const DEFAULT_MAX_CRASHES: u32 = 2;
 
 impl JobRecord {
     /// A plain record of job `id` — three items of 100 rows, planning,
@@ -176,6 +189,9 @@ impl JobRecord {
             resolved_manifest: String::new(),
             priority: String::new(),
             done_bits: true,
+            max_crashes: DEFAULT_MAX_CRASHES,
+            max_rejected_rows: None,
+            max_rejected_percent: None,
         }
     }
 
@@ -224,6 +240,19 @@ impl JobRecord {
             ("resolved_manifest", self.resolved_manifest.clone()),
             ("priority", self.priority.clone()),
             ("done_bits", u8::from(self.done_bits).to_string()),
+            ("max_crashes", self.max_crashes.to_string()),
+            (
+                "max_rejected_rows",
+                self.max_rejected_rows
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            ),
+            (
+                "max_rejected_percent",
+                self.max_rejected_percent
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            ),
         ]
     }
 
@@ -297,6 +326,13 @@ impl JobRecord {
             resolved_manifest: map.get("resolved_manifest").cloned().unwrap_or_default(),
             priority: map.get("priority").cloned().unwrap_or_default(),
             done_bits: num("done_bits")? == 1,
+            max_crashes: match opt_u("max_crashes")? {
+                None => DEFAULT_MAX_CRASHES,
+                Some(n) => u32::try_from(n)
+                    .map_err(|_| corrupt(format!("field max_crashes is too large: {n}")))?,
+            },
+            max_rejected_rows: opt_u("max_rejected_rows")?,
+            max_rejected_percent: opt_f("max_rejected_percent")?,
         })
     }
 }
@@ -311,6 +347,8 @@ pub enum RecordUpdate {
     Rerun {
         /// `[output] merge`.
         merge: bool,
+        /// `[failure] max_crashes`.
+        max_crashes: u32,
     },
     /// The job's share of its pool's workers (`[job] priority`).
     Priority(String),
@@ -347,9 +385,10 @@ impl RecordUpdate {
             ]
         };
         match self {
-            RecordUpdate::Rerun { merge } => {
+            RecordUpdate::Rerun { merge, max_crashes } => {
                 let mut f = cleared(JobStatus::Planning);
                 f.push(("merge", u8::from(*merge).to_string()));
+                f.push(("max_crashes", max_crashes.to_string()));
                 f
             }
             RecordUpdate::Priority(p) => vec![("priority", p.clone())],
@@ -389,6 +428,9 @@ mod tests {
             published_ms: 6,
             items_published: 2,
             merge: true,
+            max_crashes: 5,
+            max_rejected_rows: Some(7),
+            max_rejected_percent: Some(2.5),
             ..JobRecord::sample("j-1")
         }
     }
@@ -427,7 +469,10 @@ mod tests {
             u.fields().into_iter().map(|(k, _)| k).collect()
         };
         for u in [
-            RecordUpdate::Rerun { merge: true },
+            RecordUpdate::Rerun {
+                merge: true,
+                max_crashes: 2,
+            },
             RecordUpdate::Priority("high".into()),
             RecordUpdate::Published(3),
             RecordUpdate::Replayed {
@@ -446,10 +491,13 @@ mod tests {
                 "{u:?} writes a done counter: {written:?}"
             );
         }
-        let rerun: BTreeMap<_, _> = RecordUpdate::Rerun { merge: false }
-            .fields()
-            .into_iter()
-            .collect();
+        let rerun: BTreeMap<_, _> = RecordUpdate::Rerun {
+            merge: false,
+            max_crashes: 1,
+        }
+        .fields()
+        .into_iter()
+        .collect();
         assert_eq!(rerun["status"], "planning");
         assert_eq!(
             (rerun["merge"].as_str(), rerun["finished_ms"].as_str()),

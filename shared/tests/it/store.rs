@@ -42,6 +42,7 @@ on_both_stores! {
     a_group_commits_each_item_once_and_adds_only_the_winners: "bftest-group",
     a_sample_of_item_stats_holds_distinct_committed_items: "bftest-sample",
     a_job_s_facts_and_a_lease_written_at_the_first_heartbeat: "bftest-facts",
+    workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up: "bftest-crash",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -173,6 +174,8 @@ fn lease(seq: u32, worker: &str) -> batchfleet_shared::store::Lease {
         rows: 100,
         rows_resumed: 0,
         acked: false,
+        // As a worker writes it: a lease goes through the scripts' JSON whole.
+        boot: batchfleet_shared::store::boot_id(),
     }
 }
 
@@ -183,6 +186,7 @@ fn claim() -> Claim<'static> {
         model: "/m.pt",
         model_sha256: "ab",
         output_dir: "/o",
+        returned: false,
     }
 }
 
@@ -191,7 +195,7 @@ async fn starting_an_item_checks_the_claim_leases_on_the_store_clock_and_a_commi
 ) {
     store.put_job(&record("j")).await.expect("put");
     let before = store.now_ms().await.expect("time");
-    let Start::Started { at_ms } = store
+    let Start::Started { at_ms, crashes: 0 } = store
         .start_item("j", &lease(0, "w"), &claim())
         .await
         .expect("start")
@@ -513,7 +517,13 @@ async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Stor
         .expect("claim"));
     // Run again, it is claimed once more.
     store
-        .update_job("f", &RecordUpdate::Rerun { merge: false })
+        .update_job(
+            "f",
+            &RecordUpdate::Rerun {
+                merge: false,
+                max_crashes: 2,
+            },
+        )
         .await
         .expect("again");
     assert!(store.claim_reduce("f", "c", stale).await.expect("claim"));
@@ -973,4 +983,133 @@ async fn a_done_set_is_a_bitmap_and_an_older_job_keeps_its_set() {
         assert!(!store.fail_item(id, &failure).await.expect("fail"), "{id}");
         store.delete_job(id).await.expect("cleanup");
     }
+}
+
+/// Waits until the store's clock is past `ms` (a lease's staleness is a
+/// time on that clock, not an event to await).
+async fn store_clock_past(store: &Store, ms: u64) {
+    while store.now_ms().await.expect("time") <= ms {
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up(store: Store) {
+    store.put_job(&record("c")).await.expect("put");
+    let returned = Claim {
+        returned: true,
+        ..claim()
+    };
+    let start = |seq: u32, worker: &'static str, ttl_ms: u64, c: Claim<'static>| {
+        let store = store.clone();
+        async move {
+            let l = batchfleet_shared::store::Lease {
+                ttl_ms,
+                ..lease(seq, worker)
+            };
+            store.start_item("c", &l, &c).await.expect("start")
+        }
+    };
+    // w1 holds item 0 with a live lease: a returned delivery waits for it
+    // (w1 may have died a moment ago), a copy that was not returned does not.
+    assert!(matches!(
+        start(0, "w1", 60_000, claim()).await,
+        Start::Started { crashes: 0, .. }
+    ));
+    match start(0, "w2", 60_000, returned).await {
+        Start::Held { wait_ms } => assert!((1..=60_001).contains(&wait_ms), "{wait_ms}"),
+        other => panic!("a returned delivery beside a live lease: {other:?}"),
+    }
+    store.release("c", &lease(0, "w1")).await.expect("release");
+    // w2 starts it; its lease lives 0 ms, so once the clock moves on w2
+    // "died" holding it: the next start counts that crash, once.
+    let Start::Started { at_ms, crashes: 0 } = start(0, "w2", 0, returned).await else {
+        panic!("not started")
+    };
+    store_clock_past(&store, at_ms + 1).await;
+    let Start::Started { at_ms, crashes: 1 } = start(0, "w3", 0, returned).await else {
+        panic!("w2's stale lease is one crash")
+    };
+    store_clock_past(&store, at_ms + 1).await;
+    // The second crash reaches max_crashes (2): given up, naming w3.
+    match start(0, "w4", 60_000, returned).await {
+        Start::Crashed {
+            crashes: 2,
+            workers,
+        } => assert_eq!(workers, ["w3"]),
+        other => panic!("two crashes: {other:?}"),
+    }
+    assert!(store.leases("c").await.expect("leases").is_empty());
+    // The supervisor's count: a stale lease dropped twice counts once.
+    let Start::Started { at_ms, .. } = start(1, "w1", 0, claim()).await else {
+        panic!("not started")
+    };
+    store_clock_past(&store, at_ms + 1).await;
+    let field = vec!["1@w1".to_owned()];
+    let first = store.count_crashes("c", &field).await.expect("count");
+    let again = store.count_crashes("c", &field).await.expect("count");
+    assert_eq!((first[&1], again[&1]), (1, 1));
+    // A replay forgets the item's failure and its crashes.
+    store.clear_failure("c", 0).await.expect("clear");
+    assert!(matches!(
+        start(0, "w5", 60_000, returned).await,
+        Start::Started { crashes: 0, .. }
+    ));
+    // max_crashes 0: crashes are counted, the item is never given up.
+    store
+        .put_job(&JobRecord {
+            max_crashes: 0,
+            ..record("c0")
+        })
+        .await
+        .expect("put");
+    for w in ["a", "b", "c"] {
+        let l = batchfleet_shared::store::Lease {
+            ttl_ms: 0,
+            ..lease(0, w)
+        };
+        let Start::Started { at_ms, .. } =
+            store.start_item("c0", &l, &returned).await.expect("start")
+        else {
+            panic!("max_crashes 0 gives nothing up")
+        };
+        store_clock_past(&store, at_ms + 1).await;
+    }
+    // The same worker id: its own process's lease is no crash, one that a
+    // restarted process of that id finds (another boot) is.
+    let boot = |boot: &str| batchfleet_shared::store::Lease {
+        ttl_ms: 0,
+        boot: boot.to_owned(),
+        ..lease(0, "c")
+    };
+    let started = store
+        .start_item("c0", &boot("1"), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(started, Start::Started { crashes: 3, .. }),
+        "{started:?}"
+    );
+    let Start::Started { at_ms, .. } = started else {
+        unreachable!()
+    };
+    store_clock_past(&store, at_ms + 1).await;
+    let started = store
+        .start_item("c0", &boot("1"), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(started, Start::Started { crashes: 3, .. }),
+        "its own lease: {started:?}"
+    );
+    store_clock_past(&store, at_ms + 2).await;
+    let started = store
+        .start_item("c0", &boot("2"), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(started, Start::Started { crashes: 4, .. }),
+        "a restarted process's: {started:?}"
+    );
+    store.delete_job("c").await.expect("cleanup");
+    store.delete_job("c0").await.expect("cleanup");
 }

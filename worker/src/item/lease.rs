@@ -141,6 +141,7 @@ pub fn lease_for(item: &WorkItem, attempt: u32, ctx: &ItemContext, at_ms: u64) -
         rows: item.input.rows(),
         rows_resumed: 0,
         acked: false,
+        boot: batchfleet_shared::store::boot_id(),
     }
 }
 

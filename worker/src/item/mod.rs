@@ -49,7 +49,7 @@ pub(crate) mod task;
 pub(crate) use settle::Handled;
 
 use crate::context::ItemContext;
-use crate::error::{blocking, ItemError};
+use crate::error::{blocking, FailureClass, ItemError};
 use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::{NameSync, Publish};
@@ -181,9 +181,20 @@ async fn one(
                 .await
                 .0;
         }
-        let guard = match start(&held, &item, attempt, &ctx).await {
-            Ok(g) => g,
+        let (guard, crashes) = match start(&held, &item, attempt, &ctx).await {
+            Ok(started) => started,
             Err(settled) => return settled,
+        };
+        // A suspect runs alone: should it kill this worker too, its crash
+        // is the only one counted.
+        let turn = if crashes > 0 {
+            tracing::warn!(
+                crashes,
+                "workers died holding this item before; running it alone"
+            );
+            Turn::Alone(ctx.alone.write().await)
+        } else {
+            Turn::Shared(ctx.alone.read().await)
         };
         // A panic anywhere in the item's handling settles the item like a
         // failure of its own; the worker goes on with the others.
@@ -211,6 +222,7 @@ async fn one(
             }
             Err(e) => settle_error(&held, &item, attempt, e, &ctx).await,
         };
+        drop(turn);
         if outcome == Handled::Committed {
             ctx.pause.reset();
         } else {
@@ -223,11 +235,29 @@ async fn one(
         guard.finish(!keep_lease && !committed).await;
         outcome
     };
-    work.instrument(span).await
+    let outcome = work.instrument(span).await;
+    if !matches!(outcome, Handled::Released | Handled::HandedBack) {
+        ctx.served();
+    }
+    outcome
+}
+
+/// An item's turn to run: beside others, or alone (a suspect).
+enum Turn<'a> {
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
+    Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
 }
 
 /// Checks the message against the job record and starts the lease: the
-/// lease to go on with, or how the delivery was settled here instead.
+/// lease to go on with and the item's crashes so far, or how the delivery
+/// was settled here instead.
+///
+/// A broker redelivery while another worker's lease on the item is live
+/// waits until that lease is settled or stale ([`Start::Held`], at most
+/// four lease ttls): if that
+/// worker died on the item, its crash is counted before the item runs
+/// again, and once `max_crashes` workers died holding it the item is
+/// dead-lettered, class `crash` ([`Start::Crashed`]), without running.
 ///
 /// A first delivery (no earlier attempt, never returned by the broker, not
 /// a coordinator's copy) of an item of a job whose facts, read moments ago,
@@ -244,12 +274,13 @@ async fn start(
     item: &WorkItem,
     attempt: u32,
     ctx: &Arc<ItemContext>,
-) -> Result<LeaseGuard, Handled> {
-    let claim = Claim {
+) -> Result<(LeaseGuard, u32), Handled> {
+    let mut claim = Claim {
         pool: &ctx.queues.pool,
         model: &item.task.model.path,
         model_sha256: &item.task.model.sha256,
         output_dir: &item.task.output.dir,
+        returned: held.delivery.is_redelivery(),
     };
     let first =
         attempt == 1 && !held.delivery.is_redelivery() && held.headers().int(COPY_HEADER).is_none();
@@ -258,26 +289,63 @@ async fn start(
             if facts.admit(item.seq, &claim) {
                 metrics::counter!(names::WORKER_ITEM_STARTS, "how" => "quick").increment(1);
                 ctx.work.add_delivery(&item.job_id);
-                return Ok(LeaseGuard::lazy(item, attempt, held.clone(), ctx.clone()));
+                return Ok((
+                    LeaseGuard::lazy(item, attempt, held.clone(), ctx.clone()),
+                    0,
+                ));
             }
         }
     }
     metrics::counter!(names::WORKER_ITEM_STARTS, "how" => "checked").increment(1);
     let lease = lease_for(item, attempt, ctx, 0);
-    let started = ctx
+    let mut started = ctx
         .patient("start", || {
             ctx.store.start_item(&item.job_id, &lease, &claim)
         })
         .await;
+    // Looking again every heartbeat: a dead holder's lease goes stale within
+    // one lease ttl (and a copy started meanwhile, another's within the
+    // next). A live holder settles the item (the start then finds it done)
+    // or, past four lease ttls, the item runs here as well (the first
+    // commit wins).
+    let patience = Instant::now() + (ctx.tuning.lease_ttl + ctx.tuning.heartbeat) * 4;
+    while let Ok(Start::Held { wait_ms }) = started {
+        let left = patience.saturating_duration_since(Instant::now());
+        let wait = Duration::from_millis(wait_ms)
+            .min(ctx.tuning.heartbeat)
+            .min(left);
+        tracing::debug!(wait_ms = wait.as_millis() as u64, "returned by the broker while another worker's lease on it is live; waiting for that lease to settle or go stale");
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = ctx.shutdown.cancelled() => {
+                held.requeue("shutdown while waiting on another worker's lease").await;
+                return Err(Handled::Released);
+            }
+        }
+        claim.returned = Instant::now() < patience;
+        started = ctx
+            .patient("start", || {
+                ctx.store.start_item(&item.job_id, &lease, &claim)
+            })
+            .await;
+    }
     let settled = Err;
     match started {
-        Ok(Start::Started { at_ms }) => Ok(LeaseGuard::new(
-            item,
-            attempt,
-            at_ms,
-            held.clone(),
-            ctx.clone(),
+        Ok(Start::Started { at_ms, crashes }) => Ok((
+            LeaseGuard::new(item, attempt, at_ms, held.clone(), ctx.clone()),
+            crashes,
         )),
+        Ok(Start::Held { .. }) => unreachable!("a start that was not returned never waits"),
+        Ok(Start::Crashed { crashes, workers }) => {
+            let e = ItemError::new(
+                FailureClass::Crash,
+                format!(
+                    "{crashes} workers died holding the item ([failure] max_crashes; the last: {}): it kills the process that runs it — out of memory, a fault in the model or its libraries; dead-lettered so the job goes on",
+                    if workers.is_empty() { "counted by the coordinator".to_owned() } else { workers.join(", ") }
+                ),
+            );
+            settled(settle_error(held, item, attempt, e, ctx).await.0)
+        }
         Ok(Start::Done) => {
             tracing::info!("already committed; acknowledging without recompute");
             held.ack().await;

@@ -580,3 +580,109 @@ async fn an_item_held_by_lease_alone_is_published_again_when_its_worker_dies() {
     stop_all(&mut fast);
     env.cleanup(&[&job]).await;
 }
+
+/// Issue: an item that kills every worker running it (a fault inside
+/// libtorch, the kernel's out-of-memory killer) crash-looped a fleet whose
+/// workers are restarted when they die. Here two workers, restarted under
+/// their own ids whenever they die (as systemd or Kubernetes would), get a
+/// job whose item 5 aborts the process that runs it. Its crashes are
+/// counted in Redis; at `[failure] max_crashes` (2) the next worker
+/// dead-letters it, class `crash`, without running it, and the job ends
+/// with every other row exactly once. The first death, on a first delivery
+/// started without a Redis write, is the one no lease records: three in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_that_kills_its_workers_is_dead_lettered_as_crash_and_the_job_goes_on() {
+    use std::os::unix::process::ExitStatusExt;
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("crash");
+    let manifest = job(&env, "crash", 12, 100, 1);
+    let job = job_id(&manifest);
+    let flags = [
+        "--debug-panic",
+        "abort:5",
+        "--heartbeat",
+        "200ms",
+        "--lease-ttl",
+        "1s",
+        "--prefetch",
+        "1",
+    ];
+    let ids = ["crash-a", "crash-b"];
+    let mut workers: Vec<_> = ids.iter().map(|id| env.spawn_worker(id, &flags)).collect();
+    env.wait_for_consumers(2, &mut workers).await;
+    let run = start_job(&env, &manifest);
+    let mut dead_logs = Vec::new();
+    // A child's exit has no event to await from std: look every 50 ms.
+    while !run.is_finished() {
+        for (w, id) in workers.iter_mut().zip(ids) {
+            if let Some(status) = w.child.try_wait().expect("wait worker") {
+                dead_logs.push(w.log_text());
+                assert_eq!(
+                    status.signal(),
+                    Some(6), // SIGABRT
+                    "only item 5 kills a worker ({status}):\n{}",
+                    w.log_text()
+                );
+                assert!(
+                    dead_logs.len() <= 3,
+                    "item 5 killed a fourth worker:\n{}",
+                    dead_logs.join("\n----\n")
+                );
+                *w = env.spawn_worker(id, &flags);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let outcome = run.await.expect("job task").expect("job ran");
+    let RunOutcome::Completed { report, .. } = outcome else {
+        panic!("expected a settled job, got {outcome:?}");
+    };
+    assert_eq!(
+        dead_logs.len(),
+        3,
+        "one uncounted death, then max_crashes counted ones"
+    );
+    assert_eq!(report.status, "completed_with_failures", "{report:?}");
+    assert_eq!((report.items_completed, report.items_failed), (11, 1));
+    let store = env.connections().store().await.expect("redis");
+    let failures = store.failures(&job).await.expect("failures");
+    assert_eq!(failures.len(), 1);
+    assert_eq!((failures[0].seq, failures[0].class.as_str()), (5, "crash"));
+    assert!(
+        failures[0]
+            .reason
+            .contains("2 workers died holding the item"),
+        "{failures:?}"
+    );
+    // Dead-lettered, so `dlq list` shows it and `dlq replay` can run it again.
+    let broker = env.broker().await;
+    let filter = batchfleet_coordinator::dlq::Filter {
+        job: Some(job.clone()),
+        ..Default::default()
+    };
+    let dead = batchfleet_coordinator::dlq::list(&*broker, &env.pool, &filter)
+        .await
+        .expect("dlq list");
+    assert_eq!(
+        dead.iter()
+            .map(|d| (d.item, d.class.as_str()))
+            .collect::<Vec<_>>(),
+        [(Some(5), "crash")]
+    );
+    broker.close("bye").await;
+    // Every other row once, and right.
+    let v = verify(
+        &env.path().join("out"),
+        &env.path().join("golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert_eq!(v.missing.len(), 100, "item 5's rows only");
+    assert!(
+        v.duplicated.is_empty() && v.unexpected.is_empty() && v.mismatched.is_empty(),
+        "{}",
+        v.describe()
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&job]).await;
+}

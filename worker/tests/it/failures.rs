@@ -247,6 +247,69 @@ crate::on_both_backends! {
     poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix,
     transient_failures_are_retried_later_until_the_item_succeeds,
     a_hung_item_times_out_is_dead_lettered_and_the_rest_completes,
+    rejected_rows_have_a_budget_and_a_job_of_only_rejects_fails,
+}
+
+/// Issue: rejected rows counted against no budget, so a job whose every row
+/// was rejected ended `completed`, with `_SUCCESS`. Now three rejected rows
+/// break `max_rejected_rows = 2`, and a job whose 2,000 rows are all bad
+/// fails (class `budget`) with no limit set.
+async fn rejected_rows_have_a_budget_and_a_job_of_only_rejects_fails(backend: Backend) {
+    let env = TestEnv::new("rejbudget");
+    let manifest = job(
+        &env,
+        500,
+        &[3, 777, 1501],
+        &[],
+        "poison.pt",
+        "max_rejected_rows = 2",
+    );
+    let mut workers = env.workers(backend, &[&[], &[]]).await;
+    let (first, report) = env.run_on(&workers, &manifest).await;
+    assert_eq!(report.status, "failed", "{report:?}");
+    assert_eq!(report.failed_class.as_deref(), Some("budget"));
+    assert!(
+        report
+            .failed_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("max_rejected_rows = 2")),
+        "{report:?}"
+    );
+    assert!(!env.path().join("out").join("_SUCCESS").exists());
+    // Every row bad: a feature that is not a number in each.
+    let env2 = TestEnv::new("rejall");
+    let manifest = job(&env2, 500, &[], &[], "model.pt", "on_bad_row = \"reject\"");
+    for file in std::fs::read_dir(env2.path().join("data"))
+        .expect("data")
+        .flatten()
+    {
+        let text = std::fs::read_to_string(file.path()).expect("csv");
+        let mut lines = text.lines();
+        let mut bad = vec![lines.next().expect("header").to_owned()];
+        bad.extend(lines.map(|l| {
+            let (id, rest) = l.split_once(',').expect("id,features");
+            let (_, others) = rest.split_once(',').expect("two features or more");
+            format!("{id},not-a-number,{others}")
+        }));
+        std::fs::write(file.path(), bad.join("\n") + "\n").expect("rewrite");
+    }
+    workers.stop();
+    let mut workers = env2.workers(backend, &[&[], &[]]).await;
+    let (second, report) = env2.run_on(&workers, &manifest).await;
+    assert_eq!(report.status, "failed", "{report:?}");
+    assert_eq!(report.failed_class.as_deref(), Some("budget"));
+    assert!(
+        report
+            .failed_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("every row was rejected")),
+        "{report:?}"
+    );
+    assert_eq!((report.rows_predicted, report.rows_rejected), (0, 2_000));
+    assert!(!env2.path().join("out").join("_SUCCESS").exists());
+    workers.stop();
+    env.cleanup(&[&first]).await;
+    env2.cleanup(&[&second]).await;
 }
 
 async fn rows_the_model_raises_on_are_isolated_and_rejected_alone(backend: Backend) {

@@ -95,3 +95,69 @@ async fn a_worker_keeps_its_most_recently_used_models_and_drops_the_others() {
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     env.cleanup(&ids).await;
 }
+
+/// Recycling, as Celery's `max_tasks_per_child`: a worker with
+/// `--max-items 4` (and one item at a time) stops taking items once it has
+/// handled four, and exits 75 for its supervisor to start
+/// a fresh process; a worker with a `--max-rss` below what it holds exits
+/// the same way before it takes anything. The job completes on the workers
+/// that replace them, every row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_recycles_itself_after_max_items_or_past_max_rss() {
+    let env = TestEnv::new("recycle");
+    let gen = JobGen {
+        rows: 2_000,
+        files: 1,
+        features: 4,
+        hidden: 8,
+        name: batchfleet_testkit::services::unique("recycle"),
+        pool: env.pool.clone(),
+        item_rows: 100,
+        batch_size: 100,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let manifest = env.path().join("job.toml");
+    // A resident set below any worker's: it drains at its first look.
+    let mut bloated = env.spawn_worker("bloated", &["--max-rss", "1MiB"]);
+    let status = bloated.terminate_when_exited(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(75), "{}", bloated.log_text());
+    assert!(
+        bloated.log_text().contains("--max-rss"),
+        "{}",
+        bloated.log_text()
+    );
+    let mut first = vec![env.spawn_worker(
+        "first",
+        &["--max-items", "4", "--prefetch", "1", "--prefetch-max", "1"],
+    )];
+    env.wait_for_consumers(1, &mut first).await;
+    let run = {
+        let (cfg, manifest) = (env.run_config(), manifest.clone());
+        tokio::spawn(async move {
+            crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(120)).await
+        })
+    };
+    let status = first[0].terminate_when_exited(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(75), "{}", first[0].log_text());
+    let log = first[0].log_text();
+    assert_eq!(
+        log.matches("item committed rows=").count(),
+        4,
+        "four items, then no more:\n{log}"
+    );
+    assert!(log.contains("recycling after 4 items"), "{log}");
+    // Its successor finishes the job.
+    let mut next = vec![env.spawn_worker("next", &[])];
+    let (id, report) = run.await.expect("job task");
+    assert_eq!(report.status, "completed", "{report:?}");
+    let v = verify(
+        &env.path().join("out"),
+        &env.path().join("golden.csv"),
+        1e-5,
+    )
+    .expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    stop_all(&mut next);
+    env.cleanup(&[&id]).await;
+}

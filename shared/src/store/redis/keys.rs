@@ -27,7 +27,7 @@ pub fn job_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, bool)> {
 }
 
 /// Every key one job has, its record's first.
-pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 14] {
+pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 15] {
     [
         "",
         ":done",
@@ -39,6 +39,7 @@ pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 14] {
         ":work",
         ":hist",
         ":copies",
+        ":crashes",
         ":unable",
         ":inputs",
         ":tasks",
@@ -96,6 +97,9 @@ impl Keys {
     pub(super) fn copies_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":copies")
     }
+    pub(super) fn crashes_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":crashes")
+    }
     pub(super) fn unable_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":unable")
     }
@@ -118,13 +122,13 @@ impl Keys {
     /// Every key of a job's state: what expires with it and is kept when it
     /// runs again (not its follower lease, which has a time to live of its
     /// own that neither may change).
-    pub(super) fn state_keys(&self, id: &str) -> [String; 13] {
+    pub(super) fn state_keys(&self, id: &str) -> [String; 14] {
         let [state @ .., _follower] = self.keys_of(id);
         state
     }
 
     /// Every key one job has.
-    pub(super) fn keys_of(&self, id: &str) -> [String; 14] {
+    pub(super) fn keys_of(&self, id: &str) -> [String; 15] {
         job_keys(&self.prefix, id)
     }
 }
@@ -177,7 +181,7 @@ mod tests {
             ("t", "x"),
         ] {
             let keys = job_keys(prefix, id);
-            assert_eq!(keys.len(), 14);
+            assert_eq!(keys.len(), 15);
             let first = slot(&keys[0]);
             for k in &keys {
                 assert!(k.starts_with(&format!("{prefix}:job:{{{id}}}")), "{k}");

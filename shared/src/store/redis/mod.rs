@@ -14,8 +14,8 @@ mod scripts;
 
 pub use keys::{job_keys_pattern, job_of_key, job_scoped};
 pub use scripts::{
-    fail_script, lease_script, reduce_script, start_script, COMMIT_SCRIPT, FAIL_JOB_SCRIPT,
-    FOLLOW_SCRIPT, PUBLISHED_SCRIPT, UNFOLLOW_SCRIPT,
+    fail_script, lease_script, reduce_script, start_script, COMMIT_SCRIPT, CRASH_SCRIPT,
+    FAIL_JOB_SCRIPT, FOLLOW_SCRIPT, PUBLISHED_SCRIPT, UNFOLLOW_SCRIPT,
 };
 
 use super::{
@@ -208,7 +208,13 @@ impl JobStore for RedisStore {
         let (vals, status, items_failed): (Vec<Option<u64>>, Option<String>, u64) = redis::pipe()
             .cmd("HMGET")
             .arg(self.keys.job_key(id))
-            .arg(&["items_done", "rows_done", "items_total", "rows_total"])
+            .arg(&[
+                "items_done",
+                "rows_done",
+                "items_total",
+                "rows_total",
+                "rows_rejected",
+            ])
             .hget(self.keys.job_key(id), "status")
             .hlen(self.keys.failed_key(id))
             .query_async(&mut c)
@@ -221,6 +227,7 @@ impl JobStore for RedisStore {
             items_total: v(2),
             rows_total: v(3),
             items_failed,
+            rows_rejected: v(4),
             status: status.as_deref().and_then(JobStatus::from_name),
         })
     }
@@ -305,15 +312,22 @@ impl JobStore for RedisStore {
     /// Forgets recorded failures of a job (before its failed items are published again).
     async fn clear_failures(&self, job: &str) -> Result<(), StoreError> {
         let mut c = self.conn("DEL failed").await?;
-        c.del::<_, ()>(self.keys.failed_key(job))
+        // One slot (the job's hash tag): one DEL for both.
+        c.del::<_, ()>(&[self.keys.failed_key(job), self.keys.crashes_key(job)])
             .await
             .map_err(cmd("DEL failed"))
     }
 
-    /// Forgets the failure of one item (before it is published again).
+    /// Forgets the failure of one item (before it is published again), and
+    /// its crashes.
     async fn clear_failure(&self, job: &str, seq: u32) -> Result<(), StoreError> {
         let mut c = self.conn("HDEL failed").await?;
-        c.hdel::<_, _, ()>(self.keys.failed_key(job), seq)
+        redis::pipe()
+            .hdel(self.keys.failed_key(job), seq)
+            .ignore()
+            .hdel(self.keys.crashes_key(job), seq)
+            .ignore()
+            .query_async::<()>(&mut c)
             .await
             .map_err(cmd("HDEL failed"))
     }
@@ -421,6 +435,7 @@ impl JobStore for RedisStore {
             .key(self.keys.failed_key(job))
             .key(self.keys.job_key(job))
             .key(self.keys.done_bits_key(job))
+            .key(self.keys.crashes_key(job))
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
@@ -428,6 +443,7 @@ impl JobStore for RedisStore {
             .arg(claim.output_dir)
             .arg(claim.pool)
             .arg(claim.model)
+            .arg(u8::from(claim.returned))
             .invoke_async(&mut c)
             .await
             .map_err(cmd("start item"))?;
@@ -439,6 +455,14 @@ impl JobStore for RedisStore {
         Ok(match word(0).as_str() {
             "started" => Start::Started {
                 at_ms: word(1).parse().map_err(|_| corrupt(&word(1)))?,
+                crashes: word(2).parse().map_err(|_| corrupt(&word(2)))?,
+            },
+            "held" => Start::Held {
+                wait_ms: word(1).parse().map_err(|_| corrupt(&word(1)))?,
+            },
+            "crashed" => Start::Crashed {
+                crashes: word(1).parse().map_err(|_| corrupt(&word(1)))?,
+                workers: word(2).split_whitespace().map(str::to_owned).collect(),
             },
             "done" => Start::Done,
             "failed" => Start::FailedForGood,
@@ -576,6 +600,35 @@ impl JobStore for RedisStore {
         c.hdel::<_, _, ()>(self.keys.leases_key(job), fields)
             .await
             .map_err(cmd("HDEL lease"))
+    }
+
+    async fn crashes(&self, job: &str) -> Result<BTreeMap<u32, u32>, StoreError> {
+        let mut c = self.conn("HGETALL crashes").await?;
+        c.hgetall(self.keys.crashes_key(job))
+            .await
+            .map_err(cmd("HGETALL crashes"))
+    }
+
+    /// [`CRASH_SCRIPT`].
+    async fn count_crashes(
+        &self,
+        job: &str,
+        fields: &[String],
+    ) -> Result<BTreeMap<u32, u32>, StoreError> {
+        if fields.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let mut c = self.conn("count crashes").await?;
+        let pairs: Vec<(u32, u32)> = self
+            .scripts
+            .crash
+            .key(self.keys.leases_key(job))
+            .key(self.keys.crashes_key(job))
+            .arg(fields)
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("count crashes"))?;
+        Ok(pairs.into_iter().collect())
     }
 
     /// Every lease of a job, in seq order.

@@ -186,13 +186,23 @@ return 1
 
 /// Starts holding an item in one round trip, after checking the message
 /// against the job record (`ARGV[4..]`: model digest, output folder, pool,
-/// model path). Writes nothing unless the answer is `started`: then the
-/// lease (times from Redis's clock) and the delivery count.
+/// model path, and `ARGV[8]` `1` when the broker returned the delivery).
+/// Writes nothing unless the answer is `started` or `crashed`, but for
+/// crashes: other workers' leases on the item that are stale (their worker
+/// died holding it; a lease of the same worker id written by another
+/// process — `boot` — counts as another worker's) are dropped, each
+/// counted as a crash in `KEYS[7]`.
+/// Then: `crashed` (with the count and the dead workers) once the count
+/// reaches the job's `max_crashes` (0: never); `held` (with the ms until
+/// the lease goes stale) when the broker returned the delivery and another
+/// worker's lease is live — it may have died a moment ago, and its crash is
+/// counted before the item runs again; else `started`: the lease (times from
+/// Redis's clock), the delivery count, and the crashes so far.
 pub fn start_script() -> String {
     format!(
         "{NOW_LUA}{IS_DONE_LUA}{}",
         r#"
-local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model', 'done_bits')
+local job = redis.call('HMGET', KEYS[5], 'status', 'model_sha256', 'output_dir', 'pool', 'items_total', 'model', 'done_bits', 'max_crashes')
 if not job[1] then
   return {'unknown'}
 end
@@ -217,15 +227,67 @@ end
 if job[1] ~= 'planning' and job[1] ~= 'running' then
   return {'not_running', job[1]}
 end
+local max = tonumber(job[8]) or 2
+local crashes = tonumber(redis.call('HGET', KEYS[7], ARGV[1])) or 0
 local lease = cjson.decode(ARGV[3])
+local dead, wait = {}, 0
+local cursor = '0'
+repeat
+  local page = redis.call('HSCAN', KEYS[2], cursor, 'MATCH', ARGV[1] .. '@*', 'COUNT', 256)
+  cursor = page[1]
+  for i = 1, #page[2], 2 do
+    local field = page[2][i]
+    local other = cjson.decode(page[2][i + 1])
+    -- Our own lease, written by this very process, is not a crash; one a
+    -- restarted worker of the same id left is.
+    if field ~= ARGV[2] or tostring(other['boot'] or '') ~= tostring(lease['boot'] or '') then
+      local left = (tonumber(other['heartbeat_ms']) or 0) + (tonumber(other['ttl_ms']) or 0) - now
+      if left < 0 then
+        redis.call('HDEL', KEYS[2], field)
+        crashes = redis.call('HINCRBY', KEYS[7], ARGV[1], 1)
+        dead[#dead + 1] = tostring(other['worker'])
+      elseif ARGV[8] == '1' then
+        wait = math.max(wait, left + 1)
+      end
+    end
+  end
+until cursor == '0'
+if max > 0 and crashes >= max then
+  return {'crashed', tostring(crashes), table.concat(dead, ' ')}
+end
+if wait > 0 then
+  return {'held', tostring(wait)}
+end
 lease['started_ms'] = now
 lease['heartbeat_ms'] = now
 redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
 redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
-return {'started', tostring(now)}
+return {'started', tostring(now), tostring(crashes)}
 "#
     )
 }
+
+/// Drops the stale leases `ARGV[1..]` (`<seq>@<worker>`) of unsettled items
+/// from `KEYS[1]`, counting one crash of the item in `KEYS[2]` for each
+/// lease this call dropped (one another caller dropped first is not
+/// counted again). Returns `seq, crashes` pairs, one per field.
+pub const CRASH_SCRIPT: &str = r#"
+local out = {}
+for i = 1, #ARGV do
+  local seq = string.match(ARGV[i], '^(%d+)@')
+  if seq then
+    local n
+    if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 then
+      n = redis.call('HINCRBY', KEYS[2], seq, 1)
+    else
+      n = tonumber(redis.call('HGET', KEYS[2], seq)) or 0
+    end
+    out[#out + 1] = seq
+    out[#out + 1] = n
+  end
+end
+return out
+"#;
 
 /// Marks a job published: `published_ms` and `items_published`, and the
 /// status `running` — unless a worker failed it meanwhile (nobody can run it).
@@ -322,6 +384,7 @@ pub(super) struct Scripts {
     pub(super) start: redis::Script,
     pub(super) fail_job: redis::Script,
     pub(super) published: redis::Script,
+    pub(super) crash: redis::Script,
 }
 
 impl Scripts {
@@ -334,6 +397,7 @@ impl Scripts {
             start: redis::Script::new(&start_script()),
             fail_job: redis::Script::new(FAIL_JOB_SCRIPT),
             published: redis::Script::new(PUBLISHED_SCRIPT),
+            crash: redis::Script::new(CRASH_SCRIPT),
         }
     }
 }
