@@ -907,8 +907,13 @@ async fn short_items_deepen_the_prefetch_and_every_row_is_scored_once() {
     let args = ["--prefetch", "2", "--prefetch-max", "16"];
     let mut workers = vec![env.spawn_worker("w1", &args), env.spawn_worker("w2", &args)];
     env.wait_for_consumers(2, &mut workers).await;
+    // One item per message: the prefetch counts messages, and bundles of
+    // short items would divide their rate by the bundle's size (and with
+    // it the depth this test looks for).
+    let mut cfg = env.run_config();
+    cfg.connections.bundle = 1;
     let (job_id, report) =
-        crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
+        crate::support::run_with_config_to_end(&cfg, &manifest, Duration::from_secs(300)).await;
     assert_eq!(report.status, "completed", "{report:?}");
     matches_golden(&env, 3_000);
     crate::support::stop_all(&mut workers);
