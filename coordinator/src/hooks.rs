@@ -4,6 +4,11 @@
 //! `summary.json`.
 //!
 //! A manifest is not trusted with the coordinator's secrets:
+//! - the operator decides which hooks run at all (`--hooks all|webhook|none`);
+//! - the coordinator process is not dumpable (`PR_SET_DUMPABLE` 0, set as
+//!   it starts: [`harden_process`]), so a command running as the same user
+//!   cannot read its memory or `/proc/<pid>/environ`, where the broker and
+//!   Redis URLs it was started with are;
 //! - the command gets the job's variables and a few harmless ones
 //!   ([`BASE_ENV`]) plus the operator's `--hook-env` list, not the
 //!   coordinator's environment (broker and Redis URLs, AWS keys); it runs in
@@ -26,6 +31,20 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 
+/// Makes this process non-dumpable: no core dump, and no process of the
+/// same user (a hook command, a job's script) may read its memory or
+/// `/proc/<pid>/environ` or attach a debugger — only root can. The flag
+/// is not inherited across `exec`, so the hook commands themselves stay
+/// ordinary processes. A failure is logged and otherwise ignored.
+pub fn harden_process() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) =
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+    {
+        eprintln!("warning: could not make the coordinator non-dumpable ({e}); hook commands running as its user could read its environment");
+    }
+}
+
 /// Variables of the coordinator's environment every hook command gets (none
 /// holds a secret); `--hook-env` adds more.
 pub const BASE_ENV: &[&str] = &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR"];
@@ -33,9 +52,33 @@ pub const BASE_ENV: &[&str] = &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", 
 /// Most bytes of a hook command's stderr kept (the last ones).
 pub const OUTPUT_CAP: usize = 64 * 1024;
 
+/// Which kinds of hook a coordinator runs (`--hooks`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HookRun {
+    /// Commands and webhooks.
+    #[default]
+    All,
+    /// Webhooks only: no manifest starts a process on this machine.
+    Webhook,
+    /// Neither.
+    None,
+}
+
+impl HookRun {
+    fn flag(self) -> &'static str {
+        match self {
+            HookRun::All => "--hooks all",
+            HookRun::Webhook => "--hooks webhook",
+            HookRun::None => "--hooks none",
+        }
+    }
+}
+
 /// What the operator lets a manifest's `[on_complete]` do.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HookPolicy {
+    /// Which hooks run at all.
+    pub run: HookRun,
     /// Variables passed to the command besides the job's and [`BASE_ENV`].
     pub command_env: Vec<String>,
     /// Variables a manifest may name in `webhook_token_env` and
@@ -52,7 +95,35 @@ impl HookPolicy {
     /// message)`: checked when a job is submitted, so a refused manifest
     /// publishes nothing, and again before the hooks run.
     pub fn problems(&self, hooks: &OnComplete) -> Vec<(&'static str, String)> {
+        let mut out: Vec<_> = self.command_refused(hooks).into_iter().collect();
+        out.extend(self.webhook_problems(hooks));
+        out
+    }
+
+    /// Why the manifest's command may not run here, if it may not.
+    fn command_refused(&self, hooks: &OnComplete) -> Option<(&'static str, String)> {
+        (hooks.command.is_some() && self.run != HookRun::All).then(|| {
+            (
+                "[on_complete] command",
+                format!(
+                    "is not run by this coordinator ({}, BATCHFLEET_HOOKS): its operator runs no hook commands; remove the command (a webhook may do){}",
+                    self.run.flag(),
+                    if self.run == HookRun::Webhook { "" } else { ", or ask for --hooks all" }
+                ),
+            )
+        })
+    }
+
+    /// What of the manifest's webhook this policy does not allow.
+    fn webhook_problems(&self, hooks: &OnComplete) -> Vec<(&'static str, String)> {
         let mut out = Vec::new();
+        if hooks.webhook.is_some() && self.run == HookRun::None {
+            out.push((
+                "[on_complete] webhook",
+                "is not sent by this coordinator (--hooks none, BATCHFLEET_HOOKS): its operator runs no hooks; remove [on_complete], or ask for --hooks webhook".to_owned(),
+            ));
+            return out;
+        }
         for (field, var) in [
             ("[on_complete] webhook_token_env", &hooks.webhook_token_env),
             ("[on_complete] webhook_url_env", &hooks.webhook_url_env),
@@ -193,7 +264,8 @@ pub struct HookOutcome {
 /// How the command ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommandOutcome {
-    /// `succeeded`, `failed`, `timed_out` or `not_started`.
+    /// `succeeded`, `failed`, `timed_out`, `not_started`, or `refused`
+    /// (this coordinator runs no hook commands: `--hooks`).
     pub status: String,
     /// Its exit code, when it exited.
     pub exit_code: Option<i32>,
@@ -243,9 +315,24 @@ pub async fn run(
                 summary.parent().unwrap_or(Path::new(".")).as_os_str(),
             ),
         ];
-        let mut env = policy.command_env(std::env::vars_os());
-        env.extend(job_env.iter().map(|(k, v)| ((*k).into(), (*v).to_owned())));
-        outcome.command = Some(run_command(cmd, hooks.command_timeout, &env, cwd).await);
+        // Checked at submission; checked again here, since whoever reduces
+        // the job (a `supervise` elsewhere) may allow less.
+        outcome.command = Some(match policy.command_refused(hooks) {
+            Some((field, why)) => {
+                tracing::error!(command = %cmd[0], "on_complete command not run: {field} {why}");
+                CommandOutcome {
+                    status: "refused".into(),
+                    exit_code: None,
+                    duration_s: 0.0,
+                    error: Some(format!("{field} {why}")),
+                }
+            }
+            None => {
+                let mut env = policy.command_env(std::env::vars_os());
+                env.extend(job_env.iter().map(|(k, v)| ((*k).into(), (*v).to_owned())));
+                run_command(cmd, hooks.command_timeout, &env, cwd).await
+            }
+        });
     }
     if let Some(url) = &hooks.webhook {
         let target = origin(url.expose());
@@ -258,7 +345,7 @@ pub async fn run(
         };
         // Checked at submission; checked again here, since whoever reduces
         // the job (a `supervise` elsewhere) may allow less.
-        outcome.webhook = Some(match policy.problems(hooks).into_iter().next() {
+        outcome.webhook = Some(match policy.webhook_problems(hooks).into_iter().next() {
             Some((field, why)) => {
                 tracing::error!(%target, "webhook not sent: {field} {why}");
                 refused(format!("{field} {why}"))
@@ -658,6 +745,80 @@ mod tests {
         let mut url_env = hooks("https://hooks.example.com/x", None);
         url_env.webhook_url_env = Some("DATABASE_URL".into());
         assert_eq!(lax.problems(&url_env)[0].0, "[on_complete] webhook_url_env");
+    }
+
+    #[test]
+    fn the_operator_decides_which_kinds_of_hook_run() {
+        let both = OnComplete {
+            command: Some(vec!["true".into()]),
+            ..hooks("https://hooks.example.com/x", None)
+        };
+        assert!(HookPolicy::default().problems(&both).is_empty());
+        let webhook_only = HookPolicy {
+            run: HookRun::Webhook,
+            ..HookPolicy::default()
+        };
+        let p = webhook_only.problems(&both);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].0, "[on_complete] command");
+        assert!(p[0].1.contains("--hooks webhook"), "{}", p[0].1);
+        // The webhook alone still goes.
+        assert!(webhook_only.webhook_problems(&both).is_empty());
+        let none = HookPolicy {
+            run: HookRun::None,
+            ..HookPolicy::default()
+        };
+        let fields: Vec<_> = none.problems(&both).into_iter().map(|(f, _)| f).collect();
+        assert_eq!(fields, ["[on_complete] command", "[on_complete] webhook"]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_command_is_not_run_and_the_summary_says_why() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let marker = dir.path().join("ran");
+        let hooks = OnComplete {
+            command: Some(vec![
+                "sh".into(),
+                "-c".into(),
+                format!("touch {}", marker.display()),
+            ]),
+            command_timeout: Duration::from_secs(60),
+            ..OnComplete::default()
+        };
+        let policy = HookPolicy {
+            run: HookRun::Webhook,
+            ..HookPolicy::default()
+        };
+        let summary = dir.path().join("summary.json");
+        let outcome = run(
+            &hooks,
+            &policy,
+            "j",
+            "completed",
+            &summary,
+            b"{}",
+            dir.path(),
+        )
+        .await;
+        let command = outcome.command.expect("an outcome for the command");
+        assert_eq!(command.status, "refused");
+        assert!(command
+            .error
+            .unwrap_or_default()
+            .contains("--hooks webhook"));
+        assert!(!marker.exists(), "the refused command ran");
+        let ran = run(
+            &hooks,
+            &HookPolicy::default(),
+            "j",
+            "completed",
+            &summary,
+            b"{}",
+            dir.path(),
+        )
+        .await;
+        assert_eq!(ran.command.expect("ran").status, "succeeded");
+        assert!(marker.exists());
     }
 
     #[test]

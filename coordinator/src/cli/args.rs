@@ -60,6 +60,13 @@ pub struct GlobalArgs {
     /// by default, also when a host name resolves to one).
     #[arg(long, env = "BATCHFLEET_HOOK_ALLOW_LINK_LOCAL", value_parser = clap::builder::BoolishValueParser::new(), global = true)]
     pub hook_allow_link_local: bool,
+    /// Which `[on_complete]` hooks this coordinator runs: `all`, `webhook`
+    /// (no commands) or `none`. A manifest asking for one it does not run
+    /// is refused when submitted here; a job submitted elsewhere that this
+    /// coordinator reduces (`supervise`, `wait`, `cancel`) has such hooks
+    /// skipped, and its summary says why.
+    #[arg(long, env = "BATCHFLEET_HOOKS", value_enum, default_value_t = crate::hooks::HookRun::All, global = true)]
+    pub hooks: crate::hooks::HookRun,
     /// Publish work messages whole, the job's task in every message
     /// (version 2), instead of naming the task stored once per job
     /// (version 3), and create new jobs with a done set of seqs rather than
@@ -95,6 +102,7 @@ impl GlobalArgs {
                 token_env: self.hook_token_env.clone(),
                 allow_http: self.hook_allow_http,
                 allow_link_local: self.hook_allow_link_local,
+                run: self.hooks,
             },
             whole_messages: self.whole_messages,
             bundle: usize::from(self.bundle),

@@ -174,8 +174,22 @@ pub fn load_with(
     .map_err(|e| fail("data roots", e.to_string()))?;
     let mut spec = validate(&manifest, &base, path, &roots)?;
     spec.overrides = overrides.to_vec();
-    spec.resolved_manifest = toml::to_string(&table).unwrap_or_default();
+    spec.resolved_manifest = toml::to_string(&shown(table)).unwrap_or_default();
     Ok(spec)
+}
+
+/// The manifest as it may be stored and shown (the job record in Redis,
+/// `summary.json`): a webhook URL keeps only its origin, since its path or
+/// query may carry a token (`https://hooks.slack.com/services/T…/B…/…`).
+fn shown(mut table: toml::Table) -> toml::Table {
+    if let Some(toml::Value::String(url)) = table
+        .get_mut("on_complete")
+        .and_then(toml::Value::as_table_mut)
+        .and_then(|t| t.get_mut("webhook"))
+    {
+        *url = format!("{}/…", crate::hooks::origin(url));
+    }
+    table
 }
 
 /// Applies one `--set section.key=value` to the manifest's table: the
@@ -494,6 +508,33 @@ mod tests {
             .unwrap();
         assert_eq!(listed.files.len(), 1);
         assert_eq!(listed.pool, "night");
+    }
+
+    #[test]
+    fn a_webhook_url_is_stored_and_shown_by_its_origin_only() {
+        let fx = Fixture::new();
+        let spec = fx
+            .load_with(
+                &format!("{GOOD}\n[on_complete]\nwebhook = \"https://hooks.example.com/services/T0/B1/s3cr3tpath\"\n"),
+                &[],
+            )
+            .unwrap();
+        assert!(
+            !spec.resolved_manifest.contains("s3cr3tpath"),
+            "{}",
+            spec.resolved_manifest
+        );
+        let resolved: toml::Table = toml::from_str(&spec.resolved_manifest).unwrap();
+        assert_eq!(
+            resolved["on_complete"]["webhook"].as_str(),
+            Some("https://hooks.example.com/…")
+        );
+        // The hook itself still has the whole URL.
+        assert!(spec
+            .on_complete
+            .webhook
+            .as_ref()
+            .is_some_and(|u| u.expose().ends_with("s3cr3tpath")));
     }
 
     #[test]

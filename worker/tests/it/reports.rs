@@ -240,3 +240,106 @@ async fn summary_distribution_compare_hooks_and_job_list() {
     crate::support::stop_all(&mut workers);
     env.cleanup(&[&job_a, &job_b]).await;
 }
+
+/// Issue: an `[on_complete]` command runs as the coordinator's user, so it
+/// could read `/proc/<coordinator>/environ` (the broker and Redis URLs,
+/// with their passwords) and there was no switch to turn commands off.
+/// Here the coordinator runs as `nobody`, as a deployment's would run as a
+/// service user, with a Redis password in its environment; the job's hook
+/// command, the same user, reads its parent's environment and finds it
+/// closed (the coordinator is not dumpable). And `--hooks webhook` refuses
+/// a manifest with a command before anything is published, `--hooks none`
+/// one with a webhook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hook_commands_cannot_read_the_coordinator_and_the_operator_decides_which_run() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = TestEnv::new("hookenv");
+    let dir = env.path().join("job");
+    let manifest = generate(&env, &dir, 3);
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        format!(
+            "{text}\n[on_complete]\ncommand = [\"sh\", \"-c\", \"cat /proc/$PPID/environ > environ.txt; echo $? > rc.txt\"]\n"
+        ),
+    )
+    .expect("hooked manifest");
+    // Everything the coordinator touches is open to `nobody`.
+    for entry in walk(env.path()) {
+        let mode = if entry.is_dir() { 0o777 } else { 0o666 };
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+    let secret = "redis://:hook-env-secret@127.0.0.1:6379";
+    let coordinator = |hooks: &str| {
+        let mut c = std::process::Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(coordinator_bin())
+            .args(["run", "--local", "--hooks", hooks, "--data-root"])
+            .arg(env.path())
+            .arg(&manifest)
+            .env("BATCHFLEET_REDIS_URL", secret)
+            .env("HOME", env.path())
+            .current_dir(env.path());
+        c
+    };
+    // Commands off: the manifest is refused, nothing runs.
+    let out = coordinator("webhook").output().expect("setpriv batchfleet");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("[on_complete] command") && stderr.contains("--hooks webhook"),
+        "{stderr}"
+    );
+    assert!(!dir.join("out").join("summary.json").exists());
+    assert!(!dir.join("rc.txt").exists());
+    // Commands on: the job runs and so does its command, which cannot read
+    // the coordinator's environment.
+    let out = coordinator("all").output().expect("setpriv batchfleet");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rc = std::fs::read_to_string(dir.join("rc.txt")).expect("the hook command ran");
+    assert_ne!(
+        rc.trim(),
+        "0",
+        "the hook read the coordinator's environment"
+    );
+    let leaked = std::fs::read(dir.join("environ.txt")).unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&leaked).contains("hook-env-secret"),
+        "the coordinator's Redis password reached the hook"
+    );
+    // Hooks off: a webhook is refused too.
+    std::fs::write(
+        &manifest,
+        format!("{text}\n[on_complete]\nwebhook = \"https://hooks.example.com/done\"\n"),
+    )
+    .expect("webhook manifest");
+    let out = coordinator("none").output().expect("setpriv batchfleet");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("[on_complete] webhook") && stderr.contains("--hooks none"),
+        "{stderr}"
+    );
+}
+
+/// Every file and folder under `root`, `root` included.
+fn walk(root: &Path) -> Vec<PathBuf> {
+    let mut out = vec![root.to_owned()];
+    let mut i = 0;
+    while i < out.len() {
+        if out[i].is_dir() {
+            let children: Vec<PathBuf> = std::fs::read_dir(&out[i])
+                .expect("read_dir")
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            out.extend(children);
+        }
+        i += 1;
+    }
+    out
+}
