@@ -309,10 +309,19 @@ async fn pandas_to_csv_input_with_missing_values_matches_pytorch() {
     let (rejecting_job, report) =
         crate::support::run_to_end(&env, &manifest, Duration::from_secs(300)).await;
     assert_ne!(rejecting_job, job_id, "the policy is part of the job");
-    assert_eq!(report.status, "completed", "{report:?}");
+    // Every eighth feature value of every seven is missing: each row has
+    // one, so every row is rejected — and a job that predicted nothing
+    // fails (error budget) rather than completing with `_SUCCESS`.
     let with_missing = (0..12_000u64)
         .filter(|r| (0..8).any(|j| (r * 8 + j) % 7 == 0))
         .count() as u64;
+    assert_eq!(with_missing, 12_000);
+    assert_eq!(
+        (report.status.as_str(), report.failed_class.as_deref()),
+        ("failed", Some("budget")),
+        "{report:?}"
+    );
+    assert!(!env.path().join("out-reject").join("_SUCCESS").exists());
     assert_eq!(
         (report.rows_predicted, report.rows_rejected),
         (12_000 - with_missing, with_missing)
