@@ -1113,3 +1113,39 @@ async fn workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up(sto
     store.delete_job("c").await.expect("cleanup");
     store.delete_job("c0").await.expect("cleanup");
 }
+
+/// Issue: at the reduce step a job's stats were read with one `HGETALL`,
+/// which for 10⁵–10⁶ items outlasts the Redis client's response timeout
+/// (500 ms), so such a job could not be reduced. Here 400,000 items' stats
+/// (about 60 MB) and as many seqs of an older job's done set are read back
+/// whole, a page at a time.
+#[tokio::test]
+async fn the_reads_of_a_job_of_400k_items_stay_within_the_client_timeouts() {
+    use ::redis::AsyncCommands;
+    let (store, prefix, mut raw) = redis_with_raw("bftest-paged").await;
+    let job = "big";
+    let stats_key = format!("{prefix}:job:{{{job}}}:stats");
+    let done_key = format!("{prefix}:job:{{{job}}}:done");
+    const N: u32 = 400_000;
+    for chunk in (0..N).collect::<Vec<_>>().chunks(10_000) {
+        let mut fields = Vec::with_capacity(chunk.len());
+        for &seq in chunk {
+            let s = ItemStats {
+                worker: format!("worker-with-a-longish-name-{}", seq % 7),
+                ..stats(seq, "w")
+            };
+            fields.push((seq, serde_json::to_string(&s).expect("json")));
+        }
+        let _: () = raw.hset_multiple(&stats_key, &fields).await.expect("HSET");
+        let _: () = raw.sadd(&done_key, chunk).await.expect("SADD");
+    }
+    let all = store.item_stats(job).await.expect("every item's stats");
+    assert_eq!(all.len(), N as usize);
+    assert!(
+        all.windows(2).all(|w| w[0].seq + 1 == w[1].seq),
+        "in seq order, each once"
+    );
+    let done = store.done_items(job).await.expect("the done set");
+    assert_eq!(done.len(), N as usize);
+    let _: () = raw.del(&[&stats_key, &done_key]).await.expect("cleanup");
+}

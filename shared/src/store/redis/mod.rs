@@ -104,8 +104,7 @@ impl RedisStore {
         key: &str,
         op: &'static str,
     ) -> Result<Vec<T>, StoreError> {
-        let mut c = self.conn(op).await?;
-        let map: BTreeMap<u32, String> = c.hgetall(key).await.map_err(cmd(op))?;
+        let map: BTreeMap<u32, String> = self.hash_paged(key, op).await?;
         map.values()
             .map(|json| {
                 serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
@@ -116,6 +115,67 @@ impl RedisStore {
             .collect()
     }
 }
+
+impl RedisStore {
+    /// A whole hash, read a page at a time (`HSCAN … COUNT` [`PAGE`]): a
+    /// hash of a million items' stats is read in replies that each stay
+    /// well within the client's response timeout, where one `HGETALL`
+    /// would not. A field `HSCAN` returns twice (the hash was rehashed
+    /// meanwhile) is kept once.
+    async fn hash_paged<K, V>(
+        &self,
+        key: &str,
+        op: &'static str,
+    ) -> Result<BTreeMap<K, V>, StoreError>
+    where
+        K: redis::FromRedisValue + Ord,
+        V: redis::FromRedisValue,
+    {
+        let mut c = self.conn(op).await?;
+        let mut out = BTreeMap::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, page): (u64, Vec<(K, V)>) = redis::cmd("HSCAN")
+                .arg(key)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(PAGE)
+                .query_async(&mut c)
+                .await
+                .map_err(cmd(op))?;
+            out.extend(page);
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
+    }
+
+    /// A whole set of seqs, a page at a time (`SSCAN`), as [`Self::hash_paged`].
+    async fn set_paged(&self, key: &str, op: &'static str) -> Result<HashSet<u32>, StoreError> {
+        let mut c = self.conn(op).await?;
+        let mut out = HashSet::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, page): (u64, Vec<u32>) = redis::cmd("SSCAN")
+                .arg(key)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(PAGE)
+                .query_async(&mut c)
+                .await
+                .map_err(cmd(op))?;
+            out.extend(page);
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// Entries asked for per `HSCAN`/`SSCAN` page of a large read.
+const PAGE: usize = 2_000;
 
 #[async_trait::async_trait]
 impl JobStore for RedisStore {
@@ -305,7 +365,7 @@ impl JobStore for RedisStore {
 
     /// Items that failed for good, in seq order.
     async fn failures(&self, job: &str) -> Result<Vec<ItemFailure>, StoreError> {
-        self.json_by_seq(&self.keys.failed_key(job), "HGETALL failed")
+        self.json_by_seq(&self.keys.failed_key(job), "HSCAN failed")
             .await
     }
 
@@ -375,20 +435,24 @@ impl JobStore for RedisStore {
     /// All done seqs of a job (the bitmap's set bits, and the members of
     /// the set of a job from before it).
     async fn done_items(&self, job: &str) -> Result<HashSet<u32>, StoreError> {
-        let mut c = self.conn("read done").await?;
-        let (mut done, bitmap): (HashSet<u32>, Vec<u8>) = redis::pipe()
-            .smembers(self.keys.done_key(job))
-            .get(self.keys.done_bits_key(job))
-            .query_async(&mut c)
-            .await
-            .map_err(cmd("read done"))?;
+        // The bitmap (one bit per item: 125 KB for a million) in one reply;
+        // an older job's set a page at a time.
+        let bitmap: Vec<u8> = {
+            let mut c = self.conn("read done").await?;
+            c.get(self.keys.done_bits_key(job))
+                .await
+                .map_err(cmd("read done"))?
+        };
+        let mut done = self
+            .set_paged(&self.keys.done_key(job), "read done")
+            .await?;
         done.extend(set_bits(&bitmap));
         Ok(done)
     }
 
     /// Stats of every committed item, in seq order.
     async fn item_stats(&self, job: &str) -> Result<Vec<ItemStats>, StoreError> {
-        self.json_by_seq(&self.keys.stats_key(job), "HGETALL stats")
+        self.json_by_seq(&self.keys.stats_key(job), "HSCAN stats")
             .await
     }
 
@@ -804,10 +868,8 @@ impl JobStore for RedisStore {
     }
 
     async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError> {
-        let mut c = self.conn("HGETALL inputs").await?;
-        c.hgetall(self.keys.inputs_key(job))
+        self.hash_paged(&self.keys.inputs_key(job), "HSCAN inputs")
             .await
-            .map_err(cmd("HGETALL inputs"))
     }
 
     /// `HSET P:job:{<id>}:tasks <sha256> <bytes>`.
