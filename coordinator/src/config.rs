@@ -167,6 +167,10 @@ pub struct SuperviseConfig {
     pub every: Duration,
     /// Fail the job when workers cannot run it and nothing was committed for this long.
     pub unable_timeout: Duration,
+    /// A reduce claim not renewed for this long, on a job still unfinished,
+    /// is taken over: its reducer died mid-way. The reducer renews it four
+    /// times as often while it writes the summary, merges and runs hooks.
+    pub reduce_stale: Duration,
 }
 
 impl Default for SuperviseConfig {
@@ -177,6 +181,7 @@ impl Default for SuperviseConfig {
             orphan_grace: Duration::from_secs(10),
             every: Duration::from_secs(1),
             unable_timeout: Duration::from_secs(300),
+            reduce_stale: Duration::from_secs(120),
         }
     }
 }

@@ -225,11 +225,14 @@ pub async fn cancel_job(
             .await?
     {
         // Nobody follows it: reduce it here, once.
-        if store.claim_reduce(job_id, &me, REDUCE_STALE).await? {
+        if store
+            .claim_reduce(job_id, &me, cfg.supervise.reduce_stale)
+            .await?
+        {
             let mut supervisor = crate::supervisor::Supervisor::new(job_id, cfg, None, None);
             supervisor.remember(&job);
             if let RunOutcome::Completed { summary: s, .. } =
-                reduce(cfg, store, job_id, &mut supervisor).await?
+                reduce(cfg, store, job_id, &mut supervisor, &me).await?
             {
                 summary = Some(s);
             }
@@ -255,10 +258,6 @@ pub fn follower_id() -> String {
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     format!("{host}-{}-{n}", std::process::id())
 }
-
-/// A reduce claim this old, on a job still unfinished, is taken over: its
-/// reducer died mid-way (a merge of a very large output may take minutes).
-const REDUCE_STALE: std::time::Duration = std::time::Duration::from_secs(600);
 
 async fn follow_with_as(
     cfg: &RunConfig,
@@ -294,8 +293,11 @@ async fn finish_followed(
 ) -> Result<RunOutcome, RunError> {
     let mut told = false;
     loop {
-        if store.claim_reduce(job_id, me, REDUCE_STALE).await? {
-            return reduce(cfg, store, job_id, supervisor).await;
+        if store
+            .claim_reduce(job_id, me, cfg.supervise.reduce_stale)
+            .await?
+        {
+            return reduce(cfg, store, job_id, supervisor, me).await;
         }
         let job = store.job(job_id).await?;
         let output = match &job {
@@ -330,8 +332,42 @@ pub fn is_reduced(job: &batchfleet_shared::store::JobRecord) -> bool {
     !matches!(job.status, JobStatus::Planning | JobStatus::Running) && job.finished_ms > 0
 }
 
-/// The reduce step, by the one process that claimed it.
+/// The reduce step, by the one process that claimed it (as `me`). The
+/// claim is renewed while the step runs — a merge of a large output or a
+/// long `[on_complete]` command may outlast `reduce_stale` — so no other
+/// process takes it over and runs the step (and its hooks) again.
 async fn reduce(
+    cfg: &RunConfig,
+    store: &Store,
+    job_id: &str,
+    supervisor: &mut crate::supervisor::Supervisor,
+    me: &str,
+) -> Result<RunOutcome, RunError> {
+    let stale = cfg.supervise.reduce_stale;
+    let renewing = tokio::spawn({
+        let (store, job, me) = (store.clone(), job_id.to_owned(), me.to_owned());
+        async move {
+            let mut tick = tokio::time::interval(stale / 4);
+            tick.tick().await; // the first tick is now: the claim is fresh
+            loop {
+                tick.tick().await;
+                match store.claim_reduce(&job, &me, stale).await {
+                    Ok(true) => {}
+                    // Reduced (the step's last write), or lost to another.
+                    Ok(false) => return,
+                    Err(e) => {
+                        tracing::warn!(job = %job, error = %e, "could not renew the reduce claim; trying again")
+                    }
+                }
+            }
+        }
+    });
+    let done = reduce_claimed(cfg, store, job_id, supervisor).await;
+    renewing.abort();
+    done
+}
+
+async fn reduce_claimed(
     cfg: &RunConfig,
     store: &Store,
     job_id: &str,

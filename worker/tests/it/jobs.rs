@@ -1030,3 +1030,76 @@ fn a_worker_without_a_data_root_refuses_to_start_for_good() {
         "{stderr}"
     );
 }
+
+/// Issue: the reduce claim was not renewed while the hooks and the merge
+/// ran, so a reduce step longer than the claim's life was taken over and
+/// ran twice, hooks included. Here the claim lives one second and the hook
+/// command takes three, while a second process follows the job and asks
+/// for the claim all the while: the step, and its hook, run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_reduce_keeps_its_claim_and_its_hook_runs_once() {
+    let env = TestEnv::new("longreduce");
+    let gen = JobGen {
+        rows: 400,
+        files: 1,
+        features: 4,
+        hidden: 8,
+        name: batchfleet_testkit::services::unique("longreduce"),
+        pool: env.pool.clone(),
+        item_rows: 100,
+        batch_size: 100,
+        ..JobGen::default()
+    };
+    make_job(env.path(), &gen).expect("generate job");
+    let path = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&path).expect("manifest");
+    std::fs::write(
+        &path,
+        format!("{text}\n[on_complete]\ncommand = [\"sh\", \"-c\", \"sleep 3; echo $BATCHFLEET_JOB_ID >> hooks.log\"]\ncommand_timeout = \"60s\"\n"),
+    )
+    .expect("hooked manifest");
+    let id = manifest::load(&path, &[]).expect("manifest").job_id;
+    let mut cfg = env.run_config();
+    cfg.supervise.reduce_stale = Duration::from_secs(1);
+    cfg.poll_interval = Duration::from_millis(100);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let first = {
+        let (cfg, path) = (cfg.clone(), path.clone());
+        tokio::spawn(async move {
+            batchfleet_coordinator::run_job(&cfg, &path, tokio_util::sync::CancellationToken::new())
+                .await
+        })
+    };
+    let store = env.connections().store().await.expect("redis");
+    while !matches!(store.job(&id).await, Ok(Some(_))) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = batchfleet_coordinator::follow_job(
+        &cfg,
+        &store,
+        &id,
+        tokio_util::sync::CancellationToken::new(),
+    );
+    let (first, second) = tokio::join!(
+        async { first.await.expect("task").expect("first follower") },
+        second
+    );
+    for outcome in [first, second.expect("second follower")] {
+        assert!(
+            matches!(
+                outcome,
+                batchfleet_coordinator::RunOutcome::Completed { .. }
+            ),
+            "{outcome:?}"
+        );
+    }
+    let hooks = std::fs::read_to_string(env.path().join("hooks.log")).expect("the hook ran");
+    assert_eq!(
+        hooks.lines().collect::<Vec<_>>(),
+        [id.as_str()],
+        "the hook ran once"
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}
