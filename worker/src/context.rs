@@ -386,7 +386,10 @@ impl ItemContext {
     }
 
     /// Publishes one message to `queue` and waits for the broker's confirm.
-    pub async fn publish(&self, queue: &str, msg: Outgoing) -> Result<(), BrokerError> {
+    /// With a signing key, the message's settling headers (attempt,
+    /// unknown-job grace) are sealed as they are now.
+    pub async fn publish(&self, queue: &str, mut msg: Outgoing) -> Result<(), BrokerError> {
+        msg.headers.seal_settling(self.guard.key.as_ref());
         self.broker().publish(queue, vec![msg], 1).await.map(|_| ())
     }
 

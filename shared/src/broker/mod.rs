@@ -269,6 +269,43 @@ impl Headers {
         }
     }
 
+    /// What [`crate::message::SETTLE_HEADER`] seals: the body's signature and
+    /// the headers that change how an item is settled.
+    fn settling(&self) -> String {
+        let int = |name| self.int(name).map(|v| v.to_string()).unwrap_or_default();
+        format!(
+            "{}\0{}\0{}\0{}",
+            crate::message::SETTLE_HEADER,
+            self.str(crate::signing::SIGNATURE_HEADER)
+                .unwrap_or_default(),
+            int(crate::message::ATTEMPT_HEADER),
+            int(crate::message::UNKNOWN_SINCE_HEADER),
+        )
+    }
+
+    /// Seals the settling headers as they are now with `key` (nothing
+    /// without one): call it last, after every header is set.
+    pub fn seal_settling(&mut self, key: Option<&crate::signing::SigningKey>) {
+        let Some(key) = key else {
+            return;
+        };
+        let seal = key.sign(self.settling().as_bytes());
+        self.set([(crate::message::SETTLE_HEADER, seal)], []);
+    }
+
+    /// Whether the settling headers may be believed: always without a key;
+    /// with one, when none is set or their seal verifies.
+    pub fn settling_trusted(&self, key: Option<&crate::signing::SigningKey>) -> bool {
+        let Some(key) = key else {
+            return true;
+        };
+        let none = self.int(crate::message::ATTEMPT_HEADER).is_none()
+            && self.int(crate::message::UNKNOWN_SINCE_HEADER).is_none();
+        none || self
+            .str(crate::message::SETTLE_HEADER)
+            .is_some_and(|seal| key.verify(self.settling().as_bytes(), seal))
+    }
+
     /// Every header, by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &HeaderValue)> {
         self.0.iter().map(|(k, v)| (k.as_str(), v))
@@ -309,7 +346,12 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let sealed = crate::message::seal(item, key);
-        Self::sealed(format!("{}/{}", item.job_id, item.seq), sealed, attempt)
+        Self::sealed(
+            format!("{}/{}", item.job_id, item.seq),
+            sealed,
+            attempt,
+            key,
+        )
     }
 
     /// A version 3 work item (naming its job's stored task), at delivery
@@ -320,7 +362,12 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let sealed = crate::message::seal_ref(item, key);
-        Self::sealed(format!("{}/{}", item.job_id, item.seq), sealed, attempt)
+        Self::sealed(
+            format!("{}/{}", item.job_id, item.seq),
+            sealed,
+            attempt,
+            key,
+        )
     }
 
     /// A bundle of items (version 4) at delivery attempt 1, signed with
@@ -330,10 +377,15 @@ impl Outgoing {
         key: Option<&crate::signing::SigningKey>,
     ) -> Self {
         let id = bundle.message_id();
-        Self::sealed(id, crate::message::seal_bundle(bundle, key), 1)
+        Self::sealed(id, crate::message::seal_bundle(bundle, key), 1, key)
     }
 
-    fn sealed(message_id: String, sealed: crate::message::Sealed, attempt: u32) -> Self {
+    fn sealed(
+        message_id: String,
+        sealed: crate::message::Sealed,
+        attempt: u32,
+        key: Option<&crate::signing::SigningKey>,
+    ) -> Self {
         let mut headers = Headers::default();
         if let Some(signature) = sealed.signature {
             headers.set([(crate::signing::SIGNATURE_HEADER, signature)], []);
@@ -348,6 +400,7 @@ impl Outgoing {
                 ),
             ],
         );
+        headers.seal_settling(key);
         Self {
             message_id,
             kind: sealed.kind,
@@ -553,6 +606,45 @@ pub async fn connect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_settling_headers_count_only_under_their_seal() {
+        use crate::message::{ATTEMPT_HEADER, UNKNOWN_SINCE_HEADER};
+        use crate::signing::{SigningKey, SIGNATURE_HEADER};
+        let key = SigningKey::new(b"0123456789abcdef-seal", "test").expect("key");
+        let other = SigningKey::new(b"fedcba9876543210-seal", "test").expect("key");
+        let mut h = Headers::of(
+            [(SIGNATURE_HEADER, key.sign(b"body"))],
+            [(ATTEMPT_HEADER, 2)],
+        );
+        // Without a key nothing is checked; with one, nothing unsealed counts.
+        assert!(h.settling_trusted(None));
+        assert!(!h.settling_trusted(Some(&key)));
+        h.seal_settling(Some(&key));
+        assert!(h.settling_trusted(Some(&key)));
+        assert!(!h.settling_trusted(Some(&other)), "another key's seal");
+        // Any settling header changed after the seal, or the seal moved to
+        // another body, breaks it.
+        for change in [
+            (ATTEMPT_HEADER, HeaderValue::Int(3)),
+            (UNKNOWN_SINCE_HEADER, HeaderValue::Int(1)),
+            (SIGNATURE_HEADER, HeaderValue::Str(key.sign(b"other body"))),
+        ] {
+            let mut t = h.clone();
+            t.insert(change.0, change.1);
+            assert!(!t.settling_trusted(Some(&key)), "{}", change.0);
+        }
+        // Other headers are free, and a message with no settling header
+        // needs no seal.
+        let mut t = h.clone();
+        t.insert("x-bf-copy", HeaderValue::Int(1));
+        assert!(t.settling_trusted(Some(&key)));
+        assert!(Headers::default().settling_trusted(Some(&key)));
+        // No key, no seal written.
+        let mut plain = Headers::of([], [(ATTEMPT_HEADER, 1)]);
+        plain.seal_settling(None);
+        assert!(plain.str(crate::message::SETTLE_HEADER).is_none());
+    }
 
     #[test]
     fn a_delay_goes_to_the_smallest_tier_that_holds_it() {

@@ -78,6 +78,20 @@ pub const ATTEMPT_HEADER: &str = "x-bf-attempt";
 /// so a worker starts it through the start script, which checks. Unsigned:
 /// it can only make a worker check more.
 pub const COPY_HEADER: &str = "x-bf-copy";
+
+/// Header of a handed-back message of an unknown job: when a worker first
+/// found the job missing (ms), so the grace runs out however often it
+/// returns. Sealed ([`SETTLE_HEADER`]) with the attempt when signing is on.
+pub const UNKNOWN_SINCE_HEADER: &str = "x-bf-unknown-since";
+
+/// Header sealing, with a signing key, the headers that change how an item
+/// is settled — the attempt ([`ATTEMPT_HEADER`]) and the unknown-job grace
+/// ([`UNKNOWN_SINCE_HEADER`]) — to the signed body (`x-bf-signature`): an
+/// HMAC-SHA256 over those values and the body's signature. A worker that
+/// holds a key ignores those headers when the seal is missing or wrong, so
+/// whoever can publish cannot make a signed item dead-letter on its first
+/// failure, or retry without end. Whoever publishes with the key seals.
+pub const SETTLE_HEADER: &str = "x-bf-settle";
 /// Work items: when the item was published (ms since epoch), for the queue-wait metric.
 pub const PUBLISHED_HEADER: &str = "x-bf-published-ms";
 

@@ -101,11 +101,12 @@ pub async fn handle(held: Arc<Held>, bundle: Bundle, ctx: Arc<ItemContext>) -> H
     let mut tickets = ctx.committer.expect(n);
     for member in bundle.members() {
         let sealed = seal_ref(&member, key);
-        let mut headers = held.headers().own();
+        let mut headers = held.own_headers();
         headers.remove(SIGNATURE_HEADER);
         if let Some(signature) = sealed.signature {
             headers.set([(SIGNATURE_HEADER, signature)], []);
         }
+        headers.seal_settling(key);
         let delivery = Delivery::new(
             sealed.body,
             headers,

@@ -3,7 +3,8 @@
 //! the drop backstop after a panic).
 
 use batchfleet_shared::broker::{Delivery, Headers};
-use batchfleet_shared::message::ATTEMPT_HEADER;
+use batchfleet_shared::message::{ATTEMPT_HEADER, UNKNOWN_SINCE_HEADER};
+use batchfleet_shared::signing::SigningKey;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -15,6 +16,9 @@ pub struct Held {
     settled: AtomicBool,
     /// When it arrived.
     pub received: Instant,
+    /// Whether its settling headers (attempt, unknown-job grace) may be
+    /// believed: no signing key, or their seal verifies.
+    settling_trusted: bool,
 }
 
 impl std::fmt::Debug for Held {
@@ -27,12 +31,18 @@ impl std::fmt::Debug for Held {
 }
 
 impl Held {
-    /// Holds a new delivery.
-    pub fn new(delivery: Delivery) -> Self {
+    /// Holds a new delivery; with a signing `key`, its settling headers
+    /// count only when their seal verifies.
+    pub fn new(delivery: Delivery, key: Option<&SigningKey>) -> Self {
+        let settling_trusted = delivery.headers.settling_trusted(key);
+        if !settling_trusted {
+            tracing::warn!(message = %delivery.message_id, "the message's attempt and grace headers are not sealed with the signing key; ignoring them");
+        }
         Self {
             delivery,
             settled: AtomicBool::new(false),
             received: Instant::now(),
+            settling_trusted,
         }
     }
 
@@ -46,12 +56,41 @@ impl Held {
         &self.delivery.headers
     }
 
-    /// The 1-based attempt in the header (1 if absent).
+    /// The 1-based attempt in the header (1 if absent, or not sealed when
+    /// signing is on).
     pub fn attempt(&self) -> u32 {
+        if !self.settling_trusted {
+            return 1;
+        }
         self.headers()
             .int(ATTEMPT_HEADER)
             .unwrap_or(1)
             .clamp(1, i64::from(u32::MAX)) as u32
+    }
+
+    /// The delivery's own headers to carry on (see `Headers::own`), with
+    /// the settling headers as this worker believes them: the attempt it
+    /// counts, and the unknown-job grace only when trusted. So a worker
+    /// never seals, by republishing, a value it ignored.
+    pub fn own_headers(&self) -> Headers {
+        let mut h = self.headers().own();
+        h.set([], [(ATTEMPT_HEADER, i64::from(self.attempt()))]);
+        match self.unknown_since() {
+            Some(since) => h.set([], [(UNKNOWN_SINCE_HEADER, since)]),
+            None => {
+                h.remove(UNKNOWN_SINCE_HEADER);
+            }
+        }
+        h
+    }
+
+    /// When a worker first found the item's job unknown (the header), if
+    /// it may be believed.
+    pub fn unknown_since(&self) -> Option<i64> {
+        if !self.settling_trusted {
+            return None;
+        }
+        self.headers().int(UNKNOWN_SINCE_HEADER)
     }
 
     /// Acks unless already settled. A failure is only logged: the broker

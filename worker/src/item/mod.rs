@@ -77,7 +77,7 @@ pub async fn handle(
     permit: OwnedSemaphorePermit,
 ) -> Handled {
     metrics::counter!(names::WORKER_MESSAGES).increment(1);
-    let held = Arc::new(Held::new(delivery));
+    let held = Arc::new(Held::new(delivery, ctx.guard.key.as_ref()));
     match open(&held, &ctx).await {
         Ok(Opened::Bundle(b)) => {
             let _permit = permit;
@@ -95,7 +95,7 @@ async fn member(
     ctx: Arc<ItemContext>,
     permit: OwnedSemaphorePermit,
 ) -> Handled {
-    let held = Arc::new(Held::new(delivery));
+    let held = Arc::new(Held::new(delivery, ctx.guard.key.as_ref()));
     match open(&held, &ctx).await {
         Ok(Opened::Bundle(_)) => {
             reject(&held, None, "a bundle inside a bundle", "bundle", &ctx).await
@@ -417,10 +417,7 @@ fn mismatch_reason(item: &WorkItem, pool: &str, field: &str, recorded: &str) -> 
 /// yet, so the item is handed back for a while; past the grace it is rejected.
 async fn unknown_job(held: &Held, item: &dyn Carried, attempt: u32, ctx: &ItemContext) -> Handled {
     let now = ctx.clock.now_ms();
-    let since = held
-        .headers()
-        .int(UNKNOWN_SINCE_HEADER)
-        .map_or(now, |s| s.max(0) as u64);
+    let since = held.unknown_since().map_or(now, |s| s.max(0) as u64);
     let waited = Duration::from_millis(now.saturating_sub(since));
     if waited >= ctx.tuning.unknown_job_grace {
         let reason = format!(

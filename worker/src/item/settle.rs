@@ -19,9 +19,7 @@ use batchfleet_shared::metrics::names;
 use batchfleet_shared::store::{ItemFailure, UnableNote};
 use std::time::Duration;
 
-/// Header of a handed-back message of an unknown job: when a worker first
-/// found the job missing (ms), so the grace runs out however often it returns.
-pub const UNKNOWN_SINCE_HEADER: &str = "x-bf-unknown-since";
+pub use batchfleet_shared::message::UNKNOWN_SINCE_HEADER;
 
 /// What settling a message needs to know of it: whose item it is, and how
 /// to seal it anew once its delivery was acknowledged early. A whole item,
@@ -90,7 +88,7 @@ fn headers_from<'a>(
     strings: impl IntoIterator<Item = (&'a str, String)>,
     ints: impl IntoIterator<Item = (&'a str, i64)>,
 ) -> Headers {
-    let mut t = held.headers().own();
+    let mut t = held.own_headers();
     t.set(strings, ints);
     t
 }
@@ -112,7 +110,7 @@ fn carried(held: &Held, item: &dyn Carried, attempt: u32, ctx: &ItemContext) -> 
         message_id: format!("{}/{}", item.job_id(), item.seq()),
         kind: kind_of(&held.delivery.body),
         body: held.delivery.body.clone(),
-        headers: held.headers().own(),
+        headers: held.own_headers(),
         expiration_ms: None,
     }
 }

@@ -1248,3 +1248,57 @@ async fn a_job_listed_active_without_its_queue_closes_no_channel() {
         .expect("unlisted");
     env.cleanup(&[&id]).await;
 }
+
+/// Issue: the attempt and grace headers a worker acts on were not covered
+/// by the signature, so whoever can publish could make a signed item
+/// dead-letter on its first failure, or retry without end. With a key, a
+/// worker believes them only under their seal (`x-bf-settle`). Here item 0
+/// arrives signed with an attempt forged to 2 (its seal says 1), item 1 as
+/// a real, sealed second attempt; the worker panics on the first attempt
+/// of each: item 0 is taken for attempt 1 (it panics, and its retry
+/// commits), item 1 for attempt 2 (it does not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_header_counts_only_under_its_seal() {
+    use batchfleet_shared::message::ATTEMPT_HEADER;
+    let env = TestEnv::new("sealed");
+    let secret = "0123456789abcdef-settle-seal-key";
+    let key = SigningKey::new(secret.as_bytes(), "test").expect("key");
+    let mut cfg = env.run_config();
+    cfg.connections.signing_key = Some(key.clone());
+    let manifest = job_in(&env, "job", 2_000, 1_000);
+    let items = plan(&manifest);
+    let waiting = start_waiting(&env, &cfg, &manifest, 2).await;
+    waiting.broker.purge(&waiting.queue).await.expect("purge");
+    let mut forged = Outgoing::work_item(&items[0], 1, Some(&key));
+    forged.headers.set([], [(ATTEMPT_HEADER, 2)]);
+    let retry = Outgoing::work_item(&items[1], 2, Some(&key));
+    waiting
+        .broker
+        .publish(&waiting.queue, vec![forged, retry], 2)
+        .await
+        .expect("publish");
+    let mut workers = vec![env.spawn_worker_with_env(
+        "w1",
+        &["--debug-panic", "item:0@1,item:1@1"],
+        &[("BATCHFLEET_SIGNING_KEY", secret.to_owned())],
+    )];
+    let RunOutcome::Completed { report, .. } = settled(waiting.run, Duration::from_secs(120)).await
+    else {
+        panic!("the job settles");
+    };
+    assert_eq!(
+        (report.status.as_str(), report.items_completed),
+        ("completed", 2)
+    );
+    stop_all(&mut workers);
+    let log = workers[0].log_text();
+    let panics: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("retrying later") && l.contains("injected panic"))
+        .collect();
+    assert_eq!(panics.len(), 1, "{log}");
+    assert!(panics[0].contains("item=0"), "{log}");
+    assert!(log.contains("not sealed with the signing key"), "{log}");
+    waiting.broker.close("bye").await;
+    env.cleanup(&[&waiting.id]).await;
+}
