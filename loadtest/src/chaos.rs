@@ -222,6 +222,16 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosReport> {
                 cfg.checkpoint_every,
             )?;
         }
+        // Workers killed at random are not items that kill them, but a
+        // crash counter cannot tell the two apart: a long item running on
+        // two workers that chaos kills -9 would be dead-lettered as `crash`
+        // (docs/failures.md). The crashes are still counted, and an item
+        // with one still runs alone; none is given up.
+        for name in ["baseline", "chaos", "swapped"] {
+            let manifest = root.join(name).join("job.toml");
+            let text = std::fs::read_to_string(&manifest)?;
+            std::fs::write(&manifest, format!("{text}\n[failure]\nmax_crashes = 0\n"))?;
+        }
         // The second job's model is swapped for a state_dict once it is published.
         batchfleet_testkit::python::make_wrong_models(&root.join("swapped"))?;
         let coordinator_cmd = |dir: &Path, args: &[&str], log: &str| {
