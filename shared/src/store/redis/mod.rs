@@ -104,7 +104,9 @@ impl RedisStore {
         key: &str,
         op: &'static str,
     ) -> Result<Vec<T>, StoreError> {
-        let map: BTreeMap<u32, String> = self.hash_paged(key, op).await?;
+        let map: BTreeMap<u32, String> = self
+            .scan_paged::<_, (u32, String)>("HSCAN", key, op)
+            .await?;
         map.values()
             .map(|json| {
                 serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
@@ -117,47 +119,26 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// A whole hash, read a page at a time (`HSCAN … COUNT` [`PAGE`]): a
-    /// hash of a million items' stats is read in replies that each stay
-    /// well within the client's response timeout, where one `HGETALL`
-    /// would not. A field `HSCAN` returns twice (the hash was rehashed
-    /// meanwhile) is kept once.
-    async fn hash_paged<K, V>(
+    /// A whole hash (`HSCAN`: pairs) or set (`SSCAN`: members), read a page
+    /// at a time (`COUNT` [`PAGE`]): a hash of a million items' stats is read
+    /// in replies that each stay well within the client's response timeout,
+    /// where one `HGETALL` would not. An entry the scan returns twice (the
+    /// key was rehashed meanwhile) is kept once by the map or set it goes to.
+    async fn scan_paged<C, T>(
         &self,
+        verb: &str,
         key: &str,
         op: &'static str,
-    ) -> Result<BTreeMap<K, V>, StoreError>
+    ) -> Result<C, StoreError>
     where
-        K: redis::FromRedisValue + Ord,
-        V: redis::FromRedisValue,
+        C: Default + Extend<T>,
+        T: redis::FromRedisValue,
     {
         let mut c = self.conn(op).await?;
-        let mut out = BTreeMap::new();
+        let mut out = C::default();
         let mut cursor = 0u64;
         loop {
-            let (next, page): (u64, Vec<(K, V)>) = redis::cmd("HSCAN")
-                .arg(key)
-                .arg(cursor)
-                .arg("COUNT")
-                .arg(PAGE)
-                .query_async(&mut c)
-                .await
-                .map_err(cmd(op))?;
-            out.extend(page);
-            if next == 0 {
-                return Ok(out);
-            }
-            cursor = next;
-        }
-    }
-
-    /// A whole set of seqs, a page at a time (`SSCAN`), as [`Self::hash_paged`].
-    async fn set_paged(&self, key: &str, op: &'static str) -> Result<HashSet<u32>, StoreError> {
-        let mut c = self.conn(op).await?;
-        let mut out = HashSet::new();
-        let mut cursor = 0u64;
-        loop {
-            let (next, page): (u64, Vec<u32>) = redis::cmd("SSCAN")
+            let (next, page): (u64, Vec<T>) = redis::cmd(verb)
                 .arg(key)
                 .arg(cursor)
                 .arg("COUNT")
@@ -443,8 +424,8 @@ impl JobStore for RedisStore {
                 .await
                 .map_err(cmd("read done"))?
         };
-        let mut done = self
-            .set_paged(&self.keys.done_key(job), "read done")
+        let mut done: HashSet<u32> = self
+            .scan_paged::<_, u32>("SSCAN", &self.keys.done_key(job), "read done")
             .await?;
         done.extend(set_bits(&bitmap));
         Ok(done)
@@ -868,7 +849,7 @@ impl JobStore for RedisStore {
     }
 
     async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError> {
-        self.hash_paged(&self.keys.inputs_key(job), "HSCAN inputs")
+        self.scan_paged::<_, (String, String)>("HSCAN", &self.keys.inputs_key(job), "HSCAN inputs")
             .await
     }
 
