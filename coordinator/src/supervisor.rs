@@ -206,7 +206,8 @@ impl Supervisor {
         let redispatched = store.redispatched(&self.job_id).await?;
         // Items workers died holding: never speculated on (the holder may
         // be dead, its lease not stale yet, and a copy would kill another).
-        let suspects = store.crashes(&self.job_id).await?;
+        // Read only when an item is a candidate.
+        let mut suspects: Option<BTreeMap<u32, u32>> = None;
         let mut to_send: Vec<(u32, u32, Redispatch)> = Vec::new();
         let mut dead_leases = Vec::new();
         // Stale leases of unsettled items: each is a worker that died
@@ -242,12 +243,17 @@ impl Supervisor {
                 && live.len() == 1
                 && live[0].attempt == 1
                 && last_copy == 0
-                && !suspects.contains_key(seq)
                 // Its holder has renewed the lease since it started: alive
                 // then, not a worker that died on the item a moment ago.
                 && live[0].heartbeat_ms > live[0].started_ms
                 && self.cfg.speculate_after > 0.0
             {
+                if suspects.is_none() {
+                    suspects = Some(store.crashes(&self.job_id).await?);
+                }
+                if suspects.as_ref().is_some_and(|s| s.contains_key(seq)) {
+                    continue;
+                }
                 // Only first attempts: an item that failed or timed out before
                 // is suspect (a hanging input), and a copy would only hang too.
                 let Some(median) = self.median(store).await? else {
