@@ -72,6 +72,10 @@ pub struct Step {
     pub amqp_messages_per_item: f64,
     /// Bytes per item on RabbitMQ's wire (in + out).
     pub amqp_bytes_per_item: f64,
+    /// The workers' syncs to disk per item (file and folder fsyncs,
+    /// filesystem syncs), counted by the workers; 0 from a build without
+    /// the counter.
+    pub syncs_per_item: f64,
     /// CPU per item by part.
     pub cpu: CpuPerItem,
     /// CPU the parts used ÷ (duration × cores).
@@ -212,12 +216,13 @@ pub fn run(cfg: &ScaleConfig) -> Result<ScaleReport> {
                     cores,
                 )?;
                 println!(
-                    "scale [{kind}] {w:>2} workers: {:>7.0} items/s, Redis {:.1} cmds and {:.0} B per item, AMQP {:.1} msgs and {:.0} B per item, machine {:.0}% busy",
+                    "scale [{kind}] {w:>2} workers: {:>7.0} items/s, Redis {:.1} cmds and {:.0} B per item, AMQP {:.1} msgs and {:.0} B per item, {:.2} syncs per item, machine {:.0}% busy",
                     step.items_per_s,
                     step.redis_commands_per_item,
                     step.redis_bytes_per_item,
                     step.amqp_messages_per_item,
                     step.amqp_bytes_per_item,
+                    step.syncs_per_item,
                     step.machine_busy * 100.0
                 );
                 report.steps.push(step);
@@ -283,6 +288,7 @@ fn measure(
     let cpu_after = CpuSample::take(&fleet.pids());
     let redis_after = redis_stats()?;
     let fleet_messages = fleet.metric_sum("batchfleet_worker_messages_received_total");
+    let fleet_syncs = fleet.metric_sum("batchfleet_syncs_total");
     fleet.stop();
     let (wall, _, summary) = job?;
     // Items cut blind may be a few more than rows ÷ item rows.
@@ -322,6 +328,7 @@ fn measure(
         redis_bytes_per_item: per(redis_after.bytes.saturating_sub(redis_before.bytes) as f64),
         amqp_messages_per_item: per(messages),
         amqp_bytes_per_item: per(amqp_bytes as f64),
+        syncs_per_item: per(fleet_syncs),
         cpu,
         machine_busy,
     })
@@ -380,7 +387,7 @@ fn print(r: &ScaleReport) {
         r.cores
     );
     println!(
-        "  {:<8} {:>7} {:>9} {:>10} {:>9} {:>10} {:>9} {:>12} {:>10} {:>10} {:>6}",
+        "  {:<8} {:>7} {:>9} {:>10} {:>9} {:>10} {:>9} {:>6} {:>12} {:>10} {:>10} {:>6}",
         "items",
         "workers",
         "items/s",
@@ -388,6 +395,7 @@ fn print(r: &ScaleReport) {
         "Redis B",
         "AMQP msgs",
         "AMQP B",
+        "syncs",
         "workers ms",
         "coord ms",
         "RMQ ms",
@@ -395,7 +403,7 @@ fn print(r: &ScaleReport) {
     );
     for s in &r.steps {
         println!(
-            "  {:<8} {:>7} {:>9.0} {:>10.1} {:>9.0} {:>10.1} {:>9.0} {:>12.2} {:>10.3} {:>10.3} {:>6.3}   busy {:.0}%",
+            "  {:<8} {:>7} {:>9.0} {:>10.1} {:>9.0} {:>10.1} {:>9.0} {:>6.2} {:>12.2} {:>10.3} {:>10.3} {:>6.3}   busy {:.0}%",
             s.kind,
             s.workers,
             s.items_per_s,
@@ -403,6 +411,7 @@ fn print(r: &ScaleReport) {
             s.redis_bytes_per_item,
             s.amqp_messages_per_item,
             s.amqp_bytes_per_item,
+            s.syncs_per_item,
             s.cpu.workers_ms.iter().sum::<f64>(),
             s.cpu.coordinator_ms,
             s.cpu.rabbitmq_ms,

@@ -9,6 +9,7 @@
 //! and are created exclusively, so two copies of one item on one worker
 //! never share one.
 
+use crate::metrics::names;
 use rustix::fs::{
     fsync, linkat, mkdirat, openat, renameat, statat, unlinkat, AtFlags, Dir, FileType, Mode,
     OFlags, CWD,
@@ -243,7 +244,7 @@ impl Folder {
         &self,
         name: &str,
         overwrite: bool,
-        sync: NameSync,
+        sync: NameSync<'_>,
         write: F,
     ) -> io::Result<Publish>
     where
@@ -264,7 +265,13 @@ impl Folder {
                 write(&mut w)?;
                 w.flush()?;
             }
-            file.sync_all()?;
+            match sync {
+                NameSync::Shared(shared) => shared.sync(&file)?,
+                NameSync::Now | NameSync::Later => {
+                    metrics::counter!(names::SYNCS, "what" => "file").increment(1);
+                    file.sync_all()?;
+                }
+            }
             if overwrite {
                 if self.entry(name)? == Some(true) {
                     return Err(refused(self.path.join(name)));
@@ -283,23 +290,26 @@ impl Folder {
         })();
         let _ = unlinkat(&staging.fd, tmp.as_str(), AtFlags::empty());
         let outcome = result?;
-        if sync == NameSync::Now {
-            fsync(&self.fd)?;
+        if matches!(sync, NameSync::Now) {
+            sync_fd(&self.fd)?;
         }
         Ok(outcome)
     }
 }
 
-/// When the name of a published file is made durable. The file's bytes are
-/// fsynced before it is linked into place either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NameSync {
-    /// The folder is fsynced at once.
+/// How a published file is made durable. Its bytes are durable before it is
+/// linked into place in every case; its name, now or by the caller.
+#[derive(Debug, Clone, Copy)]
+pub enum NameSync<'a> {
+    /// The file fsynced, then the folder fsynced at once.
     Now,
-    /// The caller fsyncs the folder ([`sync_folder`]) before it relies on
-    /// the name — once for several files published in it (a worker's group
-    /// commit).
+    /// The file fsynced; the caller fsyncs the folder ([`sync_folder`])
+    /// before it relies on the name — once for several files published in
+    /// it (a worker's group commit).
     Later,
+    /// As `Later`, the file's bytes made durable by a sync shared with the
+    /// files written beside it ([`SharedSync`](crate::shared_sync::SharedSync)).
+    Shared(&'a crate::shared_sync::SharedSync),
 }
 
 /// Fsyncs the folder `path`, making the names published in it with
@@ -308,7 +318,13 @@ pub fn sync_folder(path: &Path) -> io::Result<()> {
     if crate::source::is_url(path) {
         return Ok(());
     }
-    fsync(&Folder::open(path, false)?.fd).map_err(io::Error::from)
+    sync_fd(&Folder::open(path, false)?.fd)
+}
+
+/// A folder's fsync, counted.
+fn sync_fd(fd: &OwnedFd) -> io::Result<()> {
+    metrics::counter!(names::SYNCS, "what" => "folder").increment(1);
+    fsync(fd).map_err(io::Error::from)
 }
 
 /// The plain components of a relative path; `..`, roots and the like refused.
@@ -361,7 +377,7 @@ pub fn publish_under_with<F>(
     root: &Path,
     rel: &Path,
     overwrite: bool,
-    sync: NameSync,
+    sync: NameSync<'_>,
     write: F,
 ) -> io::Result<Publish>
 where

@@ -30,6 +30,8 @@
 //! - [`table`]: part files in each output format (CSV, JSON Lines, Parquet), written and read back.
 //! - [`fsutil`]: file digests and atomic publication of output files, through
 //!   directory handles that never follow a symlink under an output folder.
+//! - [`shared_sync`]: one filesystem sync for the files a worker writes
+//!   side by side, instead of one `fsync` each.
 //! - [`model_file`]: what a model file is (TorchScript, a `state_dict`, a
 //!   pickled module, a `torch.export` package), read from its zip entries.
 //! - [`signing`]: the key that signs work messages (HMAC-SHA256) and checks them.
@@ -54,6 +56,7 @@ pub mod numbers;
 pub mod output;
 pub mod paths;
 pub mod secret;
+pub mod shared_sync;
 pub mod shutdown;
 pub mod signing;
 pub mod source;

@@ -95,6 +95,10 @@ pub mod names {
     /// (`opened`: worked; `split`: it came back, its items published one
     /// by one) (counter; pool, how).
     pub const WORKER_BUNDLES: &str = "batchfleet_worker_bundles_total";
+    /// Any process: fsyncs and filesystem syncs made, by what was synced
+    /// (`file`, `folder`, `filesystem`: one sync shared by the files a
+    /// worker wrote side by side) (counter; what).
+    pub const SYNCS: &str = "batchfleet_syncs_total";
     /// Worker: models kept loaded (gauge; pool).
     pub const WORKER_MODELS_LOADED: &str = "batchfleet_worker_models_loaded";
     /// Worker: loading a model (histogram, seconds; pool).
@@ -172,6 +176,7 @@ pub mod names {
         (WORKER_WRITE, Kind::Histogram, "Seconds spent writing and publishing one part or segment file."),
         (WORKER_BATCH_SIZE, Kind::Histogram, "Rows per forward call."),
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
+        (SYNCS, Kind::Counter, "Syncs to disk this process made, by what: file (one file's fsync), folder (a folder's fsync, making new names durable), filesystem (one syncfs for the part files a worker wrote side by side)."),
         (WORKER_MODELS_LOADED, Kind::Gauge, "Models this worker keeps loaded (at most --models-kept; the least recently used is dropped past it)."),
         (WORKER_MESSAGES, Kind::Counter, "Work messages taken from the broker (a bundle of several items counts once)."),
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),

@@ -45,6 +45,12 @@ pub struct WorkerConfig {
     /// way. Unset = never.
     #[arg(long, env = "BATCHFLEET_MAX_RSS", value_parser = parse_size)]
     pub max_rss: Option<u64>,
+    /// Fsync each part file on its own, instead of one filesystem sync
+    /// (`syncfs`) for the part files written side by side: for a host whose
+    /// disk other programs keep busy, where a `syncfs` would wait for their
+    /// writes too. (Network and FUSE mounts always fsync each file.)
+    #[arg(long, env = "BATCHFLEET_SYNC_EACH_FILE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub sync_each_file: bool,
     /// Worker id in logs and Redis; default `<hostname>-<pid>`.
     #[arg(long, env = "BATCHFLEET_WORKER_ID")]
     pub worker_id: Option<String>,

@@ -240,6 +240,8 @@ pub struct ItemContext {
     pub work: Arc<WorkTally>,
     /// Commits finished items, together when they finish together.
     pub committer: crate::item::group::Committer,
+    /// Makes the part files written side by side durable with one sync.
+    pub data_sync: Arc<batchfleet_shared::shared_sync::SharedSync>,
     /// The disk-full pause.
     pub pause: Pause,
     /// This worker's wall clock.
@@ -327,6 +329,8 @@ pub struct Parts {
     pub debug: DebugHooks,
     /// `--max-items` (0 = never recycle for items handled).
     pub max_items: u64,
+    /// `--sync-each-file`: no filesystem sync shared by part files.
+    pub sync_each_file: bool,
 }
 
 impl std::fmt::Debug for Parts {
@@ -350,6 +354,14 @@ impl ItemContext {
             shutdown: parts.shutdown.clone(),
             linger: crate::item::group::LINGER,
         });
+        // A bundle's items reach their part files moments apart: the first
+        // waits for the others (as their commits do), and one sync makes
+        // all their bytes durable.
+        let data_sync = Arc::new(if parts.sync_each_file {
+            batchfleet_shared::shared_sync::SharedSync::each_file()
+        } else {
+            batchfleet_shared::shared_sync::SharedSync::new(crate::item::group::LINGER)
+        });
         Ok(Self {
             store: parts.store,
             broker: Mutex::new(parts.broker),
@@ -365,6 +377,7 @@ impl ItemContext {
             facts: Default::default(),
             work,
             committer,
+            data_sync,
             pause,
             clock: parts.clock,
             debug: parts.debug,

@@ -168,6 +168,7 @@ pub async fn run_on(
             },
             debug: cfg.debug_hooks(),
             max_items: cfg.max_items,
+            sync_each_file: cfg.sync_each_file,
         })
         .context("starting the model runner thread")?,
     );

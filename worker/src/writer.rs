@@ -79,7 +79,7 @@ pub fn write_part_rows(
     batch: &Batch,
     rows: std::ops::Range<usize>,
     preds: &Predictions,
-    sync: NameSync,
+    sync: NameSync<'_>,
 ) -> Result<Publish, ItemError> {
     let width = preds.width.max(1);
     if !rows.is_empty() && preds.values.len() != rows.len() * preds.width {
@@ -178,7 +178,7 @@ pub fn concat_parts(
     rel: &Path,
     format: OutputFormat,
     parts: &[std::path::PathBuf],
-    sync: NameSync,
+    sync: NameSync<'_>,
 ) -> Result<Publish, ItemError> {
     let inputs = match parts
         .iter()

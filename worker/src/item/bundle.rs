@@ -97,8 +97,10 @@ pub async fn handle(held: Arc<Held>, bundle: Bundle, ctx: Arc<ItemContext>) -> H
     let key = ctx.guard.key.as_ref();
     let permits = Arc::new(Semaphore::new(n));
     let mut tasks = Vec::with_capacity(n);
-    // Their commits go in one group, as far as they finish together.
+    // Their part files are made durable by one sync, and their commits go
+    // in one group, as far as they finish together.
     let mut tickets = ctx.committer.expect(n);
+    let mut coming = ctx.data_sync.expect(n);
     for member in bundle.members() {
         let sealed = seal_ref(&member, key);
         let mut headers = held.own_headers();
@@ -119,9 +121,10 @@ pub async fn handle(held: Arc<Held>, bundle: Bundle, ctx: Arc<ItemContext>) -> H
             .try_acquire_owned()
             .expect("one permit per member");
         let ticket = tickets.pop().expect("one ticket per member");
+        let write = coming.pop().expect("one per member");
         tasks.push(tokio::spawn(group::holding(
             ticket,
-            super::member(delivery, ctx.clone(), permit),
+            super::writing(write, super::member(delivery, ctx.clone(), permit)),
         )));
     }
     let mut outcome = Handled::Committed;

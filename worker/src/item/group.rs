@@ -4,11 +4,13 @@
 //! each with its own answer (first commit wins stays per item).
 //!
 //! Before the call, the folders of the group's part files are fsynced, once
-//! each: the files' bytes were fsynced before they were linked into place
-//! ([`NameSync::Later`](batchfleet_shared::fsutil::NameSync)), and their
+//! each: the files' bytes were made durable before they were linked into
+//! place (by one filesystem sync for the files written side by side:
+//! [`NameSync::Shared`](batchfleet_shared::fsutil::NameSync)), and their
 //! names become durable here — so a committed item's part file survives a
-//! power loss, as when each item fsynced its own folder, for one folder
-//! fsync per group instead of one per item.
+//! power loss, as when each item fsynced its file and its folder, for one
+//! filesystem sync and one folder fsync per group instead of two fsyncs per
+//! item.
 //!
 //! One task per worker takes what handlers hand it: the first item that
 //! arrives, and every other item already waiting, up to [`MOST`]. An item

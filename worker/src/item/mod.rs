@@ -55,6 +55,7 @@ use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::{NameSync, Publish};
 use batchfleet_shared::message::{Opened, WorkItem, COPY_HEADER, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
+use batchfleet_shared::shared_sync::{Coming, SharedSync};
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
 use held::Held;
@@ -86,6 +87,20 @@ pub async fn handle(
         Ok(opened) => one(held, opened, ctx, permit).await,
         Err(settled) => settled,
     }
+}
+
+tokio::task_local! {
+    /// The part file write of the bundle item this task handles, on its way
+    /// to the sync it shares with the bundle's other items.
+    static COMING: std::cell::Cell<Option<Coming>>;
+}
+
+/// Runs `handling` (one bundle item's) with its part file write expected
+/// by the shared sync: taken by the write, or dropped when it ends.
+async fn writing<F: std::future::Future>(coming: Coming, handling: F) -> F::Output {
+    COMING
+        .scope(std::cell::Cell::new(Some(coming)), handling)
+        .await
 }
 
 /// Handles one member of a bundle, delivered as a version 3 message of its
@@ -557,11 +572,17 @@ async fn process(
     ctx.debug.check_disk(&out.join(&part))?;
     let write_started = Instant::now();
     let (o, p, r, rows_now) = (out.clone(), part.clone(), rejects_rel.clone(), stats.rows);
+    let data_sync = ctx.data_sync.clone();
+    // A bundle item's write, expected by the shared sync: given up once
+    // this write has asked for its sync (or failed before).
+    let coming = COMING.try_with(std::cell::Cell::take).ok().flatten();
     let (won_part, completed) = blocking(move || {
         if !rejects.is_empty() {
             writer::rejects_folder_usable(&o)?;
         }
-        let published = source.publish(&o, &p)?;
+        let published = source.publish(&o, &p, &data_sync);
+        drop(coming);
+        let published = published?;
         let won = match (published, publishing) {
             (Publish::Committed, _) => true,
             (Publish::AlreadyExists, Publishing::Completing) => {
@@ -749,15 +770,18 @@ enum PartSource {
 }
 
 impl PartSource {
-    fn publish(self, out: &Path, part: &Path) -> Result<Publish, ItemError> {
+    /// Publishes the part file, its bytes made durable by a sync shared
+    /// with the part files written beside it, its name by the group commit.
+    fn publish(self, out: &Path, part: &Path, shared: &SharedSync) -> Result<Publish, ItemError> {
+        let sync = NameSync::Shared(shared);
         match self {
             PartSource::Rows(b) => {
                 let (batch, preds, spec) = *b;
                 let rows = 0..batch.rows();
-                writer::write_part_rows(out, part, &spec, &batch, rows, &preds, NameSync::Later)
+                writer::write_part_rows(out, part, &spec, &batch, rows, &preds, sync)
             }
             PartSource::Segments(format, files) => {
-                writer::concat_parts(out, part, format, &files, NameSync::Later)
+                writer::concat_parts(out, part, format, &files, sync)
             }
         }
     }

@@ -13,9 +13,15 @@ use std::time::Duration;
 
 /// The sum of a worker's counter `name` over the samples labelled `how`.
 fn counter(metrics: &str, name: &str, how: &str) -> u64 {
+    labelled(metrics, name, "how", how)
+}
+
+/// The sum of a worker's counter `name` over the samples whose label
+/// `label` is `value`.
+fn labelled(metrics: &str, name: &str, label: &str, value: &str) -> u64 {
     metrics
         .lines()
-        .filter(|l| l.starts_with(name) && l.contains(&format!("how=\"{how}\"")))
+        .filter(|l| l.starts_with(name) && l.contains(&format!("{label}=\"{value}\"")))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }
@@ -132,6 +138,15 @@ async fn a_bad_item_costs_only_itself_and_a_bundle_that_comes_back_is_split() {
     let starts = |how| counter(&metrics, "batchfleet_worker_item_starts_total", how);
     assert_eq!(starts("checked"), 5, "{metrics}");
     assert_eq!(starts("quick"), 251, "{metrics}");
+    // A bundle's part files are made durable together: one filesystem sync
+    // for the items written side by side, not an fsync each.
+    let syncs = |what| labelled(&metrics, "batchfleet_syncs_total", "what", what);
+    let shared = syncs("filesystem") + syncs("file");
+    assert!(
+        shared <= 128,
+        "{shared} data syncs for 256 items in bundles of 4: {metrics}"
+    );
+    assert!(syncs("filesystem") > 0, "{metrics}");
     stop_all(&mut workers);
     broker.close("bye").await;
     env.cleanup(&[&id]).await;
