@@ -259,7 +259,12 @@ pub struct ItemContext {
     runner: Mutex<RunnerSlot>,
     make_runner: MakeRunner,
     abandoned: AtomicUsize,
+    /// The (job, model digest) pairs whose model was loaded ahead, newest last.
+    ahead: Mutex<std::collections::VecDeque<(String, String)>>,
 }
+
+/// Jobs remembered as loaded ahead ([`ItemContext::load_ahead`]).
+const AHEAD_KEPT: usize = 64;
 
 impl std::fmt::Debug for ItemContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -387,6 +392,7 @@ impl ItemContext {
             runner: Mutex::new(RunnerSlot::new(runner)),
             make_runner: parts.make_runner,
             abandoned: AtomicUsize::new(0),
+            ahead: Mutex::default(),
         })
     }
 
@@ -419,6 +425,30 @@ impl ItemContext {
     /// Swaps in the handle of a new broker connection.
     pub fn set_broker(&self, broker: Arc<dyn Broker>) {
         *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = broker;
+    }
+
+    /// Starts loading `item`'s model in the background the first time this
+    /// worker sees its job (and model), so the load overlaps the item's
+    /// read instead of following it. A load that fails here is left to
+    /// the item's own model call, which loads again and reports it.
+    pub fn load_ahead(self: &Arc<Self>, item: &WorkItem) {
+        let key = (item.job_id.clone(), item.task.model.sha256.clone());
+        {
+            let mut ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+            if ahead.contains(&key) {
+                return;
+            }
+            if ahead.len() >= AHEAD_KEPT {
+                ahead.pop_front();
+            }
+            ahead.push_back(key);
+        }
+        let (ctx, model) = (self.clone(), item.task.model.clone());
+        tokio::spawn(async move {
+            if let Err(e) = ctx.preload(&model).await {
+                tracing::debug!(error = %e, "loading the model ahead failed; the item's own call will load it");
+            }
+        });
     }
 
     /// Loads a model on the current runner before any item needs it.

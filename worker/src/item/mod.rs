@@ -177,6 +177,8 @@ async fn one(
             return reject(&held, claimed, &refusal.reason, refusal.label, &ctx).await;
         }
     };
+    // The first item of a job here: its model loads while the item is read.
+    ctx.load_ahead(&item);
     let span = tracing::info_span!("item", job = %item.job_id, item = item.seq, attempt);
     let work = async {
         if let Some((_, why)) = ctx.pause.until() {
