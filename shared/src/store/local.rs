@@ -410,8 +410,11 @@ impl JobStore for LocalStore {
         for other in others {
             if other.is_stale(now) {
                 job.leases.remove(&other.field());
-                *job.crashes.entry(lease.seq).or_default() += 1;
-                workers.push(other.worker);
+                // A worker stopped from outside while it drained is no crash.
+                if !other.stopping {
+                    *job.crashes.entry(lease.seq).or_default() += 1;
+                    workers.push(other.worker);
+                }
             } else if claim.returned {
                 let left = (other.heartbeat_ms + other.ttl_ms).saturating_sub(now);
                 wait = wait.max(left + 1);
@@ -566,7 +569,7 @@ impl JobStore for LocalStore {
             let Some(seq) = f.split_once('@').and_then(|(s, _)| s.parse::<u32>().ok()) else {
                 continue;
             };
-            if job.leases.remove(f).is_some() {
+            if job.leases.remove(f).is_some_and(|l| !l.stopping) {
                 *job.crashes.entry(seq).or_default() += 1;
             }
             counts.insert(seq, job.crashes.get(&seq).copied().unwrap_or(0));
@@ -877,6 +880,7 @@ mod tests {
             rows_resumed: 0,
             acked: false,
             boot: String::new(),
+            stopping: false,
         }
     }
 

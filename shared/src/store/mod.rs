@@ -218,6 +218,12 @@ pub struct Lease {
     /// counts it as a crash like any other.
     #[serde(default)]
     pub boot: String,
+    /// Its worker was told to stop (SIGTERM: a scale-down, a preemption)
+    /// and is draining: should the lease go stale, the worker was stopped
+    /// from outside, and the item is not counted as one that kills its
+    /// workers (`[failure] max_crashes`).
+    #[serde(default)]
+    pub stopping: bool,
 }
 
 /// This process's boot id for its leases: when it started (ms, hex) and its
@@ -768,6 +774,7 @@ mod tests {
             rows_resumed: 0,
             acked: false,
             boot: String::new(),
+            stopping: false,
         };
         assert!(!lease.is_stale(7_000));
         assert!(lease.is_stale(7_001));

@@ -43,6 +43,7 @@ on_both_stores! {
     a_sample_of_item_stats_holds_distinct_committed_items: "bftest-sample",
     a_job_s_facts_and_a_lease_written_at_the_first_heartbeat: "bftest-facts",
     workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up: "bftest-crash",
+    a_worker_stopped_while_draining_is_no_crash_of_its_items: "bftest-stopping",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -176,6 +177,7 @@ fn lease(seq: u32, worker: &str) -> batchfleet_shared::store::Lease {
         acked: false,
         // As a worker writes it: a lease goes through the scripts' JSON whole.
         boot: batchfleet_shared::store::boot_id(),
+        stopping: false,
     }
 }
 
@@ -991,6 +993,62 @@ async fn store_clock_past(store: &Store, ms: u64) {
     while store.now_ms().await.expect("time") <= ms {
         tokio::task::yield_now().await;
     }
+}
+
+/// A lease its worker marked `stopping` (draining after SIGTERM) that goes
+/// stale is dropped without counting a crash, by a worker's start and by
+/// the supervisor's count alike; an unmarked one beside it is counted.
+async fn a_worker_stopped_while_draining_is_no_crash_of_its_items(store: Store) {
+    store.put_job(&record("s")).await.expect("put");
+    let returned = Claim {
+        returned: true,
+        ..claim()
+    };
+    let mut last = 0;
+    for (seq, stopping) in [(0, true), (1, true), (2, false)] {
+        let l = batchfleet_shared::store::Lease {
+            ttl_ms: 0,
+            ..lease(seq, "w1")
+        };
+        let Start::Started { at_ms, .. } =
+            store.start_item("s", &l, &claim()).await.expect("start")
+        else {
+            panic!("not started")
+        };
+        let marked = batchfleet_shared::store::Lease {
+            stopping,
+            started_ms: at_ms,
+            ..l
+        };
+        assert!(store.heartbeat("s", &marked, 0).await.expect("heartbeat"));
+        last = last.max(store.now_ms().await.expect("time"));
+    }
+    store_clock_past(&store, last + 1).await;
+    let next = batchfleet_shared::store::Lease {
+        ttl_ms: 60_000,
+        ..lease(0, "w2")
+    };
+    let started = store
+        .start_item("s", &next, &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(started, Start::Started { crashes: 0, .. }),
+        "a stopping worker's stale lease: {started:?}"
+    );
+    let counted = store
+        .count_crashes("s", &["1@w1".to_owned(), "2@w1".to_owned()])
+        .await
+        .expect("count");
+    assert_eq!((counted[&1], counted[&2]), (0, 1), "{counted:?}");
+    let left: Vec<u32> = store
+        .leases("s")
+        .await
+        .expect("leases")
+        .iter()
+        .map(|l| l.seq)
+        .collect();
+    assert_eq!(left, [0], "the stale leases are dropped: {left:?}");
 }
 
 async fn workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up(store: Store) {

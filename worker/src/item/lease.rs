@@ -142,6 +142,7 @@ pub fn lease_for(item: &WorkItem, attempt: u32, ctx: &ItemContext, at_ms: u64) -
         rows_resumed: 0,
         acked: false,
         boot: batchfleet_shared::store::boot_id(),
+        stopping: false,
     }
 }
 
@@ -161,6 +162,12 @@ async fn heartbeat_loop(
     loop {
         tokio::select! {
             _ = signals.stop.cancelled() => return,
+            // Told to stop (SIGTERM): the lease says so at once, so that if
+            // the worker is killed before it drains (a preemption's short
+            // grace), its death is not counted against the item.
+            _ = ctx.shutdown.cancelled(), if !lease.stopping => {
+                lease.stopping = true;
+            }
             _ = tick.tick() => {}
         }
         if !held.is_settled() && held.received.elapsed() >= ctx.tuning.ack_after {

@@ -258,6 +258,67 @@ async fn sigterm_checkpoints_the_item_returns_prefetched_ones_and_exits_0() {
     env.cleanup(&[&job]).await;
 }
 
+/// A worker told to stop (SIGTERM: a scale-down, a spot preemption) and
+/// killed before it drained leaves a lease marked `stopping`: its death is
+/// not counted against the item. With `[failure] max_crashes = 1`, a
+/// counted death would dead-letter the item as `crash`; here the next
+/// worker runs it and the job completes with every row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_while_draining_after_sigterm_is_no_crash_of_its_item() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("preempt");
+    // One item of 6 mini-batches of 100 rows, 1 s each, no checkpoint before its end.
+    let manifest = job(&env, "preempt", 1, 600, 100);
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(&manifest, format!("{text}\n[failure]\nmax_crashes = 1\n")).expect("manifest");
+    let job = job_id(&manifest);
+    let store = env.connections().store().await.expect("redis");
+    let mut preempted = env.spawn_worker(
+        "preempted",
+        &[
+            "--prefetch",
+            "1",
+            "--debug-batch-delay",
+            "1s",
+            "--heartbeat",
+            "200ms",
+            "--lease-ttl",
+            "1s",
+        ],
+    );
+    env.wait_for_consumers(1, std::slice::from_mut(&mut preempted))
+        .await;
+    let run = start_job(&env, &manifest);
+    wait_until("the item is leased", Duration::from_secs(60), || async {
+        !leases(&store, &job).await.is_empty()
+    })
+    .await;
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &preempted.child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success());
+    wait_until(
+        "the draining worker marks its lease stopping",
+        Duration::from_secs(30),
+        || async { leases(&store, &job).await.iter().any(|l| l.stopping) },
+    )
+    .await;
+    // The grace runs out before the item ends.
+    preempted.child.kill().expect("kill -9");
+    let _ = preempted.child.wait();
+    let mut next = vec![env.spawn_worker("next", &["--heartbeat", "200ms"])];
+    let summary = finished(run).await;
+    assert_exactly_once(&env, &summary);
+    let crashes = store.crashes(&job).await.expect("crashes");
+    assert!(
+        crashes.values().all(|n| *n == 0),
+        "a preempted worker is no crash: {crashes:?}"
+    );
+    stop_all(&mut next);
+    env.cleanup(&[&job]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
     let _serial = SERIAL.lock().await;

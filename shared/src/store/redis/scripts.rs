@@ -191,7 +191,8 @@ return 1
 /// crashes: other workers' leases on the item that are stale (their worker
 /// died holding it; a lease of the same worker id written by another
 /// process — `boot` — counts as another worker's) are dropped, each
-/// counted as a crash in `KEYS[7]`.
+/// counted as a crash in `KEYS[7]` — unless the lease says its worker was
+/// `stopping` (draining after SIGTERM: stopped from outside, not by the item).
 /// Then: `crashed` (with the count and the dead workers) once the count
 /// reaches the job's `max_crashes` (0: never); `held` (with the ms until
 /// the lease goes stale) when the broker returned the delivery and another
@@ -244,8 +245,11 @@ repeat
       local left = (tonumber(other['heartbeat_ms']) or 0) + (tonumber(other['ttl_ms']) or 0) - now
       if left < 0 then
         redis.call('HDEL', KEYS[2], field)
-        crashes = redis.call('HINCRBY', KEYS[7], ARGV[1], 1)
-        dead[#dead + 1] = tostring(other['worker'])
+        -- A worker stopped from outside while it drained is no crash.
+        if other['stopping'] ~= true then
+          crashes = redis.call('HINCRBY', KEYS[7], ARGV[1], 1)
+          dead[#dead + 1] = tostring(other['worker'])
+        end
       elseif ARGV[8] == '1' then
         wait = math.max(wait, left + 1)
       end
@@ -270,14 +274,17 @@ return {'started', tostring(now), tostring(crashes)}
 /// Drops the stale leases `ARGV[1..]` (`<seq>@<worker>`) of unsettled items
 /// from `KEYS[1]`, counting one crash of the item in `KEYS[2]` for each
 /// lease this call dropped (one another caller dropped first is not
-/// counted again). Returns `seq, crashes` pairs, one per field.
+/// counted again; nor is one whose worker was `stopping`). Returns
+/// `seq, crashes` pairs, one per field.
 pub const CRASH_SCRIPT: &str = r#"
 local out = {}
 for i = 1, #ARGV do
   local seq = string.match(ARGV[i], '^(%d+)@')
   if seq then
     local n
-    if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 then
+    local held = redis.call('HGET', KEYS[1], ARGV[i])
+    local stopping = held and cjson.decode(held)['stopping'] == true
+    if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 and not stopping then
       n = redis.call('HINCRBY', KEYS[2], seq, 1)
     else
       n = tonumber(redis.call('HGET', KEYS[2], seq)) or 0
