@@ -131,11 +131,15 @@ pub async fn run_spec(
     }
     if matches!(outcome, Ok(RunOutcome::Completed { .. })) {
         // The job settled: checkpoint segments a slower copy wrote while the
-        // pipelines drained belong to items committed elsewhere.
-        let _ = batchfleet_shared::fsutil::remove_tree_under(
-            spec.output_dir(),
-            Path::new(batchfleet_shared::output::PARTIAL_DIR),
-        );
+        // pipelines drained belong to items committed elsewhere, and so do
+        // its staged files.
+        for left in [
+            batchfleet_shared::output::PARTIAL_DIR,
+            batchfleet_shared::output::STAGING_DIR,
+        ] {
+            let _ =
+                batchfleet_shared::fsutil::remove_tree_under(spec.output_dir(), Path::new(left));
+        }
     }
     // Only a settled run knows every dead item: an interrupted or failed
     // one adds its own and keeps the earlier run's.

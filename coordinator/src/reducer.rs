@@ -4,7 +4,7 @@
 use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
-use batchfleet_shared::output::{PARTIAL_DIR, SUCCESS_FILE, SUMMARY_FILE};
+use batchfleet_shared::output::{PARTIAL_DIR, STAGING_DIR, SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -455,10 +455,14 @@ fn write_summary(out: &Path, summary: &Summary, status: JobStatus) -> Result<Pat
             .map_err(RunError::io_while(format!("write {}", p.display())))
     };
     // Checkpoint segments left by a slower copy of an item that lost the
-    // race — unless the job was cancelled: then they are what a run of it
-    // again continues from.
+    // race, and staged files a worker killed mid-write left behind (every
+    // item is settled: no writer of this job needs them) — unless the job
+    // was cancelled: then the segments are what a run of it again
+    // continues from.
     if status != JobStatus::Cancelled {
-        let _ = batchfleet_shared::fsutil::remove_tree_under(out, Path::new(PARTIAL_DIR));
+        for left in [PARTIAL_DIR, STAGING_DIR] {
+            let _ = batchfleet_shared::fsutil::remove_tree_under(out, Path::new(left));
+        }
     }
     write(&path, &json)?;
     if status == JobStatus::Completed {

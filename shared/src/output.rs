@@ -8,7 +8,7 @@
 //! | `part-<seq>.<format>` | the committed predictions of item `seq` |
 //! | `rejects/part-<seq>.jsonl` | its rejected rows, with why |
 //! | `_partial/part-<seq>-<digest>/` | checkpoint segments of an item in progress |
-//! | `_staging/` | files being written (random names; never read) |
+//! | `_staging/` | files being written (random names; never read); emptied when the job settles (a worker killed mid-write leaves its file here) |
 //! | `_JOB` | the id of the job that owns the folder |
 //! | `summary.json`, `_SUCCESS` | written when the job settles (`_SUCCESS` only if it completed) |
 //! | `predictions.<format>` | the merged output (`[output] merge = true`) |

@@ -106,6 +106,11 @@ fn assert_exactly_once(env: &TestEnv, summary: &Summary) {
         "counted exactly once"
     );
     assert!(out.join("_SUCCESS").is_file());
+    // Nor a staged file a worker killed mid-write left: the summary clears them.
+    let staged: Vec<_> = std::fs::read_dir(out.join("_staging"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(staged.is_empty(), "left in _staging/: {staged:?}");
     // The summary removes `_partial/`; a losing copy still at work when it
     // did removes its own segments, and `_partial/` with them, as it stops.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -177,6 +182,14 @@ async fn a_worker_killed_mid_item_is_resumed_from_its_checkpoint_by_another() {
     );
     slow.child.kill().expect("kill -9");
     let _ = slow.child.wait();
+    // What a worker killed in the middle of writing a part file leaves.
+    let staging = env.path().join("out").join("_staging");
+    std::fs::create_dir_all(&staging).expect("staging");
+    std::fs::write(
+        staging.join("part-000000.csv.0123456789abcdef.tmp"),
+        "id,sc",
+    )
+    .expect("planted");
     let mut fast = vec![env.spawn_worker("fast", &[])];
 
     let summary = finished(run).await;
