@@ -133,13 +133,7 @@ pub async fn run_spec(
         // The job settled: checkpoint segments a slower copy wrote while the
         // pipelines drained belong to items committed elsewhere, and so do
         // its staged files.
-        for left in [
-            batchfleet_shared::output::PARTIAL_DIR,
-            batchfleet_shared::output::STAGING_DIR,
-        ] {
-            let _ =
-                batchfleet_shared::fsutil::remove_tree_under(spec.output_dir(), Path::new(left));
-        }
+        batchfleet_shared::output::remove_leftovers(spec.output_dir());
     }
     // Only a settled run knows every dead item: an interrupted or failed
     // one adds its own and keeps the earlier run's.

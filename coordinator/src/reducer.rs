@@ -4,7 +4,7 @@
 use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
-use batchfleet_shared::output::{PARTIAL_DIR, STAGING_DIR, SUCCESS_FILE, SUMMARY_FILE};
+use batchfleet_shared::output::{SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -460,9 +460,7 @@ fn write_summary(out: &Path, summary: &Summary, status: JobStatus) -> Result<Pat
     // was cancelled: then the segments are what a run of it again
     // continues from.
     if status != JobStatus::Cancelled {
-        for left in [PARTIAL_DIR, STAGING_DIR] {
-            let _ = batchfleet_shared::fsutil::remove_tree_under(out, Path::new(left));
-        }
+        batchfleet_shared::output::remove_leftovers(out);
     }
     write(&path, &json)?;
     if status == JobStatus::Completed {

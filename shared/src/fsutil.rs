@@ -267,10 +267,7 @@ impl Folder {
             }
             match sync {
                 NameSync::Shared(shared) => shared.sync(&file)?,
-                NameSync::Now | NameSync::Later => {
-                    metrics::counter!(names::SYNCS, "what" => "file").increment(1);
-                    file.sync_all()?;
-                }
+                NameSync::Now | NameSync::Later => sync_file(&file)?,
             }
             if overwrite {
                 if self.entry(name)? == Some(true) {
@@ -319,6 +316,12 @@ pub fn sync_folder(path: &Path) -> io::Result<()> {
         return Ok(());
     }
     sync_fd(&Folder::open(path, false)?.fd)
+}
+
+/// A file's own fsync, counted.
+pub(crate) fn sync_file(file: &File) -> io::Result<()> {
+    metrics::counter!(names::SYNCS, "what" => "file").increment(1);
+    file.sync_all()
 }
 
 /// A folder's fsync, counted.

@@ -35,6 +35,16 @@ pub const PARTIAL_DIR: &str = "_partial";
 /// Folder holding temporary files while they are written (never read):
 /// the atomic publication's, so [`crate::fsutil`] owns its name.
 pub use crate::fsutil::STAGING_DIR;
+
+/// Removes what no writer of a settled job needs any more from its output
+/// folder `out`: checkpoint segments a slower copy of an item left
+/// (`_partial/`) and files a worker killed mid-write left staged
+/// (`_staging/`). Best effort: what cannot be removed stays.
+pub fn remove_leftovers(out: &Path) {
+    for left in [PARTIAL_DIR, STAGING_DIR] {
+        let _ = crate::fsutil::remove_tree_under(out, Path::new(left));
+    }
+}
 /// Items a `--local` run dead-lettered, one JSON file each with the reason
 /// (the fleet keeps them in its dead queue instead).
 pub const DEAD_DIR: &str = "_dead";

@@ -151,7 +151,7 @@ impl SharedSync {
         let mut s = lane.state.lock().unwrap_or_else(|p| p.into_inner());
         if s.unsupported {
             drop(s);
-            return own(file);
+            return crate::fsutil::sync_file(file);
         }
         s.asked += 1;
         let ticket = s.asked;
@@ -163,7 +163,11 @@ impl SharedSync {
             if s.done >= ticket {
                 let on_own = ticket <= s.own_through;
                 drop(s);
-                return if on_own { own(file) } else { Ok(()) };
+                return if on_own {
+                    crate::fsutil::sync_file(file)
+                } else {
+                    Ok(())
+                };
             }
             if s.leading {
                 s = lane.changed.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -227,12 +231,6 @@ impl Drop for Decrement<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
-}
-
-/// The file's own `fsync`.
-fn own(file: &File) -> io::Result<()> {
-    metrics::counter!(names::SYNCS, "what" => "file").increment(1);
-    file.sync_all()
 }
 
 #[cfg(target_os = "linux")]

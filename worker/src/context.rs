@@ -432,16 +432,16 @@ impl ItemContext {
     /// read instead of following it. A load that fails here is left to
     /// the item's own model call, which loads again and reports it.
     pub fn load_ahead(self: &Arc<Self>, item: &WorkItem) {
-        let key = (item.job_id.clone(), item.task.model.sha256.clone());
+        let (job, sha) = (&item.job_id, &item.task.model.sha256);
         {
             let mut ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
-            if ahead.contains(&key) {
+            if ahead.iter().any(|(j, s)| j == job && s == sha) {
                 return;
             }
             if ahead.len() >= AHEAD_KEPT {
                 ahead.pop_front();
             }
-            ahead.push_back(key);
+            ahead.push_back((job.clone(), sha.clone()));
         }
         let (ctx, model) = (self.clone(), item.task.model.clone());
         tokio::spawn(async move {

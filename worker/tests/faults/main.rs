@@ -306,11 +306,7 @@ async fn a_worker_killed_while_draining_after_sigterm_is_no_crash_of_its_item() 
         !leases(&store, &job).await.is_empty()
     })
     .await;
-    let sent = std::process::Command::new("kill")
-        .args(["-TERM", &preempted.child.id().to_string()])
-        .status()
-        .expect("kill -TERM");
-    assert!(sent.success());
+    assert!(preempted.signal_term(), "kill -TERM");
     wait_until(
         "the draining worker marks its lease stopping",
         Duration::from_secs(30),

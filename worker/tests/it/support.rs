@@ -253,11 +253,18 @@ impl Worker {
         );
     }
 
+    /// Sends SIGTERM (as a scale-down or a preemption does), without
+    /// waiting: whether it was sent (not to a worker that exited already).
+    pub fn signal_term(&self) -> bool {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     /// Sends SIGTERM and waits for the exit status (bounded).
     pub fn terminate(&mut self, within: Duration) -> ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        self.signal_term();
         let deadline = Instant::now() + within;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait worker") {
