@@ -113,7 +113,26 @@ impl RunConfig {
         path: &std::path::Path,
         overrides: &[String],
     ) -> Result<crate::manifest::JobSpec, crate::manifest::ManifestError> {
-        let spec = crate::manifest::load_with(path, &self.data_roots, overrides)?;
+        self.load_trying(path, overrides, self.trial)
+    }
+
+    /// [`RunConfig::load`] for a job validated when it was run (`resume`,
+    /// `dlq replay`): its model is not tried again.
+    pub fn load_known(
+        &self,
+        path: &std::path::Path,
+        overrides: &[String],
+    ) -> Result<crate::manifest::JobSpec, crate::manifest::ManifestError> {
+        self.load_trying(path, overrides, crate::manifest::ModelTrial::Skip)
+    }
+
+    fn load_trying(
+        &self,
+        path: &std::path::Path,
+        overrides: &[String],
+        trial: crate::manifest::ModelTrial,
+    ) -> Result<crate::manifest::JobSpec, crate::manifest::ManifestError> {
+        let spec = crate::manifest::load_trying(path, &self.data_roots, overrides, trial)?;
         let problems: Vec<_> = self
             .connections
             .hooks
@@ -152,6 +171,8 @@ pub struct RunConfig {
     pub data_roots: Vec<PathBuf>,
     /// `--set key=value` overrides applied over the manifest file.
     pub overrides: Vec<String>,
+    /// How a new job's model call is tried at validation (`--validate-memory`).
+    pub trial: crate::manifest::ModelTrial,
 }
 
 /// Straggler and orphan settings.

@@ -136,7 +136,7 @@ pub async fn resume_job(
         ))
     })?;
     let manifest = PathBuf::from(&job.manifest);
-    let spec = cfg.load(&manifest, &job.overrides)?;
+    let spec = cfg.load_known(&manifest, &job.overrides)?;
     if spec.job_id != job_id {
         return Err(RunError::ManifestMoved {
             manifest: manifest.display().to_string(),

@@ -287,7 +287,7 @@ pub async fn replay(
     if dead.is_empty() {
         tracing::info!(output = %output.display(), "no dead items to replay");
     }
-    let mut spec = cfg.load(Path::new(&summary.manifest), &summary.overrides)?;
+    let mut spec = cfg.load_known(Path::new(&summary.manifest), &summary.overrides)?;
     if spec.job_id != summary.job_id {
         if !update_model {
             return Err(RunError::ManifestMoved {

@@ -550,10 +550,13 @@ impl Supervisor {
                     self.job_id
                 ))
             })?;
-        let spec = Arc::new(crate::manifest::load_with(
+        // Validated when it was run: the model is not tried again here, so
+        // a model that kills the process trying it cannot stop supervision.
+        let spec = Arc::new(crate::manifest::load_trying(
             Path::new(&manifest),
             &self.data_roots,
             &overrides,
+            crate::manifest::ModelTrial::Skip,
         )?);
         if spec.job_id != self.job_id {
             return Err(RunError::ManifestMoved {

@@ -175,10 +175,55 @@ fn url_or_file(
     }
 }
 
+/// A size in bytes: a number, optionally followed by `K`, `M`, `G` or `T`
+/// (powers of 1024; `KiB`, `KB`, `kb` … read the same).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 8GiB, 512MiB or 1073741824"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_lowercase()
+        .trim_end_matches('b')
+        .trim_end_matches('i')
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?}; use K, M, G or T (powers of 1024)"
+            ))
+        }
+    };
+    n.checked_mul(1 << shift)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{s:?}: must be above 0 and below 16 EiB"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn sizes_read_in_powers_of_1024() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("512mb"), Ok(512 << 20));
+        assert_eq!(parse_size("1073741824"), Ok(1 << 30));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("8 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
 
     #[derive(Parser)]
     struct Cli {

@@ -184,36 +184,7 @@ fn parse_panic_spec(s: &str) -> Result<(PanicSite, u32, u32), String> {
     ))
 }
 
-/// A size in bytes: a number, optionally followed by `K`, `M`, `G` or `T`
-/// (powers of 1024; `KiB`, `KB`, `kb` … read the same).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (digits, unit) = t.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?}: expected a size such as 8GiB, 512MiB or 1073741824"))?;
-    let shift = match unit
-        .trim()
-        .to_ascii_lowercase()
-        .trim_end_matches('b')
-        .trim_end_matches('i')
-    {
-        "" => 0,
-        "k" => 10,
-        "m" => 20,
-        "g" => 30,
-        "t" => 40,
-        _ => {
-            return Err(format!(
-                "{s:?}: unknown unit {unit:?}; use K, M, G or T (powers of 1024)"
-            ))
-        }
-    };
-    n.checked_mul(1 << shift)
-        .filter(|&b| b > 0)
-        .ok_or_else(|| format!("{s:?}: must be above 0 and below 16 EiB"))
-}
+pub use batchfleet_shared::config::parse_size;
 
 fn parse_offset_ms(s: &str) -> Result<i64, String> {
     let (sign, d) = match s.strip_prefix('-') {
@@ -288,20 +259,6 @@ impl WorkerConfig {
 mod tests {
     use super::*;
     use clap::CommandFactory;
-
-    #[test]
-    fn sizes_read_in_powers_of_1024() {
-        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("512mb"), Ok(512 << 20));
-        assert_eq!(parse_size("1073741824"), Ok(1 << 30));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("8 parsecs")
-            .unwrap_err()
-            .contains("unknown unit"));
-        assert!(parse_size("lots").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 
     #[test]
     fn every_flag_has_an_environment_variable() {

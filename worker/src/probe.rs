@@ -14,7 +14,7 @@ use crate::runner::{predict, predict_tokens, TorchBackend};
 use batchfleet_shared::message::{FailurePolicy, Layout, TaskSpec};
 
 /// What the model returned for the sample rows.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Probed {
     /// Values per row written.
     pub width: usize,
@@ -25,7 +25,7 @@ pub struct Probed {
 }
 
 /// Why the probe did not return [`Probed`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum ProbeFailure {
     /// The job cannot run as written (the reason names the setting to fix).
     Refused(String),

@@ -158,6 +158,10 @@ pub enum Command {
     /// `batchfleet completions zsh > "${fpath[1]}/_batchfleet"`,
     /// `batchfleet completions fish > ~/.config/fish/completions/batchfleet.fish`.
     Completions(CompletionsArgs),
+    /// Validation's trial of a model call, in a process of its own: a task
+    /// spec (JSON) on stdin, the outcome (JSON) on stdout. Not for people.
+    #[command(hide = true)]
+    TryModel,
 }
 
 /// `batchfleet completions`.
@@ -331,7 +335,7 @@ pub struct SuperviseArgs {
     pub follow: FollowArgs,
 }
 
-/// `--set key=value`, on `run` and `plan`.
+/// `--set key=value` and how the model is tried, on `run` and `plan`.
 #[derive(Debug, Args)]
 pub struct OverrideArgs {
     /// Override a manifest value: `section.key=value`, the value in TOML
@@ -340,6 +344,21 @@ pub struct OverrideArgs {
     /// Repeat for several. Overrides are part of the job: its id covers them.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Most memory the model may take when validation tries it on two
+    /// sample rows, in a process of its own (`8GiB`, `512MiB`); a model
+    /// that takes more, or crashes that process, refuses the job.
+    /// Default: 2 GiB plus four times the model file.
+    #[arg(long, env = "BATCHFLEET_VALIDATE_MEMORY", value_name = "SIZE", value_parser = batchfleet_shared::config::parse_size)]
+    pub validate_memory: Option<u64>,
+}
+
+impl OverrideArgs {
+    /// How the model call is tried at validation.
+    pub(super) fn trial(&self) -> crate::manifest::ModelTrial {
+        crate::manifest::ModelTrial::Child {
+            memory: self.validate_memory,
+        }
+    }
 }
 
 /// `batchfleet plan`.
@@ -439,6 +458,7 @@ impl FollowArgs {
             supervise: Default::default(),
             data_roots: Vec::new(),
             overrides: Vec::new(),
+            trial: Default::default(),
         }
     }
 
@@ -456,6 +476,7 @@ impl FollowArgs {
             },
             data_roots: self.data_roots.clone(),
             overrides: Vec::new(),
+            trial: Default::default(),
         }
     }
 }

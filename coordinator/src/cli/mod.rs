@@ -43,6 +43,13 @@ pub async fn main(cli: Cli) -> ExitCode {
     if let Command::Completions(args) = &cli.command {
         return completions(args.shell);
     }
+    if let Command::TryModel = &cli.command {
+        return crate::manifest::try_model_main();
+    }
+    if matches!(cli.command, Command::Run(_) | Command::Plan(_)) {
+        // Its start overlaps the steps before validation tries the model.
+        crate::manifest::start_model_trial();
+    }
     cli.global.services.init_logging();
     // Before any libtorch call (`run --local` and validation use it).
     batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
@@ -81,7 +88,7 @@ pub async fn main(cli: Cli) -> ExitCode {
         }
         Command::Dlq(cmd) => dlq::main(cmd, &connections).await,
         // Answered before anything else, above.
-        Command::Completions(_) => ExitCode::SUCCESS,
+        Command::Completions(_) | Command::TryModel => ExitCode::SUCCESS,
         Command::Status(args) => status_main(args, connections).await,
         Command::Jobs(args) => jobs_main(args, connections).await,
         Command::Compare(args) => compare_main(&args, &connections).await,
@@ -129,6 +136,7 @@ fn serve_metrics(cli: &Cli) -> Result<(), String> {
 async fn run_main(args: RunArgs, connections: Connections) -> ExitCode {
     let mut cfg = args.follow.run_config(connections);
     cfg.overrides = args.overrides.set.clone();
+    cfg.trial = args.overrides.trial();
     let shutdown = batchfleet_shared::shutdown::on_signals();
     let run = if args.detach {
         crate::job::submit_job(&cfg, &args.manifest).await
@@ -291,6 +299,7 @@ async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
     };
     let mut cfg = FollowArgs::default_config(connections);
     cfg.data_roots = args.data_roots;
+    cfg.trial = args.overrides.trial();
     cfg.overrides = args.overrides.set;
     match crate::control::plan(&cfg, &args.manifest, store.as_ref()).await {
         Ok(r) if args.json => {

@@ -3,51 +3,507 @@
 //! the way workers will run it ([`batchfleet_worker::probe`]), so a
 //! selection the model's output does not have, a `[rows, L, D]` output
 //! without pooling, a `dtype` the CPU cannot run, or output names that do
-//! not match the model's width are exit 2 with the setting to fix. A model
-//! that does not load here, raises on the made-up rows, or has not returned
-//! within [`PROBE_LIMIT`] (or the job's `item_timeout`, if shorter) only
-//! warns: the workers decide, under their own timeouts.
+//! not match the model's width are exit 2 with the setting to fix.
+//!
+//! The call runs in a child process (`batchfleet try-model`, the same
+//! executable), never in the coordinator's own: a model that crashes
+//! libtorch, or takes more memory than [`ModelTrial::Child`] allows (by
+//! default [`default_memory`]), kills the child, and validation refuses the
+//! job with what happened. A model that does not load there, raises on the
+//! made-up rows, or has not returned within [`PROBE_LIMIT`] (or the job's
+//! `item_timeout`, if shorter) only warns: the workers decide, under their
+//! own timeouts. A pass is remembered on the machine ([`Remembered`]), so
+//! the next job of the same model called the same way is not tried again.
+//! Only `run` and `plan` try the model; `supervise`, `wait`,
+//! `cancel`, `resume` and `dlq replay` handle jobs that were validated when
+//! they were run ([`ModelTrial::Skip`]).
 
 use super::{ManifestError, Problem};
 use batchfleet_shared::message::TaskSpec;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// How long validation waits for the model's call on the sample rows at most.
-pub const PROBE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+pub const PROBE_LIMIT: Duration = Duration::from_secs(60);
 
-/// [`batchfleet_worker::probe::probe`] on a thread of its own, waited for
-/// [`PROBE_LIMIT`] or the job's `item_timeout`, whichever is shorter: a
-/// model that never returns leaves that thread behind, not validation.
-#[cfg(feature = "local")]
-fn bounded_probe(
-    task: &TaskSpec,
-) -> Result<batchfleet_worker::probe::Probed, batchfleet_worker::probe::ProbeFailure> {
-    use batchfleet_worker::probe::{probe, ProbeFailure};
-    let limit = PROBE_LIMIT.min(std::time::Duration::from_millis(
-        task.failure.item_timeout_ms,
-    ));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let owned = task.clone();
-    let spawned = std::thread::Builder::new()
-        .name("model-probe".into())
-        .spawn(move || {
-            let _ = tx.send(probe(&owned));
-        });
-    if let Err(e) = spawned {
-        return Err(ProbeFailure::Inconclusive(format!(
-            "cannot start a thread to try it: {e}"
-        )));
+/// The variable that names the program run as `<program> try-model`
+/// (default: this `batchfleet`, or the one built beside the program that
+/// links this library).
+pub const PROGRAM_ENV: &str = "BATCHFLEET_TRY_MODEL_PROGRAM";
+
+/// `abort` in this variable makes `try-model` abort instead of trying
+/// the model (a crash inside libtorch, for tests).
+pub const DEBUG_ENV: &str = "BATCHFLEET_DEBUG_TRY_MODEL";
+
+/// Whether and how validation tries a job's model call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelTrial {
+    /// In a child process, killed past the time limit or past `memory`
+    /// bytes of resident memory (`None`: [`default_memory`] of the model).
+    Child {
+        /// Most resident bytes the child may use (`--validate-memory`).
+        memory: Option<u64>,
+    },
+    /// Not tried: the job was validated when it was run.
+    Skip,
+}
+
+impl Default for ModelTrial {
+    fn default() -> Self {
+        ModelTrial::Child { memory: None }
     }
-    rx.recv_timeout(limit).unwrap_or_else(|_| {
-        Err(ProbeFailure::Inconclusive(format!(
-            "it did not return within {} s on two sample rows",
-            limit.as_secs_f64()
-        )))
+}
+
+/// The child's memory limit when none is given: 2 GiB, plus four times the
+/// model file (weights loaded, a copy in flight, activations of two rows).
+pub fn default_memory(model_bytes: u64) -> u64 {
+    (2 << 30) + model_bytes.saturating_mul(4)
+}
+
+/// What the trial found.
+type Tried = Result<batchfleet_worker_probe::Probed, batchfleet_worker_probe::ProbeFailure>;
+
+#[cfg(feature = "local")]
+use batchfleet_worker::probe as batchfleet_worker_probe;
+
+#[cfg(not(feature = "local"))]
+mod batchfleet_worker_probe {
+    //! What the child answers, for a coordinator without libtorch (which
+    //! never starts one).
+    #[derive(Debug, serde::Serialize, serde::Deserialize)]
+    pub struct Probed {
+        pub width: usize,
+        pub parts: Vec<(String, usize)>,
+    }
+    #[derive(Debug, serde::Deserialize)]
+    pub enum ProbeFailure {
+        Refused(String),
+        Inconclusive(String),
+    }
+}
+
+/// `batchfleet try-model`: reads a task spec (JSON) on stdin, tries its
+/// model call, and writes the outcome (JSON) on stdout.
+pub fn child_main() -> std::process::ExitCode {
+    use std::io::{Read, Write};
+    let mut input = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut input) {
+        eprintln!("try-model: cannot read the task on stdin: {e}");
+        return std::process::ExitCode::from(74);
+    }
+    if input.is_empty() {
+        // Started ahead for a validation that never came to the model.
+        return std::process::ExitCode::SUCCESS;
+    }
+    let task: TaskSpec = match serde_json::from_slice(&input) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("try-model: stdin is not a task spec: {e}");
+            return std::process::ExitCode::from(65);
+        }
+    };
+    // A crash inside libtorch, on demand, for the tests of what validation
+    // makes of one.
+    if std::env::var(DEBUG_ENV).is_ok_and(|v| v == "abort") {
+        eprintln!("injected crash: aborting try-model ({DEBUG_ENV}=abort)");
+        std::process::abort();
+    }
+    #[cfg(feature = "local")]
+    let tried: Tried = batchfleet_worker::probe::probe(&task);
+    #[cfg(not(feature = "local"))]
+    let tried: Result<(), String> = Err(format!(
+        "this batchfleet is built without libtorch and cannot try {}",
+        task.model.path
+    ));
+    let out = serde_json::to_vec(&tried).expect("the outcome serializes");
+    let mut stdout = std::io::stdout().lock();
+    if stdout
+        .write_all(&out)
+        .and_then(|()| stdout.flush())
+        .is_err()
+    {
+        return std::process::ExitCode::from(74);
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+/// The program to run as `<program> try-model`: [`PROGRAM_ENV`], this
+/// process's executable if it is `batchfleet`, else the `batchfleet`
+/// beside it or one folder up (a test or the load generator in cargo's
+/// `target/<profile>/deps/`).
+fn program() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(PROGRAM_ENV) {
+        return Ok(p.into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    if exe.file_name().is_some_and(|n| n == "batchfleet") {
+        return Ok(exe);
+    }
+    let here = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    let found = [Some(here.as_path()), here.parent()]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("batchfleet"))
+        .find(|c| c.is_file());
+    found
+        .ok_or_else(|| {
+            format!(
+                "no batchfleet executable beside {} to try it in (build it, or name one in {PROGRAM_ENV})",
+                exe.display()
+            )
+        })
+}
+
+/// The coordinator's environment as the child gets it: what a libtorch
+/// process reads (threads, allocators, devices, logging), never a
+/// service URL, key or credential.
+fn child_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
+    const KEEP: &[&str] = &[
+        "PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", DEBUG_ENV,
+    ];
+    const PREFIXES: &[&str] = &[
+        "OMP_",
+        "MKL_",
+        "KMP_",
+        "GOMP_",
+        "OPENBLAS_",
+        "TORCH_",
+        "PYTORCH_",
+        "CUDA_",
+        "NVIDIA_",
+        "LIBTORCH",
+        "RUST_LOG",
+        "RUST_BACKTRACE",
+    ];
+    std::env::vars_os().filter(|(k, _)| {
+        k.to_str()
+            .is_some_and(|k| KEEP.contains(&k) || PREFIXES.iter().any(|p| k.starts_with(p)))
     })
 }
 
-/// Tries `task`'s model call (see the module docs).
-pub(super) fn check(task: &TaskSpec, manifest_path: &Path) -> Result<(), ManifestError> {
+/// A process's resident memory in bytes (`VmRSS`), if it can be read.
+fn resident(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A signal's usual name.
+fn signal_name(sig: i32) -> String {
+    match sig {
+        4 => "SIGILL".into(),
+        6 => "SIGABRT".into(),
+        7 => "SIGBUS".into(),
+        8 => "SIGFPE".into(),
+        9 => "SIGKILL".into(),
+        11 => "SIGSEGV".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// The last lines of a child's stderr, as one line.
+fn tail(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let from = lines.len().saturating_sub(3);
+    let mut t = lines[from..].join(" | ");
+    if t.len() > 600 {
+        let mut cut = t.len() - 600;
+        while !t.is_char_boundary(cut) {
+            cut += 1;
+        }
+        t = format!("…{}", &t[cut..]);
+    }
+    t
+}
+
+/// What ended the child.
+enum Ended {
+    /// It answered.
+    Answered(Tried),
+    /// Killed by validation for holding more than the limit.
+    OverMemory { limit: u64, seen: u64 },
+    /// Killed by validation at the time limit.
+    OutOfTime(Duration),
+    /// Died of a signal validation did not send.
+    Signal(i32, String),
+    /// Exited without an answer.
+    NoAnswer(String),
+}
+
+/// Starts `program try-model`, waiting for its task on stdin.
+fn spawn(program: &Path) -> Result<std::process::Child, String> {
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new(program)
+        .arg("try-model")
+        .env_clear()
+        .envs(child_env())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        // A group of its own, so a kill reaches whatever it started.
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("cannot start {} try-model: {e}", program.display()))
+}
+
+/// A `try-model` process started before validation began
+/// ([`start_ahead`]), already loading libtorch while the manifest is read
+/// and the input sampled.
+static AHEAD: std::sync::Mutex<Option<std::process::Child>> = std::sync::Mutex::new(None);
+
+/// Starts the `try-model` process of the validation to come, so that its
+/// start (a process that loads libtorch: about as long as validating a
+/// manifest) overlaps validation instead of following it. `run` and `plan`
+/// call it first thing; a process never given a task reads the end of its
+/// input when this one exits, and exits too.
+pub fn start_ahead() {
+    if cfg!(not(feature = "local")) {
+        return;
+    }
+    if let Ok(child) = program().and_then(|p| spawn(&p)) {
+        *AHEAD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(child);
+    }
+}
+
+/// Runs `program try-model` on `task` (the process started ahead, if it
+/// is still waiting), within `limit` and `memory` bytes.
+fn run_child(
+    program: &Path,
+    task: &TaskSpec,
+    limit: Duration,
+    memory: u64,
+) -> Result<Ended, String> {
+    use std::io::{Read, Write};
+    use std::os::unix::process::ExitStatusExt;
+    let input = serde_json::to_vec(task).map_err(|e| format!("cannot encode the task: {e}"))?;
+    let ahead = AHEAD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    let mut child = match ahead {
+        Some(mut c) => match c.try_wait() {
+            Ok(None) => c,
+            _ => spawn(program)?,
+        },
+        None => spawn(program)?,
+    };
+    let pid = child.id();
+    let mut stdin = child.stdin.take().expect("piped");
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let mut stdout = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = stdout.read_to_end(&mut out);
+        out
+    });
+    let mut stderr = child.stderr.take().expect("piped");
+    let errors = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = stderr.read_to_end(&mut out);
+        out
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let kill = || {
+        if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process_group(p, rustix::process::Signal::KILL);
+        }
+    };
+    let started = std::time::Instant::now();
+    let mut killed = None;
+    let status = loop {
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(status) => break status.map_err(|e| format!("cannot wait for try-model: {e}"))?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err("lost the try-model process".into())
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if killed.is_some() {
+            continue;
+        }
+        if started.elapsed() >= limit {
+            kill();
+            killed = Some(Ended::OutOfTime(limit));
+        } else if let Some(seen) = resident(pid).filter(|&r| r > memory) {
+            kill();
+            killed = Some(Ended::OverMemory {
+                limit: memory,
+                seen,
+            });
+        }
+    };
+    let _ = writer.join();
+    let out = reader.join().unwrap_or_default();
+    let err = errors.join().unwrap_or_default();
+    if let Some(k) = killed {
+        return Ok(k);
+    }
+    if let Ok(tried) = serde_json::from_slice::<Tried>(&out) {
+        return Ok(Ended::Answered(tried));
+    }
+    Ok(match status.signal() {
+        Some(sig) => Ended::Signal(sig, tail(&err)),
+        None => Ended::NoAnswer(format!("{status}: {}", tail(&err))),
+    })
+}
+
+/// A passing trial remembered on this machine, so that the next job of
+/// the same model called the same way (a daily re-run on new data) starts
+/// no process to try it again: a file named by the digest of the model
+/// (its sha256 and how it is called), the job's row layout and tokenizer,
+/// the memory limit and this executable (a rebuilt batchfleet, or another
+/// libtorch, tries again), under `$BATCHFLEET_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/batchfleet` or `~/.cache/batchfleet`. Only passes are
+/// kept; a cache that cannot be read or written is no cache.
+struct Remembered(PathBuf);
+
+impl Remembered {
+    fn of(task: &TaskSpec, memory: u64) -> Option<Self> {
+        if std::env::var_os(DEBUG_ENV).is_some() {
+            return None;
+        }
+        let dir = std::env::var_os("BATCHFLEET_CACHE_DIR")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("batchfleet"))
+            })
+            .or_else(|| {
+                std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/batchfleet"))
+            })?;
+        let exe = std::env::current_exe().ok()?;
+        let meta = std::fs::metadata(&exe).ok()?;
+        let built = meta
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos();
+        let key = serde_json::json!({
+            "trial": 1,
+            "exe": [exe, built.to_string(), meta.len()],
+            "model": task.model,
+            "layout": task.layout,
+            "text": task.text,
+            "memory": memory,
+        });
+        let digest = batchfleet_shared::fsutil::sha256_bytes(key.to_string().as_bytes());
+        Some(Self(dir.join("trials").join(format!("{digest}.json"))))
+    }
+
+    fn get(&self) -> Option<batchfleet_worker_probe::Probed> {
+        serde_json::from_slice(&std::fs::read(&self.0).ok()?).ok()
+    }
+
+    fn put(&self, p: &batchfleet_worker_probe::Probed) {
+        let Some(dir) = self.0.parent() else { return };
+        let tmp = self.0.with_extension(format!("tmp{}", std::process::id()));
+        let written = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&tmp, serde_json::to_vec(p).unwrap_or_default()))
+            .and_then(|()| std::fs::rename(&tmp, &self.0));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::debug!(cache = %self.0.display(), error = %e, "cannot remember the model's trial");
+        }
+    }
+}
+
+/// Tries `task`'s model call in a child process (see the module docs):
+/// `Err` refuses the job (field, message); what says nothing certain
+/// about the model only warns.
+fn trial(
+    task: &TaskSpec,
+    memory: Option<u64>,
+) -> Result<Option<batchfleet_worker_probe::Probed>, (&'static str, String)> {
+    use batchfleet_worker_probe::ProbeFailure;
+    let limit = PROBE_LIMIT.min(Duration::from_millis(task.failure.item_timeout_ms));
+    let model = &task.model.path;
+    let memory = memory
+        .unwrap_or_else(|| default_memory(std::fs::metadata(model).map(|m| m.len()).unwrap_or(0)));
+    let warn = |why: String| {
+        tracing::warn!(model = %model, reason = %why, "the model call could not be tried on sample rows at validation; workers will report what it does");
+        Ok(None)
+    };
+    let remembered = Remembered::of(task, memory);
+    if let Some(p) = remembered.as_ref().and_then(Remembered::get) {
+        // Nothing to try: let a process started ahead for it go.
+        if let Some(mut ahead) = AHEAD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            let _ = ahead.kill();
+            let _ = ahead.wait();
+        }
+        tracing::debug!(model = %model, "the same model call passed its trial before: not tried again");
+        return Ok(Some(p));
+    }
+    let program = match program() {
+        Ok(p) => p,
+        Err(why) => return warn(why),
+    };
+    let ended = match run_child(&program, task, limit, memory) {
+        Ok(e) => e,
+        Err(why) => return warn(why),
+    };
+    match ended {
+        Ended::Answered(Ok(p)) => {
+            if let Some(r) = &remembered {
+                r.put(&p);
+            }
+            Ok(Some(p))
+        }
+        Ended::Answered(Err(ProbeFailure::Refused(why))) => {
+            let field = if why.contains("[output] select") {
+                "[output] select"
+            } else if why.contains("pooling") {
+                "[output] pooling"
+            } else if why.contains("dtype") {
+                "[model] dtype"
+            } else {
+                "[model] path"
+            };
+            Err((field, format!("{why} (tried on two sample rows at validation)")))
+        }
+        Ended::Answered(Err(ProbeFailure::Inconclusive(why))) => warn(why),
+        Ended::OutOfTime(limit) => warn(format!(
+            "it did not return within {} s on two sample rows",
+            limit.as_secs_f64()
+        )),
+        Ended::OverMemory { limit, seen } => Err((
+            "[model] path",
+            format!(
+                "{model} took more than {} MiB of memory on two sample rows ({} MiB when stopped); workers would need at least that for each model they hold. If the model needs it, raise the limit with `--validate-memory` (BATCHFLEET_VALIDATE_MEMORY)",
+                limit >> 20,
+                seen >> 20
+            ),
+        )),
+        Ended::Signal(sig, stderr) => Err((
+            "[model] path",
+            format!(
+                "{model} killed the process that tried it on two sample rows ({}{}); a worker running it would die the same way. Check the model outside batchfleet (load it with torch.jit.load and call it), or export it again",
+                signal_name(sig),
+                if stderr.is_empty() { String::new() } else { format!(": {stderr}") }
+            ),
+        )),
+        Ended::NoAnswer(why) => warn(format!("try-model gave no answer ({why})")),
+    }
+}
+
+/// Tries `task`'s model call as `trial` says (see the module docs).
+pub(super) fn check(
+    task: &TaskSpec,
+    manifest_path: &Path,
+    trial_mode: ModelTrial,
+) -> Result<(), ManifestError> {
     let refuse = |field: &str, message: String| ManifestError {
         file: manifest_path.to_owned(),
         problems: vec![Problem {
@@ -55,55 +511,34 @@ pub(super) fn check(task: &TaskSpec, manifest_path: &Path) -> Result<(), Manifes
             message,
         }],
     };
-    #[cfg(feature = "local")]
-    {
-        use batchfleet_worker::probe::ProbeFailure;
-        match bounded_probe(task) {
-            Ok(p) => {
-                let out = &task.output;
-                for (key, names) in [
-                    ("[output] columns", &out.columns),
-                    ("[output] labels", &out.labels),
-                ] {
-                    if !names.is_empty() && names.len() != p.width {
-                        return Err(refuse(
-                            key,
-                            format!(
-                                "names {} outputs but {} returns {} per row (tried on two sample rows); make them agree",
-                                names.len(),
-                                task.model.path,
-                                p.width
-                            ),
-                        ));
-                    }
-                }
-                tracing::debug!(width = p.width, parts = ?p.parts, "model call tried on sample rows");
-            }
-            Err(ProbeFailure::Refused(why)) => {
-                let field = if why.contains("[output] select") {
-                    "[output] select"
-                } else if why.contains("pooling") {
-                    "[output] pooling"
-                } else if why.contains("dtype") {
-                    "[model] dtype"
-                } else {
-                    "[model] path"
-                };
-                return Err(refuse(
-                    field,
-                    format!("{why} (tried on two sample rows at validation)"),
-                ));
-            }
-            Err(ProbeFailure::Inconclusive(why)) => {
-                tracing::warn!(model = %task.model.path, reason = %why, "the model call could not be tried on sample rows at validation; workers will report what it does");
-            }
-        }
-        Ok(())
-    }
-    #[cfg(not(feature = "local"))]
-    {
-        let _ = refuse;
+    let memory = match trial_mode {
+        ModelTrial::Skip => return Ok(()),
+        ModelTrial::Child { memory } => memory,
+    };
+    if cfg!(not(feature = "local")) {
         tracing::info!(model = %task.model.path, "this coordinator is built without libtorch: the model call is not tried at validation (workers check it)");
-        Ok(())
+        return Ok(());
     }
+    let Some(p) = trial(task, memory).map_err(|(field, message)| refuse(field, message))? else {
+        return Ok(());
+    };
+    let out = &task.output;
+    for (key, names) in [
+        ("[output] columns", &out.columns),
+        ("[output] labels", &out.labels),
+    ] {
+        if !names.is_empty() && names.len() != p.width {
+            return Err(refuse(
+                key,
+                format!(
+                    "names {} outputs but {} returns {} per row (tried on two sample rows); make them agree",
+                    names.len(),
+                    task.model.path,
+                    p.width
+                ),
+            ));
+        }
+    }
+    tracing::debug!(width = p.width, parts = ?p.parts, "model call tried on sample rows");
+    Ok(())
 }

@@ -22,8 +22,8 @@
 //! - `call`: how the model is called: `[model] inputs` and `dtype`,
 //!   `[output] select`, `pooling`, `normalize`, `vector`, and `forward`'s
 //!   parameter names read from the archive.
-//! - `dry_run`: the model call tried on two sample rows (with libtorch in
-//!   the coordinator) before anything is published.
+//! - `dry_run`: the model call tried on two sample rows, in a child
+//!   process with a time and memory limit, before anything is published.
 //! - `cut`: how a CSV or JSON Lines job is cut into items: blind, from the
 //!   files' sizes, or by reading every record.
 //! - `policy`: `[batching]` and `[failure]`: item sizing, batch size,
@@ -53,6 +53,10 @@ mod spec;
 #[cfg(test)]
 mod testing;
 
+pub use dry_run::{
+    child_main as try_model_main, default_memory, start_ahead as start_model_trial, ModelTrial,
+    DEBUG_ENV as DEBUG_TRY_MODEL_ENV, PROBE_LIMIT,
+};
 pub use input::expand_columns;
 pub use policy::{DEFAULT_BATCH_SIZE, DEFAULT_CHECKPOINT_EVERY, DEFAULT_ITEM_ROWS};
 pub use probes::{check_parquet_columns, read_header, read_jsonl_keys, sample, SAMPLE_FILES};
@@ -118,6 +122,18 @@ pub fn load_with(
     data_roots: &[PathBuf],
     overrides: &[String],
 ) -> Result<JobSpec, ManifestError> {
+    load_trying(path, data_roots, overrides, ModelTrial::default())
+}
+
+/// [`load_with`], trying the model call as `trial` says: in a child
+/// process within its limits, or not at all for a job that was validated
+/// when it was run (`supervise`, `wait`, `cancel`, `resume`, `dlq replay`).
+pub fn load_trying(
+    path: &Path,
+    data_roots: &[PathBuf],
+    overrides: &[String],
+    trial: ModelTrial,
+) -> Result<JobSpec, ManifestError> {
     let fail = |field: &str, message: String| ManifestError {
         file: path.to_owned(),
         problems: vec![Problem {
@@ -172,7 +188,7 @@ pub fn load_with(
         DataRoots::new(data_roots)
     }
     .map_err(|e| fail("data roots", e.to_string()))?;
-    let mut spec = validate(&manifest, &base, path, &roots)?;
+    let mut spec = validate(&manifest, &base, path, &roots, trial)?;
     spec.overrides = overrides.to_vec();
     spec.resolved_manifest = toml::to_string(&shown(table)).unwrap_or_default();
     Ok(spec)
@@ -238,6 +254,7 @@ pub fn validate(
     base: &Path,
     manifest_path: &Path,
     roots: &DataRoots,
+    trial: ModelTrial,
 ) -> Result<JobSpec, ManifestError> {
     let mut problems = Problems::default();
     spec::check_job(&m.job, &mut problems);
@@ -347,7 +364,7 @@ pub fn validate(
     if let batchfleet_shared::message::Layout::Csv(csv) = &mut task.layout {
         csv.header = layout.header.clone();
     }
-    dry_run::check(&task, manifest_path)?;
+    dry_run::check(&task, manifest_path, trial)?;
     Ok(JobSpec {
         job_id,
         name: m.job.name.clone(),

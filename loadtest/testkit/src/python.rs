@@ -155,7 +155,7 @@ fn join(rows: &[u64]) -> String {
 }
 
 /// Writes the faulty variants of `out/model.pt` (poison.pt, flaky.pt, hang.pt,
-/// slow.pt, oom.pt, stuck.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
+/// slow.pt, oom.pt, stuck.pt, hungry.pt) into `out`; see `loadtest/python/make_faulty_models.py`.
 pub fn make_faulty_models(out: &Path, slow_ms: f64) -> Result<()> {
     run_model_script(
         "make_faulty_models.py",

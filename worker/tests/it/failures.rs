@@ -824,3 +824,96 @@ async fn a_model_that_never_returns_does_not_hang_validation() {
     );
     assert!(spec.task.model.path.ends_with("stuck.pt"));
 }
+
+/// Issue: validation ran the model in the coordinator's own process, so a
+/// model that takes all the memory on two rows took it from the
+/// coordinator. Now the call runs in a child process with a memory limit:
+/// `hungry.pt` takes 2.5 GiB on exactly the two sample rows, over the
+/// default limit for its small file (2 GiB plus four times the file), and
+/// the job is refused naming the limit and how to raise it; with the limit
+/// raised, the same manifest is valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_over_the_memory_limit_at_validation_is_refused_and_the_limit_can_be_raised() {
+    use batchfleet_coordinator::manifest::{load_trying, ModelTrial};
+    let env = TestEnv::new("hungry-probe");
+    let manifest = job(&env, 1_000, &[], &[], "hungry.pt", "");
+    let roots = [env.path().to_owned()];
+    let err = load_trying(&manifest, &roots, &[], ModelTrial::default())
+        .expect_err("over the default limit")
+        .to_string();
+    assert!(
+        err.contains("[model] path") && err.contains("MiB of memory on two sample rows"),
+        "{err}"
+    );
+    assert!(err.contains("--validate-memory"), "{err}");
+    let raised = ModelTrial::Child {
+        memory: Some(6 << 30),
+    };
+    let spec = load_trying(&manifest, &roots, &[], raised).expect("valid with 6 GiB");
+    assert!(spec.task.model.path.ends_with("hungry.pt"));
+}
+
+/// Issue: `supervise`, `wait` and `cancel` loaded each job's model in
+/// their own process to validate its manifest again, so one model that
+/// crashes libtorch took down the supervision of every job. The trial now
+/// runs in a child process, and only for a new job: `run` refuses a model
+/// that kills that process (exit 2, the signal named, nothing published),
+/// while a `wait` in which any trial would crash the same way still
+/// reduces an already running job and runs its `[on_complete]` command,
+/// which it skips when the manifest cannot be validated again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_crashes_its_trial_is_refused_by_run_and_never_tried_by_wait() {
+    use batchfleet_coordinator::manifest::DEBUG_TRY_MODEL_ENV as CRASH;
+    let env = TestEnv::new("crash-probe");
+    let manifest = job(&env, 500, &[], &[], "model.pt", "");
+    let mut text = std::fs::read_to_string(&manifest).expect("manifest");
+    text.push_str(
+        "\n[on_complete]\ncommand = [\"sh\", \"-c\", \"echo $BATCHFLEET_JOB_ID >> hooks.log\"]\n",
+    );
+    std::fs::write(&manifest, text).expect("manifest");
+    let path = manifest.to_str().expect("utf8");
+
+    let refused = crate::jobs::coordinator(&env)
+        .args(["run", path, "--detach", "--json"])
+        .env(CRASH, "abort")
+        .output()
+        .expect("run");
+    // With --json the error is the JSON object on stdout.
+    let said = String::from_utf8_lossy(&refused.stdout);
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("killed the process that tried it") && said.contains("SIGABRT"),
+        "{said}"
+    );
+    assert!(!env.path().join("out").exists(), "nothing ran: {said}");
+
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let out = crate::jobs::coordinator(&env)
+        .args(["run", path, "--detach", "--json"])
+        .output()
+        .expect("run --detach");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let detached: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let id = detached["job_id"].as_str().expect("job id").to_owned();
+    let waited = crate::jobs::coordinator(&env)
+        .args(["wait", &id, "--json"])
+        .env(CRASH, "abort")
+        .output()
+        .expect("wait");
+    let stderr = String::from_utf8_lossy(&waited.stderr);
+    assert_eq!(waited.status.code(), Some(0), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&waited.stdout).expect("JSON");
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["report"]["rows_predicted"], 2_000, "{v}");
+    let hooks = std::fs::read_to_string(env.path().join("hooks.log"))
+        .unwrap_or_else(|e| panic!("the command hook did not run ({e}): {stderr}"));
+    assert_eq!(hooks.trim(), id);
+    stop_all(&mut workers);
+    env.cleanup(&[&id]).await;
+}

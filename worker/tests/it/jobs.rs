@@ -593,7 +593,8 @@ fn counting_server() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     (port, count)
 }
 
-fn coordinator(env: &TestEnv) -> std::process::Command {
+/// `batchfleet` on `env`'s services, without a progress bar.
+pub(crate) fn coordinator(env: &TestEnv) -> std::process::Command {
     let mut c = std::process::Command::new(
         Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
     );

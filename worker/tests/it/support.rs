@@ -65,6 +65,7 @@ impl TestEnv {
             },
             data_roots: Vec::new(),
             overrides: Vec::new(),
+            trial: Default::default(),
         }
     }
 
