@@ -118,6 +118,9 @@ pub mod names {
     pub const WORKER_GPU_UTILIZATION: &str = "batchfleet_worker_gpu_utilization_ratio";
     /// Worker: panics caught while handling an item (counter; where = item, runner).
     pub const WORKER_PANICS: &str = "batchfleet_worker_panics_total";
+    /// Worker: reads and writes of an item given up at its `item_timeout`
+    /// (counter; step = read, write).
+    pub const WORKER_STALLED_IO: &str = "batchfleet_worker_stalled_io_total";
     /// Worker: messages refused before any work, dead-lettered as `rejected` (counter; reason).
     pub const WORKER_MESSAGES_REJECTED: &str = "batchfleet_worker_messages_rejected_total";
     /// Worker: items handed back untouched for other workers (counter; class = unable, disk_full, unknown_job, waiting).
@@ -189,6 +192,7 @@ pub mod names {
         (WORKER_GPU_MEMORY, Kind::Gauge, "GPU memory in use (NVML), by GPU index."),
         (WORKER_GPU_UTILIZATION, Kind::Gauge, "Share of the last sample period a GPU ran kernels (NVML), by GPU index."),
         (WORKER_PANICS, Kind::Counter, "Panics caught while handling an item, by where (item, runner)."),
+        (WORKER_STALLED_IO, Kind::Counter, "Reads and writes of an item given up at its item_timeout (a stalled mount), by step (read, write)."),
         (WORKER_MESSAGES_REJECTED, Kind::Counter, "Messages refused before any work and dead-lettered as rejected, by reason."),
         (WORKER_ITEMS_HANDED_BACK, Kind::Counter, "Items handed back untouched for other workers, by class (unable, disk_full, unknown_job, waiting)."),
         (WORKER_JOBS_BENCHED, Kind::Gauge, "Jobs this worker leaves to other workers for now."),

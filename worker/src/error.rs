@@ -194,6 +194,41 @@ pub async fn blocking<T: Send + 'static>(
     })
 }
 
+/// [`blocking`] within what is left of an item's `budget` (its
+/// `item_timeout` less the time its reads, model calls and writes took so
+/// far), which it spends. Past it the item fails with class `timeout`
+/// (retried like a transient failure); the blocking call itself cannot be
+/// interrupted (a read stuck in the kernel on a hung mount) and keeps its
+/// thread until it returns, its result discarded. `step`: `read` (the
+/// item's input) or `write` (its output).
+pub async fn blocking_within<T: Send + 'static>(
+    budget: &mut std::time::Duration,
+    item_timeout: std::time::Duration,
+    step: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ItemError> {
+    let started = std::time::Instant::now();
+    match tokio::time::timeout(*budget, blocking(f)).await {
+        Ok(done) => {
+            *budget = budget.saturating_sub(started.elapsed());
+            done
+        }
+        Err(_) => {
+            *budget = std::time::Duration::ZERO;
+            metrics::counter!(names::WORKER_STALLED_IO, "step" => step).increment(1);
+            let what = if step == "read" {
+                "reading the item's input"
+            } else {
+                "writing the item's output"
+            };
+            Err(ItemError::timeout(format!(
+                "{what} did not finish within item_timeout ({}s): a read or write that stalls (a hung network mount?) — the item is retried; this worker's thread stays blocked until the call returns",
+                item_timeout.as_secs_f64()
+            )))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

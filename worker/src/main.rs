@@ -1,8 +1,22 @@
 use clap::Parser;
 use std::process::ExitCode;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(run());
+    // A read or write stuck in the kernel (a hung network mount) holds
+    // its blocking thread after its item timed out: not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
+}
+
+async fn run() -> ExitCode {
     let cfg = batchfleet_worker::WorkerConfig::parse();
     cfg.services.init_logging();
     // Before any libtorch call.

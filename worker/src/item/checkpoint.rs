@@ -18,7 +18,7 @@ use super::settle::Handled;
 use super::signals::Signals;
 use crate::batch::{Batch, Reject};
 use crate::context::ItemContext;
-use crate::error::{blocking, ItemError};
+use crate::error::{blocking, blocking_within, ItemError};
 use crate::writer;
 use batchfleet_shared::message::{OutputFormat, WorkItem};
 use batchfleet_shared::metrics::names;
@@ -115,7 +115,8 @@ pub(super) struct Segmented {
 /// rejects. Between segments it stops for a faster copy's commit
 /// (`AlreadyDone`, its segments removed), a shutdown (`Released`, segments
 /// kept) or the job's cancellation (`Skipped`, segments kept for a run of
-/// the job again). `budget` is the item's model time left.
+/// the job again). `budget` is what is left of the item's `item_timeout`,
+/// spent by its model calls and segment writes.
 pub(super) async fn segments(
     item: &WorkItem,
     attempt: u32,
@@ -225,7 +226,8 @@ pub(super) async fn segments(
         );
         let sr = seg_rejects.clone();
         let write_started = Instant::now();
-        batch = blocking(move || {
+        let item_timeout = Duration::from_millis(item.task.failure.item_timeout_ms);
+        batch = blocking_within(budget, item_timeout, "write", move || {
             // The segment's rejects first: its part file is what marks it finished.
             if !sr.is_empty() {
                 writer::write_rejects(&o, &segment_rejects(&p), &sr)?;

@@ -49,7 +49,7 @@ pub(crate) mod task;
 pub(crate) use settle::Handled;
 
 use crate::context::ItemContext;
-use crate::error::{blocking, FailureClass, ItemError};
+use crate::error::{blocking, blocking_within, FailureClass, ItemError};
 use crate::{reader, writer};
 use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::{NameSync, Publish};
@@ -497,6 +497,10 @@ async fn process(
         rows_resumed: 0,
         vector: None,
     };
+    // item_timeout bounds the item's reads, model calls and writes (not its
+    // waits for a turn at the model): what each takes is spent from it.
+    let item_timeout = Duration::from_millis(item.task.failure.item_timeout_ms);
+    let mut budget = item_timeout;
     // One trip to the blocking pool: look for the part file and, unless a
     // previous delivery's part can be committed as it is, read the item.
     let looked = {
@@ -516,7 +520,7 @@ async fn process(
             item.task.model.wants_type_ids(),
         );
         let span = tracing::Span::current();
-        blocking(move || {
+        blocking_within(&mut budget, item_timeout, "read", move || {
             let _in_item = span.enter();
             look_and_read(&o, &p, &spec, seq, &item_rows, || {
                 let started = Instant::now();
@@ -554,7 +558,7 @@ async fn process(
             existing_rows: Some(rows),
         } => (*batch, Publishing::Completing, rows),
     };
-    let computed = compute(item, attempt, batch, signals, ctx, &out).await?;
+    let computed = compute(item, attempt, batch, signals, ctx, &out, &mut budget).await?;
     let Computed {
         rows,
         rejects,
@@ -578,7 +582,7 @@ async fn process(
     // A bundle item's write, expected by the shared sync: given up once
     // this write has asked for its sync (or failed before).
     let coming = COMING.try_with(std::cell::Cell::take).ok().flatten();
-    let (won_part, completed) = blocking(move || {
+    let (won_part, completed) = blocking_within(&mut budget, item_timeout, "write", move || {
         if !rejects.is_empty() {
             writer::rejects_folder_usable(&o)?;
         }
@@ -790,9 +794,10 @@ impl PartSource {
 }
 
 /// Predicts the item's rows: one model call, or segments with
-/// checkpoints when the item is longer than `checkpoint_rows`.
-/// `Ok(Err(outcome))` when it ended early (shutdown, a faster copy, a wait
-/// for the model that took too long).
+/// checkpoints when the item is longer than `checkpoint_rows`, spending
+/// `budget` (what is left of its `item_timeout`). `Ok(Err(outcome))` when
+/// it ended early (shutdown, a faster copy, a wait for the model that took
+/// too long).
 async fn compute(
     item: &WorkItem,
     attempt: u32,
@@ -800,13 +805,13 @@ async fn compute(
     signals: &Signals,
     ctx: &ItemContext,
     out: &Path,
+    budget: &mut Duration,
 ) -> Result<Result<Computed, Handled>, ItemError> {
-    let mut budget = Duration::from_millis(item.task.failure.item_timeout_ms);
     let seg = item.task.checkpoint_rows as usize;
     let mut rejects = std::mem::take(&mut batch.rejects);
     let rows = batch.rows();
     let mut computed = if seg == 0 || rows <= seg {
-        let called = call::model(ctx, item, attempt, batch, 0..rows, &mut budget, signals).await?;
+        let called = call::model(ctx, item, attempt, batch, 0..rows, budget, signals).await?;
         let (batch, preds) = match called {
             Ok(done) => done,
             Err(early) => return Ok(Err(early)),
@@ -831,7 +836,7 @@ async fn compute(
         }
     } else {
         let segmented =
-            checkpoint::segments(item, attempt, batch, signals, ctx, out, &mut budget).await?;
+            checkpoint::segments(item, attempt, batch, signals, ctx, out, budget).await?;
         let done = match segmented {
             Ok(done) => done,
             Err(early) => return Ok(Err(early)),

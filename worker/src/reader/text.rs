@@ -33,9 +33,12 @@ pub fn encoder(spec: &TextSpec) -> Result<Arc<TextEncoder>, ItemError> {
         return Ok(e.clone());
     }
     let path = &spec.tokenizer.path;
+    // As for a model: a file this worker cannot read is this worker's
+    // problem (another may have it mounted); one that is not the job's,
+    // or does not load, is the job's.
     let bytes = std::fs::read(path).map_err(|e| {
-        ItemError::unrunnable(format!(
-            "cannot read tokenizer {path}: {e}; it must be readable by every worker at the path the job was planned with"
+        ItemError::unable(format!(
+            "cannot read tokenizer {path} on this worker: {e}; it must be readable by every worker at the path the job was planned with"
         ))
     })?;
     let actual = batchfleet_shared::fsutil::sha256_bytes(&bytes);

@@ -535,3 +535,121 @@ async fn reduced_precision_runs_the_model_in_bfloat16() {
     workers.stop();
     env.cleanup(&[&job]).await;
 }
+
+/// Issue: a tokenizer one worker cannot read (a mount not there yet)
+/// failed the whole job, where a model in the same state hands the item
+/// back. Here the tokenizer's path is a folder while the only worker takes
+/// its first item: the worker notes it cannot run the job (`unable`) and
+/// hands the item back; once the file is back, the job completes with
+/// every row as PyTorch embeds it and no item failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_unreadable_on_a_worker_hands_the_item_back_and_the_job_completes() {
+    use crate::containment::{start_waiting, summary, until};
+    use std::time::Duration;
+    let env = TestEnv::new("tok-unable");
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: ROWS,
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+    let path = write(&env, "csv.toml", &manifest(&env, "csv", "csv", ""));
+    // Validated and published (1,500 rows in items of 400) before any
+    // worker looks at the tokenizer.
+    let waiting = start_waiting(&env, &env.run_config(), &path, 4).await;
+    let tokenizer = env.path().join("tokenizer.json");
+    let aside = env.path().join("tokenizer.json.aside");
+    std::fs::rename(&tokenizer, &aside).expect("move the tokenizer aside");
+    std::fs::create_dir(&tokenizer).expect("a folder in its place");
+    let mut workers = vec![env.spawn_worker("w1", &["--unable-for", "1s"])];
+    let store = env.connections().store().await.expect("redis");
+    until(
+        "the worker noted it cannot read the tokenizer",
+        Duration::from_secs(60),
+        || async {
+            store
+                .unable(&waiting.id)
+                .await
+                .expect("notes")
+                .get("w1")
+                .is_some_and(|n| n.class == "unable" && n.reason.contains("cannot read tokenizer"))
+        },
+    )
+    .await;
+    std::fs::remove_dir(&tokenizer).expect("folder");
+    std::fs::rename(&aside, &tokenizer).expect("the tokenizer back");
+    let report = summary(waiting.run, Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(report.rows_predicted, u64::from(ROWS), "{report:?}");
+    assert_eq!(report.items_failed, 0, "{report:?}");
+    matches_pytorch(&env, &env.path().join("out-csv"), ROWS as usize);
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&waiting.id]).await;
+}
+
+/// Issue: `item_timeout` bounded only the model call, so a read that never
+/// returns (a file on a hung network mount) held its item, and a slot of
+/// the worker, for good. Here the tokenizer, which a worker reads as part
+/// of reading its first item, is swapped after validation for a FIFO no
+/// one writes: opening it blocks in the kernel, as a read from a hung
+/// mount does. The item fails at its 2 s `item_timeout` as `timeout`,
+/// naming the read; once the file is back its retry completes the job with
+/// every row as PyTorch embeds it, and the worker, with threads still
+/// stuck in the kernel, stops when told to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_never_returns_times_out_and_the_item_is_retried() {
+    use crate::containment::{start_waiting, summary};
+    use std::time::{Duration, Instant};
+    let env = TestEnv::new("stalled-read");
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: ROWS,
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+    let text = manifest(&env, "csv", "csv", "")
+        + "\n[failure]\nitem_timeout = \"2s\"\nmax_attempts = 6\nretry_delay = \"1s\"\n";
+    let path = write(&env, "csv.toml", &text);
+    let waiting = start_waiting(&env, &env.run_config(), &path, 4).await;
+    let tokenizer = env.path().join("tokenizer.json");
+    let aside = env.path().join("tokenizer.json.aside");
+    std::fs::rename(&tokenizer, &aside).expect("move the tokenizer aside");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&tokenizer)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !workers[0]
+        .log_text()
+        .contains("reading the item's input did not finish within item_timeout (2s)")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no read given up at item_timeout within 60 s:\n{}",
+            workers[0].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The file back (the FIFO under another name: its readers stay stuck).
+    std::fs::rename(&tokenizer, env.path().join("tokenizer.fifo")).expect("fifo aside");
+    std::fs::rename(&aside, &tokenizer).expect("the tokenizer back");
+    let report = summary(waiting.run, Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert_eq!(report.rows_predicted, u64::from(ROWS), "{report:?}");
+    assert_eq!(report.items_failed, 0, "{report:?}");
+    matches_pytorch(&env, &env.path().join("out-csv"), ROWS as usize);
+    let log = workers[0].log_text();
+    assert!(
+        !log.contains("the model call did not finish"),
+        "only the read stalled:\n{log}"
+    );
+    // Threads still blocked opening the FIFO do not hold the worker's exit.
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&waiting.id]).await;
+}
