@@ -101,6 +101,8 @@ pub mod names {
     pub const SYNCS: &str = "batchfleet_syncs_total";
     /// Worker: models kept loaded (gauge; pool).
     pub const WORKER_MODELS_LOADED: &str = "batchfleet_worker_models_loaded";
+    /// Worker: bytes of the models it keeps loaded, parameters or file (gauge).
+    pub const WORKER_MODELS_BYTES: &str = "batchfleet_worker_models_loaded_bytes";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
     /// Worker: 1 while running (gauge; pool).
@@ -160,6 +162,7 @@ pub mod names {
         WORKER_JOBS_BENCHED,
         WORKER_PAUSED,
         WORKER_MODELS_LOADED,
+        WORKER_MODELS_BYTES,
     ];
 
     /// Every metric above with its type and its HELP text.
@@ -181,6 +184,7 @@ pub mod names {
         (WORKER_COMMIT_GROUP, Kind::Histogram, "Items committed together by one Redis call (group commit)."),
         (SYNCS, Kind::Counter, "Syncs to disk this process made, by what: file (one file's fsync), folder (a folder's fsync, making new names durable), filesystem (one syncfs for the part files a worker wrote side by side)."),
         (WORKER_MODELS_LOADED, Kind::Gauge, "Models this worker keeps loaded (at most --models-kept; the least recently used is dropped past it)."),
+        (WORKER_MODELS_BYTES, Kind::Gauge, "Bytes of the models the worker keeps loaded (parameters, or the file when larger)."),
         (WORKER_MESSAGES, Kind::Counter, "Work messages taken from the broker (a bundle of several items counts once)."),
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),

@@ -35,6 +35,14 @@ pub struct WorkerConfig {
     /// long-lived worker that runs many models holds a bounded number.
     #[arg(long, env = "BATCHFLEET_MODELS_KEPT", default_value_t = crate::runner::DEFAULT_MODELS_KEPT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub models_kept: usize,
+    /// Bytes of models kept loaded on each device (`16GiB`, `512MiB`):
+    /// before a model loads, the least recently used on its device are
+    /// dropped until it fits (one larger than this is kept alone). A model
+    /// counts its parameters in the precision it runs in, or its file when
+    /// larger. On a GPU, leave room for activations. Unset: only
+    /// `--models-kept` bounds the cache.
+    #[arg(long, env = "BATCHFLEET_MODELS_MEMORY", value_parser = parse_size)]
+    pub models_memory: Option<u64>,
     /// Recycling: after handling this many items, stop taking more, drain,
     /// and exit 75 for the supervisor (systemd, Kubernetes, compose, the
     /// Slurm task wrapper) to start a fresh process. 0 = never.

@@ -238,9 +238,10 @@ fn trust(cfg: &WorkerConfig, fleet: bool) -> anyhow::Result<(DataRoots, Option<S
 /// with `--threads`, slowed by `--debug-batch-delay` when set.
 fn runner_factory(cfg: &WorkerConfig) -> context::MakeRunner {
     let (threads, delay, kept) = (cfg.threads, cfg.debug_batch_delay, cfg.models_kept);
+    let memory = cfg.models_memory;
     Box::new(move || {
         runner::ModelRunner::spawn(move || runner::Delayed {
-            inner: runner::TorchBackend::new(threads, kept),
+            inner: runner::TorchBackend::new(threads, kept).with_memory(memory),
             delay,
         })
     })

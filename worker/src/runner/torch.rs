@@ -1,6 +1,7 @@
 //! The libtorch backend through `tch`: TorchScript modules and AOTInductor
 //! packages loaded once per (path, digest, device, precision) and cached —
-//! the `--models-kept` most recently used, the others dropped — each file
+//! the `--models-kept` most recently used within `--models-memory` bytes
+//! on each device, the others dropped — each file
 //! read once so its digest is checked on the bytes that are loaded; tensors
 //! built from the arguments, the model's output selected, pooled and shaped
 //! per row; libtorch's errors classified (out of memory, raised, unusable);
@@ -29,11 +30,13 @@ fn key_of(model: &ModelRef) -> Key {
     )
 }
 
-/// The libtorch backend: the models it has loaded, the most recently used
-/// last, at most `kept` of them.
+/// The libtorch backend: the models it has loaded with the bytes each
+/// holds, the most recently used last, at most `kept` of them and, on each
+/// device, `memory` bytes (a model larger than that alone is kept alone).
 pub struct TorchBackend {
-    cache: Vec<(Key, Loaded)>,
+    cache: Vec<(Key, Loaded, u64)>,
     kept: usize,
+    memory: Option<u64>,
 }
 
 /// A model loaded by [`TorchBackend`]: a TorchScript module, or an
@@ -76,6 +79,7 @@ impl std::fmt::Debug for TorchBackend {
         f.debug_struct("TorchBackend")
             .field("models", &self.cache.len())
             .field("kept", &self.kept)
+            .field("memory", &self.memory)
             .finish()
     }
 }
@@ -95,7 +99,24 @@ impl TorchBackend {
         Self {
             cache: Vec::new(),
             kept: kept.max(1),
+            memory: None,
         }
+    }
+
+    /// Keeps at most `bytes` of models' parameters and buffers loaded on
+    /// each device (`--models-memory`; `None`: no bound but the count).
+    pub fn with_memory(mut self, bytes: Option<u64>) -> Self {
+        self.memory = bytes;
+        self
+    }
+
+    /// Bytes of models loaded on `device`.
+    fn held_on(&self, device: &str) -> u64 {
+        self.cache
+            .iter()
+            .filter(|(k, _, _)| k.2 == device)
+            .map(|(_, _, b)| b)
+            .sum()
     }
 
     fn device(spec: &str) -> Result<tch::Device, ItemError> {
@@ -133,7 +154,7 @@ impl TorchBackend {
         let found = self
             .cache
             .iter()
-            .position(|((path, sha, device, dtype), _)| {
+            .position(|((path, sha, device, dtype), _, _)| {
                 *path == model.path
                     && *sha == model.sha256
                     && *device == model.device
@@ -149,7 +170,7 @@ impl TorchBackend {
                 self.drop_oldest("more models than --models-kept");
             }
             let started = std::time::Instant::now();
-            let module = match load_pinned(model) {
+            let loaded = match load_pinned(model) {
                 Err(e)
                     if e.class == crate::error::FailureClass::Unable
                         && is_out_of_memory(&e.message)
@@ -163,22 +184,54 @@ impl TorchBackend {
                 }
                 other => other?,
             };
-            tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), ms = started.elapsed().as_millis() as u64, "model loaded");
+            let (module, bytes) = loaded;
+            // Room on its device within --models-memory: the least recently
+            // used models there go first (the new one is kept even alone
+            // over the bound: it is the one the job needs).
+            if let Some(limit) = self.memory {
+                while self.held_on(&model.device) + bytes > limit {
+                    let Some(i) = self.cache.iter().position(|(k, _, _)| k.2 == model.device)
+                    else {
+                        break;
+                    };
+                    self.drop_at(i, "more model memory than --models-memory");
+                }
+            }
+            tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), mib = bytes >> 20, ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
-            self.cache.push((key_of(model), module));
-            metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
+            self.cache.push((key_of(model), module, bytes));
+            self.report();
         }
         Ok(&self.cache.last().expect("the model just used").1)
     }
 
     /// Drops the least recently used model (its memory freed with it).
     fn drop_oldest(&mut self, why: &str) {
-        if self.cache.is_empty() {
-            return;
+        if !self.cache.is_empty() {
+            self.drop_at(0, why);
         }
-        let ((path, _, device, _), _) = self.cache.remove(0);
-        tracing::info!(model = %path, device = %device, reason = why, "model dropped from the cache");
+    }
+
+    /// Drops the model at `i` of the cache (its memory freed with it).
+    fn drop_at(&mut self, i: usize, why: &str) {
+        let ((path, _, device, _), _, bytes) = self.cache.remove(i);
+        tracing::info!(model = %path, device = %device, mib = bytes >> 20, reason = why, "model dropped from the cache");
+        self.report();
+    }
+
+    /// The cache's size in the metrics.
+    fn report(&self) {
         metrics::gauge!(names::WORKER_MODELS_LOADED).set(self.cache.len() as f64);
+        let bytes: u64 = self.cache.iter().map(|(_, _, b)| b).sum();
+        metrics::gauge!(names::WORKER_MODELS_BYTES).set(bytes as f64);
+    }
+
+    /// The models loaded, least recently used first: (path, device, bytes).
+    pub fn cached(&self) -> Vec<(String, String, u64)> {
+        self.cache
+            .iter()
+            .map(|((path, _, device, _), _, b)| (path.clone(), device.clone(), *b))
+            .collect()
     }
 }
 
@@ -197,8 +250,10 @@ fn precision_kind(p: Precision) -> tch::Kind {
 /// load that runs out of memory, is this worker's problem (`unable`:
 /// another may have it mounted, or the memory); a file that is not the
 /// job's (digest) or not TorchScript, or that libtorch refuses otherwise,
-/// fails the job (`unrunnable`).
-fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
+/// fails the job (`unrunnable`). Returns the model with the bytes it
+/// holds: its parameters' (in the loaded precision) or its file's, the
+/// larger (a frozen module keeps its weights as constants, not parameters).
+fn load_pinned(model: &ModelRef) -> Result<(Loaded, u64), ItemError> {
     let bytes = std::fs::read(&model.path).map_err(|e| {
         ItemError::unable(format!(
             "cannot read model {} on this worker: {e}",
@@ -225,7 +280,8 @@ fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
     }
     let device = TorchBackend::device(&model.device)?;
     if kind == batchfleet_shared::model_file::ModelKind::AotiPackage {
-        return load_package(model, &bytes, device).map(Loaded::Package);
+        let size = bytes.len() as u64;
+        return load_package(model, &bytes, device).map(|p| (Loaded::Package(p), size));
     }
     let mut module = tch::CModule::load_data_on_device(&mut bytes.as_slice(), device)
         .map_err(|e| load_error(model, &e.to_string()))?;
@@ -234,7 +290,12 @@ fn load_pinned(model: &ModelRef) -> Result<Loaded, ItemError> {
         // Floating-point parameters and buffers only (integer buffers keep their type).
         module.to(device, precision_kind(p), false);
     }
-    Ok(Loaded::Script(module))
+    let params: u64 = module.named_parameters().map_or(0, |ps| {
+        ps.iter()
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    });
+    Ok((Loaded::Script(module), params.max(bytes.len() as u64)))
 }
 
 /// A libtorch load error, classed: out of memory is this worker's

@@ -1,6 +1,6 @@
 //! A long-lived worker keeps a bounded number of models loaded: the
-//! `--models-kept` most recently used, the others dropped and loaded again
-//! when a job needs them.
+//! `--models-kept` most recently used, within `--models-memory` bytes when
+//! set, the others dropped and loaded again when a job needs them.
 
 use crate::support::{free_port, stop_all, TestEnv};
 use batchfleet_testkit::python::{make_job, JobGen};
@@ -160,4 +160,85 @@ async fn a_worker_recycles_itself_after_max_items_or_past_max_rss() {
     assert!(v.ok(), "{}", v.describe());
     stop_all(&mut next);
     env.cleanup(&[&id]).await;
+}
+
+/// The cache bounded by bytes as well as by count: three models of three
+/// sizes on a worker that may keep eight but only as many bytes as the
+/// larger pair of consecutive ones. The third load drops the first (the
+/// least recently used), not the second, and the bytes the worker says it
+/// holds are the two files it kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeps_its_models_within_models_memory() {
+    let env = TestEnv::new("models-bytes");
+    let mut dirs = Vec::new();
+    for (name, hidden) in [("a", 64), ("b", 512), ("c", 256)] {
+        let dir = env.path().join(name);
+        let gen = JobGen {
+            rows: 400,
+            files: 1,
+            features: 16,
+            hidden,
+            name: batchfleet_testkit::services::unique(name),
+            pool: env.pool.clone(),
+            item_rows: 200,
+            batch_size: 100,
+            ..JobGen::default()
+        };
+        make_job(&dir, &gen).expect("generate job");
+        dirs.push(dir);
+    }
+    let size = |d: &std::path::Path| std::fs::metadata(d.join("model.pt")).expect("model").len();
+    let (a, b, c) = (size(&dirs[0]), size(&dirs[1]), size(&dirs[2]));
+    let bound = (a + b).max(b + c);
+    assert!(a + b + c > bound);
+    let port = free_port();
+    let mut workers = vec![env.spawn_worker(
+        "w1",
+        &[
+            "--models-kept",
+            "8",
+            "--models-memory",
+            &bound.to_string(),
+            "--metrics-port",
+            &port,
+        ],
+    )];
+    env.wait_for_consumers(1, &mut workers).await;
+    let mut ids = Vec::new();
+    for dir in &dirs {
+        let (id, report) = crate::support::run_with_config_to_end(
+            &env.run_config(),
+            &dir.join("job.toml"),
+            Duration::from_secs(120),
+        )
+        .await;
+        assert_eq!(report.status, "completed", "{report:?}");
+        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+        assert!(v.ok(), "{}", v.describe());
+        ids.push(id);
+    }
+    assert_eq!(
+        metric(&port, "batchfleet_worker_model_load_seconds_count"),
+        3.0
+    );
+    assert_eq!(metric(&port, "batchfleet_worker_models_loaded"), 2.0);
+    assert_eq!(
+        metric(&port, "batchfleet_worker_models_loaded_bytes"),
+        (b + c) as f64,
+        "the second and third kept"
+    );
+    let log = workers[0].log_text();
+    let dropped: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("model dropped from the cache"))
+        .collect();
+    assert_eq!(dropped.len(), 1, "{log}");
+    assert!(
+        dropped[0].contains("/a/model.pt") && dropped[0].contains("--models-memory"),
+        "{}",
+        dropped[0]
+    );
+    stop_all(&mut workers);
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.cleanup(&ids).await;
 }
