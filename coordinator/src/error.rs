@@ -103,6 +103,16 @@ pub enum RunError {
 }
 
 impl RunError {
+    /// Whether RabbitMQ or Redis could not be reached (a restart or a
+    /// failover, which `--connect-timeout` rides out).
+    pub fn is_outage(&self) -> bool {
+        match self {
+            RunError::Store(e) => e.is_unavailable(),
+            RunError::Broker(e) => e.is_unavailable(),
+            _ => false,
+        }
+    }
+
     /// An I/O failure while doing `action` (which names the path).
     pub fn io(action: impl Into<String>, source: std::io::Error) -> Self {
         RunError::Io {

@@ -64,14 +64,9 @@ pub async fn run_job(
 pub async fn submit_job(cfg: &RunConfig, manifest_path: &Path) -> Result<RunOutcome, RunError> {
     let submitted_ms = batchfleet_shared::now_ms();
     let spec = cfg.load(manifest_path, &cfg.overrides)?;
-    let store = cfg.connections.store().await?;
-    let broker = cfg
-        .connections
-        .broker(&format!("batchfleet coordinator {}", spec.job_id))
-        .await?;
-    let outcome = crate::dispatcher::dispatch(cfg, &spec, &store, &*broker, submitted_ms).await;
+    let (_store, broker, outcome) = connect_and_dispatch(cfg, &spec, submitted_ms).await?;
     broker.close("bye").await;
-    Ok(match outcome? {
+    Ok(match outcome {
         crate::dispatcher::Dispatched::AlreadyCompleted { summary } => {
             RunOutcome::AlreadyCompleted {
                 job_id: spec.job_id.clone(),
@@ -93,20 +88,15 @@ pub async fn run_spec(
     submitted_ms: u64,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    let store = cfg.connections.store().await?;
-    let broker = cfg
-        .connections
-        .broker(&format!("batchfleet coordinator {}", spec.job_id))
-        .await?;
-    let outcome = crate::dispatcher::dispatch(cfg, spec, &store, &*broker, submitted_ms).await;
-    let outcome = match outcome {
-        Ok(crate::dispatcher::Dispatched::AlreadyCompleted { summary }) => {
+    let (store, broker, dispatched) = connect_and_dispatch(cfg, spec, submitted_ms).await?;
+    let outcome = match dispatched {
+        crate::dispatcher::Dispatched::AlreadyCompleted { summary } => {
             Ok(RunOutcome::AlreadyCompleted {
                 job_id: spec.job_id.clone(),
                 summary,
             })
         }
-        Ok(crate::dispatcher::Dispatched::Running { plan }) => {
+        crate::dispatcher::Dispatched::Running { plan } => {
             let mut supervisor = crate::supervisor::Supervisor::new(
                 &spec.job_id,
                 cfg,
@@ -116,10 +106,57 @@ pub async fn run_spec(
             let me = follower_id();
             follow_with_as(cfg, &store, &spec.job_id, shutdown, &mut supervisor, &me).await
         }
-        Err(e) => Err(e),
     };
     broker.close("bye").await;
     outcome
+}
+
+/// Connects to RabbitMQ and Redis and registers and publishes the job,
+/// riding out an outage of either (a restart, a failover) for up to
+/// `--connect-timeout`: the whole step is tried again, as a run of the same
+/// manifest would be — it publishes only what is not done, and registers a
+/// job Redis lost anew.
+pub async fn connect_and_dispatch(
+    cfg: &RunConfig,
+    spec: &crate::manifest::JobSpec,
+    submitted_ms: u64,
+) -> Result<
+    (
+        batchfleet_shared::store::Store,
+        std::sync::Arc<dyn batchfleet_shared::broker::Broker>,
+        crate::dispatcher::Dispatched,
+    ),
+    RunError,
+> {
+    let deadline = std::time::Instant::now() + cfg.connections.connect_timeout;
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        // Boxed: the start's future nested in `run`'s is otherwise deeper
+        // than the compiler lays out.
+        let tried = Box::pin(async {
+            let store = cfg.connections.store().await?;
+            let broker = cfg
+                .connections
+                .broker(&format!("batchfleet coordinator {}", spec.job_id))
+                .await?;
+            match crate::dispatcher::dispatch(cfg, spec, &store, &*broker, submitted_ms).await {
+                Ok(d) => Ok((store, broker, d)),
+                Err(e) => {
+                    broker.close("bye").await;
+                    Err(e)
+                }
+            }
+        })
+        .await;
+        match tried {
+            Err(e) if e.is_outage() && std::time::Instant::now() + pause < deadline => {
+                tracing::warn!(job = %spec.job_id, error = %e, retry_in_ms = pause.as_millis() as u64, "RabbitMQ or Redis unavailable while starting the job; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Resumes a job by id: runs its manifest (recorded in Redis) again, which

@@ -131,6 +131,15 @@ pub enum BrokerError {
 }
 
 impl BrokerError {
+    /// Whether the broker could not be reached or the connection was lost
+    /// (a restart, a failover that may be over in a moment).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            BrokerError::Connect { .. } | BrokerError::Timeout { .. } | BrokerError::Closed(_)
+        )
+    }
+
     /// Whether retrying cannot help (wrong credentials, an untrusted
     /// certificate, unusable TLS files).
     pub fn is_permanent(&self) -> bool {

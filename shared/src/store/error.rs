@@ -21,6 +21,15 @@ pub enum StoreError {
         /// Client library message, credentials scrubbed.
         reason: String,
     },
+    /// A command could not reach Redis: the connection was lost or
+    /// refused, or Redis did not answer in time (a restart, a failover).
+    #[error("Redis {op} failed: {reason}")]
+    Unavailable {
+        /// What was being done.
+        op: &'static str,
+        /// Client library message.
+        reason: String,
+    },
     /// A command failed.
     #[error("Redis {op} failed: {reason}")]
     Command {
@@ -61,6 +70,15 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether Redis could not be reached (a restart or failover that may
+    /// be over in a moment), as opposed to a command it refused.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Connect { .. } | StoreError::Unavailable { .. }
+        )
+    }
+
     /// Whether retrying cannot help (wrong credentials).
     pub fn is_permanent(&self) -> bool {
         matches!(

@@ -1104,3 +1104,77 @@ async fn a_long_reduce_keeps_its_claim_and_its_hook_runs_once() {
     stop_all(&mut workers);
     env.cleanup(&[&id]).await;
 }
+
+/// A coordinator started while Redis is down (a restart, a failover) gave
+/// up at once ("Connection refused", exit 1), and one that lost Redis
+/// while registering its job failed with "broken pipe": a job started
+/// from a scheduler was lost to a restart of a second. Now `run` rides out
+/// an outage of up to `--connect-timeout`, trying the start of the job
+/// again as a run of the same manifest would. Here `run --detach` starts
+/// against a Redis of the test's own that is down; once the coordinator
+/// says it is trying again, Redis is started (empty): the job is
+/// registered there and every item published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_while_redis_is_down_waits_for_it_and_publishes_the_job() {
+    use batchfleet_shared::broker::PoolQueues;
+    use batchfleet_testkit::nodes::RedisNode;
+    let env = TestEnv::new("redis-down");
+    let manifest = job(&env);
+    let id = manifest::load(&manifest, &[]).expect("valid").job_id;
+    let mut redis = RedisNode::server(&env.path().join("redis"), &[]).expect("redis-server");
+    redis.kill();
+    let log = env.path().join("coordinator.log");
+    let mut run = coordinator(&env)
+        .args(["--connect-timeout", "30s", "run"])
+        .arg(&manifest)
+        .args(["--detach", "--json"])
+        .env("BATCHFLEET_REDIS_URL", redis.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("run --detach");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    while !said().contains("unavailable while starting the job; trying again") {
+        assert!(
+            run.try_wait().expect("wait").is_none(),
+            "the coordinator gave up on a Redis that is down:\n{}",
+            said()
+        );
+        assert!(std::time::Instant::now() < deadline, "{}", said());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    redis.restart().expect("Redis back");
+    let out = run.wait_with_output().expect("run --detach");
+    assert_eq!(out.status.code(), Some(0), "{}", said());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (v["job_id"].as_str(), v["items"].as_u64()),
+        (Some(id.as_str()), Some(8))
+    );
+    let registered = redis
+        .cli(&[
+            "hget",
+            &batchfleet_shared::store::redis::job_scoped(&env.prefix, &id, ""),
+            "status",
+        ])
+        .expect("redis-cli");
+    assert_eq!(
+        registered.trim(),
+        "running",
+        "the job is registered in the Redis that came back"
+    );
+    let broker = env.broker().await;
+    let queue = PoolQueues::new(&env.pool).job(&id);
+    assert!(
+        broker
+            .ready_count(&queue)
+            .await
+            .expect("queue")
+            .unwrap_or(0)
+            >= 1,
+        "its items are published"
+    );
+    broker.close("bye").await;
+    env.cleanup(&[&id]).await;
+}

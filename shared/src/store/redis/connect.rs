@@ -338,7 +338,7 @@ impl Connections {
             .source
             .connection()
             .await
-            .map_err(|reason| StoreError::Command { op, reason })?;
+            .map_err(|reason| StoreError::Unavailable { op, reason })?;
         let mut shared = self.shared.lock().expect("not poisoned");
         shared.generation += 1;
         let generation = shared.generation;

@@ -33,9 +33,17 @@ use std::fmt;
 use std::time::Duration;
 
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
-    move |e| StoreError::Command {
-        op,
-        reason: e.to_string(),
+    move |e| {
+        let reason = e.to_string();
+        if e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_timeout()
+        {
+            StoreError::Unavailable { op, reason }
+        } else {
+            StoreError::Command { op, reason }
+        }
     }
 }
 
