@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test chaos soak-faults cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -23,6 +23,10 @@ test: venv services tools
 ## chaos: a 200k-row job while workers, the coordinator, RabbitMQ and Redis are killed/restarted; checks the invariants
 chaos: venv services release
 	target/release/batchfleet-loadtest chaos $(CHAOS_ARGS)
+
+## soak-faults: 20 minutes of jobs of many models on workers restarted as a supervisor would, with crashing items, Redis restarted empty, queues deleted and forged dead letters replayed; checks every job (SOAK_ARGS="--duration 90s" for the short form)
+soak-faults: venv services release
+	target/release/batchfleet-loadtest soak --faults $(SOAK_ARGS)
 
 ## cluster-test: a 200k-row job on a three-node RabbitMQ cluster of its own while the queue's leader node is killed and restarted; checks exactly-once and reconnection
 cluster-test: venv services release

@@ -115,6 +115,8 @@ pub(crate) struct Fleet {
     pub(crate) slot_args: Vec<Vec<String>>,
     pub(crate) workers: Vec<Child>,
     pub(crate) spawned: u32,
+    /// How worker ids start (default: [`Fleet::id`]'s `chaos-w`).
+    stem: Option<String>,
 }
 
 impl Fleet {
@@ -135,7 +137,15 @@ impl Fleet {
             slot_args: Vec::new(),
             workers: Vec::new(),
             spawned: 0,
+            stem: None,
         }
+    }
+
+    /// The same fleet, its worker ids `<stem><slot>-<n>` (two fleets on one
+    /// Redis prefix need ids of their own).
+    pub(crate) fn named(mut self, stem: &str) -> Self {
+        self.stem = Some(stem.to_owned());
+        self
     }
 
     /// The log file of the worker `spawn` named `id`.
@@ -150,7 +160,10 @@ impl Fleet {
 
     pub(crate) fn spawn(&mut self, slot: usize) -> Result<Child> {
         self.spawned += 1;
-        let id = Self::id(slot, self.spawned);
+        let id = match &self.stem {
+            Some(stem) => format!("{stem}{slot}-{}", self.spawned),
+            None => Self::id(slot, self.spawned),
+        };
         let log = std::fs::File::create(self.log_of(&id))?;
         Command::new(&self.worker_bin)
             .args([
@@ -488,7 +501,7 @@ fn await_bad_messages(pool: &str, bad: u64) -> Result<()> {
 
 /// Whether a job whose id starts with `stem` is registered and published
 /// (status `running`) under `prefix`.
-fn published(prefix: &str, stem: &str) -> Result<bool> {
+pub(crate) fn published(prefix: &str, stem: &str) -> Result<bool> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "--scan", "--pattern"])
         .arg(batchfleet_shared::store::redis::job_keys_pattern(

@@ -4,7 +4,9 @@
 //! `redis-cluster`) are one flattened struct, [`fault::FaultJobArgs`], and
 //! their pace [`fault::PaceArgs`]; a fault run's settings are its flags.
 
-use crate::{bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm};
+use crate::{
+    bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm, soak,
+};
 use anyhow::{bail, Result};
 use batchfleet_testkit::{python, verify};
 use clap::{Args, Parser, Subcommand};
@@ -31,6 +33,16 @@ pub(crate) enum Command {
     /// release binaries (`make release`) and the local RabbitMQ and Redis,
     /// which it restarts.
     Chaos(chaos::ChaosConfig),
+    /// Run rounds of jobs of many models for `--duration` (20 min) on a
+    /// pool of workers restarted whenever they exit, beside a pool whose
+    /// workers an item kills; with `--faults`, a worker killed -9 each
+    /// round and in turn Redis restarted empty with the jobs queued, a
+    /// running job's queue deleted, forged dead letters replayed. Checks
+    /// every job's rows, counts and files, the crashing item dead-lettered
+    /// as `crash`, the forged letters left dead, worker memory bounded and
+    /// no job left running (exit 1 if not). Needs the release binaries and
+    /// the local RabbitMQ and Redis, which it restarts.
+    Soak(soak::SoakConfig),
     /// Run a job on a RabbitMQ cluster of the run's own (nodes on loopback
     /// ports, clustered with `rabbitmqctl join_cluster`) while the node
     /// leading the job's quorum queue is killed mid-job and started again;
@@ -121,6 +133,7 @@ impl Command {
             Command::Gen(args) => args.run(),
             Command::Verify(args) => args.run(),
             Command::Chaos(cfg) => held(&chaos::run(&cfg)?.violations),
+            Command::Soak(cfg) => held(&soak::run(&cfg)?.violations),
             Command::Cluster(cfg) => held(&cluster::run(&cfg)?.violations),
             Command::RedisFailover(cfg) => held(&sentinel::run(&cfg)?.violations),
             Command::RedisCluster(cfg) => held(&rediscluster::run(&cfg)?.violations),

@@ -16,6 +16,9 @@
 //! - [`scale`]: what one RabbitMQ and one Redis carry as the fleet grows.
 //! - [`chaos`]: a job while workers, the coordinator, RabbitMQ and Redis are
 //!   killed.
+//! - [`soak`]: a long stream of jobs of many models on workers restarted as
+//!   a supervisor would, with crashing items and, with `--faults`, Redis
+//!   restarted empty, queues deleted and forged dead letters replayed.
 //! - [`fault`]: what every fault run shares — the job, the worker settings,
 //!   processes, the flags of the runs on clusters of their own, the checks.
 //! - [`cluster`]: a three-node RabbitMQ cluster losing the queue's leader.
@@ -40,6 +43,7 @@ mod rediscluster;
 mod scale;
 mod sentinel;
 mod slurm;
+mod soak;
 mod startbench;
 mod textbench;
 
