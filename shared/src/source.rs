@@ -586,6 +586,92 @@ pub fn set_s3_options(options: &[(&str, &str)]) {
 
 static STORES: OnceLock<Mutex<HashMap<String, Arc<AmazonS3>>>> = OnceLock::new();
 
+/// S3 credentials from mounted secret files — `AWS_ACCESS_KEY_ID_FILE`,
+/// `AWS_SECRET_ACCESS_KEY_FILE` and optionally `AWS_SESSION_TOKEN_FILE`,
+/// used when `AWS_ACCESS_KEY_ID` itself is not set — read again whenever
+/// one of the files changes, so that credentials an agent rotates (a
+/// Kubernetes Secret, Vault, a session-token refresher) are taken up by a
+/// running worker or coordinator. Credentials in variables are fixed for
+/// the process, as its variables are; with neither, the store's own chain
+/// (web identity, container or instance credentials) refreshes them.
+#[derive(Debug)]
+struct FileCredentials {
+    /// (variable, file) for the key id, the secret and the token.
+    files: [(&'static str, Option<PathBuf>); 3],
+    /// The files' (modified, length) when last read, and what they held.
+    read: Mutex<Option<(Vec<Stamp>, Arc<object_store::aws::AwsCredential>)>>,
+}
+
+/// A credential file's modification time and length, when it was read.
+type Stamp = Option<(std::time::SystemTime, u64)>;
+
+impl FileCredentials {
+    /// From the environment, when the key id comes as a file.
+    fn from_env() -> Option<Self> {
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_some() {
+            return None;
+        }
+        let file = |var: &str| std::env::var_os(format!("{var}_FILE")).map(PathBuf::from);
+        let id = file("AWS_ACCESS_KEY_ID")?;
+        Some(Self {
+            files: [
+                ("AWS_ACCESS_KEY_ID_FILE", Some(id)),
+                ("AWS_SECRET_ACCESS_KEY_FILE", file("AWS_SECRET_ACCESS_KEY")),
+                ("AWS_SESSION_TOKEN_FILE", file("AWS_SESSION_TOKEN")),
+            ],
+            read: Mutex::new(None),
+        })
+    }
+
+    /// The credentials the files hold now (read again only if one changed).
+    fn read(
+        &self,
+    ) -> Result<Arc<object_store::aws::AwsCredential>, crate::secret::SecretFileError> {
+        let stamps: Vec<_> = self
+            .files
+            .iter()
+            .map(|(_, f)| {
+                let m = std::fs::metadata(f.as_ref()?).ok()?;
+                Some((m.modified().ok()?, m.len()))
+            })
+            .collect();
+        let mut read = self.read.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, creds)) = read.as_ref() {
+            if *at == stamps {
+                return Ok(creds.clone());
+            }
+        }
+        let value = |i: usize| -> Result<Option<String>, crate::secret::SecretFileError> {
+            let (var, file) = &self.files[i];
+            file.as_ref()
+                .map(|f| crate::secret::read_secret_file(f, var))
+                .transpose()
+        };
+        let creds = Arc::new(object_store::aws::AwsCredential {
+            key_id: value(0)?.unwrap_or_default(),
+            secret_key: value(1)?.unwrap_or_default(),
+            token: value(2)?,
+        });
+        if read.is_some() {
+            tracing::info!("S3 credential files changed: read again");
+        }
+        *read = Some((stamps, creds.clone()));
+        Ok(creds)
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::CredentialProvider for FileCredentials {
+    type Credential = object_store::aws::AwsCredential;
+
+    async fn get_credential(&self) -> object_store::Result<Arc<Self::Credential>> {
+        self.read().map_err(|e| object_store::Error::Generic {
+            store: "S3",
+            source: Box::new(e),
+        })
+    }
+}
+
 fn store(bucket: &str) -> io::Result<Arc<AmazonS3>> {
     let mut stores = STORES
         .get_or_init(Default::default)
@@ -598,17 +684,23 @@ fn store(bucket: &str) -> io::Result<Arc<AmazonS3>> {
     // only means one is installed already).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
-    // Credentials may come as files (mounted secrets): `AWS_…_FILE` names
-    // one when the variable itself is not set.
-    for (var, key) in [
-        ("AWS_ACCESS_KEY_ID", AmazonS3ConfigKey::AccessKeyId),
-        ("AWS_SECRET_ACCESS_KEY", AmazonS3ConfigKey::SecretAccessKey),
-        ("AWS_SESSION_TOKEN", AmazonS3ConfigKey::Token),
-    ] {
-        if let Some(value) = crate::secret::env_or_file(var)
-            .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?
-        {
-            builder = builder.with_config(key, value);
+    if let Some(files) = FileCredentials::from_env() {
+        // Mounted secrets, read again whenever they change.
+        files
+            .read()
+            .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?;
+        builder = builder.with_credentials(Arc::new(files));
+    } else {
+        for (var, key) in [
+            ("AWS_ACCESS_KEY_ID", AmazonS3ConfigKey::AccessKeyId),
+            ("AWS_SECRET_ACCESS_KEY", AmazonS3ConfigKey::SecretAccessKey),
+            ("AWS_SESSION_TOKEN", AmazonS3ConfigKey::Token),
+        ] {
+            if let Some(value) = crate::secret::env_or_file(var)
+                .map_err(|e| invalid(&format!("{S3_SCHEME}{bucket}"), e))?
+            {
+                builder = builder.with_config(key, value);
+            }
         }
     }
     for (k, v) in OVERRIDES.lock().unwrap_or_else(|p| p.into_inner()).iter() {
@@ -656,6 +748,57 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credential_files_are_read_again_when_they_change() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (id, secret, token) = (
+            dir.path().join("id"),
+            dir.path().join("secret"),
+            dir.path().join("token"),
+        );
+        let write = |v: &str| {
+            std::fs::write(&id, format!("AKIA{v}\n")).expect("id");
+            std::fs::write(&secret, format!("secret-{v}\n")).expect("secret");
+            std::fs::write(&token, format!("token-{v}")).expect("token");
+        };
+        write("ONE");
+        let files = FileCredentials {
+            files: [
+                ("AWS_ACCESS_KEY_ID_FILE", Some(id.clone())),
+                ("AWS_SECRET_ACCESS_KEY_FILE", Some(secret.clone())),
+                ("AWS_SESSION_TOKEN_FILE", Some(token.clone())),
+            ],
+            read: Mutex::new(None),
+        };
+        let first = files.read().expect("read");
+        assert_eq!(
+            (
+                first.key_id.as_str(),
+                first.secret_key.as_str(),
+                first.token.as_deref()
+            ),
+            ("AKIAONE", "secret-ONE", Some("token-ONE"))
+        );
+        assert!(
+            Arc::ptr_eq(&first, &files.read().expect("again")),
+            "unchanged files are not read again"
+        );
+        // Rotated: other values, other lengths.
+        write("ROTATED");
+        let second = files.read().expect("read");
+        assert_eq!(
+            (second.key_id.as_str(), second.token.as_deref()),
+            ("AKIAROTATED", Some("token-ROTATED"))
+        );
+        // A file emptied mid-rotation is an error naming it, not empty credentials.
+        std::fs::write(&secret, "").expect("empty");
+        let err = files.read().expect_err("empty secret").to_string();
+        assert!(
+            err.contains("AWS_SECRET_ACCESS_KEY_FILE") && !err.contains("ROTATED"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn urls_and_local_paths_are_told_apart() {

@@ -617,9 +617,28 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
     let local_root = env.path().to_str().expect("utf-8").to_owned();
     let s3_root = format!("s3://{bucket}/{prefix}");
     let roots = ["--data-root", &local_root, "--data-root", &s3_root];
+    // w2 reads its credentials from files, as from mounted secrets, and
+    // they are rotated after each job (moto takes any credentials: the log
+    // shows the worker read them again).
+    let (key_file, secret_file) = (env.path().join("aws-key-id"), env.path().join("aws-secret"));
+    let rotate = |round: &str| {
+        std::fs::write(&key_file, format!("testing-{round}\n")).expect("key file");
+        std::fs::write(&secret_file, format!("secret-{round}\n")).expect("secret file");
+    };
+    rotate("first");
+    let mut from_files: Vec<(&str, String)> = settings
+        .iter()
+        .filter(|(k, _)| !matches!(*k, "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY"))
+        .cloned()
+        .collect();
+    from_files.push(("AWS_ACCESS_KEY_ID_FILE", key_file.display().to_string()));
+    from_files.push((
+        "AWS_SECRET_ACCESS_KEY_FILE",
+        secret_file.display().to_string(),
+    ));
     let mut workers = vec![
         env.spawn_worker_with_env("w1", &roots, &settings),
-        env.spawn_worker_with_env("w2", &roots, &settings),
+        env.spawn_worker_with_env("w2", &roots, &from_files),
     ];
     let mut cfg = env.run_config();
     cfg.data_roots = vec![env.path().to_owned(), std::path::PathBuf::from(&s3_root)];
@@ -725,8 +744,19 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
             assert_eq!(merged.lines().count() as u64, rows + 1);
         }
         env.cleanup(&[&job_id]).await;
+        rotate(format);
     }
     crate::support::stop_all(&mut workers);
+    let log = workers[1].log_text();
+    assert!(log.contains("item committed"), "w2 did its share:\n{log}");
+    assert!(
+        log.contains("S3 credential files changed: read again"),
+        "w2 took up the rotated credentials:\n{log}"
+    );
+    assert!(
+        !log.contains("testing-") && !log.contains("secret-"),
+        "no credential logged"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
