@@ -299,6 +299,8 @@ pub async fn replay(
             });
         }
         tracing::warn!(job = %summary.job_id, sha256 = %spec.task.model.sha256, "replaying with the model file as it is now");
+        // A model this job never ran: tried as a new job's would be.
+        spec = cfg.load(Path::new(&summary.manifest), &summary.overrides)?;
         spec.job_id = summary.job_id.clone();
     }
     run_spec(cfg, &spec, opts, batchfleet_shared::now_ms(), shutdown).await

@@ -194,27 +194,22 @@ pub async fn blocking<T: Send + 'static>(
     })
 }
 
-/// [`blocking`] within what is left of an item's `budget` (its
-/// `item_timeout` less the time its reads, model calls and writes took so
-/// far), which it spends. Past it the item fails with class `timeout`
-/// (retried like a transient failure); the blocking call itself cannot be
-/// interrupted (a read stuck in the kernel on a hung mount) and keeps its
-/// thread until it returns, its result discarded. `step`: `read` (the
-/// item's input) or `write` (its output).
+/// [`blocking`] bounded by the item's `item_timeout`: a read or write
+/// (`step`: `read` of the item's input, `write` of its output) that has
+/// not returned by then fails the item with class `timeout` (retried like
+/// a transient failure). The blocking call itself cannot be interrupted (a
+/// read stuck in the kernel on a hung mount) and keeps its thread until it
+/// returns, its result discarded; a write that completes late publishes a
+/// part file as a speculative copy would, which the retry then commits or
+/// finds there (first commit wins).
 pub async fn blocking_within<T: Send + 'static>(
-    budget: &mut std::time::Duration,
     item_timeout: std::time::Duration,
     step: &'static str,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ItemError> {
-    let started = std::time::Instant::now();
-    match tokio::time::timeout(*budget, blocking(f)).await {
-        Ok(done) => {
-            *budget = budget.saturating_sub(started.elapsed());
-            done
-        }
+    match tokio::time::timeout(item_timeout, blocking(f)).await {
+        Ok(done) => done,
         Err(_) => {
-            *budget = std::time::Duration::ZERO;
             metrics::counter!(names::WORKER_STALLED_IO, "step" => step).increment(1);
             let what = if step == "read" {
                 "reading the item's input"

@@ -86,6 +86,16 @@ mod batchfleet_worker_probe {
 /// model call, and writes the outcome (JSON) on stdout.
 pub fn child_main() -> std::process::ExitCode {
     use std::io::{Read, Write};
+    // Dies with the coordinator that started it (killed, or out of memory),
+    // rather than run on with no limit: SIGKILL when its parent goes, and
+    // an exit if it is gone already.
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    let parent = std::env::var(PARENT_ENV)
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok());
+    if parent.is_some() && rustix::process::getppid().map(|p| p.as_raw_nonzero().get()) != parent {
+        return std::process::ExitCode::from(70);
+    }
     let mut input = Vec::new();
     if let Err(e) = std::io::stdin().read_to_end(&mut input) {
         eprintln!("try-model: cannot read the task on stdin: {e}");
@@ -115,6 +125,13 @@ pub fn child_main() -> std::process::ExitCode {
         "this batchfleet is built without libtorch and cannot try {}",
         task.model.path
     ));
+    #[cfg(feature = "local")]
+    let out = serde_json::to_vec(&Answer {
+        tried,
+        peak: peak_resident(std::process::id()),
+    })
+    .expect("the outcome serializes");
+    #[cfg(not(feature = "local"))]
     let out = serde_json::to_vec(&tried).expect("the outcome serializes");
     let mut stdout = std::io::stdout().lock();
     if stdout
@@ -155,24 +172,20 @@ fn program() -> Result<PathBuf, String> {
 }
 
 /// The coordinator's environment as the child gets it: what a libtorch
-/// process reads (threads, allocators, devices, logging), never a
-/// service URL, key or credential.
+/// process on the CPU reads (threads, allocators), never a service URL,
+/// key or credential. (Nor can the child read them from the coordinator's
+/// `/proc/<pid>/environ`: the coordinator is not dumpable.)
 fn child_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
     const KEEP: &[&str] = &[
         "PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", DEBUG_ENV,
     ];
+    // Thread pools and allocators only: the trial runs on the CPU.
     const PREFIXES: &[&str] = &[
         "OMP_",
         "MKL_",
         "KMP_",
         "GOMP_",
         "OPENBLAS_",
-        "TORCH_",
-        "PYTORCH_",
-        "CUDA_",
-        "NVIDIA_",
-        "LIBTORCH",
-        "RUST_LOG",
         "RUST_BACKTRACE",
     ];
     std::env::vars_os().filter(|(k, _)| {
@@ -181,13 +194,31 @@ fn child_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>
     })
 }
 
-/// A process's resident memory in bytes (`VmRSS`), if it can be read.
-fn resident(pid: u32) -> Option<u64> {
+/// A process's peak resident memory in bytes (`VmHWM`: the most it has
+/// held, so an allocation freed between two looks is still seen).
+fn peak_resident(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// How long a killed child may take to go before validation stops
+/// waiting for it.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+/// What `try-model` writes on stdout: the outcome, and the most memory
+/// the process held (`VmHWM`), which the parent checks against the limit
+/// (a peak between two of its looks).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Answer {
+    tried: Tried,
+    peak: Option<u64>,
+}
+
+/// The variable that tells `try-model` its parent's pid, so that it dies
+/// with it.
+const PARENT_ENV: &str = "BATCHFLEET_TRY_MODEL_PARENT";
 
 /// A signal's usual name.
 fn signal_name(sig: i32) -> String {
@@ -239,6 +270,7 @@ fn spawn(program: &Path) -> Result<std::process::Child, String> {
         .arg("try-model")
         .env_clear()
         .envs(child_env())
+        .env(PARENT_ENV, std::process::id().to_string())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -318,7 +350,7 @@ fn run_child(
         }
     };
     let started = std::time::Instant::now();
-    let mut killed = None;
+    let mut killed: Option<(Ended, std::time::Instant)> = None;
     let status = loop {
         match rx.recv_timeout(Duration::from_millis(20)) {
             Ok(status) => break status.map_err(|e| format!("cannot wait for try-model: {e}"))?,
@@ -327,30 +359,48 @@ fn run_child(
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
         }
-        if killed.is_some() {
+        if let Some((_, at)) = &killed {
+            // Killed, and not gone: stuck in the kernel (a hung mount).
+            // Its threads are left behind, not validation.
+            if at.elapsed() >= KILL_GRACE {
+                return Ok(killed.expect("killed").0);
+            }
             continue;
         }
         if started.elapsed() >= limit {
             kill();
-            killed = Some(Ended::OutOfTime(limit));
-        } else if let Some(seen) = resident(pid).filter(|&r| r > memory) {
+            killed = Some((Ended::OutOfTime(limit), std::time::Instant::now()));
+        } else if let Some(seen) = peak_resident(pid).filter(|&r| r > memory) {
             kill();
-            killed = Some(Ended::OverMemory {
-                limit: memory,
-                seen,
-            });
+            killed = Some((
+                Ended::OverMemory {
+                    limit: memory,
+                    seen,
+                },
+                std::time::Instant::now(),
+            ));
         }
     };
     let _ = writer.join();
     let out = reader.join().unwrap_or_default();
     let err = errors.join().unwrap_or_default();
-    if let Some(k) = killed {
+    if let Some((k, _)) = killed {
         return Ok(k);
     }
-    if let Ok(tried) = serde_json::from_slice::<Tried>(&out) {
-        return Ok(Ended::Answered(tried));
+    if let Ok(answer) = serde_json::from_slice::<Answer>(&out) {
+        // A peak between two looks, seen by the child itself.
+        if let Some(seen) = answer.peak.filter(|&p| p > memory) {
+            return Ok(Ended::OverMemory {
+                limit: memory,
+                seen,
+            });
+        }
+        return Ok(Ended::Answered(answer.tried));
     }
     Ok(match status.signal() {
+        // Not sent by validation: the host's out-of-memory killer, an
+        // operator; says nothing certain about the model.
+        Some(9) => Ended::NoAnswer(format!("killed by SIGKILL from outside: {}", tail(&err))),
         Some(sig) => Ended::Signal(sig, tail(&err)),
         None => Ended::NoAnswer(format!("{status}: {}", tail(&err))),
     })
@@ -360,14 +410,14 @@ fn run_child(
 /// the same model called the same way (a daily re-run on new data) starts
 /// no process to try it again: a file named by the digest of the model
 /// (its sha256 and how it is called), the job's row layout and tokenizer,
-/// the memory limit and this executable (a rebuilt batchfleet, or another
-/// libtorch, tries again), under `$BATCHFLEET_CACHE_DIR`, else
+/// the memory limit, the program that tries it and the libtorch it loads
+/// (a rebuilt batchfleet, or another torch, tries again), under `$BATCHFLEET_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/batchfleet` or `~/.cache/batchfleet`. Only passes are
 /// kept; a cache that cannot be read or written is no cache.
 struct Remembered(PathBuf);
 
 impl Remembered {
-    fn of(task: &TaskSpec, memory: u64) -> Option<Self> {
+    fn of(task: &TaskSpec, memory: u64, program: &Path) -> Option<Self> {
         if std::env::var_os(DEBUG_ENV).is_some() {
             return None;
         }
@@ -379,17 +429,24 @@ impl Remembered {
             .or_else(|| {
                 std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/batchfleet"))
             })?;
-        let exe = std::env::current_exe().ok()?;
-        let meta = std::fs::metadata(&exe).ok()?;
-        let built = meta
-            .modified()
-            .ok()?
-            .duration_since(std::time::UNIX_EPOCH)
-            .ok()?
-            .as_nanos();
+        // The program that tries the model, and the libtorch it loads: a
+        // rebuilt batchfleet or another torch in the environment tries again.
+        let stamp = |p: &Path| {
+            let meta = std::fs::metadata(p).ok()?;
+            let at = meta
+                .modified()
+                .ok()?
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_nanos();
+            Some(format!("{}:{at}:{}", p.display(), meta.len()))
+        };
+        let libtorch = option_env!("BATCHFLEET_LIBTORCH_LIB")
+            .and_then(|d| stamp(&Path::new(d).join("libtorch_cpu.so")));
         let key = serde_json::json!({
             "trial": 1,
-            "exe": [exe, built.to_string(), meta.len()],
+            "program": stamp(program)?,
+            "libtorch": libtorch,
             "model": task.model,
             "layout": task.layout,
             "text": task.text,
@@ -432,7 +489,11 @@ fn trial(
         tracing::warn!(model = %model, reason = %why, "the model call could not be tried on sample rows at validation; workers will report what it does");
         Ok(None)
     };
-    let remembered = Remembered::of(task, memory);
+    let program = match program() {
+        Ok(p) => p,
+        Err(why) => return warn(why),
+    };
+    let remembered = Remembered::of(task, memory, &program);
     if let Some(p) = remembered.as_ref().and_then(Remembered::get) {
         // Nothing to try: let a process started ahead for it go.
         if let Some(mut ahead) = AHEAD
@@ -446,10 +507,6 @@ fn trial(
         tracing::debug!(model = %model, "the same model call passed its trial before: not tried again");
         return Ok(Some(p));
     }
-    let program = match program() {
-        Ok(p) => p,
-        Err(why) => return warn(why),
-    };
     let ended = match run_child(&program, task, limit, memory) {
         Ok(e) => e,
         Err(why) => return warn(why),

@@ -115,8 +115,8 @@ pub(super) struct Segmented {
 /// rejects. Between segments it stops for a faster copy's commit
 /// (`AlreadyDone`, its segments removed), a shutdown (`Released`, segments
 /// kept) or the job's cancellation (`Skipped`, segments kept for a run of
-/// the job again). `budget` is what is left of the item's `item_timeout`,
-/// spent by its model calls and segment writes.
+/// the job again). `budget` is the item's model time left; each segment's
+/// write is bounded by `item_timeout` on its own.
 pub(super) async fn segments(
     item: &WorkItem,
     attempt: u32,
@@ -227,7 +227,7 @@ pub(super) async fn segments(
         let sr = seg_rejects.clone();
         let write_started = Instant::now();
         let item_timeout = Duration::from_millis(item.task.failure.item_timeout_ms);
-        batch = blocking_within(budget, item_timeout, "write", move || {
+        batch = blocking_within(item_timeout, "write", move || {
             // The segment's rejects first: its part file is what marks it finished.
             if !sr.is_empty() {
                 writer::write_rejects(&o, &segment_rejects(&p), &sr)?;

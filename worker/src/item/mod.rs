@@ -497,10 +497,9 @@ async fn process(
         rows_resumed: 0,
         vector: None,
     };
-    // item_timeout bounds the item's reads, model calls and writes (not its
-    // waits for a turn at the model): what each takes is spent from it.
+    // item_timeout bounds the item's read, its model time (not its waits
+    // for a turn at the model) and its write, each.
     let item_timeout = Duration::from_millis(item.task.failure.item_timeout_ms);
-    let mut budget = item_timeout;
     // One trip to the blocking pool: look for the part file and, unless a
     // previous delivery's part can be committed as it is, read the item.
     let looked = {
@@ -520,7 +519,7 @@ async fn process(
             item.task.model.wants_type_ids(),
         );
         let span = tracing::Span::current();
-        blocking_within(&mut budget, item_timeout, "read", move || {
+        blocking_within(item_timeout, "read", move || {
             let _in_item = span.enter();
             look_and_read(&o, &p, &spec, seq, &item_rows, || {
                 let started = Instant::now();
@@ -558,7 +557,7 @@ async fn process(
             existing_rows: Some(rows),
         } => (*batch, Publishing::Completing, rows),
     };
-    let computed = compute(item, attempt, batch, signals, ctx, &out, &mut budget).await?;
+    let computed = compute(item, attempt, batch, signals, ctx, &out).await?;
     let Computed {
         rows,
         rejects,
@@ -582,7 +581,7 @@ async fn process(
     // A bundle item's write, expected by the shared sync: given up once
     // this write has asked for its sync (or failed before).
     let coming = COMING.try_with(std::cell::Cell::take).ok().flatten();
-    let (won_part, completed) = blocking_within(&mut budget, item_timeout, "write", move || {
+    let (won_part, completed) = blocking_within(item_timeout, "write", move || {
         if !rejects.is_empty() {
             writer::rejects_folder_usable(&o)?;
         }
@@ -794,10 +793,9 @@ impl PartSource {
 }
 
 /// Predicts the item's rows: one model call, or segments with
-/// checkpoints when the item is longer than `checkpoint_rows`, spending
-/// `budget` (what is left of its `item_timeout`). `Ok(Err(outcome))` when
-/// it ended early (shutdown, a faster copy, a wait for the model that took
-/// too long).
+/// checkpoints when the item is longer than `checkpoint_rows`.
+/// `Ok(Err(outcome))` when it ended early (shutdown, a faster copy, a wait
+/// for the model that took too long).
 async fn compute(
     item: &WorkItem,
     attempt: u32,
@@ -805,13 +803,14 @@ async fn compute(
     signals: &Signals,
     ctx: &ItemContext,
     out: &Path,
-    budget: &mut Duration,
 ) -> Result<Result<Computed, Handled>, ItemError> {
+    // The item's model time, spent by its calls.
+    let mut budget = Duration::from_millis(item.task.failure.item_timeout_ms);
     let seg = item.task.checkpoint_rows as usize;
     let mut rejects = std::mem::take(&mut batch.rejects);
     let rows = batch.rows();
     let mut computed = if seg == 0 || rows <= seg {
-        let called = call::model(ctx, item, attempt, batch, 0..rows, budget, signals).await?;
+        let called = call::model(ctx, item, attempt, batch, 0..rows, &mut budget, signals).await?;
         let (batch, preds) = match called {
             Ok(done) => done,
             Err(early) => return Ok(Err(early)),
@@ -836,7 +835,7 @@ async fn compute(
         }
     } else {
         let segmented =
-            checkpoint::segments(item, attempt, batch, signals, ctx, out, budget).await?;
+            checkpoint::segments(item, attempt, batch, signals, ctx, out, &mut budget).await?;
         let done = match segmented {
             Ok(done) => done,
             Err(early) => return Ok(Err(early)),

@@ -103,8 +103,9 @@ impl TorchBackend {
         }
     }
 
-    /// Keeps at most `bytes` of models' parameters and buffers loaded on
-    /// each device (`--models-memory`; `None`: no bound but the count).
+    /// Keeps at most `bytes` of models loaded on each device (a model
+    /// counts its parameters, or its file when larger; `--models-memory`;
+    /// `None`: no bound but the count).
     pub fn with_memory(mut self, bytes: Option<u64>) -> Self {
         self.memory = bytes;
         self
@@ -114,9 +115,25 @@ impl TorchBackend {
     fn held_on(&self, device: &str) -> u64 {
         self.cache
             .iter()
-            .filter(|(k, _, _)| k.2 == device)
+            .filter(|(k, _, _)| same_device(&k.2, device))
             .map(|(_, _, b)| b)
             .sum()
+    }
+
+    /// Drops the least recently used models on `device` until `bytes` more
+    /// fit within `--models-memory` (or none is left there).
+    fn make_room(&mut self, device: &str, bytes: u64) {
+        let Some(limit) = self.memory else { return };
+        while self.held_on(device) + bytes > limit {
+            let Some(i) = self
+                .cache
+                .iter()
+                .position(|(k, _, _)| same_device(&k.2, device))
+            else {
+                break;
+            };
+            self.drop_at(i, "more model memory than --models-memory");
+        }
     }
 
     fn device(spec: &str) -> Result<tch::Device, ItemError> {
@@ -169,6 +186,11 @@ impl TorchBackend {
             while self.cache.len() >= self.kept {
                 self.drop_oldest("more models than --models-kept");
             }
+            // Room before the load, for its file's size (the weights it
+            // holds, about), so the load itself fits; checked again below
+            // with what it holds once loaded.
+            let file = std::fs::metadata(&model.path).map_or(0, |m| m.len());
+            self.make_room(&model.device, file);
             let started = std::time::Instant::now();
             let loaded = match load_pinned(model) {
                 Err(e)
@@ -185,18 +207,7 @@ impl TorchBackend {
                 other => other?,
             };
             let (module, bytes) = loaded;
-            // Room on its device within --models-memory: the least recently
-            // used models there go first (the new one is kept even alone
-            // over the bound: it is the one the job needs).
-            if let Some(limit) = self.memory {
-                while self.held_on(&model.device) + bytes > limit {
-                    let Some(i) = self.cache.iter().position(|(k, _, _)| k.2 == model.device)
-                    else {
-                        break;
-                    };
-                    self.drop_at(i, "more model memory than --models-memory");
-                }
-            }
+            self.make_room(&model.device, bytes);
             tracing::info!(model = %model.path, device = %model.device, dtype = model.dtype.map_or("as saved", Precision::as_str), mib = bytes >> 20, ms = started.elapsed().as_millis() as u64, "model loaded");
             metrics::histogram!(names::WORKER_MODEL_LOAD).record(started.elapsed().as_secs_f64());
             self.cache.push((key_of(model), module, bytes));
@@ -233,6 +244,18 @@ impl TorchBackend {
             .map(|((path, _, device, _), _, b)| (path.clone(), device.clone(), *b))
             .collect()
     }
+}
+
+/// Whether two device names are one device (`cuda` is `cuda:0`).
+fn same_device(a: &str, b: &str) -> bool {
+    let canonical = |d: &str| {
+        if d == "cuda" {
+            "cuda:0".to_owned()
+        } else {
+            d.to_owned()
+        }
+    };
+    canonical(a) == canonical(b)
 }
 
 /// The libtorch element type of a reduced precision.

@@ -35,7 +35,21 @@ use std::time::Duration;
 fn cmd(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
     move |e| {
         let reason = e.to_string();
-        if e.is_io_error()
+        use redis::{ErrorKind, ServerErrorKind};
+        // Lost or refused connections, and the replies of a Redis that is
+        // loading its data, a replica not yet promoted, a failover.
+        let passing = matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ReadOnly
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::ClusterDown
+            )
+        );
+        if passing
+            || e.is_io_error()
             || e.is_connection_dropped()
             || e.is_connection_refusal()
             || e.is_timeout()
