@@ -502,6 +502,12 @@ fn await_bad_messages(pool: &str, bad: u64) -> Result<()> {
 /// Whether a job whose id starts with `stem` is registered and published
 /// (status `running`) under `prefix`.
 pub(crate) fn published(prefix: &str, stem: &str) -> Result<bool> {
+    Ok(!running_jobs(prefix, stem)?.is_empty())
+}
+
+/// The jobs whose id starts with `stem` and whose record says `running`
+/// under `prefix`.
+pub(crate) fn running_jobs(prefix: &str, stem: &str) -> Result<Vec<String>> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "--scan", "--pattern"])
         .arg(batchfleet_shared::store::redis::job_keys_pattern(
@@ -509,21 +515,20 @@ pub(crate) fn published(prefix: &str, stem: &str) -> Result<bool> {
         ))
         .output()
         .context("running redis-cli")?;
+    let mut running = Vec::new();
     for key in String::from_utf8_lossy(&out.stdout).lines() {
-        if !batchfleet_shared::store::redis::job_of_key(prefix, key)
-            .is_some_and(|(_, record)| record)
-        {
+        let Some((id, true)) = batchfleet_shared::store::redis::job_of_key(prefix, key) else {
             continue; // a job's sub-key, not its record
-        }
+        };
         let status = Command::new("redis-cli")
             .args(["-h", "127.0.0.1", "hget", key, "status"])
             .output()
             .context("running redis-cli")?;
         if String::from_utf8_lossy(&status.stdout).trim() == "running" {
-            return Ok(true);
+            running.push(id.to_owned());
         }
     }
-    Ok(false)
+    Ok(running)
 }
 
 /// Publishes bad messages to the pool's work queue — garbage, a real item
@@ -576,26 +581,19 @@ fn inject_bad_messages(pool: &str, job_dir: &Path) -> Result<u64> {
     digest.task.model.sha256 = "ab".repeat(32);
     messages.push(signed(&digest));
     let n = messages.len() as u64;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let conn = batchfleet_shared::broker::connect(
-            &services::amqp(),
-            "batchfleet-chaos-bad-messages",
-            Duration::from_secs(30),
-        )
-        .await?;
-        conn.publish(&PoolQueues::new(pool).work(), messages, 16)
-            .await?;
-        conn.close("bye").await;
-        Ok::<_, anyhow::Error>(())
-    })?;
-    Ok(n)
+    fault::on_broker(
+        &services::amqp(),
+        "batchfleet-chaos-bad-messages",
+        |conn| async move {
+            conn.publish(&PoolQueues::new(pool).work(), messages, 16)
+                .await?;
+            Ok(n)
+        },
+    )
 }
 
 /// The first work item of the job in `dir`, planned as the coordinator plans it.
-fn first_item(dir: &Path) -> Result<batchfleet_shared::message::WorkItem> {
+pub(crate) fn first_item(dir: &Path) -> Result<batchfleet_shared::message::WorkItem> {
     let spec = batchfleet_coordinator::manifest::load(&dir.join("job.toml"), &[])?;
     let mut plan = batchfleet_coordinator::planner::plan(&spec)?;
     if plan.items.is_empty() {

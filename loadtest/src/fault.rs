@@ -292,25 +292,40 @@ pub(crate) fn job_invariants(
     Ok(summary)
 }
 
+/// Runs `f` on a connection named `name` to the broker at `amqp`, from
+/// synchronous code, and closes the connection.
+pub(crate) fn on_broker<T, F, Fut>(
+    amqp: &batchfleet_shared::endpoint::Endpoint,
+    name: &str,
+    f: F,
+) -> Result<T>
+where
+    F: FnOnce(std::sync::Arc<dyn batchfleet_shared::broker::Broker>) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let conn = batchfleet_shared::broker::connect(amqp, name, Duration::from_secs(30)).await?;
+        let done = f(conn.clone()).await;
+        conn.close("bye").await;
+        done
+    })
+}
+
 /// Ready messages in each of the pool's queues (work, retry tiers, dead)
 /// on the broker at `amqp`.
 pub(crate) fn queue_depths(
     amqp: &batchfleet_shared::endpoint::Endpoint,
     pool: &str,
 ) -> Result<Vec<(String, u32)>> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let conn =
-            batchfleet_shared::broker::connect(amqp, "batchfleet-chaos", Duration::from_secs(30))
-                .await?;
+    on_broker(amqp, "batchfleet-chaos", |conn| async move {
         let mut depths = Vec::new();
         for q in batchfleet_shared::broker::PoolQueues::new(pool).all() {
             let ready = conn.ready_count(&q).await?.unwrap_or(0);
             depths.push((q, ready));
         }
-        conn.close("bye").await;
         Ok(depths)
     })
 }

@@ -85,10 +85,7 @@ impl CpuSample {
 
 /// VmRSS or VmHWM of a process, in MiB.
 fn proc_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
+    batchfleet_shared::process_memory(Some(pid), field).map(|b| b as f64 / f64::from(1 << 20))
 }
 
 /// Worker processes of a bench or a fault run, started on a job's pool

@@ -199,7 +199,7 @@ pub fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     if let Err(e) = outcome {
         report.violations.push(format!("the soak stopped: {e:#}"));
     }
-    match running_jobs(&prefix) {
+    match crate::chaos::running_jobs(&prefix, "soak-") {
         Ok(running) if !running.is_empty() => report.violations.push(format!(
             "jobs left running at the end: {}",
             running.join(", ")
@@ -362,7 +362,7 @@ fn rounds(
             fleet
                 .workers
                 .iter()
-                .filter_map(|w| resident(w.id()))
+                .filter_map(|w| batchfleet_shared::process_memory(Some(w.id()), "VmRSS"))
                 .max()
                 .unwrap_or(0)
                 >> 20,
@@ -490,10 +490,8 @@ fn forge_and_replay(
 ) -> Result<()> {
     use batchfleet_shared::broker::{Outgoing, PoolQueues};
     use batchfleet_shared::message::CLASS_HEADER;
-    let spec = batchfleet_coordinator::manifest::load(&dir.join("job.toml"), &[])?;
-    let id = spec.job_id.clone();
-    let mut plan = batchfleet_coordinator::planner::plan(&spec)?;
-    let item = plan.items.swap_remove(0);
+    let item = crate::chaos::first_item(dir)?;
+    let id = item.job_id.clone();
     let other =
         batchfleet_shared::signing::SigningKey::new(b"not-the-fleet-key-0123456789", "soak")?;
     let dead = |key: Option<&batchfleet_shared::signing::SigningKey>| {
@@ -503,20 +501,10 @@ fn forge_and_replay(
     };
     let letters = vec![dead(None), dead(Some(&other))];
     let n = letters.len() as u32;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let conn = batchfleet_shared::broker::connect(
-            &services::amqp(),
-            "batchfleet-soak",
-            Duration::from_secs(30),
-        )
-        .await?;
+    fault::on_broker(&services::amqp(), "batchfleet-soak", |conn| async move {
         conn.publish(&PoolQueues::new(pool).dead(), letters, 2)
             .await?;
-        conn.close("bye").await;
-        Ok::<_, anyhow::Error>(())
+        Ok(())
     })?;
     report.forged_letters += n;
     let out = std::process::Command::new(coordinator)
@@ -587,33 +575,10 @@ fn job_id(dir: &Path) -> Result<String> {
 
 /// Deletes a queue on the local RabbitMQ.
 fn delete_queue(queue: &str) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let conn = batchfleet_shared::broker::connect(
-            &services::amqp(),
-            "batchfleet-soak",
-            Duration::from_secs(30),
-        )
-        .await?;
+    fault::on_broker(&services::amqp(), "batchfleet-soak", |conn| async move {
         conn.delete(queue).await?;
-        conn.close("bye").await;
         Ok(())
     })
-}
-
-/// A process's resident memory in bytes.
-fn resident(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kb: u64 = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
 }
 
 /// Model loads and drops the main pool's workers logged.
@@ -628,31 +593,6 @@ fn model_churn(logs: &Path) -> (u64, u64) {
         }
     }
     (loads, dropped)
-}
-
-/// Jobs under `prefix` whose record says `running`.
-fn running_jobs(prefix: &str) -> Result<Vec<String>> {
-    let out = std::process::Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "--scan", "--pattern"])
-        .arg(batchfleet_shared::store::redis::job_keys_pattern(
-            prefix, "soak-",
-        ))
-        .output()
-        .context("running redis-cli")?;
-    let mut running = Vec::new();
-    for key in String::from_utf8_lossy(&out.stdout).lines() {
-        let Some((id, true)) = batchfleet_shared::store::redis::job_of_key(prefix, key) else {
-            continue;
-        };
-        let status = std::process::Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "hget", key, "status"])
-            .output()
-            .context("running redis-cli")?;
-        if String::from_utf8_lossy(&status.stdout).trim() == "running" {
-            running.push(id.to_owned());
-        }
-    }
-    Ok(running)
 }
 
 fn print(r: &SoakReport) {

@@ -66,4 +66,4 @@ pub mod table;
 pub mod telemetry;
 pub mod text;
 
-pub use host::{host_name, now_ms};
+pub use host::{host_name, now_ms, process_memory};

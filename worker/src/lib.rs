@@ -278,18 +278,9 @@ async fn watch_rss(ctx: Arc<ItemContext>, limit: u64) {
     }
 }
 
-/// This process's resident memory in bytes (`VmRSS` of `/proc/self/status`).
+/// This process's resident memory in bytes (`VmRSS`).
 pub fn resident_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib << 10)
+    batchfleet_shared::process_memory(None, "VmRSS")
 }
 
 /// Loads `--preload-model` before consuming; a model that does not load

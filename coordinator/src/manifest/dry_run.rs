@@ -197,10 +197,7 @@ fn child_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>
 /// A process's peak resident memory in bytes (`VmHWM`: the most it has
 /// held, so an allocation freed between two looks is still seen).
 fn peak_resident(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    batchfleet_shared::process_memory(Some(pid), "VmHWM")
 }
 
 /// How long a killed child may take to go before validation stops

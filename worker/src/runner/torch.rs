@@ -189,8 +189,10 @@ impl TorchBackend {
             // Room before the load, for its file's size (the weights it
             // holds, about), so the load itself fits; checked again below
             // with what it holds once loaded.
-            let file = std::fs::metadata(&model.path).map_or(0, |m| m.len());
-            self.make_room(&model.device, file);
+            if self.memory.is_some() {
+                let file = std::fs::metadata(&model.path).map_or(0, |m| m.len());
+                self.make_room(&model.device, file);
+            }
             let started = std::time::Instant::now();
             let loaded = match load_pinned(model) {
                 Err(e)

@@ -889,17 +889,7 @@ async fn a_model_that_crashes_its_trial_is_refused_by_run_and_never_tried_by_wai
 
     let mut workers = vec![env.spawn_worker("w1", &[])];
     env.wait_for_consumers(1, &mut workers).await;
-    let out = crate::jobs::coordinator(&env)
-        .args(["run", path, "--detach", "--json"])
-        .output()
-        .expect("run --detach");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let detached: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let detached = crate::jobs::run_detached(&env, &manifest);
     let id = detached["job_id"].as_str().expect("job id").to_owned();
     let waited = crate::jobs::coordinator(&env)
         .args(["wait", &id, "--json"])

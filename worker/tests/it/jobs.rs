@@ -607,6 +607,24 @@ pub(crate) fn coordinator(env: &TestEnv) -> std::process::Command {
     c
 }
 
+/// `batchfleet run MANIFEST --detach --json`, which must exit 0: the one
+/// JSON object it prints.
+pub(crate) fn run_detached(env: &TestEnv, manifest: &Path) -> serde_json::Value {
+    let out = coordinator(env)
+        .arg("run")
+        .arg(manifest)
+        .args(["--detach", "--json"])
+        .output()
+        .expect("run --detach");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
 /// Adds an `[on_complete]` that appends the job id to `hooks.log` and posts to `port`.
 fn with_hooks(manifest: &Path, port: u16) {
     let mut text = std::fs::read_to_string(manifest).expect("manifest");
@@ -635,17 +653,7 @@ async fn a_detached_job_is_reduced_exactly_once_by_its_waiters_or_the_supervisor
     env.wait_for_consumers(2, &mut workers).await;
 
     // Detached: the job id on stdout as soon as the items are published.
-    let out = coordinator(&env)
-        .args(["run", a.to_str().expect("utf8"), "--detach", "--json"])
-        .output()
-        .expect("run --detach");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let detached: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let detached = run_detached(&env, &a);
     assert_eq!(
         (detached["status"].as_str(), detached["detached"].as_bool()),
         (Some("running"), Some(true))

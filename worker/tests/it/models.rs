@@ -21,6 +21,40 @@ fn metric(port: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// A 400-row job in `env`'s folder `name` (two items), its model an MLP of
+/// `features` inputs and `hidden` units: another width, another digest.
+fn model_job(env: &TestEnv, name: &str, features: u32, hidden: u32) -> std::path::PathBuf {
+    let dir = env.path().join(name);
+    let gen = JobGen {
+        rows: 400,
+        files: 1,
+        features,
+        hidden,
+        name: batchfleet_testkit::services::unique(name),
+        pool: env.pool.clone(),
+        item_rows: 200,
+        batch_size: 100,
+        ..JobGen::default()
+    };
+    make_job(&dir, &gen).expect("generate job");
+    dir
+}
+
+/// Runs the job in `dir` to its end and checks every row against PyTorch's;
+/// its id.
+async fn run_verified(env: &TestEnv, dir: &std::path::Path) -> String {
+    let (id, report) = crate::support::run_with_config_to_end(
+        &env.run_config(),
+        &dir.join("job.toml"),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(report.status, "completed", "{}: {report:?}", dir.display());
+    let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}: {}", dir.display(), v.describe());
+    id
+}
+
 /// Three jobs with three models on a worker that keeps two: the first
 /// model is dropped when the third loads (two stay loaded), and a later job
 /// of the first model loads it again, which drops the least recently used.
@@ -35,31 +69,9 @@ async fn a_worker_keeps_its_most_recently_used_models_and_drops_the_others() {
     let mut manifests = Vec::new();
     // Three models: another hidden width each, so three digests.
     for (i, name) in ["a", "b", "c"].iter().enumerate() {
-        let dir = env.path().join(name);
-        let gen = JobGen {
-            rows: 400,
-            files: 1,
-            features: 4,
-            hidden: 8 + i as u32,
-            name: batchfleet_testkit::services::unique(name),
-            pool: env.pool.clone(),
-            item_rows: 200,
-            batch_size: 100,
-            ..JobGen::default()
-        };
-        make_job(&dir, &gen).expect("generate job");
-        let manifest = dir.join("job.toml");
-        let (id, report) = crate::support::run_with_config_to_end(
-            &env.run_config(),
-            &manifest,
-            Duration::from_secs(120),
-        )
-        .await;
-        assert_eq!(report.status, "completed", "{name}: {report:?}");
-        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
-        assert!(v.ok(), "{name}: {}", v.describe());
-        ids.push(id);
-        manifests.push(manifest);
+        let dir = model_job(&env, name, 4, 8 + i as u32);
+        ids.push(run_verified(&env, &dir).await);
+        manifests.push(dir.join("job.toml"));
     }
     let loads = |port: &str| metric(port, "batchfleet_worker_model_load_seconds_count");
     assert_eq!(loads(&port), 3.0, "each model loaded once");
@@ -170,23 +182,10 @@ async fn a_worker_recycles_itself_after_max_items_or_past_max_rss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_keeps_its_models_within_models_memory() {
     let env = TestEnv::new("models-bytes");
-    let mut dirs = Vec::new();
-    for (name, hidden) in [("a", 64), ("b", 512), ("c", 256)] {
-        let dir = env.path().join(name);
-        let gen = JobGen {
-            rows: 400,
-            files: 1,
-            features: 16,
-            hidden,
-            name: batchfleet_testkit::services::unique(name),
-            pool: env.pool.clone(),
-            item_rows: 200,
-            batch_size: 100,
-            ..JobGen::default()
-        };
-        make_job(&dir, &gen).expect("generate job");
-        dirs.push(dir);
-    }
+    let dirs: Vec<_> = [("a", 64), ("b", 512), ("c", 256)]
+        .into_iter()
+        .map(|(name, hidden)| model_job(&env, name, 16, hidden))
+        .collect();
     let size = |d: &std::path::Path| std::fs::metadata(d.join("model.pt")).expect("model").len();
     let (a, b, c) = (size(&dirs[0]), size(&dirs[1]), size(&dirs[2]));
     let bound = (a + b).max(b + c);
@@ -206,16 +205,7 @@ async fn a_worker_keeps_its_models_within_models_memory() {
     env.wait_for_consumers(1, &mut workers).await;
     let mut ids = Vec::new();
     for dir in &dirs {
-        let (id, report) = crate::support::run_with_config_to_end(
-            &env.run_config(),
-            &dir.join("job.toml"),
-            Duration::from_secs(120),
-        )
-        .await;
-        assert_eq!(report.status, "completed", "{report:?}");
-        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
-        assert!(v.ok(), "{}", v.describe());
-        ids.push(id);
+        ids.push(run_verified(&env, dir).await);
     }
     assert_eq!(
         metric(&port, "batchfleet_worker_model_load_seconds_count"),

@@ -42,6 +42,19 @@ format = "{out_format}"
     )
 }
 
+/// The text job of `ROWS` rows (corpus, tokenizer, encoder, expected
+/// embeddings) in `env`'s folder.
+fn text_job(env: &TestEnv) {
+    make_text_job(
+        env.path(),
+        &TextGen {
+            rows: ROWS,
+            ..TextGen::default()
+        },
+    )
+    .expect("generate text job");
+}
+
 fn write(env: &TestEnv, file: &str, text: &str) -> std::path::PathBuf {
     let path = env.path().join(file);
     std::fs::write(&path, text).expect("write manifest");
@@ -57,14 +70,7 @@ fn matches_pytorch(env: &TestEnv, out: &Path, rows: usize) {
 
 async fn text_jobs_match_pytorch_in_every_format(backend: Backend) {
     let env = TestEnv::new("text");
-    make_text_job(
-        env.path(),
-        &TextGen {
-            rows: ROWS,
-            ..TextGen::default()
-        },
-    )
-    .expect("generate text job");
+    text_job(&env);
     let workers = env.workers(backend, &[&[], &[]]).await;
     let mut jobs = Vec::new();
     for (format, out_format, extra) in [
@@ -547,14 +553,7 @@ async fn a_tokenizer_unreadable_on_a_worker_hands_the_item_back_and_the_job_comp
     use crate::containment::{start_waiting, summary, until};
     use std::time::Duration;
     let env = TestEnv::new("tok-unable");
-    make_text_job(
-        env.path(),
-        &TextGen {
-            rows: ROWS,
-            ..TextGen::default()
-        },
-    )
-    .expect("generate text job");
+    text_job(&env);
     let path = write(&env, "csv.toml", &manifest(&env, "csv", "csv", ""));
     // Validated and published (1,500 rows in items of 400) before any
     // worker looks at the tokenizer.
@@ -603,14 +602,7 @@ async fn a_read_that_never_returns_times_out_and_the_item_is_retried() {
     use crate::containment::{start_waiting, summary};
     use std::time::{Duration, Instant};
     let env = TestEnv::new("stalled-read");
-    make_text_job(
-        env.path(),
-        &TextGen {
-            rows: ROWS,
-            ..TextGen::default()
-        },
-    )
-    .expect("generate text job");
+    text_job(&env);
     let text = manifest(&env, "csv", "csv", "")
         + "\n[failure]\nitem_timeout = \"2s\"\nmax_attempts = 6\nretry_delay = \"1s\"\n";
     let path = write(&env, "csv.toml", &text);
