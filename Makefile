@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos soak-faults cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -27,6 +27,11 @@ chaos: venv services release
 ## soak-faults: 20 minutes of jobs of many models on workers restarted as a supervisor would, with crashing items, Redis restarted empty, queues deleted and forged dead letters replayed; checks every job (SOAK_ARGS="--duration 90s" for the short form)
 soak-faults: venv services release
 	target/release/batchfleet-loadtest soak --faults $(SOAK_ARGS)
+
+SOAK_FLEET_WORKERS ?= 500
+## soak-fleet: a simulated fleet of 500 real workers, many to a process, running 20 jobs of 10^6 one-row items in all together; prints per item the Redis commands and requests, AMQP messages and bytes, syncs and CPU by part, Redis's p99, spurious copies and the idle fleet's background Redis commands against docs/scaling.md's targets, and checks every job (SOAK_FLEET_WORKERS=100 SOAK_FLEET_ARGS="--processes 2 --jobs 10 --items 20000 --idle 5s" for the short form)
+soak-fleet: venv services release
+	target/release/batchfleet-loadtest soak --simulated $(SOAK_FLEET_WORKERS) $(SOAK_FLEET_ARGS)
 
 ## cluster-test: a 200k-row job on a three-node RabbitMQ cluster of its own while the queue's leader node is killed and restarted; checks exactly-once and reconnection
 cluster-test: venv services release

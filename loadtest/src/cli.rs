@@ -5,7 +5,8 @@
 //! their pace [`fault::PaceArgs`]; a fault run's settings are its flags.
 
 use crate::{
-    bench, chaos, cluster, forward, gpu, planning, rediscluster, scale, sentinel, slurm, soak,
+    bench, chaos, cluster, fleetsoak, forward, gpu, planning, rediscluster, scale, sentinel,
+    simworkers, slurm, soak,
 };
 use anyhow::{bail, Result};
 use batchfleet_testkit::{python, verify};
@@ -42,7 +43,19 @@ pub(crate) enum Command {
     /// as `crash`, the forged letters left dead, worker memory bounded and
     /// no job left running (exit 1 if not). Needs the release binaries and
     /// the local RabbitMQ and Redis, which it restarts.
+    ///
+    /// With `--simulated <WORKERS>` instead: a fleet of that many real
+    /// workers, many to a process, running `--jobs` jobs of one-row items
+    /// together on a model that does next to nothing; prints per item the
+    /// Redis commands (script-inner ones included), Redis requests, AMQP
+    /// messages and bytes, syncs and CPU by part, Redis's latency p99,
+    /// spurious copies, broker sessions lost and the idle fleet's Redis
+    /// commands per worker-second against the targets of docs/scaling.md;
+    /// checks every job's rows, counts and files (exit 1 if not).
     Soak(soak::SoakConfig),
+    /// Run `--count` workers in this process (for `soak --simulated`).
+    #[command(hide = true)]
+    SimWorkers(simworkers::SimWorkersArgs),
     /// Run a job on a RabbitMQ cluster of the run's own (nodes on loopback
     /// ports, clustered with `rabbitmqctl join_cluster`) while the node
     /// leading the job's quorum queue is killed mid-job and started again;
@@ -133,7 +146,11 @@ impl Command {
             Command::Gen(args) => args.run(),
             Command::Verify(args) => args.run(),
             Command::Chaos(cfg) => held(&chaos::run(&cfg)?.violations),
-            Command::Soak(cfg) => held(&soak::run(&cfg)?.violations),
+            Command::Soak(cfg) => match cfg.simulated {
+                Some(workers) => held(&fleetsoak::run(&cfg, workers)?.violations),
+                None => held(&soak::run(&cfg)?.violations),
+            },
+            Command::SimWorkers(args) => simworkers::run(&args),
             Command::Cluster(cfg) => held(&cluster::run(&cfg)?.violations),
             Command::RedisFailover(cfg) => held(&sentinel::run(&cfg)?.violations),
             Command::RedisCluster(cfg) => held(&rediscluster::run(&cfg)?.violations),

@@ -19,6 +19,8 @@
 //! - [`soak`]: a long stream of jobs of many models on workers restarted as
 //!   a supervisor would, with crashing items and, with `--faults`, Redis
 //!   restarted empty, queues deleted and forged dead letters replayed.
+//!   [`fleetsoak`] (`soak --simulated`): hundreds of workers, many to a
+//!   process ([`simworkers`]), and many jobs at once, measured per item.
 //! - [`fault`]: what every fault run shares — the job, the worker settings,
 //!   processes, the flags of the runs on clusters of their own, the checks.
 //! - [`cluster`]: a three-node RabbitMQ cluster losing the queue's leader.
@@ -26,7 +28,6 @@
 //! - [`rediscluster`]: jobs on a Redis Cluster.
 //! - [`slurm`]: a job through the Slurm templates on a cluster of its own.
 
-use anyhow::Result;
 use clap::Parser;
 
 mod bench;
@@ -35,6 +36,7 @@ mod cli;
 mod cluster;
 mod fault;
 mod fleet;
+mod fleetsoak;
 mod formatbench;
 mod forward;
 mod gpu;
@@ -42,16 +44,27 @@ mod planning;
 mod rediscluster;
 mod scale;
 mod sentinel;
+mod simworkers;
 mod slurm;
 mod soak;
 mod startbench;
 mod textbench;
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     // Before any libtorch call (gpu-check needs CUDA where there is a GPU).
     let cuda = batchfleet_shared::cuda::load(option_env!("BATCHFLEET_LIBTORCH_LIB"));
     if let batchfleet_shared::cuda::CudaSupport::Failed(why) = &cuda {
         eprintln!("warning: CUDA devices are unavailable: {why}");
     }
-    cli::Cli::parse().command.run()
+    match cli::Cli::parse().command.run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The error with its backtrace (when RUST_BACKTRACE asks for
+            // one), then the error alone again as the last line, so that a
+            // log's tail names what failed.
+            eprintln!("{e:?}");
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

@@ -121,7 +121,7 @@ fn redis_stats() -> Result<RedisStats> {
 
 /// Bytes sent + received so far by each established socket of the local
 /// broker's port 5672, by the peer's address.
-fn amqp_socket_bytes() -> HashMap<String, u64> {
+pub(crate) fn amqp_socket_bytes() -> HashMap<String, u64> {
     let Ok(out) = Command::new("ss")
         .args(["-tinH", "state", "established", "( sport = :5672 )"])
         .output()

@@ -68,6 +68,24 @@ pub struct SoakConfig {
     /// Keep data, logs and soak.json here (default: a temporary folder).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Instead of the rounds: a simulated fleet of this many workers (real
+    /// workers, many to a process, on a model that does next to nothing)
+    /// running `--jobs` jobs of `--items` one-row items together, measured
+    /// per item (see docs/scaling.md).
+    #[arg(long, value_name = "WORKERS", help_heading = "Simulated fleet", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub simulated: Option<usize>,
+    /// Processes the simulated workers share.
+    #[arg(long, default_value_t = 4, help_heading = "Simulated fleet")]
+    pub processes: usize,
+    /// Jobs run together on the simulated fleet.
+    #[arg(long, default_value_t = 20, help_heading = "Simulated fleet")]
+    pub jobs: usize,
+    /// One-row items in all, over the jobs.
+    #[arg(long, default_value_t = 1_000_000, help_heading = "Simulated fleet")]
+    pub items: u64,
+    /// How long the idle fleet is watched for its background Redis commands.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, help_heading = "Simulated fleet")]
+    pub idle: Duration,
 }
 
 /// What a soak run did and found.
@@ -237,7 +255,7 @@ fn template(dir: &Path, cfg: &SoakConfig, pool: &str, hidden: u32) -> Result<()>
 }
 
 /// A copy of `template` in `dir` as a job of its own, named `name`.
-fn instance(template: &Path, dir: &Path, name: &str) -> Result<()> {
+pub(crate) fn instance(template: &Path, dir: &Path, name: &str) -> Result<()> {
     std::fs::create_dir_all(dir.join("data"))?;
     for entry in std::fs::read_dir(template.join("data"))? {
         let path = entry?.path();

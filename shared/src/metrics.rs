@@ -133,6 +133,9 @@ pub mod names {
     pub const WORKER_PAUSED: &str = "batchfleet_worker_paused";
     /// Worker: items the broker dead-lettered at the delivery limit, recorded failed (counter; job).
     pub const WORKER_BROKER_DEAD_LETTERS: &str = "batchfleet_worker_broker_dead_letters_total";
+    /// Worker: its broker session lost (connection or consuming channel
+    /// closed) and opened again (counter).
+    pub const WORKER_BROKER_RECONNECTS: &str = "batchfleet_worker_broker_reconnects_total";
     /// Coordinator: items of a job by state planned/done/failed (gauge; job, pool, state).
     pub const JOB_ITEMS: &str = "batchfleet_coordinator_job_items";
     /// Coordinator: rows of a job by state planned/done (gauge; job, pool, state).
@@ -202,6 +205,7 @@ pub mod names {
         (WORKER_JOBS_BENCHED, Kind::Gauge, "Jobs this worker leaves to other workers for now."),
         (WORKER_PAUSED, Kind::Gauge, "1 while the worker has stopped consuming because its output disk is full."),
         (WORKER_BROKER_DEAD_LETTERS, Kind::Counter, "Items the broker dead-lettered at the delivery limit, recorded failed, by batch job."),
+        (WORKER_BROKER_RECONNECTS, Kind::Counter, "Times the worker lost its broker session (its connection, or a channel the broker closed) and opened it again."),
         (JOB_ITEMS, Kind::Gauge, "Items of a batch job by state (planned, done, failed)."),
         (JOB_ROWS, Kind::Gauge, "Rows of a batch job by state (planned, done)."),
         (JOB_ROWS_PER_SECOND, Kind::Gauge, "Rows settled per second since the batch job started."),

@@ -81,6 +81,7 @@ pub(crate) async fn run(
         };
         match reopened {
             Ok(fresh) => {
+                metrics::counter!(names::WORKER_BROKER_RECONNECTS).increment(1);
                 ctx.set_broker(fresh.broker.clone());
                 session.broker.close("replaced").await;
                 session = fresh;

@@ -1,0 +1,535 @@
+//! `batchfleet-loadtest soak --simulated <WORKERS>`: the control plane
+//! under a fleet of hundreds of workers and many concurrent jobs, on the
+//! real RabbitMQ and Redis of this machine.
+//!
+//! The workers are real ones — each a whole `batchfleet_worker::run` with
+//! its own broker connection, Redis connection, model runner thread and
+//! model cache — run many to a process (`sim-workers`), on a model that
+//! does next to nothing, so that every item is nothing but the system's
+//! own work. `--jobs` jobs of one-row items (`--items` in all) are started
+//! together, each by its own `batchfleet run`.
+//!
+//! Before the jobs, the idle fleet is watched for `--idle`: the Redis
+//! commands it makes then are its background cost. Over the jobs it
+//! measures, per item: Redis commands (script-inner ones included:
+//! `total_commands_processed`), Redis requests (the server's reads of
+//! client sockets, `total_reads_processed`: a pipeline or a script is
+//! one), Redis bytes, AMQP messages (publish, delivery and ack of each
+//! message the workers took) and bytes on the broker's sockets, syncs to
+//! disk, and CPU by part (the worker processes, the coordinators, RabbitMQ,
+//! Redis); Redis's latency as a client sees it (a `PING` every 10 ms, its
+//! p50, p99 and worst); spurious copies (item starts beyond one per item,
+//! and items the coordinators published again); the workers' broker
+//! sessions lost. Each job is then checked as every fault run checks one
+//! (every row exactly once and as PyTorch computes it, the counts, the
+//! files): those are the violations (exit 1). The figures are printed
+//! against the targets of docs/scaling.md, and kept in `fleetsoak.json`
+//! with `--dir`; a target missed is reported, not failed.
+
+use crate::fault;
+use crate::fleet::CpuSample;
+use crate::scale::amqp_socket_bytes;
+use crate::soak::SoakConfig;
+use anyhow::{bail, Context, Result};
+use batchfleet_testkit::services;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The targets the figures are printed against (docs/scaling.md).
+const TARGET_REDIS_P99_MS: f64 = 5.0;
+const TARGET_BACKGROUND_PER_WORKER_S: f64 = 1.0;
+
+/// What a simulated-fleet soak measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FleetSoakReport {
+    /// Workers, and the processes they ran in.
+    pub workers: usize,
+    pub processes: usize,
+    /// Jobs run together, and their one-row items in all.
+    pub jobs: usize,
+    pub items: u64,
+    /// Seconds from the first coordinator's start to the last job's end.
+    pub seconds: f64,
+    pub items_per_s: f64,
+    /// Seconds the fleet took to start (every worker consuming).
+    pub start_seconds: f64,
+    /// Per item, over the jobs.
+    pub redis_commands_per_item: f64,
+    pub redis_requests_per_item: f64,
+    pub redis_bytes_per_item: f64,
+    pub amqp_messages_per_item: f64,
+    pub amqp_bytes_per_item: f64,
+    pub syncs_per_item: f64,
+    /// CPU milliseconds per item: all worker processes, the coordinators,
+    /// RabbitMQ, Redis.
+    pub cpu_workers_ms: f64,
+    pub cpu_coordinators_ms: f64,
+    pub cpu_rabbitmq_ms: f64,
+    pub cpu_redis_ms: f64,
+    /// Redis round trips seen by a client (`PING` every 10 ms), ms.
+    pub redis_p50_ms: f64,
+    pub redis_p99_ms: f64,
+    pub redis_max_ms: f64,
+    /// Item starts beyond one per item, over the jobs.
+    pub spurious_starts: u64,
+    /// Items the coordinators published again.
+    pub redispatched: u64,
+    /// Broker sessions the workers lost and opened again.
+    pub broker_reconnects: u64,
+    /// Redis commands per worker-second of the idle fleet.
+    pub background_commands_per_worker_s: f64,
+    /// Invariant violations (empty: all held).
+    pub violations: Vec<String>,
+}
+
+/// The local Redis's counters this run reads.
+#[derive(Debug, Clone, Copy, Default)]
+struct RedisCounters {
+    commands: f64,
+    reads: f64,
+    bytes: f64,
+}
+
+impl RedisCounters {
+    fn take() -> Result<Self> {
+        let [commands, reads, input, output] = services::redis_info_fields(
+            "stats",
+            [
+                "total_commands_processed",
+                "total_reads_processed",
+                "total_net_input_bytes",
+                "total_net_output_bytes",
+            ],
+        )
+        .context("redis-cli INFO stats")?;
+        Ok(Self {
+            commands,
+            reads,
+            bytes: input + output,
+        })
+    }
+}
+
+/// Worker processes of the simulated fleet, each running `count` workers
+/// with its metrics on a port of its own; killed when dropped.
+struct SimFleet {
+    children: Vec<(Child, u16)>,
+}
+
+impl SimFleet {
+    fn metric_sum(&self, name: &str) -> f64 {
+        self.children
+            .iter()
+            .map(|(_, port)| {
+                let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call()
+                else {
+                    return 0.0;
+                };
+                let text = resp.into_string().unwrap_or_default();
+                text.lines()
+                    .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|(c, _)| c.id()).collect()
+    }
+
+    /// SIGTERM, then waits: `Err` naming each process that did not exit 0.
+    fn stop(&mut self) -> Result<()> {
+        for (c, _) in &self.children {
+            fault::signal(c, "TERM");
+        }
+        let mut bad = Vec::new();
+        for (i, (c, _)) in self.children.iter_mut().enumerate() {
+            match fault::wait_or_kill(c, Duration::from_secs(60)) {
+                Some(true) => {}
+                Some(false) => bad.push(format!("process {i} exited with an error")),
+                None => bad.push(format!("process {i} did not stop within 60 s")),
+            }
+        }
+        self.children.clear();
+        if !bad.is_empty() {
+            bail!("{}", bad.join("; "));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SimFleet {
+    fn drop(&mut self) {
+        for (c, _) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs the simulated-fleet soak; prints and returns what it measured.
+pub fn run(cfg: &SoakConfig, workers: usize) -> Result<FleetSoakReport> {
+    services::ensure_local()?;
+    let coordinator = fault::sibling("batchfleet")?;
+    let me = std::env::current_exe()?;
+    let (root, _tmp) = fault::work_dir(cfg.dir.as_deref())?;
+    let pool = services::unique("fleetsoak");
+    let prefix = services::unique("bffleet");
+    let processes = cfg.processes.clamp(1, workers);
+    let jobs = cfg.jobs.max(1);
+    let rows = (cfg.items / jobs as u64).max(1);
+    let mut report = FleetSoakReport {
+        workers,
+        processes,
+        jobs,
+        items: rows * jobs as u64,
+        ..FleetSoakReport::default()
+    };
+    println!(
+        "soak: a simulated fleet of {workers} workers in {processes} processes, {jobs} jobs of {rows} one-row items together, in {}",
+        root.display()
+    );
+    let template = root.join("template");
+    batchfleet_testkit::python::make_job(
+        &template,
+        &batchfleet_testkit::python::JobGen {
+            rows,
+            files: 1,
+            features: 16,
+            hidden: 1,
+            outputs: 1,
+            name: "soak-template".into(),
+            pool: pool.clone(),
+            item_rows: 1,
+            batch_size: 1,
+            ..batchfleet_testkit::python::JobGen::default()
+        },
+    )?;
+    let dirs: Vec<PathBuf> = (0..jobs)
+        .map(|j| {
+            let dir = root.join("jobs").join(format!("fleet-j{j}"));
+            crate::soak::instance(&template, &dir, &format!("fleet-j{j}")).map(|()| dir)
+        })
+        .collect::<Result<_>>()?;
+
+    let outcome = (|| -> Result<()> {
+        let started = Instant::now();
+        let mut fleet = start_fleet(&me, &root, &pool, &prefix, workers, processes)?;
+        report.start_seconds = started.elapsed().as_secs_f64();
+        println!(
+            "soak: {workers} workers consuming after {:.1} s",
+            report.start_seconds
+        );
+        report.background_commands_per_worker_s = background(cfg.idle, workers)?;
+        measure(&coordinator, &prefix, &dirs, &fleet, &mut report)?;
+        for dir in &dirs {
+            let mut v = Vec::new();
+            fault::job_invariants(dir, rows, &mut v)?;
+            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            report
+                .violations
+                .extend(v.into_iter().map(|v| format!("{name}: {v}")));
+        }
+        report.broker_reconnects =
+            fleet.metric_sum("batchfleet_worker_broker_reconnects_total") as u64;
+        fleet.stop().context("stopping the simulated workers")?;
+        Ok(())
+    })();
+    if let Err(e) = outcome {
+        report.violations.push(format!("the soak stopped: {e:#}"));
+    }
+    services::delete_pool_queues(&pool);
+    services::delete_redis_prefix(&prefix);
+    print(&report);
+    fault::keep_report(cfg.dir.as_deref(), &root, "fleetsoak.json", &report)?;
+    Ok(report)
+}
+
+/// Starts `workers` workers in `processes` processes and waits until every
+/// one consumes (its ready file).
+fn start_fleet(
+    me: &Path,
+    root: &Path,
+    pool: &str,
+    prefix: &str,
+    workers: usize,
+    processes: usize,
+) -> Result<SimFleet> {
+    let ready = root.join("ready");
+    let logs = root.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let mut fleet = SimFleet {
+        children: Vec::new(),
+    };
+    for p in 0..processes {
+        // Workers spread evenly; the first processes take the remainder.
+        let count = workers / processes + usize::from(p < workers % processes);
+        let port = batchfleet_testkit::nodes::free_port()?;
+        let log = std::fs::File::create(logs.join(format!("sim-{p}.log")))?;
+        let child = Command::new(me)
+            .args(["sim-workers", "--count", &count.to_string()])
+            .args(["--id-prefix", &format!("sim{p}")])
+            .arg("--ready-dir")
+            .arg(&ready)
+            .args(["--", "--pool", pool, "--redis-prefix", prefix])
+            .args(["--threads", "1", "--metrics-host", "127.0.0.1"])
+            .args(["--metrics-port", &port.to_string()])
+            .arg("--data-root")
+            .arg(root)
+            .env("BATCHFLEET_SIGNING_KEY", fault::FAULT_KEY)
+            // One line per item from hundreds of workers is the log's
+            // cost, not the control plane's.
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("starting sim-workers")?;
+        fleet.children.push((child, port));
+    }
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let up = std::fs::read_dir(&ready).map_or(0, Iterator::count);
+        if up >= workers {
+            return Ok(fleet);
+        }
+        for (i, (c, _)) in fleet.children.iter_mut().enumerate() {
+            if let Some(status) = c.try_wait()? {
+                bail!(
+                    "simulated worker process {i} exited ({status}) with {up} of {workers} workers up; see {}",
+                    logs.join(format!("sim-{i}.log")).display()
+                );
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{up} of {workers} workers consuming after 180 s; see {}",
+                logs.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Redis commands per worker-second while the fleet has no work.
+fn background(idle: Duration, workers: usize) -> Result<f64> {
+    let before = RedisCounters::take()?;
+    let t = Instant::now();
+    std::thread::sleep(idle);
+    let after = RedisCounters::take()?;
+    let secs = t.elapsed().as_secs_f64();
+    // Less the INFO that read `after`.
+    let commands = (after.commands - before.commands - 1.0).max(0.0);
+    Ok(commands / (workers as f64 * secs.max(1e-9)))
+}
+
+/// Runs every job at once, measuring; fills the report's figures.
+fn measure(
+    coordinator: &Path,
+    prefix: &str,
+    dirs: &[PathBuf],
+    fleet: &SimFleet,
+    report: &mut FleetSoakReport,
+) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu_before = CpuSample::take(&fleet.pids());
+    let redis_before = RedisCounters::take()?;
+    let sockets_before = amqp_socket_bytes();
+    let messages_before = fleet.metric_sum("batchfleet_worker_messages_received_total");
+    let syncs_before = fleet.metric_sum("batchfleet_syncs_total");
+    let done = AtomicBool::new(false);
+    let started = Instant::now();
+    let (ended, sockets_seen, probe) = std::thread::scope(|s| {
+        let sockets = s.spawn(|| {
+            let mut seen: HashMap<String, u64> = HashMap::new();
+            let mut look = || {
+                for (peer, bytes) in amqp_socket_bytes() {
+                    let e = seen.entry(peer).or_default();
+                    *e = (*e).max(bytes);
+                }
+            };
+            while !done.load(Ordering::SeqCst) {
+                look();
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            look();
+            seen
+        });
+        let probe = s.spawn(|| ping_probe(&done));
+        let ended = run_jobs(coordinator, prefix, dirs);
+        done.store(true, Ordering::SeqCst);
+        (
+            ended,
+            sockets.join().unwrap_or_default(),
+            probe.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the probe panicked"))),
+        )
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu_after = CpuSample::take(&fleet.pids());
+    let redis_after = RedisCounters::take()?;
+    let summaries = ended?;
+    let pings = probe?;
+    let items = report.items as f64;
+    let per = |x: f64| x / items.max(1.0);
+    report.seconds = seconds;
+    report.items_per_s = items / seconds.max(1e-9);
+    // The probe's PINGs and this run's two INFOs are not the fleet's.
+    let probe_count = pings.len() as f64;
+    report.redis_commands_per_item =
+        per(redis_after.commands - redis_before.commands - probe_count - 1.0);
+    report.redis_requests_per_item = per(redis_after.reads - redis_before.reads - probe_count - 1.0);
+    report.redis_bytes_per_item = per(redis_after.bytes - redis_before.bytes);
+    let messages = fleet.metric_sum("batchfleet_worker_messages_received_total") - messages_before;
+    report.amqp_messages_per_item = per(3.0 * messages);
+    let amqp_bytes: u64 = sockets_seen
+        .iter()
+        .map(|(peer, after)| after.saturating_sub(sockets_before.get(peer).copied().unwrap_or(0)))
+        .sum();
+    report.amqp_bytes_per_item = per(amqp_bytes as f64);
+    report.syncs_per_item = per(fleet.metric_sum("batchfleet_syncs_total") - syncs_before);
+    let cpu = cpu_before.per_item(&cpu_after, report.items, cores);
+    report.cpu_workers_ms = cpu.workers_ms.iter().sum();
+    report.cpu_coordinators_ms = cpu.coordinator_ms;
+    report.cpu_rabbitmq_ms = cpu.rabbitmq_ms;
+    report.cpu_redis_ms = cpu.redis_ms;
+    let (p50, p99, max) = percentiles(pings);
+    (report.redis_p50_ms, report.redis_p99_ms, report.redis_max_ms) = (p50, p99, max);
+    for summary in &summaries {
+        let num = |k: &str| fault::summary_u64(summary, k);
+        report.spurious_starts += num("deliveries").saturating_sub(num("items_total"));
+        report.redispatched += num("items_redispatched");
+    }
+    Ok(())
+}
+
+/// Starts every job's `batchfleet run` at once and waits for all: their
+/// summaries, or an error naming the jobs that failed.
+fn run_jobs(coordinator: &Path, prefix: &str, dirs: &[PathBuf]) -> Result<Vec<serde_json::Value>> {
+    let args: Vec<String> = ["--redis-prefix", prefix, "run", "job.toml", "--no-progress"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    let mut children = Vec::new();
+    for dir in dirs {
+        children.push(fault::spawn_coordinator(
+            coordinator,
+            dir,
+            &args,
+            "coordinator.log",
+        )?);
+    }
+    let mut failed = Vec::new();
+    for (child, dir) in children.iter_mut().zip(dirs) {
+        // A job of this run takes seconds; an hour is a hang.
+        if fault::wait_or_kill(child, Duration::from_secs(3600)) != Some(true) {
+            failed.push(dir.join("coordinator.log").display().to_string());
+        }
+    }
+    if !failed.is_empty() {
+        bail!("{} job(s) failed; see {}", failed.len(), failed.join(", "));
+    }
+    dirs.iter().map(|d| fault::read_summary(d)).collect()
+}
+
+/// A `PING` to the local Redis every 10 ms until `done`: each round trip, ms.
+fn ping_probe(done: &AtomicBool) -> Result<Vec<f64>> {
+    let mut conn = std::net::TcpStream::connect("127.0.0.1:6379").context("the Redis probe")?;
+    conn.set_nodelay(true)?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut took = Vec::new();
+    let mut reply = [0u8; 7];
+    while !done.load(Ordering::SeqCst) {
+        let t = Instant::now();
+        conn.write_all(b"PING\r\n")?;
+        conn.read_exact(&mut reply)?;
+        if &reply != b"+PONG\r\n" {
+            bail!("the Redis probe read {:?}", String::from_utf8_lossy(&reply));
+        }
+        took.push(t.elapsed().as_secs_f64() * 1000.0);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(took)
+}
+
+/// p50, p99 and the largest of `xs`.
+fn percentiles(mut xs: Vec<f64>) -> (f64, f64, f64) {
+    if xs.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    xs.sort_by(f64::total_cmp);
+    let at = |q: f64| xs[((xs.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99), xs[xs.len() - 1])
+}
+
+fn print(r: &FleetSoakReport) {
+    let mark = |met: bool| if met { "met" } else { "MISSED" };
+    println!(
+        "\nsoak (simulated fleet): {} workers in {} processes, {} jobs, {} one-row items in {:.1} s: {:.0} items/s",
+        r.workers, r.processes, r.jobs, r.items, r.seconds, r.items_per_s
+    );
+    println!("  per item (target):");
+    println!(
+        "    Redis commands, script-inner included: {:.2} (≤ 3: {})",
+        r.redis_commands_per_item,
+        mark(r.redis_commands_per_item <= 3.0)
+    );
+    println!(
+        "    Redis requests: {:.3} (≤ 0.2: {})",
+        r.redis_requests_per_item,
+        mark(r.redis_requests_per_item <= 0.2)
+    );
+    println!("    Redis bytes: {:.0}", r.redis_bytes_per_item);
+    println!(
+        "    AMQP messages: {:.2} (≤ 0.5: {}); bytes on the wire: {:.0} (≤ 300: {})",
+        r.amqp_messages_per_item,
+        mark(r.amqp_messages_per_item <= 0.5),
+        r.amqp_bytes_per_item,
+        mark(r.amqp_bytes_per_item <= 300.0)
+    );
+    println!(
+        "    syncs: {:.3} (≤ 0.25: {})",
+        r.syncs_per_item,
+        mark(r.syncs_per_item <= 0.25)
+    );
+    println!(
+        "    CPU ms: workers {:.3}, coordinators {:.3}, RabbitMQ {:.3}, Redis {:.3}",
+        r.cpu_workers_ms, r.cpu_coordinators_ms, r.cpu_rabbitmq_ms, r.cpu_redis_ms
+    );
+    println!(
+        "  Redis round trip (PING every 10 ms): p50 {:.2} ms, p99 {:.2} ms (< {TARGET_REDIS_P99_MS}: {}), worst {:.1} ms",
+        r.redis_p50_ms,
+        r.redis_p99_ms,
+        mark(r.redis_p99_ms < TARGET_REDIS_P99_MS),
+        r.redis_max_ms
+    );
+    println!(
+        "  spurious copies: {} item starts beyond one per item, {} items published again (0: {})",
+        r.spurious_starts,
+        r.redispatched,
+        mark(r.spurious_starts == 0 && r.redispatched == 0)
+    );
+    println!(
+        "  broker sessions lost: {} (0: {})",
+        r.broker_reconnects,
+        mark(r.broker_reconnects == 0)
+    );
+    println!(
+        "  idle fleet: {:.3} Redis commands per worker-second (≤ {TARGET_BACKGROUND_PER_WORKER_S}: {}); the fleet took {:.1} s to start",
+        r.background_commands_per_worker_s,
+        mark(r.background_commands_per_worker_s <= TARGET_BACKGROUND_PER_WORKER_S),
+        r.start_seconds
+    );
+    if r.violations.is_empty() {
+        println!("  every row of every job exactly once, the counts and the files hold");
+    } else {
+        println!("  {} VIOLATIONS:", r.violations.len());
+        for v in &r.violations {
+            println!("    {v}");
+        }
+    }
+}
