@@ -22,7 +22,8 @@
 //!   median item time) gets one speculative copy; the first commit wins and
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
-//!   queued for `orphan_grace` is published again — unless its part file is
+//!   queued for `orphan_grace`, in a job that has committed nothing for
+//!   `orphan_grace` either, is published again — unless its part file is
 //!   complete in the output folder: then Redis lost its commit (a failover
 //!   to a replica that missed the last writes) and it is committed again
 //!   from the file, through the same first-commit-wins step.
@@ -292,11 +293,22 @@ impl Supervisor {
                 })
                 .collect();
             self.unseen_since.retain(|s, _| unseen.contains(s));
+            // A delivery a worker has received and not started yet (its
+            // prefetch buffer) is in neither the queue nor a lease: while
+            // the job still commits items, such deliveries are being worked
+            // through, so an item counts as lost only once the job has gone
+            // quiet too. A lost message is then found at most one grace
+            // after the job's other work, and a busy fleet's buffers are
+            // never copied.
+            let quiet = self
+                .progress_mark
+                .map_or(Duration::ZERO, |(_, at)| at.elapsed());
             let mut due = Vec::new();
             for s in unseen {
                 let since = *self.unseen_since.entry(s).or_insert_with(Instant::now);
                 let last_copy = redispatched.get(&s).copied().unwrap_or(0);
                 if since.elapsed() >= self.cfg.orphan_grace
+                    && quiet >= self.cfg.orphan_grace
                     && now.saturating_sub(last_copy) >= self.cfg.orphan_grace.as_millis() as u64
                 {
                     due.push(s);

@@ -18,7 +18,9 @@
 //! message the workers took) and bytes on the broker's sockets, syncs to
 //! disk, and CPU by part (the worker processes, the coordinators, RabbitMQ,
 //! Redis); Redis's latency as a client sees it (a `PING` every 10 ms, its
-//! p50, p99 and worst); spurious copies (item starts beyond one per item,
+//! p50, p99 and worst: on a machine the fleet keeps busy, mostly the wait
+//! for a core) and its own time per command (`INFO latencystats`, p99 of
+//! the most called, reset with `CONFIG RESETSTAT` before the jobs); spurious copies (item starts beyond one per item,
 //! and items the coordinators published again); the workers' broker
 //! sessions lost. Each job is then checked as every fault run checks one
 //! (every row exactly once and as PyTorch computes it, the counts, the
@@ -75,6 +77,9 @@ pub struct FleetSoakReport {
     pub redis_p50_ms: f64,
     pub redis_p99_ms: f64,
     pub redis_max_ms: f64,
+    /// Redis's own time per command (`INFO latencystats`, reset before the
+    /// jobs): the p99 of the commands the fleet called most, µs.
+    pub redis_server_p99_us: Vec<(String, u64, f64)>,
     /// Item starts beyond one per item, over the jobs.
     pub spurious_starts: u64,
     /// Items the coordinators published again.
@@ -338,6 +343,9 @@ fn measure(
 ) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cpu_before = CpuSample::take(&fleet.pids());
+    // Redis's per-command latency percentiles count from here (its other
+    // counters are read as differences).
+    services::redis_cli(&["config", "resetstat"])?;
     let redis_before = RedisCounters::take()?;
     let sockets_before = amqp_socket_bytes();
     let messages_before = fleet.metric_sum("batchfleet_worker_messages_received_total");
@@ -397,6 +405,7 @@ fn measure(
     report.cpu_coordinators_ms = cpu.coordinator_ms;
     report.cpu_rabbitmq_ms = cpu.rabbitmq_ms;
     report.cpu_redis_ms = cpu.redis_ms;
+    report.redis_server_p99_us = server_latency(3)?;
     let (p50, p99, max) = percentiles(pings);
     (report.redis_p50_ms, report.redis_p99_ms, report.redis_max_ms) = (p50, p99, max);
     for summary in &summaries {
@@ -456,6 +465,30 @@ fn ping_probe(done: &AtomicBool) -> Result<Vec<f64>> {
     Ok(took)
 }
 
+/// The `top` commands by calls since the last `CONFIG RESETSTAT`, each
+/// with its calls and its p99 in µs (`INFO latencystats`, Redis ≥ 7).
+fn server_latency(top: usize) -> Result<Vec<(String, u64, f64)>> {
+    let calls = services::redis_cli(&["info", "commandstats"])?;
+    let latency = services::redis_cli(&["info", "latencystats"])?;
+    let mut commands: Vec<(String, u64, f64)> = calls
+        .lines()
+        .filter_map(|l| {
+            let (name, stats) = l.trim().strip_prefix("cmdstat_")?.split_once(':')?;
+            let n = stats.split(',').find_map(|f| f.strip_prefix("calls="))?.parse().ok()?;
+            let p99 = latency
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(&format!("latency_percentiles_usec_{name}:")))
+                .and_then(|v| v.split(',').find_map(|f| f.strip_prefix("p99=")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(f64::NAN);
+            (name != "info" && name != "config" && name != "ping").then(|| (name.to_owned(), n, p99))
+        })
+        .collect();
+    commands.sort_by(|a, b| b.1.cmp(&a.1));
+    commands.truncate(top);
+    Ok(commands)
+}
+
 /// p50, p99 and the largest of `xs`.
 fn percentiles(mut xs: Vec<f64>) -> (f64, f64, f64) {
     if xs.is_empty() {
@@ -506,6 +539,15 @@ fn print(r: &FleetSoakReport) {
         r.redis_p99_ms,
         mark(r.redis_p99_ms < TARGET_REDIS_P99_MS),
         r.redis_max_ms
+    );
+    let server: Vec<String> = r
+        .redis_server_p99_us
+        .iter()
+        .map(|(name, calls, p99)| format!("{name} {p99:.0} µs ({calls} calls)"))
+        .collect();
+    println!(
+        "  Redis's own time per command, p99 (the most called): {}",
+        server.join(", ")
     );
     println!(
         "  spurious copies: {} item starts beyond one per item, {} items published again (0: {})",

@@ -427,7 +427,9 @@ pub struct FollowArgs {
     #[arg(long, env = "BATCHFLEET_SPECULATE_AFTER", default_value_t = 3.0)]
     pub speculate_after: f64,
     /// Publish again an item that is neither queued, held by a live worker
-    /// nor settled for this long (a lost message).
+    /// nor settled for this long, once its job has committed nothing for as
+    /// long too (a lost message; deliveries waiting in a busy worker's
+    /// prefetch buffer are not lost).
     #[arg(long, env = "BATCHFLEET_ORPHAN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
     /// Fail the job when workers said they cannot run it (no CUDA device,

@@ -94,7 +94,8 @@ pub fn unique(stem: &str) -> String {
     )
 }
 
-fn redis_cli(args: &[&str]) -> Result<String> {
+/// `redis-cli ARGS` on the local Redis: its output, trimmed.
+pub fn redis_cli(args: &[&str]) -> Result<String> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", "6379"])
         .args(args)
