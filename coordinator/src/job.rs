@@ -113,7 +113,7 @@ pub async fn run_spec(
 
 /// Connects to RabbitMQ and Redis and registers and publishes the job,
 /// riding out an outage of either (a restart, a failover) for up to
-/// `--connect-timeout`: the whole step is tried again, as a run of the same
+/// `--connect-timeout` from its first failure: the whole step is tried again, as a run of the same
 /// manifest would be — it publishes only what is not done, and registers a
 /// job Redis lost anew.
 pub async fn connect_and_dispatch(
@@ -128,7 +128,9 @@ pub async fn connect_and_dispatch(
     ),
     RunError,
 > {
-    let deadline = std::time::Instant::now() + cfg.connections.connect_timeout;
+    // The budget counts from the first failure, not from the start: a job
+    // that publishes for minutes rides out an outage late in it too.
+    let mut deadline = None;
     let mut pause = std::time::Duration::from_millis(100);
     loop {
         // Boxed: the start's future nested in `run`'s is otherwise deeper
@@ -149,7 +151,13 @@ pub async fn connect_and_dispatch(
         })
         .await;
         match tried {
-            Err(e) if e.is_outage() && std::time::Instant::now() + pause < deadline => {
+            Err(e)
+                if e.is_outage()
+                    && std::time::Instant::now() + pause
+                        < *deadline.get_or_insert_with(|| {
+                            std::time::Instant::now() + cfg.connections.connect_timeout
+                        }) =>
+            {
                 tracing::warn!(job = %spec.job_id, error = %e, retry_in_ms = pause.as_millis() as u64, "RabbitMQ or Redis unavailable while starting the job; trying again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(std::time::Duration::from_secs(2));

@@ -131,8 +131,7 @@ impl SimFleet {
         self.children
             .iter()
             .map(|(_, port)| {
-                let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call()
-                else {
+                let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call() else {
                     return 0.0;
                 };
                 let text = resp.into_string().unwrap_or_default();
@@ -374,7 +373,9 @@ fn measure(
         (
             ended,
             sockets.join().unwrap_or_default(),
-            probe.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the probe panicked"))),
+            probe
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the probe panicked"))),
         )
     });
     let seconds = started.elapsed().as_secs_f64();
@@ -390,7 +391,8 @@ fn measure(
     let probe_count = pings.len() as f64;
     report.redis_commands_per_item =
         per(redis_after.commands - redis_before.commands - probe_count - 1.0);
-    report.redis_requests_per_item = per(redis_after.reads - redis_before.reads - probe_count - 1.0);
+    report.redis_requests_per_item =
+        per(redis_after.reads - redis_before.reads - probe_count - 1.0);
     report.redis_bytes_per_item = per(redis_after.bytes - redis_before.bytes);
     let messages = fleet.metric_sum("batchfleet_worker_messages_received_total") - messages_before;
     report.amqp_messages_per_item = per(3.0 * messages);
@@ -407,7 +409,11 @@ fn measure(
     report.cpu_redis_ms = cpu.redis_ms;
     report.redis_server_p99_us = server_latency(3)?;
     let (p50, p99, max) = percentiles(pings);
-    (report.redis_p50_ms, report.redis_p99_ms, report.redis_max_ms) = (p50, p99, max);
+    (
+        report.redis_p50_ms,
+        report.redis_p99_ms,
+        report.redis_max_ms,
+    ) = (p50, p99, max);
     for summary in &summaries {
         let num = |k: &str| fault::summary_u64(summary, k);
         report.spurious_starts += num("deliveries").saturating_sub(num("items_total"));
@@ -432,15 +438,37 @@ fn run_jobs(coordinator: &Path, prefix: &str, dirs: &[PathBuf]) -> Result<Vec<se
             "coordinator.log",
         )?);
     }
-    let mut failed = Vec::new();
-    for (child, dir) in children.iter_mut().zip(dirs) {
-        // A job of this run takes seconds; an hour is a hang.
-        if fault::wait_or_kill(child, Duration::from_secs(3600)) != Some(true) {
-            failed.push(dir.join("coordinator.log").display().to_string());
+    // A job of this run takes minutes at most; an hour is a hang.
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    let mut running: Vec<usize> = (0..children.len()).collect();
+    let mut failed = None;
+    while !running.is_empty() && failed.is_none() {
+        let mut still = Vec::new();
+        for i in running {
+            match children[i].try_wait()? {
+                Some(status) if status.success() => {}
+                Some(status) => {
+                    failed = Some(format!(
+                        "a job's coordinator exited ({status}); see {}",
+                        dirs[i].join("coordinator.log").display()
+                    ));
+                }
+                None => still.push(i),
+            }
         }
+        running = still;
+        if Instant::now() > deadline {
+            failed = Some("jobs still running after an hour".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    if !failed.is_empty() {
-        bail!("{} job(s) failed; see {}", failed.len(), failed.join(", "));
+    if let Some(why) = failed {
+        // The others would run on without a fleet to check them against.
+        for child in &mut children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        bail!("{why}");
     }
     dirs.iter().map(|d| fault::read_summary(d)).collect()
 }
@@ -474,14 +502,22 @@ fn server_latency(top: usize) -> Result<Vec<(String, u64, f64)>> {
         .lines()
         .filter_map(|l| {
             let (name, stats) = l.trim().strip_prefix("cmdstat_")?.split_once(':')?;
-            let n = stats.split(',').find_map(|f| f.strip_prefix("calls="))?.parse().ok()?;
+            let n = stats
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
             let p99 = latency
                 .lines()
-                .find_map(|l| l.trim().strip_prefix(&format!("latency_percentiles_usec_{name}:")))
+                .find_map(|l| {
+                    l.trim()
+                        .strip_prefix(&format!("latency_percentiles_usec_{name}:"))
+                })
                 .and_then(|v| v.split(',').find_map(|f| f.strip_prefix("p99=")))
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(f64::NAN);
-            (name != "info" && name != "config" && name != "ping").then(|| (name.to_owned(), n, p99))
+            (name != "info" && name != "config" && name != "ping")
+                .then(|| (name.to_owned(), n, p99))
         })
         .collect();
     commands.sort_by(|a, b| b.1.cmp(&a.1));

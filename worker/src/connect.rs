@@ -5,24 +5,37 @@
 //! untrusted certificate) ends the wait at once.
 
 use crate::config::WorkerConfig;
+use crate::consumer::session::Session;
 use backon::{ExponentialBuilder, Retryable};
 use batchfleet_shared::backend::Backend;
-use batchfleet_shared::broker::{Broker, BrokerError};
+use batchfleet_shared::broker::{BrokerError, PoolQueues};
 use batchfleet_shared::store::{Store, StoreError};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A broker handle: a new RabbitMQ connection named after the worker, or a
-/// new client of the in-process queues.
-pub(crate) async fn broker(
+/// A consuming session on a new broker handle (a RabbitMQ connection named
+/// after the worker, or a new client of the in-process queues). Opening it
+/// is tried again like connecting: the broker may close a connection while
+/// the session declares and subscribes (RabbitMQ answers `INTERNAL_ERROR`
+/// to a consume on a quorum queue whose process is still starting, as when
+/// hundreds of workers start together on a new pool).
+pub(crate) async fn session(
     backend: &Backend,
     cfg: &WorkerConfig,
     worker_id: &str,
-) -> anyhow::Result<Arc<dyn Broker>> {
+    queues: &PoolQueues,
+    prefetch: u16,
+) -> anyhow::Result<Session> {
     let name = format!("batchfleet-worker {worker_id}");
     let per_try = per_try(cfg);
-    Ok(with_retry("RabbitMQ", cfg.connect_timeout, || {
-        backend.broker(&name, per_try)
+    Ok(with_retry("RabbitMQ", cfg.connect_timeout, || async {
+        let broker = backend.broker(&name, per_try).await?;
+        match Session::open(broker.clone(), queues, prefetch).await {
+            Ok(session) => Ok(session),
+            Err(e) => {
+                broker.close("trying again").await;
+                Err(e)
+            }
+        }
     })
     .await?)
 }

@@ -58,7 +58,6 @@ use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::signing::SigningKey;
 use batchfleet_shared::store::StoreError;
 pub use config::WorkerConfig;
-use consumer::session::Session;
 use context::{ItemContext, StopReason};
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,12 +142,7 @@ pub async fn run_on(
     metrics::gauge!(names::WORKER_JOBS_BENCHED).set(0.0);
     metrics::gauge!(names::WORKER_MODELS_LOADED).set(0.0);
     let store = connect::store(&backend, &cfg).await?;
-    let session = Session::open(
-        connect::broker(&backend, &cfg, &worker_id).await?,
-        &queues,
-        cfg.prefetch,
-    )
-    .await?;
+    let session = connect::session(&backend, &cfg, &worker_id, &queues, cfg.prefetch).await?;
     let ctx = Arc::new(
         ItemContext::new(context::Parts {
             store,

@@ -71,10 +71,7 @@ pub(crate) async fn run(
         // Deliveries of the lost connection can no longer be acknowledged.
         sizing.backlog.clear();
         let prefetch = session.prefetch;
-        let reopen = async {
-            let broker = connect::broker(backend, cfg, &ctx.worker_id).await?;
-            anyhow::Ok(Session::open(broker, &ctx.queues, prefetch).await?)
-        };
+        let reopen = connect::session(backend, cfg, &ctx.worker_id, &ctx.queues, prefetch);
         let reopened = tokio::select! {
             s = reopen => s,
             _ = shutdown.cancelled() => break None,

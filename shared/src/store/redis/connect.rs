@@ -162,7 +162,9 @@ impl Source {
                 let connect = async {
                     let primary = client.lock().await.async_get_client().await?;
                     let addr = primary.get_connection_info().addr().to_string();
-                    let conn = primary.get_multiplexed_async_connection().await?;
+                    let conn = primary
+                        .get_multiplexed_async_connection_with_config(&answer(*timeout))
+                        .await?;
                     Ok::<_, redis::RedisError>((AnyConn::Single(conn), Some(addr)))
                 };
                 match tokio::time::timeout(*timeout, connect).await {
@@ -370,8 +372,8 @@ fn source(
     if endpoint.cluster {
         let nodes: Vec<String> = url.split().iter().map(|u| u.expose().to_owned()).collect();
         let mut b = redis::cluster::ClusterClientBuilder::new(nodes)
-            .connection_timeout(timeout)
-            .response_timeout(timeout);
+            .connection_timeout(answer_within(timeout))
+            .response_timeout(answer_within(timeout));
         if let Some(m) = tls {
             b = b.certs(certificates(m));
         }
@@ -384,8 +386,11 @@ fn source(
         None => redis::Client::open(url.expose()),
     }
     .map_err(|e| e.to_string())?;
-    let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
-        .map_err(|e| e.to_string())?;
+    let manager = deadpool_redis::Manager::new_with_config(
+        client.get_connection_info().clone(),
+        answer(timeout),
+    )
+    .map_err(|e| e.to_string())?;
     let mut pool_cfg = deadpool_redis::PoolConfig::new(16);
     pool_cfg.timeouts.wait = Some(timeout);
     pool_cfg.timeouts.create = Some(timeout);
@@ -396,6 +401,27 @@ fn source(
         .build()
         .map_err(|e| e.to_string())?;
     Ok(Source::Pool(pool))
+}
+
+/// Longest a connection waits for Redis to answer one request, or to
+/// accept a connection.
+const MOST_PATIENT: Duration = Duration::from_secs(10);
+
+/// How long a request waits for Redis's answer: the process's
+/// `--connect-timeout`, at most [`MOST_PATIENT`]. (The client's own default,
+/// half a second, failed a coordinator's job start on a host busy enough
+/// that an answer took longer, though Redis itself answered in
+/// microseconds; past this a request fails as Redis unavailable, and the
+/// caller's retries through outages take over.)
+fn answer_within(timeout: Duration) -> Duration {
+    timeout.min(MOST_PATIENT)
+}
+
+/// [`answer_within`] as a connection's settings.
+fn answer(timeout: Duration) -> redis::AsyncConnectionConfig {
+    redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(answer_within(timeout)))
+        .set_response_timeout(Some(answer_within(timeout)))
 }
 
 /// The redis client's form of the endpoint's TLS files.
