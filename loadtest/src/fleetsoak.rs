@@ -520,7 +520,7 @@ fn server_latency(top: usize) -> Result<Vec<(String, u64, f64)>> {
                 .then(|| (name.to_owned(), n, p99))
         })
         .collect();
-    commands.sort_by(|a, b| b.1.cmp(&a.1));
+    commands.sort_by_key(|c| std::cmp::Reverse(c.1));
     commands.truncate(top);
     Ok(commands)
 }

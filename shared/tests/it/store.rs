@@ -1207,3 +1207,34 @@ async fn the_reads_of_a_job_of_400k_items_stay_within_the_client_timeouts() {
     assert_eq!(done.len(), N as usize);
     let _: () = raw.del(&[&stats_key, &done_key]).await.expect("cleanup");
 }
+
+/// A Redis that answers a write only after more than half a second (here it
+/// holds every client's writes for 1.5 s with `CLIENT PAUSE`, as a host too
+/// busy to run it, or a long script, would) is waited for, up to the
+/// process's connect timeout: with the client's own default of 500 ms such
+/// a write failed as "timed out", and on a busy host a coordinator's job
+/// start with it.
+#[tokio::test]
+async fn a_slow_answer_is_waited_for_not_taken_for_an_outage() {
+    let store = crate::store("bftest-slow").await;
+    store
+        .put_job(&JobRecord::sample("j"))
+        .await
+        .expect("a first write, on a connection of its own");
+    let paused = batchfleet_testkit::services::redis_cli(&["client", "pause", "1500", "write"])
+        .expect("redis-cli");
+    assert_eq!(paused, "OK");
+    let asked = std::time::Instant::now();
+    store
+        .update_job("j", &RecordUpdate::Priority("high".into()))
+        .await
+        .expect("answered once the pause ends");
+    assert!(
+        asked.elapsed() >= std::time::Duration::from_millis(1_000),
+        "the write waited for the pause: {:?}",
+        asked.elapsed()
+    );
+    let job = store.job("j").await.expect("read").expect("the job");
+    assert_eq!(job.priority, "high");
+    store.delete_job("j").await.expect("cleanup");
+}
