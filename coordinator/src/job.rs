@@ -113,9 +113,9 @@ pub async fn run_spec(
 
 /// Connects to RabbitMQ and Redis and registers and publishes the job,
 /// riding out an outage of either (a restart, a failover) for up to
-/// `--connect-timeout` from its first failure: the whole step is tried again, as a run of the same
-/// manifest would be — it publishes only what is not done, and registers a
-/// job Redis lost anew.
+/// `--connect-timeout` from its first failure: the whole step is tried
+/// again, as a run of the same manifest would be — it publishes only what
+/// is not done, and registers a job Redis lost anew.
 pub async fn connect_and_dispatch(
     cfg: &RunConfig,
     spec: &crate::manifest::JobSpec,
