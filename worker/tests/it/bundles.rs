@@ -56,10 +56,11 @@ async fn a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
     let env = TestEnv::new("bundle-held");
-    // 256 items of 5 rows (64 bundles of 4), 30 ms each: about 8 s of work
-    // for one worker that holds 17 bundles at a time and leases an item
-    // only once it outlives a 5 s heartbeat. The queue reads empty with
-    // about 2 s of work held and unleased; the lost-message grace is 0.5 s.
+    // 256 items of 5 rows (64 bundles of 4), 50 ms each: about 13 s of
+    // work for one worker that holds 17 bundles at a time and leases an
+    // item only once it outlives a 5 s heartbeat. The queue reads empty
+    // with about 3.4 s of work held and unleased; the lost-message grace is
+    // 1 s, and the job commits an item every 50 ms.
     let manifest = job_in(&env, "job", 1_280, 5);
     let mut workers = env
         .workers(
@@ -70,7 +71,7 @@ async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
                 "--prefetch-max",
                 "16",
                 "--debug-batch-delay",
-                "30ms",
+                "50ms",
                 "--heartbeat",
                 "5s",
                 "--lease-ttl",
@@ -79,7 +80,7 @@ async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
         )
         .await;
     let mut cfg = env.run_config();
-    cfg.supervise.orphan_grace = Duration::from_millis(500);
+    cfg.supervise.orphan_grace = Duration::from_secs(1);
     let (id, report) = env.run_on_with(&workers, &manifest, &cfg).await;
     assert_eq!(report.status, "completed", "{report:?}");
     assert!(verified(&env.path().join("job")).is_empty());
