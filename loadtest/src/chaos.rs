@@ -710,11 +710,9 @@ fn print(r: &ChaosReport) {
         r.swapped_model_exit.map_or("-".into(), |c| c.to_string()),
         r.workers_exited_on_their_own
     );
-    if r.violations.is_empty() {
-        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES, INV-CONTAIN hold");
-    } else {
-        for v in &r.violations {
-            println!("  VIOLATED   {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &r.violations,
+        "invariants INV-ROWS, INV-ACCT, INV-FILES, INV-CONTAIN hold",
+    );
 }

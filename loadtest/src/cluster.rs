@@ -588,11 +588,9 @@ fn print(r: &ClusterReport) {
             r.control_node_ms.iter().sum::<f64>()
         );
     }
-    if r.violations.is_empty() {
-        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold; nothing dead-lettered");
-    } else {
-        for v in &r.violations {
-            println!("  VIOLATED   {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &r.violations,
+        "invariants INV-ROWS, INV-ACCT, INV-FILES hold; nothing dead-lettered",
+    );
 }

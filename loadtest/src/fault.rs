@@ -292,6 +292,18 @@ pub(crate) fn job_invariants(
     Ok(summary)
 }
 
+/// Prints a fault run's verdict, each line after `indent`: `held` when no
+/// invariant was violated, else each violation.
+pub(crate) fn print_verdict(indent: &str, violations: &[String], held: &str) {
+    if violations.is_empty() {
+        println!("{indent}{held}");
+    } else {
+        for v in violations {
+            println!("{indent}VIOLATED   {v}");
+        }
+    }
+}
+
 /// Runs `f` on a connection named `name` to the broker at `amqp`, from
 /// synchronous code, and closes the connection.
 pub(crate) fn on_broker<T, F, Fut>(

@@ -146,6 +146,17 @@ impl Fleet {
         Ok(Self { children })
     }
 
+    /// Processes started elsewhere, each serving its metrics on its port
+    /// (the simulated fleet's, many workers to a process).
+    pub(crate) fn adopt(children: Vec<(Child, u16)>) -> Self {
+        Self { children }
+    }
+
+    /// The processes, in start order.
+    pub(crate) fn children_mut(&mut self) -> impl Iterator<Item = &mut Child> {
+        self.children.iter_mut().map(|(c, _)| c)
+    }
+
     /// Sums a metric over the workers.
     pub(crate) fn metric_sum(&self, name: &str) -> f64 {
         let mut total = 0.0;
@@ -176,6 +187,27 @@ impl Fleet {
 
     pub(crate) fn pids(&self) -> Vec<u32> {
         self.children.iter().map(|(c, _)| c.id()).collect()
+    }
+
+    /// SIGTERM, then waits up to `within` for each: `Err` naming each
+    /// process that did not exit 0 in time.
+    pub(crate) fn stop_checked(&mut self, within: Duration) -> Result<()> {
+        for (c, _) in &self.children {
+            crate::fault::signal(c, "TERM");
+        }
+        let mut bad = Vec::new();
+        for (i, (c, _)) in self.children.iter_mut().enumerate() {
+            match crate::fault::wait_or_kill(c, within) {
+                Some(true) => {}
+                Some(false) => bad.push(format!("process {i} exited with an error")),
+                None => bad.push(format!("process {i} did not stop within {within:?}")),
+            }
+        }
+        self.children.clear();
+        if !bad.is_empty() {
+            bail!("{}", bad.join("; "));
+        }
+        Ok(())
     }
 
     pub(crate) fn stop(&mut self) {

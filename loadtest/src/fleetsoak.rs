@@ -29,16 +29,15 @@
 //! with `--dir`; a target missed is reported, not failed.
 
 use crate::fault;
-use crate::fleet::CpuSample;
-use crate::scale::amqp_socket_bytes;
+use crate::fleet::{CpuSample, Fleet};
+use crate::scale::{amqp_bytes_between, amqp_socket_bytes, redis_stats, watch_amqp_sockets};
 use crate::soak::SoakConfig;
 use anyhow::{bail, Context, Result};
 use batchfleet_testkit::services;
 use serde::Serialize;
-use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -90,91 +89,6 @@ pub struct FleetSoakReport {
     pub background_commands_per_worker_s: f64,
     /// Invariant violations (empty: all held).
     pub violations: Vec<String>,
-}
-
-/// The local Redis's counters this run reads.
-#[derive(Debug, Clone, Copy, Default)]
-struct RedisCounters {
-    commands: f64,
-    reads: f64,
-    bytes: f64,
-}
-
-impl RedisCounters {
-    fn take() -> Result<Self> {
-        let [commands, reads, input, output] = services::redis_info_fields(
-            "stats",
-            [
-                "total_commands_processed",
-                "total_reads_processed",
-                "total_net_input_bytes",
-                "total_net_output_bytes",
-            ],
-        )
-        .context("redis-cli INFO stats")?;
-        Ok(Self {
-            commands,
-            reads,
-            bytes: input + output,
-        })
-    }
-}
-
-/// Worker processes of the simulated fleet, each running `count` workers
-/// with its metrics on a port of its own; killed when dropped.
-struct SimFleet {
-    children: Vec<(Child, u16)>,
-}
-
-impl SimFleet {
-    fn metric_sum(&self, name: &str) -> f64 {
-        self.children
-            .iter()
-            .map(|(_, port)| {
-                let Ok(resp) = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call() else {
-                    return 0.0;
-                };
-                let text = resp.into_string().unwrap_or_default();
-                text.lines()
-                    .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                    .sum::<f64>()
-            })
-            .sum()
-    }
-
-    fn pids(&self) -> Vec<u32> {
-        self.children.iter().map(|(c, _)| c.id()).collect()
-    }
-
-    /// SIGTERM, then waits: `Err` naming each process that did not exit 0.
-    fn stop(&mut self) -> Result<()> {
-        for (c, _) in &self.children {
-            fault::signal(c, "TERM");
-        }
-        let mut bad = Vec::new();
-        for (i, (c, _)) in self.children.iter_mut().enumerate() {
-            match fault::wait_or_kill(c, Duration::from_secs(60)) {
-                Some(true) => {}
-                Some(false) => bad.push(format!("process {i} exited with an error")),
-                None => bad.push(format!("process {i} did not stop within 60 s")),
-            }
-        }
-        self.children.clear();
-        if !bad.is_empty() {
-            bail!("{}", bad.join("; "));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for SimFleet {
-    fn drop(&mut self) {
-        for (c, _) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Runs the simulated-fleet soak; prints and returns what it measured.
@@ -242,7 +156,9 @@ pub fn run(cfg: &SoakConfig, workers: usize) -> Result<FleetSoakReport> {
         }
         report.broker_reconnects =
             fleet.metric_sum("batchfleet_worker_broker_reconnects_total") as u64;
-        fleet.stop().context("stopping the simulated workers")?;
+        fleet
+            .stop_checked(Duration::from_secs(60))
+            .context("stopping the simulated workers")?;
         Ok(())
     })();
     if let Err(e) = outcome {
@@ -264,13 +180,11 @@ fn start_fleet(
     prefix: &str,
     workers: usize,
     processes: usize,
-) -> Result<SimFleet> {
+) -> Result<Fleet> {
     let ready = root.join("ready");
     let logs = root.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let mut fleet = SimFleet {
-        children: Vec::new(),
-    };
+    let mut children = Vec::new();
     for p in 0..processes {
         // Workers spread evenly; the first processes take the remainder.
         let count = workers / processes + usize::from(p < workers % processes);
@@ -294,15 +208,16 @@ fn start_fleet(
             .stderr(Stdio::from(log))
             .spawn()
             .context("starting sim-workers")?;
-        fleet.children.push((child, port));
+        children.push((child, port));
     }
+    let mut fleet = Fleet::adopt(children);
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let up = std::fs::read_dir(&ready).map_or(0, Iterator::count);
         if up >= workers {
             return Ok(fleet);
         }
-        for (i, (c, _)) in fleet.children.iter_mut().enumerate() {
+        for (i, c) in fleet.children_mut().enumerate() {
             if let Some(status) = c.try_wait()? {
                 bail!(
                     "simulated worker process {i} exited ({status}) with {up} of {workers} workers up; see {}",
@@ -322,13 +237,16 @@ fn start_fleet(
 
 /// Redis commands per worker-second while the fleet has no work.
 fn background(idle: Duration, workers: usize) -> Result<f64> {
-    let before = RedisCounters::take()?;
+    let before = redis_stats()?;
     let t = Instant::now();
     std::thread::sleep(idle);
-    let after = RedisCounters::take()?;
+    let after = redis_stats()?;
     let secs = t.elapsed().as_secs_f64();
     // Less the INFO that read `after`.
-    let commands = (after.commands - before.commands - 1.0).max(0.0);
+    let commands = after
+        .commands
+        .saturating_sub(before.commands)
+        .saturating_sub(1) as f64;
     Ok(commands / (workers as f64 * secs.max(1e-9)))
 }
 
@@ -337,7 +255,7 @@ fn measure(
     coordinator: &Path,
     prefix: &str,
     dirs: &[PathBuf],
-    fleet: &SimFleet,
+    fleet: &Fleet,
     report: &mut FleetSoakReport,
 ) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -345,28 +263,14 @@ fn measure(
     // Redis's per-command latency percentiles count from here (its other
     // counters are read as differences).
     services::redis_cli(&["config", "resetstat"])?;
-    let redis_before = RedisCounters::take()?;
+    let redis_before = redis_stats()?;
     let sockets_before = amqp_socket_bytes();
     let messages_before = fleet.metric_sum("batchfleet_worker_messages_received_total");
     let syncs_before = fleet.metric_sum("batchfleet_syncs_total");
     let done = AtomicBool::new(false);
     let started = Instant::now();
     let (ended, sockets_seen, probe) = std::thread::scope(|s| {
-        let sockets = s.spawn(|| {
-            let mut seen: HashMap<String, u64> = HashMap::new();
-            let mut look = || {
-                for (peer, bytes) in amqp_socket_bytes() {
-                    let e = seen.entry(peer).or_default();
-                    *e = (*e).max(bytes);
-                }
-            };
-            while !done.load(Ordering::SeqCst) {
-                look();
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            look();
-            seen
-        });
+        let sockets = s.spawn(|| watch_amqp_sockets(&done));
         let probe = s.spawn(|| ping_probe(&done));
         let ended = run_jobs(coordinator, prefix, dirs);
         done.store(true, Ordering::SeqCst);
@@ -380,7 +284,7 @@ fn measure(
     });
     let seconds = started.elapsed().as_secs_f64();
     let cpu_after = CpuSample::take(&fleet.pids());
-    let redis_after = RedisCounters::take()?;
+    let redis_after = redis_stats()?;
     let summaries = ended?;
     let pings = probe?;
     let items = report.items as f64;
@@ -389,18 +293,15 @@ fn measure(
     report.items_per_s = items / seconds.max(1e-9);
     // The probe's PINGs and this run's two INFOs are not the fleet's.
     let probe_count = pings.len() as f64;
+    let delta = |after: u64, before: u64| after.saturating_sub(before) as f64;
     report.redis_commands_per_item =
-        per(redis_after.commands - redis_before.commands - probe_count - 1.0);
+        per(delta(redis_after.commands, redis_before.commands) - probe_count - 1.0);
     report.redis_requests_per_item =
-        per(redis_after.reads - redis_before.reads - probe_count - 1.0);
-    report.redis_bytes_per_item = per(redis_after.bytes - redis_before.bytes);
+        per(delta(redis_after.reads, redis_before.reads) - probe_count - 1.0);
+    report.redis_bytes_per_item = per(delta(redis_after.bytes, redis_before.bytes));
     let messages = fleet.metric_sum("batchfleet_worker_messages_received_total") - messages_before;
     report.amqp_messages_per_item = per(3.0 * messages);
-    let amqp_bytes: u64 = sockets_seen
-        .iter()
-        .map(|(peer, after)| after.saturating_sub(sockets_before.get(peer).copied().unwrap_or(0)))
-        .sum();
-    report.amqp_bytes_per_item = per(amqp_bytes as f64);
+    report.amqp_bytes_per_item = per(amqp_bytes_between(&sockets_before, &sockets_seen) as f64);
     report.syncs_per_item = per(fleet.metric_sum("batchfleet_syncs_total") - syncs_before);
     let cpu = cpu_before.per_item(&cpu_after, report.items, cores);
     report.cpu_workers_ms = cpu.workers_ms.iter().sum();
@@ -602,12 +503,9 @@ fn print(r: &FleetSoakReport) {
         mark(r.background_commands_per_worker_s <= TARGET_BACKGROUND_PER_WORKER_S),
         r.start_seconds
     );
-    if r.violations.is_empty() {
-        println!("  every row of every job exactly once, the counts and the files hold");
-    } else {
-        println!("  {} VIOLATIONS:", r.violations.len());
-        for v in &r.violations {
-            println!("    {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &r.violations,
+        "every row of every job exactly once, the counts and the files hold",
+    );
 }

@@ -205,13 +205,11 @@ pub fn run(cfg: &RedisClusterConfig) -> Result<RedisClusterReport> {
             j.job, j.job_s, j.keys, j.master
         );
     }
-    if report.violations.is_empty() {
-        println!("  invariants INV-ROWS, INV-ACCT, INV-FILES hold for both jobs");
-    } else {
-        for v in &report.violations {
-            println!("  VIOLATED   {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &report.violations,
+        "invariants INV-ROWS, INV-ACCT, INV-FILES hold for both jobs",
+    );
     fault::keep_report(cfg.job.dir.as_deref(), &root, "redis-cluster.json", &report)?;
     Ok(report)
 }

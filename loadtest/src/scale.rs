@@ -97,17 +97,23 @@ pub struct ScaleReport {
 }
 
 /// Redis's counters from `INFO stats`.
+/// The local Redis's counters a run reads before and after a job.
 #[derive(Debug, Clone, Copy, Default)]
-struct RedisStats {
-    commands: u64,
-    bytes: u64,
+pub(crate) struct RedisStats {
+    /// Commands run, those run inside scripts included.
+    pub(crate) commands: u64,
+    /// Reads of client sockets: a request, a pipeline or a script is one.
+    pub(crate) reads: u64,
+    /// Bytes in and out on its wire.
+    pub(crate) bytes: u64,
 }
 
-fn redis_stats() -> Result<RedisStats> {
-    let [commands, input, output] = services::redis_info_fields(
+pub(crate) fn redis_stats() -> Result<RedisStats> {
+    let [commands, reads, input, output] = services::redis_info_fields(
         "stats",
         [
             "total_commands_processed",
+            "total_reads_processed",
             "total_net_input_bytes",
             "total_net_output_bytes",
         ],
@@ -115,6 +121,7 @@ fn redis_stats() -> Result<RedisStats> {
     .context("redis-cli INFO stats")?;
     Ok(RedisStats {
         commands: commands as u64,
+        reads: reads as u64,
         bytes: (input + output) as u64,
     })
 }
@@ -155,6 +162,35 @@ pub(crate) fn amqp_socket_bytes() -> HashMap<String, u64> {
         }
     }
     by_peer
+}
+
+/// The largest byte count seen on each broker socket, looked at every
+/// 200 ms until `done` and once after: a connection that closes between two
+/// looks loses at most one interval.
+pub(crate) fn watch_amqp_sockets(done: &AtomicBool) -> HashMap<String, u64> {
+    let mut seen: HashMap<String, u64> = HashMap::new();
+    let mut look = || {
+        for (peer, bytes) in amqp_socket_bytes() {
+            let e = seen.entry(peer).or_default();
+            *e = (*e).max(bytes);
+        }
+    };
+    while !done.load(Ordering::SeqCst) {
+        look();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    look();
+    seen
+}
+
+/// Bytes the broker's sockets carried from `before` to `seen`.
+pub(crate) fn amqp_bytes_between(
+    before: &HashMap<String, u64>,
+    seen: &HashMap<String, u64>,
+) -> u64 {
+    seen.iter()
+        .map(|(peer, after)| after.saturating_sub(before.get(peer).copied().unwrap_or(0)))
+        .sum()
 }
 
 /// Runs the steps; prints and returns the figures.
@@ -264,23 +300,7 @@ fn measure(
     let sockets_before = amqp_socket_bytes();
     let done = AtomicBool::new(false);
     let (job, sockets_seen) = std::thread::scope(|s| {
-        let sampler = s.spawn(|| {
-            // The largest count seen per socket: a connection that closes
-            // between two looks loses at most one interval.
-            let mut seen: HashMap<String, u64> = HashMap::new();
-            while !done.load(Ordering::SeqCst) {
-                for (peer, bytes) in amqp_socket_bytes() {
-                    let e = seen.entry(peer).or_default();
-                    *e = (*e).max(bytes);
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            for (peer, bytes) in amqp_socket_bytes() {
-                let e = seen.entry(peer).or_default();
-                *e = (*e).max(bytes);
-            }
-            seen
-        });
+        let sampler = s.spawn(|| watch_amqp_sockets(&done));
         let job = run_job_with(coordinator, &manifest, prefix, &[], &out);
         done.store(true, Ordering::SeqCst);
         (job, sampler.join().unwrap_or_default())
@@ -300,10 +320,7 @@ fn measure(
         );
     }
     let per = |x: f64| x / items.max(1) as f64;
-    let amqp_bytes: u64 = sockets_seen
-        .iter()
-        .map(|(peer, after)| after.saturating_sub(sockets_before.get(peer).copied().unwrap_or(0)))
-        .sum();
+    let amqp_bytes = amqp_bytes_between(&sockets_before, &sockets_seen);
     let num = |k: &str| summary[k].as_u64().unwrap_or(0) as f64;
     // Each message taken published once, delivered once, acknowledged
     // once (a bundle of several items is one message); a build without

@@ -656,13 +656,9 @@ fn print(r: &SentinelReport) {
             r.baseline_job_s
         );
     }
-    if r.violations.is_empty() {
-        println!(
-            "  invariants INV-ROWS, INV-ACCT, INV-FILES hold in every run; nothing dead-lettered"
-        );
-    } else {
-        for v in &r.violations {
-            println!("  VIOLATED   {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &r.violations,
+        "invariants INV-ROWS, INV-ACCT, INV-FILES hold in every run; nothing dead-lettered",
+    );
 }

@@ -7,7 +7,6 @@
 //! machine.
 
 use anyhow::{bail, Context, Result};
-use batchfleet_shared::metrics::names;
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -47,13 +46,7 @@ pub fn run(args: &SimWorkersArgs) -> Result<()> {
         .build()?;
     // The exporter's listener runs on the runtime.
     let entered = runtime.enter();
-    batchfleet_shared::metrics::install(
-        &base.metrics,
-        "worker",
-        &[("pool", base.pool.clone())],
-        names::WORKER_OWN_GAUGES,
-    )
-    .map_err(anyhow::Error::msg)?;
+    batchfleet_worker::install_metrics(&base)?;
     std::fs::create_dir_all(&args.ready_dir)
         .with_context(|| format!("creating {}", args.ready_dir.display()))?;
     drop(entered);

@@ -630,12 +630,9 @@ fn print(r: &SoakReport) {
         "  crashes: {} items dead-lettered as crash; worker exits restarted: {:?}",
         r.crash_items, r.worker_exits
     );
-    if r.violations.is_empty() {
-        println!("  every invariant held for every job; no job left running");
-    } else {
-        println!("  {} VIOLATIONS:", r.violations.len());
-        for v in &r.violations {
-            println!("    {v}");
-        }
-    }
+    fault::print_verdict(
+        "  ",
+        &r.violations,
+        "every invariant held for every job; no job left running",
+    );
 }

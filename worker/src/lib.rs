@@ -127,13 +127,7 @@ pub async fn run_on(
     let queues = PoolQueues::new(&cfg.pool);
     let (roots, key) = trust(&cfg, backend.is_fleet())?;
     if backend.is_fleet() {
-        batchfleet_shared::metrics::install(
-            &cfg.metrics,
-            "worker",
-            &[("pool", cfg.pool.clone())],
-            names::WORKER_OWN_GAUGES,
-        )
-        .map_err(anyhow::Error::msg)?;
+        install_metrics(&cfg)?;
         gpu::start_sampler(Duration::from_secs(15));
     }
     metrics::gauge!(names::WORKER_UP).set(1.0);
@@ -195,6 +189,19 @@ pub async fn run_on(
             Ok(Exit::Clean)
         }
     }
+}
+
+/// Serves the process's metrics on `--metrics-port` (none when 0), every
+/// series labelled with the worker's pool; from within a tokio runtime.
+pub fn install_metrics(cfg: &WorkerConfig) -> anyhow::Result<()> {
+    batchfleet_shared::metrics::install(
+        &cfg.metrics,
+        "worker",
+        &[("pool", cfg.pool.clone())],
+        names::WORKER_OWN_GAUGES,
+    )
+    .map_err(anyhow::Error::msg)?;
+    Ok(())
 }
 
 /// What this worker trusts a message with: the data roots its paths must

@@ -257,11 +257,5 @@ fn print(r: &SlurmReport) {
     if r.accounting {
         println!("sacct --duplicates: {}", r.sacct.join("  "));
     }
-    if r.violations.is_empty() {
-        println!("all invariants hold");
-    } else {
-        for v in &r.violations {
-            println!("VIOLATION {v}");
-        }
-    }
+    fault::print_verdict("", &r.violations, "all invariants hold");
 }
