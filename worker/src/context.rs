@@ -238,6 +238,8 @@ pub struct ItemContext {
     pub facts: crate::item::facts::Facts,
     /// Model rows per job not yet counted in Redis.
     pub work: Arc<WorkTally>,
+    /// The jobs this worker holds leased items of, beaten every heartbeat.
+    pub beats: Arc<crate::item::lease::Beats>,
     /// Commits finished items, together when they finish together.
     pub committer: crate::item::group::Committer,
     /// Makes the part files written side by side durable with one sync.
@@ -367,6 +369,11 @@ impl ItemContext {
         } else {
             batchfleet_shared::shared_sync::SharedSync::new(crate::item::group::LINGER)
         });
+        let beats = crate::item::lease::Beats::start(
+            &parts.worker_id,
+            parts.store.clone(),
+            parts.tuning.heartbeat,
+        );
         Ok(Self {
             store: parts.store,
             broker: Mutex::new(parts.broker),
@@ -381,6 +388,7 @@ impl ItemContext {
             tasks: Default::default(),
             facts: Default::default(),
             work,
+            beats,
             committer,
             data_sync,
             pause,

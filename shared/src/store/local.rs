@@ -45,6 +45,8 @@ struct JobState {
     failed: BTreeMap<u32, ItemFailure>,
     /// `P:job:{<id>}:leases`: leases by their `<seq>@<worker>` field.
     leases: BTreeMap<String, Lease>,
+    /// `P:job:{<id>}:beats`: `<worker>/<boot>` → its last beat on the job (ms).
+    beats: BTreeMap<String, u64>,
     /// `P:job:{<id>}:redispatched`: seq → ms of the last copy published.
     redispatched: BTreeMap<u32, u64>,
     /// `P:job:{<id>}:copies`: seq → copies published.
@@ -407,7 +409,10 @@ impl JobStore for LocalStore {
             .filter(|(f, l)| f.starts_with(&prefix) && (**f != own || l.boot != lease.boot))
             .map(|(_, l)| l.clone())
             .collect();
-        for other in others {
+        for mut other in others {
+            if let Some(beat) = job.beats.get(&other.holder()) {
+                other.heartbeat_ms = other.heartbeat_ms.max(*beat);
+            }
             if other.is_stale(now) {
                 job.leases.remove(&other.field());
                 // A worker stopped from outside while it drained is no crash.
@@ -454,6 +459,14 @@ impl JobStore for LocalStore {
         }
         job.leases.insert(lease.field(), held);
         Ok(true)
+    }
+
+    /// [`beat_script`](super::redis::beat_script).
+    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        let job = state.entry(job);
+        job.beats.insert(holder.to_owned(), crate::host::now_ms());
+        Ok(())
     }
 
     async fn now_ms(&self) -> Result<u64, StoreError> {
@@ -582,7 +595,18 @@ impl JobStore for LocalStore {
             .lock()
             .jobs
             .get(job)
-            .map(|j| j.leases.values().cloned().collect())
+            .map(|j| {
+                j.leases
+                    .values()
+                    .map(|l| {
+                        let mut l = l.clone();
+                        if let Some(beat) = j.beats.get(&l.holder()) {
+                            l.heartbeat_ms = l.heartbeat_ms.max(*beat);
+                        }
+                        l
+                    })
+                    .collect()
+            })
             .unwrap_or_default();
         leases.sort_by(|a, b| (a.seq, &a.worker).cmp(&(b.seq, &b.worker)));
         Ok(leases)

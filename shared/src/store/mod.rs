@@ -22,6 +22,7 @@
 //! | `P:job:{<id>}:stats` | hash | seq → JSON [`ItemStats`] of the commit that won |
 //! | `P:job:{<id>}:failed` | hash | seq → JSON [`ItemFailure`] of items that failed for good |
 //! | `P:job:{<id>}:leases` | hash | `<seq>@<worker>` → JSON [`Lease`] of items being processed |
+//! | `P:job:{<id>}:beats` | hash | `<worker>/<boot>` → its last beat on the job (ms, Redis's clock): keeps its leases live |
 //! | `P:job:{<id>}:redispatched` | hash | seq → ms when the coordinator last published a copy |
 //! | `P:job:{<id>}:hist` | hash | `<column>:<bin>` → rows whose prediction fell in the bin (committed items only) |
 //! | `P:job:{<id>}:work` | hash | `deliveries` (items started), `rows_computed` (rows through the model, wasted work included) |
@@ -187,7 +188,10 @@ pub struct ItemFailure {
     pub at_ms: u64,
 }
 
-/// A worker's hold on an item it is processing, refreshed by heartbeats.
+/// A worker's hold on an item it is processing. Written once (again only
+/// when what it says changes, or while the item is at the model), and kept
+/// live by its worker's beat ([`Store::beat`]): one write per worker and
+/// job every heartbeat, however many items the worker holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Lease {
     /// Item seq.
@@ -198,7 +202,9 @@ pub struct Lease {
     pub attempt: u32,
     /// When the worker took the item (ms since epoch).
     pub started_ms: u64,
-    /// Last heartbeat (ms since epoch).
+    /// Last heartbeat (ms since epoch): when the lease was last written,
+    /// or — as [`Store::leases`] and the start script read it — its
+    /// worker's last beat on the job, whichever is later.
     pub heartbeat_ms: u64,
     /// The lease is stale (its worker presumed dead) this long after the last heartbeat.
     pub ttl_ms: u64,
@@ -226,6 +232,12 @@ pub struct Lease {
     pub stopping: bool,
 }
 
+/// The beat field of worker `worker` in its process `boot`:
+/// `<worker>/<boot>` (see [`Store::beat`]).
+pub fn holder(worker: &str, boot: &str) -> String {
+    format!("{worker}/{boot}")
+}
+
 /// This process's boot id for its leases: when it started (ms, hex) and its
 /// pid. A string, as Lua's JSON would round a number this long.
 pub fn boot_id() -> String {
@@ -247,6 +259,11 @@ impl Lease {
 
     pub(crate) fn field(&self) -> String {
         format!("{}@{}", self.seq, self.worker)
+    }
+
+    /// Who holds it, as its worker's beat names it: `<worker>/<boot>`.
+    pub fn holder(&self) -> String {
+        holder(&self.worker, &self.boot)
     }
 }
 
@@ -550,6 +567,13 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// holder may stop working on it.
     async fn heartbeat(&self, job: &str, lease: &Lease, held_ms: u64) -> Result<bool, StoreError>;
 
+    /// Keeps every lease `holder` ([`Lease::holder`]) has on the job's items
+    /// live, in one write stamped with Redis's clock: a worker beats once
+    /// per heartbeat for each job it holds leased items of, and a lease is
+    /// stale only when neither it nor its holder's beat is younger than the
+    /// lease's ttl.
+    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError>;
+
     /// The fields of a job record a work message is checked against, in one
     /// cheap read (not the whole record); `None` if the job is unknown.
     async fn job_facts(&self, id: &str) -> Result<Option<JobFacts>, StoreError> {
@@ -609,7 +633,8 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         fields: &[String],
     ) -> Result<BTreeMap<u32, u32>, StoreError>;
 
-    /// Every lease of a job, in seq order.
+    /// Every lease of a job, in seq order, each `heartbeat_ms` the later of
+    /// its own and its holder's last beat on the job.
     async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError>;
 
     /// The job's prediction histogram, `counts[column][bin]` (bins + 2 per column).

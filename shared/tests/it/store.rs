@@ -44,6 +44,7 @@ on_both_stores! {
     a_job_s_facts_and_a_lease_written_at_the_first_heartbeat: "bftest-facts",
     workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up: "bftest-crash",
     a_worker_stopped_while_draining_is_no_crash_of_its_items: "bftest-stopping",
+    a_lease_written_once_lives_while_its_holder_beats: "bftest-beats",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -993,6 +994,84 @@ async fn store_clock_past(store: &Store, ms: u64) {
     while store.now_ms().await.expect("time") <= ms {
         tokio::task::yield_now().await;
     }
+}
+
+/// A lease is written once; its worker's beat on the job keeps it live (for
+/// the supervisor's read and a worker's start alike), and only its own
+/// holder's beat does: once the beats stop, it goes stale and its crash is
+/// counted.
+async fn a_lease_written_once_lives_while_its_holder_beats(store: Store) {
+    use batchfleet_shared::store::{boot_id, holder};
+    store.put_job(&record("b")).await.expect("put");
+    let returned = Claim {
+        returned: true,
+        ..claim()
+    };
+    let mut started = Vec::new();
+    // Item 0 held by w1 in this process; item 1 by w1 in another process.
+    for (seq, boot) in [(0, boot_id()), (1, "an-earlier-process".to_owned())] {
+        let l = batchfleet_shared::store::Lease {
+            ttl_ms: 1_000,
+            boot,
+            ..lease(seq, "w1")
+        };
+        let Start::Started { at_ms, crashes: 0 } =
+            store.start_item("b", &l, &claim()).await.expect("start")
+        else {
+            panic!("not started")
+        };
+        started.push(at_ms);
+    }
+    store_clock_past(&store, started[1] + 1_001).await;
+    store
+        .beat("b", &holder("w1", &boot_id()))
+        .await
+        .expect("beat");
+    let now = store.now_ms().await.expect("time");
+    let leases = store.leases("b").await.expect("leases");
+    let live: Vec<u32> = leases
+        .iter()
+        .filter(|l| !l.is_stale(now))
+        .map(|l| l.seq)
+        .collect();
+    assert_eq!(
+        live,
+        [0],
+        "only the beating holder's lease is live: {leases:?}"
+    );
+    // A returned delivery of item 0 waits for the live holder; item 1's
+    // holder stopped beating: its crash is counted and the item starts.
+    let next = |seq| batchfleet_shared::store::Lease {
+        ttl_ms: 60_000,
+        ..lease(seq, "w2")
+    };
+    let zero = store
+        .start_item("b", &next(0), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(zero, Start::Held { .. }),
+        "a beaten lease: {zero:?}"
+    );
+    let one = store
+        .start_item("b", &next(1), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(one, Start::Started { crashes: 1, .. }),
+        "an unbeaten lease: {one:?}"
+    );
+    // Once w1 stops beating, item 0's lease goes stale as well.
+    store_clock_past(&store, now + 1_001).await;
+    let zero = store
+        .start_item("b", &next(0), &returned)
+        .await
+        .expect("start");
+    assert!(
+        matches!(zero, Start::Started { crashes: 1, .. }),
+        "beats stopped: {zero:?}"
+    );
+    store.delete_job("b").await.expect("cleanup");
 }
 
 /// A lease its worker marked `stopping` (draining after SIGTERM) that goes

@@ -45,11 +45,25 @@ struct Source {
     ended: bool,
 }
 
+/// The subscription of a job no longer active, left for the broker to end.
+struct Retiring {
+    sub: Box<dyn Subscription>,
+    /// When it is cancelled from here after all.
+    until: std::time::Instant,
+}
+
 /// The queues of one worker session, with the choice among them.
 pub struct Sources {
     /// The pool's work queue first, then job queues by job id.
     pool: Source,
     jobs: BTreeMap<String, Source>,
+    /// Subscriptions of jobs that left the active list: their queue is
+    /// about to be deleted, and the broker ends the subscription itself
+    /// (consumer cancel notification). A cancel sent from here would cross
+    /// the broker's on the wire, and an answer the client no longer
+    /// expects closes the whole connection; so they are cancelled from
+    /// here only if the broker has not ended them within [`RETIRE_WAIT`].
+    retiring: Vec<Retiring>,
     /// Virtual time of the last item handed out.
     now: f64,
 }
@@ -81,6 +95,7 @@ impl Sources {
                 ended: false,
             },
             jobs: BTreeMap::new(),
+            retiring: Vec::new(),
             now: 0.0,
         })
     }
@@ -103,7 +118,7 @@ impl Sources {
         queue_of: impl Fn(&str) -> String,
         prefetch: u16,
     ) -> Vec<Delivery> {
-        let mut returned = Vec::new();
+        let mut returned = self.retire().await;
         let gone: Vec<String> = self
             .jobs
             .iter()
@@ -112,9 +127,13 @@ impl Sources {
             .collect();
         for job in gone {
             if let Some(mut s) = self.jobs.remove(&job) {
-                // Its queue is usually deleted already (the job ended): do
-                // not wait on a subscription the broker may never end.
-                returned.extend(stop(&mut s, GONE_WAIT).await);
+                returned.extend(s.head.take());
+                if let (Some(sub), false) = (s.sub.take(), s.ended) {
+                    self.retiring.push(Retiring {
+                        sub,
+                        until: std::time::Instant::now() + RETIRE_WAIT,
+                    });
+                }
                 tracing::debug!(job = %job, "no longer consuming the job's queue");
             }
         }
@@ -144,6 +163,37 @@ impl Sources {
             }
         }
         returned
+    }
+
+    /// Takes what the retiring subscriptions sent (to be returned by the
+    /// caller), forgets those the broker ended, and cancels those it has
+    /// not ended within [`RETIRE_WAIT`].
+    async fn retire(&mut self) -> Vec<Delivery> {
+        let mut sent = Vec::new();
+        let now = std::time::Instant::now();
+        let mut kept = Vec::with_capacity(self.retiring.len());
+        for mut r in std::mem::take(&mut self.retiring) {
+            let ended = loop {
+                match futures_lite::future::poll_once(r.sub.next()).await {
+                    Some(Some(Ok(d))) => sent.push(d),
+                    Some(Some(Err(_)) | None) => break true,
+                    None => break false,
+                }
+            };
+            if ended {
+                continue;
+            }
+            if now < r.until {
+                kept.push(r);
+                continue;
+            }
+            r.sub.cancel().await;
+            while let Ok(Some(Ok(d))) = tokio::time::timeout(GONE_WAIT, r.sub.next()).await {
+                sent.push(d);
+            }
+        }
+        self.retiring = kept;
+        sent
     }
 
     /// The next delivery, by weighted fair queueing among the sources that
@@ -216,7 +266,11 @@ impl Sources {
     /// Stops every subscription; the deliveries they had sent (and the
     /// ones waiting here), to be handled or returned by the caller.
     pub async fn stop(&mut self) -> Vec<Delivery> {
-        let mut sent = stop(&mut self.pool, STOP_WAIT).await;
+        for r in &mut self.retiring {
+            r.until = std::time::Instant::now();
+        }
+        let mut sent = self.retire().await;
+        sent.extend(stop(&mut self.pool, STOP_WAIT).await);
         for s in self.jobs.values_mut() {
             sent.extend(stop(s, JOB_STOP_WAIT).await);
         }
@@ -254,6 +308,9 @@ impl Sources {
                 sub.cancel().await;
             }
         }
+        for r in &mut self.retiring {
+            r.sub.cancel().await;
+        }
     }
 
     /// Deliveries taken but not handed out (returned to their queues when
@@ -275,6 +332,10 @@ const JOB_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// The same for the stream of a job no longer active, whose queue is
 /// usually deleted: its stream may never end.
 const GONE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long the subscription of a job no longer active is left for the
+/// broker to end (the coordinator deletes the queue moments after it takes
+/// the job off the active list) before it is cancelled from here.
+const RETIRE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Cancels one subscription: its waiting delivery and what the broker had
 /// sent already, which come out of the stream before its end (waiting at

@@ -11,6 +11,14 @@
 //! coordinator takes an item for lost only after `orphan_grace`, several
 //! heartbeats.
 //!
+//! A lease is written once, not at every heartbeat: the worker's beat
+//! ([`Beats`]) keeps all its leases on a job live with one write per
+//! heartbeat, however many of the job's items it holds (a bundle's
+//! members waiting for the model, say). A lease is written again only when
+//! what it says changes (rows done, acknowledged, stopping) or while its
+//! item is at the model — where a heartbeat also learns that the item was
+//! committed elsewhere or its job cancelled.
+//!
 //! Lease times are Redis's clock (the scripts set them), never this
 //! machine's: a worker whose clock is off cannot make its live lease look
 //! stale. A lease holder stops its heartbeat when dropped — on every path,
@@ -21,9 +29,93 @@ use super::held::Held;
 use super::signals::Signals;
 use crate::context::ItemContext;
 use batchfleet_shared::message::WorkItem;
-use batchfleet_shared::store::Lease;
+use batchfleet_shared::store::{Lease, Store};
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// The jobs this worker holds leased items of, each beaten once per
+/// heartbeat ([`Store::beat`]) while it holds any.
+#[derive(Debug)]
+pub struct Beats {
+    /// `<worker>/<boot>`: the holder its leases name.
+    holder: String,
+    /// Job → leased items held.
+    jobs: Mutex<HashMap<String, usize>>,
+}
+
+impl Beats {
+    /// Beats for `worker` in this process, every `every`, while the
+    /// returned handle lives.
+    pub fn start(worker: &str, store: Store, every: Duration) -> Arc<Self> {
+        let beats = Arc::new(Self {
+            holder: batchfleet_shared::store::holder(worker, &batchfleet_shared::store::boot_id()),
+            jobs: Mutex::default(),
+        });
+        tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
+        beats
+    }
+
+    /// Counts a leased item of `job` until the hold is dropped.
+    pub fn hold(self: &Arc<Self>, job: &str) -> BeatHold {
+        *self
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(job.to_owned())
+            .or_default() += 1;
+        BeatHold {
+            beats: self.clone(),
+            job: job.to_owned(),
+        }
+    }
+
+    /// Jobs with leased items held now.
+    fn held(&self) -> Vec<String> {
+        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.keys().cloned().collect()
+    }
+}
+
+/// A leased item's share of its job's beat.
+#[derive(Debug)]
+pub struct BeatHold {
+    beats: Arc<Beats>,
+    job: String,
+}
+
+impl Drop for BeatHold {
+    fn drop(&mut self) {
+        let mut jobs = self.beats.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = jobs.get_mut(&self.job) {
+            *n -= 1;
+            if *n == 0 {
+                jobs.remove(&self.job);
+            }
+        }
+    }
+}
+
+/// Beats every job with leased items held, once per `every`, until the
+/// worker's [`Beats`] is gone. A lease is written with a fresh time, so a
+/// job's first beat may wait a whole period.
+async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(b) = beats.upgrade() else { return };
+        let (holder, jobs) = (b.holder.clone(), b.held());
+        drop(b);
+        for job in jobs {
+            if let Err(e) = store.beat(&job, &holder).await {
+                tracing::warn!(%job, error = %e, "beat failed; the leases of this worker's items of the job age");
+            }
+        }
+    }
+}
 
 /// The lease on an item and the heartbeat task that keeps it fresh.
 pub struct LeaseGuard {
@@ -101,10 +193,19 @@ impl LeaseGuard {
             let _ = task.await;
         }
         self.released = true;
-        if drop && self.signals.leased.load(Ordering::SeqCst) {
+        if !self.signals.leased.load(Ordering::SeqCst) {
+            return;
+        }
+        if drop {
             if let Err(e) = self.ctx.store.release(&self.job, &self.lease).await {
                 tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
             }
+        } else {
+            // Left to go stale: written once more under a holder no beat
+            // names, so this worker's beats on the job do not keep it live.
+            let mut left = self.lease.clone();
+            left.boot = format!("{}-left", left.boot);
+            let _ = self.ctx.store.heartbeat(&self.job, &left, 0).await;
         }
     }
 }
@@ -154,6 +255,13 @@ async fn heartbeat_loop(
     signals: Arc<Signals>,
 ) {
     let started = std::time::Instant::now();
+    // While the lease is in Redis, the worker's beat on the job keeps it live.
+    let mut hold = signals
+        .leased
+        .load(Ordering::SeqCst)
+        .then(|| ctx.beats.hold(&job));
+    // What the lease in Redis says (rows done, rows resumed, acked, stopping).
+    let mut written = (0, 0, false, false);
     let mut tick = tokio::time::interval(ctx.tuning.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is immediate: the lease was just written, or the item
@@ -190,6 +298,16 @@ async fn heartbeat_loop(
         }
         lease.rows_done = signals.rows_done.load(Ordering::Relaxed);
         lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
+        let says = (
+            lease.rows_done,
+            lease.rows_resumed,
+            lease.acked,
+            lease.stopping,
+        );
+        if hold.is_some() && says == written && !signals.at_model.load(Ordering::SeqCst) {
+            // Waiting for the model: the beat keeps the lease live.
+            continue;
+        }
         let held_ms = started.elapsed().as_millis() as u64;
         match ctx.store.heartbeat(&job, &lease, held_ms).await {
             // A long item's model rows are counted a heartbeat late at
@@ -197,6 +315,10 @@ async fn heartbeat_loop(
             // wasted work counted.
             Ok(true) => {
                 signals.leased.store(true, Ordering::SeqCst);
+                written = says;
+                if hold.is_none() {
+                    hold = Some(ctx.beats.hold(&job));
+                }
                 ctx.flush_work(&job).await;
             }
             Ok(false) => match ctx.store.is_done(&job, lease.seq).await {

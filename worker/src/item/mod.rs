@@ -41,7 +41,7 @@ mod checkpoint;
 pub(crate) mod facts;
 pub(crate) mod group;
 mod held;
-mod lease;
+pub(crate) mod lease;
 pub(crate) mod settle;
 pub(crate) mod signals;
 pub(crate) mod task;

@@ -93,6 +93,106 @@ async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
     env.cleanup(&[&id]).await;
 }
 
+/// Counts, from Redis's `MONITOR` stream, the commands whose first key
+/// starts with `prefix`, by command and key suffix (`HSET …:leases`), until
+/// the returned sender is dropped.
+async fn tap_redis(
+    prefix: String,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<std::collections::BTreeMap<String, u64>>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let mut tcp = tokio::net::TcpStream::connect("127.0.0.1:6379")
+        .await
+        .expect("Redis");
+    tcp.write_all(b"MONITOR\r\n").await.expect("MONITOR");
+    let mut lines = BufReader::new(tcp).lines();
+    assert_eq!(
+        lines.next_line().await.expect("reply").as_deref(),
+        Some("+OK")
+    );
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let mut counts = std::collections::BTreeMap::new();
+        loop {
+            let line = tokio::select! {
+                l = lines.next_line() => l.expect("monitor").expect("monitor open"),
+                _ = &mut stopped => return counts,
+            };
+            // +<time> [<db> <client>] "CMD" "key" ...
+            let mut args = line.split('"').skip(1).step_by(2);
+            let (Some(cmd), Some(key)) = (args.next(), args.next()) else {
+                continue;
+            };
+            if let Some(rest) = key.strip_prefix(prefix.as_str()) {
+                let suffix = rest.rsplit('}').next().unwrap_or("");
+                *counts.entry(format!("{cmd} {suffix}")).or_insert(0) += 1;
+            }
+        }
+    });
+    (stop, task)
+}
+
+/// A lease is written once, not at every heartbeat: the items of the
+/// bundles a busy worker holds outlive many heartbeats while they wait
+/// for the model, and the worker's one beat per job keeps all their leases
+/// live. The leases' ttl is shorter than the wait, so without the beat
+/// they would go stale and be copied; written at every heartbeat, they
+/// would cost about 17 writes an item here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_items_are_leased_once_and_kept_live_by_the_worker_s_beat() {
+    let env = TestEnv::new("bundle-beat");
+    // 256 items of 5 rows (64 bundles of 4), 50 ms each; one worker holds
+    // 17 bundles (68 items, 3.4 s of work) at a time; heartbeat 200 ms,
+    // leases stale after 1 s (a stale lease of an unsettled item is
+    // counted as a crash of it).
+    let manifest = job_in(&env, "job", 1_280, 5);
+    let mut workers = env
+        .workers(
+            Backend::Fleet,
+            &[&[
+                "--prefetch",
+                "16",
+                "--prefetch-max",
+                "16",
+                "--debug-batch-delay",
+                "50ms",
+                "--heartbeat",
+                "200ms",
+                "--lease-ttl",
+                "1s",
+            ]],
+        )
+        .await;
+    let (stop, tap) = tap_redis(format!("{}:job:", env.prefix)).await;
+    let (id, report) = env.run_on(&workers, &manifest).await;
+    let _ = stop.send(());
+    let counts = tap.await.expect("tap");
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert!(verified(&env.path().join("job")).is_empty());
+    assert_eq!(
+        (report.items_redispatched, report.deliveries),
+        (0, report.items_total),
+        "no lease went stale: no copy, each item started once: {report:?}"
+    );
+    assert_eq!(
+        counts.get("HINCRBY :crashes"),
+        None,
+        "no lease went stale, so no crash was counted: {counts:?}"
+    );
+    let writes = counts.get("HSET :leases").copied().unwrap_or(0);
+    let beats = counts.get("HSET :beats").copied().unwrap_or(0);
+    assert!(beats > 0, "the worker beat on the job: {counts:?}");
+    assert!(
+        writes <= 2 * report.items_total,
+        "{writes} lease writes for {} items: {counts:?}",
+        report.items_total
+    );
+    workers.stop();
+    env.cleanup(&[&id]).await;
+}
+
 /// A bundle's items are worked one by one: of a signed bundle whose one
 /// item names a file outside the data root, only that item is rejected
 /// (the supervisor publishes the real one again as a lost message), and

@@ -27,7 +27,7 @@ pub fn job_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, bool)> {
 }
 
 /// Every key one job has, its record's first.
-pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 15] {
+pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 16] {
     [
         "",
         ":done",
@@ -35,6 +35,7 @@ pub(super) fn job_keys(prefix: &str, id: &str) -> [String; 15] {
         ":stats",
         ":failed",
         ":leases",
+        ":beats",
         ":redispatched",
         ":work",
         ":hist",
@@ -85,6 +86,9 @@ impl Keys {
     pub(super) fn leases_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":leases")
     }
+    pub(super) fn beats_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":beats")
+    }
     pub(super) fn redispatched_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":redispatched")
     }
@@ -122,13 +126,13 @@ impl Keys {
     /// Every key of a job's state: what expires with it and is kept when it
     /// runs again (not its follower lease, which has a time to live of its
     /// own that neither may change).
-    pub(super) fn state_keys(&self, id: &str) -> [String; 14] {
+    pub(super) fn state_keys(&self, id: &str) -> [String; 15] {
         let [state @ .., _follower] = self.keys_of(id);
         state
     }
 
     /// Every key one job has.
-    pub(super) fn keys_of(&self, id: &str) -> [String; 15] {
+    pub(super) fn keys_of(&self, id: &str) -> [String; 16] {
         job_keys(&self.prefix, id)
     }
 }

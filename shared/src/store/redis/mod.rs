@@ -503,6 +503,7 @@ impl JobStore for RedisStore {
             .key(self.keys.job_key(job))
             .key(self.keys.done_bits_key(job))
             .key(self.keys.crashes_key(job))
+            .key(self.keys.beats_key(job))
             .arg(lease.seq)
             .arg(lease.field())
             .arg(json)
@@ -567,6 +568,18 @@ impl JobStore for RedisStore {
             .await
             .map_err(cmd("heartbeat"))?;
         Ok(written == 1)
+    }
+
+    /// [`beat_script`](scripts::beat_script).
+    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("beat").await?;
+        self.scripts
+            .beat
+            .key(self.keys.beats_key(job))
+            .arg(holder)
+            .invoke_async::<()>(&mut c)
+            .await
+            .map_err(cmd("beat"))
     }
 
     /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
@@ -698,18 +711,29 @@ impl JobStore for RedisStore {
         Ok(pairs.into_iter().collect())
     }
 
-    /// Every lease of a job, in seq order.
+    /// Every lease of a job, in seq order, each live until its holder's
+    /// last beat has aged past its ttl (leases and beats in one request).
     async fn leases(&self, job: &str) -> Result<Vec<Lease>, StoreError> {
         let key = self.keys.leases_key(job);
         let mut c = self.conn("HGETALL leases").await?;
-        let map: BTreeMap<String, String> = c.hgetall(&key).await.map_err(cmd("HGETALL leases"))?;
+        let (map, beats): (BTreeMap<String, String>, BTreeMap<String, String>) = redis::pipe()
+            .hgetall(&key)
+            .hgetall(self.keys.beats_key(job))
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HGETALL leases"))?;
         let mut leases = map
             .values()
             .map(|json| {
-                serde_json::from_str::<Lease>(json).map_err(|e| StoreError::Corrupt {
-                    key: key.clone(),
-                    reason: e.to_string(),
-                })
+                let mut lease =
+                    serde_json::from_str::<Lease>(json).map_err(|e| StoreError::Corrupt {
+                        key: key.clone(),
+                        reason: e.to_string(),
+                    })?;
+                if let Some(beat) = beats.get(&lease.holder()).and_then(|b| b.parse().ok()) {
+                    lease.heartbeat_ms = lease.heartbeat_ms.max(beat);
+                }
+                Ok(lease)
             })
             .collect::<Result<Vec<_>, _>>()?;
         leases.sort_by(|a, b| (a.seq, &a.worker).cmp(&(b.seq, &b.worker)));

@@ -188,7 +188,8 @@ return 1
 /// against the job record (`ARGV[4..]`: model digest, output folder, pool,
 /// model path, and `ARGV[8]` `1` when the broker returned the delivery).
 /// Writes nothing unless the answer is `started` or `crashed`, but for
-/// crashes: other workers' leases on the item that are stale (their worker
+/// crashes: other workers' leases on the item that are stale — neither
+/// the lease nor its holder's beat in `KEYS[8]` younger than its ttl — (their worker
 /// died holding it; a lease of the same worker id written by another
 /// process — `boot` — counts as another worker's) are dropped, each
 /// counted as a crash in `KEYS[7]` — unless the lease says its worker was
@@ -242,7 +243,13 @@ repeat
     -- Our own lease, written by this very process, is not a crash; one a
     -- restarted worker of the same id left is.
     if field ~= ARGV[2] or tostring(other['boot'] or '') ~= tostring(lease['boot'] or '') then
-      local left = (tonumber(other['heartbeat_ms']) or 0) + (tonumber(other['ttl_ms']) or 0) - now
+      local beat = tonumber(other['heartbeat_ms']) or 0
+      if beat + (tonumber(other['ttl_ms']) or 0) < now then
+        -- Written once; its worker's beat on the job keeps it live.
+        local holder = tostring(other['worker']) .. '/' .. tostring(other['boot'] or '')
+        beat = math.max(beat, tonumber(redis.call('HGET', KEYS[8], holder)) or 0)
+      end
+      local left = beat + (tonumber(other['ttl_ms']) or 0) - now
       if left < 0 then
         redis.call('HDEL', KEYS[2], field)
         -- A worker stopped from outside while it drained is no crash.
@@ -267,6 +274,19 @@ lease['heartbeat_ms'] = now
 redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(lease))
 redis.call('HINCRBY', KEYS[3], 'deliveries', 1)
 return {'started', tostring(now), tostring(crashes)}
+"#
+    )
+}
+
+/// A worker's beat on a job: `KEYS[1]` (the job's beats) field `ARGV[1]`
+/// (`<worker>/<boot>`) set to Redis's clock, which keeps every lease of
+/// that holder on the job live.
+pub fn beat_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+redis.call('HSET', KEYS[1], ARGV[1], now)
+return 1
 "#
     )
 }
@@ -392,6 +412,7 @@ pub(super) struct Scripts {
     pub(super) fail_job: redis::Script,
     pub(super) published: redis::Script,
     pub(super) crash: redis::Script,
+    pub(super) beat: redis::Script,
 }
 
 impl Scripts {
@@ -405,6 +426,7 @@ impl Scripts {
             fail_job: redis::Script::new(FAIL_JOB_SCRIPT),
             published: redis::Script::new(PUBLISHED_SCRIPT),
             crash: redis::Script::new(CRASH_SCRIPT),
+            beat: redis::Script::new(&beat_script()),
         }
     }
 }
