@@ -291,6 +291,9 @@ pub enum Predicted {
     Shutdown,
     /// The item waited too long for its first turn: hand it to another worker.
     WaitedTooLong,
+    /// The item was committed elsewhere (a faster copy) while it waited
+    /// for its first turn.
+    DoneElsewhere,
 }
 
 /// The current model runner and the gate that admits one item at a time to
@@ -511,6 +514,9 @@ impl ItemContext {
                 turn = slot.gate.clone().acquire_owned() => turn,
                 _ = self.shutdown.cancelled() => return Predicted::Shutdown,
                 _ = give_up.cancelled(), if !at_model.load(Ordering::SeqCst) => return Predicted::WaitedTooLong,
+                // Committed elsewhere while it waited for its first turn
+                // (with no segments of its own to clear): not computed at all.
+                _ = signals.done_elsewhere.cancelled(), if !at_model.load(Ordering::SeqCst) && signals.rows_resumed.load(Ordering::Relaxed) == 0 => return Predicted::DoneElsewhere,
             };
             let Ok(_turn) = turn else {
                 continue; // that runner was replaced while we waited; take the new one

@@ -35,7 +35,8 @@ pub(super) async fn model(
 
 /// What a model call came back with: the batch and its predictions, or how
 /// the item ends early — a timeout is the item's failure, a shutdown gives it
-/// back, a wait for the model that took too long hands it to another worker.
+/// back, a wait for the model that took too long hands it to another worker,
+/// an item committed elsewhere meanwhile ends as done.
 fn turn(
     predicted: Predicted,
     policy: &FailurePolicy,
@@ -45,6 +46,7 @@ fn turn(
         Predicted::TimedOut => Err(timed_out(policy)),
         Predicted::Shutdown => Ok(Err(Handled::Released)),
         Predicted::WaitedTooLong => Ok(Err(Handled::HandedBack)),
+        Predicted::DoneElsewhere => Ok(Err(Handled::AlreadyDone)),
     }
 }
 

@@ -117,6 +117,18 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
     }
 }
 
+/// What becomes of an item's lease when its handling ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseEnd {
+    /// Dropped: the item is settled or back in its queue.
+    Drop,
+    /// Dropped already, by the commit that carried it.
+    Dropped,
+    /// Left to go stale: the item could not be handed back, and the stale
+    /// lease is what makes the coordinator publish it again.
+    LeftToGoStale,
+}
+
 /// The lease on an item and the heartbeat task that keeps it fresh.
 pub struct LeaseGuard {
     lease: Lease,
@@ -184,10 +196,8 @@ impl LeaseGuard {
         }
     }
 
-    /// Stops the heartbeat; drops the lease if `drop` (not when the item
-    /// could not be handed back, so the stale lease is what makes the
-    /// coordinator publish it again, and not after a commit, which dropped it).
-    pub async fn finish(mut self, drop: bool) {
+    /// Stops the heartbeat, and ends the lease as `end` says.
+    pub async fn finish(mut self, end: LeaseEnd) {
         self.signals.stop.cancel();
         if let Some(task) = self.task.take() {
             let _ = task.await;
@@ -196,16 +206,20 @@ impl LeaseGuard {
         if !self.signals.leased.load(Ordering::SeqCst) {
             return;
         }
-        if drop {
-            if let Err(e) = self.ctx.store.release(&self.job, &self.lease).await {
-                tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
+        match end {
+            LeaseEnd::Drop => {
+                if let Err(e) = self.ctx.store.release(&self.job, &self.lease).await {
+                    tracing::warn!(error = %e, "could not drop the lease; the coordinator will ignore it once the item is settled");
+                }
             }
-        } else {
-            // Left to go stale: written once more under a holder no beat
-            // names, so this worker's beats on the job do not keep it live.
-            let mut left = self.lease.clone();
-            left.boot = format!("{}-left", left.boot);
-            let _ = self.ctx.store.heartbeat(&self.job, &left, 0).await;
+            LeaseEnd::Dropped => {}
+            LeaseEnd::LeftToGoStale => {
+                // Written once more under a holder no beat names, so this
+                // worker's beats on the job do not keep it live.
+                let mut left = self.lease.clone();
+                left.boot = format!("{}-left", left.boot);
+                let _ = self.ctx.store.heartbeat(&self.job, &left, 0).await;
+            }
         }
     }
 }
@@ -331,9 +345,15 @@ async fn heartbeat_loop(
                     signals.job_stopped.cancel();
                     return;
                 }
-                _ => {
+                Ok(true) => {
                     tracing::info!("item committed elsewhere (a faster copy); stopping this one");
+                    // Nothing more to write: the item ends without its
+                    // commit, at its first turn at the model or next checkpoint.
                     signals.done_elsewhere.cancel();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "heartbeat refused, and the done check failed")
                 }
             },
             Err(e) => tracing::warn!(error = %e, "heartbeat failed"),

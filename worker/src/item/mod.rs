@@ -59,7 +59,7 @@ use batchfleet_shared::shared_sync::{Coming, SharedSync};
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
 use held::Held;
-use lease::{lease_for, LeaseGuard};
+use lease::{lease_for, LeaseEnd, LeaseGuard};
 use settle::{give_back, hand_back, reject, settle_error, Carried, UNKNOWN_SINCE_HEADER};
 use signals::Signals;
 use std::panic::AssertUnwindSafe;
@@ -249,7 +249,15 @@ async fn one(
         // A commit dropped the lease itself, if it was written by then.
         let committed =
             outcome == Handled::Committed && guard.signals.lease_committed.load(Ordering::SeqCst);
-        guard.finish(!keep_lease && !committed).await;
+        guard
+            .finish(if keep_lease {
+                LeaseEnd::LeftToGoStale
+            } else if committed {
+                LeaseEnd::Dropped
+            } else {
+                LeaseEnd::Drop
+            })
+            .await;
         outcome
     };
     let outcome = work.instrument(span).await;
