@@ -15,9 +15,10 @@
 //! ([`Beats`]) keeps all its leases on a job live with one write per
 //! heartbeat, however many of the job's items it holds (a bundle's
 //! members waiting for the model, say). A lease is written again only when
-//! what it says changes (rows done, acknowledged, stopping) or while its
-//! item is at the model — where a heartbeat also learns that the item was
-//! committed elsewhere or its job cancelled.
+//! what it says changes (rows done while rows are left, acknowledged,
+//! stopping) — which is also when a heartbeat learns that the item was
+//! committed elsewhere or its job cancelled, in time for its next
+//! checkpoint.
 //!
 //! Lease times are Redis's clock (the scripts set them), never this
 //! machine's: a worker whose clock is off cannot make its live lease look
@@ -318,8 +319,13 @@ async fn heartbeat_loop(
             lease.acked,
             lease.stopping,
         );
-        if hold.is_some() && says == written && !signals.at_model.load(Ordering::SeqCst) {
-            // Waiting for the model: the beat keeps the lease live.
+        // All rows through the model: what is left is the commit, which
+        // drops the lease; progress written now would tell no one anything.
+        let finished = lease.rows > 0 && lease.rows_done >= lease.rows;
+        let flags_same = (says.2, says.3) == (written.2, written.3);
+        if hold.is_some() && (says == written || (finished && flags_same)) {
+            // Nothing new to say (waiting for the model, or in a forward
+            // call longer than a heartbeat): the beat keeps the lease live.
             continue;
         }
         let held_ms = started.elapsed().as_millis() as u64;
