@@ -73,11 +73,14 @@ pub struct WorkerConfig {
     /// losing either (a broker or Redis restart); then the worker exits 1.
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,
-    /// How often the lease of an item in progress is refreshed in Redis.
+    /// How often the worker beats in Redis for each job it holds leased
+    /// items of (one write per job keeps all their leases live), and how
+    /// long an item runs before it is leased at all.
     #[arg(long, env = "BATCHFLEET_HEARTBEAT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub heartbeat: Duration,
-    /// A lease not refreshed for this long counts as dead: the coordinator
-    /// may publish a copy of the item. Keep it several heartbeats long.
+    /// A lease neither written nor beaten for this long counts as dead: the
+    /// coordinator may publish a copy of the item. Keep it several
+    /// heartbeats long.
     #[arg(long, env = "BATCHFLEET_LEASE_TTL", default_value = "15s", value_parser = humantime::parse_duration)]
     pub lease_ttl: Duration,
     /// Acknowledge a delivery held this long and keep the item by its lease

@@ -185,7 +185,7 @@ mod tests {
             ("t", "x"),
         ] {
             let keys = job_keys(prefix, id);
-            assert_eq!(keys.len(), 15);
+            assert_eq!(keys.len(), 16);
             let first = slot(&keys[0]);
             for k in &keys {
                 assert!(k.starts_with(&format!("{prefix}:job:{{{id}}}")), "{k}");
