@@ -326,6 +326,11 @@ async fn heartbeat_loop(
         if hold.is_some() && (says == written || (finished && flags_same)) {
             // Nothing new to say (waiting for the model, or in a forward
             // call longer than a heartbeat): the beat keeps the lease live.
+            // In the model, its rows are counted now all the same, so a
+            // worker killed mid-call leaves its wasted work counted.
+            if signals.at_model.load(Ordering::SeqCst) && !finished {
+                ctx.flush_work(&job).await;
+            }
             continue;
         }
         let held_ms = started.elapsed().as_millis() as u64;
