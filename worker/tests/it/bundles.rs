@@ -4,7 +4,7 @@
 //! and a bundle that comes back is split into its items.
 
 use crate::containment::{dead_items, job_in, start_waiting, summary, until, verified, Waiting};
-use crate::support::{free_port, stop_all, Backend, TestEnv};
+use crate::support::{free_port, stop_all, Backend, TestEnv, Workers};
 use batchfleet_coordinator::dlq::Filter;
 use batchfleet_shared::broker::Outgoing;
 use batchfleet_shared::message::{Envelope, InputSlice};
@@ -47,6 +47,25 @@ async fn a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once
     env.cleanup(&[&id]).await;
 }
 
+/// One fleet worker that holds 16 deliveries at a time (17 bundles with the
+/// one waiting) and spends 50 ms on each item, with the given heartbeat
+/// and lease ttl.
+async fn busy_worker(env: &TestEnv, heartbeat: &str, lease_ttl: &str) -> Workers {
+    let flags = [
+        "--prefetch",
+        "16",
+        "--prefetch-max",
+        "16",
+        "--debug-batch-delay",
+        "50ms",
+        "--heartbeat",
+        heartbeat,
+        "--lease-ttl",
+        lease_ttl,
+    ];
+    env.workers(Backend::Fleet, &[&flags]).await
+}
+
 /// Deliveries a busy worker holds and has not finished — the items of the
 /// bundles in its prefetch, started without a lease until their first
 /// heartbeat — are in neither the queue nor a lease. While the job commits
@@ -62,23 +81,7 @@ async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
     // with about 3.4 s of work held and unleased; the lost-message grace is
     // 1 s, and the job commits an item every 50 ms.
     let manifest = job_in(&env, "job", 1_280, 5);
-    let mut workers = env
-        .workers(
-            Backend::Fleet,
-            &[&[
-                "--prefetch",
-                "16",
-                "--prefetch-max",
-                "16",
-                "--debug-batch-delay",
-                "50ms",
-                "--heartbeat",
-                "5s",
-                "--lease-ttl",
-                "30s",
-            ]],
-        )
-        .await;
+    let mut workers = busy_worker(&env, "5s", "30s").await;
     let mut cfg = env.run_config();
     cfg.supervise.orphan_grace = Duration::from_secs(1);
     let (id, report) = env.run_on_with(&workers, &manifest, &cfg).await;
@@ -138,7 +141,7 @@ async fn tap_redis(
 /// bundles a busy worker holds outlive many heartbeats while they wait
 /// for the model, and the worker's one beat per job keeps all their leases
 /// live. The leases' ttl is shorter than the wait, so without the beat
-/// they would go stale and be copied; written at every heartbeat, they
+/// they would go stale and be counted as crashes; written at every heartbeat, they
 /// would cost about 13 writes an item here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_items_are_leased_once_and_kept_live_by_the_worker_s_beat() {
@@ -148,23 +151,7 @@ async fn held_items_are_leased_once_and_kept_live_by_the_worker_s_beat() {
     // leases stale after 1 s (a stale lease of an unsettled item is
     // counted as a crash of it).
     let manifest = job_in(&env, "job", 1_280, 5);
-    let mut workers = env
-        .workers(
-            Backend::Fleet,
-            &[&[
-                "--prefetch",
-                "16",
-                "--prefetch-max",
-                "16",
-                "--debug-batch-delay",
-                "50ms",
-                "--heartbeat",
-                "200ms",
-                "--lease-ttl",
-                "1s",
-            ]],
-        )
-        .await;
+    let mut workers = busy_worker(&env, "200ms", "1s").await;
     let (stop, tap) = tap_redis(format!("{}:job:", env.prefix)).await;
     let (id, report) = env.run_on(&workers, &manifest).await;
     let _ = stop.send(());
