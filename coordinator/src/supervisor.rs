@@ -23,7 +23,9 @@
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
 //!   queued for `orphan_grace`, in a job that has committed nothing for
-//!   `orphan_grace` either, is published again — unless its part file is
+//!   `orphan_grace` either and of which no worker has said (its beat's
+//!   queued field) within `orphan_grace` that it holds deliveries waiting
+//!   to start, is published again — unless its part file is
 //!   complete in the output folder: then Redis lost its commit (a failover
 //!   to a replica that missed the last writes) and it is committed again
 //!   from the file, through the same first-commit-wins step.
@@ -315,6 +317,15 @@ impl Supervisor {
                     self.unseen_since.remove(&s);
                 }
             }
+            // A worker that holds deliveries of the job waiting to start
+            // says so in its beat: while such a beat is live, none of the
+            // job's items is taken for lost.
+            if !due.is_empty() && self.deliveries_held(store, now).await? {
+                for s in &due {
+                    self.unseen_since.insert(*s, Instant::now());
+                }
+                due.clear();
+            }
             // Committed, then forgotten by Redis (a failover to a replica
             // that missed the last writes): the part file says so.
             let recovered = if due.is_empty() {
@@ -411,6 +422,17 @@ impl Supervisor {
             }
         }
         Ok(())
+    }
+
+    /// Whether a worker said, within `orphan_grace` of `now` (Redis's
+    /// clock), that it holds deliveries of the job that wait to start (its
+    /// beat's [`queued_field`](batchfleet_shared::store::queued_field)).
+    async fn deliveries_held(&self, store: &Store, now: u64) -> Result<bool, RunError> {
+        let window = self.cfg.orphan_grace.as_millis() as u64;
+        Ok(store.beats(&self.job_id).await?.iter().any(|(field, at)| {
+            field.ends_with(batchfleet_shared::store::QUEUED_SUFFIX)
+                && now.saturating_sub(*at) <= window
+        }))
     }
 
     /// Records item `seq` failed, class `crash`: `crashes` workers died

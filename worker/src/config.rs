@@ -26,6 +26,14 @@ pub struct WorkerConfig {
     /// stay at --prefetch. Equal to --prefetch (or below) fixes the prefetch.
     #[arg(long, env = "BATCHFLEET_PREFETCH_MAX", default_value_t = 32)]
     pub prefetch_max: u16,
+    /// Job queues consumed at once, at most: what a worker holds
+    /// unacknowledged stays bounded by its prefetch however many jobs are
+    /// active (at most the prefetch from the pool's queue and one more than
+    /// it from each job queue). With more active jobs, each worker consumes
+    /// those it draws by weight (`[job] priority`), draws again every 30 s,
+    /// and moves on from a job whose queue it finds empty.
+    #[arg(long, env = "BATCHFLEET_JOB_QUEUES", default_value_t = crate::consumer::DEFAULT_JOB_QUEUES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub job_queues: usize,
     /// libtorch intra-op threads; 0 lets libtorch pick (all cores). With N
     /// workers on a node, give each cores / N.
     #[arg(long, env = "BATCHFLEET_THREADS", default_value_t = 0)]

@@ -29,7 +29,7 @@ pub(crate) async fn session(
     let per_try = per_try(cfg);
     Ok(with_retry("RabbitMQ", cfg.connect_timeout, || async {
         let broker = backend.broker(&name, per_try).await?;
-        match Session::open(broker.clone(), queues, prefetch).await {
+        match Session::open(broker.clone(), queues, prefetch, worker_id, cfg.job_queues).await {
             Ok(session) => Ok(session),
             Err(e) => {
                 broker.close("trying again").await;

@@ -462,11 +462,23 @@ impl JobStore for LocalStore {
     }
 
     /// [`beat_script`](super::redis::beat_script).
-    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError> {
+    async fn beat(&self, job: &str, fields: &[String]) -> Result<(), StoreError> {
         let mut state = self.lock();
         let job = state.entry(job);
-        job.beats.insert(holder.to_owned(), crate::host::now_ms());
+        let now = crate::host::now_ms();
+        for field in fields {
+            job.beats.insert(field.clone(), now);
+        }
         Ok(())
+    }
+
+    async fn beats(&self, job: &str) -> Result<BTreeMap<String, u64>, StoreError> {
+        Ok(self
+            .lock()
+            .jobs
+            .get(job)
+            .map(|j| j.beats.clone())
+            .unwrap_or_default())
     }
 
     async fn now_ms(&self) -> Result<u64, StoreError> {

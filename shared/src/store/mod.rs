@@ -238,6 +238,18 @@ pub fn holder(worker: &str, boot: &str) -> String {
     format!("{worker}/{boot}")
 }
 
+/// The suffix of a beat field that says its worker holds deliveries of the
+/// job that wait to start ([`queued_field`]).
+pub const QUEUED_SUFFIX: &str = "+queued";
+
+/// The beat field by which `holder` says it holds deliveries of the job
+/// that have waited a heartbeat or more to start: `<holder>+queued`. Such
+/// deliveries are in neither the queue nor a lease, and while this beat is
+/// live the coordinator takes none of the job's items for lost.
+pub fn queued_field(holder: &str) -> String {
+    format!("{holder}{QUEUED_SUFFIX}")
+}
+
 /// This process's boot id for its leases: when it started (ms, hex) and its
 /// pid. A string, as Lua's JSON would round a number this long.
 pub fn boot_id() -> String {
@@ -571,8 +583,13 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// live, in one write stamped with Redis's clock: a worker beats once
     /// per heartbeat for each job it holds leased items of, and a lease is
     /// stale only when neither it nor its holder's beat is younger than the
-    /// lease's ttl.
-    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError>;
+    /// lease's ttl. Every field in `fields` is set: the holder's own, and
+    /// its [`queued_field`] while it holds deliveries of the job that wait
+    /// to start.
+    async fn beat(&self, job: &str, fields: &[String]) -> Result<(), StoreError>;
+
+    /// The job's beats: field → last beat (ms, Redis's clock).
+    async fn beats(&self, job: &str) -> Result<BTreeMap<String, u64>, StoreError>;
 
     /// The fields of a job record a work message is checked against, in one
     /// cheap read (not the whole record); `None` if the job is unknown.

@@ -999,7 +999,8 @@ async fn store_clock_past(store: &Store, ms: u64) {
 /// A lease is written once; its worker's beat on the job keeps it live (for
 /// the supervisor's read and a worker's start alike), and only its own
 /// holder's beat does: once the beats stop, it goes stale and its crash is
-/// counted.
+/// counted. A beat may also say that its worker holds deliveries of the job
+/// waiting to start, for the coordinator's lost-message check.
 async fn a_lease_written_once_lives_while_its_holder_beats(store: Store) {
     use batchfleet_shared::store::{boot_id, holder};
     store.put_job(&record("b")).await.expect("put");
@@ -1023,11 +1024,22 @@ async fn a_lease_written_once_lives_while_its_holder_beats(store: Store) {
         started.push(at_ms);
     }
     store_clock_past(&store, started[1] + 1_001).await;
-    store
-        .beat("b", &holder("w1", &boot_id()))
-        .await
-        .expect("beat");
+    // The beat sets the holder's field and, here, its queued field (it
+    // holds deliveries of the job waiting to start), in one write.
+    let me = holder("w1", &boot_id());
+    let fields = [me.clone(), batchfleet_shared::store::queued_field(&me)];
+    store.beat("b", &fields).await.expect("beat");
     let now = store.now_ms().await.expect("time");
+    let beats = store.beats("b").await.expect("beats");
+    assert_eq!(
+        beats.keys().collect::<Vec<_>>(),
+        [&fields[0], &fields[1]],
+        "{beats:?}"
+    );
+    assert!(
+        beats.values().all(|at| *at > started[1] && *at <= now),
+        "stamped with the store's clock: {beats:?}"
+    );
     let leases = store.leases("b").await.expect("leases");
     let live: Vec<u32> = leases
         .iter()

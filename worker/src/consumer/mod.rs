@@ -28,7 +28,8 @@ use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::metrics::names;
 use prefetch::{resize, Prefetch, Sizing, PERIOD};
 use session::Session;
-use std::collections::VecDeque;
+pub use sources::DEFAULT_JOB_QUEUES;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::Semaphore;
@@ -55,6 +56,7 @@ pub(crate) async fn run(
         prefetch: Prefetch::new(cfg.prefetch, cfg.prefetch_max),
         next_review: Instant::now() + PERIOD,
         next_jobs: Instant::now(),
+        next_follow: Instant::now(),
         jobs_every: cfg.debug_jobs_every,
         backlog: VecDeque::new(),
     };
@@ -100,13 +102,14 @@ pub(crate) async fn run(
 async fn drain(
     cfg: &WorkerConfig,
     mut session: Session,
-    mut backlog: VecDeque<Delivery>,
+    mut backlog: VecDeque<(Delivery, Instant)>,
     tracker: TaskTracker,
 ) {
     session.cancel_consumers().await;
     // Never started: back to the queue for another worker.
-    backlog.extend(session.work.waiting());
-    for delivery in backlog.drain(..) {
+    let now = Instant::now();
+    backlog.extend(session.work.waiting().into_iter().map(|d| (d, now)));
+    for (delivery, _) in backlog.drain(..) {
         let _ = delivery.requeue().await;
     }
     tracker.close();
@@ -148,9 +151,19 @@ async fn consume(
         let now = Instant::now();
         if now >= sizing.next_jobs {
             sizing.next_jobs = now + sizing.jobs_every(session.notices.is_some());
-            session.refresh_jobs(&ctx.store).await;
+            sizing.next_follow = now + sources::IDLE;
+            let kept = session.refresh_jobs(&ctx.store).await;
+            sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
+            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
+        } else if (session.work.freed() || now >= sizing.next_follow) && session.work.crowded() {
+            // More active jobs than queues consumed: an emptied queue gives
+            // its place to another job's.
+            sizing.next_follow = now + sources::IDLE;
+            let kept = session.follow_jobs().await;
+            sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
             metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
         }
+        ctx.beats.set_queued(queued(session, sizing));
         if sizing.prefetch.adapts() && now >= sizing.next_review {
             sizing.next_review = now + PERIOD;
             if let Some(size) = sizing.prefetch.review(now) {
@@ -186,18 +199,27 @@ async fn consume(
                 Some(Err(e)) => return Some(e.to_string()),
                 None => return Some("the broker closed the consumer".into()),
             },
+            // What the broker sends meanwhile is taken at once, so the
+            // worker's beat can name the jobs it holds deliveries of.
+            filled = session.work.fill() => match filled {
+                Ok(()) => continue,
+                Err(e) => return Some(e.to_string()),
+            },
         };
         // What the last subscription had sent goes first.
-        if let Some(delivery) = sizing.backlog.pop_front() {
+        if let Some((delivery, _)) = sizing.backlog.pop_front() {
             spawn_item(tracker, delivery, ctx, permit, sizing);
             continue;
         }
+        let crowded = session.work.crowded();
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
             _ = paused => {}
             // Time to look for new jobs' queues (the permit goes back).
             _ = tokio::time::sleep_until(sizing.next_jobs.into()) => {}
+            // Time to replace an emptied queue (the permit goes back).
+            _ = tokio::time::sleep_until(sizing.next_follow.into()), if crowded => {}
             announced = session::announced(&mut session.notices) => {
                 if let Some(why) = look_now(announced, sizing) {
                     return Some(why);
@@ -215,6 +237,20 @@ async fn consume(
             },
         }
     }
+}
+
+/// The jobs the worker holds deliveries of that wait to start (taken from
+/// their subscriptions, or left by one replaced), each with when the oldest
+/// came.
+fn queued(session: &Session, sizing: &Sizing) -> BTreeMap<String, Instant> {
+    let mut out = BTreeMap::new();
+    session.work.queued(&mut out);
+    for (d, at) in &sizing.backlog {
+        if let Some(job) = sources::job_of(d) {
+            sources::note(&mut out, job, *at);
+        }
+    }
+    out
 }
 
 /// A job announced: the pool's active jobs are looked at now, and its queue

@@ -120,8 +120,12 @@ pub(crate) struct Sizing {
     pub(crate) next_jobs: Instant,
     /// How often to read them, when set (a testing aid): see [`Sizing::jobs_every`].
     pub(crate) jobs_every: Option<Duration>,
-    /// Deliveries of a replaced subscription, handled first.
-    pub(crate) backlog: VecDeque<Delivery>,
+    /// When to see whether an emptied job queue should give its place to
+    /// another job's (while more jobs are active than queues consumed).
+    pub(crate) next_follow: Instant,
+    /// Deliveries of a replaced subscription, handled first, each with
+    /// when it was taken over.
+    pub(crate) backlog: VecDeque<(Delivery, Instant)>,
 }
 
 impl Sizing {
@@ -158,7 +162,10 @@ pub(crate) async fn resize(
     size: u16,
 ) -> Result<(), String> {
     let old = session.prefetch;
-    sizing.backlog.extend(session.stop_work().await?);
+    let now = Instant::now();
+    sizing
+        .backlog
+        .extend(session.stop_work().await?.into_iter().map(|d| (d, now)));
     session.prefetch = size;
     session.resume_work().await?;
     if size > old {

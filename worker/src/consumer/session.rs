@@ -3,7 +3,7 @@
 //! pool's announcements of new jobs. Replaced whole when the connection is
 //! lost.
 
-use super::sources::Sources;
+use super::sources::{LetGo, Sources};
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Notices, PoolQueues, Subscription};
 use batchfleet_shared::store::Store;
 use std::sync::Arc;
@@ -29,14 +29,17 @@ pub(crate) struct Session {
 
 impl Session {
     /// Declares the pool's topology and starts consuming.
+    /// `worker` consumes at most `job_queues` job queues at once.
     pub(crate) async fn open(
         broker: Arc<dyn Broker>,
         queues: &PoolQueues,
         prefetch: u16,
+        worker: &str,
+        job_queues: usize,
     ) -> Result<Self, BrokerError> {
         broker.declare(queues).await?;
         let infra = broker.consume(&queues.infra(), prefetch).await?;
-        let work = Sources::open(&broker, &queues.work(), prefetch).await?;
+        let work = Sources::open(&broker, &queues.work(), prefetch, worker, job_queues).await?;
         let notices = match broker.notices(queues).await {
             Ok(n) => Some(n),
             Err(e) => {
@@ -65,24 +68,36 @@ impl Session {
         self.work.resume(&self.broker, self.prefetch).await
     }
 
-    /// Follows the pool's active jobs: their queues consumed, the ended
-    /// ones' let go (what they had sent goes back to its queue).
-    pub(crate) async fn refresh_jobs(&mut self, store: &Store) {
+    /// Follows the pool's active jobs: the queues this worker should
+    /// consume now consumed, the others let go. What the queues of ended
+    /// jobs had sent goes back to its queue; what queues let go while their
+    /// jobs run on had sent is returned, to be handled like any delivery.
+    pub(crate) async fn refresh_jobs(&mut self, store: &Store) -> Vec<Delivery> {
         let active = match store.active_jobs(&self.queues.pool).await {
             Ok(a) => a,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read the pool's active jobs");
-                return;
+                return Vec::new();
             }
         };
         let queues = self.queues.clone();
-        let returned = self
+        let let_go = self
             .work
-            .refresh(&self.broker, &active, |job| queues.job(job), self.prefetch)
+            .refresh(&self.broker, active, |job| queues.job(job), self.prefetch)
             .await;
-        for d in returned {
-            let _ = d.requeue().await;
-        }
+        settle(let_go).await
+    }
+
+    /// With more active jobs than queues consumed, replaces an emptied
+    /// queue with another job's (the active jobs as last read); what a
+    /// queue let go had sent, to be handled.
+    pub(crate) async fn follow_jobs(&mut self) -> Vec<Delivery> {
+        let queues = self.queues.clone();
+        let let_go = self
+            .work
+            .follow(&self.broker, |job| queues.job(job), self.prefetch)
+            .await;
+        settle(let_go).await
     }
 
     /// Stops the consumers (draining).
@@ -90,6 +105,15 @@ impl Session {
         self.work.cancel().await;
         self.infra.cancel().await;
     }
+}
+
+/// Returns what the queues of ended jobs had sent to its queue; what the
+/// others let go had sent, to be handled.
+async fn settle(let_go: LetGo) -> Vec<Delivery> {
+    for d in let_go.returned {
+        let _ = d.requeue().await;
+    }
+    let_go.kept
 }
 
 /// The next announcement of a job of the pool. Pending for ever when

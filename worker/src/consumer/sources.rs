@@ -1,22 +1,62 @@
 //! Where a worker's work comes from: the pool's work queue (items published
 //! before job queues, retries coming back from the retry tiers) and the
-//! queue of every active job of the pool (`bf.<pool>.job.<id>`, listed with
-//! its weight in the job store). When several have deliveries waiting, the
-//! next item is taken by weighted fair queueing: each source has a virtual
-//! time that advances by `1 / weight` per item taken from it, and the
-//! source with the least goes next — so over any stretch in which jobs have
-//! items queued, a worker's items are divided among them in proportion to
-//! their weights (`[job] priority`), and a job that has been idle comes
-//! back at the current virtual time rather than with credit saved up.
+//! queues of the pool's active jobs (`bf.<pool>.job.<id>`, listed with
+//! their weights in the job store). When several have deliveries waiting,
+//! the next item is taken by weighted fair queueing: each source has a
+//! virtual time that advances by `1 / weight` per item taken from it, and
+//! the source with the least goes next — so over any stretch in which jobs
+//! have items queued, a worker's items are divided among them in
+//! proportion to their weights (`[job] priority`), and a job that has been
+//! idle comes back at the current virtual time rather than with credit
+//! saved up.
+//!
+//! # Bounded fan-out
+//! A worker consumes at most `--job-queues` job queues at once, so what it
+//! holds unacknowledged is bounded by its prefetch whatever the number of
+//! active jobs: at most `prefetch` from the pool's queue and `prefetch + 1`
+//! from each job queue it consumes. With no more active jobs than that, it
+//! consumes them all. With more, it consumes those that rank first by
+//! weighted rendezvous hashing of (worker, job, period): each job is
+//! consumed by a share of the fleet that grows with its weight, and every
+//! [`ROTATE`] each worker draws again, so that over time every job gets
+//! its share of every worker. A job queue that has sent nothing for
+//! [`IDLE`] although the worker had room for more (its queue is empty: the
+//! rest of its items are in flight elsewhere) rests for [`REST`], and the
+//! next job in the worker's ranking takes its place. A queue let go this
+//! way keeps nothing: what it had sent is handed out like any delivery,
+//! never returned (a return counts against the item's delivery limit).
+//!
+//! Every delivery the broker sent is taken from its subscription at once
+//! ([`Sources::fill`]), even while the worker has no room to start it, so
+//! the worker knows which jobs it holds deliveries of that wait to start
+//! ([`Sources::queued`]): its beat names them, and the coordinator never
+//! takes them for lost messages.
 
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Subscription};
-use std::collections::BTreeMap;
+use batchfleet_shared::message::JOB_HEADER;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
+use std::hash::{Hash, Hasher};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Weight of the pool's work queue (that of a `normal` job).
 const POOL_QUEUE_WEIGHT: u32 = 2;
+
+/// Job queues a worker consumes at once by default (`--job-queues`).
+pub const DEFAULT_JOB_QUEUES: usize = 4;
+
+/// How often a worker consuming only some of the active jobs draws again
+/// which ones (each worker at its own moment within the period).
+pub const ROTATE: Duration = Duration::from_secs(30);
+
+/// A consumed job queue that sent nothing for this long, while the worker
+/// could have taken more of it, is taken for empty.
+pub const IDLE: Duration = Duration::from_secs(1);
+
+/// How long a job whose queue was taken for empty is passed over.
+pub const REST: Duration = Duration::from_secs(10);
 
 /// The prefetch of a job queue's subscription, for a worker whose prefetch
 /// in force (items in flight at once) is `prefetch`: one more, so that a
@@ -37,19 +77,71 @@ struct Source {
     weight: u32,
     /// The subscription (`None` while stopped).
     sub: Option<Box<dyn Subscription>>,
-    /// A delivery taken from the subscription and not handed out yet.
-    head: Option<Delivery>,
+    /// Deliveries taken from the subscription and not handed out yet, each
+    /// with when it came.
+    buffer: VecDeque<(Delivery, Instant)>,
     /// Virtual time of the next item taken from it.
     vtime: f64,
     /// Its subscription ended (the queue was deleted: its job ended).
     ended: bool,
+    /// When it last sent a delivery (or was subscribed).
+    last_sent: Instant,
+}
+
+impl Source {
+    fn new(queue: String, weight: u32, sub: Box<dyn Subscription>, vtime: f64) -> Self {
+        Self {
+            queue,
+            weight: weight.max(1),
+            sub: Some(sub),
+            buffer: VecDeque::new(),
+            vtime,
+            ended: false,
+            last_sent: Instant::now(),
+        }
+    }
+
+    /// Keeps what its subscription answered; the error of a lost connection.
+    fn keep(&mut self, next: Option<Result<Delivery, BrokerError>>) -> Result<(), BrokerError> {
+        match next {
+            Some(Ok(d)) => {
+                self.last_sent = Instant::now();
+                self.buffer.push_back((d, self.last_sent));
+            }
+            Some(Err(e)) => return Err(e),
+            None => self.ended = true,
+        }
+        Ok(())
+    }
+
+    /// Takes everything its subscription has sent, without waiting.
+    async fn take_sent(&mut self) -> Result<(), BrokerError> {
+        while !self.ended {
+            let Some(sub) = self.sub.as_mut() else { break };
+            match futures_lite::future::poll_once(sub.next()).await {
+                Some(next) => self.keep(next)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The subscription of a job no longer active, left for the broker to end.
 struct Retiring {
     sub: Box<dyn Subscription>,
     /// When it is cancelled from here after all.
-    until: std::time::Instant,
+    until: Instant,
+}
+
+/// What following the active jobs let go of.
+#[derive(Default)]
+pub struct LetGo {
+    /// Deliveries of jobs no longer active: back to their queues.
+    pub returned: Vec<Delivery>,
+    /// Deliveries of queues let go while their jobs run on (rotation, an
+    /// empty queue): to be handled like any other.
+    pub kept: Vec<Delivery>,
 }
 
 /// The queues of one worker session, with the choice among them.
@@ -66,6 +158,20 @@ pub struct Sources {
     retiring: Vec<Retiring>,
     /// Virtual time of the last item handed out.
     now: f64,
+    /// The pool's active jobs as last read: job id → weight.
+    active: BTreeMap<String, u32>,
+    /// Job queues consumed at once, at most.
+    limit: usize,
+    /// The worker's id (its ranking of the jobs).
+    worker: String,
+    /// Jobs whose queues were taken for empty, passed over until then.
+    resting: HashMap<String, Instant>,
+    /// What retiring subscriptions sent, to be returned to its queue.
+    retired_sent: Vec<Delivery>,
+    /// A retiring subscription ended since [`Sources::freed`] was asked.
+    freed: bool,
+    /// The period the worker last drew its jobs in.
+    drawn: u64,
 }
 
 impl std::fmt::Debug for Sources {
@@ -73,30 +179,34 @@ impl std::fmt::Debug for Sources {
         f.debug_struct("Sources")
             .field("pool", &self.pool.queue)
             .field("jobs", &self.jobs.keys().collect::<Vec<_>>())
+            .field("limit", &self.limit)
             .finish_non_exhaustive()
     }
 }
 
 impl Sources {
-    /// Consumes the pool's work queue `queue` with `prefetch`.
+    /// Consumes the pool's work queue `queue` with `prefetch`, for worker
+    /// `worker`, which consumes at most `limit` job queues at once.
     pub async fn open(
         broker: &Arc<dyn Broker>,
         queue: &str,
         prefetch: u16,
+        worker: &str,
+        limit: usize,
     ) -> Result<Self, BrokerError> {
         let sub = broker.consume(queue, prefetch).await?;
         Ok(Self {
-            pool: Source {
-                queue: queue.to_owned(),
-                weight: POOL_QUEUE_WEIGHT,
-                sub: Some(sub),
-                head: None,
-                vtime: 0.0,
-                ended: false,
-            },
+            pool: Source::new(queue.to_owned(), POOL_QUEUE_WEIGHT, sub, 0.0),
             jobs: BTreeMap::new(),
             retiring: Vec::new(),
             now: 0.0,
+            active: BTreeMap::new(),
+            limit: limit.max(1),
+            worker: worker.to_owned(),
+            resting: HashMap::new(),
+            retired_sent: Vec::new(),
+            freed: false,
+            drawn: 0,
         })
     }
 
@@ -105,64 +215,126 @@ impl Sources {
         self.jobs.len()
     }
 
+    /// Whether there are more active jobs than job queues consumed: then
+    /// [`Sources::follow`] is worth calling often, to replace an emptied
+    /// queue with another job's.
+    pub fn crowded(&self) -> bool {
+        self.active.len() > self.jobs.len()
+    }
+
+    /// Whether a place among the job queues came free (the broker ended
+    /// the subscription of a job that ended) since this was last asked.
+    pub fn freed(&mut self) -> bool {
+        std::mem::take(&mut self.freed)
+    }
+
     /// Follows the pool's active jobs (`active`: job id → weight, from the
-    /// store; `queue_of` names a job's queue): consumes the queues of new
-    /// ones with `prefetch`, re-weights the others, and stops consuming
-    /// those no longer active (or whose queue went away). Returns the
-    /// deliveries the stopped ones had sent, which the caller returns to
-    /// their queues.
+    /// store), as [`Sources::follow`] does.
     pub async fn refresh(
         &mut self,
         broker: &Arc<dyn Broker>,
-        active: &BTreeMap<String, u32>,
+        active: BTreeMap<String, u32>,
         queue_of: impl Fn(&str) -> String,
         prefetch: u16,
-    ) -> Vec<Delivery> {
-        let mut returned = self.retire().await;
+    ) -> LetGo {
+        self.active = active;
+        self.follow(broker, queue_of, prefetch).await
+    }
+
+    /// Consumes the queues of the active jobs this worker should consume
+    /// now (all of them, or the first `limit` in its ranking; see the
+    /// module's documentation) with `prefetch`, re-weights the others, and
+    /// stops consuming the rest. `queue_of` names a job's queue.
+    pub async fn follow(
+        &mut self,
+        broker: &Arc<dyn Broker>,
+        queue_of: impl Fn(&str) -> String,
+        prefetch: u16,
+    ) -> LetGo {
+        let now = Instant::now();
+        let mut out = LetGo {
+            returned: self.retire().await,
+            kept: Vec::new(),
+        };
+        out.returned.append(&mut self.retired_sent);
+        // Jobs that ended, or whose queue went away.
         let gone: Vec<String> = self
             .jobs
             .iter()
-            .filter(|(job, s)| s.ended || !active.contains_key(*job))
+            .filter(|(job, s)| s.ended || !self.active.contains_key(*job))
             .map(|(job, _)| job.clone())
             .collect();
         for job in gone {
             if let Some(mut s) = self.jobs.remove(&job) {
-                returned.extend(s.head.take());
+                if s.ended {
+                    // Its queue was deleted: the job ended since the
+                    // active jobs were read.
+                    self.active.remove(&job);
+                }
+                out.returned.extend(s.buffer.drain(..).map(|(d, _)| d));
                 if let (Some(sub), false) = (s.sub.take(), s.ended) {
                     self.retiring.push(Retiring {
                         sub,
-                        until: std::time::Instant::now() + RETIRE_WAIT,
+                        until: now + RETIRE_WAIT,
                     });
                 }
                 tracing::debug!(job = %job, "no longer consuming the job's queue");
             }
         }
-        for (job, &weight) in active {
-            if let Some(s) = self.jobs.get_mut(job) {
-                s.weight = weight.max(1);
+        // Emptied queues rest while other jobs wait for this worker.
+        if self.active.len() > self.limit {
+            for (job, s) in &self.jobs {
+                if s.buffer.is_empty() && now.duration_since(s.last_sent) >= IDLE {
+                    self.resting.entry(job.clone()).or_insert(now + REST);
+                }
+            }
+        }
+        self.resting.retain(|_, until| *until > now);
+        let drawn = period(&self.worker, std::time::SystemTime::now());
+        let redraw = std::mem::replace(&mut self.drawn, drawn) != drawn;
+        let wanted = wanted(&self.active, &self.resting, self.limit, &self.worker, drawn);
+        // A queue consumed is kept until the worker draws again, unless it
+        // rests: a new job takes a free place, never one in use.
+        let dropped: Vec<String> = self
+            .jobs
+            .keys()
+            .filter(|job| !wanted.contains(job) && (redraw || self.resting.contains_key(*job)))
+            .cloned()
+            .collect();
+        for job in dropped {
+            if let Some(mut s) = self.jobs.remove(&job) {
+                out.kept.extend(stop(&mut s, JOB_STOP_WAIT).await);
+                tracing::debug!(job = %job, "passing the job's queue on to other workers for now");
+            }
+        }
+        for (job, s) in self.jobs.iter_mut() {
+            s.weight = self.active.get(job).copied().unwrap_or(1).max(1);
+        }
+        for job in wanted {
+            // A subscription of an ended job still holds its place until
+            // the broker ends it (moments later, as the queue is deleted).
+            if self.jobs.contains_key(&job) || self.jobs.len() + self.retiring.len() >= self.limit {
                 continue;
             }
-            let queue = queue_of(job);
+            let weight = self.active.get(&job).copied().unwrap_or(1);
+            let queue = queue_of(&job);
             match broker.consume(&queue, job_prefetch(prefetch)).await {
                 Ok(sub) => {
                     tracing::debug!(job = %job, weight, "consuming the job's queue");
-                    self.jobs.insert(
-                        job.clone(),
-                        Source {
-                            queue,
-                            weight: weight.max(1),
-                            sub: Some(sub),
-                            head: None,
-                            vtime: self.now,
-                            ended: false,
-                        },
-                    );
+                    let s = Source::new(queue, weight, sub, self.now);
+                    self.jobs.insert(job, s);
                 }
-                // Not declared yet, or deleted already: tried again next time.
-                Err(e) => tracing::debug!(job = %job, error = %e, "cannot consume the job's queue"),
+                // Not declared yet, or deleted already: tried again next
+                // time (after the others, when there are more jobs).
+                Err(e) => {
+                    tracing::debug!(job = %job, error = %e, "cannot consume the job's queue");
+                    if self.active.len() > self.limit {
+                        self.resting.insert(job, now + REST);
+                    }
+                }
             }
         }
-        returned
+        out
     }
 
     /// Takes what the retiring subscriptions sent (to be returned by the
@@ -170,7 +342,7 @@ impl Sources {
     /// not ended within [`RETIRE_WAIT`].
     async fn retire(&mut self) -> Vec<Delivery> {
         let mut sent = Vec::new();
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let mut kept = Vec::with_capacity(self.retiring.len());
         for mut r in std::mem::take(&mut self.retiring) {
             let ended = loop {
@@ -181,6 +353,7 @@ impl Sources {
                 }
             };
             if ended {
+                self.freed = true;
                 continue;
             }
             if now < r.until {
@@ -196,24 +369,20 @@ impl Sources {
         sent
     }
 
+    /// The pool's queue, then the job queues.
+    fn all(&mut self) -> impl Iterator<Item = &mut Source> {
+        std::iter::once(&mut self.pool).chain(self.jobs.values_mut())
+    }
+
     /// The next delivery, by weighted fair queueing among the sources that
     /// have one; waits for one when none has. `None` when the pool's queue
     /// ended (the broker closed the consumer). Cancel-safe: a delivery
     /// taken from a subscription is kept until handed out.
     pub async fn next(&mut self) -> Option<Result<Delivery, BrokerError>> {
         loop {
-            // Take what is there without waiting.
             for s in std::iter::once(&mut self.pool).chain(self.jobs.values_mut()) {
-                if s.head.is_some() || s.ended {
-                    continue;
-                }
-                let Some(sub) = s.sub.as_mut() else { continue };
-                if let Some(next) = futures_lite::future::poll_once(sub.next()).await {
-                    match next {
-                        Some(Ok(d)) => s.head = Some(d),
-                        Some(Err(e)) => return Some(Err(e)),
-                        None => s.ended = true,
-                    }
+                if let Err(e) = s.take_sent().await {
+                    return Some(Err(e));
                 }
             }
             if self.pool.ended {
@@ -222,30 +391,52 @@ impl Sources {
             if let Some(d) = self.take() {
                 return Some(Ok(d));
             }
-            // Nothing anywhere: wait for the first source to send something.
-            let waiting: Vec<Pin<Box<dyn Future<Output = (usize, _)> + Send + '_>>> =
-                std::iter::once(&mut self.pool)
-                    .chain(self.jobs.values_mut())
-                    .enumerate()
-                    .filter(|(_, s)| !s.ended)
-                    .filter_map(|(i, s)| s.sub.as_mut().map(|sub| (i, sub)))
-                    .map(|(i, sub)| {
-                        Box::pin(async move { (i, sub.next().await) })
-                            as Pin<Box<dyn Future<Output = _> + Send + '_>>
-                    })
-                    .collect();
-            if waiting.is_empty() {
-                std::future::pending::<()>().await;
+            if let Err(e) = self.fill().await {
+                return Some(Err(e));
             }
-            let (i, next) = first(waiting).await;
-            let s = std::iter::once(&mut self.pool)
-                .chain(self.jobs.values_mut())
+        }
+    }
+
+    /// Waits for any subscription to send a delivery and keeps it, to be
+    /// handed out by [`Sources::next`]; pending for ever when none can.
+    /// `Err` when the connection is lost. Cancel-safe.
+    pub async fn fill(&mut self) -> Result<(), BrokerError> {
+        /// Which subscription answered (a source's position, or a retiring
+        /// one's), and what.
+        type Answer = (Result<usize, usize>, Option<Result<Delivery, BrokerError>>);
+        type Waiting<'a> = Pin<Box<dyn Future<Output = Answer> + Send + 'a>>;
+        let sources = std::iter::once(&mut self.pool)
+            .chain(self.jobs.values_mut())
+            .enumerate()
+            .filter(|(_, s)| !s.ended)
+            .filter_map(|(i, s)| s.sub.as_mut().map(|sub| (Ok(i), sub)));
+        // A retiring subscription is watched too: its end frees a place.
+        let retiring = self
+            .retiring
+            .iter_mut()
+            .enumerate()
+            .map(|(i, r)| (Err(i), &mut r.sub));
+        let waiting: Vec<Waiting<'_>> = sources
+            .chain(retiring)
+            .map(|(which, sub)| Box::pin(async move { (which, sub.next().await) }) as Waiting<'_>)
+            .collect();
+        if waiting.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        match first(waiting).await {
+            (Ok(i), next) => self
+                .all()
                 .nth(i)
-                .expect("the source that answered");
-            match next {
-                Some(Ok(d)) => s.head = Some(d),
-                Some(Err(e)) => return Some(Err(e)),
-                None => s.ended = true,
+                .expect("the source that answered")
+                .keep(next),
+            (Err(_), Some(Ok(d))) => {
+                self.retired_sent.push(d);
+                Ok(())
+            }
+            (Err(i), Some(Err(_)) | None) => {
+                self.retiring.remove(i);
+                self.freed = true;
+                Ok(())
             }
         }
     }
@@ -254,22 +445,38 @@ impl Sources {
     fn take(&mut self) -> Option<Delivery> {
         let mut sources: Vec<&mut Source> = std::iter::once(&mut self.pool)
             .chain(self.jobs.values_mut())
-            .filter(|s| s.head.is_some())
+            .filter(|s| !s.buffer.is_empty())
             .collect();
         let vtimes: Vec<(f64, u32)> = sources.iter().map(|s| (s.vtime, s.weight)).collect();
         let (i, vtime, now) = choose(&vtimes, self.now)?;
         self.now = now;
         sources[i].vtime = vtime;
-        sources[i].head.take()
+        sources[i].buffer.pop_front().map(|(d, _)| d)
+    }
+
+    /// Adds to `out` the jobs this worker holds deliveries of here that
+    /// wait to start, each with when the oldest came.
+    pub fn queued(&self, out: &mut BTreeMap<String, Instant>) {
+        for (job, s) in &self.jobs {
+            if let Some((_, at)) = s.buffer.front() {
+                note(out, job, *at);
+            }
+        }
+        for (d, at) in &self.pool.buffer {
+            if let Some(job) = job_of(d) {
+                note(out, job, *at);
+            }
+        }
     }
 
     /// Stops every subscription; the deliveries they had sent (and the
     /// ones waiting here), to be handled or returned by the caller.
     pub async fn stop(&mut self) -> Vec<Delivery> {
         for r in &mut self.retiring {
-            r.until = std::time::Instant::now();
+            r.until = Instant::now();
         }
         let mut sent = self.retire().await;
+        sent.append(&mut self.retired_sent);
         sent.extend(stop(&mut self.pool, STOP_WAIT).await);
         for s in self.jobs.values_mut() {
             sent.extend(stop(s, JOB_STOP_WAIT).await);
@@ -293,7 +500,10 @@ impl Sources {
         self.pool.ended = false;
         for s in self.jobs.values_mut() {
             match broker.consume(&s.queue, job_prefetch(prefetch)).await {
-                Ok(sub) => s.sub = Some(sub),
+                Ok(sub) => {
+                    s.sub = Some(sub);
+                    s.last_sent = Instant::now();
+                }
                 // Its job ended meanwhile: dropped at the next refresh.
                 Err(_) => s.ended = true,
             }
@@ -318,30 +528,51 @@ impl Sources {
     pub fn waiting(&mut self) -> Vec<Delivery> {
         std::iter::once(&mut self.pool)
             .chain(self.jobs.values_mut())
-            .filter_map(|s| s.head.take())
+            .flat_map(|s| s.buffer.drain(..).map(|(d, _)| d))
             .collect()
     }
+}
+
+/// Notes in `out` a delivery of `job` that came at `at`, keeping the oldest.
+pub fn note(out: &mut BTreeMap<String, Instant>, job: &str, at: Instant) {
+    match out.get_mut(job) {
+        Some(oldest) => *oldest = (*oldest).min(at),
+        None => {
+            out.insert(job.to_owned(), at);
+        }
+    }
+}
+
+/// The job a delivery says it belongs to: its `x-bf-job` header (retries,
+/// dead letters), else its message id (`<job>/<item>` or
+/// `<job>/<first>+<count>`). Unsigned, so only a hint: it names the job
+/// the worker's beat says it holds deliveries of.
+pub fn job_of(d: &Delivery) -> Option<&str> {
+    d.headers
+        .str(JOB_HEADER)
+        .or_else(|| d.message_id.split_once('/').map(|(job, _)| job))
+        .filter(|job| !job.is_empty())
 }
 
 /// How long [`stop`] waits for each delivery the broker had sent to come
 /// out of the pool queue's stream (they are all there at once; the stream
 /// ends after the broker confirms the cancel).
-const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const STOP_WAIT: Duration = Duration::from_secs(5);
 /// The same for a job queue's stream.
-const JOB_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+const JOB_STOP_WAIT: Duration = Duration::from_secs(1);
 /// The same for the stream of a job no longer active, whose queue is
 /// usually deleted: its stream may never end.
-const GONE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+const GONE_WAIT: Duration = Duration::from_millis(100);
 /// How long the subscription of a job no longer active is left for the
 /// broker to end (the coordinator deletes the queue moments after it takes
 /// the job off the active list) before it is cancelled from here.
-const RETIRE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+const RETIRE_WAIT: Duration = Duration::from_secs(10);
 
-/// Cancels one subscription: its waiting delivery and what the broker had
-/// sent already, which come out of the stream before its end (waiting at
-/// most `wait` for each; nothing for a stream that ended).
-async fn stop(s: &mut Source, wait: std::time::Duration) -> Vec<Delivery> {
-    let mut sent: Vec<Delivery> = s.head.take().into_iter().collect();
+/// Cancels one subscription: its waiting deliveries and what the broker
+/// had sent, which come out of the stream before its end (waiting at most
+/// `wait` for each; nothing for a stream that ended).
+async fn stop(s: &mut Source, wait: Duration) -> Vec<Delivery> {
+    let mut sent: Vec<Delivery> = s.buffer.drain(..).map(|(d, _)| d).collect();
     if let Some(mut sub) = s.sub.take() {
         if s.ended {
             return sent;
@@ -352,6 +583,60 @@ async fn stop(s: &mut Source, wait: std::time::Duration) -> Vec<Delivery> {
         }
     }
     sent
+}
+
+/// The period of worker `worker`'s ranking at `at`: it changes every
+/// [`ROTATE`], at a moment of the period that depends on the worker, so
+/// that a fleet's workers do not all draw again together.
+fn period(worker: &str, at: std::time::SystemTime) -> u64 {
+    let secs = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let every = ROTATE.as_secs().max(1);
+    (secs + hash(&(worker, "phase")) % every) / every
+}
+
+fn hash(value: &impl Hash) -> u64 {
+    // SipHash with fixed keys: the same ranking in every process.
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+/// The jobs among `active` (id → weight) a worker consumes: all of them
+/// when there are at most `limit`; else the first `limit` in the worker's
+/// ranking for `period` — weighted rendezvous hashing, where a job of
+/// weight `w` ranks by `-ln(u) / w` with `u` uniform in (0, 1) drawn from
+/// (worker, job, period), so that a job's chance to be among a worker's
+/// first grows with its weight — passing over the `resting` ones while
+/// others are left.
+fn wanted(
+    active: &BTreeMap<String, u32>,
+    resting: &HashMap<String, Instant>,
+    limit: usize,
+    worker: &str,
+    period: u64,
+) -> Vec<String> {
+    if active.len() <= limit {
+        return active.keys().cloned().collect();
+    }
+    let mut ranked: Vec<(bool, f64, &String)> = active
+        .iter()
+        .map(|(job, weight)| {
+            let u = (hash(&(worker, job.as_str(), period)) >> 11) as f64 + 0.5;
+            let u = u / (1u64 << 53) as f64;
+            let key = -u.ln() / f64::from((*weight).max(1));
+            (resting.contains_key(job), key, job)
+        })
+        .collect();
+    ranked.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    ranked
+        .into_iter()
+        .take(limit)
+        .map(|(_, _, job)| job.clone())
+        .collect()
 }
 
 /// Weighted fair queueing's choice among sources with an item waiting,
@@ -430,5 +715,79 @@ mod tests {
             served.push(i);
         }
         assert_eq!(served.iter().filter(|&&i| i == 1).count(), 3, "{served:?}");
+    }
+
+    fn active(weights: &[(&str, u32)]) -> BTreeMap<String, u32> {
+        weights.iter().map(|(j, w)| ((*j).to_owned(), *w)).collect()
+    }
+
+    #[test]
+    fn a_worker_consumes_every_job_while_they_are_few_and_at_most_its_limit_after() {
+        let few = active(&[("a", 2), ("b", 2), ("c", 8)]);
+        let none = HashMap::new();
+        assert_eq!(wanted(&few, &none, 4, "w", 0), vec!["a", "b", "c"]);
+        let many = active(&[("a", 2), ("b", 2), ("c", 2), ("d", 2), ("e", 2), ("f", 2)]);
+        let chosen = wanted(&many, &none, 4, "w", 0);
+        assert_eq!(chosen.len(), 4);
+        // The same worker in the same period draws the same; in other
+        // periods, other jobs too.
+        assert_eq!(wanted(&many, &none, 4, "w", 0), chosen);
+        let seen: std::collections::BTreeSet<String> = (0..20)
+            .flat_map(|p| wanted(&many, &none, 4, "w", p))
+            .collect();
+        assert_eq!(seen.len(), 6, "every job is drawn in some period: {seen:?}");
+    }
+
+    #[test]
+    fn a_heavier_job_is_consumed_by_more_of_the_fleet_and_a_resting_one_only_when_nothing_else_is_left(
+    ) {
+        let jobs = active(&[("high", 8), ("n1", 2), ("n2", 2), ("n3", 2), ("n4", 2)]);
+        let none = HashMap::new();
+        let workers: Vec<String> = (0..2_000).map(|n| format!("worker-{n}")).collect();
+        let share = |job: &str| {
+            workers
+                .iter()
+                .filter(|w| wanted(&jobs, &none, 1, w, 7).iter().any(|j| j == job))
+                .count() as f64
+                / workers.len() as f64
+        };
+        // With one queue each, a job's share of the fleet is its weight's
+        // share of the total: 8/16 and 2/16.
+        assert!((share("high") - 0.5).abs() < 0.05, "{}", share("high"));
+        for n in ["n1", "n2", "n3", "n4"] {
+            assert!((share(n) - 0.125).abs() < 0.03, "{n}: {}", share(n));
+        }
+        let later = Instant::now() + REST;
+        let resting: HashMap<String, Instant> = ["high", "n1", "n2"]
+            .iter()
+            .map(|j| ((*j).to_owned(), later))
+            .collect();
+        let mut chosen = wanted(&jobs, &resting, 2, "w", 0);
+        chosen.sort();
+        assert_eq!(chosen, vec!["n3", "n4"]);
+        let chosen = wanted(&jobs, &resting, 3, "w", 0);
+        assert_eq!(chosen.len(), 3);
+        assert!(chosen.contains(&"n3".to_owned()) && chosen.contains(&"n4".to_owned()));
+    }
+
+    #[test]
+    fn workers_draw_again_at_moments_of_their_own() {
+        let t = |s: u64| std::time::UNIX_EPOCH + Duration::from_secs(s);
+        let every = ROTATE.as_secs();
+        // A worker's period changes once every ROTATE ...
+        let changes = (0..every * 10)
+            .filter(|s| period("w", t(*s)) != period("w", t(s + 1)))
+            .count();
+        assert_eq!(changes, 10);
+        // ... and not at the same second for every worker.
+        let moments: std::collections::BTreeSet<u64> = (0..50)
+            .map(|n| {
+                let w = format!("worker-{n}");
+                (0..every)
+                    .find(|s| period(&w, t(*s)) != period(&w, t(s + 1)))
+                    .expect("a change within one period")
+            })
+            .collect();
+        assert!(moments.len() > 10, "{moments:?}");
     }
 }

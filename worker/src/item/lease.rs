@@ -31,19 +31,24 @@ use super::signals::Signals;
 use crate::context::ItemContext;
 use batchfleet_shared::message::WorkItem;
 use batchfleet_shared::store::{Lease, Store};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The jobs this worker holds leased items of, each beaten once per
-/// heartbeat ([`Store::beat`]) while it holds any.
+/// heartbeat ([`Store::beat`]) while it holds any; and the jobs it holds
+/// deliveries of that have waited a heartbeat or more to start, beaten
+/// with its [`queued_field`](batchfleet_shared::store::queued_field) so
+/// that the coordinator takes none of their items for lost.
 #[derive(Debug)]
 pub struct Beats {
     /// `<worker>/<boot>`: the holder its leases name.
     holder: String,
     /// Job → leased items held.
     jobs: Mutex<HashMap<String, usize>>,
+    /// Job → when the oldest of its deliveries waiting to start came.
+    queued: Mutex<BTreeMap<String, Instant>>,
 }
 
 impl Beats {
@@ -53,6 +58,7 @@ impl Beats {
         let beats = Arc::new(Self {
             holder: batchfleet_shared::store::holder(worker, &batchfleet_shared::store::boot_id()),
             jobs: Mutex::default(),
+            queued: Mutex::default(),
         });
         tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
         beats
@@ -72,10 +78,31 @@ impl Beats {
         }
     }
 
-    /// Jobs with leased items held now.
-    fn held(&self) -> Vec<String> {
-        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        jobs.keys().cloned().collect()
+    /// The jobs the worker holds deliveries of that wait to start, each
+    /// with when the oldest came (replacing what was said before).
+    pub fn set_queued(&self, queued: BTreeMap<String, Instant>) {
+        *self.queued.lock().unwrap_or_else(|p| p.into_inner()) = queued;
+    }
+
+    /// The beat fields to set now, by job: the holder for jobs with leased
+    /// items, its queued field for jobs whose deliveries have waited
+    /// `waited` or more to start.
+    fn due(&self, waited: Duration) -> BTreeMap<String, Vec<String>> {
+        let mut due: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for job in self.jobs.lock().unwrap_or_else(|p| p.into_inner()).keys() {
+            due.entry(job.clone())
+                .or_default()
+                .push(self.holder.clone());
+        }
+        let queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        for (job, since) in queued.iter() {
+            if since.elapsed() >= waited {
+                due.entry(job.clone())
+                    .or_default()
+                    .push(batchfleet_shared::store::queued_field(&self.holder));
+            }
+        }
+        due
     }
 }
 
@@ -98,7 +125,8 @@ impl Drop for BeatHold {
     }
 }
 
-/// Beats every job with leased items held, once per `every`, until the
+/// Beats every job with leased items held, and every job with deliveries
+/// that have waited `every` or more to start, once per `every`, until the
 /// worker's [`Beats`] is gone. A lease is written with a fresh time, so a
 /// job's first beat may wait a whole period.
 async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
@@ -108,10 +136,10 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
     loop {
         tick.tick().await;
         let Some(b) = beats.upgrade() else { return };
-        let (holder, jobs) = (b.holder.clone(), b.held());
+        let due = b.due(every);
         drop(b);
-        for job in jobs {
-            if let Err(e) = store.beat(&job, &holder).await {
+        for (job, fields) in due {
+            if let Err(e) = store.beat(&job, &fields).await {
                 tracing::warn!(%job, error = %e, "beat failed; the leases of this worker's items of the job age");
             }
         }

@@ -96,6 +96,48 @@ async fn deliveries_a_busy_worker_holds_are_not_taken_for_lost() {
     env.cleanup(&[&id]).await;
 }
 
+/// A delivery that waits in a worker behind a long item, while its job
+/// commits nothing, is named by the worker's beat (its queued field): the
+/// coordinator does not take it for lost, however long it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_waiting_behind_a_long_item_is_not_taken_for_lost() {
+    let env = TestEnv::new("bundle-queued");
+    // Two items of one mini-batch each, 3 s per mini-batch; the worker
+    // works on one and holds the other (its job queue's prefetch is 2):
+    // the queue reads empty at once, the job commits nothing for 3 s, and
+    // the lost-message grace is 1 s.
+    let manifest = job_in(&env, "job", 10, 5);
+    let flags = [
+        "--prefetch",
+        "1",
+        "--prefetch-max",
+        "1",
+        "--debug-batch-delay",
+        "3s",
+        "--heartbeat",
+        "200ms",
+        "--lease-ttl",
+        "2s",
+    ];
+    let mut workers = env.workers(Backend::Fleet, &[&flags]).await;
+    let mut cfg = env.run_config();
+    cfg.supervise.orphan_grace = Duration::from_secs(1);
+    let (id, report) = env.run_on_with(&workers, &manifest, &cfg).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    assert!(verified(&env.path().join("job")).is_empty());
+    assert_eq!(
+        (
+            report.items_total,
+            report.items_redispatched,
+            report.deliveries
+        ),
+        (2, 0, 2),
+        "no copy, each item started once: {report:?}"
+    );
+    workers.stop();
+    env.cleanup(&[&id]).await;
+}
+
 /// Counts, from Redis's `MONITOR` stream, the commands whose first key
 /// starts with `prefix`, by command and key suffix (`HSET …:leases`), until
 /// the returned sender is dropped.

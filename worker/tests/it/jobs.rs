@@ -958,6 +958,128 @@ async fn two_equal_jobs_share_the_fleet_evenly() {
     env.cleanup(&[&id_a, &id_b]).await;
 }
 
+/// A worker consumes at most `--job-queues` job queues however many jobs
+/// are active, so what it holds unacknowledged stays bounded by its
+/// prefetch; and it moves on from a job whose queue it finds empty: five
+/// jobs on one worker that consumes two queues at a time all finish, every
+/// row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_consumes_at_most_its_job_queues_and_every_job_still_finishes() {
+    let env = TestEnv::new("fanout");
+    let names = ["a", "b", "c", "d", "e"];
+    let manifests: Vec<PathBuf> = names
+        .iter()
+        .map(|n| share_job(&env, n, 6, "normal"))
+        .collect();
+    let ids: Vec<String> = manifests
+        .iter()
+        .map(|m| manifest::load(m, &[]).expect("manifest").job_id)
+        .collect();
+    let port = crate::support::free_port();
+    let flags = [
+        "--debug-batch-delay",
+        "50ms",
+        "--prefetch",
+        "1",
+        "--prefetch-max",
+        "1",
+        "--job-queues",
+        "2",
+        "--metrics-port",
+        &port,
+        "--data-root",
+        env.path().to_str().expect("utf8"),
+    ];
+    let mut workers = vec![env.spawn_worker("w1", &flags)];
+    env.wait_for_consumers(1, &mut workers).await;
+    // While the jobs run: the job queues the worker says it consumes, and
+    // the deliveries of the jobs it holds unacknowledged (published, not
+    // ready in their queue, not committed: a lower bound, the queue read
+    // before the commits).
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    let sampler = tokio::spawn({
+        let (broker, ids) = (env.broker().await, ids.clone());
+        let store = env.connections().store().await.expect("redis");
+        let q = batchfleet_shared::broker::PoolQueues::new(&env.pool);
+        async move {
+            let (mut queues, mut held) = (0u64, 0u64);
+            loop {
+                let url = format!("http://127.0.0.1:{port}/metrics");
+                let metrics = tokio::task::spawn_blocking(move || {
+                    ureq::get(&url).call().ok()?.into_string().ok()
+                })
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+                let consumed = metrics
+                    .lines()
+                    .find(|l| l.starts_with("batchfleet_worker_job_queues"))
+                    .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+                queues = queues.max(consumed as u64);
+                let mut now = 0;
+                for id in &ids {
+                    // Once all its items are published.
+                    let published = store
+                        .progress(id)
+                        .await
+                        .is_ok_and(|p| p.status == Some(JobStatus::Running));
+                    if !published {
+                        continue;
+                    }
+                    let Ok(Some(ready)) = broker.ready_count(&q.job(id)).await else {
+                        continue;
+                    };
+                    if let Ok(p) = store.progress(id).await {
+                        now += p
+                            .items_total
+                            .saturating_sub(p.items_done + u64::from(ready));
+                    }
+                }
+                held = held.max(now);
+                tokio::select! {
+                    _ = &mut done_rx => break,
+                    _ = tokio::time::sleep(Duration::from_millis(25)) => {}
+                }
+            }
+            broker.close("bye").await;
+            (queues, held)
+        }
+    });
+    let cfg = env.run_config();
+    let limit = Duration::from_secs(180);
+    let runs: Vec<_> = manifests
+        .iter()
+        .map(|m| {
+            let (cfg, m) = (cfg.clone(), m.clone());
+            tokio::spawn(
+                async move { crate::support::run_with_config_to_end(&cfg, &m, limit).await },
+            )
+        })
+        .collect();
+    for (run, name) in runs.into_iter().zip(names) {
+        let (_, report) = run.await.expect("run");
+        assert_eq!(report.status, "completed", "{name}: {report:?}");
+        let dir = env.path().join(name);
+        let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+        assert!(v.ok(), "{name}: {}", v.describe());
+    }
+    let _ = done_tx.send(());
+    let (queues, held) = sampler.await.expect("sampler");
+    println!(
+        "one worker with --job-queues 2 and --prefetch 1, five jobs: at most {queues} job queues consumed and {held} deliveries held at once"
+    );
+    assert_eq!(queues, 2, "job queues consumed at once, at most");
+    // One item in flight, a full prefetch (2) from each of 2 queues, and
+    // what a queue let go when the worker drew again had sent (2); the
+    // five queues consumed at once would hold 10.
+    assert!(held <= 7, "deliveries held at once: {held}");
+    stop_all(&mut workers);
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.cleanup(&ids).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_high_priority_job_overtakes_a_long_low_priority_one() {
     let env = TestEnv::new("prio");

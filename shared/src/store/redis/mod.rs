@@ -571,15 +571,30 @@ impl JobStore for RedisStore {
     }
 
     /// [`beat_script`](scripts::beat_script).
-    async fn beat(&self, job: &str, holder: &str) -> Result<(), StoreError> {
+    async fn beat(&self, job: &str, fields: &[String]) -> Result<(), StoreError> {
+        if fields.is_empty() {
+            return Ok(());
+        }
         let mut c = self.conn("beat").await?;
         self.scripts
             .beat
             .key(self.keys.beats_key(job))
-            .arg(holder)
+            .arg(fields)
             .invoke_async::<()>(&mut c)
             .await
             .map_err(cmd("beat"))
+    }
+
+    async fn beats(&self, job: &str) -> Result<BTreeMap<String, u64>, StoreError> {
+        let mut c = self.conn("HGETALL beats").await?;
+        let map: BTreeMap<String, String> = c
+            .hgetall(self.keys.beats_key(job))
+            .await
+            .map_err(cmd("HGETALL beats"))?;
+        Ok(map
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v.parse().ok()?)))
+            .collect())
     }
 
     /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.

@@ -278,14 +278,20 @@ return {'started', tostring(now), tostring(crashes)}
     )
 }
 
-/// A worker's beat on a job: `KEYS[1]` (the job's beats) field `ARGV[1]`
-/// (`<worker>/<boot>`) set to Redis's clock, which keeps every lease of
-/// that holder on the job live.
+/// A worker's beat on a job: `KEYS[1]` (the job's beats) fields `ARGV`
+/// (`<worker>/<boot>`, which keeps every lease of that holder on the job
+/// live, and `<worker>/<boot>+queued`, which says it holds deliveries of the
+/// job waiting to start) set to Redis's clock, in one `HSET`.
 pub fn beat_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
-redis.call('HSET', KEYS[1], ARGV[1], now)
+local args = {}
+for i = 1, #ARGV do
+  args[#args + 1] = ARGV[i]
+  args[#args + 1] = now
+end
+redis.call('HSET', KEYS[1], unpack(args))
 return 1
 "#
     )
