@@ -195,7 +195,7 @@ pub mod names {
         (WORKER_UP, Kind::Gauge, "1 while the worker runs."),
         (WORKER_DRAINING, Kind::Gauge, "1 while the worker drains after SIGTERM."),
         (WORKER_PREFETCH, Kind::Gauge, "Unacknowledged deliveries the worker holds at most now, sized from its item rate."),
-        (WORKER_JOB_QUEUES, Kind::Gauge, "Job queues of the pool the worker consumes now, one per active job."),
+        (WORKER_JOB_QUEUES, Kind::Gauge, "Job queues of the pool the worker consumes now that send it work (at most --job-queues; a subscription to an emptied queue, dormant, is not counted)."),
         (WORKER_GPU_MEMORY, Kind::Gauge, "GPU memory in use (NVML), by GPU index."),
         (WORKER_GPU_UTILIZATION, Kind::Gauge, "Share of the last sample period a GPU ran kernels (NVML), by GPU index."),
         (WORKER_PANICS, Kind::Counter, "Panics caught while handling an item, by where (item, runner)."),

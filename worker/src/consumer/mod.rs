@@ -154,14 +154,14 @@ async fn consume(
             sizing.next_follow = now + sources::IDLE;
             let kept = session.refresh_jobs(&ctx.store).await;
             sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
-            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
-        } else if (session.work.freed() || now >= sizing.next_follow) && session.work.crowded() {
-            // More active jobs than queues consumed: an emptied queue gives
-            // its place to another job's.
+            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.sending() as f64);
+        } else if now >= sizing.next_follow && session.work.crowded() {
+            // More active jobs than queues consumed: a queue gone dormant
+            // gives its place to another job's.
             sizing.next_follow = now + sources::IDLE;
             let kept = session.follow_jobs().await;
             sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
-            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.jobs() as f64);
+            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.sending() as f64);
         }
         ctx.beats.set_queued(queued(session, sizing));
         if sizing.prefetch.adapts() && now >= sizing.next_review {

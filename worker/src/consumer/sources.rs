@@ -11,20 +11,30 @@
 //! saved up.
 //!
 //! # Bounded fan-out
-//! A worker consumes at most `--job-queues` job queues at once, so what it
-//! holds unacknowledged is bounded by its prefetch whatever the number of
-//! active jobs: at most `prefetch` from the pool's queue and `prefetch + 1`
-//! from each job queue it consumes. With no more active jobs than that, it
-//! consumes them all. With more, it consumes those that rank first by
-//! weighted rendezvous hashing of (worker, job, period): each job is
+//! A worker consumes at most `--job-queues` job queues that send it work,
+//! so what it holds unacknowledged is bounded by its prefetch whatever the
+//! number of active jobs: at most `prefetch` from the pool's queue and
+//! `prefetch + 1` from each job queue it consumes. With no more active jobs
+//! than that, it consumes them all. With more, it takes them in the order
+//! of weighted rendezvous hashing of (worker, job, period): each job is
 //! consumed by a share of the fleet that grows with its weight, and every
 //! [`ROTATE`] each worker draws again, so that over time every job gets
-//! its share of every worker. A job queue that has sent nothing for
-//! [`IDLE`] although the worker had room for more (its queue is empty: the
-//! rest of its items are in flight elsewhere) rests for [`REST`], and the
-//! next job in the worker's ranking takes its place. A queue let go this
-//! way keeps nothing: what it had sent is handed out like any delivery,
-//! never returned (a return counts against the item's delivery limit).
+//! its share of every worker.
+//!
+//! A subscription that sent nothing for [`IDLE`] although the worker had
+//! room for more is dormant: its queue is empty, the rest of its job's
+//! items in flight elsewhere. It no longer counts, and the next job in the
+//! ranking whose queue has work waiting takes its place. It is not
+//! cancelled: its job is likely to end, and the broker ends the
+//! subscription itself when the queue is deleted — a cancel from here
+//! could cross that one, and an answer the client no longer expects
+//! closes the connection. For the same reason a worker subscribes, while
+//! jobs outnumber its places, only to a queue it has just read non-empty
+//! (or a new job's): RabbitMQ answers a consume on a quorum queue being
+//! deleted by closing the connection. A queue let go (a new draw) is one
+//! holding a delivery in this worker, so its job cannot end meanwhile; it
+//! keeps nothing: what it had sent is handed out like any delivery, never
+//! returned (a return counts against the item's delivery limit).
 //!
 //! Every delivery the broker sent is taken from its subscription at once
 //! ([`Sources::fill`]), even while the worker has no room to start it, so
@@ -34,7 +44,7 @@
 
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Subscription};
 use batchfleet_shared::message::JOB_HEADER;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
@@ -52,11 +62,15 @@ pub const DEFAULT_JOB_QUEUES: usize = 4;
 pub const ROTATE: Duration = Duration::from_secs(30);
 
 /// A consumed job queue that sent nothing for this long, while the worker
-/// could have taken more of it, is taken for empty.
+/// could have taken more of it, is taken for empty: dormant.
 pub const IDLE: Duration = Duration::from_secs(1);
 
-/// How long a job whose queue was taken for empty is passed over.
-pub const REST: Duration = Duration::from_secs(10);
+/// How long a job whose queue was read empty is passed over.
+pub const REST: Duration = Duration::from_secs(5);
+
+/// Queues read (a passive declare) at most per [`Sources::follow`], looking
+/// for one with work waiting.
+const LOOKS: usize = 1;
 
 /// The prefetch of a job queue's subscription, for a worker whose prefetch
 /// in force (items in flight at once) is `prefetch`: one more, so that a
@@ -99,6 +113,17 @@ impl Source {
             ended: false,
             last_sent: Instant::now(),
         }
+    }
+
+    /// Whether it holds a delivery or sent one within [`IDLE`]: a queue
+    /// that sends work. One that does not is dormant: its queue is empty,
+    /// as the broker would send more otherwise (the worker never has all
+    /// of a queue's prefetch in flight). A dormant subscription is kept —
+    /// it ends when its job ends, or wakes when its queue gets work again
+    /// (a copy of a lost item) — but no longer counts among the worker's
+    /// `--job-queues`.
+    fn busy(&self, now: Instant) -> bool {
+        !self.buffer.is_empty() || now.duration_since(self.last_sent) < IDLE
     }
 
     /// Keeps what its subscription answered; the error of a lost connection.
@@ -166,12 +191,11 @@ pub struct Sources {
     worker: String,
     /// Jobs whose queues were taken for empty, passed over until then.
     resting: HashMap<String, Instant>,
-    /// What retiring subscriptions sent, to be returned to its queue.
-    retired_sent: Vec<Delivery>,
-    /// A retiring subscription ended since [`Sources::freed`] was asked.
-    freed: bool,
     /// The period the worker last drew its jobs in.
     drawn: u64,
+    /// The active jobs as read before the last: a job not among them is
+    /// new, its queue being filled.
+    seen: HashSet<String>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -204,28 +228,22 @@ impl Sources {
             limit: limit.max(1),
             worker: worker.to_owned(),
             resting: HashMap::new(),
-            retired_sent: Vec::new(),
-            freed: false,
             drawn: 0,
+            seen: HashSet::new(),
         })
     }
 
-    /// Job queues consumed now.
-    pub fn jobs(&self) -> usize {
-        self.jobs.len()
+    /// Job queues consumed now that send work (not dormant).
+    pub fn sending(&self) -> usize {
+        let now = Instant::now();
+        self.jobs.values().filter(|s| s.busy(now)).count()
     }
 
     /// Whether there are more active jobs than job queues consumed: then
-    /// [`Sources::follow`] is worth calling often, to replace an emptied
-    /// queue with another job's.
+    /// [`Sources::follow`] is worth calling often, to give the place of a
+    /// queue gone dormant to another job's.
     pub fn crowded(&self) -> bool {
         self.active.len() > self.jobs.len()
-    }
-
-    /// Whether a place among the job queues came free (the broker ended
-    /// the subscription of a job that ended) since this was last asked.
-    pub fn freed(&mut self) -> bool {
-        std::mem::take(&mut self.freed)
     }
 
     /// Follows the pool's active jobs (`active`: job id → weight, from the
@@ -256,7 +274,6 @@ impl Sources {
             returned: self.retire().await,
             kept: Vec::new(),
         };
-        out.returned.append(&mut self.retired_sent);
         // Jobs that ended, or whose queue went away.
         let gone: Vec<String> = self
             .jobs
@@ -281,59 +298,83 @@ impl Sources {
                 tracing::debug!(job = %job, "no longer consuming the job's queue");
             }
         }
-        // Emptied queues rest while other jobs wait for this worker.
-        if self.active.len() > self.limit {
-            for (job, s) in &self.jobs {
-                if s.buffer.is_empty() && now.duration_since(s.last_sent) >= IDLE {
-                    self.resting.entry(job.clone()).or_insert(now + REST);
-                }
-            }
-        }
         self.resting.retain(|_, until| *until > now);
         let drawn = period(&self.worker, std::time::SystemTime::now());
         let redraw = std::mem::replace(&mut self.drawn, drawn) != drawn;
-        let wanted = wanted(&self.active, &self.resting, self.limit, &self.worker, drawn);
-        // A queue consumed is kept until the worker draws again, unless it
-        // rests: a new job takes a free place, never one in use.
-        let dropped: Vec<String> = self
-            .jobs
-            .keys()
-            .filter(|job| !wanted.contains(job) && (redraw || self.resting.contains_key(*job)))
-            .cloned()
-            .collect();
-        for job in dropped {
-            if let Some(mut s) = self.jobs.remove(&job) {
-                out.kept.extend(stop(&mut s, JOB_STOP_WAIT).await);
-                tracing::debug!(job = %job, "passing the job's queue on to other workers for now");
+        let crowded = self.active.len() > self.limit;
+        let ranked = ranking(&self.active, &self.resting, &self.worker, drawn);
+        let mut busy = self.jobs.values().filter(|s| s.busy(now)).count();
+        if crowded {
+            // More queues sending work than the worker consumes at once (a
+            // dormant one woke up), or a new draw: those not among its
+            // first let go — only one holding a delivery here, whose job
+            // cannot end (its queue be deleted, and the broker's cancel
+            // cross this one) before that delivery is handled.
+            let first: Vec<&String> = ranked.iter().take(self.limit).collect();
+            let over: Vec<String> = self
+                .jobs
+                .iter()
+                .filter(|(job, s)| !s.buffer.is_empty() && !first.contains(job))
+                .map(|(job, _)| job.clone())
+                .collect();
+            for job in over {
+                if !redraw && busy <= self.limit {
+                    break;
+                }
+                if let Some(mut s) = self.jobs.remove(&job) {
+                    out.kept.extend(stop(&mut s, JOB_STOP_WAIT).await);
+                    busy -= 1;
+                    tracing::debug!(job = %job, "passing the job's queue on to other workers for now");
+                }
             }
         }
         for (job, s) in self.jobs.iter_mut() {
             s.weight = self.active.get(job).copied().unwrap_or(1).max(1);
         }
-        for job in wanted {
-            // A subscription of an ended job still holds its place until
-            // the broker ends it (moments later, as the queue is deleted).
-            if self.jobs.contains_key(&job) || self.jobs.len() + self.retiring.len() >= self.limit {
+        // Free places go to the next jobs in the ranking. With more jobs
+        // than places, only to one whose queue has work waiting (a new
+        // job's is being filled): a queue read empty belongs to a job
+        // whose items are all in flight, which may end and have its queue
+        // deleted at any moment — and RabbitMQ answers a consume on a
+        // quorum queue being deleted by closing the whole connection.
+        let mut looked = 0;
+        for job in ranked {
+            if busy >= self.limit {
+                break;
+            }
+            if self.jobs.contains_key(&job) {
                 continue;
             }
-            let weight = self.active.get(&job).copied().unwrap_or(1);
             let queue = queue_of(&job);
+            if crowded && self.seen.contains(&job) {
+                if looked == LOOKS {
+                    break;
+                }
+                looked += 1;
+                if !matches!(broker.ready_count(&queue).await, Ok(Some(n)) if n > 0) {
+                    self.resting.insert(job, now + REST);
+                    continue;
+                }
+            }
+            let weight = self.active.get(&job).copied().unwrap_or(1);
             match broker.consume(&queue, job_prefetch(prefetch)).await {
                 Ok(sub) => {
                     tracing::debug!(job = %job, weight, "consuming the job's queue");
                     let s = Source::new(queue, weight, sub, self.now);
                     self.jobs.insert(job, s);
+                    busy += 1;
                 }
                 // Not declared yet, or deleted already: tried again next
                 // time (after the others, when there are more jobs).
                 Err(e) => {
                     tracing::debug!(job = %job, error = %e, "cannot consume the job's queue");
-                    if self.active.len() > self.limit {
+                    if crowded {
                         self.resting.insert(job, now + REST);
                     }
                 }
             }
         }
+        self.seen = self.active.keys().cloned().collect();
         out
     }
 
@@ -353,7 +394,6 @@ impl Sources {
                 }
             };
             if ended {
-                self.freed = true;
                 continue;
             }
             if now < r.until {
@@ -401,44 +441,24 @@ impl Sources {
     /// handed out by [`Sources::next`]; pending for ever when none can.
     /// `Err` when the connection is lost. Cancel-safe.
     pub async fn fill(&mut self) -> Result<(), BrokerError> {
-        /// Which subscription answered (a source's position, or a retiring
-        /// one's), and what.
-        type Answer = (Result<usize, usize>, Option<Result<Delivery, BrokerError>>);
-        type Waiting<'a> = Pin<Box<dyn Future<Output = Answer> + Send + 'a>>;
-        let sources = std::iter::once(&mut self.pool)
-            .chain(self.jobs.values_mut())
+        let waiting: Vec<Pin<Box<dyn Future<Output = (usize, _)> + Send + '_>>> = self
+            .all()
             .enumerate()
             .filter(|(_, s)| !s.ended)
-            .filter_map(|(i, s)| s.sub.as_mut().map(|sub| (Ok(i), sub)));
-        // A retiring subscription is watched too: its end frees a place.
-        let retiring = self
-            .retiring
-            .iter_mut()
-            .enumerate()
-            .map(|(i, r)| (Err(i), &mut r.sub));
-        let waiting: Vec<Waiting<'_>> = sources
-            .chain(retiring)
-            .map(|(which, sub)| Box::pin(async move { (which, sub.next().await) }) as Waiting<'_>)
+            .filter_map(|(i, s)| s.sub.as_mut().map(|sub| (i, sub)))
+            .map(|(i, sub)| {
+                Box::pin(async move { (i, sub.next().await) })
+                    as Pin<Box<dyn Future<Output = _> + Send + '_>>
+            })
             .collect();
         if waiting.is_empty() {
             std::future::pending::<()>().await;
         }
-        match first(waiting).await {
-            (Ok(i), next) => self
-                .all()
-                .nth(i)
-                .expect("the source that answered")
-                .keep(next),
-            (Err(_), Some(Ok(d))) => {
-                self.retired_sent.push(d);
-                Ok(())
-            }
-            (Err(i), Some(Err(_)) | None) => {
-                self.retiring.remove(i);
-                self.freed = true;
-                Ok(())
-            }
-        }
+        let (i, next) = first(waiting).await;
+        self.all()
+            .nth(i)
+            .expect("the source that answered")
+            .keep(next)
     }
 
     /// Hands out the waiting delivery of the source with the least virtual time.
@@ -476,7 +496,6 @@ impl Sources {
             r.until = Instant::now();
         }
         let mut sent = self.retire().await;
-        sent.append(&mut self.retired_sent);
         sent.extend(stop(&mut self.pool, STOP_WAIT).await);
         for s in self.jobs.values_mut() {
             sent.extend(stop(s, JOB_STOP_WAIT).await);
@@ -605,23 +624,17 @@ fn hash(value: &impl Hash) -> u64 {
     h.finish()
 }
 
-/// The jobs among `active` (id → weight) a worker consumes: all of them
-/// when there are at most `limit`; else the first `limit` in the worker's
-/// ranking for `period` — weighted rendezvous hashing, where a job of
+/// The jobs among `active` (id → weight) in the order worker `worker`
+/// takes them in `period`: weighted rendezvous hashing, where a job of
 /// weight `w` ranks by `-ln(u) / w` with `u` uniform in (0, 1) drawn from
-/// (worker, job, period), so that a job's chance to be among a worker's
-/// first grows with its weight — passing over the `resting` ones while
-/// others are left.
-fn wanted(
+/// (worker, job, period) — the chance that a job is a worker's first is its
+/// weight's share of the total — and the `resting` ones last.
+fn ranking(
     active: &BTreeMap<String, u32>,
     resting: &HashMap<String, Instant>,
-    limit: usize,
     worker: &str,
     period: u64,
 ) -> Vec<String> {
-    if active.len() <= limit {
-        return active.keys().cloned().collect();
-    }
     let mut ranked: Vec<(bool, f64, &String)> = active
         .iter()
         .map(|(job, weight)| {
@@ -632,11 +645,7 @@ fn wanted(
         })
         .collect();
     ranked.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
-    ranked
-        .into_iter()
-        .take(limit)
-        .map(|(_, _, job)| job.clone())
-        .collect()
+    ranked.into_iter().map(|(_, _, job)| job.clone()).collect()
 }
 
 /// Weighted fair queueing's choice among sources with an item waiting,
@@ -721,38 +730,50 @@ mod tests {
         weights.iter().map(|(j, w)| ((*j).to_owned(), *w)).collect()
     }
 
-    #[test]
-    fn a_worker_consumes_every_job_while_they_are_few_and_at_most_its_limit_after() {
-        let few = active(&[("a", 2), ("b", 2), ("c", 8)]);
-        let none = HashMap::new();
-        assert_eq!(wanted(&few, &none, 4, "w", 0), vec!["a", "b", "c"]);
-        let many = active(&[("a", 2), ("b", 2), ("c", 2), ("d", 2), ("e", 2), ("f", 2)]);
-        let chosen = wanted(&many, &none, 4, "w", 0);
-        assert_eq!(chosen.len(), 4);
-        // The same worker in the same period draws the same; in other
-        // periods, other jobs too.
-        assert_eq!(wanted(&many, &none, 4, "w", 0), chosen);
-        let seen: std::collections::BTreeSet<String> = (0..20)
-            .flat_map(|p| wanted(&many, &none, 4, "w", p))
+    /// A worker's first `n` jobs.
+    fn first(
+        active: &BTreeMap<String, u32>,
+        resting: &HashMap<String, Instant>,
+        n: usize,
+        worker: &str,
+        period: u64,
+    ) -> Vec<String> {
+        let mut first: Vec<String> = ranking(active, resting, worker, period)
+            .into_iter()
+            .take(n)
             .collect();
-        assert_eq!(seen.len(), 6, "every job is drawn in some period: {seen:?}");
+        first.sort();
+        first
     }
 
     #[test]
-    fn a_heavier_job_is_consumed_by_more_of_the_fleet_and_a_resting_one_only_when_nothing_else_is_left(
-    ) {
+    fn a_worker_ranks_every_job_the_same_within_a_period_and_otherwise_in_others() {
+        let many = active(&[("a", 2), ("b", 2), ("c", 2), ("d", 2), ("e", 2), ("f", 2)]);
+        let none = HashMap::new();
+        let ranked = ranking(&many, &none, "w", 0);
+        assert_eq!(ranked.len(), 6);
+        assert_eq!(ranking(&many, &none, "w", 0), ranked);
+        // Over periods, every job is among a worker's first four.
+        let seen: std::collections::BTreeSet<String> = (0..20)
+            .flat_map(|p| first(&many, &none, 4, "w", p))
+            .collect();
+        assert_eq!(seen.len(), 6, "{seen:?}");
+    }
+
+    #[test]
+    fn a_heavier_job_is_first_for_more_of_the_fleet_and_a_resting_one_comes_last() {
         let jobs = active(&[("high", 8), ("n1", 2), ("n2", 2), ("n3", 2), ("n4", 2)]);
         let none = HashMap::new();
         let workers: Vec<String> = (0..2_000).map(|n| format!("worker-{n}")).collect();
         let share = |job: &str| {
             workers
                 .iter()
-                .filter(|w| wanted(&jobs, &none, 1, w, 7).iter().any(|j| j == job))
+                .filter(|w| ranking(&jobs, &none, w, 7)[0] == job)
                 .count() as f64
                 / workers.len() as f64
         };
-        // With one queue each, a job's share of the fleet is its weight's
-        // share of the total: 8/16 and 2/16.
+        // A job is a worker's first for its weight's share of the fleet:
+        // 8/16 and 2/16.
         assert!((share("high") - 0.5).abs() < 0.05, "{}", share("high"));
         for n in ["n1", "n2", "n3", "n4"] {
             assert!((share(n) - 0.125).abs() < 0.03, "{n}: {}", share(n));
@@ -762,12 +783,13 @@ mod tests {
             .iter()
             .map(|j| ((*j).to_owned(), later))
             .collect();
-        let mut chosen = wanted(&jobs, &resting, 2, "w", 0);
-        chosen.sort();
-        assert_eq!(chosen, vec!["n3", "n4"]);
-        let chosen = wanted(&jobs, &resting, 3, "w", 0);
-        assert_eq!(chosen.len(), 3);
-        assert!(chosen.contains(&"n3".to_owned()) && chosen.contains(&"n4".to_owned()));
+        assert_eq!(first(&jobs, &resting, 2, "w", 0), vec!["n3", "n4"]);
+        let ranked = ranking(&jobs, &resting, "w", 0);
+        assert_eq!(ranked.len(), 5);
+        assert!(
+            ranked[2..].iter().all(|j| resting.contains_key(j)),
+            "{ranked:?}"
+        );
     }
 
     #[test]
