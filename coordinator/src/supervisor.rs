@@ -19,7 +19,10 @@
 //!   it, recorded failed, class `crash`.
 //! - **Stragglers**: once the queues are drained, an item on its first
 //!   attempt that no worker died holding, held far longer than the typical item (`speculate_after` × the
-//!   median item time) gets one speculative copy; the first commit wins and
+//!   median item time), gets one speculative copy — unless a worker of the
+//!   pool other than its holder says (its beat's queued field) that it
+//!   holds deliveries waiting to start: a fleet with a backlog has no spare
+//!   hands, and a copy would only wait its turn too; the first commit wins and
 //!   the slower copy stops at its next checkpoint, its output discarded.
 //! - **Lost messages**: an item that is neither done, failed, leased nor
 //!   queued for `orphan_grace`, in a job that has committed nothing for
@@ -52,6 +55,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How long the supervisor trusts what it read of the pool's backlog.
+const BACKLOG_EVERY: Duration = Duration::from_secs(5);
 
 /// Copies of one item (after stale leases or as a lost message) the
 /// coordinator publishes before it gives the item up as failed (class `infra`).
@@ -104,6 +110,9 @@ pub struct Supervisor {
     last_tick: Option<Instant>,
     unseen_since: HashMap<u32, Instant>,
     median_cache: Option<(Instant, u64)>,
+    /// The workers of the pool holding deliveries waiting to start
+    /// (`<worker>/<boot>`), and when that was read.
+    backlog_cache: Option<(Instant, HashSet<String>)>,
     /// Items committed at the last check, and since when that count holds.
     progress_mark: Option<(u64, Instant)>,
     /// Where the job's paths must stay, for re-reading its manifest.
@@ -142,6 +151,7 @@ impl Supervisor {
             last_tick: None,
             unseen_since: HashMap::new(),
             median_cache: None,
+            backlog_cache: None,
             progress_mark: None,
             report: SuperviseReport::default(),
         }
@@ -265,7 +275,16 @@ impl Supervisor {
                 let limit = (median as f64 * self.cfg.speculate_after)
                     .max(self.cfg.speculate_min.as_millis() as f64);
                 let age = live[0].age_ms(now);
-                if age as f64 > limit {
+                // A fleet with work waiting in other workers than its
+                // holder has no spare hands: a copy would be one more item
+                // waiting its turn.
+                if age as f64 > limit
+                    && !self
+                        .backlogged(store, &record.pool, now)
+                        .await?
+                        .iter()
+                        .any(|h| *h != live[0].holder())
+                {
                     tracing::warn!(job = %self.job_id, item = seq, worker = %live[0].worker, age_ms = age, median_ms = median, "straggler: publishing a speculative copy");
                     to_send.push((*seq, live[0].attempt, Redispatch::Straggler));
                 }
@@ -433,6 +452,36 @@ impl Supervisor {
             field.ends_with(batchfleet_shared::store::QUEUED_SUFFIX)
                 && now.saturating_sub(*at) <= window
         }))
+    }
+
+    /// The workers of pool `pool` (`<worker>/<boot>`) that said, within
+    /// `orphan_grace` of `now`, that they hold deliveries of any of the
+    /// pool's active jobs waiting to start (read at most every
+    /// [`BACKLOG_EVERY`]).
+    async fn backlogged(
+        &mut self,
+        store: &Store,
+        pool: &str,
+        now: u64,
+    ) -> Result<HashSet<String>, RunError> {
+        if let Some((at, holders)) = &self.backlog_cache {
+            if at.elapsed() < BACKLOG_EVERY {
+                return Ok(holders.clone());
+            }
+        }
+        let window = self.cfg.orphan_grace.as_millis() as u64;
+        let mut holders = HashSet::new();
+        for job in store.active_jobs(pool).await?.keys() {
+            for (field, at) in store.beats(job).await? {
+                if let Some(holder) = field.strip_suffix(batchfleet_shared::store::QUEUED_SUFFIX) {
+                    if now.saturating_sub(at) <= window {
+                        holders.insert(holder.to_owned());
+                    }
+                }
+            }
+        }
+        self.backlog_cache = Some((Instant::now(), holders.clone()));
+        Ok(holders)
     }
 
     /// Records item `seq` failed, class `crash`: `crashes` workers died

@@ -243,7 +243,7 @@ pub fn holder(worker: &str, boot: &str) -> String {
 pub const QUEUED_SUFFIX: &str = "+queued";
 
 /// The beat field by which `holder` says it holds deliveries of the job
-/// that have waited a heartbeat or more to start: `<holder>+queued`. Such
+/// that have waited half a heartbeat or more to start: `<holder>+queued`. Such
 /// deliveries are in neither the queue nor a lease, and while this beat is
 /// live the coordinator takes none of the job's items for lost.
 pub fn queued_field(holder: &str) -> String {

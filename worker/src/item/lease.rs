@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 /// The jobs this worker holds leased items of, each beaten once per
 /// heartbeat ([`Store::beat`]) while it holds any; and the jobs it holds
-/// deliveries of that have waited a heartbeat or more to start, beaten
+/// deliveries of that have waited half a heartbeat or more to start, beaten
 /// with its [`queued_field`](batchfleet_shared::store::queued_field) so
 /// that the coordinator takes none of their items for lost.
 #[derive(Debug)]
@@ -126,7 +126,7 @@ impl Drop for BeatHold {
 }
 
 /// Beats every job with leased items held, and every job with deliveries
-/// that have waited `every` or more to start, once per `every`, until the
+/// that have waited half of `every` or more to start, once per `every`, until the
 /// worker's [`Beats`] is gone. A lease is written with a fresh time, so a
 /// job's first beat may wait a whole period.
 async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
@@ -136,7 +136,9 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
     loop {
         tick.tick().await;
         let Some(b) = beats.upgrade() else { return };
-        let due = b.due(every);
+        // Deliveries waiting half a heartbeat: the beat names them within
+        // one and a half.
+        let due = b.due(every / 2);
         drop(b);
         for (job, fields) in due {
             if let Err(e) = store.beat(&job, &fields).await {

@@ -587,9 +587,11 @@ async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins(backend: 
     assert_exactly_once(&env, &summary);
     assert!(summary.items_redispatched >= 1, "{summary:?}");
     assert!(summary.deliveries > summary.items_total, "{summary:?}");
-    // Every item, the straggler's among them, was committed by the fast
-    // worker: the speculative copy won, the slow original lost.
-    assert_eq!(summary.workers, 1, "{summary:?}");
+    // The straggler was committed by the fast worker: the speculative copy
+    // won, and the slow original says below that it lost. (The slow worker
+    // may commit the one delivery it held waiting behind the straggler: a
+    // delivery a worker holds is not published again.)
+    assert!(summary.workers <= 2, "{summary:?}");
     if let Some(slow) = workers.procs.first() {
         // The slow copy notices at its next checkpoint and drops its work.
         wait_until("the slow copy stops", Duration::from_secs(30), || async {
