@@ -189,7 +189,7 @@ async fn consume(
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
             announced = session::announced(&mut session.notices) => {
-                if let Some(why) = look_now(announced, sizing) {
+                if let Some(why) = look_now(announced, session, sizing) {
                     return Some(why);
                 }
                 continue;
@@ -221,7 +221,7 @@ async fn consume(
             // Time to replace an emptied queue (the permit goes back).
             _ = tokio::time::sleep_until(sizing.next_follow.into()), if crowded => {}
             announced = session::announced(&mut session.notices) => {
-                if let Some(why) = look_now(announced, sizing) {
+                if let Some(why) = look_now(announced, session, sizing) {
                     return Some(why);
                 }
             }
@@ -255,10 +255,15 @@ fn queued(session: &Session, sizing: &Sizing) -> BTreeMap<String, Instant> {
 
 /// A job announced: the pool's active jobs are looked at now, and its queue
 /// consumed; `Some(why)` when the announcements' connection was lost.
-fn look_now(announced: Result<String, String>, sizing: &mut Sizing) -> Option<String> {
+fn look_now(
+    announced: Result<String, String>,
+    session: &mut Session,
+    sizing: &mut Sizing,
+) -> Option<String> {
     match announced {
         Ok(job) => {
             tracing::debug!(%job, "job announced; looking at the pool's active jobs");
+            session.work.announced(&job);
             sizing.next_jobs = Instant::now();
             None
         }

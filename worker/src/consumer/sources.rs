@@ -28,10 +28,10 @@
 //! cancelled: its job is likely to end, and the broker ends the
 //! subscription itself when the queue is deleted — a cancel from here
 //! could cross that one, and an answer the client no longer expects
-//! closes the connection. For the same reason a worker subscribes, while
-//! jobs outnumber its places, only to a queue it has just read non-empty
-//! (or a new job's): RabbitMQ answers a consume on a quorum queue being
-//! deleted by closing the connection. A queue let go (a new draw) is one
+//! closes the connection. For the same reason a worker subscribes only to
+//! a queue it has just read non-empty (or that of a job announced in the
+//! last [`FRESH`], whose queue is being filled): RabbitMQ answers a consume
+//! on a quorum queue being deleted by closing the connection. A queue let go (a new draw) is one
 //! holding a delivery in this worker, so its job cannot end meanwhile; it
 //! keeps nothing: what it had sent is handed out like any delivery, never
 //! returned (a return counts against the item's delivery limit).
@@ -44,7 +44,7 @@
 
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Subscription};
 use batchfleet_shared::message::JOB_HEADER;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
@@ -70,7 +70,11 @@ pub const REST: Duration = Duration::from_secs(5);
 
 /// Queues read (a passive declare) at most per [`Sources::follow`], looking
 /// for one with work waiting.
-const LOOKS: usize = 1;
+const LOOKS: usize = 4;
+
+/// How long after its announcement a job counts as new (its queue being
+/// filled, so consumed without reading it first).
+const FRESH: Duration = Duration::from_secs(10);
 
 /// The prefetch of a job queue's subscription, for a worker whose prefetch
 /// in force (items in flight at once) is `prefetch`: one more, so that a
@@ -193,9 +197,9 @@ pub struct Sources {
     resting: HashMap<String, Instant>,
     /// The period the worker last drew its jobs in.
     drawn: u64,
-    /// The active jobs as read before the last: a job not among them is
-    /// new, its queue being filled.
-    seen: HashSet<String>,
+    /// Jobs announced to this worker, and when: a new job's queue is being
+    /// filled, not emptied.
+    announced: HashMap<String, Instant>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -229,8 +233,13 @@ impl Sources {
             worker: worker.to_owned(),
             resting: HashMap::new(),
             drawn: 0,
-            seen: HashSet::new(),
+            announced: HashMap::new(),
         })
+    }
+
+    /// Notes that job `job` was announced (it started, or runs again).
+    pub fn announced(&mut self, job: &str) {
+        self.announced.insert(job.to_owned(), Instant::now());
     }
 
     /// Job queues consumed now that send work (not dormant).
@@ -331,10 +340,10 @@ impl Sources {
         for (job, s) in self.jobs.iter_mut() {
             s.weight = self.active.get(job).copied().unwrap_or(1).max(1);
         }
-        // Free places go to the next jobs in the ranking. With more jobs
-        // than places, only to one whose queue has work waiting (a new
-        // job's is being filled): a queue read empty belongs to a job
-        // whose items are all in flight, which may end and have its queue
+        // Free places go to the next jobs in the ranking, and only to one
+        // whose queue has work waiting (or a job just announced, whose
+        // queue is being filled): a queue read empty belongs to a job whose
+        // items are all in flight, which may end and have its queue
         // deleted at any moment — and RabbitMQ answers a consume on a
         // quorum queue being deleted by closing the whole connection.
         let mut looked = 0;
@@ -346,7 +355,11 @@ impl Sources {
                 continue;
             }
             let queue = queue_of(&job);
-            if crowded && self.seen.contains(&job) {
+            let announced = self
+                .announced
+                .get(&job)
+                .is_some_and(|at| now.duration_since(*at) < FRESH);
+            if !announced {
                 if looked == LOOKS {
                     break;
                 }
@@ -364,17 +377,15 @@ impl Sources {
                     self.jobs.insert(job, s);
                     busy += 1;
                 }
-                // Not declared yet, or deleted already: tried again next
-                // time (after the others, when there are more jobs).
+                // Not declared yet, or deleted already: tried again later.
                 Err(e) => {
                     tracing::debug!(job = %job, error = %e, "cannot consume the job's queue");
-                    if crowded {
-                        self.resting.insert(job, now + REST);
-                    }
+                    self.resting.insert(job, now + REST);
                 }
             }
         }
-        self.seen = self.active.keys().cloned().collect();
+        self.announced
+            .retain(|_, at| now.duration_since(*at) < FRESH);
         out
     }
 
