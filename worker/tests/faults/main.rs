@@ -604,6 +604,57 @@ async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins(backend: 
     env.cleanup(&[&job]).await;
 }
 
+/// A fleet whose other workers hold work waiting to start has no spare
+/// hands: the straggler of the test above gets no speculative copy while
+/// another worker's beat says it holds deliveries waiting (in the 500-worker
+/// soak, such copies of items that only waited their turn were 12 % of the
+/// items). The other worker's beat is written here, as its queued field on
+/// the job, every 300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_speculative_copy_while_other_workers_hold_work_waiting() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("backlog");
+    let manifest = job(&env, "backlog", 8, 500, 1);
+    let id = job_id(&manifest);
+    let mut workers = env
+        .workers(
+            Backend::Fleet,
+            &[&["--prefetch", "1", "--debug-batch-delay", "2s"], &[]],
+        )
+        .await;
+    let store = env.connections().store().await.expect("redis");
+    let stop = CancellationToken::new();
+    let beating = tokio::spawn({
+        let (store, id, stop) = (store.clone(), id.clone(), stop.clone());
+        async move {
+            let elsewhere = batchfleet_shared::store::queued_field("busy-worker/1-2");
+            while !stop.is_cancelled() {
+                store
+                    .beat(&id, std::slice::from_ref(&elsewhere))
+                    .await
+                    .expect("beat");
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+            }
+        }
+    });
+    let (job, summary) = env.run_on(&workers, &manifest).await;
+    stop.cancel();
+    beating.await.expect("beats");
+    assert_exactly_once(&env, &summary);
+    assert_eq!(
+        (summary.items_redispatched, summary.deliveries),
+        (0, summary.items_total),
+        "no copy: {summary:?}"
+    );
+    // The straggler ran its 10 s on the slow worker.
+    assert!(summary.item_latency_ms.max >= 9_000, "{summary:?}");
+    workers.stop();
+    env.cleanup(&[&job]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_held_by_lease_alone_is_published_again_when_its_worker_dies() {
     let _serial = SERIAL.lock().await;
