@@ -168,8 +168,8 @@ struct Retiring {
 pub struct LetGo {
     /// Deliveries of jobs no longer active: back to their queues.
     pub returned: Vec<Delivery>,
-    /// Deliveries of queues let go while their jobs run on (rotation, an
-    /// empty queue): to be handled like any other.
+    /// Deliveries of queues let go while their jobs run on (a new draw):
+    /// to be handled like any other.
     pub kept: Vec<Delivery>,
 }
 
