@@ -56,6 +56,20 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The holders (`<worker>/<boot>`) whose queued field among a job's
+/// `beats` is live: written within `window` ms of `now`.
+fn queued_holders(
+    beats: &BTreeMap<String, u64>,
+    now: u64,
+    window: u64,
+) -> impl Iterator<Item = &str> {
+    beats.iter().filter_map(move |(field, at)| {
+        field
+            .strip_suffix(batchfleet_shared::store::QUEUED_SUFFIX)
+            .filter(|_| now.saturating_sub(*at) <= window)
+    })
+}
+
 /// How long the supervisor trusts what it read of the pool's backlog.
 const BACKLOG_EVERY: Duration = Duration::from_secs(5);
 
@@ -447,11 +461,10 @@ impl Supervisor {
     /// clock), that it holds deliveries of the job that wait to start (its
     /// beat's [`queued_field`](batchfleet_shared::store::queued_field)).
     async fn deliveries_held(&self, store: &Store, now: u64) -> Result<bool, RunError> {
+        let beats = store.beats(&self.job_id).await?;
         let window = self.cfg.orphan_grace.as_millis() as u64;
-        Ok(store.beats(&self.job_id).await?.iter().any(|(field, at)| {
-            field.ends_with(batchfleet_shared::store::QUEUED_SUFFIX)
-                && now.saturating_sub(*at) <= window
-        }))
+        let held = queued_holders(&beats, now, window).next().is_some();
+        Ok(held)
     }
 
     /// The workers of pool `pool` (`<worker>/<boot>`) that said, within
@@ -472,13 +485,8 @@ impl Supervisor {
         let window = self.cfg.orphan_grace.as_millis() as u64;
         let mut holders = HashSet::new();
         for job in store.active_jobs(pool).await?.keys() {
-            for (field, at) in store.beats(job).await? {
-                if let Some(holder) = field.strip_suffix(batchfleet_shared::store::QUEUED_SUFFIX) {
-                    if now.saturating_sub(at) <= window {
-                        holders.insert(holder.to_owned());
-                    }
-                }
-            }
+            let beats = store.beats(job).await?;
+            holders.extend(queued_holders(&beats, now, window).map(str::to_owned));
         }
         self.backlog_cache = Some((Instant::now(), holders.clone()));
         Ok(holders)

@@ -149,17 +149,18 @@ async fn consume(
 ) -> Option<String> {
     loop {
         let now = Instant::now();
-        if now >= sizing.next_jobs {
+        let kept = if now >= sizing.next_jobs {
             sizing.next_jobs = now + sizing.jobs_every(session.notices.is_some());
-            sizing.next_follow = now + sources::IDLE;
-            let kept = session.refresh_jobs(&ctx.store).await;
-            sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
-            metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.sending() as f64);
+            Some(session.refresh_jobs(&ctx.store).await)
         } else if now >= sizing.next_follow && session.work.crowded() {
             // More active jobs than queues consumed: a queue gone dormant
             // gives its place to another job's.
+            Some(session.follow_jobs().await)
+        } else {
+            None
+        };
+        if let Some(kept) = kept {
             sizing.next_follow = now + sources::IDLE;
-            let kept = session.follow_jobs().await;
             sizing.backlog.extend(kept.into_iter().map(|d| (d, now)));
             metrics::gauge!(names::WORKER_JOB_QUEUES).set(session.work.sending() as f64);
         }

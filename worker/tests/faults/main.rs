@@ -565,6 +565,21 @@ async fn lost_redis_state_with_most_items_still_queued_is_rebuilt_and_the_job_en
     env.cleanup(&[&job]).await;
 }
 
+/// The straggler tests' job and fleet: 8 items of 500 rows with one
+/// checkpoint per mini-batch (so a losing copy stops early), a slow worker
+/// that holds one item at a time, 5 mini-batches at 2 s each (10 s for its
+/// item), and a fast one that does the other 7 in about one.
+async fn straggler_fleet(env: &TestEnv, backend: Backend) -> (PathBuf, support::Workers) {
+    let manifest = job(env, "straggler", 8, 500, 1);
+    let workers = env
+        .workers(
+            backend,
+            &[&["--prefetch", "1", "--debug-batch-delay", "2s"], &[]],
+        )
+        .await;
+    (manifest, workers)
+}
+
 // Speculative copies on both backends, one body: `fleet::…` and `local::…`.
 crate::on_both_backends! {
     a_straggler_gets_a_speculative_copy_and_the_first_commit_wins,
@@ -573,16 +588,7 @@ crate::on_both_backends! {
 async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins(backend: Backend) {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("straggler");
-    // 8 items of 500 rows; one checkpoint per mini-batch, so the loser stops early.
-    let manifest = job(&env, "straggler", 8, 500, 1);
-    // The slow worker holds one item at a time, 5 mini-batches at 2 s each:
-    // 10 s for its item, while the fast one does the other 7 in about one.
-    let mut workers = env
-        .workers(
-            backend,
-            &[&["--prefetch", "1", "--debug-batch-delay", "2s"], &[]],
-        )
-        .await;
+    let (manifest, mut workers) = straggler_fleet(&env, backend).await;
     let (job, summary) = env.run_on(&workers, &manifest).await;
     assert_exactly_once(&env, &summary);
     assert!(summary.items_redispatched >= 1, "{summary:?}");
@@ -614,14 +620,8 @@ async fn a_straggler_gets_a_speculative_copy_and_the_first_commit_wins(backend: 
 async fn no_speculative_copy_while_other_workers_hold_work_waiting() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new("backlog");
-    let manifest = job(&env, "backlog", 8, 500, 1);
+    let (manifest, mut workers) = straggler_fleet(&env, Backend::Fleet).await;
     let id = job_id(&manifest);
-    let mut workers = env
-        .workers(
-            Backend::Fleet,
-            &[&["--prefetch", "1", "--debug-batch-delay", "2s"], &[]],
-        )
-        .await;
     let store = env.connections().store().await.expect("redis");
     let stop = CancellationToken::new();
     let beating = tokio::spawn({

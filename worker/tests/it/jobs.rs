@@ -890,9 +890,10 @@ fn share_job(env: &TestEnv, name: &str, items: u64, priority: &str) -> PathBuf {
     manifest
 }
 
-/// Workers for the sharing tests: one item at a time each, 50 ms per mini-batch.
-fn share_workers(env: &TestEnv) -> Vec<crate::support::Worker> {
-    let flags = [
+/// A worker for the sharing tests: one item at a time, 50 ms per
+/// mini-batch, and the flags `extra`.
+fn share_worker(env: &TestEnv, id: &str, extra: &[&str]) -> crate::support::Worker {
+    let mut flags = vec![
         "--debug-batch-delay",
         "50ms",
         "--prefetch",
@@ -902,10 +903,13 @@ fn share_workers(env: &TestEnv) -> Vec<crate::support::Worker> {
         "--data-root",
         env.path().to_str().expect("utf8"),
     ];
-    vec![
-        env.spawn_worker("w1", &flags),
-        env.spawn_worker("w2", &flags),
-    ]
+    flags.extend_from_slice(extra);
+    env.spawn_worker(id, &flags)
+}
+
+/// The two workers of the sharing tests.
+fn share_workers(env: &TestEnv) -> Vec<crate::support::Worker> {
+    vec![share_worker(env, "w1", &[]), share_worker(env, "w2", &[])]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -976,21 +980,8 @@ async fn a_worker_consumes_at_most_its_job_queues_and_every_job_still_finishes()
         .map(|m| manifest::load(m, &[]).expect("manifest").job_id)
         .collect();
     let port = crate::support::free_port();
-    let flags = [
-        "--debug-batch-delay",
-        "50ms",
-        "--prefetch",
-        "1",
-        "--prefetch-max",
-        "1",
-        "--job-queues",
-        "2",
-        "--metrics-port",
-        &port,
-        "--data-root",
-        env.path().to_str().expect("utf8"),
-    ];
-    let mut workers = vec![env.spawn_worker("w1", &flags)];
+    let flags = ["--job-queues", "2", "--metrics-port", &port];
+    let mut workers = vec![share_worker(&env, "w1", &flags)];
     env.wait_for_consumers(1, &mut workers).await;
     // While the jobs run: the job queues the worker says it consumes, and
     // the deliveries of the jobs it holds unacknowledged (published, not
