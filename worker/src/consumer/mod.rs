@@ -247,7 +247,7 @@ fn queued(session: &Session, sizing: &Sizing) -> BTreeMap<String, Instant> {
     let mut out = BTreeMap::new();
     session.work.queued(&mut out);
     for (d, at) in &sizing.backlog {
-        if let Some(job) = sources::job_of(d) {
+        if let Some(job) = session.work.active_job_of(d) {
             sources::note(&mut out, job, *at);
         }
     }

@@ -494,10 +494,18 @@ impl Sources {
             }
         }
         for (d, at) in &self.pool.buffer {
-            if let Some(job) = job_of(d) {
+            if let Some(job) = self.active_job_of(d) {
                 note(out, job, *at);
             }
         }
+    }
+
+    /// The active job a delivery says it belongs to ([`job_of`]); `None`
+    /// for a job the store does not list active, so that a forged message
+    /// id never has the worker's beat write under a job that does not run
+    /// (a key nothing would expire).
+    pub fn active_job_of<'a>(&self, d: &'a Delivery) -> Option<&'a str> {
+        job_of(d).filter(|job| self.active.contains_key(*job))
     }
 
     /// Stops every subscription; the deliveries they had sent (and the
@@ -576,8 +584,9 @@ pub fn note(out: &mut BTreeMap<String, Instant>, job: &str, at: Instant) {
 /// The job a delivery says it belongs to: its `x-bf-job` header (retries,
 /// dead letters), else its message id (`<job>/<item>` or
 /// `<job>/<first>+<count>`). Unsigned, so only a hint: it names the job
-/// the worker's beat says it holds deliveries of.
-pub fn job_of(d: &Delivery) -> Option<&str> {
+/// the worker's beat says it holds deliveries of, once checked against the
+/// active jobs ([`Sources::active_job_of`]).
+fn job_of(d: &Delivery) -> Option<&str> {
     d.headers
         .str(JOB_HEADER)
         .or_else(|| d.message_id.split_once('/').map(|(job, _)| job))
@@ -822,5 +831,41 @@ mod tests {
             })
             .collect();
         assert!(moments.len() > 10, "{moments:?}");
+    }
+
+    #[tokio::test]
+    async fn the_beat_names_only_active_jobs_a_waiting_delivery_says_it_belongs_to() {
+        use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
+        let queues = PoolQueues::new("p");
+        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
+        broker.declare(&queues).await.expect("declare");
+        let message = |id: &str| Outgoing {
+            message_id: id.to_owned(),
+            kind: batchfleet_shared::message::MESSAGE_TYPE_V3,
+            body: Vec::new(),
+            headers: Headers::default(),
+            expiration_ms: None,
+        };
+        let ids = ["running-1/3", "forged-9/4+16", "no-job-named"];
+        broker
+            .publish(
+                &queues.work(),
+                ids.iter().map(|id| message(id)).collect(),
+                8,
+            )
+            .await
+            .expect("publish");
+        let mut sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
+            .await
+            .expect("consume");
+        let active: BTreeMap<String, u32> = [("running-1".to_owned(), 2)].into();
+        sources
+            .refresh(&broker, active, |job| queues.job(job), 8)
+            .await;
+        sources.pool.take_sent().await.expect("taken");
+        assert_eq!(sources.pool.buffer.len(), 3);
+        let mut queued = BTreeMap::new();
+        sources.queued(&mut queued);
+        assert_eq!(queued.keys().collect::<Vec<_>>(), ["running-1"]);
     }
 }
