@@ -21,8 +21,12 @@
 //!   every declare, so they exist only here ([`AmqpBroker::declare`]).
 //!
 //! One [`AmqpBroker`] is one connection with a confirm-mode publishing
-//! channel, a consuming channel (opened on first use) and a channel for
-//! `basic.get`; closing it returns every unacknowledged delivery.
+//! channel, a channel for `basic.get`, one for passive declares, and a
+//! channel of its own for each subscription, closed once the subscription
+//! and every delivery it sent are gone: a `basic.consume` that fails (a
+//! queue deleted between a look and the consume answers `NOT_FOUND`, which
+//! closes its channel) ends only that subscription. Closing the broker
+//! returns every unacknowledged delivery.
 
 use super::{
     Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notices, Outgoing, PoolQueues,
@@ -59,7 +63,6 @@ pub struct AmqpBroker {
     conn: Connection,
     url: String,
     publisher: Channel,
-    consuming: OnceCell<Channel>,
     getting: OnceCell<Channel>,
     /// The channel of passive declares, kept open between them: one round
     /// trip per count, a new channel only after a 404 closed the last.
@@ -185,18 +188,9 @@ impl AmqpBroker {
             conn,
             url: url.redacted(),
             publisher,
-            consuming: OnceCell::new(),
             getting: OnceCell::new(),
             inspecting: tokio::sync::Mutex::new(None),
         })
-    }
-
-    async fn consuming(&self) -> Result<&Channel, BrokerError> {
-        self.consuming
-            .get_or_try_init(|| async {
-                self.conn.create_channel().await.map_err(op("channel.open"))
-            })
-            .await
     }
 
     /// A channel for one passive declare or purge: a failed passive declare
@@ -377,7 +371,7 @@ fn from_table(table: Option<&FieldTable>) -> Headers {
     h
 }
 
-fn delivery(d: lapin::message::Delivery) -> Delivery {
+fn delivery(d: lapin::message::Delivery, channel: Option<Arc<Owned>>) -> Delivery {
     let headers = from_table(d.properties.headers().as_ref());
     let message_id = d
         .properties
@@ -390,6 +384,7 @@ fn delivery(d: lapin::message::Delivery) -> Delivery {
     let acker = AmqpAcker {
         acker: d.acker,
         settled: AtomicBool::new(false),
+        _channel: channel,
     };
     Delivery::new(d.data, headers, message_id, tag, Arc::new(acker)).redelivered(redelivered)
 }
@@ -399,6 +394,27 @@ fn delivery(d: lapin::message::Delivery) -> Delivery {
 struct AmqpAcker {
     acker: lapin::Acker,
     settled: AtomicBool,
+    /// The subscription's channel, open while this delivery is unsettled.
+    _channel: Option<Arc<Owned>>,
+}
+
+/// A channel of one subscription, closed when the subscription and the
+/// last delivery it sent are dropped (closing it earlier would return the
+/// deliveries still being worked on).
+struct Owned(Channel);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        if !self.0.status().connected() {
+            return;
+        }
+        let channel = self.0.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = channel.close(200, "done".into()).await;
+            });
+        }
+    }
 }
 
 fn requeue_options() -> BasicNackOptions {
@@ -447,7 +463,7 @@ impl Drop for AmqpAcker {
 }
 
 struct AmqpSubscription {
-    channel: Channel,
+    channel: Arc<Owned>,
     consumer: lapin::Consumer,
     tag: String,
 }
@@ -473,13 +489,14 @@ impl Notices for AmqpNotices {
 impl Subscription for AmqpSubscription {
     async fn next(&mut self) -> Option<Result<Delivery, BrokerError>> {
         match self.consumer.next().await? {
-            Ok(d) => Some(Ok(delivery(d))),
+            Ok(d) => Some(Ok(delivery(d, Some(self.channel.clone())))),
             Err(e) => Some(Err(BrokerError::Closed(e.to_string()))),
         }
     }
     async fn cancel(&mut self) {
         let _ = self
             .channel
+            .0
             .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
             .await;
     }
@@ -594,7 +611,7 @@ impl Broker for AmqpBroker {
     /// default queue type: an exclusive queue cannot be a quorum queue),
     /// bound to the pool's notice exchange and consumed without acks.
     /// On a channel of its own: a refusal (a user without rights on the
-    /// notice exchange) closes that channel, not the one consuming work.
+    /// notice exchange) closes that channel, not those consuming work.
     async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let channel = self.scratch().await?;
@@ -673,20 +690,17 @@ impl Broker for AmqpBroker {
         prefetch: u16,
     ) -> Result<Box<dyn Subscription>, BrokerError> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        // A missing queue is found on the inspection channel: a
-        // `basic.consume` that fails with 404 would close the consuming
-        // channel, and with it every subscription this handle has.
-        if self.inspect(queue).await?.is_none() {
-            return Err(BrokerError::Op {
-                op: format!("basic.consume {queue}"),
-                reason:
-                    "NOT_FOUND - no such queue (not consumed; the other subscriptions carry on)"
-                        .into(),
-            });
-        }
-        let channel = self.consuming().await?.clone();
+        // A channel of its own: a `basic.consume` that fails (404 for a
+        // queue deleted since it was looked at) closes only this one.
+        let channel = Arc::new(Owned(
+            self.conn
+                .create_channel()
+                .await
+                .map_err(op("channel.open"))?,
+        ));
         // Per consumer (not global): each subscription gets `prefetch`.
         channel
+            .0
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(op("basic.qos"))?;
@@ -697,6 +711,7 @@ impl Broker for AmqpBroker {
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
         let consumer = channel
+            .0
             .basic_consume(
                 queue.into(),
                 tag.as_str().into(),
@@ -723,7 +738,7 @@ impl Broker for AmqpBroker {
             .basic_get(queue.into(), BasicGetOptions { no_ack: false })
             .await
             .map_err(op(format!("basic.get {queue}")))?;
-        Ok(got.map(|m| delivery(m.delivery)))
+        Ok(got.map(|m| delivery(m.delivery, None)))
     }
 
     async fn purge(&self, queue: &str) -> Result<u32, BrokerError> {
@@ -762,11 +777,9 @@ impl Broker for AmqpBroker {
     }
 
     async fn close(&self, why: &str) {
-        // Closing the channels returns every unacknowledged delivery at once.
-        for channel in [self.consuming.get(), self.getting.get()]
-            .into_iter()
-            .flatten()
-        {
+        // Closing the connection returns every unacknowledged delivery at
+        // once, the subscriptions' channels' included.
+        if let Some(channel) = self.getting.get() {
             let _ = channel.close(200, why.into()).await;
         }
         if let Some(channel) = self.inspecting.lock().await.take() {

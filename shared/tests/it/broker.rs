@@ -97,6 +97,80 @@ async fn confirmed_publish_counts_only_what_the_broker_stored() {
     broker.close("bye").await;
 }
 
+/// A subscription that cannot start closes only its own channel: the
+/// subscriptions already running on the same handle carry on, and their
+/// deliveries settle. (In a fleet: a job's queue deleted between a look at
+/// it and the consume answers `NOT_FOUND`; here, a queue exclusive to
+/// another connection answers `RESOURCE_LOCKED`, which no look beforehand
+/// can foresee. Both close the channel the consume was sent on.)
+#[tokio::test]
+async fn a_consume_that_fails_ends_no_other_subscription() {
+    use lapin::options::QueueDeclareOptions;
+    let broker = connect(&crate::amqp(), "shared-tests", Duration::from_secs(10))
+        .await
+        .expect("connect");
+    let queues = PoolQueues::new(batchfleet_testkit::services::unique("apart"));
+    broker.declare(&queues).await.expect("declare");
+    broker
+        .publish(
+            &queues.work(),
+            (0..3).map(|i| msg(&format!("m{i}"))).collect(),
+            4,
+        )
+        .await
+        .expect("publish");
+    let mut sub = broker.consume(&queues.work(), 1).await.expect("consume");
+    let first = sub.next().await.expect("a delivery").expect("ok");
+
+    let owner = lapin::Connection::connect(
+        "amqp://127.0.0.1:5672/%2f",
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .expect("a second connection");
+    let locked = format!("{}.locked", queues.work());
+    owner
+        .create_channel()
+        .await
+        .expect("channel")
+        .queue_declare(
+            locked.as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("an exclusive queue");
+    let err = broker
+        .consume(&locked, 1)
+        .await
+        .err()
+        .expect("a queue exclusive to another connection cannot be consumed");
+    assert!(err.to_string().contains("basic.consume"), "{err}");
+
+    // The first subscription's channel is still open: its delivery settles
+    // and the next ones come.
+    first.ack().await.expect("the first delivery settles");
+    for want in [b"m1", b"m2"] {
+        let d = tokio::time::timeout(Duration::from_secs(10), sub.next())
+            .await
+            .expect("the subscription still delivers")
+            .expect("a delivery")
+            .expect("ok");
+        assert_eq!(d.body, want);
+        d.ack().await.expect("ack");
+    }
+    assert!(broker.is_open());
+    sub.cancel().await;
+    drop(sub);
+    let _ = owner.close(200, "bye".into()).await;
+    broker.delete_pool(&queues).await.expect("delete the pool");
+    broker.close("bye").await;
+}
+
 /// Every listener of a pool hears its announcements, on connections of
 /// their own, and no other pool's.
 #[tokio::test]

@@ -1212,9 +1212,9 @@ async fn dlq_replay_checks_each_dead_message_before_signing_it_again() {
 
 /// A job listed among the pool's active jobs whose queue is gone (say, a
 /// retire that deleted the queue but could not take the job off the list)
-/// costs the workers nothing: the missing queue is found on the inspection
-/// channel, never by a `basic.consume` whose 404 would close the channel
-/// every subscription of the worker rides on.
+/// costs the workers nothing: the missing queue is found by a look on the
+/// inspection channel and passed over (and a `basic.consume` that met it
+/// would close only a channel of its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_listed_active_without_its_queue_closes_no_channel() {
     let env = TestEnv::new("noqueue");
