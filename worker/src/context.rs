@@ -521,7 +521,7 @@ impl ItemContext {
             let Ok(_turn) = turn else {
                 continue; // that runner was replaced while we waited; take the new one
             };
-            at_model.store(true, Ordering::SeqCst);
+            signals.reached_model();
             // Tallied as it goes in (rows a timeout throws away count too) and
             // sent with this worker's next commit of the job, or when an item
             // ends otherwise: never a Redis round trip under the gate.

@@ -4,12 +4,17 @@
 //!
 //! An item started by the start script has its lease from the start; an
 //! item started without it ([`LeaseGuard::lazy`], a first delivery checked
-//! against the job's facts) gets one only at its first heartbeat, dated
-//! back to when the worker took it: an item shorter than a heartbeat —
-//! most items — costs no lease write and no lease drop. Until then the
-//! broker holds the item for it (the delivery is unacknowledged), and the
-//! coordinator takes an item for lost only after `orphan_grace`, several
-//! heartbeats.
+//! against the job's facts) gets one only at its first heartbeat after its
+//! first turn at the model, dated back to that turn: an item that spends
+//! less than a heartbeat at the model — most items — costs no lease write
+//! and no lease drop, however long it waited for its turn (a bundle's
+//! items behind each other, say). Until then the broker holds the item for
+//! it (the delivery is unacknowledged); while it waits for the model its
+//! worker's beat says it holds work of the job waiting (the queued field,
+//! [`WaitHold`]); and the coordinator takes an item for lost only after
+//! `orphan_grace`, several heartbeats. A lease is what counts a crash
+//! against an item, so a worker that dies counts one against the item at
+//! its model, not against those waiting behind it.
 //!
 //! A lease is written once, not at every heartbeat: the worker's beat
 //! ([`Beats`]) keeps all its leases on a job live with one write per
@@ -49,6 +54,11 @@ pub struct Beats {
     jobs: Mutex<HashMap<String, usize>>,
     /// Job → when the oldest of its deliveries waiting to start came.
     queued: Mutex<BTreeMap<String, Instant>>,
+    /// Job → its items started here that wait for their first turn at the
+    /// model, each (by a number of its own) with when it started.
+    waiting: Mutex<HashMap<String, BTreeMap<u64, Instant>>>,
+    /// The number of the next waiting item.
+    next_wait: std::sync::atomic::AtomicU64,
 }
 
 impl Beats {
@@ -59,6 +69,8 @@ impl Beats {
             holder: batchfleet_shared::store::holder(worker, &batchfleet_shared::store::boot_id()),
             jobs: Mutex::default(),
             queued: Mutex::default(),
+            waiting: Mutex::default(),
+            next_wait: std::sync::atomic::AtomicU64::new(0),
         });
         tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
         beats
@@ -78,6 +90,24 @@ impl Beats {
         }
     }
 
+    /// Counts an item of `job` started without a lease as waiting for the
+    /// model until the hold is dropped: the worker's beat names the job
+    /// with its queued field once the item has waited half a heartbeat.
+    pub fn wait(self: &Arc<Self>, job: &str) -> WaitHold {
+        let n = self.next_wait.fetch_add(1, Ordering::Relaxed);
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(job.to_owned())
+            .or_default()
+            .insert(n, Instant::now());
+        WaitHold {
+            beats: self.clone(),
+            job: job.to_owned(),
+            n,
+        }
+    }
+
     /// The jobs the worker holds deliveries of that wait to start, each
     /// with when the oldest came (replacing what was said before).
     pub fn set_queued(&self, queued: BTreeMap<String, Instant>) {
@@ -94,15 +124,52 @@ impl Beats {
                 .or_default()
                 .push(self.holder.clone());
         }
+        let mut oldest: BTreeMap<&str, Instant> = BTreeMap::new();
         let queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
         for (job, since) in queued.iter() {
+            oldest.insert(job, *since);
+        }
+        let waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        for (job, items) in waiting.iter() {
+            if let Some(since) = items.values().min() {
+                let at = oldest.entry(job).or_insert(*since);
+                *at = (*at).min(*since);
+            }
+        }
+        for (job, since) in oldest {
             if since.elapsed() >= waited {
-                due.entry(job.clone())
+                due.entry(job.to_owned())
                     .or_default()
                     .push(batchfleet_shared::store::queued_field(&self.holder));
             }
         }
         due
+    }
+}
+
+/// An item's share of its worker's waiting beat, while it waits for its
+/// first turn at the model with no lease ([`Beats::wait`]).
+pub struct WaitHold {
+    beats: Arc<Beats>,
+    job: String,
+    n: u64,
+}
+
+impl std::fmt::Debug for WaitHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitHold").field("job", &self.job).finish()
+    }
+}
+
+impl Drop for WaitHold {
+    fn drop(&mut self) {
+        let mut waiting = self.beats.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(items) = waiting.get_mut(&self.job) {
+            items.remove(&self.n);
+            if items.is_empty() {
+                waiting.remove(&self.job);
+            }
+        }
     }
 }
 
@@ -196,11 +263,16 @@ impl LeaseGuard {
         Self::with(item, lease, signals, held, ctx)
     }
 
-    /// An item started without a lease: the first heartbeat writes it
-    /// (unless the item is settled by then, as most are).
+    /// An item started without a lease: the first heartbeat after its
+    /// first turn at the model writes it (unless the item is settled by
+    /// then, as most are); until that turn it counts as waiting in its
+    /// worker's beat.
     pub fn lazy(item: &WorkItem, attempt: u32, held: Arc<Held>, ctx: Arc<ItemContext>) -> Self {
         let lease = lease_for(item, attempt, &ctx, 0);
-        Self::with(item, lease, Arc::default(), held, ctx)
+        let signals = Arc::new(Signals::default());
+        *signals.waiting.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(ctx.beats.wait(&item.job_id));
+        Self::with(item, lease, signals, held, ctx)
     }
 
     fn with(
@@ -230,6 +302,7 @@ impl LeaseGuard {
     /// Stops the heartbeat, and ends the lease as `end` says.
     pub async fn finish(mut self, end: LeaseEnd) {
         self.signals.stop.cancel();
+        self.signals.stop_waiting();
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
@@ -260,6 +333,7 @@ impl Drop for LeaseGuard {
     /// stops and the lease is dropped, so the item is not held by nobody.
     fn drop(&mut self) {
         self.signals.stop.cancel();
+        self.signals.stop_waiting();
         if self.released || !self.signals.leased.load(Ordering::SeqCst) {
             return;
         }
@@ -341,6 +415,12 @@ async fn heartbeat_loop(
                 signals.waited_too_long.cancel();
             }
         }
+        if hold.is_none() && !signals.at_model.load(Ordering::SeqCst) {
+            // Started without a lease and still waiting for the model: the
+            // worker's beat names its job as holding work waiting; a lease
+            // now would only be written and dropped again.
+            continue;
+        }
         lease.rows_done = signals.rows_done.load(Ordering::Relaxed);
         lease.rows_resumed = signals.rows_resumed.load(Ordering::Relaxed);
         let says = (
@@ -363,7 +443,14 @@ async fn heartbeat_loop(
             }
             continue;
         }
-        let held_ms = started.elapsed().as_millis() as u64;
+        // A lease written now for the first time is dated from the item's
+        // first turn at the model (for one written by the start script,
+        // this is ignored).
+        let held_ms = signals
+            .turn
+            .get()
+            .map_or_else(|| started.elapsed(), Instant::elapsed)
+            .as_millis() as u64;
         match ctx.store.heartbeat(&job, &lease, held_ms).await {
             // A long item's model rows are counted a heartbeat late at
             // most, not at its commit: a worker killed mid-item leaves its
@@ -399,5 +486,66 @@ async fn heartbeat_loop(
             },
             Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchfleet_shared::store::queued_field;
+
+    fn beats() -> Arc<Beats> {
+        Arc::new(Beats {
+            holder: "w1/boot".into(),
+            jobs: Mutex::default(),
+            queued: Mutex::default(),
+            waiting: Mutex::default(),
+            next_wait: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    #[test]
+    fn an_item_waiting_for_the_model_beats_its_job_as_queued_until_its_turn() {
+        let beats = beats();
+        let signals = Signals::default();
+        *signals.waiting.lock().unwrap() = Some(beats.wait("j1"));
+        let other = beats.wait("j2");
+        let due = beats.due(Duration::ZERO);
+        assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
+        assert_eq!(due["j2"], vec![queued_field("w1/boot")]);
+        assert!(
+            beats.due(Duration::from_secs(60)).is_empty(),
+            "not named before it has waited long enough"
+        );
+        signals.reached_model();
+        assert!(signals.turn.get().is_some());
+        let due = beats.due(Duration::ZERO);
+        assert!(!due.contains_key("j1"), "at the model: no longer waiting");
+        drop(other);
+        assert!(beats.due(Duration::ZERO).is_empty());
+    }
+
+    #[test]
+    fn a_job_with_deliveries_queued_and_items_waiting_is_named_once() {
+        let beats = beats();
+        let long_ago = Instant::now() - Duration::from_secs(10);
+        beats.set_queued(BTreeMap::from([("j1".to_owned(), Instant::now())]));
+        let _first = beats.wait("j1");
+        // The oldest of the two counts.
+        beats
+            .waiting
+            .lock()
+            .unwrap()
+            .get_mut("j1")
+            .unwrap()
+            .insert(99, long_ago);
+        let due = beats.due(Duration::from_secs(5));
+        assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
+        let _lease = beats.hold("j1");
+        let due = beats.due(Duration::from_secs(5));
+        assert_eq!(
+            due["j1"],
+            vec!["w1/boot".to_owned(), queued_field("w1/boot")]
+        );
     }
 }

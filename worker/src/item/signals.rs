@@ -3,7 +3,10 @@
 //! (done elsewhere, job cancelled, a first turn at the model that took too
 //! long).
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use super::lease::WaitHold;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// What an item's handler and its heartbeat share.
@@ -24,6 +27,13 @@ pub struct Signals {
     /// Set once the item had its first turn at the model. Only such an item
     /// is acknowledged early, so unacknowledged items never exceed the prefetch in force.
     pub at_model: AtomicBool,
+    /// When the item had its first turn at the model: a lease written
+    /// lazily is dated from it.
+    pub turn: OnceLock<Instant>,
+    /// While an item started without a lease waits for its first turn at
+    /// the model, its worker's beat says it holds work of the job waiting
+    /// ([`WaitHold`]); dropped at the turn.
+    pub waiting: Mutex<Option<WaitHold>>,
     /// Set once the item's lease is in Redis: written by the start script,
     /// or by the first heartbeat of an item started without one. An item
     /// settled before that has no lease to drop.
@@ -33,4 +43,25 @@ pub struct Signals {
     pub lease_committed: AtomicBool,
     /// Cancelled to stop the heartbeat.
     pub(crate) stop: CancellationToken,
+}
+
+impl Signals {
+    /// The item's first turn at the model (and any later one): it no
+    /// longer waits, and from now on a heartbeat may lease it.
+    pub fn reached_model(&self) {
+        if !self.at_model.swap(true, Ordering::SeqCst) {
+            let _ = self.turn.set(Instant::now());
+            self.stop_waiting();
+        }
+    }
+
+    /// Ends the item's share of its worker's waiting beat.
+    pub fn stop_waiting(&self) {
+        drop(
+            self.waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
+    }
 }

@@ -108,22 +108,25 @@ async fn run_without_copies(
     (id, report)
 }
 
-/// A delivery that waits in a worker behind a long item, while its job
-/// commits nothing, is named by the worker's beat (its queued field): the
-/// coordinator does not take it for lost, however long it waits.
+/// Deliveries that wait in a worker behind a long item, while their job
+/// commits nothing, are named by the worker's beat (its queued field): the
+/// coordinator does not take them for lost, however long they wait —
+/// neither one the worker has not started (in its buffer) nor one it has
+/// started that waits for its turn at the model (not leased until then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_waiting_behind_a_long_item_is_not_taken_for_lost() {
+async fn deliveries_waiting_behind_a_long_item_are_not_taken_for_lost() {
     let env = TestEnv::new("bundle-queued");
-    // Two items of one mini-batch each, 3 s per mini-batch; the worker
-    // works on one and holds the other (its job queue's prefetch is 2):
-    // the queue reads empty at once, the job commits nothing for 3 s, and
-    // the lost-message grace is 1 s.
-    let manifest = job_in(&env, "job", 10, 5);
+    // Three items of one mini-batch each, 3 s per mini-batch, on a worker
+    // with two permits and one model thread: one item at the model, one
+    // started and waiting for it, one in the buffer (its job queue's
+    // prefetch is 3). The queue reads empty at once, the job commits
+    // nothing for 3 s at a time, and the lost-message grace is 1 s.
+    let manifest = job_in(&env, "job", 15, 5);
     let flags = [
         "--prefetch",
-        "1",
+        "2",
         "--prefetch-max",
-        "1",
+        "2",
         "--debug-batch-delay",
         "3s",
         "--heartbeat",
@@ -133,7 +136,7 @@ async fn a_delivery_waiting_behind_a_long_item_is_not_taken_for_lost() {
     ];
     let mut workers = env.workers(Backend::Fleet, &[&flags]).await;
     let (id, report) = run_without_copies(&env, &workers, &manifest).await;
-    assert_eq!(report.items_total, 2, "{report:?}");
+    assert_eq!(report.items_total, 3, "{report:?}");
     workers.stop();
     env.cleanup(&[&id]).await;
 }
@@ -179,14 +182,18 @@ async fn tap_redis(
     (stop, task)
 }
 
-/// A lease is written once, not at every heartbeat: the items of the
-/// bundles a busy worker holds outlive many heartbeats while they wait
-/// for the model, and the worker's one beat per job keeps all their leases
-/// live. The leases' ttl is shorter than the wait, so without the beat
-/// they would go stale and be counted as crashes; written at every heartbeat, they
-/// would cost about 13 writes an item here.
+/// An item waiting for the model is not leased: the items of the bundles
+/// a busy worker holds wait many heartbeats for their turn, and the
+/// worker's one beat per job (its queued field) says it holds them, so
+/// none is taken for lost; a lease is written only for an item still at
+/// the model at one of its heartbeats, and kept live by the same beat. The
+/// leases' ttl is shorter than the wait, so a lease written while an item
+/// waited and not kept live would go stale and be counted as a crash.
+/// Leased from the first heartbeat whatever they were doing, nearly every
+/// item here would be (about 256 writes); written at every heartbeat,
+/// about 13 an item.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_items_are_leased_once_and_kept_live_by_the_worker_s_beat() {
+async fn items_waiting_for_the_model_are_not_leased_and_the_worker_s_beat_holds_them() {
     let env = TestEnv::new("bundle-beat");
     // 256 items of 5 rows (64 bundles of 4), 50 ms each; one worker holds
     // 17 bundles (68 items, 3.4 s of work) at a time; heartbeat 200 ms,
@@ -213,8 +220,14 @@ async fn held_items_are_leased_once_and_kept_live_by_the_worker_s_beat() {
     let writes = counts.get("HSET :leases").copied().unwrap_or(0);
     let beats = counts.get("HSET :beats").copied().unwrap_or(0);
     assert!(beats > 0, "the worker beat on the job: {counts:?}");
+    eprintln!(
+        "lease writes: {writes} for {} items; beats: {beats}",
+        report.items_total
+    );
+    // Each item spends 50 ms of its 200 ms heartbeat period at the model:
+    // about a quarter meet a heartbeat there.
     assert!(
-        writes <= report.items_total,
+        writes <= report.items_total / 2,
         "{writes} lease writes for {} items: {counts:?}",
         report.items_total
     );
