@@ -4,11 +4,11 @@
 //!
 //! An item started by the start script has its lease from the start; an
 //! item started without it ([`LeaseGuard::lazy`], a first delivery checked
-//! against the job's facts) gets one only at its first heartbeat after its
-//! first turn at the model, dated back to that turn: an item that spends
-//! less than a heartbeat at the model — most items — costs no lease write
-//! and no lease drop, however long it waited for its turn (a bundle's
-//! items behind each other, say). Until then the broker holds the item for
+//! against the job's facts) gets one only once it is a heartbeat past its
+//! first turn at the model (at its next heartbeat), dated back to that
+//! turn: an item that takes less than a heartbeat from its turn to its
+//! commit — most items — costs no lease write and no lease drop, however
+//! long it waited for its turn (a bundle's items behind each other, say). Until then the broker holds the item for
 //! it (the delivery is unacknowledged); while it waits for the model its
 //! worker's beat says it holds work of the job waiting (the queued field,
 //! [`WaitHold`]); and the coordinator takes an item for lost only after
@@ -263,10 +263,10 @@ impl LeaseGuard {
         Self::with(item, lease, signals, held, ctx)
     }
 
-    /// An item started without a lease: the first heartbeat after its
-    /// first turn at the model writes it (unless the item is settled by
-    /// then, as most are); until that turn it counts as waiting in its
-    /// worker's beat.
+    /// An item started without a lease: the first heartbeat a heartbeat
+    /// or more past its first turn at the model writes it (unless the item
+    /// is settled by then, as most are); until that turn it counts as
+    /// waiting in its worker's beat.
     pub fn lazy(item: &WorkItem, attempt: u32, held: Arc<Held>, ctx: Arc<ItemContext>) -> Self {
         let lease = lease_for(item, attempt, &ctx, 0);
         let signals = Arc::new(Signals::default());
@@ -415,10 +415,18 @@ async fn heartbeat_loop(
                 signals.waited_too_long.cancel();
             }
         }
-        if hold.is_none() && !signals.at_model.load(Ordering::SeqCst) {
-            // Started without a lease and still waiting for the model: the
-            // worker's beat names its job as holding work waiting; a lease
-            // now would only be written and dropped again.
+        // Started without a lease, and not a heartbeat past its first turn
+        // at the model: still waiting for it (the worker's beat names its
+        // job as holding work waiting), or through it and on its way to
+        // its commit; a lease now would only be written and dropped again.
+        // (One acknowledged early is held by its lease alone: written now.)
+        let unleased = hold.is_none() && !lease.acked;
+        if unleased
+            && signals
+                .turn
+                .get()
+                .is_none_or(|t| t.elapsed() < ctx.tuning.heartbeat)
+        {
             continue;
         }
         lease.rows_done = signals.rows_done.load(Ordering::Relaxed);

@@ -185,8 +185,9 @@ async fn tap_redis(
 /// An item waiting for the model is not leased: the items of the bundles
 /// a busy worker holds wait many heartbeats for their turn, and the
 /// worker's one beat per job (its queued field) says it holds them, so
-/// none is taken for lost; a lease is written only for an item still at
-/// the model at one of its heartbeats, and kept live by the same beat. The
+/// none is taken for lost; a lease is written only for an item still
+/// unsettled a heartbeat after its turn at the model, and kept live by the
+/// same beat. The
 /// leases' ttl is shorter than the wait, so a lease written while an item
 /// waited and not kept live would go stale and be counted as a crash.
 /// Leased from the first heartbeat whatever they were doing, nearly every
@@ -224,10 +225,10 @@ async fn items_waiting_for_the_model_are_not_leased_and_the_worker_s_beat_holds_
         "lease writes: {writes} for {} items; beats: {beats}",
         report.items_total
     );
-    // Each item spends 50 ms of its 200 ms heartbeat period at the model:
-    // about a quarter meet a heartbeat there.
+    // Each item spends 50 ms at the model and is committed moments later:
+    // few are still unsettled 200 ms after their turn.
     assert!(
-        writes <= report.items_total / 2,
+        writes <= report.items_total / 4,
         "{writes} lease writes for {} items: {counts:?}",
         report.items_total
     );
