@@ -116,7 +116,8 @@ pub fn load(path: &Path, data_roots: &[PathBuf]) -> Result<JobSpec, ManifestErro
 /// as `section.key=value` where the value is TOML (`10`, `true`,
 /// `'["a", "b"]'`) or, if it does not parse as TOML, a string. The
 /// overrides are part of the job: they go into its id like any manifest
-/// value, and the job record keeps them.
+/// value, and the job record keeps them — but for a webhook URL, which it
+/// keeps by its origin only ([`stored_override`]).
 pub fn load_with(
     path: &Path,
     data_roots: &[PathBuf],
@@ -159,11 +160,25 @@ pub fn load_trying(
         )
     };
     let mut table: toml::Table = toml::from_str(&text).map_err(syntax)?;
+    // A webhook given with `--set` was stored by its origin only: a later
+    // load (a follower, `supervise`, `resume`) leaves it out rather than
+    // post to the origin.
+    let given = overrides;
+    let overrides: Vec<String> = given
+        .iter()
+        .filter(|o| !is_stored_webhook(o))
+        .cloned()
+        .collect();
+    if overrides.len() < given.len() {
+        tracing::warn!(
+            "the webhook given with --set when the job was run is not stored (its path or query may hold a token): the manifest's own [on_complete] webhook applies here, if it has one"
+        );
+    }
     let manifest: Manifest = if overrides.is_empty() {
         // From the text, so that an error names its line.
         toml::from_str(&text).map_err(syntax)?
     } else {
-        for o in overrides {
+        for o in &overrides {
             apply_override(&mut table, o).map_err(|m| fail(&format!("--set {o}"), m))?;
         }
         Manifest::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
@@ -189,7 +204,7 @@ pub fn load_trying(
     }
     .map_err(|e| fail("data roots", e.to_string()))?;
     let mut spec = validate(&manifest, &base, path, &roots, trial)?;
-    spec.overrides = overrides.to_vec();
+    spec.overrides = given.iter().map(|o| stored_override(o)).collect();
     spec.resolved_manifest = toml::to_string(&shown(table)).unwrap_or_default();
     Ok(spec)
 }
@@ -203,9 +218,46 @@ fn shown(mut table: toml::Table) -> toml::Table {
         .and_then(toml::Value::as_table_mut)
         .and_then(|t| t.get_mut("webhook"))
     {
-        *url = format!("{}/…", crate::hooks::origin(url));
+        *url = format!("{}{SHOWN_URL_END}", crate::hooks::origin(url));
     }
     table
+}
+
+/// Whether a `--set` key is `on_complete.webhook`.
+fn is_webhook_key(key: &str) -> bool {
+    let path: Vec<&str> = key.split('.').map(str::trim).collect();
+    path == ["on_complete", "webhook"]
+}
+
+/// How a stored webhook URL ends: [`shown`]'s mark, which no URL has (it
+/// would be percent-encoded).
+const SHOWN_URL_END: &str = "/…";
+
+/// An override as the job record and `summary.json` keep it: a webhook URL
+/// by its origin only (as [`shown`] keeps the manifest's), since its path
+/// or query may carry a token.
+fn stored_override(o: &str) -> String {
+    match o.split_once('=') {
+        Some((key, value)) if is_webhook_key(key) => {
+            let url = value.trim().trim_matches(|c| c == '"' || c == '\'');
+            format!(
+                "on_complete.webhook={}{SHOWN_URL_END}",
+                crate::hooks::origin(url.trim_end_matches(SHOWN_URL_END))
+            )
+        }
+        _ => o.to_owned(),
+    }
+}
+
+/// Whether an override is a webhook as [`stored_override`] kept it.
+fn is_stored_webhook(o: &str) -> bool {
+    o.split_once('=').is_some_and(|(key, value)| {
+        is_webhook_key(key)
+            && value
+                .trim()
+                .trim_matches(|c| c == '"' || c == '\'')
+                .ends_with(SHOWN_URL_END)
+    })
 }
 
 /// Applies one `--set section.key=value` to the manifest's table: the
@@ -552,6 +604,45 @@ mod tests {
             .webhook
             .as_ref()
             .is_some_and(|u| u.expose().ends_with("s3cr3tpath")));
+    }
+
+    #[test]
+    fn a_webhook_given_with_set_is_stored_by_its_origin_and_left_out_when_loaded_again() {
+        let fx = Fixture::new();
+        let secret = "https://hooks.example.com/services/T0/B1/s3cr3tpath";
+        for given in [
+            format!("on_complete.webhook={secret}"),
+            format!("on_complete.webhook=\"{secret}\""),
+            format!(" on_complete . webhook = '{secret}'"),
+        ] {
+            let spec = fx
+                .load_with(GOOD, &[given.as_str(), "batching.item_rows=50"])
+                .unwrap();
+            // The hook has the whole URL; nothing stored or shown does.
+            assert!(spec
+                .on_complete
+                .webhook
+                .as_ref()
+                .is_some_and(|u| u.expose().ends_with("B1/s3cr3tpath")));
+            assert_eq!(
+                spec.overrides,
+                [
+                    "on_complete.webhook=https://hooks.example.com/…",
+                    "batching.item_rows=50"
+                ],
+                "{given}"
+            );
+            assert!(!spec.resolved_manifest.contains("s3cr3t"));
+            // Loaded again from what was stored (a follower, resume): the
+            // same job, the other overrides applied, the webhook left out
+            // (the manifest has none) rather than posted to the origin.
+            let stored: Vec<&str> = spec.overrides.iter().map(String::as_str).collect();
+            let again = fx.load_with(GOOD, &stored).unwrap();
+            assert_eq!(again.job_id, spec.job_id);
+            assert_eq!(again.sizing, ItemSizing::Rows(50));
+            assert!(again.on_complete.webhook.is_none());
+            assert_eq!(again.overrides, spec.overrides);
+        }
     }
 
     #[test]

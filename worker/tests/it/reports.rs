@@ -13,9 +13,13 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// A request the webhook server got: its path, `Authorization` and body.
+type Posted = (String, String, String);
+
 /// A one-route HTTP server on a free port: answers the first request 503 and
-/// the next 200; sends each request body down the channel.
-fn webhook_server() -> (u16, mpsc::Receiver<(String, String)>) {
+/// the next 200; sends each request's path, authorization and body down the
+/// channel.
+fn webhook_server() -> (u16, mpsc::Receiver<Posted>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port();
     let (tx, rx) = mpsc::channel();
@@ -25,6 +29,10 @@ fn webhook_server() -> (u16, mpsc::Receiver<(String, String)>) {
             let mut reader = BufReader::new(stream.try_clone().expect("clone"));
             let mut len = 0;
             let mut auth = String::new();
+            let mut target = String::new();
+            let _ = reader.read_line(&mut target);
+            // POST /path HTTP/1.1
+            let path = target.split(' ').nth(1).unwrap_or("").to_owned();
             loop {
                 let mut line = String::new();
                 if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
@@ -50,7 +58,7 @@ fn webhook_server() -> (u16, mpsc::Receiver<(String, String)>) {
                 stream,
                 "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
             );
-            let _ = tx.send((auth, String::from_utf8_lossy(&body).into_owned()));
+            let _ = tx.send((path, auth, String::from_utf8_lossy(&body).into_owned()));
         }
     });
     (port, rx)
@@ -150,10 +158,10 @@ async fn summary_distribution_compare_hooks_and_job_list() {
             .trim(),
         format!("completed {job_a}")
     );
-    let (auth1, _) = bodies
+    let (_, auth1, _) = bodies
         .recv_timeout(std::time::Duration::from_secs(5))
         .expect("first POST");
-    let (auth2, body) = bodies
+    let (_, auth2, body) = bodies
         .recv_timeout(std::time::Duration::from_secs(5))
         .expect("second POST");
     assert_eq!(
@@ -342,4 +350,94 @@ fn walk(root: &Path) -> Vec<PathBuf> {
         i += 1;
     }
     out
+}
+
+/// Every value Redis holds under `prefix`, each key with its values, as text.
+async fn everything_under(env: &TestEnv, prefix: &str) -> Vec<(String, String)> {
+    let mut c = redis::Client::open(env.redis.url.expose())
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut c)
+        .await
+        .expect("KEYS");
+    let mut out = Vec::new();
+    for key in keys {
+        let kind: String = redis::cmd("TYPE")
+            .arg(&key)
+            .query_async(&mut c)
+            .await
+            .expect("TYPE");
+        let (cmd, args): (&str, &[&str]) = match kind.as_str() {
+            "string" => ("GET", &[]),
+            "hash" => ("HGETALL", &[]),
+            "set" => ("SMEMBERS", &[]),
+            "list" => ("LRANGE", &["0", "-1"]),
+            "zset" => ("ZRANGE", &["0", "-1", "WITHSCORES"]),
+            _ => continue,
+        };
+        let values: redis::Value = redis::cmd(cmd)
+            .arg(&key)
+            .arg(args)
+            .query_async(&mut c)
+            .await
+            .expect("read");
+        out.push((key, format!("{values:?}")));
+    }
+    out
+}
+
+/// A webhook URL given with `--set` may carry a token in its path: the
+/// hook posts to the whole URL, and neither the job record in Redis nor
+/// `summary.json` keeps more than its origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_given_with_set_is_posted_to_and_stored_nowhere() {
+    let env = TestEnv::new("hookset");
+    let manifest = generate(&env, &env.path().join("a"), 9);
+    let (port, posts) = webhook_server();
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let mut cfg = env.run_config();
+    cfg.connections.hooks = batchfleet_coordinator::hooks::HookPolicy {
+        allow_http: true,
+        ..Default::default()
+    };
+    cfg.overrides = vec![format!(
+        "on_complete.webhook=http://127.0.0.1:{port}/hooks/s3cr3t-path"
+    )];
+    let outcome = run_job(&cfg, &manifest, CancellationToken::new())
+        .await
+        .expect("job ran");
+    let RunOutcome::Completed {
+        job_id, summary, ..
+    } = outcome
+    else {
+        panic!("expected a completed job, got {outcome:?}");
+    };
+    // Posted to the whole URL: refused once, then delivered.
+    for _ in 0..2 {
+        let (path, _, _) = posts
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("a POST");
+        assert_eq!(path, "/hooks/s3cr3t-path");
+    }
+    let text = std::fs::read_to_string(&summary).expect("summary");
+    assert!(!text.contains("s3cr3t"), "{text}");
+    assert!(
+        text.contains(&format!("on_complete.webhook=http://127.0.0.1:{port}/…")),
+        "the override is kept by its origin: {text}"
+    );
+    let stored = everything_under(&env, &env.prefix).await;
+    assert!(
+        stored.iter().any(|(key, _)| key.contains(&job_id)),
+        "the job's keys are read: {stored:?}"
+    );
+    for (key, values) in &stored {
+        assert!(!values.contains("s3cr3t"), "{key}: {values}");
+    }
+    crate::support::stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
 }
