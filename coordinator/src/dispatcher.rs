@@ -299,3 +299,96 @@ fn summary_job_id(path: &Path) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v.get("job_id")?.as_str().map(str::to_owned)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchfleet_shared::endpoint::Endpoint;
+    use batchfleet_shared::secret::SecretUrl;
+    use batchfleet_testkit::services::{
+        amqp, delete_redis_prefix, ensure_local, redis_cli, unique,
+    };
+    use std::time::Duration;
+
+    async fn store(url: &str, prefix: &str) -> Store {
+        Store::connect(
+            &Endpoint::redis(SecretUrl::new(url)),
+            prefix,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("redis")
+    }
+
+    /// A job that cannot be taken off its pool's active jobs keeps its
+    /// queue: workers consume the queues of the jobs listed active, and a
+    /// listed job without its queue would only send them looking for it.
+    /// Here Redis refuses the `HDEL` (a user whose ACL denies it); a retire
+    /// that can take the job off the list then deletes the queue.
+    #[tokio::test]
+    async fn retire_job_deletes_a_queue_only_once_its_job_is_off_the_list() {
+        ensure_local().expect("RabbitMQ and Redis available");
+        let pool = unique("retire");
+        let prefix = unique("bftest-retire");
+        let user = unique("bf-no-hdel");
+        let job = "job-00000000";
+        redis_cli(&[
+            "ACL",
+            "SETUSER",
+            &user,
+            "on",
+            ">pw-retire",
+            "~*",
+            "&*",
+            "+@all",
+            "-hdel",
+        ])
+        .expect("ACL SETUSER");
+        let full = store("redis://127.0.0.1:6379", &prefix).await;
+        let limited = store(&format!("redis://{user}:pw-retire@127.0.0.1:6379"), &prefix).await;
+        let broker =
+            batchfleet_shared::broker::connect(&amqp(), "retire-test", Duration::from_secs(10))
+                .await
+                .expect("rabbitmq");
+        let queues = PoolQueues::new(&pool);
+        broker.declare(&queues).await.expect("declare");
+        broker
+            .declare_job(&queues, job)
+            .await
+            .expect("declare the job's queue");
+        full.activate_job(&pool, job, 1).await.expect("listed");
+
+        retire_job(&limited, &*broker, &pool, job).await;
+        assert!(
+            full.active_jobs(&pool)
+                .await
+                .expect("list")
+                .contains_key(job),
+            "the HDEL was refused: still listed"
+        );
+        assert!(
+            broker
+                .ready_count(&queues.job(job))
+                .await
+                .expect("count")
+                .is_some(),
+            "a job still listed keeps its queue"
+        );
+
+        retire_job(&full, &*broker, &pool, job).await;
+        assert!(!full
+            .active_jobs(&pool)
+            .await
+            .expect("list")
+            .contains_key(job));
+        assert_eq!(
+            broker.ready_count(&queues.job(job)).await.expect("count"),
+            None,
+            "off the list, its queue is deleted"
+        );
+        let _ = redis_cli(&["ACL", "DELUSER", &user]);
+        let _ = broker.delete_pool(&queues).await;
+        broker.close("bye").await;
+        delete_redis_prefix(&prefix);
+    }
+}
