@@ -588,6 +588,19 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// to start.
     async fn beat(&self, job: &str, fields: &[String]) -> Result<(), StoreError>;
 
+    /// [`JobStore::beat`] on several jobs (job, fields) at once: on one
+    /// Redis server in one request, whatever their number. Each job is
+    /// beaten whatever the others did; the first error is returned.
+    async fn beat_jobs(&self, beats: &[(String, Vec<String>)]) -> Result<(), StoreError> {
+        let mut first = None;
+        for (job, fields) in beats {
+            if let Err(e) = self.beat(job, fields).await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     /// The job's beats: field → last beat (ms, Redis's clock).
     async fn beats(&self, job: &str) -> Result<BTreeMap<String, u64>, StoreError>;
 

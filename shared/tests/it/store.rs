@@ -1040,6 +1040,45 @@ async fn a_lease_written_once_lives_while_its_holder_beats(store: Store) {
         beats.values().all(|at| *at > started[1] && *at <= now),
         "stamped with the store's clock: {beats:?}"
     );
+    // Several jobs' beats at once (one request on one server): each job
+    // gets its own fields, and a job with none is left alone.
+    let others = [
+        ("b-other".to_owned(), vec![me.clone()]),
+        ("b-none".to_owned(), Vec::new()),
+        (
+            "b-queued".to_owned(),
+            vec![batchfleet_shared::store::queued_field(&me)],
+        ),
+    ];
+    store.beat_jobs(&others).await.expect("beats");
+    assert_eq!(
+        store
+            .beats("b-other")
+            .await
+            .expect("beats")
+            .keys()
+            .collect::<Vec<_>>(),
+        [&me]
+    );
+    assert!(store.beats("b-none").await.expect("beats").is_empty());
+    assert_eq!(
+        store
+            .beats("b-queued")
+            .await
+            .expect("beats")
+            .keys()
+            .collect::<Vec<_>>(),
+        [&fields[1]]
+    );
+    assert!(
+        store
+            .beats("b-other")
+            .await
+            .expect("beats")
+            .values()
+            .all(|at| *at >= now),
+        "stamped with the store's clock"
+    );
     let leases = store.leases("b").await.expect("leases");
     let live: Vec<u32> = leases
         .iter()

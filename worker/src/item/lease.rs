@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The jobs this worker holds leased items of, each beaten once per
-/// heartbeat ([`Store::beat`]) while it holds any; and the jobs it holds
+/// heartbeat ([`Store::beat_jobs`]: all in one request) while it holds any; and the jobs it holds
 /// deliveries of that have waited half a heartbeat or more to start, beaten
 /// with its [`queued_field`](batchfleet_shared::store::queued_field) so
 /// that the coordinator takes none of their items for lost.
@@ -205,12 +205,11 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
         let Some(b) = beats.upgrade() else { return };
         // Deliveries waiting half a heartbeat: the beat names them within
         // one and a half.
-        let due = b.due(every / 2);
+        let due: Vec<(String, Vec<String>)> = b.due(every / 2).into_iter().collect();
         drop(b);
-        for (job, fields) in due {
-            if let Err(e) = store.beat(&job, &fields).await {
-                tracing::warn!(%job, error = %e, "beat failed; the leases of this worker's items of the job age");
-            }
+        // Every job in one request (one script call on one Redis server).
+        if let Err(e) = store.beat_jobs(&due).await {
+            tracing::warn!(jobs = due.len(), error = %e, "beat failed; the leases of this worker's items age");
         }
     }
 }

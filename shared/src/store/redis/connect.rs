@@ -285,6 +285,11 @@ pub(super) struct Connections {
 }
 
 impl Connections {
+    /// Whether this is a Redis Cluster (a script reaches one slot only).
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.source, Source::Cluster(_))
+    }
+
     /// Connects and checks the server answers `PING` within `timeout`. A
     /// `rediss://` URL connects with TLS, trusting the endpoint's CA file
     /// (or, without one, the system's roots), and presenting its client

@@ -572,17 +572,34 @@ impl JobStore for RedisStore {
 
     /// [`beat_script`](scripts::beat_script).
     async fn beat(&self, job: &str, fields: &[String]) -> Result<(), StoreError> {
-        if fields.is_empty() {
-            return Ok(());
-        }
+        self.beat_jobs(&[(job.to_owned(), fields.to_vec())]).await
+    }
+
+    /// One script call for every job on one server; on a Redis Cluster,
+    /// whose scripts reach one slot each, one per job.
+    async fn beat_jobs(&self, beats: &[(String, Vec<String>)]) -> Result<(), StoreError> {
+        let beats: Vec<&(String, Vec<String>)> =
+            beats.iter().filter(|(_, f)| !f.is_empty()).collect();
+        let groups: Vec<&[&(String, Vec<String>)]> = if self.connections.is_cluster() {
+            beats.chunks(1).collect()
+        } else {
+            vec![&beats[..]]
+        };
         let mut c = self.conn("beat").await?;
-        self.scripts
-            .beat
-            .key(self.keys.beats_key(job))
-            .arg(fields)
-            .invoke_async::<()>(&mut c)
-            .await
-            .map_err(cmd("beat"))
+        let mut first = None;
+        for group in groups.into_iter().filter(|g| !g.is_empty()) {
+            let mut call = self.scripts.beat.prepare_invoke();
+            for (job, fields) in group {
+                call.key(self.keys.beats_key(job))
+                    .arg(fields.len())
+                    .arg(fields);
+            }
+            // Every group is tried whatever the others did.
+            if let Err(e) = call.invoke_async::<()>(&mut c).await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), |e| Err(cmd("beat")(e)))
     }
 
     async fn beats(&self, job: &str) -> Result<BTreeMap<String, u64>, StoreError> {

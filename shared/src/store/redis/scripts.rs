@@ -278,20 +278,29 @@ return {'started', tostring(now), tostring(crashes)}
     )
 }
 
-/// A worker's beat on a job: `KEYS[1]` (the job's beats) fields `ARGV`
-/// (`<worker>/<boot>`, which keeps every lease of that holder on the job
-/// live, and `<worker>/<boot>+queued`, which says it holds deliveries of the
-/// job waiting to start) set to Redis's clock, in one `HSET`.
+/// A worker's beat on one or more jobs: for each `KEYS[k]` (a job's
+/// beats), the count of its fields, then the fields — `<worker>/<boot>`,
+/// which keeps every lease of that holder on the job live, and
+/// `<worker>/<boot>+queued`, which says it holds work of the job waiting —
+/// each set to Redis's clock, one `HSET` per job, one clock read for all.
 pub fn beat_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
-local args = {}
-for i = 1, #ARGV do
-  args[#args + 1] = ARGV[i]
-  args[#args + 1] = now
+local a = 1
+for k = 1, #KEYS do
+  local n = tonumber(ARGV[a])
+  a = a + 1
+  local args = {}
+  for i = 1, n do
+    args[#args + 1] = ARGV[a]
+    args[#args + 1] = now
+    a = a + 1
+  end
+  if n > 0 then
+    redis.call('HSET', KEYS[k], unpack(args))
+  end
 end
-redis.call('HSET', KEYS[1], unpack(args))
 return 1
 "#
     )
