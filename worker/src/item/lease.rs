@@ -8,13 +8,14 @@
 //! first turn at the model (at its next heartbeat), dated back to that
 //! turn: an item that takes less than a heartbeat from its turn to its
 //! commit — most items — costs no lease write and no lease drop, however
-//! long it waited for its turn (a bundle's items behind each other, say). Until then the broker holds the item for
-//! it (the delivery is unacknowledged); while it waits for the model its
-//! worker's beat says it holds work of the job waiting (the queued field,
-//! [`WaitHold`]); and the coordinator takes an item for lost only after
-//! `orphan_grace`, several heartbeats. A lease is what counts a crash
-//! against an item, so a worker that dies counts one against the item at
-//! its model, not against those waiting behind it.
+//! long it waited for its turn (a bundle's items behind each other, say).
+//! Until then the broker holds the item for it (the delivery is
+//! unacknowledged); while it waits for the model its worker's beat says it
+//! holds work of the job waiting (the queued field, [`WaitHold`]); and the
+//! coordinator takes an item for lost only after `orphan_grace`, several
+//! heartbeats. A lease is what counts a crash against an item, so a worker
+//! that dies counts one against the item at its model, not against those
+//! waiting behind it.
 //!
 //! A lease is written once, not at every heartbeat: the worker's beat
 //! ([`Beats`]) keeps all its leases on a job live with one write per
@@ -42,8 +43,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The jobs this worker holds leased items of, each beaten once per
-/// heartbeat ([`Store::beat_jobs`]: all in one request) while it holds any; and the jobs it holds
-/// deliveries of that have waited half a heartbeat or more to start, beaten
+/// heartbeat ([`Store::beat_jobs`]: all in one request) while it holds
+/// any; and the jobs it holds deliveries or unleased items of that have
+/// waited half a heartbeat or more to start or to reach the model, beaten
 /// with its [`queued_field`](batchfleet_shared::store::queued_field) so
 /// that the coordinator takes none of their items for lost.
 #[derive(Debug)]
