@@ -233,31 +233,29 @@ fn is_webhook_key(key: &str) -> bool {
 /// would be percent-encoded).
 const SHOWN_URL_END: &str = "/…";
 
+/// The URL of an `on_complete.webhook=…` override, unquoted; `None` for
+/// any other override.
+fn webhook_override(o: &str) -> Option<&str> {
+    let (key, value) = o.split_once('=')?;
+    is_webhook_key(key).then(|| value.trim().trim_matches(|c| c == '"' || c == '\''))
+}
+
 /// An override as the job record and `summary.json` keep it: a webhook URL
 /// by its origin only (as [`shown`] keeps the manifest's), since its path
 /// or query may carry a token.
 fn stored_override(o: &str) -> String {
-    match o.split_once('=') {
-        Some((key, value)) if is_webhook_key(key) => {
-            let url = value.trim().trim_matches(|c| c == '"' || c == '\'');
-            format!(
-                "on_complete.webhook={}{SHOWN_URL_END}",
-                crate::hooks::origin(url.trim_end_matches(SHOWN_URL_END))
-            )
-        }
-        _ => o.to_owned(),
+    match webhook_override(o) {
+        Some(url) => format!(
+            "on_complete.webhook={}{SHOWN_URL_END}",
+            crate::hooks::origin(url.trim_end_matches(SHOWN_URL_END))
+        ),
+        None => o.to_owned(),
     }
 }
 
 /// Whether an override is a webhook as [`stored_override`] kept it.
 fn is_stored_webhook(o: &str) -> bool {
-    o.split_once('=').is_some_and(|(key, value)| {
-        is_webhook_key(key)
-            && value
-                .trim()
-                .trim_matches(|c| c == '"' || c == '\'')
-                .ends_with(SHOWN_URL_END)
-    })
+    webhook_override(o).is_some_and(|url| url.ends_with(SHOWN_URL_END))
 }
 
 /// Applies one `--set section.key=value` to the manifest's table: the
