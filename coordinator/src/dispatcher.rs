@@ -177,6 +177,8 @@ pub async fn dispatch(
     broker.declare(&queues).await?;
     // The job's own queue, listed among the pool's active jobs with its
     // weight: workers share their time among the active jobs by weight.
+    // (Run again, the queue of its last run is no longer to be deleted.)
+    store.forget_retired(&spec.pool, &spec.job_id).await?;
     broker.declare_job(&queues, &spec.job_id).await?;
     store
         .update_job(
@@ -277,21 +279,10 @@ pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str) {
 }
 
 /// The job ended (summary written) or was cancelled: off the pool's active
-/// jobs, and then its queue deleted with whatever is left in it (copies of
-/// items that are settled, or items a cancel skips) — not when taking it
-/// off the list failed. Errors are logged: workers skip a finished job's
-/// items anyway.
+/// jobs, its queue deleted a grace later with whatever is left in it
+/// (copies of items that are settled) — see [`batchfleet_shared::retire`].
 pub async fn retire_job(store: &Store, broker: &dyn Broker, pool: &str, job: &str) {
-    if let Err(e) = store.deactivate_job(pool, job).await {
-        // Its queue stays: workers consume the queues of the jobs listed
-        // active, and a listed job without its queue would only send them
-        // looking for it. The next retire (the job run again) takes both.
-        tracing::warn!(job, error = %e, "could not take the job off the pool's active jobs; keeping its queue");
-        return;
-    }
-    if let Err(e) = broker.delete(&PoolQueues::new(pool).job(job)).await {
-        tracing::warn!(job, error = %e, "could not delete the job's queue");
-    }
+    batchfleet_shared::retire::retire(store, broker, pool, job).await;
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {
@@ -324,7 +315,8 @@ mod tests {
     /// queue: workers consume the queues of the jobs listed active, and a
     /// listed job without its queue would only send them looking for it.
     /// Here Redis refuses the `HDEL` (a user whose ACL denies it); a retire
-    /// that can take the job off the list then deletes the queue.
+    /// that can take the job off the list then notes it retired, and a
+    /// sweep deletes the queue.
     #[tokio::test]
     async fn retire_job_deletes_a_queue_only_once_its_job_is_off_the_list() {
         ensure_local().expect("RabbitMQ and Redis available");
@@ -381,10 +373,19 @@ mod tests {
             .await
             .expect("list")
             .contains_key(job));
+        assert!(
+            broker
+                .ready_count(&queues.job(job))
+                .await
+                .expect("count")
+                .is_some(),
+            "off the list, its queue stays for the grace"
+        );
+        batchfleet_shared::retire::sweep(&full, &*broker, &pool, Duration::ZERO).await;
         assert_eq!(
             broker.ready_count(&queues.job(job)).await.expect("count"),
             None,
-            "off the list, its queue is deleted"
+            "noted retired, its queue is deleted by a sweep past the grace"
         );
         let _ = redis_cli(&["ACL", "DELUSER", &user]);
         let _ = broker.delete_pool(&queues).await;

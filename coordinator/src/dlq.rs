@@ -389,6 +389,7 @@ pub async fn replay(
         // among the pool's active jobs.
         store.persist_job(job).await?;
         broker.declare(&queues).await?;
+        store.forget_retired(&queues.pool, job).await?;
         broker.declare_job(&queues, job).await?;
         let priority = store
             .job(job)

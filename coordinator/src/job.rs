@@ -231,7 +231,7 @@ pub struct Cancelled {
 }
 
 /// Cancels a running job: its status becomes `cancelled` and its queue is
-/// deleted, so its queued items are gone, workers stop in-flight ones at
+/// purged (deleted a grace later), so its queued items are gone, workers stop in-flight ones at
 /// their next checkpoint and nothing more of it is committed. When no other process follows the job, this one
 /// writes its summary (status `cancelled`, no `_SUCCESS`) at once;
 /// otherwise the follower does, and its `run` exits 6.
@@ -257,8 +257,8 @@ pub async fn cancel_job(
                 broker.close("bye").await;
             }
             Err(e) => {
-                let _ = store.deactivate_job(&job.pool, job_id).await;
-                tracing::warn!(job = %job_id, error = %e, "cancelled, but could not delete the job's queue; workers skip its items as they come");
+                batchfleet_shared::retire::unlist(store, &job.pool, job_id).await;
+                tracing::warn!(job = %job_id, error = %e, "cancelled, but could not purge the job's queue; workers skip its items as they come");
             }
         }
     }
@@ -436,7 +436,10 @@ async fn reduce_claimed(
             crate::dispatcher::retire_job(store, &*broker, &report.pool, job_id).await;
             broker.close("bye").await;
         }
-        Err(e) => tracing::warn!(job = %job_id, error = %e, "could not delete the job's queue"),
+        Err(e) => {
+            batchfleet_shared::retire::unlist(store, &report.pool, job_id).await;
+            tracing::warn!(job = %job_id, error = %e, "no broker to purge the job's queue: a later retire in the pool deletes it");
+        }
     }
     if let Some(spec) = spec.filter(|s| s.on_complete != crate::manifest::OnComplete::default()) {
         let body = batchfleet_shared::source::fs::read(&summary).unwrap_or_default();

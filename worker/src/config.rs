@@ -168,6 +168,10 @@ pub struct WorkerConfig {
     /// announcements alone.
     #[arg(long, env = "BATCHFLEET_DEBUG_JOBS_EVERY", value_parser = humantime::parse_duration, hide = true)]
     pub debug_jobs_every: Option<Duration>,
+    /// Testing aid: sweep the queues of the pool's retired jobs once they
+    /// are this old (by default 30 s; see `batchfleet_shared::retire`).
+    #[arg(long, env = "BATCHFLEET_DEBUG_RETIRED_GRACE", value_parser = humantime::parse_duration, hide = true)]
+    pub debug_retired_grace: Option<Duration>,
     /// Testing aid: while this file exists, writing output fails as on a full disk.
     #[arg(long, env = "BATCHFLEET_DEBUG_DISK_FULL_WHILE", hide = true)]
     pub debug_disk_full_while: Option<std::path::PathBuf>,

@@ -30,7 +30,12 @@ pub(crate) async fn session(
     Ok(with_retry("RabbitMQ", cfg.connect_timeout, || async {
         let broker = backend.broker(&name, per_try).await?;
         match Session::open(broker.clone(), queues, prefetch, worker_id, cfg.job_queues).await {
-            Ok(session) => Ok(session),
+            Ok(mut session) => {
+                if let Some(grace) = cfg.debug_retired_grace {
+                    session.set_retired_grace(grace);
+                }
+                Ok(session)
+            }
             Err(e) => {
                 broker.close("trying again").await;
                 Err(e)

@@ -78,6 +78,8 @@ struct State {
     listed: HashMap<String, u64>,
     /// `P:pool:{pool}:jobs`: the active jobs of each pool, with their weights.
     active: HashMap<String, BTreeMap<String, u32>>,
+    /// `P:pool:{pool}:retired`: the retired jobs of each pool, with when (ms).
+    retired: HashMap<String, BTreeMap<String, u64>>,
 }
 
 /// Job state in this process's memory; see the [module docs](self).
@@ -808,12 +810,56 @@ impl JobStore for LocalStore {
     }
 
     async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError> {
-        self.lock()
+        let mut state = self.lock();
+        state
             .active
             .entry(pool.to_owned())
             .or_default()
             .insert(job.to_owned(), weight);
+        if let Some(retired) = state.retired.get_mut(pool) {
+            retired.remove(job);
+        }
         Ok(())
+    }
+
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        if let Some(retired) = self.lock().retired.get_mut(pool) {
+            retired.remove(job);
+        }
+        Ok(())
+    }
+
+    async fn note_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        self.lock()
+            .retired
+            .entry(pool.to_owned())
+            .or_default()
+            .insert(job.to_owned(), crate::host::now_ms());
+        Ok(())
+    }
+
+    async fn take_retired(
+        &self,
+        pool: &str,
+        grace: std::time::Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut state = self.lock();
+        let Some(retired) = state.retired.get_mut(pool) else {
+            return Ok(Vec::new());
+        };
+        let before = crate::host::now_ms().saturating_sub(grace.as_millis() as u64);
+        let mut due: Vec<(u64, String)> = retired
+            .iter()
+            .filter(|(_, at)| **at <= before)
+            .map(|(job, at)| (*at, job.clone()))
+            .collect();
+        due.sort();
+        due.truncate(limit.max(1));
+        for (_, job) in &due {
+            retired.remove(job);
+        }
+        Ok(due.into_iter().map(|(_, job)| job).collect())
     }
 
     async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {

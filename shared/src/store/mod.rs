@@ -30,6 +30,8 @@
 //! | `P:job:{<id>}:crashes` | hash | seq → how many workers died holding the item (leased); at the job's `max_crashes` it is dead-lettered as `crash` |
 //! | `P:job:{<id>}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
 //! | `P:job:{<id>}:inputs` | hash | input path → JSON fingerprint (size, version) when the job was planned |
+//! | `P:pool:<pool>:jobs` | hash | job id → share weight of the pool's active jobs: the job queues its workers consume |
+//! | `P:pool:<pool>:retired` | sorted set | job ids taken off the active jobs, by when (ms, Redis's clock): their queues, deleted a grace later ([`crate::retire`]) |
 //! | `P:job:{<id>}:tasks` | hash | hex SHA-256 → the job's task, encoded ([`crate::message::StoredTask`]); version 3 messages name it by digest |
 //!
 //! The braces around the id are a Redis Cluster hash tag: every key of one
@@ -749,11 +751,36 @@ pub trait JobStore: Send + Sync + fmt::Debug {
 
     /// Lists `job` among the active jobs of `pool` with its share weight
     /// (`P:pool:{pool}:jobs`, job → weight): workers of the pool consume
-    /// its queue, choosing among the active jobs by weight.
+    /// its queue, choosing among the active jobs by weight. A note that the
+    /// job was retired ([`JobStore::note_retired`]) goes: its queue is its
+    /// run's again.
     async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError>;
 
     /// Takes `job` off the active jobs of `pool` (it ended, or was cancelled).
     async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError>;
+
+    /// Notes that `job` of `pool` was just retired (taken off the active
+    /// jobs), by the store's clock (`P:pool:{pool}:retired`, job → ms): its
+    /// queue is deleted once [`JobStore::take_retired`] hands it out, not
+    /// at once (see [`crate::retire`]). Listing the job active again
+    /// ([`JobStore::activate_job`]) takes the note back.
+    async fn note_retired(&self, pool: &str, job: &str) -> Result<(), StoreError>;
+
+    /// Takes the note that `job` of `pool` was retired back, if there is
+    /// one: called before its queue is declared again (the job run again,
+    /// or its dead letters replayed), so that no sweep deletes the queue of
+    /// its new run.
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError>;
+
+    /// Takes up to `limit` of the jobs of `pool` retired at least `grace`
+    /// ago off the retired jobs, and returns them: each is handed to one
+    /// caller only, whose part is to delete its queue.
+    async fn take_retired(
+        &self,
+        pool: &str,
+        grace: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError>;
 
     /// The active jobs of `pool` with their weights.
     async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError>;

@@ -2,6 +2,7 @@
 
 mod broker;
 mod local_broker;
+mod retire;
 mod store;
 
 use std::time::Duration;

@@ -5,8 +5,14 @@
 
 use super::sources::{LetGo, Sources};
 use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Notices, PoolQueues, Subscription};
+use batchfleet_shared::retire::{self, RETIRED_GRACE};
 use batchfleet_shared::store::Store;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Added to the grace a worker waits before it sweeps, for clocks that run
+/// at slightly different rates.
+const SWEEP_MARGIN: Duration = Duration::from_secs(1);
 
 /// One broker handle consuming the work queues (the pool's and its active
 /// jobs', [`Sources`]) and the infra queue, and listening to the pool's
@@ -25,6 +31,13 @@ pub(crate) struct Session {
     /// The prefetch in force.
     pub(crate) prefetch: u16,
     queues: PoolQueues,
+    /// When to sweep the queues of the pool's retired jobs (see
+    /// [`batchfleet_shared::retire`]), should the pool have no active job
+    /// then: a grace after this worker last saw a job leave the list.
+    sweep_at: Option<Instant>,
+    /// How long a retired job's queue stays ([`RETIRED_GRACE`]; shorter
+    /// in tests).
+    retired_grace: Duration,
 }
 
 impl Session {
@@ -54,6 +67,8 @@ impl Session {
             notices,
             prefetch,
             queues: queues.clone(),
+            sweep_at: None,
+            retired_grace: RETIRED_GRACE,
         })
     }
 
@@ -80,12 +95,29 @@ impl Session {
                 return Vec::new();
             }
         };
+        let now = Instant::now();
+        if self.work.leaving(&active) {
+            // By then the note is due by the store's clock too.
+            self.sweep_at = Some(now + self.retired_grace + SWEEP_MARGIN);
+        }
+        let idle = active.is_empty();
         let queues = self.queues.clone();
         let let_go = self
             .work
             .refresh(&self.broker, active, |job| queues.job(job), self.prefetch)
             .await;
+        // A pool with no active job has no retire coming that would sweep
+        // its last retired jobs' queues: its workers do.
+        if idle && self.sweep_at.is_some_and(|at| at <= now) {
+            self.sweep_at = None;
+            retire::sweep(store, &*self.broker, &self.queues.pool, self.retired_grace).await;
+        }
         settle(let_go).await
+    }
+
+    /// Sets how long a retired job's queue stays (a testing aid).
+    pub(crate) fn set_retired_grace(&mut self, grace: Duration) {
+        self.retired_grace = grace;
     }
 
     /// With more active jobs than queues consumed, replaces an emptied

@@ -25,13 +25,15 @@
 //! room for more is dormant: its queue is empty, the rest of its job's
 //! items in flight elsewhere. It no longer counts, and the next job in the
 //! ranking whose queue has work waiting takes its place. It is not
-//! cancelled: its job is likely to end, and the broker ends the
-//! subscription itself when the queue is deleted — a cancel from here
-//! could cross that one, and an answer the client no longer expects
-//! closes the connection. For the same reason a worker subscribes only to
-//! a queue it has just read non-empty (or that of a job announced in the
-//! last [`FRESH`], whose queue is being filled): RabbitMQ answers a consume
-//! on a quorum queue being deleted by closing the connection. A queue let go (a new draw) is one
+//! cancelled: its job is likely to end, and the worker lets it go when
+//! the job leaves the list (its queue is deleted a grace after that, see
+//! `batchfleet_shared::retire`, so neither this worker's cancel nor its
+//! consume meets the deletion: RabbitMQ answers a consume on a quorum
+//! queue being deleted by closing the connection, and a cancel crossing
+//! the broker's gets an answer the client no longer expects). A worker
+//! subscribes only to a queue it has just read non-empty (or that of a job
+//! announced in the last [`FRESH`], whose queue is being filled), so that
+//! it does not gather subscriptions of jobs about to end. A queue let go (a new draw) is one
 //! holding a delivery in this worker, so its job cannot end meanwhile; it
 //! keeps nothing: what it had sent is handed out like any delivery, never
 //! returned (a return counts against the item's delivery limit).
@@ -158,6 +160,9 @@ impl Source {
 
 /// The subscription of a job no longer active, left for the broker to end.
 struct Retiring {
+    /// Its job, and the job's queue.
+    job: String,
+    queue: String,
     sub: Box<dyn Subscription>,
     /// When it is cancelled from here after all.
     until: Instant,
@@ -178,11 +183,13 @@ pub struct Sources {
     /// The pool's work queue first, then job queues by job id.
     pool: Source,
     jobs: BTreeMap<String, Source>,
-    /// Subscriptions of jobs that left the active list: their queue is
-    /// about to be deleted, and the broker ends the subscription itself
-    /// (consumer cancel notification). A cancel sent from here would cross
+    /// Subscriptions of jobs that left the active list. Their queues are
+    /// deleted a grace later ([`batchfleet_shared::retire`]), but one
+    /// deleted sooner (under a running job, or by a coordinator that
+    /// deletes it at once) has the broker end the subscription itself
+    /// (consumer cancel notification); a cancel sent from here would cross
     /// the broker's on the wire, and an answer the client no longer
-    /// expects closes the whole connection; so they are cancelled from
+    /// expects closes the whole connection. So they are cancelled from
     /// here only if the broker has not ended them within [`RETIRE_WAIT`].
     retiring: Vec<Retiring>,
     /// Virtual time of the last item handed out.
@@ -255,6 +262,12 @@ impl Sources {
         self.active.len() > self.jobs.len()
     }
 
+    /// Whether a job of the last read of the pool's active jobs is not in
+    /// `active`: it was retired since.
+    pub fn leaving(&self, active: &BTreeMap<String, u32>) -> bool {
+        self.active.keys().any(|job| !active.contains_key(job))
+    }
+
     /// Follows the pool's active jobs (`active`: job id → weight, from the
     /// store), as [`Sources::follow`] does.
     pub async fn refresh(
@@ -279,6 +292,7 @@ impl Sources {
         prefetch: u16,
     ) -> LetGo {
         let now = Instant::now();
+        self.revive();
         let mut out = LetGo {
             returned: self.retire().await,
             kept: Vec::new(),
@@ -300,6 +314,8 @@ impl Sources {
                 out.returned.extend(s.buffer.drain(..).map(|(d, _)| d));
                 if let (Some(sub), false) = (s.sub.take(), s.ended) {
                     self.retiring.push(Retiring {
+                        job: job.clone(),
+                        queue: s.queue.clone(),
                         sub,
                         until: now + RETIRE_WAIT,
                     });
@@ -343,9 +359,7 @@ impl Sources {
         // Free places go to the next jobs in the ranking, and only to one
         // whose queue has work waiting (or a job just announced, whose
         // queue is being filled): a queue read empty belongs to a job whose
-        // items are all in flight, which may end and have its queue
-        // deleted at any moment — and RabbitMQ answers a consume on a
-        // quorum queue being deleted by closing the whole connection.
+        // items are all in flight, which may end at any moment.
         let mut looked = 0;
         for job in ranked {
             if busy >= self.limit {
@@ -387,6 +401,23 @@ impl Sources {
         self.announced
             .retain(|_, at| now.duration_since(*at) < FRESH);
         out
+    }
+
+    /// Takes the subscriptions of jobs that left the list and are listed
+    /// again (run again under their id, their queue still there) back
+    /// among the job queues, with what they sent: deliveries of the job's
+    /// new run, not to be returned.
+    fn revive(&mut self) {
+        for r in std::mem::take(&mut self.retiring) {
+            match self.active.get(&r.job) {
+                Some(weight) if !self.jobs.contains_key(&r.job) => {
+                    tracing::debug!(job = %r.job, "the job runs again: consuming its queue again");
+                    let source = Source::new(r.queue, *weight, r.sub, self.now);
+                    self.jobs.insert(r.job, source);
+                }
+                _ => self.retiring.push(r),
+            }
+        }
     }
 
     /// Takes what the retiring subscriptions sent (to be returned by the
@@ -603,9 +634,10 @@ const JOB_STOP_WAIT: Duration = Duration::from_secs(1);
 /// usually deleted: its stream may never end.
 const GONE_WAIT: Duration = Duration::from_millis(100);
 /// How long the subscription of a job no longer active is left for the
-/// broker to end (the coordinator deletes the queue moments after it takes
-/// the job off the active list) before it is cancelled from here.
-const RETIRE_WAIT: Duration = Duration::from_secs(10);
+/// broker to end (should its queue be deleted at once) before it is
+/// cancelled from here: well within the grace before its queue is deleted
+/// ([`batchfleet_shared::retire::RETIRED_GRACE`]).
+const RETIRE_WAIT: Duration = Duration::from_secs(2);
 
 /// Cancels one subscription: its waiting deliveries and what the broker
 /// had sent, which come out of the stream before its end (waiting at most
@@ -867,5 +899,72 @@ mod tests {
         let mut queued = BTreeMap::new();
         sources.queued(&mut queued);
         assert_eq!(queued.keys().collect::<Vec<_>>(), ["running-1"]);
+    }
+
+    /// A job that leaves the list and comes back (run again under its id,
+    /// before its queue is deleted) gets its subscription back with what it
+    /// sent meanwhile: the new run's deliveries are handed out, not
+    /// returned to the queue (which would count against their delivery
+    /// limit and hold them back until the subscription is cancelled).
+    #[tokio::test]
+    async fn a_job_run_again_takes_its_letting_go_subscription_back() {
+        use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
+        let queues = PoolQueues::new("p");
+        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
+        broker.declare(&queues).await.expect("declare");
+        broker.declare_job(&queues, "j").await.expect("declare");
+        let mut sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
+            .await
+            .expect("consume");
+        let listed: BTreeMap<String, u32> = [("j".to_owned(), 1)].into();
+        sources.announced("j");
+        let first = sources
+            .refresh(&broker, listed.clone(), |job| queues.job(job), 8)
+            .await;
+        assert!(sources.jobs.contains_key("j"), "consumed");
+        assert!(first.returned.is_empty());
+        // Retired: let go (its subscription kept a moment, for the broker
+        // to end).
+        let left = sources
+            .refresh(&broker, BTreeMap::new(), |job| queues.job(job), 8)
+            .await;
+        assert!(left.returned.is_empty());
+        assert!(!sources.jobs.contains_key("j") && sources.retiring.len() == 1);
+        // Run again: its items published, and the job listed again.
+        let ids = ["j/0", "j/1"];
+        let items = ids
+            .iter()
+            .map(|id| Outgoing {
+                message_id: (*id).to_owned(),
+                kind: batchfleet_shared::message::MESSAGE_TYPE_V3,
+                body: Vec::new(),
+                headers: Headers::default(),
+                expiration_ms: None,
+            })
+            .collect();
+        broker
+            .publish(&queues.job("j"), items, 8)
+            .await
+            .expect("publish");
+        let again = sources
+            .refresh(&broker, listed, |job| queues.job(job), 8)
+            .await;
+        assert!(
+            again.returned.is_empty(),
+            "{} of the new run's deliveries returned",
+            again.returned.len()
+        );
+        assert!(sources.retiring.is_empty() && sources.jobs.contains_key("j"));
+        let mut got = Vec::new();
+        for _ in ids {
+            let d = tokio::time::timeout(Duration::from_secs(5), sources.next())
+                .await
+                .expect("handed out")
+                .expect("open")
+                .expect("delivery");
+            got.push(d.message_id.clone());
+        }
+        got.sort();
+        assert_eq!(got, ids);
     }
 }

@@ -659,7 +659,8 @@ async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
         "slow.pt",
         "isolate_poison_rows = false\nmax_failed_items = 1",
     );
-    let mut workers = vec![env.spawn_worker("w1", &["--prefetch", "1"])];
+    let mut workers =
+        vec![env.spawn_worker("w1", &["--prefetch", "1", "--debug-retired-grace", "1s"])];
     env.wait_for_consumers(1, &mut workers).await;
     let (job_id, report) = run(&env, &manifest).await;
     assert_eq!(report.status, "failed");
@@ -680,13 +681,24 @@ async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
         "remaining items are skipped: {report:?}"
     );
     assert!(!env.path().join("out/_SUCCESS").exists());
-    // The job's queue went with what was left in it; what the worker had
-    // taken already is acked without being computed.
+    // What was left in the job's queue went with the job (purged); what
+    // the worker had taken already is acked without being computed.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while env.work_queue().await.map(|(ready, _)| ready) != Some(0) {
         assert!(std::time::Instant::now() < deadline, "queue never drained");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The queue itself is deleted by the worker once the pool has no
+    // active job and the (here 1 s) grace has passed.
+    let broker = env.broker().await;
+    let queue = batchfleet_shared::broker::PoolQueues::new(&env.pool).job(&job_id);
+    crate::containment::until(
+        "the ended job's queue deleted",
+        Duration::from_secs(30),
+        || async { broker.ready_count(&queue).await.ok() == Some(None) },
+    )
+    .await;
+    broker.close("bye").await;
     stop_all(&mut workers);
     let store = env.connections().store().await.expect("redis");
     let p = store.progress(&job_id).await.expect("progress");
@@ -700,14 +712,6 @@ async fn exceeding_the_error_budget_fails_the_job_and_skips_the_rest() {
         p.items_done + p.items_failed < 20,
         "some items were skipped, not computed"
     );
-    let broker = env.broker().await;
-    let queue = batchfleet_shared::broker::PoolQueues::new(&env.pool).job(&job_id);
-    assert_eq!(
-        broker.ready_count(&queue).await.expect("count"),
-        None,
-        "queue deleted"
-    );
-    broker.close("bye").await;
     env.cleanup(&[&job_id]).await;
 }
 

@@ -902,6 +902,8 @@ fn share_worker(env: &TestEnv, id: &str, extra: &[&str]) -> crate::support::Work
         "1",
         "--data-root",
         env.path().to_str().expect("utf8"),
+        "--debug-retired-grace",
+        "1s",
     ];
     flags.extend_from_slice(extra);
     env.spawn_worker(id, &flags)
@@ -945,18 +947,24 @@ async fn two_equal_jobs_share_the_fleet_evenly() {
         (0.4..=0.6).contains(&share),
         "A's share {share}: {rows_a} vs {rows_b} rows"
     );
-    // Their queues went with them.
-    let broker = env.broker().await;
-    let q = batchfleet_shared::broker::PoolQueues::new(&env.pool);
-    assert_eq!(
-        broker.ready_count(&q.job(&id_a)).await.expect("count"),
-        None
-    );
+    // Off the list at once; their queues deleted by the workers once the
+    // pool has no active job and the (here 1 s) grace has passed.
     assert!(store
         .active_jobs(&env.pool)
         .await
         .expect("active")
         .is_empty());
+    let broker = env.broker().await;
+    let q = batchfleet_shared::broker::PoolQueues::new(&env.pool);
+    crate::containment::until(
+        "the ended jobs' queues deleted",
+        Duration::from_secs(30),
+        || async {
+            broker.ready_count(&q.job(&id_a)).await.ok() == Some(None)
+                && broker.ready_count(&q.job(&id_b)).await.ok() == Some(None)
+        },
+    )
+    .await;
     broker.close("bye").await;
     stop_all(&mut workers);
     env.cleanup(&[&id_a, &id_b]).await;

@@ -122,6 +122,9 @@ impl Keys {
     pub(super) fn pool_jobs_key(&self, pool: &str) -> String {
         format!("{}:pool:{pool}:jobs", self.prefix)
     }
+    pub(super) fn pool_retired_key(&self, pool: &str) -> String {
+        format!("{}:pool:{pool}:retired", self.prefix)
+    }
 
     /// Every key of a job's state: what expires with it and is kept when it
     /// runs again (not its follower lease, which has a time to live of its

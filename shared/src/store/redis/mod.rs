@@ -1029,7 +1029,19 @@ impl JobStore for RedisStore {
         let mut c = self.conn("HSET pool jobs").await?;
         c.hset::<_, _, _, ()>(self.keys.pool_jobs_key(pool), job, weight)
             .await
-            .map_err(cmd("HSET pool jobs"))
+            .map_err(cmd("HSET pool jobs"))?;
+        drop(c);
+        // Two keys, two slots on a Redis Cluster: not one step. A sweep
+        // that took the note in between sees the job active and keeps its
+        // queue (see `crate::retire::sweep`).
+        self.forget_retired(pool, job).await
+    }
+
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("ZREM pool retired").await?;
+        c.zrem::<_, _, ()>(self.keys.pool_retired_key(pool), job)
+            .await
+            .map_err(cmd("ZREM pool retired"))
     }
 
     async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {
@@ -1037,6 +1049,34 @@ impl JobStore for RedisStore {
         c.hdel::<_, _, ()>(self.keys.pool_jobs_key(pool), job)
             .await
             .map_err(cmd("HDEL pool jobs"))
+    }
+
+    async fn note_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("note retired").await?;
+        self.scripts
+            .note_retired
+            .key(self.keys.pool_retired_key(pool))
+            .arg(job)
+            .invoke_async::<()>(&mut c)
+            .await
+            .map_err(cmd("note retired"))
+    }
+
+    async fn take_retired(
+        &self,
+        pool: &str,
+        grace: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut c = self.conn("take retired").await?;
+        self.scripts
+            .take_retired
+            .key(self.keys.pool_retired_key(pool))
+            .arg(grace.as_millis() as u64)
+            .arg(limit.max(1))
+            .invoke_async(&mut c)
+            .await
+            .map_err(cmd("take retired"))
     }
 
     async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError> {

@@ -416,6 +416,34 @@ return 1
     )
 }
 
+/// Notes job `ARGV[1]` retired now (Redis's clock) in the pool's retired
+/// jobs (`KEYS[1]`, a sorted set by ms).
+pub fn note_retired_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+return 1
+"#
+    )
+}
+
+/// Takes up to `ARGV[2]` jobs retired at least `ARGV[1]` ms ago (Redis's
+/// clock) off the pool's retired jobs (`KEYS[1]`) and returns them: in one
+/// step, so that each is handed to one caller.
+pub fn take_retired_script() -> String {
+    format!(
+        "{NOW_LUA}{}",
+        r#"
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
+if #due > 0 then
+  redis.call('ZREM', KEYS[1], unpack(due))
+end
+return due
+"#
+    )
+}
+
 /// The scripts, loaded once per store (each is sent by its digest, and
 /// loaded again only when Redis does not know it).
 #[derive(Clone)]
@@ -428,6 +456,8 @@ pub(super) struct Scripts {
     pub(super) published: redis::Script,
     pub(super) crash: redis::Script,
     pub(super) beat: redis::Script,
+    pub(super) note_retired: redis::Script,
+    pub(super) take_retired: redis::Script,
 }
 
 impl Scripts {
@@ -442,6 +472,8 @@ impl Scripts {
             published: redis::Script::new(PUBLISHED_SCRIPT),
             crash: redis::Script::new(CRASH_SCRIPT),
             beat: redis::Script::new(&beat_script()),
+            note_retired: redis::Script::new(&note_retired_script()),
+            take_retired: redis::Script::new(&take_retired_script()),
         }
     }
 }
