@@ -189,6 +189,10 @@ pub async fn dispatch(
     store
         .activate_job(&spec.pool, &spec.job_id, spec.priority.weight())
         .await?;
+    // A sweep of its last run's queue that read the list before the job
+    // was listed may have deleted the queue since: declared again after it.
+    batchfleet_shared::retire::after_sweeps(store, &spec.job_id).await?;
+    broker.declare_job(&queues, &spec.job_id).await?;
     // The pool's workers hear of the job now and consume its queue while
     // its items are published.
     announce(broker, &queues, &spec.job_id).await;

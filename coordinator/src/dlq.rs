@@ -398,6 +398,9 @@ pub async fn replay(
             .unwrap_or_default();
         let weight = crate::manifest::Priority::of_record(&priority).weight();
         store.activate_job(&queues.pool, job, weight).await?;
+        // Declared again once no sweep of its old queue can delete it.
+        batchfleet_shared::retire::after_sweeps(store, job).await?;
+        broker.declare_job(&queues, job).await?;
         crate::dispatcher::announce(broker, &queues, job).await;
     }
     for (msg, dead, item, last) in chosen {

@@ -80,6 +80,8 @@ struct State {
     active: HashMap<String, BTreeMap<String, u32>>,
     /// `P:pool:{pool}:retired`: the retired jobs of each pool, with when (ms).
     retired: HashMap<String, BTreeMap<String, u64>>,
+    /// `P:job:{<id>}:sweeping`: jobs whose queue a sweep holds, until when (ms).
+    sweeping: HashMap<String, u64>,
 }
 
 /// Job state in this process's memory; see the [module docs](self).
@@ -843,12 +845,13 @@ impl JobStore for LocalStore {
         pool: &str,
         grace: std::time::Duration,
         limit: usize,
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Vec<(String, u64)>, StoreError> {
         let mut state = self.lock();
         let Some(retired) = state.retired.get_mut(pool) else {
             return Ok(Vec::new());
         };
-        let before = crate::host::now_ms().saturating_sub(grace.as_millis() as u64);
+        let now = crate::host::now_ms();
+        let before = now.saturating_sub(grace.as_millis() as u64);
         let mut due: Vec<(u64, String)> = retired
             .iter()
             .filter(|(_, at)| **at <= before)
@@ -857,9 +860,44 @@ impl JobStore for LocalStore {
         due.sort();
         due.truncate(limit.max(1));
         for (_, job) in &due {
-            retired.remove(job);
+            retired.insert(job.clone(), now);
         }
-        Ok(due.into_iter().map(|(_, job)| job).collect())
+        Ok(due.into_iter().map(|(_, job)| (job, now)).collect())
+    }
+
+    async fn drop_retired(&self, pool: &str, job: &str, claim: u64) -> Result<(), StoreError> {
+        if let Some(retired) = self.lock().retired.get_mut(pool) {
+            if retired.get(job) == Some(&claim) {
+                retired.remove(job);
+            }
+        }
+        Ok(())
+    }
+
+    async fn fence_sweep(&self, job: &str, ttl: std::time::Duration) -> Result<bool, StoreError> {
+        let now = crate::host::now_ms();
+        let mut state = self.lock();
+        if state.sweeping.get(job).is_some_and(|until| *until > now) {
+            return Ok(false);
+        }
+        state
+            .sweeping
+            .insert(job.to_owned(), now + ttl.as_millis() as u64);
+        Ok(true)
+    }
+
+    async fn unfence_sweep(&self, job: &str) -> Result<(), StoreError> {
+        self.lock().sweeping.remove(job);
+        Ok(())
+    }
+
+    async fn is_swept(&self, job: &str) -> Result<bool, StoreError> {
+        let now = crate::host::now_ms();
+        Ok(self
+            .lock()
+            .sweeping
+            .get(job)
+            .is_some_and(|until| *until > now))
     }
 
     async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {

@@ -31,7 +31,8 @@
 //! | `P:job:{<id>}:unable` | hash | worker → JSON [`UnableNote`]: a worker that cannot take the job's items for now (no CUDA device, disk full) |
 //! | `P:job:{<id>}:inputs` | hash | input path → JSON fingerprint (size, version) when the job was planned |
 //! | `P:pool:<pool>:jobs` | hash | job id → share weight of the pool's active jobs: the job queues its workers consume |
-//! | `P:pool:<pool>:retired` | sorted set | job ids taken off the active jobs, by when (ms, Redis's clock): their queues, deleted a grace later ([`crate::retire`]) |
+//! | `P:pool:<pool>:retired` | sorted set | job ids taken off the active jobs, by when (ms, Redis's clock; a sweep's claim moves it on): their queues, deleted a grace later ([`crate::retire`]) |
+//! | `P:job:{<id>}:sweeping` | string, TTL | a sweep is deleting the job's queue ([`JobStore::fence_sweep`]) |
 //! | `P:job:{<id>}:tasks` | hash | hex SHA-256 → the job's task, encoded ([`crate::message::StoredTask`]); version 3 messages name it by digest |
 //!
 //! The braces around the id are a Redis Cluster hash tag: every key of one
@@ -772,15 +773,36 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// its new run.
     async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError>;
 
-    /// Takes up to `limit` of the jobs of `pool` retired at least `grace`
-    /// ago off the retired jobs, and returns them: each is handed to one
-    /// caller only, whose part is to delete its queue.
+    /// Claims up to `limit` of the jobs of `pool` retired at least `grace`
+    /// ago, for the caller to delete their queues: each note's time is set
+    /// to now (the store's clock), so that no other sweep takes it within
+    /// another grace, and returned with it — the claim, for
+    /// [`JobStore::drop_retired`] once the queue is gone. A claim whose
+    /// holder dies comes due again a grace later.
     async fn take_retired(
         &self,
         pool: &str,
         grace: Duration,
         limit: usize,
-    ) -> Result<Vec<String>, StoreError>;
+    ) -> Result<Vec<(String, u64)>, StoreError>;
+
+    /// Drops the note that `job` of `pool` was retired, if it is still the
+    /// one claimed at `claim` ([`JobStore::take_retired`]): its queue is gone.
+    async fn drop_retired(&self, pool: &str, job: &str, claim: u64) -> Result<(), StoreError>;
+
+    /// Marks `job`'s queue as being swept, for at most `ttl`
+    /// (`P:job:{<id>}:sweeping`); `false` if another sweep holds it.
+    /// Set before the sweep reads the active jobs and cleared after the
+    /// queue is deleted, so that a run of the job listed in between can wait
+    /// for the deletion and declare its queue again
+    /// ([`crate::retire::after_sweeps`]).
+    async fn fence_sweep(&self, job: &str, ttl: Duration) -> Result<bool, StoreError>;
+
+    /// Clears [`JobStore::fence_sweep`]'s mark.
+    async fn unfence_sweep(&self, job: &str) -> Result<(), StoreError>;
+
+    /// Whether a sweep holds `job`'s queue ([`JobStore::fence_sweep`]).
+    async fn is_swept(&self, job: &str) -> Result<bool, StoreError>;
 
     /// The active jobs of `pool` with their weights.
     async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError>;

@@ -2,7 +2,7 @@
 //! once, its queue deleted a grace later by one sweeper.
 
 use batchfleet_shared::broker::{self, Broker, PoolQueues};
-use batchfleet_shared::retire::{retire, sweep, RETIRED_GRACE};
+use batchfleet_shared::retire::{after_sweeps, retire, sweep, Swept, RETIRED_GRACE};
 use batchfleet_testkit::services::{delete_redis_prefix, unique};
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,20 +45,30 @@ async fn a_retired_job_s_queue_outlives_the_grace_and_no_longer() {
         .consume(&queues.job(job), 2)
         .await
         .expect("a consume decided before the retire still finds the queue");
-    late.cancel().await;
-    drop(late);
     assert_eq!(
         sweep(&store, &*coordinator, &pool, RETIRED_GRACE).await,
-        0,
-        "within the grace, nothing is deleted"
+        Swept::default(),
+        "within the grace, nothing is claimed"
     );
+    // Past the grace, but a worker still consumes it: left for later.
+    let consumed = sweep(&store, &*coordinator, &pool, Duration::ZERO).await;
+    assert_eq!((consumed.claimed, consumed.deleted), (1, 0));
+    assert!(consumed.left_some());
     assert!(coordinator
         .ready_count(&queues.job(job))
         .await
         .expect("count")
         .is_some());
+    late.cancel().await;
+    drop(late);
+    assert_eq!(
+        sweep(&store, &*coordinator, &pool, RETIRED_GRACE).await,
+        Swept::default(),
+        "the claim moved the note on by a grace"
+    );
 
-    assert_eq!(sweep(&store, &*coordinator, &pool, Duration::ZERO).await, 1);
+    let done = sweep(&store, &*coordinator, &pool, Duration::ZERO).await;
+    assert_eq!((done.claimed, done.deleted), (1, 1));
     assert_eq!(
         coordinator
             .ready_count(&queues.job(job))
@@ -73,8 +83,8 @@ async fn a_retired_job_s_queue_outlives_the_grace_and_no_longer() {
     );
     assert_eq!(
         sweep(&store, &*coordinator, &pool, Duration::ZERO).await,
-        0,
-        "a note is taken once"
+        Swept::default(),
+        "a deleted queue's note is gone"
     );
 
     let _ = coordinator.delete_pool(&queues).await;
@@ -85,7 +95,7 @@ async fn a_retired_job_s_queue_outlives_the_grace_and_no_longer() {
 
 /// A job run again under its id before its queue was swept keeps the
 /// queue (its new run's), and when two sweepers meet, each retired queue is
-/// deleted by one of them.
+/// claimed and deleted by one of them.
 #[tokio::test]
 async fn a_sweep_spares_a_job_run_again_and_deletes_each_queue_once() {
     let prefix = unique("bftest-retire");
@@ -107,16 +117,21 @@ async fn a_sweep_spares_a_job_run_again_and_deletes_each_queue_once() {
         .await
         .expect("listed again");
 
+    // Two sweepers at once, past a (here 200 ms) grace: the first claim
+    // moves the notes on by that grace, so the other finds none due.
+    let grace = Duration::from_millis(200);
+    tokio::time::sleep(grace + Duration::from_millis(100)).await;
     let other = rabbit("retire-sweep-2").await;
     let (one, two) = tokio::join!(
-        sweep(&store, &*b, &pool, Duration::ZERO),
-        sweep(&store, &*other, &pool, Duration::ZERO),
+        sweep(&store, &*b, &pool, grace),
+        sweep(&store, &*other, &pool, grace),
     );
     assert_eq!(
-        one + two,
+        one.claimed + two.claimed,
         ended.len(),
-        "each ended job's queue deleted once"
+        "each ended job's note claimed once"
     );
+    assert_eq!(one.deleted + two.deleted, ended.len());
     for job in &ended {
         assert_eq!(b.ready_count(&queues.job(job)).await.expect("count"), None);
     }
@@ -130,7 +145,7 @@ async fn a_sweep_spares_a_job_run_again_and_deletes_each_queue_once() {
 
     // Retired again later, it goes at the next sweep past the grace.
     retire(&store, &*b, &pool, again).await;
-    assert_eq!(sweep(&store, &*b, &pool, Duration::ZERO).await, 1);
+    assert_eq!(sweep(&store, &*b, &pool, Duration::ZERO).await.deleted, 1);
     assert_eq!(
         b.ready_count(&queues.job(again)).await.expect("count"),
         None
@@ -197,7 +212,7 @@ async fn a_retire_unlists_jobs_that_ended_long_ago_or_are_gone() {
     assert_eq!(listed, ["just-ended", "running"]);
     // The ghosts are noted retired like the job itself: their queues go at
     // a sweep past the grace.
-    assert_eq!(sweep(&store, &*b, &pool, Duration::ZERO).await, 4);
+    assert_eq!(sweep(&store, &*b, &pool, Duration::ZERO).await.deleted, 4);
     for job in ["gone", "ended-long-ago", "cancelled-long-ago", retiring] {
         assert_eq!(
             b.ready_count(&queues.job(job)).await.expect("count"),
@@ -217,5 +232,82 @@ async fn a_retire_unlists_jobs_that_ended_long_ago_or_are_gone() {
 
     let _ = b.delete_pool(&queues).await;
     b.close("bye").await;
+    delete_redis_prefix(&prefix);
+}
+
+/// A claim whose sweeper dies before it deletes the queue comes due again a
+/// grace later (its note is not lost), and a run of the job listed while a
+/// sweep holds its queue waits until the sweep is over before it declares
+/// the queue again.
+#[tokio::test]
+async fn a_dead_sweeper_s_claim_comes_due_again_and_a_new_run_waits_for_a_sweep() {
+    let prefix = unique("bftest-claim");
+    let store = crate::store_at(&prefix).await;
+    let pool = unique("claim");
+    let job = "job-00000003";
+    store.note_retired(&pool, job).await.expect("noted");
+    let claimed = store
+        .take_retired(&pool, Duration::ZERO, 8)
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), 1);
+    // Its sweeper died here. Within a grace of the claim nobody takes it;
+    // past it, the next sweep does.
+    assert!(store
+        .take_retired(&pool, RETIRED_GRACE, 8)
+        .await
+        .expect("claim")
+        .is_empty());
+    let again = store
+        .take_retired(&pool, Duration::ZERO, 8)
+        .await
+        .expect("claim");
+    assert_eq!(
+        again.iter().map(|(j, _)| j.as_str()).collect::<Vec<_>>(),
+        [job]
+    );
+    // A stale claim does not drop the note: only the latest does.
+    store
+        .drop_retired(&pool, job, again[0].1.saturating_sub(1))
+        .await
+        .expect("drop");
+    let latest = store
+        .take_retired(&pool, Duration::ZERO, 8)
+        .await
+        .expect("claim");
+    assert_eq!(latest.len(), 1, "a stale claim left the note");
+    store
+        .drop_retired(&pool, job, latest[0].1)
+        .await
+        .expect("drop");
+    assert!(store
+        .take_retired(&pool, Duration::ZERO, 8)
+        .await
+        .expect("claim")
+        .is_empty());
+
+    // A sweep holds the queue: a new run waits for it.
+    assert!(store
+        .fence_sweep(job, Duration::from_secs(20))
+        .await
+        .expect("fence"));
+    assert!(
+        !store
+            .fence_sweep(job, Duration::from_secs(20))
+            .await
+            .expect("fence"),
+        "one sweep at a time"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), after_sweeps(&store, job))
+            .await
+            .is_err(),
+        "a new run waits while a sweep holds the queue"
+    );
+    store.unfence_sweep(job).await.expect("unfence");
+    tokio::time::timeout(Duration::from_secs(5), after_sweeps(&store, job))
+        .await
+        .expect("done once the sweep is over")
+        .expect("store");
     delete_redis_prefix(&prefix);
 }

@@ -189,6 +189,10 @@ async fn consume(
             p = permits.clone().acquire_owned() => p.expect("the permits are never closed"),
             _ = shutdown.cancelled() => return None,
             _ = ctx.stop.cancelled() => return None,
+            // The pool's active jobs are read on time even while every
+            // permit is held by long items: a job that left the list is
+            // let go within the grace before its queue is deleted.
+            _ = tokio::time::sleep_until(sizing.next_jobs.into()) => continue,
             announced = session::announced(&mut session.notices) => {
                 if let Some(why) = look_now(announced, session, sizing) {
                     return Some(why);

@@ -14,6 +14,11 @@ use std::time::{Duration, Instant};
 /// at slightly different rates.
 const SWEEP_MARGIN: Duration = Duration::from_secs(1);
 
+/// How long past its sweep's due time a worker in a busy pool sweeps
+/// anyway (no retire in the pool swept meanwhile): the longest a retired
+/// job's emptied queue stays in a pool that never goes idle.
+const BUSY_SWEEP_AFTER: Duration = Duration::from_secs(600);
+
 /// One broker handle consuming the work queues (the pool's and its active
 /// jobs', [`Sources`]) and the infra queue, and listening to the pool's
 /// announcements.
@@ -101,16 +106,25 @@ impl Session {
             self.sweep_at = Some(now + self.retired_grace + SWEEP_MARGIN);
         }
         let idle = active.is_empty();
+        // A pool with no active job has no retire coming that would sweep
+        // its last retired jobs' queues: its workers do; in a busy pool
+        // they leave it to the retires, unless none came for a long while.
+        let due = self
+            .sweep_at
+            .is_some_and(|at| at <= now && (idle || now.duration_since(at) >= BUSY_SWEEP_AFTER));
         let queues = self.queues.clone();
         let let_go = self
             .work
             .refresh(&self.broker, active, |job| queues.job(job), self.prefetch)
             .await;
-        // A pool with no active job has no retire coming that would sweep
-        // its last retired jobs' queues: its workers do.
-        if idle && self.sweep_at.is_some_and(|at| at <= now) {
-            self.sweep_at = None;
-            retire::sweep(store, &*self.broker, &self.queues.pool, self.retired_grace).await;
+        if due {
+            let swept =
+                retire::sweep(store, &*self.broker, &self.queues.pool, self.retired_grace).await;
+            // Notes left (a queue still consumed, a claim past the limit)
+            // come due again a grace later.
+            self.sweep_at = swept
+                .left_some()
+                .then(|| now + self.retired_grace + SWEEP_MARGIN);
         }
         settle(let_go).await
     }

@@ -116,6 +116,9 @@ impl Keys {
     pub(super) fn follower_key(&self, id: &str) -> String {
         job_scoped(&self.prefix, id, ":follower")
     }
+    pub(super) fn sweeping_key(&self, id: &str) -> String {
+        job_scoped(&self.prefix, id, ":sweeping")
+    }
     pub(super) fn jobs_key(&self) -> String {
         format!("{}:jobs", self.prefix)
     }

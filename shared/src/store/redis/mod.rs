@@ -1067,16 +1067,65 @@ impl JobStore for RedisStore {
         pool: &str,
         grace: Duration,
         limit: usize,
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Vec<(String, u64)>, StoreError> {
         let mut c = self.conn("take retired").await?;
-        self.scripts
+        let mut got: Vec<String> = self
+            .scripts
             .take_retired
             .key(self.keys.pool_retired_key(pool))
             .arg(grace.as_millis() as u64)
             .arg(limit.max(1))
             .invoke_async(&mut c)
             .await
-            .map_err(cmd("take retired"))
+            .map_err(cmd("take retired"))?;
+        if got.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now: u64 = got.remove(0).parse().map_err(|_| StoreError::Corrupt {
+            key: self.keys.pool_retired_key(pool),
+            reason: "the claim's time is not a number".into(),
+        })?;
+        Ok(got.into_iter().map(|job| (job, now)).collect())
+    }
+
+    async fn drop_retired(&self, pool: &str, job: &str, claim: u64) -> Result<(), StoreError> {
+        let mut c = self.conn("drop retired").await?;
+        self.scripts
+            .drop_retired
+            .key(self.keys.pool_retired_key(pool))
+            .arg(job)
+            .arg(claim)
+            .invoke_async::<()>(&mut c)
+            .await
+            .map_err(cmd("drop retired"))
+    }
+
+    async fn fence_sweep(&self, job: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let mut c = self.conn("SET sweeping").await?;
+        let set: Option<String> = redis::cmd("SET")
+            .arg(self.keys.sweeping_key(job))
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("SET sweeping"))?;
+        Ok(set.is_some())
+    }
+
+    async fn unfence_sweep(&self, job: &str) -> Result<(), StoreError> {
+        let mut c = self.conn("DEL sweeping").await?;
+        c.del::<_, ()>(self.keys.sweeping_key(job))
+            .await
+            .map_err(cmd("DEL sweeping"))
+    }
+
+    async fn is_swept(&self, job: &str) -> Result<bool, StoreError> {
+        let mut c = self.conn("EXISTS sweeping").await?;
+        c.exists(self.keys.sweeping_key(job))
+            .await
+            .map_err(cmd("EXISTS sweeping"))
     }
 
     async fn active_jobs(&self, pool: &str) -> Result<BTreeMap<String, u32>, StoreError> {

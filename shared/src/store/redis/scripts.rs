@@ -428,21 +428,32 @@ return 1
     )
 }
 
-/// Takes up to `ARGV[2]` jobs retired at least `ARGV[1]` ms ago (Redis's
-/// clock) off the pool's retired jobs (`KEYS[1]`) and returns them: in one
-/// step, so that each is handed to one caller.
+/// Claims up to `ARGV[2]` jobs retired at least `ARGV[1]` ms ago (Redis's
+/// clock) in the pool's retired jobs (`KEYS[1]`): their times set to now,
+/// so that no other sweep takes them within the grace. Returns now, then
+/// the jobs.
 pub fn take_retired_script() -> String {
     format!(
         "{NOW_LUA}{}",
         r#"
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
-if #due > 0 then
-  redis.call('ZREM', KEYS[1], unpack(due))
+for _, job in ipairs(due) do
+  redis.call('ZADD', KEYS[1], now, job)
 end
+table.insert(due, 1, tostring(now))
 return due
 "#
     )
 }
+
+/// Drops job `ARGV[1]` from the pool's retired jobs (`KEYS[1]`) if its time
+/// is still `ARGV[2]` (the claim of the sweep that deleted its queue).
+pub const DROP_RETIRED_SCRIPT: &str = r#"
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 1
+"#;
 
 /// The scripts, loaded once per store (each is sent by its digest, and
 /// loaded again only when Redis does not know it).
@@ -458,6 +469,7 @@ pub(super) struct Scripts {
     pub(super) beat: redis::Script,
     pub(super) note_retired: redis::Script,
     pub(super) take_retired: redis::Script,
+    pub(super) drop_retired: redis::Script,
 }
 
 impl Scripts {
@@ -474,6 +486,7 @@ impl Scripts {
             beat: redis::Script::new(&beat_script()),
             note_retired: redis::Script::new(&note_retired_script()),
             take_retired: redis::Script::new(&take_retired_script()),
+            drop_retired: redis::Script::new(DROP_RETIRED_SCRIPT),
         }
     }
 }
