@@ -270,8 +270,76 @@ pub fn delete_pool_queues(pool: &str) {
     });
 }
 
-/// Deletes every local Redis key under `prefix:` (best effort).
+/// The queues of the jobs the local Redis lists under `prefix:` — each
+/// pool's active jobs (`prefix:pool:<pool>:jobs`) and retired ones
+/// (`prefix:pool:<pool>:retired`) —, as `(pool, job)`.
+pub fn listed_job_queues(prefix: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let Ok(keys) = redis_cli(&["--scan", "--pattern", &format!("{prefix}:pool:*")]) else {
+        return out;
+    };
+    for key in keys.lines() {
+        let Some(rest) = key.strip_prefix(&format!("{prefix}:pool:")) else {
+            continue;
+        };
+        let (pool, listed) = if let Some(pool) = rest.strip_suffix(":jobs") {
+            (pool, redis_cli(&["hkeys", key]))
+        } else if let Some(pool) = rest.strip_suffix(":retired") {
+            (pool, redis_cli(&["zrange", key, "0", "-1"]))
+        } else {
+            continue;
+        };
+        for job in listed.unwrap_or_default().lines().filter(|j| !j.is_empty()) {
+            out.push((pool.to_owned(), job.to_owned()));
+        }
+    }
+    out
+}
+
+/// Deletes the queues of the jobs listed under `prefix:`
+/// ([`listed_job_queues`]) from the local RabbitMQ (best effort): a retired
+/// job's queue is deleted by a sweep a grace after the job, which a test or
+/// tool that stops its workers at once never sees.
+pub fn delete_listed_job_queues(prefix: &str) {
+    let listed = listed_job_queues(prefix);
+    if listed.is_empty() {
+        return;
+    }
+    // A runtime of its own, on a thread of its own: callers may be inside
+    // one already (async tests).
+    let _ = std::thread::spawn(move || delete_job_queues(&listed)).join();
+}
+
+fn delete_job_queues(listed: &[(String, String)]) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(async {
+        let Ok(conn) = batchfleet_shared::broker::connect(
+            &amqp(),
+            "batchfleet-tools-cleanup",
+            Duration::from_secs(30),
+        )
+        .await
+        else {
+            return;
+        };
+        for (pool, job) in listed {
+            let _ = conn
+                .delete(&batchfleet_shared::broker::PoolQueues::new(pool).job(job))
+                .await;
+        }
+        conn.close("bye").await;
+    });
+}
+
+/// Deletes every local Redis key under `prefix:` (best effort), and first
+/// the queues of the jobs they list ([`delete_listed_job_queues`]).
 pub fn delete_redis_prefix(prefix: &str) {
+    delete_listed_job_queues(prefix);
     let Ok(keys) = redis_cli(&["--scan", "--pattern", &format!("{prefix}:*")]) else {
         return;
     };

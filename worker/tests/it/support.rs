@@ -181,7 +181,7 @@ impl TestEnv {
                 let _ = store.deactivate_job(&self.pool, id).await;
             }
         }
-        // The queues of jobs that did not end (an ended job's queue is gone).
+        // The queues of these jobs (an ended job's goes a grace after it).
         if let Ok(broker) = batchfleet_shared::broker::connect(
             &self.amqp,
             "batchfleet-tests-cleanup",
@@ -200,9 +200,13 @@ impl TestEnv {
 impl Drop for TestEnv {
     /// Deletes every queue of the test's pool, even when the test panicked:
     /// leftover quorum queues slow the shared broker down for everyone.
+    /// Its jobs' queues too: an ended job's is deleted a grace after it,
+    /// by workers this test has stopped by then.
     fn drop(&mut self) {
         let (amqp, pool) = (self.amqp.clone(), self.pool.clone());
+        let prefix = self.prefix.clone();
         let cleanup = std::thread::spawn(move || {
+            batchfleet_testkit::services::delete_listed_job_queues(&prefix);
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
