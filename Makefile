@@ -45,7 +45,7 @@ redis-failover-test: venv services release
 redis-cluster-test: venv services release
 	target/release/batchfleet-loadtest redis-cluster $(REDIS_CLUSTER_ARGS)
 
-## slurm-test: a 200k-row job through docker/slurm's templates on a Slurm controller and node of its own (Debian's slurm-wlm, slurmdbd and munge, installed when missing) while one worker task reaches its time limit, one is preempted by signal and one by a higher-priority job, and one CPU task's worker is killed with SIGKILL (restarted in place); checks exactly-once, drains with exit 0, requeues, sacct's record, and that the daemons are gone at the end
+## slurm-test: a 200k-row job through docker/slurm's templates on a Slurm controller and node of its own (Debian's slurm-wlm, slurmdbd and munge, installed when missing) while one worker task reaches its time limit, one is preempted by signal and one by a higher-priority job, and one CPU task's worker is killed with SIGKILL (restarted in place), then a job whose item 2 kills every worker that runs it on a two-task array (the item failed as crash, both tasks still running); checks exactly-once, drains with exit 0, requeues, sacct's record, and that the daemons are gone at the end
 slurm-test: venv services release
 	.ci/ensure-slurm.sh
 	target/release/batchfleet-loadtest slurm $(SLURM_ARGS)

@@ -292,6 +292,49 @@ pub(crate) fn job_invariants(
     Ok(summary)
 }
 
+/// The checks of a finished job whose item `seq` kills every worker that
+/// runs it: its coordinator exited 3 (completed with failures), the item
+/// is its only failure, recorded as `crash`, and every other row was
+/// predicted exactly once and as PyTorch computes it (`rows` input rows).
+/// Pushes each violation to `v`; whether the item was given up as `crash`.
+pub(crate) fn crash_job_invariants(
+    dir: &Path,
+    rows: u64,
+    seq: u64,
+    exit: Option<i32>,
+    v: &mut Vec<String>,
+) -> Result<bool> {
+    let summary = read_summary(dir)?;
+    let failed = summary
+        .get("failed_items")
+        .and_then(|f| f.as_array())
+        .cloned()
+        .unwrap_or_default();
+    let crashed = failed.len() == 1
+        && failed[0].get("seq").and_then(serde_json::Value::as_u64) == Some(seq)
+        && failed[0].get("class").and_then(|c| c.as_str()) == Some("crash");
+    if exit != Some(3) || !crashed {
+        v.push(format!(
+            "exit {exit:?} and failed items {failed:?}; exit 3 and item {seq} dead-lettered as crash expected"
+        ));
+    }
+    let verification =
+        batchfleet_testkit::verify::verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5)?;
+    let lost = verification.missing.len() as u64;
+    if !verification.duplicated.is_empty()
+        || !verification.unexpected.is_empty()
+        || !verification.mismatched.is_empty()
+        || lost == 0
+        || lost + summary_u64(&summary, "rows_predicted") != rows
+    {
+        v.push(format!(
+            "INV-ROWS: {} (only the crashing item's rows may be missing)",
+            verification.describe()
+        ));
+    }
+    Ok(exit == Some(3) && crashed)
+}
+
 /// Prints a fault run's verdict, each line after `indent`: `held` when no
 /// invariant was violated, else each violation.
 pub(crate) fn print_verdict(indent: &str, violations: &[String], held: &str) {

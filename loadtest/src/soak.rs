@@ -458,39 +458,13 @@ fn check_round(jobs: &[RoundJob], rows: u64, report: &mut SoakReport) -> Result<
             continue;
         }
         // The crashing job: item 2 dead-lettered as `crash`, nothing else lost.
-        let failed = summary
-            .get("failed_items")
-            .and_then(|f| f.as_array())
-            .cloned()
-            .unwrap_or_default();
-        let crashed = failed.len() == 1
-            && failed[0].get("seq").and_then(serde_json::Value::as_u64) == Some(2)
-            && failed[0].get("class").and_then(|c| c.as_str()) == Some("crash");
-        if job.exit != Some(3) || !crashed {
-            report.violations.push(format!(
-                "{label}: exit {:?} and failed items {failed:?}; exit 3 and item 2 dead-lettered as crash expected",
-                job.exit
-            ));
-        } else {
+        let mut v = Vec::new();
+        if fault::crash_job_invariants(&job.dir, rows, 2, job.exit, &mut v)? {
             report.crash_items += 1;
         }
-        let verification = batchfleet_testkit::verify::verify(
-            &job.dir.join("out"),
-            &job.dir.join("golden.csv"),
-            1e-5,
-        )?;
-        let lost = verification.missing.len() as u64;
-        if !verification.duplicated.is_empty()
-            || !verification.unexpected.is_empty()
-            || !verification.mismatched.is_empty()
-            || lost == 0
-            || lost + num("rows_predicted") != rows
-        {
-            report.violations.push(format!(
-                "{label}: INV-ROWS: {} (only the crashing item's rows may be missing)",
-                verification.describe()
-            ));
-        }
+        report
+            .violations
+            .extend(v.into_iter().map(|e| format!("{label}: {e}")));
     }
     Ok(())
 }

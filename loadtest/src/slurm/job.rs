@@ -6,7 +6,7 @@
 //! Slurm for a higher-priority job, and the job's
 //! end as Slurm, `batchfleet status` and `sacct` record it.
 
-use super::check::{consuming, consuming_runs, count_parts, log_time};
+use super::check::{consuming, consuming_runs, count_parts, cpu_worker_log, log_time};
 use super::cluster::{is_running, wait_for, Slurm};
 use super::{SlurmConfig, SlurmReport};
 use crate::fault;
@@ -14,8 +14,11 @@ use anyhow::{bail, Context, Result};
 use batchfleet_testkit::python::repo_root;
 use batchfleet_testkit::services;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// The item of the crashing-item job that kills every worker that runs it.
+const CRASH_SEQ: u64 = 2;
 
 /// Where the job runs and what its phases share.
 pub(super) struct JobRun<'a> {
@@ -140,6 +143,132 @@ impl<'a> JobRun<'a> {
         for t in [format!("{}_0", self.scale), format!("{}_1", self.scale)] {
             self.slurm.wait_gone(&t, Duration::from_secs(60))?;
         }
+        self.crashing_item(coordinator_bin, report)
+    }
+
+    /// A job of its own, on a pool of its own, whose item [`CRASH_SEQ`]
+    /// kills every worker that runs it (`--debug-panic abort:2`: the worker
+    /// aborts, exit 134), through a two-task array of `worker-cpu.sbatch`:
+    /// the task script restarts each dead worker in its allocation, the item
+    /// is recorded failed (class `crash`) once `max_crashes` (2) workers
+    /// died holding it, and the job ends without it while both tasks still
+    /// run. (When the task script restarted only on exit 75, each crash
+    /// ended its task FAILED, and an item that kills its worker emptied an
+    /// array smaller than the queue's delivery limit: the job hung.)
+    fn crashing_item(&self, coordinator_bin: &Path, report: &mut SlurmReport) -> Result<()> {
+        let dir = self.root.join("crashjob");
+        let pool = services::unique("slurmcrash");
+        let rows = 1_000;
+        fault::fault_job(&dir, "slurmcrash", &pool, rows, 100, 50, 2)?;
+        let mut env: Vec<(&str, String)> = self
+            .env
+            .iter()
+            .map(|(k, v)| match *k {
+                "BATCHFLEET_POOL" => (*k, pool.clone()),
+                "BATCHFLEET_DEBUG_BATCH_DELAY" => (*k, "50ms".to_owned()),
+                _ => (*k, v.clone()),
+            })
+            .collect();
+        env.push(("BATCHFLEET_DEBUG_PANIC", format!("abort:{CRASH_SEQ}")));
+        // Logs of their own: the first job's checks read every log in logs/.
+        let logs = self.root.join("crashlogs");
+        std::fs::create_dir_all(&logs)?;
+        env.push(("BATCHFLEET_SLURM_LOGS", logs.display().to_string()));
+        let env_file = self.root.join("crash.env");
+        let env_text: String = env.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+        std::fs::write(&env_file, env_text)?;
+        let array = self.sbatch(&[
+            "--array=0-1",
+            "--cpus-per-task=1",
+            &format!("--output={}/%x-%A_%a.out", logs.display()),
+            &format!("--export=ALL,BATCHFLEET_SLURM_ENV={}", env_file.display()),
+            &self.template("worker-cpu.sbatch")?,
+        ])?;
+        report.crash_job = array.clone();
+        let tasks = [format!("{array}_0"), format!("{array}_1")];
+        for t in &tasks {
+            self.slurm
+                .wait_state(t, "RUNNING", Duration::from_secs(60))?;
+        }
+        wait_for(Duration::from_secs(60), || {
+            Ok(tasks.iter().all(|t| consuming_runs(&logs, t) >= 1))
+        })
+        .context("the crashing job's workers never consumed")?;
+        println!(
+            "slurm: crashing-item job's workers {array} (worker-cpu.sbatch, 2 tasks) consuming"
+        );
+        let log = std::fs::File::create(dir.join("coordinator.log"))?;
+        let mut run = Command::new(coordinator_bin)
+            .args(["run", "job.toml", "--no-progress"])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .current_dir(&dir)
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("starting the crashing job's coordinator")?;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let exit = loop {
+            if let Some(status) = run.try_wait()? {
+                break status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = run.kill();
+                let _ = run.wait();
+                report.violations.push(format!(
+                    "crashing item: the job did not end within 5 minutes; see {}",
+                    dir.join("coordinator.log").display()
+                ));
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        report.crash_job_exit = exit;
+        for t in &tasks {
+            let state = self
+                .slurm
+                .job(t)?
+                .get("JobState")
+                .cloned()
+                .unwrap_or_default();
+            if state != "RUNNING" {
+                report.violations.push(format!(
+                    "crashing item: task {t} is {state} once the job ended; RUNNING expected (its crashed workers restarted in place)"
+                ));
+            }
+            report.crash_task_states.push(format!("{t} {state}"));
+        }
+        let texts: Vec<String> = tasks.iter().map(|t| cpu_worker_log(&logs, t)).collect();
+        report.crash_restarts = texts
+            .iter()
+            .flat_map(|l| l.lines())
+            .filter(|l| l.contains("(a crash:"))
+            .count() as u32;
+        if report.crash_restarts < 2 {
+            report.violations.push(format!(
+                "crashing item: {} worker crashes restarted in place; at least 2 (max_crashes) expected",
+                report.crash_restarts
+            ));
+        }
+        if texts.iter().any(|l| l.contains("ending the task")) {
+            report
+                .violations
+                .push("crashing item: a task ended on its crashes".to_owned());
+        }
+        let mut v = Vec::new();
+        fault::crash_job_invariants(&dir, rows, CRASH_SEQ, exit, &mut v)?;
+        report
+            .violations
+            .extend(v.into_iter().map(|e| format!("crashing item: {e}")));
+        println!(
+            "slurm: crashing-item job ended (exit {exit:?}): {} workers died on item {CRASH_SEQ} and were restarted in place; tasks {}",
+            report.crash_restarts,
+            report.crash_task_states.join(", ")
+        );
+        self.slurm.run("scancel", &[&array])?;
+        for t in &tasks {
+            self.slurm.wait_gone(t, Duration::from_secs(60))?;
+        }
+        services::delete_pool_queues(&pool);
         Ok(())
     }
 

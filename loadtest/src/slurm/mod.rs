@@ -22,6 +22,13 @@
 //!   taken: Slurm preempts a GPU task (`PreemptMode=REQUEUE`), its worker
 //!   drains, and Slurm requeues it.
 //!
+//! After that job, a second one on a pool of its own whose item 2 kills
+//! every worker that runs it (the worker aborts), through a two-task array
+//! of `worker-cpu.sbatch`: the task script restarts each dead worker in its
+//! allocation, the item is recorded failed as `crash` once `max_crashes`
+//! (2) workers died on it, and the job ends without it while both tasks
+//! still run.
+//!
 //! A requeued task waits about two minutes (Slurm's requeue delay, reason
 //! `BeginTime`); the run starts it at once with `scontrol update
 //! StartTime=now`, as an operator can. Checked at the end: every row
@@ -143,6 +150,16 @@ pub struct SlurmReport {
     pub sacct: Vec<String>,
     /// Worker stops seen in the task scripts' logs that drained and exited 0.
     pub drained_exits: u32,
+    /// The array of the crashing-item job (worker-cpu.sbatch, two tasks on
+    /// a pool of its own).
+    pub crash_job: String,
+    /// Its workers that died on the crashing item and were restarted in
+    /// place by the task script.
+    pub crash_restarts: u32,
+    /// Each of its tasks' state once its job had ended (RUNNING expected).
+    pub crash_task_states: Vec<String>,
+    /// The crashing job's coordinator exit code (3 expected).
+    pub crash_job_exit: Option<i32>,
     /// Item deliveries beyond one per item.
     pub items_redelivered: u64,
     /// Messages in the pool's dead-letter queue at the end.
@@ -245,6 +262,13 @@ fn print(r: &SlurmReport) {
     println!(
         "scaled: {} ({} tasks running); {} drained exits 0; {} redelivered, {} dead-lettered",
         r.scale_job, r.scaled_tasks_running, r.drained_exits, r.items_redelivered, r.dead_lettered
+    );
+    println!(
+        "crashing item: array {}: {} workers died on it and were restarted in place; job exit {:?}; tasks {}",
+        r.crash_job,
+        r.crash_restarts,
+        r.crash_job_exit,
+        r.crash_task_states.join(", ")
     );
     println!(
         "batchfleet status, items by worker: {}",
