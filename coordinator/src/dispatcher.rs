@@ -178,7 +178,7 @@ pub async fn dispatch(
     // The job's own queue, listed among the pool's active jobs with its
     // weight: workers share their time among the active jobs by weight.
     // (Run again, the queue of its last run is no longer to be deleted.)
-    store.forget_retired(&spec.pool, &spec.job_id).await?;
+    let was_retired = store.forget_retired(&spec.pool, &spec.job_id).await?;
     broker.declare_job(&queues, &spec.job_id).await?;
     store
         .update_job(
@@ -189,10 +189,9 @@ pub async fn dispatch(
     store
         .activate_job(&spec.pool, &spec.job_id, spec.priority.weight())
         .await?;
-    // A sweep of its last run's queue that read the list before the job
-    // was listed may have deleted the queue since: declared again after it.
-    batchfleet_shared::retire::after_sweeps(store, &spec.job_id).await?;
-    broker.declare_job(&queues, &spec.job_id).await?;
+    if was_retired {
+        redeclare_after_sweeps(store, broker, &queues, &spec.job_id).await?;
+    }
     // The pool's workers hear of the job now and consume its queue while
     // its items are published.
     announce(broker, &queues, &spec.job_id).await;
@@ -271,6 +270,22 @@ fn crash_point(published: u64) {
         eprintln!("crash point reached after {published} published items (BATCHFLEET_DEBUG_CRASH_AFTER_PUBLISHED)");
         std::process::abort();
     }
+}
+
+/// For a job listed active again whose retired note it took back
+/// ([`batchfleet_shared::store::JobStore::forget_retired`]): waits until no
+/// sweep holds its queue and declares the queue again — a sweep that read
+/// the active jobs before the job was listed may have deleted it. (A job
+/// with no note has no sweep that could delete its queue.)
+pub(crate) async fn redeclare_after_sweeps(
+    store: &Store,
+    broker: &dyn Broker,
+    queues: &PoolQueues,
+    job: &str,
+) -> Result<(), RunError> {
+    batchfleet_shared::retire::after_sweeps(store, job).await?;
+    broker.declare_job(queues, job).await?;
+    Ok(())
 }
 
 /// Announces job `job` to the pool's workers (see [`Broker::announce`]).

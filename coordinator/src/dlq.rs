@@ -389,7 +389,7 @@ pub async fn replay(
         // among the pool's active jobs.
         store.persist_job(job).await?;
         broker.declare(&queues).await?;
-        store.forget_retired(&queues.pool, job).await?;
+        let was_retired = store.forget_retired(&queues.pool, job).await?;
         broker.declare_job(&queues, job).await?;
         let priority = store
             .job(job)
@@ -398,9 +398,9 @@ pub async fn replay(
             .unwrap_or_default();
         let weight = crate::manifest::Priority::of_record(&priority).weight();
         store.activate_job(&queues.pool, job, weight).await?;
-        // Declared again once no sweep of its old queue can delete it.
-        batchfleet_shared::retire::after_sweeps(store, job).await?;
-        broker.declare_job(&queues, job).await?;
+        if was_retired {
+            crate::dispatcher::redeclare_after_sweeps(store, broker, &queues, job).await?;
+        }
         crate::dispatcher::announce(broker, &queues, job).await;
     }
     for (msg, dead, item, last) in chosen {

@@ -752,9 +752,14 @@ impl Supervisor {
         // announced: the workers consume its queue again, whatever of the job
         // still sits there.
         let queues = PoolQueues::new(&record.pool);
+        let was_retired = store.forget_retired(&record.pool, &self.job_id).await?;
         store
             .activate_job(&record.pool, &self.job_id, spec.priority.weight())
             .await?;
+        if was_retired {
+            crate::dispatcher::redeclare_after_sweeps(store, &*broker, &queues, &self.job_id)
+                .await?;
+        }
         crate::dispatcher::announce(&*broker, &queues, &self.job_id).await;
         self.record = Some(record);
         self.report.rebuilds += 1;

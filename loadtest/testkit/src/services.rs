@@ -244,9 +244,14 @@ pub fn amqp() -> batchfleet_shared::endpoint::Endpoint {
     ))
 }
 
-/// Deletes every queue of a pool and its notice exchange (best effort): a
-/// tool's own pool, when it is done.
-pub fn delete_pool_queues(pool: &str) {
+/// Runs `work` on a connection to the local RabbitMQ, on a runtime of its
+/// own, and closes the connection after (best effort: nothing when the
+/// broker cannot be reached).
+fn on_local_broker<F, Fut>(work: F)
+where
+    F: FnOnce(std::sync::Arc<dyn batchfleet_shared::broker::Broker>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let Ok(rt) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -263,10 +268,18 @@ pub fn delete_pool_queues(pool: &str) {
         else {
             return;
         };
+        work(conn.clone()).await;
+        conn.close("bye").await;
+    });
+}
+
+/// Deletes every queue of a pool and its notice exchange (best effort): a
+/// tool's own pool, when it is done.
+pub fn delete_pool_queues(pool: &str) {
+    on_local_broker(|conn| async move {
         let _ = conn
             .delete_pool(&batchfleet_shared::broker::PoolQueues::new(pool))
             .await;
-        conn.close("bye").await;
     });
 }
 
@@ -311,28 +324,12 @@ pub fn delete_listed_job_queues(prefix: &str) {
 }
 
 fn delete_job_queues(listed: &[(String, String)]) {
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return;
-    };
-    rt.block_on(async {
-        let Ok(conn) = batchfleet_shared::broker::connect(
-            &amqp(),
-            "batchfleet-tools-cleanup",
-            Duration::from_secs(30),
-        )
-        .await
-        else {
-            return;
-        };
+    on_local_broker(|conn| async move {
         for (pool, job) in listed {
             let _ = conn
                 .delete(&batchfleet_shared::broker::PoolQueues::new(pool).job(job))
                 .await;
         }
-        conn.close("bye").await;
     });
 }
 

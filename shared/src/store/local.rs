@@ -812,23 +812,20 @@ impl JobStore for LocalStore {
     }
 
     async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError> {
-        let mut state = self.lock();
-        state
+        self.lock()
             .active
             .entry(pool.to_owned())
             .or_default()
             .insert(job.to_owned(), weight);
-        if let Some(retired) = state.retired.get_mut(pool) {
-            retired.remove(job);
-        }
         Ok(())
     }
 
-    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
-        if let Some(retired) = self.lock().retired.get_mut(pool) {
-            retired.remove(job);
-        }
-        Ok(())
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .lock()
+            .retired
+            .get_mut(pool)
+            .is_some_and(|retired| retired.remove(job).is_some()))
     }
 
     async fn note_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {

@@ -752,9 +752,9 @@ pub trait JobStore: Send + Sync + fmt::Debug {
 
     /// Lists `job` among the active jobs of `pool` with its share weight
     /// (`P:pool:{pool}:jobs`, job → weight): workers of the pool consume
-    /// its queue, choosing among the active jobs by weight. A note that the
-    /// job was retired ([`JobStore::note_retired`]) goes: its queue is its
-    /// run's again.
+    /// its queue, choosing among the active jobs by weight. A run of a job
+    /// noted retired takes the note back first
+    /// ([`JobStore::forget_retired`]).
     async fn activate_job(&self, pool: &str, job: &str, weight: u32) -> Result<(), StoreError>;
 
     /// Takes `job` off the active jobs of `pool` (it ended, or was cancelled).
@@ -763,15 +763,17 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// Notes that `job` of `pool` was just retired (taken off the active
     /// jobs), by the store's clock (`P:pool:{pool}:retired`, job → ms): its
     /// queue is deleted once [`JobStore::take_retired`] hands it out, not
-    /// at once (see [`crate::retire`]). Listing the job active again
-    /// ([`JobStore::activate_job`]) takes the note back.
+    /// at once (see [`crate::retire`]). A run of the job takes the note
+    /// back ([`JobStore::forget_retired`]).
     async fn note_retired(&self, pool: &str, job: &str) -> Result<(), StoreError>;
 
     /// Takes the note that `job` of `pool` was retired back, if there is
     /// one: called before its queue is declared again (the job run again,
-    /// or its dead letters replayed), so that no sweep deletes the queue of
-    /// its new run.
-    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError>;
+    /// its dead letters replayed, its state rebuilt), so that no sweep
+    /// deletes the queue of its new run. Whether there was one (without,
+    /// no sweep can be deleting its queue: a sweep drops a note only once
+    /// the queue is gone).
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<bool, StoreError>;
 
     /// Claims up to `limit` of the jobs of `pool` retired at least `grace`
     /// ago, for the caller to delete their queues: each note's time is set

@@ -111,7 +111,9 @@ async fn a_sweep_spares_a_job_run_again_and_deletes_each_queue_once() {
         store.activate_job(&pool, job, 1).await.expect("listed");
         retire(&store, &*b, &pool, job).await;
     }
-    // Run again: listed, and the note taken back.
+    // Run again: the note taken back, and listed.
+    assert!(store.forget_retired(&pool, again).await.expect("forget"));
+    assert!(!store.forget_retired(&pool, again).await.expect("forget"));
     store
         .activate_job(&pool, again, 1)
         .await

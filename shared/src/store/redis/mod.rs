@@ -1029,19 +1029,16 @@ impl JobStore for RedisStore {
         let mut c = self.conn("HSET pool jobs").await?;
         c.hset::<_, _, _, ()>(self.keys.pool_jobs_key(pool), job, weight)
             .await
-            .map_err(cmd("HSET pool jobs"))?;
-        drop(c);
-        // Two keys, two slots on a Redis Cluster: not one step. A sweep
-        // that took the note in between sees the job active and keeps its
-        // queue (see `crate::retire::sweep`).
-        self.forget_retired(pool, job).await
+            .map_err(cmd("HSET pool jobs"))
     }
 
-    async fn forget_retired(&self, pool: &str, job: &str) -> Result<(), StoreError> {
+    async fn forget_retired(&self, pool: &str, job: &str) -> Result<bool, StoreError> {
         let mut c = self.conn("ZREM pool retired").await?;
-        c.zrem::<_, _, ()>(self.keys.pool_retired_key(pool), job)
+        let removed: u32 = c
+            .zrem(self.keys.pool_retired_key(pool), job)
             .await
-            .map_err(cmd("ZREM pool retired"))
+            .map_err(cmd("ZREM pool retired"))?;
+        Ok(removed > 0)
     }
 
     async fn deactivate_job(&self, pool: &str, job: &str) -> Result<(), StoreError> {
