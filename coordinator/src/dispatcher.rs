@@ -194,7 +194,7 @@ pub async fn dispatch(
     }
     // The pool's workers hear of the job now and consume its queue while
     // its items are published.
-    announce(broker, &queues, &spec.job_id).await;
+    announce(broker, &queues, &spec.job_id, spec.priority.weight()).await;
     let job_queue = queues.job(&spec.job_id);
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
@@ -288,11 +288,14 @@ pub(crate) async fn redeclare_after_sweeps(
     Ok(())
 }
 
-/// Announces job `job` to the pool's workers (see [`Broker::announce`]).
-/// Best effort: a worker that does not hear it finds the job at its next
-/// look at the pool's active jobs, within seconds.
-pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str) {
-    if let Err(e) = broker.announce(queues, job).await {
+/// Announces job `job` to the pool's workers (see [`Broker::announce`]),
+/// with the `weight` it is listed with among the pool's active jobs: a
+/// worker that hears it consumes the job's queue at once, without reading
+/// the list. Best effort: a worker that does not hear it finds the job at
+/// its next look at the pool's active jobs, within seconds.
+pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str, weight: u32) {
+    let notice = batchfleet_shared::broker::Notice::new(job, weight);
+    if let Err(e) = broker.announce(queues, &notice).await {
         tracing::warn!(job, error = %e, "could not announce the job; workers find it at their next look at the pool's active jobs");
     }
 }

@@ -401,7 +401,7 @@ pub async fn replay(
         if was_retired {
             crate::dispatcher::redeclare_after_sweeps(store, broker, &queues, job).await?;
         }
-        crate::dispatcher::announce(broker, &queues, job).await;
+        crate::dispatcher::announce(broker, &queues, job, weight).await;
     }
     for (msg, dead, item, last) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast

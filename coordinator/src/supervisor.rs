@@ -760,7 +760,7 @@ impl Supervisor {
             crate::dispatcher::redeclare_after_sweeps(store, &*broker, &queues, &self.job_id)
                 .await?;
         }
-        crate::dispatcher::announce(&*broker, &queues, &self.job_id).await;
+        crate::dispatcher::announce(&*broker, &queues, &self.job_id, spec.priority.weight()).await;
         self.record = Some(record);
         self.report.rebuilds += 1;
         self.report.rebuilt_items += restored;

@@ -29,7 +29,7 @@
 //! returns every unacknowledged delivery.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notices, Outgoing, PoolQueues,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing, PoolQueues,
     Subscription, DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use crate::endpoint::{is_certificate_error, Endpoint};
@@ -477,9 +477,9 @@ struct AmqpNotices {
 
 #[async_trait::async_trait]
 impl Notices for AmqpNotices {
-    async fn next(&mut self) -> Option<Result<String, BrokerError>> {
+    async fn next(&mut self) -> Option<Result<Notice, BrokerError>> {
         match self.consumer.next().await? {
-            Ok(d) => Some(Ok(String::from_utf8_lossy(&d.data).into_owned())),
+            Ok(d) => Some(Ok(Notice::decode(&d.data))),
             Err(e) => Some(Err(BrokerError::Closed(e.to_string()))),
         }
     }
@@ -582,7 +582,7 @@ impl Broker for AmqpBroker {
 
     /// Not persistent and not mandatory: an announcement matters only to
     /// the workers listening now.
-    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+    async fn announce(&self, queues: &PoolQueues, notice: &Notice) -> Result<(), BrokerError> {
         let exchange = queues.notices();
         let confirm = self
             .publisher
@@ -590,7 +590,7 @@ impl Broker for AmqpBroker {
                 exchange.as_str().into(),
                 "".into(),
                 BasicPublishOptions::default(),
-                job.as_bytes(),
+                notice.encode().as_bytes(),
                 BasicProperties::default().with_app_id(ShortString::from("batchfleet")),
             )
             .await
@@ -600,7 +600,7 @@ impl Broker for AmqpBroker {
             .map_err(op(format!("publish to {exchange}")))?
         {
             Confirmation::Nack(_) => Err(BrokerError::NotConfirmed {
-                message_id: format!("notice of job {job}"),
+                message_id: format!("notice of job {}", notice.job),
                 reason: "the broker refused it".into(),
             }),
             _ => Ok(()),

@@ -40,7 +40,7 @@
 //!   the queue, and the messages before it in the same call stay published.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notices, Outgoing, PoolQueues,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing, PoolQueues,
     Subscription, DELIVERY_COUNT_HEADER, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use std::collections::{HashMap, VecDeque};
@@ -55,12 +55,12 @@ const NOTICES_HELD: usize = 64;
 
 /// A listener to a pool's announcements.
 struct LocalNotices {
-    rx: tokio::sync::mpsc::Receiver<String>,
+    rx: tokio::sync::mpsc::Receiver<Notice>,
 }
 
 #[async_trait::async_trait]
 impl Notices for LocalNotices {
-    async fn next(&mut self) -> Option<Result<String, BrokerError>> {
+    async fn next(&mut self) -> Option<Result<Notice, BrokerError>> {
         self.rx.recv().await.map(Ok)
     }
 }
@@ -131,7 +131,7 @@ struct State {
     consumers: HashMap<u64, (u64, String)>,
     /// Listeners to each pool's announcements, by pool: a bounded channel
     /// each (an announcement that finds one full is dropped: it is a hint).
-    listeners: HashMap<String, Vec<tokio::sync::mpsc::Sender<String>>>,
+    listeners: HashMap<String, Vec<tokio::sync::mpsc::Sender<Notice>>>,
     next_seq: u64,
     next_sub: u64,
 }
@@ -411,12 +411,12 @@ impl Broker for LocalBroker {
         Ok(())
     }
 
-    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError> {
+    async fn announce(&self, queues: &PoolQueues, notice: &Notice) -> Result<(), BrokerError> {
         let mut state = self.state()?;
         if let Some(listeners) = state.listeners.get_mut(&queues.pool) {
             listeners.retain(|l| !l.is_closed());
             for l in listeners.iter() {
-                let _ = l.try_send(job.to_owned());
+                let _ = l.try_send(notice.clone());
             }
         }
         Ok(())

@@ -502,15 +502,64 @@ impl Delivery {
     }
 }
 
-/// The ids of jobs announced on a pool's notice exchange, as they are
-/// announced. A notice is a hint to look at the pool's active jobs now: it
-/// carries no instruction, and one lost (a worker reconnecting) is made up
-/// by the next look.
+/// A job's start, as announced on its pool's notice exchange: the job id
+/// and its weight among the pool's active jobs, as the coordinator listed
+/// it. The body is `<job> <weight>`; a body with no weight (a coordinator
+/// of an earlier version sends the id alone) decodes with none, and a
+/// worker then reads the pool's active jobs to learn it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The job announced.
+    pub job: String,
+    /// Its weight among the pool's active jobs, when the notice says.
+    pub weight: Option<u32>,
+}
+
+impl Notice {
+    /// The announcement of `job`, listed with `weight`.
+    pub fn new(job: &str, weight: u32) -> Self {
+        Self {
+            job: job.to_owned(),
+            weight: Some(weight),
+        }
+    }
+
+    /// The message body.
+    pub fn encode(&self) -> String {
+        match self.weight {
+            Some(w) => format!("{} {w}", self.job),
+            None => self.job.clone(),
+        }
+    }
+
+    /// What a body says (never an error: a notice is a hint, and a body
+    /// that is not `<job> <weight>` is taken as a job id alone).
+    pub fn decode(body: &[u8]) -> Self {
+        let body = String::from_utf8_lossy(body);
+        if let Some((job, weight)) = body.rsplit_once(' ') {
+            if let (false, Ok(w)) = (job.is_empty(), weight.parse::<u32>()) {
+                return Self {
+                    job: job.to_owned(),
+                    weight: Some(w),
+                };
+            }
+        }
+        Self {
+            job: body.into_owned(),
+            weight: None,
+        }
+    }
+}
+
+/// The jobs announced on a pool's notice exchange, as they are announced.
+/// A notice is a hint that a job's queue has work: it carries no
+/// instruction, and one lost (a worker reconnecting) is made up by the
+/// workers' next look at the pool's active jobs.
 #[async_trait::async_trait]
 pub trait Notices: Send {
-    /// The next announced job id; `None` when the broker ended the
-    /// subscription; `Err` when the connection is lost. Cancel-safe.
-    async fn next(&mut self) -> Option<Result<String, BrokerError>>;
+    /// The next notice; `None` when the broker ended the subscription;
+    /// `Err` when the connection is lost. Cancel-safe.
+    async fn next(&mut self) -> Option<Result<Notice, BrokerError>>;
 }
 
 /// Deliveries from one queue, at most `prefetch` unsettled at a time.
@@ -533,10 +582,10 @@ pub trait Broker: Send + Sync + fmt::Debug {
     fn describe(&self) -> String;
     /// Declares the pool's queues (idempotent).
     async fn declare(&self, queues: &PoolQueues) -> Result<(), BrokerError>;
-    /// Announces that job `job` of the pool started (or runs again) on the
+    /// Announces that a job of the pool started (or runs again) on the
     /// pool's notice exchange; workers listening hear it at once. Nobody
     /// listening is not an error.
-    async fn announce(&self, queues: &PoolQueues, job: &str) -> Result<(), BrokerError>;
+    async fn announce(&self, queues: &PoolQueues, notice: &Notice) -> Result<(), BrokerError>;
     /// Listens to the pool's notice exchange (see [`Notices`]).
     async fn notices(&self, queues: &PoolQueues) -> Result<Box<dyn Notices>, BrokerError>;
     /// Deletes a pool's queues (and its notice exchange), each tried
@@ -615,6 +664,19 @@ pub async fn connect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_notice_says_its_job_and_weight_and_a_bare_id_says_no_weight() {
+        let n = Notice::new("scores-ab12", 4);
+        assert_eq!(n.encode(), "scores-ab12 4");
+        assert_eq!(Notice::decode(n.encode().as_bytes()), n);
+        // What a coordinator of an earlier version sends, and bodies that
+        // are not `<job> <weight>`: a job id alone.
+        for body in ["scores-ab12", "scores-ab12 x", " 4", "a b c"] {
+            let d = Notice::decode(body.as_bytes());
+            assert_eq!((d.job.as_str(), d.weight), (body, None), "{body:?}");
+        }
+    }
 
     #[test]
     fn the_settling_headers_count_only_under_their_seal() {

@@ -558,5 +558,8 @@ async fn every_listener_of_a_pool_hears_a_job_announced_and_no_other_pools() {
     );
     // A closed handle announces nothing.
     coordinator.close("bye").await;
-    assert!(coordinator.announce(&pool, "late").await.is_err());
+    assert!(coordinator
+        .announce(&pool, &batchfleet_shared::broker::Notice::new("late", 2))
+        .await
+        .is_err());
 }

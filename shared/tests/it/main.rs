@@ -32,8 +32,9 @@ pub async fn store_at(prefix: &str) -> batchfleet_shared::store::Store {
 /// What every broker keeps of announcements: with both pools declared and
 /// nobody listening, an announcement is no error; once `listeners` listen
 /// to `pool` and `other` to `elsewhere`, each hears only its own pool's
-/// job (`job-1`, `job-2`), the first it hears being one announced after it
-/// listened. The listeners' notices, for checks of a broker's own.
+/// job (`job-1`, `job-2`) with the weight it was announced with, the first
+/// it hears being one announced after it listened. The listeners' notices,
+/// for checks of a broker's own.
 pub async fn announcements_reach_their_pool_only(
     coordinator: &dyn batchfleet_shared::broker::Broker,
     listeners: [&dyn batchfleet_shared::broker::Broker; 2],
@@ -44,8 +45,9 @@ pub async fn announcements_reach_their_pool_only(
     for q in [pool, elsewhere] {
         coordinator.declare(q).await.expect("declare");
     }
+    use batchfleet_shared::broker::Notice;
     coordinator
-        .announce(pool, "early")
+        .announce(pool, &Notice::new("early", 2))
         .await
         .expect("nobody listening is fine");
     let mut heard = Vec::new();
@@ -53,9 +55,12 @@ pub async fn announcements_reach_their_pool_only(
         heard.push(w.notices(pool).await.expect("listen"));
     }
     let mut other_heard = other.notices(elsewhere).await.expect("listen");
-    coordinator.announce(pool, "job-1").await.expect("announce");
     coordinator
-        .announce(elsewhere, "job-2")
+        .announce(pool, &Notice::new("job-1", 4))
+        .await
+        .expect("announce");
+    coordinator
+        .announce(elsewhere, &Notice::new("job-2", 1))
         .await
         .expect("announce");
     let soon = Duration::from_secs(10);
@@ -65,7 +70,11 @@ pub async fn announcements_reach_their_pool_only(
             .expect("heard in time")
             .expect("still listening")
             .expect("no error");
-        assert_eq!(job, "job-1", "the first it hears is after it listened");
+        assert_eq!(
+            job,
+            Notice::new("job-1", 4),
+            "the first it hears is after it listened"
+        );
     }
     // Announced after the first pool's, on the same channel: were the other
     // pool's listener to hear the first, it would hear it first.
@@ -74,6 +83,6 @@ pub async fn announcements_reach_their_pool_only(
         .expect("heard in time")
         .expect("still listening")
         .expect("no error");
-    assert_eq!(job, "job-2");
+    assert_eq!(job, Notice::new("job-2", 1));
     heard
 }

@@ -24,7 +24,7 @@ use crate::connect;
 use crate::context::ItemContext;
 use crate::item::{self, Handled};
 use batchfleet_shared::backend::Backend;
-use batchfleet_shared::broker::Delivery;
+use batchfleet_shared::broker::{Delivery, Notice};
 use batchfleet_shared::metrics::names;
 use prefetch::{resize, Prefetch, Sizing, PERIOD};
 use session::Session;
@@ -258,15 +258,29 @@ fn queued(session: &Session, sizing: &Sizing) -> BTreeMap<String, Instant> {
     out
 }
 
-/// A job announced: the pool's active jobs are looked at now, and its queue
-/// consumed; `Some(why)` when the announcements' connection was lost.
+/// A job announced: its queue is consumed now. A notice that carries the
+/// job's weight adds the job to the active jobs as last read (the next
+/// read confirms it), and the worker follows them at once, with no Redis
+/// request — a job's start does not cost a read per worker. One without
+/// (from a coordinator of an earlier version) makes the worker read the
+/// pool's active jobs now. `Some(why)` when the announcements' connection
+/// was lost.
 fn look_now(
-    announced: Result<String, String>,
+    announced: Result<Notice, String>,
     session: &mut Session,
     sizing: &mut Sizing,
 ) -> Option<String> {
     match announced {
-        Ok(job) => {
+        Ok(Notice {
+            job,
+            weight: Some(weight),
+        }) if batchfleet_shared::message::valid_job_id(&job) => {
+            tracing::debug!(%job, weight, "job announced; consuming its queue");
+            session.work.announced_with(&job, weight);
+            sizing.next_follow = Instant::now();
+            None
+        }
+        Ok(Notice { job, .. }) => {
             tracing::debug!(%job, "job announced; looking at the pool's active jobs");
             session.work.announced(&job);
             sizing.next_jobs = Instant::now();

@@ -147,8 +147,14 @@ impl Sizing {
 /// jobs (a new job's queue is consumed within this of its publication).
 pub const JOBS_EVERY: Duration = Duration::from_secs(1);
 
-/// How often a worker that hears the announcements reads them anyway.
-pub const LISTENING_EVERY: Duration = Duration::from_secs(5);
+/// How often a worker that hears the announcements reads the pool's
+/// active jobs anyway: for a notice missed while it reconnected, a job
+/// that left the list (let go within this, well within the
+/// [`RETIRED_GRACE`](batchfleet_shared::retire::RETIRED_GRACE) before its
+/// queue is deleted), and changed weights. Each read is a Redis request
+/// per worker, so this sets the idle fleet's Redis load (0.1 requests per
+/// worker-second).
+pub const LISTENING_EVERY: Duration = Duration::from_secs(10);
 
 /// Consumes the work queue again with `size` deliveries (quorum queues take
 /// a consumer's prefetch when it subscribes): the old subscription is

@@ -4,7 +4,9 @@
 //! lost.
 
 use super::sources::{LetGo, Sources};
-use batchfleet_shared::broker::{Broker, BrokerError, Delivery, Notices, PoolQueues, Subscription};
+use batchfleet_shared::broker::{
+    Broker, BrokerError, Delivery, Notice, Notices, PoolQueues, Subscription,
+};
 use batchfleet_shared::retire::{self, RETIRED_GRACE};
 use batchfleet_shared::store::Store;
 use std::sync::Arc;
@@ -165,12 +167,12 @@ async fn settle(let_go: LetGo) -> Vec<Delivery> {
 /// The next announcement of a job of the pool. Pending for ever when
 /// this handle hears none, or no longer does (the broker ended the
 /// subscription: the timer is then the only way new jobs are found).
-pub(crate) async fn announced(listening: &mut Option<Box<dyn Notices>>) -> Result<String, String> {
+pub(crate) async fn announced(listening: &mut Option<Box<dyn Notices>>) -> Result<Notice, String> {
     let Some(notices) = listening.as_mut() else {
         return std::future::pending().await;
     };
     match notices.next().await {
-        Some(Ok(job)) => Ok(job),
+        Some(Ok(notice)) => Ok(notice),
         Some(Err(e)) => Err(e.to_string()),
         None => {
             tracing::warn!("the broker ended the subscription to the pool's announcements; new jobs are found by looking at the pool's active jobs every second");

@@ -249,6 +249,14 @@ impl Sources {
         self.announced.insert(job.to_owned(), Instant::now());
     }
 
+    /// Notes that job `job` was announced with `weight`: it joins the
+    /// active jobs as last read (until the next read, which lists it too),
+    /// for [`Sources::follow`] to consume its queue.
+    pub fn announced_with(&mut self, job: &str, weight: u32) {
+        self.active.insert(job.to_owned(), weight);
+        self.announced(job);
+    }
+
     /// Job queues consumed now that send work (not dormant).
     pub fn sending(&self) -> usize {
         let now = Instant::now();
@@ -966,5 +974,37 @@ mod tests {
         }
         got.sort();
         assert_eq!(got, ids);
+    }
+
+    /// A job announced with its weight is consumed at the next follow, with
+    /// no read of the active jobs (nothing here can read them), and kept
+    /// by the next read that lists it; a job the next read does not list
+    /// is let go.
+    #[tokio::test]
+    async fn a_job_announced_with_its_weight_is_consumed_without_reading_the_list() {
+        use batchfleet_shared::broker::PoolQueues;
+        let queues = PoolQueues::new("p");
+        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
+        broker.declare(&queues).await.expect("declare");
+        broker.declare_job(&queues, "j").await.expect("declare");
+        let mut sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
+            .await
+            .expect("consume");
+        assert!(!sources.crowded());
+        sources.announced_with("j", 4);
+        assert!(sources.crowded(), "an active job not consumed yet");
+        let first = sources.follow(&broker, |job| queues.job(job), 8).await;
+        assert!(first.returned.is_empty() && first.kept.is_empty());
+        assert_eq!(sources.jobs.get("j").map(|s| s.weight), Some(4));
+        let listed: BTreeMap<String, u32> = [("j".to_owned(), 4)].into();
+        assert!(!sources.leaving(&listed));
+        sources
+            .refresh(&broker, listed, |job| queues.job(job), 8)
+            .await;
+        assert!(sources.jobs.contains_key("j"), "kept");
+        sources
+            .refresh(&broker, BTreeMap::new(), |job| queues.job(job), 8)
+            .await;
+        assert!(!sources.jobs.contains_key("j"), "let go once not listed");
     }
 }
