@@ -61,6 +61,8 @@ pub struct Beats {
     waiting: Mutex<HashMap<String, BTreeMap<u64, Instant>>>,
     /// The number of the next waiting item.
     next_wait: std::sync::atomic::AtomicU64,
+    /// Job → when its queued field was last said, while it stays due.
+    said: Mutex<HashMap<String, Instant>>,
 }
 
 impl Beats {
@@ -73,6 +75,7 @@ impl Beats {
             queued: Mutex::default(),
             waiting: Mutex::default(),
             next_wait: std::sync::atomic::AtomicU64::new(0),
+            said: Mutex::default(),
         });
         tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
         beats
@@ -117,9 +120,12 @@ impl Beats {
     }
 
     /// The beat fields to set now, by job: the holder for jobs with leased
-    /// items, its queued field for jobs whose deliveries have waited
-    /// `waited` or more to start.
-    fn due(&self, waited: Duration) -> BTreeMap<String, Vec<String>> {
+    /// items (every beat: their leases' ttl counts from it), and the queued
+    /// field for jobs whose deliveries have waited `waited` or more to
+    /// start — said again only once `refresh` has passed since it was last
+    /// said (the coordinator trusts it for `orphan_grace`, several
+    /// heartbeats), unless the job is beaten anyway.
+    fn due(&self, waited: Duration, refresh: Duration) -> BTreeMap<String, Vec<String>> {
         let mut due: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for job in self.jobs.lock().unwrap_or_else(|p| p.into_inner()).keys() {
             due.entry(job.clone())
@@ -138,14 +144,32 @@ impl Beats {
                 *at = (*at).min(*since);
             }
         }
+        let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        // A job no longer waiting is named at once when it waits again.
+        said.retain(|job, _| oldest.get(job.as_str()).is_some_and(|s| s.elapsed() >= waited));
         for (job, since) in oldest {
-            if since.elapsed() >= waited {
+            if since.elapsed() < waited {
+                continue;
+            }
+            let beaten = due.contains_key(job);
+            let fresh = said
+                .get(job)
+                .is_some_and(|at| now.duration_since(*at) < refresh);
+            if beaten || !fresh {
                 due.entry(job.to_owned())
                     .or_default()
                     .push(batchfleet_shared::store::queued_field(&self.holder));
+                said.insert(job.to_owned(), now);
             }
         }
         due
+    }
+
+    /// Forgets when the queued fields were said (a beat that failed): the
+    /// next beat says them all.
+    fn unsay(&self) {
+        self.said.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
@@ -206,13 +230,16 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
         tick.tick().await;
         let Some(b) = beats.upgrade() else { return };
         // Deliveries waiting half a heartbeat: the beat names them within
-        // one and a half.
-        let due: Vec<(String, Vec<String>)> = b.due(every / 2).into_iter().collect();
-        drop(b);
-        // Every job in one request (one script call on one Redis server).
+        // one and a half, and again every other heartbeat.
+        let due: Vec<(String, Vec<String>)> =
+            b.due(every / 2, every * 3 / 2).into_iter().collect();
+        // Every job in one request (one script call on one Redis server);
+        // none when nothing is due.
         if let Err(e) = store.beat_jobs(&due).await {
+            b.unsay();
             tracing::warn!(jobs = due.len(), error = %e, "beat failed; the leases of this worker's items age");
         }
+        drop(b);
     }
 }
 
@@ -510,6 +537,7 @@ mod tests {
             queued: Mutex::default(),
             waiting: Mutex::default(),
             next_wait: std::sync::atomic::AtomicU64::new(0),
+            said: Mutex::default(),
         })
     }
 
@@ -519,19 +547,19 @@ mod tests {
         let signals = Signals::default();
         *signals.waiting.lock().unwrap() = Some(beats.wait("j1"));
         let other = beats.wait("j2");
-        let due = beats.due(Duration::ZERO);
+        let due = beats.due(Duration::ZERO, Duration::ZERO);
         assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
         assert_eq!(due["j2"], vec![queued_field("w1/boot")]);
         assert!(
-            beats.due(Duration::from_secs(60)).is_empty(),
+            beats.due(Duration::from_secs(60), Duration::ZERO).is_empty(),
             "not named before it has waited long enough"
         );
         signals.reached_model();
         assert!(signals.turn.get().is_some());
-        let due = beats.due(Duration::ZERO);
+        let due = beats.due(Duration::ZERO, Duration::ZERO);
         assert!(!due.contains_key("j1"), "at the model: no longer waiting");
         drop(other);
-        assert!(beats.due(Duration::ZERO).is_empty());
+        assert!(beats.due(Duration::ZERO, Duration::ZERO).is_empty());
     }
 
     #[test]
@@ -548,13 +576,51 @@ mod tests {
             .get_mut("j1")
             .unwrap()
             .insert(99, long_ago);
-        let due = beats.due(Duration::from_secs(5));
+        let due = beats.due(Duration::from_secs(5), Duration::ZERO);
         assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
         let _lease = beats.hold("j1");
-        let due = beats.due(Duration::from_secs(5));
+        let due = beats.due(Duration::from_secs(5), Duration::ZERO);
         assert_eq!(
             due["j1"],
             vec!["w1/boot".to_owned(), queued_field("w1/boot")]
         );
+    }
+
+    #[test]
+    fn a_queued_field_is_said_again_only_after_the_refresh_unless_its_job_is_beaten_anyway() {
+        let beats = beats();
+        let refresh = Duration::from_secs(3600);
+        beats.set_queued(BTreeMap::from([
+            ("j1".to_owned(), Instant::now()),
+            ("j2".to_owned(), Instant::now()),
+        ]));
+        let first = beats.due(Duration::ZERO, refresh);
+        assert_eq!(first.len(), 2, "both named at once: {first:?}");
+        assert!(
+            beats.due(Duration::ZERO, refresh).is_empty(),
+            "said within the refresh: no beat at all"
+        );
+        // A job with a leased item is beaten anyway: its queued field rides
+        // along.
+        let _lease = beats.hold("j2");
+        let due = beats.due(Duration::ZERO, refresh);
+        assert_eq!(
+            due["j2"],
+            vec!["w1/boot".to_owned(), queued_field("w1/boot")]
+        );
+        assert!(!due.contains_key("j1"));
+        // A job that stops waiting and waits again is named at once.
+        beats.set_queued(BTreeMap::from([("j2".to_owned(), Instant::now())]));
+        beats.due(Duration::ZERO, refresh);
+        beats.set_queued(BTreeMap::from([("j1".to_owned(), Instant::now())]));
+        assert_eq!(
+            beats.due(Duration::ZERO, refresh)["j1"],
+            vec![queued_field("w1/boot")]
+        );
+        // A failed beat: everything said again.
+        beats.unsay();
+        assert!(beats.due(Duration::ZERO, refresh).contains_key("j1"));
+        // Past the refresh, said again.
+        assert!(beats.due(Duration::ZERO, Duration::ZERO).contains_key("j1"));
     }
 }
