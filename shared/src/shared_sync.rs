@@ -4,15 +4,18 @@
 //!
 //! Each write asks for a sync of its file once its bytes are written and
 //! waits for one that *started* after that. The first to ask leads: it
-//! waits a moment for the writes it is told are still on their way (the
-//! items of a bundle, which finish moments apart, each holding a
-//! [`Coming`] from [`SharedSync::expect`]; at most `linger`), then syncs
-//! the file's filesystem once, and every write that asked before the sync
-//! began is durable with it. Writes
-//! that ask while a sync runs are covered by the next one. A file's bytes
-//! are thus durable before the caller links it into place, as with its own
-//! `fsync` ([`crate::fsutil::NameSync::Shared`]): the durability guarantee
-//! is unchanged, only the number of syncs falls.
+//! waits a moment for the other writes of its bundle still on their way
+//! (the items of a bundle finish moments apart; each holds a [`Coming`]
+//! from [`SharedSync::expect`], and writes while [`Coming::during`] says
+//! which bundle it is of; at most `linger`), then syncs the file's
+//! filesystem once, and every write that asked before the sync began —
+//! of any bundle — is durable with it. A leader never waits for another
+//! bundle's writes, nor does a write of no bundle: a worker with bundles
+//! in flight all the time does not hold each write back for the linger.
+//! Writes that ask while a sync runs are covered by the next one. A file's
+//! bytes are thus durable before the caller links it into place, as with
+//! its own `fsync` ([`crate::fsutil::NameSync::Shared`]): the durability
+//! guarantee is unchanged, only the number of syncs falls.
 //!
 //! Files on different filesystems go in different lanes (a sync covers one
 //! filesystem). Only a local disk filesystem shares syncs (ext4, XFS,
@@ -35,10 +38,6 @@ use std::time::{Duration, Instant};
 /// Syncs shared by the writes that finish together (see the module).
 pub struct SharedSync {
     lanes: Mutex<HashMap<u64, Arc<Lane>>>,
-    /// Writes waiting for a sync now, on every lane.
-    waiting: AtomicUsize,
-    /// Writes on their way ([`Coming`] held).
-    coming: AtomicUsize,
     linger: Duration,
     /// Filesystem syncs made.
     syncs: AtomicU64,
@@ -46,10 +45,44 @@ pub struct SharedSync {
     each_file: bool,
 }
 
-/// A write on its way to [`SharedSync::sync`]: a leader waits for it (at
-/// most the linger) until it is dropped — once its sync returned, or when
-/// its item ends without a write.
-pub struct Coming(Arc<SharedSync>);
+/// The writes of one bundle: those on their way ([`Coming`] held) and
+/// those asking for their sync now.
+#[derive(Debug, Default)]
+struct Bundle {
+    coming: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+impl Bundle {
+    /// Whether every write of the bundle still on its way has asked.
+    fn all_asked(&self) -> bool {
+        self.coming.load(Ordering::SeqCst) <= self.waiting.load(Ordering::SeqCst)
+    }
+}
+
+std::thread_local! {
+    /// The bundle of the write this thread makes now ([`Coming::during`]).
+    static WRITING: std::cell::RefCell<Option<Arc<Bundle>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A write on its way to [`SharedSync::sync`]: a leader of its bundle waits
+/// for it (at most the linger) until it is dropped — once its sync
+/// returned, or when its item ends without a write.
+pub struct Coming {
+    sync: Arc<SharedSync>,
+    bundle: Arc<Bundle>,
+}
+
+impl Coming {
+    /// Runs `write` (this write's, on this thread): the syncs it asks for
+    /// are of this write's bundle.
+    pub fn during<T>(&self, write: impl FnOnce() -> T) -> T {
+        let before = WRITING.with(|w| w.replace(Some(self.bundle.clone())));
+        let out = write();
+        WRITING.with(|w| *w.borrow_mut() = before);
+        out
+    }
+}
 
 impl std::fmt::Debug for Coming {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -59,16 +92,16 @@ impl std::fmt::Debug for Coming {
 
 impl Drop for Coming {
     fn drop(&mut self) {
-        self.0.coming.fetch_sub(1, Ordering::SeqCst);
-        self.0.nudge();
+        self.bundle.coming.fetch_sub(1, Ordering::SeqCst);
+        self.sync.nudge();
     }
 }
 
 impl std::fmt::Debug for SharedSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SharedSync")
-            .field("waiting", &self.waiting.load(Ordering::SeqCst))
             .field("linger", &self.linger)
+            .field("syncs", &self.syncs())
             .finish_non_exhaustive()
     }
 }
@@ -100,8 +133,6 @@ impl SharedSync {
     pub fn new(linger: Duration) -> Self {
         Self {
             lanes: Mutex::default(),
-            waiting: AtomicUsize::new(0),
-            coming: AtomicUsize::new(0),
             linger,
             syncs: AtomicU64::new(0),
             each_file: false,
@@ -116,11 +147,18 @@ impl SharedSync {
         }
     }
 
-    /// `n` writes on their way (a bundle's items about to be worked): a
-    /// sync waits for each until its [`Coming`] is dropped.
+    /// The `n` writes of a bundle, on their way (its items about to be
+    /// worked): a sync led by one of them waits for each until its
+    /// [`Coming`] is dropped.
     pub fn expect(self: &Arc<Self>, n: usize) -> Vec<Coming> {
-        self.coming.fetch_add(n, Ordering::SeqCst);
-        (0..n).map(|_| Coming(self.clone())).collect()
+        let bundle = Arc::new(Bundle::default());
+        bundle.coming.store(n, Ordering::SeqCst);
+        (0..n)
+            .map(|_| Coming {
+                sync: self.clone(),
+                bundle: bundle.clone(),
+            })
+            .collect()
     }
 
     /// Filesystem syncs made so far (each covering every write that asked before it).
@@ -155,9 +193,12 @@ impl SharedSync {
         }
         s.asked += 1;
         let ticket = s.asked;
-        // Counted with its ticket: a leader that sees it waiting syncs for it.
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waiting = Decrement(&self.waiting);
+        // Counted with its ticket: a leader of its bundle sees it waiting.
+        let bundle = WRITING.with(|w| w.borrow().clone());
+        let _waiting = bundle.as_ref().map(|b| {
+            b.waiting.fetch_add(1, Ordering::SeqCst);
+            Decrement(&b.waiting)
+        });
         lane.changed.notify_all();
         loop {
             if s.done >= ticket {
@@ -173,14 +214,13 @@ impl SharedSync {
                 s = lane.changed.wait(s).unwrap_or_else(|p| p.into_inner());
                 continue;
             }
-            // Lead: wait a moment for the writes still on their way, then
-            // sync for every ticket handed out by then.
+            // Lead: wait a moment for the writes of its bundle still on
+            // their way, then sync for every ticket handed out by then.
             s.leading = true;
             let until = Instant::now() + self.linger;
             loop {
                 let now = Instant::now();
-                let waiting = self.waiting.load(Ordering::SeqCst);
-                if now >= until || self.coming.load(Ordering::SeqCst) <= waiting {
+                if now >= until || bundle.as_ref().is_none_or(|b| b.all_asked()) {
                     break;
                 }
                 // Woken by a write that asks, or one on its way that will not.
@@ -309,7 +349,7 @@ mod tests {
             .map(|(i, c)| {
                 let (shared, dir) = (shared.clone(), dir.path().to_owned());
                 std::thread::spawn(move || {
-                    let synced = shared.sync(&written(&dir, &format!("f{i}")));
+                    let synced = c.during(|| shared.sync(&written(&dir, &format!("f{i}"))));
                     drop(c);
                     synced
                 })
@@ -330,17 +370,19 @@ mod tests {
         let first = coming.pop().unwrap();
         let waiter = {
             let (shared, dir) = (shared.clone(), dir.path().to_owned());
-            std::thread::spawn(move || {
-                let synced = shared.sync(&written(&dir, "first"));
+            let bundle = first.bundle.clone();
+            let waiter = std::thread::spawn(move || {
+                let synced = first.during(|| shared.sync(&written(&dir, "first")));
                 drop(first);
                 synced
-            })
+            });
+            while bundle.waiting.load(Ordering::SeqCst) == 0 {
+                std::thread::yield_now();
+            }
+            waiter
         };
         // The second item ends without a write: the first's sync goes ahead
         // (without the wake-up, it would wait the hour).
-        while shared.waiting.load(Ordering::SeqCst) == 0 {
-            std::thread::yield_now();
-        }
         drop(second);
         waiter.join().unwrap().unwrap();
         assert_eq!(shared.syncs(), 1);
@@ -359,6 +401,22 @@ mod tests {
             2,
             "a sync that began before a write does not cover it"
         );
+    }
+
+    #[test]
+    fn a_leader_waits_for_its_own_bundle_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(SharedSync::new(Duration::from_secs(3600)));
+        // Another bundle with a write on its way that never comes (it
+        // would hold this one's sync for the hour), and a write of no
+        // bundle: neither waits.
+        let _other = shared.expect(1);
+        let mine = shared.expect(1).pop().unwrap();
+        mine.during(|| shared.sync(&written(dir.path(), "mine")))
+            .unwrap();
+        drop(mine);
+        shared.sync(&written(dir.path(), "alone")).unwrap();
+        assert_eq!(shared.syncs(), 2);
     }
 
     #[test]

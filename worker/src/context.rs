@@ -362,7 +362,7 @@ impl ItemContext {
             work: work.clone(),
             patience: parts.tuning.store_patience,
             shutdown: parts.shutdown.clone(),
-            linger: crate::item::group::LINGER,
+            linger: crate::item::group::linger(parts.tuning.heartbeat),
         });
         // A bundle's items reach their part files moments apart: the first
         // waits for the others (as their commits do), and one sync makes
@@ -370,7 +370,9 @@ impl ItemContext {
         let data_sync = Arc::new(if parts.sync_each_file {
             batchfleet_shared::shared_sync::SharedSync::each_file()
         } else {
-            batchfleet_shared::shared_sync::SharedSync::new(crate::item::group::LINGER)
+            batchfleet_shared::shared_sync::SharedSync::new(crate::item::group::linger(
+                parts.tuning.heartbeat,
+            ))
         });
         let beats = crate::item::lease::Beats::start(
             &parts.worker_id,

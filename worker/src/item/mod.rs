@@ -593,7 +593,11 @@ async fn process(
         if !rejects.is_empty() {
             writer::rejects_folder_usable(&o)?;
         }
-        let published = source.publish(&o, &p, &data_sync);
+        let publish = || source.publish(&o, &p, &data_sync);
+        let published = match &coming {
+            Some(c) => c.during(publish),
+            None => publish(),
+        };
         drop(coming);
         let published = published?;
         let won = match (published, publishing) {
