@@ -29,8 +29,8 @@
 //! returns every unacknowledged delivery.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing, PoolQueues,
-    Subscription, DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing,
+    PoolQueues, Subscription, DEAD_LETTER_EXCHANGE, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use crate::endpoint::{is_certificate_error, Endpoint};
 use crate::secret::scrub;

@@ -40,8 +40,8 @@
 //!   the queue, and the messages before it in the same call stay published.
 
 use super::{
-    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing, PoolQueues,
-    Subscription, DELIVERY_COUNT_HEADER, DELIVERY_LIMIT, RETRY_TIERS_S,
+    Acker, Broker, BrokerError, Delivery, HeaderValue, Headers, Notice, Notices, Outgoing,
+    PoolQueues, Subscription, DELIVERY_COUNT_HEADER, DELIVERY_LIMIT, RETRY_TIERS_S,
 };
 use std::collections::{HashMap, VecDeque};
 use std::fmt;

@@ -215,7 +215,11 @@ impl Committer {
     }
 }
 
-async fn run(setup: Setup, mut from_handlers: mpsc::UnboundedReceiver<Pending>, changed: Arc<Notify>) {
+async fn run(
+    setup: Setup,
+    mut from_handlers: mpsc::UnboundedReceiver<Pending>,
+    changed: Arc<Notify>,
+) {
     while let Some(first) = from_handlers.recv().await {
         let mut group = vec![first.arrived()];
         let linger = tokio::time::Instant::now() + setup.linger;

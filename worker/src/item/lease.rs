@@ -147,7 +147,11 @@ impl Beats {
         let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         // A job no longer waiting is named at once when it waits again.
-        said.retain(|job, _| oldest.get(job.as_str()).is_some_and(|s| s.elapsed() >= waited));
+        said.retain(|job, _| {
+            oldest
+                .get(job.as_str())
+                .is_some_and(|s| s.elapsed() >= waited)
+        });
         for (job, since) in oldest {
             if since.elapsed() < waited {
                 continue;
@@ -231,8 +235,7 @@ async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
         let Some(b) = beats.upgrade() else { return };
         // Deliveries waiting half a heartbeat: the beat names them within
         // one and a half, and again every other heartbeat.
-        let due: Vec<(String, Vec<String>)> =
-            b.due(every / 2, every * 3 / 2).into_iter().collect();
+        let due: Vec<(String, Vec<String>)> = b.due(every / 2, every * 3 / 2).into_iter().collect();
         // Every job in one request (one script call on one Redis server);
         // none when nothing is due.
         if let Err(e) = store.beat_jobs(&due).await {
@@ -551,7 +554,9 @@ mod tests {
         assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
         assert_eq!(due["j2"], vec![queued_field("w1/boot")]);
         assert!(
-            beats.due(Duration::from_secs(60), Duration::ZERO).is_empty(),
+            beats
+                .due(Duration::from_secs(60), Duration::ZERO)
+                .is_empty(),
             "not named before it has waited long enough"
         );
         signals.reached_model();
