@@ -186,15 +186,17 @@ pub async fn dispatch(
             &RecordUpdate::Priority(spec.priority.as_str().to_owned()),
         )
         .await?;
-    store
-        .activate_job(&spec.pool, &spec.job_id, spec.priority.weight())
-        .await?;
-    if was_retired {
-        redeclare_after_sweeps(store, broker, &queues, &spec.job_id).await?;
-    }
     // The pool's workers hear of the job now and consume its queue while
     // its items are published.
-    announce(broker, &queues, &spec.job_id, spec.priority.weight()).await;
+    list_and_announce(
+        store,
+        broker,
+        &queues,
+        &spec.job_id,
+        spec.priority.weight(),
+        was_retired,
+    )
+    .await?;
     let job_queue = queues.job(&spec.job_id);
     // Encoded a chunk at a time: bounded memory for jobs of millions of items.
     let mut published = 0;
@@ -272,19 +274,28 @@ fn crash_point(published: u64) {
     }
 }
 
-/// For a job listed active again whose retired note it took back
-/// ([`batchfleet_shared::store::JobStore::forget_retired`]): waits until no
-/// sweep holds its queue and declares the queue again — a sweep that read
-/// the active jobs before the job was listed may have deleted it. (A job
-/// with no note has no sweep that could delete its queue.)
-pub(crate) async fn redeclare_after_sweeps(
+/// Lists job `job` (its queue declared) among its pool's active jobs with
+/// `weight`, and announces it with that weight. `was_retired`: the job took
+/// its retired note back
+/// ([`batchfleet_shared::store::JobStore::forget_retired`]), so once listed
+/// it waits until no sweep holds its queue and declares the queue again — a
+/// sweep that read the active jobs before the job was listed may have
+/// deleted it. (A job with no note has no sweep that could delete its
+/// queue.) For a run, a replay and a rebuild alike.
+pub(crate) async fn list_and_announce(
     store: &Store,
     broker: &dyn Broker,
     queues: &PoolQueues,
     job: &str,
+    weight: u32,
+    was_retired: bool,
 ) -> Result<(), RunError> {
-    batchfleet_shared::retire::after_sweeps(store, job).await?;
-    broker.declare_job(queues, job).await?;
+    store.activate_job(&queues.pool, job, weight).await?;
+    if was_retired {
+        batchfleet_shared::retire::after_sweeps(store, job).await?;
+        broker.declare_job(queues, job).await?;
+    }
+    announce(broker, queues, job, weight).await;
     Ok(())
 }
 
@@ -293,7 +304,7 @@ pub(crate) async fn redeclare_after_sweeps(
 /// worker that hears it consumes the job's queue at once, without reading
 /// the list. Best effort: a worker that does not hear it finds the job at
 /// its next look at the pool's active jobs, within seconds.
-pub async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str, weight: u32) {
+async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str, weight: u32) {
     let notice = batchfleet_shared::broker::Notice::new(job, weight);
     if let Err(e) = broker.announce(queues, &notice).await {
         tracing::warn!(job, error = %e, "could not announce the job; workers find it at their next look at the pool's active jobs");

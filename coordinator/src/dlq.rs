@@ -397,11 +397,8 @@ pub async fn replay(
             .map(|j| j.priority)
             .unwrap_or_default();
         let weight = crate::manifest::Priority::of_record(&priority).weight();
-        store.activate_job(&queues.pool, job, weight).await?;
-        if was_retired {
-            crate::dispatcher::redeclare_after_sweeps(store, broker, &queues, job).await?;
-        }
-        crate::dispatcher::announce(broker, &queues, job, weight).await;
+        crate::dispatcher::list_and_announce(store, broker, &queues, job, weight, was_retired)
+            .await?;
     }
     for (msg, dead, item, last) in chosen {
         // Forget the failure first, so a fresh failure recorded by a fast

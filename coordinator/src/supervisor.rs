@@ -753,14 +753,16 @@ impl Supervisor {
         // still sits there.
         let queues = PoolQueues::new(&record.pool);
         let was_retired = store.forget_retired(&record.pool, &self.job_id).await?;
-        store
-            .activate_job(&record.pool, &self.job_id, spec.priority.weight())
-            .await?;
-        if was_retired {
-            crate::dispatcher::redeclare_after_sweeps(store, &*broker, &queues, &self.job_id)
-                .await?;
-        }
-        crate::dispatcher::announce(&*broker, &queues, &self.job_id, spec.priority.weight()).await;
+        let weight = spec.priority.weight();
+        crate::dispatcher::list_and_announce(
+            store,
+            &*broker,
+            &queues,
+            &self.job_id,
+            weight,
+            was_retired,
+        )
+        .await?;
         self.record = Some(record);
         self.report.rebuilds += 1;
         self.report.rebuilt_items += restored;

@@ -357,12 +357,14 @@ impl ItemContext {
         let runner = (parts.make_runner)()?;
         let pause = Pause::new(parts.tuning.pause_max);
         let work = Arc::new(WorkTally::default());
+        // Commits and syncs wait this long at most for a bundle's items.
+        let linger = crate::item::group::linger(parts.tuning.heartbeat);
         let committer = crate::item::group::Committer::start(crate::item::group::Setup {
             store: parts.store.clone(),
             work: work.clone(),
             patience: parts.tuning.store_patience,
             shutdown: parts.shutdown.clone(),
-            linger: crate::item::group::linger(parts.tuning.heartbeat),
+            linger,
         });
         // A bundle's items reach their part files moments apart: the first
         // waits for the others (as their commits do), and one sync makes
@@ -370,9 +372,7 @@ impl ItemContext {
         let data_sync = Arc::new(if parts.sync_each_file {
             batchfleet_shared::shared_sync::SharedSync::each_file()
         } else {
-            batchfleet_shared::shared_sync::SharedSync::new(crate::item::group::linger(
-                parts.tuning.heartbeat,
-            ))
+            batchfleet_shared::shared_sync::SharedSync::new(linger)
         });
         let beats = crate::item::lease::Beats::start(
             &parts.worker_id,

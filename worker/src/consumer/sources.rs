@@ -909,6 +909,23 @@ mod tests {
         assert_eq!(queued.keys().collect::<Vec<_>>(), ["running-1"]);
     }
 
+    /// Pool `p` of in-process queues with job `j`'s queue declared, and
+    /// worker `w`'s sources on it (prefetch 8, at most 4 job queues).
+    async fn with_job_j() -> (
+        batchfleet_shared::broker::PoolQueues,
+        Arc<dyn Broker>,
+        Sources,
+    ) {
+        let queues = batchfleet_shared::broker::PoolQueues::new("p");
+        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
+        broker.declare(&queues).await.expect("declare");
+        broker.declare_job(&queues, "j").await.expect("declare");
+        let sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
+            .await
+            .expect("consume");
+        (queues, broker, sources)
+    }
+
     /// A job that leaves the list and comes back (run again under its id,
     /// before its queue is deleted) gets its subscription back with what it
     /// sent meanwhile: the new run's deliveries are handed out, not
@@ -916,14 +933,8 @@ mod tests {
     /// limit and hold them back until the subscription is cancelled).
     #[tokio::test]
     async fn a_job_run_again_takes_its_letting_go_subscription_back() {
-        use batchfleet_shared::broker::{Headers, Outgoing, PoolQueues};
-        let queues = PoolQueues::new("p");
-        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
-        broker.declare(&queues).await.expect("declare");
-        broker.declare_job(&queues, "j").await.expect("declare");
-        let mut sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
-            .await
-            .expect("consume");
+        use batchfleet_shared::broker::{Headers, Outgoing};
+        let (queues, broker, mut sources) = with_job_j().await;
         let listed: BTreeMap<String, u32> = [("j".to_owned(), 1)].into();
         sources.announced("j");
         let first = sources
@@ -982,14 +993,7 @@ mod tests {
     /// is let go.
     #[tokio::test]
     async fn a_job_announced_with_its_weight_is_consumed_without_reading_the_list() {
-        use batchfleet_shared::broker::PoolQueues;
-        let queues = PoolQueues::new("p");
-        let broker = batchfleet_shared::broker::local::LocalQueues::new().handle();
-        broker.declare(&queues).await.expect("declare");
-        broker.declare_job(&queues, "j").await.expect("declare");
-        let mut sources = Sources::open(&broker, &queues.work(), 8, "w", 4)
-            .await
-            .expect("consume");
+        let (queues, broker, mut sources) = with_job_j().await;
         assert!(!sources.crowded());
         sources.announced_with("j", 4);
         assert!(sources.crowded(), "an active job not consumed yet");

@@ -144,18 +144,12 @@ impl Beats {
                 *at = (*at).min(*since);
             }
         }
+        oldest.retain(|_, since| since.elapsed() >= waited);
         let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         // A job no longer waiting is named at once when it waits again.
-        said.retain(|job, _| {
-            oldest
-                .get(job.as_str())
-                .is_some_and(|s| s.elapsed() >= waited)
-        });
-        for (job, since) in oldest {
-            if since.elapsed() < waited {
-                continue;
-            }
+        said.retain(|job, _| oldest.contains_key(job.as_str()));
+        for job in oldest.into_keys() {
             let beaten = due.contains_key(job);
             let fresh = said
                 .get(job)
