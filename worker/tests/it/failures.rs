@@ -911,3 +911,142 @@ async fn a_model_that_crashes_its_trial_is_refused_by_run_and_never_tried_by_wai
     stop_all(&mut workers);
     env.cleanup(&[&id]).await;
 }
+
+/// A file system of its own (an ext4 image on a loop device) mounted at
+/// `at`, which `fsfreeze` can freeze: every write to it then blocks in the
+/// kernel until it is thawed, as a write to a hung network mount does.
+/// Dropped: thawed and unmounted, whatever the test did.
+struct FreezableFs {
+    at: PathBuf,
+    frozen: bool,
+}
+
+impl FreezableFs {
+    /// `None` where this process may not mount one (not root).
+    fn mount(at: &Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::metadata("/proc/self").map(|m| m.uid()).ok() != Some(0) {
+            return None;
+        }
+        let image = at.with_extension("img");
+        std::fs::File::create(&image)
+            .and_then(|f| f.set_len(64 << 20))
+            .expect("image");
+        std::fs::create_dir_all(at).expect("mount point");
+        sh("mkfs.ext4", &["-q".as_ref(), image.as_os_str()]);
+        sh(
+            "mount",
+            &[
+                "-o".as_ref(),
+                "loop".as_ref(),
+                image.as_os_str(),
+                at.as_os_str(),
+            ],
+        );
+        Some(Self {
+            at: at.to_owned(),
+            frozen: false,
+        })
+    }
+
+    fn freeze(&mut self, frozen: bool) {
+        let how = if frozen { "--freeze" } else { "--unfreeze" };
+        sh("fsfreeze", &[how.as_ref(), self.at.as_os_str()]);
+        self.frozen = frozen;
+    }
+}
+
+impl Drop for FreezableFs {
+    fn drop(&mut self) {
+        if self.frozen {
+            let _ = std::process::Command::new("fsfreeze")
+                .arg("--unfreeze")
+                .arg(&self.at)
+                .status();
+        }
+        // Lazily: a worker still stopping may hold a file open there.
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.at)
+            .status();
+    }
+}
+
+fn sh(program: &str, args: &[&std::ffi::OsStr]) {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Issue: `item_timeout` bounded only the model call, so a write that never
+/// returns (an output folder on a hung network mount) held its item, and a
+/// slot of the worker, for good. Here the output folder is on a file system
+/// of its own, frozen once the job is published and before any worker
+/// starts: every item's write blocks in the kernel. Each fails at its 1 s
+/// `item_timeout` as `timeout`, naming the write, and is retried; once the
+/// file system is thawed, the retries (and the late writes, which publish
+/// the same part files a speculative copy would) complete the job with
+/// every row exactly once, and the worker stops when told to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_never_returns_times_out_and_the_item_is_retried() {
+    use crate::containment::{start_waiting, summary, until};
+    let env = TestEnv::new("stalled-write");
+    let Some(mut fs) = FreezableFs::mount(&env.path().join("outfs")) else {
+        eprintln!("skipped: mounting a file system to freeze needs root");
+        return;
+    };
+    let manifest = job(
+        &env,
+        500,
+        &[],
+        &[],
+        "model.pt",
+        "item_timeout = \"1s\"\nmax_attempts = 8\nretry_delay = \"300ms\"",
+    );
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("dir = \"out\"", "dir = \"outfs/out\""),
+    )
+    .expect("manifest");
+    let mut cfg = env.run_config();
+    cfg.supervise.speculate_min = Duration::from_secs(60);
+    let waiting = start_waiting(&env, &cfg, &manifest, 4).await;
+    fs.freeze(true);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    until(
+        "a write given up at item_timeout",
+        Duration::from_secs(60),
+        || async {
+            workers[0]
+                .log_text()
+                .contains("writing the item's output did not finish within item_timeout (1s)")
+        },
+    )
+    .await;
+    fs.freeze(false);
+    let report = summary(waiting.run, Duration::from_secs(120)).await;
+    let log = workers[0].log_text();
+    assert_eq!(report.status, "completed", "{report:?}\n{log}");
+    assert_eq!(
+        (report.rows_predicted, report.items_failed),
+        (2000, 0),
+        "{report:?}"
+    );
+    assert!(report.deliveries > 4, "a write was retried: {report:?}");
+    let out = env.path().join("outfs/out");
+    let v = verify(&out, &env.path().join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert!(
+        !log.contains("the model call did not finish"),
+        "only the write stalled:\n{log}"
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&waiting.id]).await;
+}
