@@ -9,6 +9,9 @@
 //!   it starts: [`harden_process`]), so a command running as the same user
 //!   cannot read its memory or `/proc/<pid>/environ`, where the broker and
 //!   Redis URLs it was started with are;
+//! - with `--hook-user`, the command runs as another user (its own uid, gid
+//!   and no supplementary groups), which cannot read the coordinator's
+//!   `*_FILE` secrets or signal it at all;
 //! - the command gets the job's variables and a few harmless ones
 //!   ([`BASE_ENV`]) plus the operator's `--hook-env` list, not the
 //!   coordinator's environment (broker and Redis URLs, AWS keys); it runs in
@@ -88,6 +91,54 @@ pub struct HookPolicy {
     pub allow_http: bool,
     /// Whether webhooks may go to link-local and cloud metadata addresses.
     pub allow_link_local: bool,
+    /// The user commands run as (`--hook-user`); the coordinator's own when
+    /// `None`.
+    pub user: Option<HookUser>,
+}
+
+/// The user hook commands run as (`--hook-user`): its own uid and gid, no
+/// supplementary groups, and its own `HOME`, `USER` and `LOGNAME`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookUser {
+    /// Its name.
+    pub name: String,
+    /// Its user id.
+    pub uid: u32,
+    /// Its primary group id.
+    pub gid: u32,
+    /// Its home folder.
+    pub home: std::path::PathBuf,
+}
+
+impl HookUser {
+    /// Looks `spec` (a user name, or a numeric uid) up in the host's user
+    /// database (NSS, so directory users too). Starting a process as
+    /// another user takes root: a coordinator that is not root is refused
+    /// here, as it starts, rather than when its first hook would run.
+    pub fn resolve(spec: &str) -> Result<Self, String> {
+        use nix::unistd::{Uid, User};
+        let found = match spec.parse::<u32>() {
+            Ok(uid) => User::from_uid(Uid::from_raw(uid)),
+            Err(_) => User::from_name(spec),
+        }
+        .map_err(|e| format!("--hook-user {spec}: cannot look the user up ({e})"))?
+        .ok_or_else(|| {
+            format!("--hook-user {spec}: no such user on this host; name an existing user (for example one made for hooks: `useradd --system batchfleet-hooks`)")
+        })?;
+        let me = rustix::process::geteuid();
+        if !me.is_root() && me.as_raw() != found.uid.as_raw() {
+            return Err(format!(
+                "--hook-user {spec}: starting hook commands as another user needs the coordinator to run as root (it runs as uid {}); run it as root, or leave --hook-user out (commands then run as the coordinator's user, which cannot read its memory or environment: it is not dumpable)",
+                me.as_raw()
+            ));
+        }
+        Ok(Self {
+            name: found.name,
+            uid: found.uid.as_raw(),
+            gid: found.gid.as_raw(),
+            home: found.dir,
+        })
+    }
 }
 
 impl HookPolicy {
@@ -330,7 +381,15 @@ pub async fn run(
             None => {
                 let mut env = policy.command_env(std::env::vars_os());
                 env.extend(job_env.iter().map(|(k, v)| ((*k).into(), (*v).to_owned())));
-                run_command(cmd, hooks.command_timeout, &env, cwd).await
+                if let Some(user) = &policy.user {
+                    env.retain(|(k, _)| {
+                        !["HOME", "USER", "LOGNAME"].contains(&k.to_str().unwrap_or(""))
+                    });
+                    env.push(("HOME".into(), user.home.clone().into()));
+                    env.push(("USER".into(), user.name.clone().into()));
+                    env.push(("LOGNAME".into(), user.name.clone().into()));
+                }
+                run_command(cmd, hooks.command_timeout, &env, cwd, policy.user.as_ref()).await
             }
         });
     }
@@ -376,9 +435,16 @@ async fn run_command(
     timeout: Duration,
     env: &[(std::ffi::OsString, std::ffi::OsString)],
     cwd: &Path,
+    user: Option<&HookUser>,
 ) -> CommandOutcome {
     let started = Instant::now();
-    let child = tokio::process::Command::new(&cmd[0])
+    let mut command = tokio::process::Command::new(&cmd[0]);
+    if let Some(u) = user {
+        // Set with a uid, the standard library also drops the
+        // supplementary groups (setgroups(0)) before setuid.
+        command.uid(u.uid).gid(u.gid);
+    }
+    let child = command
         .args(&cmd[1..])
         .current_dir(cwd)
         .env_clear()

@@ -67,6 +67,13 @@ pub struct GlobalArgs {
     /// skipped, and its summary says why.
     #[arg(long, env = "BATCHFLEET_HOOKS", value_enum, default_value_t = crate::hooks::HookRun::All, global = true)]
     pub hooks: crate::hooks::HookRun,
+    /// Run `[on_complete]` commands as this user (a name or a uid): its
+    /// own uid and group, no supplementary groups, its own HOME, so a
+    /// command cannot read this coordinator's secret files or signal it.
+    /// Needs the coordinator to run as root; commands run as the
+    /// coordinator's user without it.
+    #[arg(long, env = "BATCHFLEET_HOOK_USER", value_name = "USER", global = true)]
+    pub hook_user: Option<String>,
     /// Publish work messages whole, the job's task in every message
     /// (version 2), instead of naming the task stored once per job
     /// (version 3), and create new jobs with a done set of seqs rather than
@@ -103,6 +110,11 @@ impl GlobalArgs {
                 allow_http: self.hook_allow_http,
                 allow_link_local: self.hook_allow_link_local,
                 run: self.hooks,
+                user: self
+                    .hook_user
+                    .as_deref()
+                    .map(crate::hooks::HookUser::resolve)
+                    .transpose()?,
             },
             whole_messages: self.whole_messages,
             bundle: usize::from(self.bundle),

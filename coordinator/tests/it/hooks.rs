@@ -317,3 +317,70 @@ async fn webhook_cases(port: u16) {
         );
     }
 }
+
+/// Issue: a hook command ran as the coordinator's user, so it could read
+/// every secret file the coordinator reads. With `--hook-user`, run as
+/// root here, the command runs as `nobody`: its own uid and group, no
+/// supplementary group of the coordinator's, its own HOME, and a file only
+/// the coordinator's user may read is closed to it. A coordinator that is
+/// not root is refused `--hook-user` as it starts, naming the flag.
+#[tokio::test]
+async fn a_hook_command_runs_as_the_hook_user_and_cannot_read_the_coordinators_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = rustix::process::geteuid().is_root();
+    let user = hooks::HookUser::resolve("nobody");
+    if !root {
+        let why = user.expect_err("only root starts processes as another user");
+        assert!(
+            why.contains("--hook-user nobody") && why.contains("root"),
+            "{why}"
+        );
+        return;
+    }
+    let user = user.expect("nobody exists");
+    assert_ne!(user.uid, 0);
+    assert!(hooks::HookUser::resolve("no-such-user-batchfleet")
+        .expect_err("unknown")
+        .contains("no such user"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The folder the command runs in and writes to is open to it; the
+    // secret beside it is the coordinator's alone.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let secret = dir.path().join("redis-password");
+    std::fs::write(&secret, "hunter2").expect("secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let policy = HookPolicy {
+        user: Some(user.clone()),
+        ..HookPolicy::default()
+    };
+    let out = run(
+        &command(
+            &[
+                "sh",
+                "-c",
+                "id -u > uid.txt; id -G > groups.txt; echo \"$HOME $USER\" > home.txt; cat redis-password > read.txt 2>&1; echo $? >> read.txt",
+            ],
+            Duration::from_secs(60),
+        ),
+        &policy,
+        dir.path(),
+    )
+    .await;
+    assert_eq!(out.command.expect("ran").status, "succeeded");
+    let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).expect(name);
+    assert_eq!(read("uid.txt").trim(), user.uid.to_string());
+    assert_eq!(
+        read("groups.txt").trim(),
+        user.gid.to_string(),
+        "only the user's own group, none of the coordinator's"
+    );
+    assert_eq!(
+        read("home.txt").trim(),
+        format!("{} {}", user.home.display(), user.name)
+    );
+    let attempt = read("read.txt");
+    assert!(
+        !attempt.contains("hunter2") && attempt.contains("Permission denied"),
+        "{attempt}"
+    );
+}
