@@ -716,6 +716,22 @@ pub trait JobStore: Send + Sync + fmt::Debug {
     /// The job's task stored under `sha256`, if the job stores one.
     async fn task(&self, job: &str, sha256: &str) -> Result<TaskLookup, StoreError>;
 
+    /// [`JobStore::task`] and, where the job is known, its
+    /// [`JobStore::job_facts`]: a worker's first item of a job needs both,
+    /// read here in one round trip (Redis).
+    async fn task_and_facts(
+        &self,
+        job: &str,
+        sha256: &str,
+    ) -> Result<(TaskLookup, Option<JobFacts>), StoreError> {
+        let task = self.task(job, sha256).await?;
+        let facts = match task {
+            TaskLookup::UnknownJob => None,
+            _ => self.job_facts(job).await?,
+        };
+        Ok((task, facts))
+    }
+
     /// The input files [`JobStore::put_inputs`] recorded, by path.
     async fn inputs(&self, job: &str) -> Result<BTreeMap<String, String>, StoreError>;
 

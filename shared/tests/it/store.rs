@@ -710,6 +710,19 @@ async fn a_task_is_stored_once_per_job_under_its_digest(store: Store) {
         panic!("the task was stored");
     };
     assert_eq!(StoredTask::open(&bytes, &task.sha256).expect("opens"), item);
+    // With the job's facts, in one round trip on Redis: what `task` says,
+    // and the facts of a known job only.
+    let facts = store.job_facts("t").await.expect("facts");
+    assert!(facts.is_some());
+    for (job, sha, want) in [
+        ("t", task.sha256.as_str(), TaskLookup::Found(bytes.clone())),
+        ("t", "0000", TaskLookup::NotOfJob),
+        ("nope", task.sha256.as_str(), TaskLookup::UnknownJob),
+    ] {
+        let (found, got) = store.task_and_facts(job, sha).await.expect("task");
+        assert_eq!(found, want);
+        assert_eq!(got, if job == "t" { facts.clone() } else { None });
+    }
     // Another job does not share it.
     store.put_job(&record("u")).await.expect("put");
     assert_eq!(
@@ -1293,11 +1306,21 @@ async fn workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up(sto
 /// which for 10⁵–10⁶ items outlasts the Redis client's response timeout
 /// (500 ms), so such a job could not be reduced. Here 400,000 items' stats
 /// (about 60 MB) and as many seqs of an older job's done set are read back
-/// whole, a page at a time.
+/// whole, a page at a time, by a store whose every answer must come within
+/// that same half second.
 #[tokio::test]
 async fn the_reads_of_a_job_of_400k_items_stay_within_the_client_timeouts() {
     use ::redis::AsyncCommands;
-    let (store, prefix, mut raw) = redis_with_raw("bftest-paged").await;
+    let (_, prefix, mut raw) = redis_with_raw("bftest-paged").await;
+    let store = batchfleet_shared::store::Store::connect(
+        &batchfleet_shared::endpoint::Endpoint::redis(batchfleet_shared::secret::SecretUrl::new(
+            "redis://127.0.0.1:6379/",
+        )),
+        &prefix,
+        std::time::Duration::from_millis(500),
+    )
+    .await
+    .expect("redis");
     let job = "big";
     let stats_key = format!("{prefix}:job:{{{job}}}:stats");
     let done_key = format!("{prefix}:job:{{{job}}}:done");

@@ -50,17 +50,8 @@ impl Facts {
             match reads.get(job) {
                 Some((at, read)) if at.elapsed() < FRESH => read.clone(),
                 _ => {
-                    if reads.len() >= KEPT && !reads.contains_key(job) {
-                        let oldest = reads
-                            .iter()
-                            .min_by_key(|(_, (at, _))| *at)
-                            .map(|(j, _)| j.clone());
-                        if let Some(oldest) = oldest {
-                            reads.remove(&oldest);
-                        }
-                    }
                     let read = Read::default();
-                    reads.insert(job.to_owned(), (Instant::now(), read.clone()));
+                    keep(&mut reads, job, read.clone());
                     read
                 }
             }
@@ -78,6 +69,24 @@ impl Facts {
         .clone()
     }
 
+    /// Keeps `facts` of `job`, read just now beside its task
+    /// ([`super::task`]), unless a read of this [`FRESH`] is kept already:
+    /// the job's first items then start with no read of their own.
+    pub fn seed(&self, job: &str, facts: JobFacts) {
+        let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+        if reads
+            .get(job)
+            .is_some_and(|(at, read)| at.elapsed() < FRESH && read.initialized())
+        {
+            return;
+        }
+        keep(
+            &mut reads,
+            job,
+            Arc::new(OnceCell::new_with(Some(Some(Arc::new(facts))))),
+        );
+    }
+
     /// Forgets `job`'s facts: the next item reads them again.
     pub fn forget(&self, job: &str) {
         self.reads
@@ -85,6 +94,21 @@ impl Facts {
             .unwrap_or_else(|p| p.into_inner())
             .remove(job);
     }
+}
+
+/// Keeps `read` as `job`'s, made now; the oldest read is dropped to keep
+/// at most [`KEPT`].
+fn keep(reads: &mut HashMap<String, (Instant, Read)>, job: &str, read: Read) {
+    if reads.len() >= KEPT && !reads.contains_key(job) {
+        let oldest = reads
+            .iter()
+            .min_by_key(|(_, (at, _))| *at)
+            .map(|(j, _)| j.clone());
+        if let Some(oldest) = oldest {
+            reads.remove(&oldest);
+        }
+    }
+    reads.insert(job.to_owned(), (Instant::now(), read));
 }
 
 #[cfg(test)]
@@ -111,6 +135,33 @@ mod tests {
         facts.forget("a");
         let again = facts.get("a", &store).await.expect("known");
         assert_eq!(again.status, JobStatus::Cancelled);
+    }
+
+    #[tokio::test]
+    async fn facts_read_beside_the_task_are_used_without_a_read_of_their_own() {
+        let store = Store::local();
+        store.put_job(&record("s")).await.unwrap();
+        let facts = Facts::default();
+        let seeded = JobFacts {
+            status: JobStatus::Running,
+            ..JobFacts::of(&record("s"))
+        };
+        facts.seed("s", seeded.clone());
+        let got = facts.get("s", &store).await.expect("seeded");
+        assert_eq!(
+            *got, seeded,
+            "the seed, not a read (the store says planning)"
+        );
+        // A fresh read is not replaced by a later seed.
+        facts.seed(
+            "s",
+            JobFacts {
+                status: JobStatus::Cancelled,
+                ..seeded
+            },
+        );
+        let kept = facts.get("s", &store).await.expect("kept");
+        assert!(Arc::ptr_eq(&got, &kept));
     }
 
     #[tokio::test]

@@ -4,7 +4,8 @@
 //!
 //! The items of a new job arrive together; the first to ask fetches the
 //! task and the others wait for it (one Redis request per job and worker,
-//! not one per item). What is not found is not kept: a job Redis lost is
+//! not one per item). The job's facts come with it in that request
+//! ([`super::facts::Facts::seed`]), so its first items start with no other. What is not found is not kept: a job Redis lost is
 //! restored by the coordinator, and its task with it.
 
 use super::held::Held;
@@ -77,10 +78,15 @@ impl Tasks {
 pub async fn fetch(r: &ItemRef, ctx: &ItemContext) -> Result<Arc<TaskSpec>, Missing> {
     let slot = ctx.tasks.slot(&r.job_id, &r.task_sha256);
     slot.get_or_try_init(|| async {
-        let found = ctx
-            .patient("task", || ctx.store.task(&r.job_id, &r.task_sha256))
+        let (found, facts) = ctx
+            .patient("task", || {
+                ctx.store.task_and_facts(&r.job_id, &r.task_sha256)
+            })
             .await
             .map_err(|e| Missing::Store(e.message))?;
+        if let Some(facts) = facts {
+            ctx.facts.seed(&r.job_id, facts);
+        }
         match found {
             TaskLookup::Found(bytes) => StoredTask::open(&bytes, &r.task_sha256)
                 .map(Arc::new)

@@ -180,6 +180,45 @@ impl RedisStore {
 /// Entries asked for per `HSCAN`/`SSCAN` page of a large read.
 const PAGE: usize = 2_000;
 
+/// The fields of a job record a work message is checked against
+/// ([`JobFacts`]), in the order [`facts_of`] reads them.
+const FACT_FIELDS: &[&str] = &[
+    "status",
+    "pool",
+    "model",
+    "model_sha256",
+    "output_dir",
+    "items_total",
+];
+
+/// [`JobFacts`] from an `HMGET` of [`FACT_FIELDS`] of `key`; `None` when
+/// the record has no status (no such job).
+fn facts_of(key: &str, fields: Vec<Option<String>>) -> Result<Option<JobFacts>, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
+        key: key.to_owned(),
+        reason,
+    };
+    let [Some(status), pool, model, sha, dir, total] = <[Option<String>; 6]>::try_from(fields)
+        .map_err(|_| corrupt("HMGET answered the wrong number of fields".into()))?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(JobFacts {
+        status: JobStatus::from_name(&status)
+            .ok_or_else(|| corrupt(format!("unknown status {status}")))?,
+        pool: pool.unwrap_or_default(),
+        model: model.unwrap_or_default(),
+        model_sha256: sha.unwrap_or_default(),
+        output_dir: dir.unwrap_or_default(),
+        items_total: match total {
+            None => 0,
+            Some(t) => t
+                .parse()
+                .map_err(|_| corrupt(format!("field items_total is not a number: {t}")))?,
+        },
+    }))
+}
+
 #[async_trait::async_trait]
 impl JobStore for RedisStore {
     fn describe(&self) -> String {
@@ -205,43 +244,11 @@ impl JobStore for RedisStore {
         let mut c = self.conn("HMGET job").await?;
         let fields: Vec<Option<String>> = redis::cmd("HMGET")
             .arg(&key)
-            .arg(&[
-                "status",
-                "pool",
-                "model",
-                "model_sha256",
-                "output_dir",
-                "items_total",
-            ])
+            .arg(FACT_FIELDS)
             .query_async(&mut c)
             .await
             .map_err(cmd("HMGET job"))?;
-        let [Some(status), pool, model, sha, dir, total] = <[Option<String>; 6]>::try_from(fields)
-            .map_err(|_| StoreError::Corrupt {
-                key: key.clone(),
-                reason: "HMGET answered the wrong number of fields".into(),
-            })?
-        else {
-            return Ok(None);
-        };
-        let corrupt = |reason: String| StoreError::Corrupt {
-            key: key.clone(),
-            reason,
-        };
-        Ok(Some(JobFacts {
-            status: JobStatus::from_name(&status)
-                .ok_or_else(|| corrupt(format!("unknown status {status}")))?,
-            pool: pool.unwrap_or_default(),
-            model: model.unwrap_or_default(),
-            model_sha256: sha.unwrap_or_default(),
-            output_dir: dir.unwrap_or_default(),
-            items_total: match total {
-                None => 0,
-                Some(t) => t
-                    .parse()
-                    .map_err(|_| corrupt(format!("field items_total is not a number: {t}")))?,
-            },
-        }))
+        facts_of(&key, fields)
     }
 
     /// Writes a new job record (all fields) and lists it in `P:jobs`.
@@ -941,6 +948,31 @@ impl JobStore for RedisStore {
         c.hset::<_, _, _, ()>(self.keys.tasks_key(job), &task.sha256, &task.bytes)
             .await
             .map_err(cmd("HSET tasks"))
+    }
+
+    /// `HGET` of the task and the job's facts (`HMGET`), in one round trip.
+    async fn task_and_facts(
+        &self,
+        job: &str,
+        sha256: &str,
+    ) -> Result<(TaskLookup, Option<JobFacts>), StoreError> {
+        let key = self.keys.job_key(job);
+        let mut c = self.conn("HGET tasks").await?;
+        let (bytes, fields): (Option<Vec<u8>>, Vec<Option<String>>) = redis::pipe()
+            .hget(self.keys.tasks_key(job), sha256)
+            .cmd("HMGET")
+            .arg(&key)
+            .arg(FACT_FIELDS)
+            .query_async(&mut c)
+            .await
+            .map_err(cmd("HGET tasks"))?;
+        let facts = facts_of(&key, fields)?;
+        let task = match (bytes, &facts) {
+            (_, None) => TaskLookup::UnknownJob,
+            (Some(b), Some(_)) => TaskLookup::Found(b),
+            (None, Some(_)) => TaskLookup::NotOfJob,
+        };
+        Ok((task, facts))
     }
 
     /// `HGET` of the task and `EXISTS` of the job record, in one round trip.
