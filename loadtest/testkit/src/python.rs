@@ -333,3 +333,24 @@ pub fn make_text_job(out: &Path, g: &TextGen) -> Result<()> {
     }
     run_generator(&mut cmd, &script)
 }
+
+/// Replaces `dir/model.pt` by a model that predicts the same but holds
+/// `mib` MiB of extra weights (`make_heavy_model.py`), filled with `fill`.
+pub fn make_heavy_model(dir: &Path, mib: u32, fill: f32) -> Result<()> {
+    let script = repo_root().join("loadtest/python/make_heavy_model.py");
+    let (base, heavy) = (dir.join("model.pt"), dir.join("heavy.pt"));
+    let status = Command::new(interpreter())
+        .arg(&script)
+        .arg("--base")
+        .arg(&base)
+        .arg("--out")
+        .arg(&heavy)
+        .args(["--mib", &mib.to_string(), "--fill", &fill.to_string()])
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !status.success() {
+        bail!("{} failed with {status}", script.display());
+    }
+    std::fs::rename(&heavy, &base).context("heavy model in place")?;
+    Ok(())
+}

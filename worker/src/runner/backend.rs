@@ -148,12 +148,15 @@ pub struct Ran {
     pub failed: Option<ForwardError>,
 }
 
-/// Error messages that mean the allocator ran out, on CPU or GPU.
+/// Error messages that mean the allocator ran out, on CPU or GPU: CUDA's
+/// and c10's allocators, and C++'s own (`std::bad_alloc`, which libtorch's
+/// model loader throws when a copy of the archive does not fit).
 pub fn is_out_of_memory(msg: &str) -> bool {
     let m = msg.to_ascii_lowercase();
     m.contains("out of memory")
         || m.contains("can't allocate memory")
         || m.contains("cannot allocate memory")
+        || m.contains("bad_alloc")
 }
 
 /// A backend that sleeps before every `forward`: a deliberately slow worker

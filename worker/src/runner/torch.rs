@@ -868,6 +868,9 @@ mod tests {
         assert!(oom.message.contains("leaves the job to others"), "{oom}");
         let cpu = load_error(&model, "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes");
         assert_eq!(cpu.class, crate::error::FailureClass::Unable, "{cpu}");
+        // A copy of the archive that does not fit (tch's loader copies it twice).
+        let copy = load_error(&model, "Internal torch error: std::bad_alloc");
+        assert_eq!(copy.class, crate::error::FailureClass::Unable, "{copy}");
         let bad = load_error(
             &model,
             "PytorchStreamReader failed locating file constants.pkl: file not found",

@@ -232,3 +232,73 @@ async fn a_worker_keeps_its_models_within_models_memory() {
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     env.cleanup(&ids).await;
 }
+
+/// Bytes of address space a process has mapped (`VmSize`).
+fn mapped(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmSize");
+    kb << 10
+}
+
+/// Issue: a model load that ran out of memory was classed like any load
+/// error: the job of a healthy model failed (`unrunnable`) because other
+/// models filled the worker. Here a worker holds model A (256 MiB of
+/// weights) and is then held to 3.5 × 256 MiB of address space more
+/// (`prlimit`, as a cgroup or a smaller GPU would hold it): loading model
+/// B, which takes about four times its size at its peak (the file read,
+/// and libtorch's copies of it), runs out there with A loaded. The worker
+/// drops A, loads B again, and B's job completes with every row as
+/// PyTorch predicts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_out_of_memory_drops_the_other_models_and_loads_again() {
+    const MIB: u32 = 256;
+    let env = TestEnv::new("models-oom");
+    let dirs: Vec<_> = [("a", 1.0), ("b", 2.0)]
+        .into_iter()
+        .map(|(name, fill)| {
+            let dir = model_job(&env, name, 16, 32);
+            batchfleet_testkit::python::make_heavy_model(&dir, MIB, fill).expect("heavy model");
+            dir
+        })
+        .collect();
+    // One malloc arena: threads started later reserve no arena of their own
+    // inside the limit.
+    let mut workers = vec![env.spawn_worker_with_env(
+        "w1",
+        &["--models-kept", "4"],
+        &[("MALLOC_ARENA_MAX", "1".to_owned())],
+    )];
+    env.wait_for_consumers(1, &mut workers).await;
+    let a = run_verified(&env, &dirs[0]).await;
+    let pid = workers[0].child.id();
+    let limit = mapped(pid) + (u64::from(MIB) << 20) * 7 / 2;
+    let set = std::process::Command::new("prlimit")
+        .arg("--pid")
+        .arg(pid.to_string())
+        .arg(format!("--as={limit}:{limit}"))
+        .status()
+        .expect("prlimit");
+    assert!(set.success(), "prlimit --as on the worker");
+    let b = run_verified(&env, &dirs[1]).await;
+    let log = workers[0].log_text();
+    assert!(
+        log.contains("out of memory loading the model; dropping the other models and trying again"),
+        "the first load of B ran out of memory:\n{log}"
+    );
+    let dropped: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("model dropped from the cache"))
+        .collect();
+    assert_eq!(dropped.len(), 1, "{log}");
+    assert!(
+        dropped[0].contains("/a/model.pt") && dropped[0].contains("out of memory loading another"),
+        "{}",
+        dropped[0]
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&a, &b]).await;
+}
