@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
 # Installs the programs the tests start besides RabbitMQ and Redis:
-# Prometheus (the metrics test scrapes real workers with it) and openssl
-# (the TLS and webhook tests make their CA and certificates with it).
+# Prometheus (the metrics test scrapes real workers with it), openssl
+# (the TLS and webhook tests make their CA and certificates with it), and
+# mkfs.ext4, fsfreeze and prlimit (the stalled-write test freezes a file
+# system of its own; the model-memory test bounds a worker's address space).
 set -euo pipefail
+for tool in mkfs.ext4:e2fsprogs fsfreeze:util-linux prlimit:util-linux; do
+  command -v "${tool%%:*}" >/dev/null && continue
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing ${tool#*:} from Debian's packages (for ${tool%%:*})"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${tool#*:}" >/dev/null
+  else
+    echo "error: ${tool%%:*} is not installed; install it with: sudo apt-get install ${tool#*:}" >&2
+    exit 1
+  fi
+done
 if ! command -v openssl >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing openssl from Debian's packages (for the TLS tests)"

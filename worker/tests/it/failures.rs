@@ -922,10 +922,12 @@ struct FreezableFs {
 }
 
 impl FreezableFs {
-    /// `None` where this process may not mount one (not root).
+    /// `None` where this process may not mount one (not root, or a
+    /// container without loop devices), saying why.
     fn mount(at: &Path) -> Option<Self> {
         use std::os::unix::fs::MetadataExt;
         if std::fs::metadata("/proc/self").map(|m| m.uid()).ok() != Some(0) {
+            eprintln!("skipped: mounting a file system to freeze needs root");
             return None;
         }
         let image = at.with_extension("img");
@@ -934,15 +936,19 @@ impl FreezableFs {
             .expect("image");
         std::fs::create_dir_all(at).expect("mount point");
         sh("mkfs.ext4", &["-q".as_ref(), image.as_os_str()]);
-        sh(
-            "mount",
-            &[
-                "-o".as_ref(),
-                "loop".as_ref(),
-                image.as_os_str(),
-                at.as_os_str(),
-            ],
-        );
+        let mounted = std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&image)
+            .arg(at)
+            .output()
+            .expect("mount");
+        if !mounted.status.success() {
+            eprintln!(
+                "skipped: no loop device to mount a file system on here ({})",
+                String::from_utf8_lossy(&mounted.stderr).trim()
+            );
+            return None;
+        }
         Some(Self {
             at: at.to_owned(),
             frozen: false,
@@ -998,7 +1004,6 @@ async fn a_write_that_never_returns_times_out_and_the_item_is_retried() {
     use crate::containment::{start_waiting, summary, until};
     let env = TestEnv::new("stalled-write");
     let Some(mut fs) = FreezableFs::mount(&env.path().join("outfs")) else {
-        eprintln!("skipped: mounting a file system to freeze needs root");
         return;
     };
     let manifest = job(

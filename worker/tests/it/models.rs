@@ -302,3 +302,62 @@ async fn a_load_out_of_memory_drops_the_other_models_and_loads_again() {
     stop_all(&mut workers);
     env.cleanup(&[&a, &b]).await;
 }
+
+/// Issue: the model cache was keyed by the model file alone, so a worker
+/// that had run a model as saved was handed that module again for a job
+/// asking for it in another precision (or on another device). Here one
+/// worker runs the same file as saved (float32), then in bfloat16, then as
+/// saved again: the bfloat16 job gets a module of its own (its scores
+/// differ from float32's, though close), and the float32 module stays
+/// cached for the third job (two loads in all, every float32 row exact).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_in_another_precision_is_loaded_apart_and_the_first_stays_cached() {
+    let env = TestEnv::new("models-dtype");
+    let dir = model_job(&env, "m", 16, 64);
+    let text = std::fs::read_to_string(dir.join("job.toml")).expect("manifest");
+    let variant = |name: &str, out: &str, dtype: &str| {
+        let path = dir.join(format!("{name}.toml"));
+        let changed = text
+            .replace("dir = \"out\"", &format!("dir = \"{out}\""))
+            .replace("device = \"cpu\"", &format!("device = \"cpu\"{dtype}"));
+        std::fs::write(&path, changed).expect("manifest");
+        path
+    };
+    let bf16 = variant("bf16", "out-bf16", "\ndtype = \"bfloat16\"");
+    let again = variant("again", "out-again", "");
+    let port = free_port();
+    let mut workers =
+        vec![env.spawn_worker("w1", &["--models-kept", "4", "--metrics-port", &port])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let mut ids = vec![run_verified(&env, &dir).await];
+    for (manifest, out) in [(&bf16, "out-bf16"), (&again, "out-again")] {
+        let (id, report) = crate::support::run_with_config_to_end(
+            &env.run_config(),
+            manifest,
+            Duration::from_secs(120),
+        )
+        .await;
+        assert_eq!(report.status, "completed", "{report:?}");
+        ids.push(id);
+        let v = verify(&dir.join(out), &dir.join("golden.csv"), 0.5).expect("verify");
+        assert!(v.ok(), "{out}: {}", v.describe());
+        if out == "out-bf16" {
+            assert!(
+                v.max_abs_diff > 1e-4,
+                "bfloat16 scores equal float32's ({}): the cached float32 module ran",
+                v.max_abs_diff
+            );
+        } else {
+            assert!(v.max_abs_diff < 1e-5, "{out}: {}", v.describe());
+        }
+    }
+    assert_eq!(
+        metric(&port, "batchfleet_worker_model_load_seconds_count"),
+        2.0,
+        "float32 loaded once, bfloat16 once"
+    );
+    assert_eq!(metric(&port, "batchfleet_worker_models_loaded"), 2.0);
+    stop_all(&mut workers);
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.cleanup(&ids).await;
+}
