@@ -42,6 +42,12 @@ fn job(
     manifest
 }
 
+/// Rewrites `manifest` with `from` replaced by `to`.
+fn replace_in(manifest: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(manifest).expect("manifest");
+    std::fs::write(manifest, text.replace(from, to)).expect("manifest");
+}
+
 async fn run(env: &TestEnv, manifest: &Path) -> (String, Summary) {
     crate::support::run_to_end(env, manifest, Duration::from_secs(180)).await
 }
@@ -376,12 +382,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix(backen
         "poison.pt",
         "isolate_poison_rows = false",
     );
-    let text = std::fs::read_to_string(&manifest).expect("manifest");
-    std::fs::write(
-        &manifest,
-        text.replace("[output]\n", "[output]\nmerge = true\n"),
-    )
-    .expect("manifest");
+    replace_in(&manifest, "[output]\n", "[output]\nmerge = true\n");
     let mut workers = env.workers(backend, &[&[], &[]]).await;
     let (job_id, report) = env.run_on(&workers, &manifest).await;
     assert_eq!(report.status, "completed_with_failures");
@@ -1014,12 +1015,7 @@ async fn a_write_that_never_returns_times_out_and_the_item_is_retried() {
         "model.pt",
         "item_timeout = \"1s\"\nmax_attempts = 8\nretry_delay = \"300ms\"",
     );
-    let text = std::fs::read_to_string(&manifest).expect("manifest");
-    std::fs::write(
-        &manifest,
-        text.replace("dir = \"out\"", "dir = \"outfs/out\""),
-    )
-    .expect("manifest");
+    replace_in(&manifest, "dir = \"out\"", "dir = \"outfs/out\"");
     let mut cfg = env.run_config();
     cfg.supervise.speculate_min = Duration::from_secs(60);
     let waiting = start_waiting(&env, &cfg, &manifest, 4).await;

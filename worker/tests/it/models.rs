@@ -21,6 +21,17 @@ fn metric(port: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// The one line of a worker's `log` that says a model was dropped from
+/// its cache (fails unless there is exactly one).
+fn dropped_once(log: &str) -> &str {
+    let dropped: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("model dropped from the cache"))
+        .collect();
+    assert_eq!(dropped.len(), 1, "{log}");
+    dropped[0]
+}
+
 /// A 400-row job in `env`'s folder `name` (two items), its model an MLP of
 /// `features` inputs and `hidden` units: another width, another digest.
 fn model_job(env: &TestEnv, name: &str, features: u32, hidden: u32) -> std::path::PathBuf {
@@ -218,15 +229,10 @@ async fn a_worker_keeps_its_models_within_models_memory() {
         "the second and third kept"
     );
     let log = workers[0].log_text();
-    let dropped: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("model dropped from the cache"))
-        .collect();
-    assert_eq!(dropped.len(), 1, "{log}");
+    let dropped = dropped_once(&log);
     assert!(
-        dropped[0].contains("/a/model.pt") && dropped[0].contains("--models-memory"),
-        "{}",
-        dropped[0]
+        dropped.contains("/a/model.pt") && dropped.contains("--models-memory"),
+        "{dropped}"
     );
     stop_all(&mut workers);
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
@@ -289,15 +295,10 @@ async fn a_load_out_of_memory_drops_the_other_models_and_loads_again() {
         log.contains("out of memory loading the model; dropping the other models and trying again"),
         "the first load of B ran out of memory:\n{log}"
     );
-    let dropped: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("model dropped from the cache"))
-        .collect();
-    assert_eq!(dropped.len(), 1, "{log}");
+    let dropped = dropped_once(&log);
     assert!(
-        dropped[0].contains("/a/model.pt") && dropped[0].contains("out of memory loading another"),
-        "{}",
-        dropped[0]
+        dropped.contains("/a/model.pt") && dropped.contains("out of memory loading another"),
+        "{dropped}"
     );
     stop_all(&mut workers);
     env.cleanup(&[&a, &b]).await;
