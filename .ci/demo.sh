@@ -26,7 +26,7 @@ sed 's/^dir = "out"$/dir = "out-fleet"/' "$DEMO/job.toml" > "$DEMO/job-fleet.tom
 rm -rf "$DEMO/out" "$DEMO/out-fleet"
 threads=$(( $(nproc) / WORKERS )); [ "$threads" -ge 1 ] || threads=1
 
-rate() { sed -n 's/.*"rows_per_s": *\([0-9.]*\).*/\1/p' "$1/summary.json" | head -1; }
+rate() { sed -n 's/.*"rows_per_s": *\([0-9.]*\).*/\1/p' "$1/_summary.json" | head -1; }
 
 echo "== in one process: batchfleet run --local (no RabbitMQ, no Redis)"
 "$BIN/batchfleet" run "$DEMO/job.toml" --local --workers "$WORKERS" --threads "$threads"
@@ -61,7 +61,7 @@ done
 echo "started $WORKERS workers ($threads libtorch thread(s) each); logs in $DEMO/worker-*.log"
 "$BIN/batchfleet" run "$DEMO/job-fleet.toml"
 echo
-cat "$DEMO/out-fleet/summary.json"
+cat "$DEMO/out-fleet/_summary.json"
 echo
 "$BIN/batchfleet-loadtest" verify --output "$DEMO/out-fleet" --golden "$DEMO/golden.csv"
 stop_workers

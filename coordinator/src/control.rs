@@ -3,7 +3,7 @@
 //! removed before its retention is up).
 
 use crate::config::RunConfig;
-use crate::dispatcher::{SUCCESS_FILE, SUMMARY_FILE};
+use crate::dispatcher::SUCCESS_FILE;
 use crate::error::RunError;
 use crate::manifest::JobSpec;
 use batchfleet_shared::store::{JobStatus, Store, StoreError};
@@ -46,6 +46,46 @@ pub struct PlanReport {
     pub output_dir: String,
     /// The `--set` overrides applied.
     pub overrides: Vec<String>,
+    /// `--sample N`: rows predicted in this process (absent without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample: Option<SampleReport>,
+}
+
+/// What `plan --sample N` adds: rows read from items spread across the
+/// input and predicted in this process, one CPU core, with the job's model,
+/// as the job would write them; the rate one core reaches; and the time the
+/// whole job would take on `workers` workers of one core each.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SampleReport {
+    /// The output columns, as a CSV header.
+    pub header: String,
+    /// The rows, as CSV lines under that header.
+    pub rows: Vec<String>,
+    /// Items read for them (spread across the job's items).
+    pub items: usize,
+    /// Rows those items held, all read and parsed.
+    pub rows_read: u64,
+    /// Rows rejected while reading them (bad rows).
+    pub rows_rejected: u64,
+    /// Rows one core reads and parses (tokenizes) per second.
+    pub read_rows_per_s: f64,
+    /// Rows one core's model calls predict per second (on the CPU).
+    pub model_rows_per_s: f64,
+    /// Both, one after the other: rows per second per core.
+    pub rows_per_s_per_core: f64,
+    /// `--workers`: the fleet the time to go is for.
+    pub workers: u32,
+    /// The job's rows at that rate on `workers` workers of one core each (s).
+    pub eta_s: f64,
+}
+
+/// `plan --sample`'s choice: how many rows, and for how many workers.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleArgs {
+    /// Rows to show.
+    pub rows: usize,
+    /// Workers (one core each) to give the time to go for.
+    pub workers: u32,
 }
 
 /// Validates and plans the manifest at `path` — with `cfg`'s data roots and
@@ -56,6 +96,7 @@ pub async fn plan(
     cfg: &RunConfig,
     path: &Path,
     store: Option<&Store>,
+    sample: Option<SampleArgs>,
 ) -> Result<PlanReport, RunError> {
     let spec = cfg.load(path, &cfg.overrides)?;
     let planned = {
@@ -66,6 +107,21 @@ pub async fn plan(
                 what: "planning",
                 reason: e.to_string(),
             })??
+    };
+    let sampled = match sample {
+        Some(args) => {
+            let items = planned.items.clone();
+            let rows = planned.rows_total;
+            Some(
+                tokio::task::spawn_blocking(move || sample_rows(&items, rows, args))
+                    .await
+                    .map_err(|e| RunError::Task {
+                        what: "sampling",
+                        reason: e.to_string(),
+                    })??,
+            )
+        }
+        None => None,
     };
     let record = match store {
         Some(s) => s.job(&spec.job_id).await?,
@@ -97,6 +153,86 @@ pub async fn plan(
         items_done,
         output_dir: spec.task.output.dir.clone(),
         overrides: spec.overrides.clone(),
+        sample: sampled,
+    })
+}
+
+/// Items read for `plan --sample` at most: enough to spread the rows
+/// across the input, few enough to answer in seconds.
+const SAMPLE_ITEMS: usize = 8;
+
+/// Reads up to [`SAMPLE_ITEMS`] items spread across `items`, predicts their
+/// first rows with the job's model in this process and keeps `args.rows`
+/// of them spread across those items; times both (see [`SampleReport`]).
+#[cfg(feature = "local")]
+fn sample_rows(
+    items: &[batchfleet_shared::message::WorkItem],
+    rows_total: u64,
+    args: SampleArgs,
+) -> Result<SampleReport, RunError> {
+    use batchfleet_worker::sample::{spread, Sampler};
+    let picked = spread(items.len(), args.rows.clamp(1, SAMPLE_ITEMS));
+    let per_item = args.rows.div_ceil(picked.len().max(1));
+    let mut sampler = Sampler::new();
+    let mut report = SampleReport {
+        header: String::new(),
+        rows: Vec::new(),
+        items: picked.len(),
+        rows_read: 0,
+        rows_rejected: 0,
+        read_rows_per_s: 0.0,
+        model_rows_per_s: 0.0,
+        rows_per_s_per_core: 0.0,
+        workers: args.workers.max(1),
+        eta_s: 0.0,
+    };
+    let (mut read_s, mut predicted, mut model_s) = (0.0, 0u64, 0.0);
+    for i in picked {
+        let item = &items[i];
+        // At least a mini-batch predicted, for a rate worth the name.
+        let cap = per_item.max(item.task.batch_size as usize);
+        let p = sampler
+            .item(item, per_item, cap)
+            .map_err(|e| RunError::Task {
+                what: "sampling the job's rows",
+                reason: format!(
+                    "item {} of {}: {e}",
+                    item.seq,
+                    item.input
+                        .input_files()
+                        .first()
+                        .map_or_else(String::new, |p| p.display().to_string())
+                ),
+            })?;
+        report.header = p.header;
+        let room = args.rows.saturating_sub(report.rows.len());
+        report.rows.extend(p.lines.into_iter().take(room));
+        report.rows_read += p.rows_read as u64;
+        report.rows_rejected += p.rows_rejected as u64;
+        read_s += p.read_s;
+        predicted += p.rows_predicted as u64;
+        model_s += p.forward_s;
+    }
+    let rate = |rows: u64, s: f64| if s > 0.0 { rows as f64 / s } else { 0.0 };
+    report.read_rows_per_s = rate(report.rows_read, read_s);
+    report.model_rows_per_s = rate(predicted, model_s);
+    let per_row = 1.0 / report.read_rows_per_s.max(f64::MIN_POSITIVE)
+        + 1.0 / report.model_rows_per_s.max(f64::MIN_POSITIVE);
+    report.rows_per_s_per_core = 1.0 / per_row;
+    report.eta_s = rows_total as f64 / (report.rows_per_s_per_core * f64::from(report.workers));
+    Ok(report)
+}
+
+/// Without libtorch in this build nothing can be predicted here.
+#[cfg(not(feature = "local"))]
+fn sample_rows(
+    _items: &[batchfleet_shared::message::WorkItem],
+    _rows_total: u64,
+    _args: SampleArgs,
+) -> Result<SampleReport, RunError> {
+    Err(RunError::Task {
+        what: "sampling the job's rows",
+        reason: "this batchfleet is built without libtorch (--no-default-features); run `plan --sample` with the default build".into(),
     })
 }
 
@@ -106,7 +242,7 @@ fn finished_output(spec: &JobSpec) -> bool {
     let out = spec.output_dir();
     let fs = batchfleet_shared::source::fs::read_to_string;
     batchfleet_shared::source::fs::exists(&out.join(SUCCESS_FILE)).unwrap_or(false)
-        && fs(&out.join(SUMMARY_FILE))
+        && fs(&batchfleet_shared::output::summary_in(out))
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|v| v.get("job_id")?.as_str().map(str::to_owned))
@@ -138,6 +274,36 @@ pub fn render_plan(r: &PlanReport) -> String {
     );
     if !r.overrides.is_empty() {
         let _ = write!(s, "\noverrides: {}", r.overrides.join(" "));
+    }
+    if let Some(p) = &r.sample {
+        use indicatif::HumanCount;
+        let _ = write!(
+            s,
+            "\nsample: {} rows from {} items spread across the input, predicted here on one CPU core\n{}",
+            p.rows.len(),
+            p.items,
+            p.header
+        );
+        for row in &p.rows {
+            let _ = write!(s, "\n{row}");
+        }
+        let _ = write!(
+            s,
+            "\nper core: reading {} rows/s, the model {} rows/s: {} rows/s; {} rows in about {} on {} worker(s) of one core (--workers)",
+            HumanCount(p.read_rows_per_s as u64),
+            HumanCount(p.model_rows_per_s as u64),
+            HumanCount(p.rows_per_s_per_core as u64),
+            HumanCount(r.rows),
+            crate::status::human_secs(p.eta_s),
+            p.workers
+        );
+        if p.rows_rejected > 0 {
+            let _ = write!(
+                s,
+                "\n{} of the {} rows read were rejected (bad rows)",
+                p.rows_rejected, p.rows_read
+            );
+        }
     }
     s.push_str(match r.state.as_str() {
         "new" => "\n`batchfleet run` would publish every item",

@@ -18,7 +18,7 @@ use batchfleet_shared::broker::{Broker, PoolQueues};
 use batchfleet_shared::store::{JobStatus, RecordUpdate, Store};
 use std::path::{Path, PathBuf};
 
-pub use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE, SUMMARY_FILE};
+pub use batchfleet_shared::output::{OWNER_FILE, SUCCESS_FILE};
 
 /// Items encoded and published per batch of confirms (and per watermark step).
 const PUBLISH_CHUNK: usize = 1024;
@@ -42,7 +42,10 @@ pub enum Dispatched {
 pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
     let owner = dir.join(OWNER_FILE);
     match batchfleet_shared::source::fs::read_to_string(&owner) {
-        Ok(existing) if existing.trim() == job_id => return Ok(true),
+        Ok(existing) if existing.trim() == job_id => {
+            batchfleet_shared::output::adopt_legacy_layout(dir);
+            return Ok(true);
+        }
         Ok(existing) => {
             return Err(RunError::Manifest(crate::manifest::ManifestError {
                 file: dir.to_owned(),
@@ -94,7 +97,7 @@ pub async fn dispatch(
     submitted_ms: u64,
 ) -> Result<Dispatched, RunError> {
     let out = spec.output_dir();
-    let summary = out.join(SUMMARY_FILE);
+    let summary = batchfleet_shared::output::summary_in(out);
     let existing = store.job(&spec.job_id).await?;
     if existing
         .as_ref()

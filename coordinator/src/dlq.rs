@@ -330,10 +330,18 @@ pub async fn replay(
                 let sha = match digests.get(&path) {
                     Some(s) => s.clone(),
                     None => {
-                        let s = batchfleet_shared::fsutil::sha256_file(std::path::Path::new(&path))
-                            .map_err(RunError::io_while(format!(
-                                "read model {path} to update its digest"
-                            )))?;
+                        let local = std::path::Path::new(&path);
+                        let s = if batchfleet_shared::source::is_url(local) {
+                            // The object as it is now, into this machine's cache.
+                            batchfleet_shared::pinned::cache()
+                                .fetch(&path)
+                                .map(|(_, sha)| sha)
+                        } else {
+                            batchfleet_shared::fsutil::sha256_file(local)
+                        }
+                        .map_err(RunError::io_while(format!(
+                            "read model {path} to update its digest"
+                        )))?;
                         digests.insert(path.clone(), s.clone());
                         s
                     }

@@ -25,7 +25,7 @@ pub enum RunError {
     /// A file or folder could not be read, listed or written.
     #[error("cannot {action}: {source}")]
     Io {
-        /// What was being done, naming the path (`read /out/summary.json`).
+        /// What was being done, naming the path (`read /out/_summary.json`).
         action: String,
         /// Why it failed.
         #[source]

@@ -1,7 +1,7 @@
 //! `[on_complete]`: start the next pipeline step when a job ends — a command
 //! and/or a webhook POST of the summary — within what the operator allows
 //! ([`HookPolicy`], the `--hook-*` flags), and record how that went in
-//! `summary.json`.
+//! `_summary.json`.
 //!
 //! A manifest is not trusted with the coordinator's secrets:
 //! - the operator decides which hooks run at all (`--hooks all|webhook|none`);
@@ -301,7 +301,7 @@ fn forbidden(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
-/// What the hooks did, as recorded in `summary.json`.
+/// What the hooks did, as recorded in `_summary.json`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HookOutcome {
     /// The command, if one is configured.
@@ -344,7 +344,7 @@ pub struct WebhookOutcome {
     pub error: Option<String>,
 }
 
-/// Runs the hooks of a finished job. `summary` is the path of `summary.json`,
+/// Runs the hooks of a finished job. `summary` is the path of `_summary.json`,
 /// `body` its contents, `cwd` the manifest's folder.
 pub async fn run(
     hooks: &OnComplete,
@@ -855,7 +855,7 @@ mod tests {
             run: HookRun::Webhook,
             ..HookPolicy::default()
         };
-        let summary = dir.path().join("summary.json");
+        let summary = dir.path().join("_summary.json");
         let outcome = run(
             &hooks,
             &policy,

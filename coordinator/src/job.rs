@@ -16,7 +16,7 @@ pub enum RunOutcome {
     Completed {
         /// Job id.
         job_id: String,
-        /// Path of `summary.json`.
+        /// Path of `_summary.json`.
         summary: PathBuf,
         /// The summary.
         report: Box<crate::reducer::Summary>,
@@ -25,7 +25,7 @@ pub enum RunOutcome {
     AlreadyCompleted {
         /// Job id.
         job_id: String,
-        /// Path of `summary.json`.
+        /// Path of `_summary.json`.
         summary: PathBuf,
     },
     /// Stopped by a signal while waiting; the fleet keeps working and
@@ -352,7 +352,7 @@ async fn finish_followed(
             None => supervisor.output_dir(),
         };
         if let Some(out) = output {
-            let path = out.join(crate::dispatcher::SUMMARY_FILE);
+            let path = batchfleet_shared::output::summary_in(&out);
             let report = crate::reducer::read_summary(&path)?;
             return Ok(RunOutcome::Completed {
                 job_id: job_id.to_owned(),

@@ -17,7 +17,7 @@
 //! - [`monitor`]: follow progress in Redis, draw the progress bar, detect completion.
 //! - [`supervisor`]: publish copies of items whose worker died or straggles;
 //!   rebuild Redis state lost in an outage from the output files.
-//! - [`reducer`]: write `summary.json` and `_SUCCESS` once every item is committed.
+//! - [`reducer`]: write `_summary.json` and `_SUCCESS` once every item is committed.
 //! - [`hooks`]: `[on_complete]` command and webhook when the job ends.
 //! - [`compare`]: prediction distributions of two jobs side by side, with drift.
 //! - [`control`]: `plan` (a manifest's job without publishing) and `gc`

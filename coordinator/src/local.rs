@@ -12,7 +12,7 @@
 //!   again, a job resumes from its committed part files (see
 //!   `dispatcher::seed_from_outputs`): nothing is computed twice.
 //! - Dead-lettered items are written to `<output>/_dead/` with their reasons
-//!   (as well as listed in `summary.json`); `batchfleet dlq list --local`
+//!   (as well as listed in `_summary.json`); `batchfleet dlq list --local`
 //!   reads them and `batchfleet dlq replay --local` runs them again.
 
 use crate::config::RunConfig;
@@ -22,7 +22,7 @@ use crate::job::RunOutcome;
 use crate::manifest::JobSpec;
 #[cfg(feature = "local")]
 use batchfleet_shared::backend::{Backend, LocalServices};
-use batchfleet_shared::output::{DEAD_DIR, SUMMARY_FILE};
+use batchfleet_shared::output::DEAD_DIR;
 use batchfleet_shared::source::fs;
 use std::path::Path;
 #[cfg(feature = "local")]
@@ -262,7 +262,7 @@ pub fn list_dead(output: &Path) -> Result<Vec<DeadItem>, RunError> {
 }
 
 /// Runs the dead items of the `--local` job whose output folder is `output`
-/// again, in this process: its manifest (named in `summary.json`) is run
+/// again, in this process: its manifest (named in `_summary.json`) is run
 /// with the items committed in the folder taken as done, so only the dead
 /// (and any missing) items are computed. With `update_model`, a model file
 /// changed since (a fixed one swapped in under the same path) is accepted:
@@ -274,7 +274,7 @@ pub async fn replay(
     update_model: bool,
     shutdown: CancellationToken,
 ) -> Result<RunOutcome, RunError> {
-    let summary_path = output.join(SUMMARY_FILE);
+    let summary_path = batchfleet_shared::output::summary_in(output);
     let summary = crate::reducer::read_summary(&summary_path).map_err(|e| {
         // What the folder was meant to be.
         RunError::NotA {

@@ -182,8 +182,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path();
         std::fs::write(out.join("part-000000.csv"), "id,score\na,1\nb,2\n").unwrap();
-        std::fs::create_dir_all(out.join("rejects")).unwrap();
-        std::fs::write(out.join("rejects/part-000000.jsonl"), "{}\n").unwrap();
+        std::fs::create_dir_all(out.join("_rejects")).unwrap();
+        std::fs::write(out.join("_rejects/part-000000.jsonl"), "{}\n").unwrap();
         let spec = batchfleet_shared::message::OutputSpec {
             histogram: batchfleet_shared::message::HistogramSpec {
                 min: 0.0,

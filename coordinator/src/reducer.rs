@@ -1,5 +1,5 @@
 //! Closes a job: checks every committed item has its part file, writes
-//! `summary.json` atomically, then `_SUCCESS`, then marks the job completed.
+//! `_summary.json` atomically, then `_SUCCESS`, then marks the job completed.
 
 use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-/// `summary.json`.
+/// `_summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Job id.
@@ -37,7 +37,7 @@ pub struct Summary {
     pub rows_total_estimated: bool,
     /// Rows predicted (committed).
     pub rows_predicted: u64,
-    /// Rows rejected: malformed, or the model raised on them (see `rejects/`).
+    /// Rows rejected: malformed, or the model raised on them (see `_rejects/`).
     pub rows_rejected: u64,
     /// Items planned.
     pub items_total: u64,
@@ -252,7 +252,7 @@ pub fn latency(stats: &[ItemStats]) -> Latency {
     }
 }
 
-/// Reads a job's `summary.json`.
+/// Reads a job's `_summary.json`.
 pub fn read_summary(path: &std::path::Path) -> Result<Summary, RunError> {
     let bytes = batchfleet_shared::source::fs::read(path)
         .map_err(RunError::io_while(format!("read {}", path.display())))?;
@@ -263,7 +263,7 @@ pub fn read_summary(path: &std::path::Path) -> Result<Summary, RunError> {
     })
 }
 
-/// Replaces `summary.json` (after the completion hooks added their outcome).
+/// Replaces `_summary.json` (after the completion hooks added their outcome).
 pub fn rewrite(path: &std::path::Path, summary: &Summary) -> Result<(), RunError> {
     let json = serde_json::to_vec_pretty(summary).expect("summary serializes");
     publish_atomically(path, true, |w| std::io::Write::write_all(w, &json))
@@ -390,6 +390,7 @@ pub async fn finish(
             tracing::warn!(job = %job_id, items_failed = summary.items_failed, "no merged output: not every item completed; replay the dead-letter queue to complete the job, which then writes it");
         }
     }
+    batchfleet_shared::output::remove_legacy(out, format);
     let path = write_summary(out, &summary, status)?;
     Ok((path, summary))
 }
@@ -436,8 +437,9 @@ fn merge(
             "read the part files in {}",
             out.display()
         )))?;
-    let merged = out.join(batchfleet_shared::output::merged_file_name(format));
-    publish_atomically(&merged, true, |w| {
+    let rel = batchfleet_shared::output::merged_rel(format);
+    let merged = out.join(&rel);
+    batchfleet_shared::fsutil::publish_under(out, &rel, true, |w| {
         batchfleet_shared::table::concat_parts(w, format, &parts)
     })
     .map_err(RunError::io_while(format!("write {}", merged.display())))?;
@@ -445,7 +447,7 @@ fn merge(
     Ok(merged)
 }
 
-/// Writes `summary.json` (and `_SUCCESS` when the job completed) into
+/// Writes `_summary.json` (and `_SUCCESS` when the job completed) into
 /// `out`; its path.
 fn write_summary(out: &Path, summary: &Summary, status: JobStatus) -> Result<PathBuf, RunError> {
     let path = out.join(SUMMARY_FILE);

@@ -18,6 +18,11 @@ pub struct JobStatusReport {
     pub percent_done: f64,
     /// Rows per second since registration (to completion, or to now).
     pub rows_per_s: f64,
+    /// Seconds since the job was registered (to its finish, once finished).
+    pub elapsed_s: f64,
+    /// Seconds to go at the rate so far (a running job past its first
+    /// settled item; `null` otherwise).
+    pub eta_s: Option<f64>,
     /// Items being processed now: by which worker, since when, how far.
     pub in_flight: Vec<InFlight>,
     /// Items the coordinator published again (dead worker, straggler, lost message).
@@ -238,9 +243,42 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
         } else {
             0.0
         },
+        elapsed_s: secs,
+        eta_s: eta(&job, secs),
         job,
         consumers: None,
     }))
+}
+
+/// Seconds to go for a running job at its rate so far: the time per
+/// settled share (items and rows settled, as `percent_done` counts them)
+/// times the share left; `None` before anything settled or once the job
+/// is no longer running.
+fn eta(job: &JobRecord, secs: f64) -> Option<f64> {
+    if !matches!(job.status, JobStatus::Running) {
+        return None;
+    }
+    let (done, total) = if job.rows_estimated || job.rows_total == 0 {
+        (job.items_done as f64, job.items_total as f64)
+    } else {
+        (job.rows_done as f64, job.rows_total as f64)
+    };
+    (done > 0.0 && total > done).then(|| (secs * (total - done) / done).round())
+}
+
+/// A duration as people read it: `3h 12m`, `4m 5s`, `12s`.
+pub(crate) fn human_secs(secs: f64) -> String {
+    let s = if secs.is_finite() {
+        secs.max(0.0).round() as u64
+    } else {
+        u64::MAX
+    };
+    let (h, m, s) = (s / 3600, s / 60 % 60, s % 60);
+    match (h, m) {
+        (0, 0) => format!("{s}s"),
+        (0, _) => format!("{m}m {s}s"),
+        _ => format!("{h}h {m}m"),
+    }
 }
 
 /// Human-readable rendering.
@@ -278,22 +316,34 @@ pub fn render(r: &JobStatusReport) -> String {
             }
         );
     }
+    use indicatif::HumanCount;
     let _ = writeln!(
         s,
         "items     {}/{} done, {} failed, {} remaining",
-        j.items_done, j.items_total, r.items_failed, r.items_remaining
+        HumanCount(j.items_done),
+        HumanCount(j.items_total),
+        HumanCount(r.items_failed),
+        HumanCount(r.items_remaining)
     );
     let _ = writeln!(
         s,
         "rows      {}/{}{} settled ({:.1}%{}), {} rejected",
-        j.rows_done,
+        HumanCount(j.rows_done),
         if j.rows_estimated { "≈" } else { "" },
-        j.rows_total,
+        HumanCount(j.rows_total),
         r.percent_done,
         if j.rows_estimated { " by bytes" } else { "" },
-        j.rows_rejected
+        HumanCount(j.rows_rejected)
     );
-    let _ = writeln!(s, "rows/s    {}", r.rows_per_s);
+    let _ = writeln!(s, "rows/s    {}", HumanCount(r.rows_per_s as u64));
+    let _ = writeln!(
+        s,
+        "elapsed   {}{}",
+        human_secs(r.elapsed_s),
+        r.eta_s
+            .map(|e| format!(", about {} to go at this rate", human_secs(e)))
+            .unwrap_or_default()
+    );
     if !r.failures_by_class.is_empty() {
         let classes: Vec<String> = r
             .failures_by_class
@@ -381,4 +431,41 @@ pub fn render(r: &JobStatusReport) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_eta_is_the_time_per_settled_share_times_the_share_left() {
+        let mut job = JobRecord {
+            status: JobStatus::Running,
+            rows_total: 1_000,
+            rows_done: 250,
+            items_total: 10,
+            items_done: 2,
+            ..JobRecord::sample("j")
+        };
+        // A quarter of the rows in 30 s: 90 s to go.
+        assert_eq!(eta(&job, 30.0), Some(90.0));
+        // Rows estimated from bytes: progress by items (2 of 10).
+        job.rows_estimated = true;
+        assert_eq!(eta(&job, 30.0), Some(120.0));
+        job.items_done = 0;
+        assert_eq!(eta(&job, 30.0), None, "nothing settled yet");
+        job.items_done = 10;
+        assert_eq!(eta(&job, 30.0), None, "all settled");
+        job.items_done = 2;
+        job.status = JobStatus::Completed;
+        assert_eq!(eta(&job, 30.0), None);
+    }
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        assert_eq!(human_secs(0.4), "0s");
+        assert_eq!(human_secs(59.6), "1m 0s");
+        assert_eq!(human_secs(245.0), "4m 5s");
+        assert_eq!(human_secs(3.0 * 3600.0 + 12.0 * 60.0 + 9.0), "3h 12m");
+    }
 }

@@ -180,7 +180,7 @@ pub struct PaceArgs {
     pub batch_delay: Duration,
 }
 
-/// A finished job's summary (`out/summary.json` under its folder).
+/// A finished job's summary (`out/_summary.json` under its folder).
 pub(crate) fn read_summary(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("out").join(SUMMARY_FILE);
     let text =
@@ -221,7 +221,7 @@ pub(crate) fn keep_report<T: serde::Serialize>(
     Ok(())
 }
 
-/// A count of a job's `summary.json` (0 when absent).
+/// A count of a job's `_summary.json` (0 when absent).
 pub(crate) fn summary_u64(summary: &serde_json::Value, key: &str) -> u64 {
     summary
         .get(key)
@@ -283,7 +283,7 @@ pub(crate) fn job_invariants(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let known = rel.starts_with("part-")
-            || rel.starts_with("rejects/part-")
+            || rel.starts_with("_rejects/part-")
             || [SUCCESS_FILE, OWNER_FILE, SUMMARY_FILE].contains(&name.as_str());
         if !known {
             v.push(format!("INV-FILES: unexpected file {rel}"));

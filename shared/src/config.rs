@@ -114,6 +114,14 @@ pub struct ServiceArgs {
     /// and never under NO_COLOR).
     #[arg(long, env = "BATCHFLEET_LOG_FORMAT", value_enum, default_value_t = crate::telemetry::LogFormat::Text, global = true)]
     pub log_format: crate::telemetry::LogFormat,
+    /// More log lines: -v adds debug, -vv trace. RUST_LOG, when set, takes
+    /// precedence over -v and -q (e.g. RUST_LOG=info,batchfleet_worker=debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Fewer log lines: -q warnings and errors only, -qq errors only (each
+    /// -q takes back one -v).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub quiet: u8,
 }
 
 impl ServiceArgs {
@@ -160,7 +168,19 @@ impl ServiceArgs {
 
     /// Installs logging as the flags say.
     pub fn init_logging(&self) {
-        crate::telemetry::init("info", self.log_format);
+        crate::telemetry::init(self.log_level(), self.log_format);
+    }
+
+    /// The log level -v and -q ask for: info, one step up per -v and one
+    /// down per -q.
+    pub fn log_level(&self) -> &'static str {
+        match i16::from(self.verbose) - i16::from(self.quiet) {
+            2.. => "trace",
+            1 => "debug",
+            0 => "info",
+            -1 => "warn",
+            _ => "error",
+        }
     }
 }
 

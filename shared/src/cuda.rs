@@ -60,20 +60,35 @@ pub fn driver_present() -> bool {
     Path::new("/proc/driver/nvidia/version").exists() || Path::new("/dev/nvidiactl").exists()
 }
 
-/// Where libtorch's libraries are: the folder the binary was linked
-/// against (`compiled`, embedded as an rpath) when it exists, else
-/// `lib/batchfleet/torch/lib` beside the binary's `bin/` — the layout of the
-/// release tarball (`make dist`), whose binaries carry that rpath too.
+/// Where libtorch's libraries are: the folder of the `libtorch_cpu.so` this
+/// process runs (wherever the dynamic linker found it through the rpath:
+/// the build's PyTorch, the release tarball's `lib/batchfleet/torch/lib`,
+/// or the `torch` package beside the wheel's `batchfleet/_bin/`); failing
+/// that, the folder the binary was linked against (`compiled`) when it
+/// exists, else `lib/batchfleet/torch/lib` beside the binary's `bin/`.
 pub fn libtorch_dir(compiled: Option<&str>) -> Option<PathBuf> {
     let bundled = || {
         let exe = std::env::current_exe().ok()?;
         let dir = exe.parent()?.parent()?.join("lib/batchfleet/torch/lib");
         dir.is_dir().then_some(dir)
     };
+    if let Some(dir) = loaded_libtorch_dir() {
+        return Some(dir);
+    }
     match compiled.map(PathBuf::from) {
         Some(dir) if dir.is_dir() => Some(dir),
         _ => bundled(),
     }
+}
+
+/// The folder of the `libtorch_cpu.so` mapped into this process, read from
+/// `/proc/self/maps` (none where libtorch is not linked).
+fn loaded_libtorch_dir() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.ends_with("/libtorch_cpu.so"))
+        .and_then(|path| Path::new(path).parent().map(Path::to_path_buf))
 }
 
 /// Loads `libtorch_cuda.so` from libtorch's folder ([`libtorch_dir`] of

@@ -3,7 +3,7 @@
 //!
 //! Everything below an output folder is reached through a [`Folder`]
 //! handle, one component at a time with `O_NOFOLLOW`: a symbolic link
-//! planted at `rejects/`, `_staging/`, `_partial/` or a `part-*` name is
+//! planted at `_rejects/`, `_staging/`, `_partial/` or a `part-*` name is
 //! refused ([`SymlinkRefused`]), never followed, so nothing is written (or
 //! read, or removed) outside the folder. Temporary files get random names
 //! and are created exclusively, so two copies of one item on one worker
@@ -553,7 +553,7 @@ mod tests {
     #[test]
     fn overwrite_replaces_and_failed_write_publishes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let dest = dir.path().join("summary.json");
+        let dest = dir.path().join("_summary.json");
         publish_atomically(&dest, true, |w| w.write_all(b"1")).unwrap();
         publish_atomically(&dest, true, |w| w.write_all(b"2")).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"2");
@@ -573,11 +573,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let elsewhere = tempfile::tempdir().unwrap();
         let out = dir.path();
-        std::os::unix::fs::symlink(elsewhere.path(), out.join("rejects")).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), out.join("_rejects")).unwrap();
         std::os::unix::fs::symlink(elsewhere.path().join("victim"), out.join("part-000001.csv"))
             .unwrap();
         fs::write(elsewhere.path().join("victim"), b"precious").unwrap();
-        let e = publish_under(out, Path::new("rejects/part-000001.jsonl"), true, |w| {
+        let e = publish_under(out, Path::new("_rejects/part-000001.jsonl"), true, |w| {
             w.write_all(b"x")
         })
         .unwrap_err();
@@ -600,10 +600,10 @@ mod tests {
         );
         assert_eq!(fs::read_dir(elsewhere.path()).unwrap().count(), 1);
         assert!(is_symlink_refusal(
-            &exists_under(out, Path::new("rejects/x")).unwrap_err()
+            &exists_under(out, Path::new("_rejects/x")).unwrap_err()
         ));
         assert!(is_symlink_refusal(
-            &open_under(out, Path::new("rejects/x")).unwrap_err()
+            &open_under(out, Path::new("_rejects/x")).unwrap_err()
         ));
         // A linked _staging folder is refused too.
         fs::remove_file(out.join("part-000001.csv")).unwrap();

@@ -55,6 +55,7 @@ pub mod model_file;
 pub mod numbers;
 pub mod output;
 pub mod paths;
+pub mod pinned;
 pub mod retire;
 pub mod secret;
 pub mod shared_sync;

@@ -105,6 +105,9 @@ pub mod names {
     pub const WORKER_MODELS_BYTES: &str = "batchfleet_worker_models_loaded_bytes";
     /// Worker: loading a model (histogram, seconds; pool).
     pub const WORKER_MODEL_LOAD: &str = "batchfleet_worker_model_load_seconds";
+    /// Every process serving metrics: 1, with the batchfleet version
+    /// (gauge; version).
+    pub const BUILD_INFO: &str = "batchfleet_build_info";
     /// Worker: 1 while running (gauge; pool).
     pub const WORKER_UP: &str = "batchfleet_worker_up";
     /// Worker: 1 while draining after SIGTERM (gauge; pool).
@@ -171,7 +174,7 @@ pub mod names {
     /// Every metric above with its type and its HELP text.
     pub const ALL: &[(&str, Kind, &str)] = &[
         (WORKER_ROWS_PROCESSED, Kind::Counter, "Rows this worker predicted, by batch job and model."),
-        (WORKER_ROWS_REJECTED, Kind::Counter, "Rows this worker rejected into rejects/ (bad rows, rows the model raised on), by batch job and model."),
+        (WORKER_ROWS_REJECTED, Kind::Counter, "Rows this worker rejected into _rejects/ (bad rows, rows the model raised on), by batch job and model."),
         (WORKER_ITEMS_COMPLETED, Kind::Counter, "Work items this worker committed, by batch job and model."),
         (WORKER_ITEMS_FAILED, Kind::Counter, "Failed item attempts, by batch job and failure class."),
         (WORKER_ITEMS_RETRIED, Kind::Counter, "Items published again for a later attempt (backoff), by batch job and failure class."),
@@ -192,6 +195,7 @@ pub mod names {
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
+        (BUILD_INFO, Kind::Gauge, "1, labelled with the batchfleet version this process runs (and component)."),
         (WORKER_UP, Kind::Gauge, "1 while the worker runs."),
         (WORKER_DRAINING, Kind::Gauge, "1 while the worker drains after SIGTERM."),
         (WORKER_PREFETCH, Kind::Gauge, "Unacknowledged deliveries the worker holds at most now, sized from its item rate."),
@@ -322,6 +326,8 @@ async fn sample_process(
         for name in keep {
             metrics::gauge!(*name).increment(0.0);
         }
+        // Set every round, so the idle timeout never drops it.
+        metrics::gauge!(names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         tokio::time::sleep(every).await;
     }
 }

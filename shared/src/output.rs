@@ -3,33 +3,99 @@
 //! published, and by the coordinator when it rebuilds lost Redis state from
 //! the files (which are the truth).
 //!
+//! Only part files match `part-*`, and every other name starts with `_`:
+//! pyarrow, pandas, Spark, Hive and DuckDB skip those, so the folder reads
+//! as a dataset of the predicted rows (docs/reading-results.md).
+//!
 //! | name | what |
 //! | --- | --- |
 //! | `part-<seq>.<format>` | the committed predictions of item `seq` |
-//! | `rejects/part-<seq>.jsonl` | its rejected rows, with why |
+//! | `_rejects/part-<seq>.jsonl` | its rejected rows, with why |
 //! | `_partial/part-<seq>-<digest>/` | checkpoint segments of an item in progress |
 //! | `_staging/` | files being written (random names; never read); emptied when the job settles (a worker killed mid-write leaves its file here) |
 //! | `_JOB` | the id of the job that owns the folder |
-//! | `summary.json`, `_SUCCESS` | written when the job settles (`_SUCCESS` only if it completed) |
-//! | `predictions.<format>` | the merged output (`[output] merge = true`) |
+//! | `_summary.json`, `_SUCCESS` | written when the job settles (`_SUCCESS` only if it completed) |
+//! | `_merged/predictions.<format>` | the merged output (`[output] merge = true`) |
 //! | `_dead/item-<seq>.json` | an item a `--local` run dead-lettered, with why (`batchfleet dlq list --local`) |
 
 use std::path::{Path, PathBuf};
 
-/// The merged output of a job with `[output] merge = true`: every part, in
-/// input order, in the job's output format (`predictions.csv`, …).
-pub fn merged_file_name(format: crate::message::OutputFormat) -> String {
+/// The merged output of a job with `[output] merge = true`, relative to
+/// its output folder: every part, in input order, in the job's output
+/// format (`_merged/predictions.csv`, …) — in a folder of its own, so that
+/// a reader of the output folder does not read its rows twice.
+pub fn merged_rel(format: crate::message::OutputFormat) -> PathBuf {
+    Path::new(MERGED_DIR).join(legacy_merged_name(format))
+}
+
+/// Folder (inside the output folder) holding the merged output.
+pub const MERGED_DIR: &str = "_merged";
+
+/// Where batchfleet 0.1 wrote the merged output: beside the parts.
+fn legacy_merged_name(format: crate::message::OutputFormat) -> String {
     format!("predictions.{}", format.extension())
 }
 
 /// Folder (inside the output folder) holding `part-<seq>.jsonl` rejects files.
-pub const REJECTS_DIR: &str = "rejects";
+pub const REJECTS_DIR: &str = "_rejects";
+/// Where batchfleet 0.1 wrote the rejects files.
+const LEGACY_REJECTS_DIR: &str = "rejects";
 /// File in the output folder naming the job that owns it.
 pub const OWNER_FILE: &str = "_JOB";
 /// File written into the output folder when a job completed.
 pub const SUCCESS_FILE: &str = "_SUCCESS";
 /// The job summary.
-pub const SUMMARY_FILE: &str = "summary.json";
+pub const SUMMARY_FILE: &str = "_summary.json";
+/// The job summary's name in batchfleet 0.1 (still read).
+pub const LEGACY_SUMMARY_FILE: &str = "summary.json";
+
+/// The summary in output folder `out`: `_summary.json`, or the
+/// `summary.json` an older batchfleet wrote where only that exists (local
+/// folders and `s3://` prefixes alike).
+pub fn summary_in(out: &Path) -> PathBuf {
+    let new = out.join(SUMMARY_FILE);
+    let old = out.join(LEGACY_SUMMARY_FILE);
+    let exists = |p: &Path| crate::source::fs::exists(p).unwrap_or(false);
+    if !exists(&new) && exists(&old) {
+        old
+    } else {
+        new
+    }
+}
+
+/// Brings a folder an older batchfleet wrote to today's layout, so a job
+/// run again there reads as a dataset: its rejects files move from
+/// `rejects/` to `_rejects/` (local folders; in S3, where nothing moves,
+/// they stay and are still counted). Best effort.
+pub fn adopt_legacy_layout(out: &Path) {
+    if crate::source::is_url(out) {
+        return;
+    }
+    let old = out.join(LEGACY_REJECTS_DIR);
+    let Ok(entries) = std::fs::symlink_metadata(&old).map(|m| m.is_dir()) else {
+        return;
+    };
+    if !entries {
+        return;
+    }
+    let new = out.join(REJECTS_DIR);
+    if std::fs::create_dir_all(&new).is_err() {
+        return;
+    }
+    for entry in std::fs::read_dir(&old).into_iter().flatten().flatten() {
+        let _ = std::fs::rename(entry.path(), new.join(entry.file_name()));
+    }
+    let _ = std::fs::remove_dir(&old);
+}
+
+/// Removes what an older batchfleet wrote under another name and this job
+/// writes anew: `summary.json` and the merged `predictions.<format>` beside
+/// the parts (which a reader of the folder would take for data). Best effort.
+pub fn remove_legacy(out: &Path, format: crate::message::OutputFormat) {
+    for name in [LEGACY_SUMMARY_FILE.to_owned(), legacy_merged_name(format)] {
+        let _ = crate::source::fs::remove_file(&out.join(name));
+    }
+}
 /// Folder holding the checkpoint segments of items in progress.
 pub const PARTIAL_DIR: &str = "_partial";
 /// Folder holding temporary files while they are written (never read):
@@ -59,15 +125,18 @@ pub fn rejects_rel(seq: u32) -> PathBuf {
 }
 
 /// Counts the rejected rows of item `seq` in output folder `out` (the
-/// lines of its rejects file; 0 if it has none), following no link inside
-/// the folder.
+/// lines of its rejects file, or of the one an older batchfleet wrote under
+/// `rejects/`; 0 if it has none), following no link inside the folder.
 pub fn count_rejects_under(out: &Path, seq: u32) -> std::io::Result<u64> {
-    let bytes = match crate::fsutil::open_under(out, &rejects_rel(seq)).and_then(|i| i.read_all()) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(e),
-    };
-    Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64)
+    let legacy = Path::new(LEGACY_REJECTS_DIR).join(format!("part-{seq:06}.jsonl"));
+    for rel in [rejects_rel(seq), legacy] {
+        match crate::fsutil::open_under(out, &rel).and_then(|i| i.read_all()) {
+            Ok(bytes) => return Ok(bytes.iter().filter(|b| **b == b'\n').count() as u64),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(0)
 }
 
 /// What a part file holds, as the job's summary counts it.
@@ -151,6 +220,60 @@ mod tests {
     use super::*;
     use crate::message::{OutputFormat, OutputSpec};
     use crate::table::{Cell, Kind, PartWriter};
+
+    #[test]
+    fn a_folder_an_older_batchfleet_wrote_is_read_and_brought_to_todays_layout() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        // Nothing yet: the summary is where this version writes it.
+        assert_eq!(summary_in(out), out.join("_summary.json"));
+        std::fs::write(out.join("summary.json"), "{}").unwrap();
+        std::fs::write(out.join("predictions.csv"), "id,score\n").unwrap();
+        std::fs::create_dir(out.join("rejects")).unwrap();
+        std::fs::write(out.join("rejects/part-000003.jsonl"), "{}\n{}\n").unwrap();
+        assert_eq!(summary_in(out), out.join("summary.json"));
+        assert_eq!(count_rejects_under(out, 3).unwrap(), 2);
+
+        adopt_legacy_layout(out);
+        assert!(!out.join("rejects").exists());
+        assert_eq!(
+            std::fs::read_to_string(out.join("_rejects/part-000003.jsonl")).unwrap(),
+            "{}\n{}\n"
+        );
+        assert_eq!(count_rejects_under(out, 3).unwrap(), 2);
+
+        // The job's new summary replaces the old names.
+        std::fs::write(out.join("_summary.json"), "{}").unwrap();
+        assert_eq!(summary_in(out), out.join("_summary.json"));
+        remove_legacy(out, OutputFormat::Csv);
+        let mut left: Vec<_> = crate::source::fs::list_dir(out).unwrap();
+        left.sort();
+        assert_eq!(left, ["_rejects", "_summary.json"]);
+    }
+
+    #[test]
+    fn every_name_but_the_parts_starts_with_an_underscore() {
+        for format in [
+            OutputFormat::Csv,
+            OutputFormat::Jsonl,
+            OutputFormat::Parquet,
+        ] {
+            let merged = merged_rel(format);
+            assert!(merged.to_string_lossy().starts_with('_'), "{merged:?}");
+        }
+        for name in [
+            REJECTS_DIR,
+            OWNER_FILE,
+            SUCCESS_FILE,
+            SUMMARY_FILE,
+            PARTIAL_DIR,
+            STAGING_DIR,
+            DEAD_DIR,
+        ] {
+            assert!(name.starts_with('_'), "{name}");
+        }
+        assert!(rejects_rel(1).to_string_lossy().starts_with('_'));
+    }
 
     #[test]
     fn a_vector_parts_tally_holds_its_norms_in_every_format() {

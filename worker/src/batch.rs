@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub const MISSING_HINT: &str =
     "set [input] missing = \"nan\" or a number to score rows with missing values";
 
-/// A row that was not predicted, with why. Written to `rejects/part-<seq>.jsonl`.
+/// A row that was not predicted, with why. Written to `_rejects/part-<seq>.jsonl`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reject {
     /// Input file.

@@ -107,6 +107,16 @@ pub struct WorkerConfig {
     /// loaded) and remove it when it starts draining: a readiness probe.
     #[arg(long, env = "BATCHFLEET_READY_FILE")]
     pub ready_file: Option<std::path::PathBuf>,
+    /// Folder of the cache of models and tokenizers read from s3:// (one
+    /// download per machine, files named by their SHA-256; the workers of
+    /// a machine may share it). Default: $XDG_CACHE_HOME/batchfleet, else
+    /// ~/.cache/batchfleet.
+    #[arg(long, env = "BATCHFLEET_CACHE_DIR")]
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// Most the cache holds (e.g. 50GiB); the least recently used files go
+    /// first. Default 20GiB.
+    #[arg(long, env = "BATCHFLEET_CACHE_MAX", value_parser = parse_size)]
+    pub cache_max: Option<u64>,
     /// Folder every path of an item (input file, model, output folder) must
     /// stay under, symlinks resolved, or an s3://bucket/prefix that every
     /// s3:// location must stay under; repeat for several, or separate them
@@ -287,7 +297,13 @@ mod tests {
     fn every_flag_has_an_environment_variable() {
         let missing: Vec<String> = WorkerConfig::command()
             .get_arguments()
-            .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            // -v and -q: RUST_LOG is their variable.
+            .filter(|a| {
+                !matches!(
+                    a.get_id().as_str(),
+                    "help" | "version" | "verbose" | "quiet"
+                )
+            })
             .filter(|a| a.get_env().is_none())
             .map(|a| a.get_id().to_string())
             .collect();

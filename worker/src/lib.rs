@@ -48,6 +48,7 @@ mod item;
 pub mod probe;
 pub mod reader;
 pub mod runner;
+pub mod sample;
 pub mod writer;
 
 use anyhow::Context;
@@ -126,6 +127,7 @@ pub async fn run_on(
     let worker_id = cfg.worker_id();
     let queues = PoolQueues::new(&cfg.pool);
     let (roots, key) = trust(&cfg, backend.is_fleet())?;
+    batchfleet_shared::pinned::configure(cfg.cache_dir.clone(), cfg.cache_max);
     if backend.is_fleet() {
         install_metrics(&cfg)?;
         gpu::start_sampler(Duration::from_secs(15));

@@ -29,7 +29,7 @@ pub struct GlobalArgs {
     #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub connect_timeout: Duration,
     /// How long a finished job's state stays in Redis (e.g. 7d, 12h); its
-    /// summary.json stays in the output folder for good. A running job's
+    /// _summary.json stays in the output folder for good. A running job's
     /// state never expires.
     #[arg(long, env = "BATCHFLEET_RETENTION", default_value = "7d", value_parser = humantime::parse_duration, global = true)]
     pub retention: Duration,
@@ -215,7 +215,7 @@ pub enum DlqCommand {
         job: Option<String>,
         /// Run the dead items of the `batchfleet run --local` job whose
         /// output folder this is again, in this process (its manifest, named
-        /// in summary.json, is run with the committed items taken as done).
+        /// in _summary.json, is run with the committed items taken as done).
         #[arg(long, value_name = "OUTPUT", conflicts_with_all = ["class", "item", "pool", "no_wait"])]
         local: Option<PathBuf>,
         /// With --local: worker pipelines (default: one per core).
@@ -247,6 +247,11 @@ pub enum DlqCommand {
         /// Return after publishing instead of following the job.
         #[arg(long)]
         no_wait: bool,
+        /// Print one JSON object: `replayed` (items), `refused` (why each
+        /// dead message stayed dead) and, once the job ends, what `run
+        /// --json` prints.
+        #[arg(long)]
+        json: bool,
     },
     /// Delete dead items for good.
     Purge {
@@ -259,6 +264,9 @@ pub enum DlqCommand {
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
+        /// Print `{"purged": N}`.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -391,6 +399,15 @@ pub struct PlanArgs {
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
+    /// Also predict N rows, sampled across the input, in this process (one
+    /// CPU core, the job's model) and print them as the job would write
+    /// them, with the rows/s one core reaches and the time the job would
+    /// take on --workers workers.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub sample: Option<u32>,
+    /// With --sample: the workers (one core each) to give the time for.
+    #[arg(long, default_value_t = 1, requires = "sample", value_parser = clap::value_parser!(u32).range(1..))]
+    pub workers: u32,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -415,6 +432,9 @@ pub struct GcArgs {
 pub struct ResumeArgs {
     /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
     pub job: String,
+    /// Print one JSON object when the job ends, as `run --json` does.
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub follow: FollowArgs,
 }
@@ -509,14 +529,15 @@ pub struct JobsArgs {
 /// `batchfleet compare`.
 #[derive(Debug, Args)]
 pub struct CompareArgs {
-    /// Job A (the reference): a job id, or the path of its summary.json.
+    /// Job A (the reference): a job id, or the path of its _summary.json.
     pub a: String,
-    /// Job B (the candidate): a job id, or the path of its summary.json.
+    /// Job B (the candidate): a job id, or the path of its _summary.json.
     pub b: String,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// Exit 1 if the PSI of any output exceeds this (a gate for pipelines).
+    /// Exit 7 if the PSI of any output exceeds this (a gate for pipelines;
+    /// errors reading the summaries stay exit 1).
     #[arg(long)]
     pub max_psi: Option<f64>,
 }
@@ -524,8 +545,9 @@ pub struct CompareArgs {
 /// `batchfleet status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`).
-    pub job: String,
+    /// Job id, as printed by `batchfleet run` (`<name>-<hash>`); without
+    /// one, the job registered last (`batchfleet jobs` lists them).
+    pub job: Option<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -550,6 +572,8 @@ mod tests {
         "cancel --json",
         "plan --set",
         "plan --json",
+        "plan --sample",
+        "plan --workers",
         "status --json",
         "jobs --limit",
         "jobs --json",
@@ -571,13 +595,18 @@ mod tests {
         "dlq replay --pool",
         "dlq replay --update-model",
         "dlq replay --no-wait",
+        "dlq replay --json",
+        "dlq purge --json",
+        "resume --json",
         "dlq purge --job",
         "dlq purge --yes",
     ];
 
     fn without_env(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
         for a in cmd.get_arguments() {
-            if a.is_positional() || matches!(a.get_id().as_str(), "help" | "version") {
+            // -v and -q: RUST_LOG is their variable.
+            let logs = matches!(a.get_id().as_str(), "verbose" | "quiet");
+            if a.is_positional() || logs || matches!(a.get_id().as_str(), "help" | "version") {
                 continue;
             }
             if a.get_env().is_none() {
@@ -588,6 +617,22 @@ mod tests {
         for sub in cmd.get_subcommands() {
             without_env(sub, &format!("{path}{} ", sub.get_name()), out);
         }
+    }
+
+    #[test]
+    fn v_and_q_set_the_log_level() {
+        let level = |args: &[&str]| {
+            Cli::try_parse_from(args)
+                .map(|c| c.global.services.log_level())
+                .map_err(|e| e.kind())
+        };
+        assert_eq!(level(&["batchfleet", "jobs"]), Ok("info"));
+        assert_eq!(level(&["batchfleet", "-v", "jobs"]), Ok("debug"));
+        assert_eq!(level(&["batchfleet", "jobs", "-vv"]), Ok("trace"));
+        assert_eq!(level(&["batchfleet", "-q", "jobs"]), Ok("warn"));
+        assert_eq!(level(&["batchfleet", "jobs", "-qq"]), Ok("error"));
+        assert_eq!(level(&["batchfleet", "-vv", "jobs", "-q"]), Ok("debug"));
+        assert_eq!(level(&["batchfleet", "jobs", "-qqq"]), Ok("error"));
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! (RabbitMQ), or the `_dead/` folder of a `--local` run.
 
 use super::args::{DlqCommand, FollowArgs};
-use super::report::{report_error, report_outcome, report_outcome_of, EXIT_FAILURE, EXIT_INVALID};
+use super::report::{
+    exit_code, outcome_json, print_json, print_json_error, report_error, report_outcome,
+    report_outcome_of, EXIT_FAILURE, EXIT_INVALID,
+};
 use crate::config::Connections;
 use crate::error::RunError;
 use std::process::ExitCode;
@@ -47,12 +50,15 @@ pub(super) async fn main(cmd: DlqCommand, connections: &Connections) -> ExitCode
             update_model,
             workers,
             threads,
+            json,
             ..
         } => {
             let cfg = FollowArgs::default_config(connections.clone());
             let opts = crate::local::LocalOptions::resolve(workers, threads);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::local::replay(&cfg, &output, opts, update_model, shutdown).await {
+                Ok(outcome) if json => print_json(&outcome),
+                Err(e) if json => print_json_error(&e),
                 Ok(outcome) => report_outcome_of(&outcome, true),
                 Err(e) => report_error(&e),
             }
@@ -92,6 +98,7 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
             update_model,
             trust_unsigned,
             no_wait,
+            json,
             ..
         } => {
             let Some(job) = job else {
@@ -136,11 +143,17 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 Ok(r) => r,
                 Err(e) => return report_error(&e),
             };
-            println!(
-                "replayed {} item(s) of job {job} to bf.{pool}.job.{job}",
-                replayed.items.len()
-            );
-            if !replayed.refused.is_empty() {
+            let said = serde_json::json!({
+                "job_id": job, "replayed": replayed.items.len(), "refused": replayed.refused,
+            });
+            // With --json, one object in the end: what the replay did, then the job's outcome.
+            if !json {
+                println!(
+                    "replayed {} item(s) of job {job} to bf.{pool}.job.{job}",
+                    replayed.items.len()
+                );
+            }
+            if !json && !replayed.refused.is_empty() {
                 eprintln!(
                     "left {} dead message(s) dead, not to be trusted:",
                     replayed.refused.len()
@@ -150,6 +163,9 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 }
             }
             if no_wait || store.job(&job).await.ok().flatten().is_none() {
+                if json {
+                    println!("{said}");
+                }
                 ExitCode::SUCCESS
             } else {
                 let cfg = FollowArgs::default_config(connections.clone());
@@ -161,12 +177,25 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 )
                 .await
                 {
+                    Ok(outcome) if json => {
+                        let mut out = outcome_json(&outcome);
+                        out["replayed"] = said["replayed"].clone();
+                        out["refused"] = said["refused"].clone();
+                        println!("{out}");
+                        ExitCode::from(exit_code(&outcome))
+                    }
+                    Err(e) if json => print_json_error(&e),
                     Ok(outcome) => report_outcome(&outcome),
                     Err(e) => report_error(&e),
                 }
             }
         }
-        DlqCommand::Purge { pool, job, yes } => {
+        DlqCommand::Purge {
+            pool,
+            job,
+            yes,
+            json,
+        } => {
             if !yes
                 && !confirm(&format!(
                     "delete {} dead items of pool {pool} for good?",
@@ -178,6 +207,10 @@ async fn fleet(cmd: DlqCommand, connections: &Connections) -> ExitCode {
                 return ExitCode::from(EXIT_FAILURE);
             }
             match crate::dlq::purge(&*broker, &pool, job.as_deref()).await {
+                Ok(n) if json => {
+                    println!("{}", serde_json::json!({ "purged": n }));
+                    ExitCode::SUCCESS
+                }
                 Ok(n) => {
                     println!("purged {n} dead item(s)");
                     ExitCode::SUCCESS

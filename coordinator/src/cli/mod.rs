@@ -2,13 +2,14 @@
 //!
 //! Exit codes: 0 success (or job already complete), 1 runtime failure (broker,
 //! Redis, I/O), 2 invalid manifest or usage (nothing was published), 3 job
-//! finished but some items failed for good (listed in `summary.json`, no
+//! finished but some items failed for good (listed in `_summary.json`, no
 //! `_SUCCESS`), 4 job failed (error budget exceeded, remaining items skipped),
 //! 5 job failed at once because nobody can run it (the model is not
 //! TorchScript, changed or raises on load, or no worker could take its items
 //! within `--unable-timeout`), 6 job cancelled (`batchfleet cancel`; its
-//! committed items stay, and `run` continues it), 130 interrupted while
-//! following a job (the workers carry on).
+//! committed items stay, and `run` continues it), 7 `compare --max-psi`
+//! found an output past the gate, 130 interrupted while following a job
+//! (the workers carry on).
 //!
 //! # Layout
 //! - this file: [`main`] and the body of each command.
@@ -26,8 +27,8 @@ pub use args::{
     WaitArgs,
 };
 pub use report::{
-    exit_code, outcome_json, EXIT_CANCELLED, EXIT_COMPLETED_WITH_FAILURES, EXIT_FAILURE,
-    EXIT_INTERRUPTED, EXIT_INVALID, EXIT_JOB_FAILED, EXIT_JOB_UNRUNNABLE,
+    exit_code, outcome_json, EXIT_CANCELLED, EXIT_COMPLETED_WITH_FAILURES, EXIT_DRIFT,
+    EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_JOB_FAILED, EXIT_JOB_UNRUNNABLE,
 };
 
 use crate::config::Connections;
@@ -35,7 +36,7 @@ use crate::error::RunError;
 use crate::job::RunOutcome;
 use crate::status;
 use report::{print_json, print_json_error, report_error, report_outcome, report_outcome_of};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Runs a parsed command line and returns the process exit code.
@@ -82,6 +83,8 @@ pub async fn main(cli: Cli) -> ExitCode {
             let cfg = args.follow.run_config(connections);
             let shutdown = batchfleet_shared::shutdown::on_signals();
             match crate::job::resume_job(&cfg, &args.job, shutdown).await {
+                Ok(outcome) if args.json => print_json(&outcome),
+                Err(e) if args.json => print_json_error(&e),
                 Ok(outcome) => report_outcome(&outcome),
                 Err(e) => report_error(&e),
             }
@@ -166,7 +169,7 @@ async fn wait_main(args: WaitArgs, connections: Connections) -> ExitCode {
         let store = cfg.connections.store().await?;
         if store.job(&args.job).await?.is_none() {
             return Err(RunError::UnknownJob(format!(
-                "no job \"{}\" in {}; job ids look like <name>-<hash>, as `batchfleet run` prints them. A job that finished more than --retention ago has left Redis: its summary.json is in its output folder",
+                "no job \"{}\" in {}; job ids look like <name>-<hash>, as `batchfleet run` prints them. A job that finished more than --retention ago has left Redis: its _summary.json is in its output folder",
                 args.job,
                 store.describe()
             )));
@@ -219,7 +222,21 @@ async fn status_main(args: StatusArgs, connections: Connections) -> ExitCode {
         Ok(s) => s,
         Err(e) => return report_error(&RunError::Store(e)),
     };
-    let report = match status::report(&store, &args.job).await {
+    let job = match &args.job {
+        Some(job) => job.clone(),
+        None => match status::jobs(&store, 1).await {
+            Ok(latest) if !latest.is_empty() => latest[0].id.clone(),
+            Ok(_) => {
+                eprintln!(
+                    "error: no job in {}; start one with `batchfleet run job.toml`",
+                    store.describe()
+                );
+                return ExitCode::from(EXIT_FAILURE);
+            }
+            Err(e) => return report_error(&RunError::Store(e)),
+        },
+    };
+    let report = match status::report(&store, &job).await {
         Ok(Some(mut r)) => {
             r.consumers = pool_consumers(&connections, &r.job.pool).await;
             Ok(Some(r))
@@ -239,7 +256,7 @@ async fn status_main(args: StatusArgs, connections: Connections) -> ExitCode {
             ExitCode::SUCCESS
         }
         Ok(None) => {
-            eprintln!("error: no job \"{}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`", args.job, store.describe());
+            eprintln!("error: no job \"{job}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`", store.describe());
             ExitCode::from(EXIT_FAILURE)
         }
         Err(e) => report_error(&RunError::Store(e)),
@@ -301,7 +318,11 @@ async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
     cfg.data_roots = args.data_roots;
     cfg.trial = args.overrides.trial();
     cfg.overrides = args.overrides.set;
-    match crate::control::plan(&cfg, &args.manifest, store.as_ref()).await {
+    let sample = args.sample.map(|rows| crate::control::SampleArgs {
+        rows: rows as usize,
+        workers: args.workers,
+    });
+    match crate::control::plan(&cfg, &args.manifest, store.as_ref(), sample).await {
         Ok(r) if args.json => {
             println!("{}", serde_json::to_string(&r).expect("plan serializes"));
             ExitCode::SUCCESS
@@ -342,9 +363,9 @@ async fn load_summary(
             .await
             .map_err(|e| e.to_string())?
             .ok_or_else(|| {
-                format!("\"{which}\" is neither a summary.json file nor a job in Redis; a finished job's state expires after its retention (--retention), its summary stays: pass the path of its summary.json in the output folder")
+                format!("\"{which}\" is neither a _summary.json file nor a job in Redis; a finished job's state expires after its retention (--retention), its summary stays: pass the path of its _summary.json in the output folder")
             })?;
-        PathBuf::from(job.output_dir).join(crate::dispatcher::SUMMARY_FILE)
+        batchfleet_shared::output::summary_in(Path::new(&job.output_dir))
     };
     let bytes = std::fs::read(&path).map_err(|e| {
         format!(
@@ -387,7 +408,7 @@ async fn compare_main(args: &CompareArgs, connections: &Connections) -> ExitCode
     if let Some(limit) = args.max_psi {
         if let Some(d) = drift.iter().find(|d| d.psi > limit) {
             eprintln!("drift: {} has PSI {:.4} > --max-psi {limit}", d.name, d.psi);
-            return ExitCode::from(EXIT_FAILURE);
+            return ExitCode::from(EXIT_DRIFT);
         }
     }
     ExitCode::SUCCESS

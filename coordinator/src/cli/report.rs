@@ -18,6 +18,8 @@ pub const EXIT_JOB_FAILED: u8 = 4;
 pub const EXIT_JOB_UNRUNNABLE: u8 = 5;
 /// Exit code: the job was cancelled (`batchfleet cancel`).
 pub const EXIT_CANCELLED: u8 = 6;
+/// Exit code: `compare --max-psi`: an output drifted past the gate.
+pub const EXIT_DRIFT: u8 = 7;
 /// Exit code: interrupted by a signal while following a job.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -105,7 +107,7 @@ pub(super) fn report_outcome_of(outcome: &RunOutcome, local: bool) -> ExitCode {
             println!("summary: {}", summary.display());
             if report.rows_rejected > 0 {
                 eprintln!(
-                    "{} row(s) rejected; see rejects/ in the output folder",
+                    "{} row(s) rejected; see _rejects/ in the output folder",
                     report.rows_rejected
                 );
             }
@@ -122,7 +124,7 @@ pub(super) fn report_outcome_of(outcome: &RunOutcome, local: bool) -> ExitCode {
                 }
                 if report.failed_items.len() > 20 {
                     eprintln!(
-                        "  … and {} more in summary.json",
+                        "  … and {} more in _summary.json",
                         report.failed_items.len() - 20
                     );
                 }
@@ -193,7 +195,7 @@ mod tests {
         .unwrap();
         RunOutcome::Completed {
             job_id: "j-1".into(),
-            summary: "/o/summary.json".into(),
+            summary: "/o/_summary.json".into(),
             report: Box::new(report),
         }
     }

@@ -176,8 +176,19 @@ fn program() -> Result<PathBuf, String> {
 /// key or credential. (Nor can the child read them from the coordinator's
 /// `/proc/<pid>/environ`: the coordinator is not dumpable.)
 fn child_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
+    // The cache folder too: an `s3://` model is read from the copy
+    // validation downloaded (the trial has no credentials to fetch it).
     const KEEP: &[&str] = &[
-        "PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", DEBUG_ENV,
+        "PATH",
+        "HOME",
+        "USER",
+        "LANG",
+        "LC_ALL",
+        "TZ",
+        "TMPDIR",
+        "XDG_CACHE_HOME",
+        "BATCHFLEET_CACHE_DIR",
+        DEBUG_ENV,
     ];
     // Thread pools and allocators only: the trial runs on the CPU.
     const PREFIXES: &[&str] = &[
@@ -480,8 +491,10 @@ fn trial(
     use batchfleet_worker_probe::ProbeFailure;
     let limit = PROBE_LIMIT.min(Duration::from_millis(task.failure.item_timeout_ms));
     let model = &task.model.path;
-    let memory = memory
-        .unwrap_or_else(|| default_memory(std::fs::metadata(model).map(|m| m.len()).unwrap_or(0)));
+    let size = batchfleet_shared::pinned::local_file(model, &task.model.sha256)
+        .and_then(|f| std::fs::metadata(f).ok())
+        .map_or(0, |m| m.len());
+    let memory = memory.unwrap_or_else(|| default_memory(size));
     let warn = |why: String| {
         tracing::warn!(model = %model, reason = %why, "the model call could not be tried on sample rows at validation; workers will report what it does");
         Ok(None)

@@ -210,7 +210,7 @@ pub fn load_trying(
 }
 
 /// The manifest as it may be stored and shown (the job record in Redis,
-/// `summary.json`): a webhook URL keeps only its origin, since its path or
+/// `_summary.json`): a webhook URL keeps only its origin, since its path or
 /// query may carry a token (`https://hooks.slack.com/services/T…/B…/…`).
 fn shown(mut table: toml::Table) -> toml::Table {
     if let Some(toml::Value::String(url)) = table
@@ -240,7 +240,7 @@ fn webhook_override(o: &str) -> Option<&str> {
     is_webhook_key(key).then(|| value.trim().trim_matches(|c| c == '"' || c == '\''))
 }
 
-/// An override as the job record and `summary.json` keep it: a webhook URL
+/// An override as the job record and `_summary.json` keep it: a webhook URL
 /// by its origin only (as [`shown`] keeps the manifest's), since its path
 /// or query may carry a token.
 fn stored_override(o: &str) -> String {
@@ -336,7 +336,9 @@ pub fn validate(
     let outputs = call::outputs(m, text, &mut problems);
     // A package carries no TorchScript code to read parameter names from.
     if kind == Some(ModelKind::TorchScript) {
-        call::check_parameters(Path::new(&model.path), &model_inputs, text, &mut problems);
+        if let Some(file) = batchfleet_shared::pinned::local_file(&model.path, &model.sha256) {
+            call::check_parameters(&file, &model_inputs, text, &mut problems);
+        }
     }
     let model = batchfleet_shared::message::ModelRef {
         inputs: model_inputs,

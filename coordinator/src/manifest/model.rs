@@ -1,6 +1,8 @@
-//! `[model]`: the model file — a local (or shared) file under the data roots
-//! that is a TorchScript archive (see [`super::probes`]), with its SHA-256
-//! taken and compared with the manifest's when given — and the device.
+//! `[model]`: the model file — a local (or shared) file under the data roots,
+//! or an `s3://` object (downloaded into this machine's cache,
+//! [`batchfleet_shared::pinned`]), that is a TorchScript archive (see
+//! [`super::probes`]), with its SHA-256 taken and compared with the
+//! manifest's when given: the digest every worker checks — and the device.
 
 use super::probes::check_torchscript;
 use super::schema::ModelSection;
@@ -22,34 +24,31 @@ pub(super) fn check(
     let mut kind = None;
     let model_path = resolve(base, &model.path);
     let mut model_sha = String::new();
-    let local_model = if batchfleet_shared::source::is_url(&model_path) {
-        Err(batchfleet_shared::paths::PathError {
-            path: model_path.clone(),
-            reason:
-                "is an s3:// URL; the model must be a local (or shared) file every worker can read"
-                    .into(),
-        })
-    } else {
-        roots.check(&model_path)
-    };
-    match local_model.map(|_| check_torchscript(&model_path)) {
-        Err(e) => problems.add("[model] path", e.to_string()),
-        Ok(Err(e)) => problems.add("[model] path", e),
-        Ok(Ok(k)) => match sha256_file(&model_path) {
-            Err(e) => problems.add(
-                "[model] path",
-                format!("cannot read {}: {e}", model_path.display()),
-            ),
-            Ok(actual) => {
-                if let Some(expected) = &model.sha256 {
-                    if !expected.eq_ignore_ascii_case(&actual) {
-                        problems.add("[model] sha256", format!("{} has sha256 {actual} but the manifest expects {expected}; update the manifest or restore the right model file", model_path.display()));
-                    }
+    // The file to read: the model itself, or its copy in this machine's
+    // cache (with its digest) for an object in S3.
+    let local = roots
+        .check(&model_path)
+        .map_err(|e| e.to_string())
+        .and_then(|_| fetch_if_url(&model_path));
+    match local.and_then(|(file, sha)| {
+        let k = check_torchscript(&file).map_err(|e| named(&e, &file, &model_path))?;
+        let sha = match sha {
+            Some(sha) => sha,
+            None => sha256_file(&file)
+                .map_err(|e| format!("cannot read {}: {e}", model_path.display()))?,
+        };
+        Ok((k, sha))
+    }) {
+        Err(e) => problems.add("[model] path", e),
+        Ok((k, actual)) => {
+            if let Some(expected) = &model.sha256 {
+                if !expected.eq_ignore_ascii_case(&actual) {
+                    problems.add("[model] sha256", format!("{} has sha256 {actual} but the manifest expects {expected}; update the manifest or restore the right model file", model_path.display()));
                 }
-                model_sha = actual;
-                kind = Some(k);
             }
-        },
+            model_sha = actual;
+            kind = Some(k);
+        }
     }
     if !valid_device(&model.device) {
         problems.add(
@@ -68,6 +67,25 @@ pub(super) fn check(
         ),
         kind,
     )
+}
+
+/// The local file holding `path`: itself, or for a URL its copy downloaded
+/// into this machine's cache, with the digest taken on the way.
+fn fetch_if_url(path: &Path) -> Result<(std::path::PathBuf, Option<String>), String> {
+    if !batchfleet_shared::source::is_url(path) {
+        return Ok((path.to_owned(), None));
+    }
+    let url = path.to_string_lossy();
+    batchfleet_shared::pinned::cache()
+        .fetch(&url)
+        .map(|(file, sha)| (file, Some(sha)))
+        .map_err(|e| format!("cannot read {url}: {e}; check the URL, and that this machine has the credentials (AWS_* variables) to read it"))
+}
+
+/// A message about the local file `file`, naming `path` (the URL it is a
+/// copy of) instead.
+fn named(message: &str, file: &Path, path: &Path) -> String {
+    message.replace(&file.display().to_string(), &path.display().to_string())
 }
 
 /// `[model] tokenizer`, `max_length` and `pad_to_multiple_of`: the tokenizer
@@ -125,18 +143,18 @@ pub(super) fn tokenizer(
         );
     }
     let resolved = resolve(base, path);
-    if batchfleet_shared::source::is_url(&resolved) {
-        problems.add(
-            "[model] tokenizer",
-            format!("{}: is a URL; the tokenizer must be a local (or shared) file every worker can read", resolved.display()),
-        );
-        return None;
-    }
     if let Err(e) = roots.check(&resolved) {
         problems.add("[model] tokenizer", e.to_string());
         return None;
     }
-    let bytes = match std::fs::read(&resolved) {
+    let file = match fetch_if_url(&resolved) {
+        Ok((file, _)) => file,
+        Err(e) => {
+            problems.add("[model] tokenizer", e);
+            return None;
+        }
+    };
+    let bytes = match std::fs::read(&file) {
         Ok(b) => b,
         Err(e) => {
             problems.add(

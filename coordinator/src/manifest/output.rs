@@ -282,7 +282,7 @@ mod tests {
     }
 
     #[test]
-    fn s3_output_needs_an_s3_data_root_and_an_s3_model_is_refused() {
+    fn s3_output_and_an_s3_model_need_an_s3_data_root() {
         let fx = Fixture::new();
         let manifest = GOOD.replace("dir = \"out\"", "dir = \"s3://bucket/jobs/out\"");
         // The default root is the manifest's folder: S3 is outside it.
@@ -299,7 +299,7 @@ mod tests {
         let err =
             problems(fx.load(&GOOD.replace("path = \"model.pt\"", "path = \"s3://bucket/m.pt\"")));
         assert!(
-            err.contains("[model] path: s3://bucket/m.pt: is an s3:// URL"),
+            err.contains("[model] path: s3://bucket/m.pt: is outside the data roots"),
             "{err}"
         );
     }

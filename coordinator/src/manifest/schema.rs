@@ -328,7 +328,7 @@ pub struct OutputSection {
     /// Bins of the prediction histogram kept per output column.
     pub histogram: Option<HistogramSection>,
     /// After the job completes, also write every part as one file in input
-    /// order (`predictions.csv`).
+    /// order (`_merged/predictions.csv`).
     #[serde(default)]
     pub merge: bool,
     /// Names of the model's output columns (default `score` / `score_0 …`).

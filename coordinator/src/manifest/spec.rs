@@ -108,7 +108,7 @@ impl JobSpec {
     }
 
     /// The input files with their fingerprints, as the job record and
-    /// `summary.json` list them.
+    /// `_summary.json` list them.
     pub fn input_files(&self) -> Vec<InputFile> {
         self.files
             .iter()
@@ -193,7 +193,7 @@ impl ErrorBudget {
         }
         (p.settled() && p.rows_done > 0 && rejected >= p.rows_done).then(|| {
             format!(
-                "every row was rejected ({rejected} of {}): nothing was predicted — see rejects/ for why (a wrong [input] layout, a model that raises on every row)",
+                "every row was rejected ({rejected} of {}): nothing was predicted — see _rejects/ for why (a wrong [input] layout, a model that raises on every row)",
                 p.rows_done
             )
         })

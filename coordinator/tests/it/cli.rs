@@ -426,7 +426,7 @@ async fn plan_prints_the_job_and_items_run_then_uses_and_set_is_part_of_the_job(
         line.contains(&format!("job {id} completed: 1000 rows in {items} items")),
         "{line}"
     );
-    let summary = case.dir.path().join("out-100/summary.json");
+    let summary = case.dir.path().join("out-100/_summary.json");
     let recorded: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("json");
     assert_eq!(recorded["overrides"][1], "output.dir=out-100");
@@ -444,7 +444,7 @@ async fn plan_prints_the_job_and_items_run_then_uses_and_set_is_part_of_the_job(
     let out = case.run(&["compare", &id, &id]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        stderr(&out).contains("pass the path of its summary.json"),
+        stderr(&out).contains("pass the path of its _summary.json"),
         "{}",
         stderr(&out)
     );

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 async fn run(hooks: &OnComplete, policy: &HookPolicy, dir: &Path) -> HookOutcome {
-    let summary = dir.join("summary.json");
+    let summary = dir.join("_summary.json");
     tokio::time::timeout(
         Duration::from_secs(120),
         hooks::run(hooks, policy, "job-1", "completed", &summary, b"{}", dir),
@@ -232,7 +232,7 @@ async fn webhooks_trust_the_system_store_follow_no_redirect_and_send_nothing_ref
     );
 }
 
-/// The child's half: each case's outcome as recorded in `summary.json`.
+/// The child's half: each case's outcome as recorded in `_summary.json`.
 async fn webhook_cases(port: u16) {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = |path: &str| format!("https://localhost:{port}{path}");

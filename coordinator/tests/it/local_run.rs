@@ -38,7 +38,7 @@ fn batchfleet(dir: &Path) -> Command {
 }
 
 fn summary(out: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary.json"))
+    serde_json::from_slice(&std::fs::read(out.join("_summary.json")).expect("_summary.json"))
         .expect("summary is JSON")
 }
 
@@ -330,6 +330,159 @@ fn a_job_killed_mid_way_resumes_and_computes_nothing_twice(backend: Backend) {
         batchfleet_testkit::services::delete_pool_queues(&pool);
         batchfleet_testkit::services::delete_redis_prefix(&prefix);
     }
+}
+
+/// Waits until the file at `log` holds `text` (a log line is the only
+/// event that crosses the process).
+fn logged(log: &Path, text: &str, child: &mut std::process::Child) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let seen = std::fs::read_to_string(log).unwrap_or_default();
+        if seen.contains(text) {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("exited with {status} before logging {text:?}:\n{seen}");
+        }
+        assert!(Instant::now() < deadline, "never logged {text:?}:\n{seen}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn interrupt(child: &std::process::Child) {
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+}
+
+/// Ctrl-C drains a local run (its items stop at their next checkpoint);
+/// Ctrl-C again stops it at once, with exit code 130, even while a model
+/// call that would last ten minutes holds the drain.
+#[test]
+fn a_second_ctrl_c_stops_a_draining_local_run_at_once() {
+    let dir = job(2_000, 500);
+    let log = dir.path().join("run.log");
+    let mut run = batchfleet(dir.path())
+        .args([
+            "run",
+            "job.toml",
+            "--no-progress",
+            "--local",
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+        ])
+        .env("BATCHFLEET_DEBUG_BATCH_DELAY", "10m")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn batchfleet");
+    logged(&log, "model loaded", &mut run);
+    interrupt(&run);
+    logged(&log, "press Ctrl-C again to stop at once", &mut run);
+    assert!(run.try_wait().expect("wait").is_none(), "still draining");
+    interrupt(&run);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = run.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second Ctrl-C did not stop it"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        text.contains("interrupted again: stopping at once"),
+        "{text}"
+    );
+    assert!(
+        parts(&dir.path().join("out")).is_empty(),
+        "nothing committed"
+    );
+}
+
+/// `plan --sample`: rows spread across the input, predicted in the
+/// `plan` process as the job would write them — each equal to PyTorch's
+/// own prediction —, with the rate one core reaches and the time to go.
+#[test]
+fn plan_sample_predicts_rows_across_the_input_before_anything_runs() {
+    let dir = job(4_000, 500);
+    let golden: std::collections::HashMap<String, f64> =
+        std::fs::read_to_string(dir.path().join("golden.csv"))
+            .expect("golden")
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let (id, score) = l.split_once(',').expect("id,score");
+                (id.to_owned(), score.parse().expect("score"))
+            })
+            .collect();
+    let out = batchfleet(dir.path())
+        .args([
+            "plan",
+            "job.toml",
+            "--local",
+            "--sample",
+            "12",
+            "--workers",
+            "4",
+            "--json",
+        ])
+        .output()
+        .expect("plan");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let s = &v["sample"];
+    assert_eq!(s["header"], "id,score");
+    let rows = s["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 12);
+    let mut ids = std::collections::HashSet::new();
+    for row in rows {
+        let (id, score) = row
+            .as_str()
+            .expect("a CSV line")
+            .split_once(',')
+            .expect("id,score");
+        let want = golden[id];
+        let got: f64 = score.parse().expect("score");
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "{id}: {got} != {want}"
+        );
+        ids.insert(id.to_owned());
+    }
+    assert_eq!(ids.len(), 12, "no row twice");
+    // Eight items spread over the job's eight, every row of them read.
+    assert_eq!(s["items"], 8);
+    assert_eq!(s["rows_read"], 4_000);
+    let per_core = s["rows_per_s_per_core"].as_f64().expect("rate");
+    assert!(per_core > 0.0);
+    let eta = s["eta_s"].as_f64().expect("eta");
+    assert!(
+        (eta - 4_000.0 / (per_core * 4.0)).abs() <= 1e-6 * eta.max(1.0),
+        "{eta}"
+    );
+    assert!(!dir.path().join("out").exists(), "plan writes nothing");
+    let text = batchfleet(dir.path())
+        .args(["plan", "job.toml", "--local", "--sample", "3"])
+        .output()
+        .expect("plan");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("sample: 3 rows from 3 items") && text.contains("per core:"),
+        "{text}"
+    );
 }
 
 mod fleet {

@@ -2,6 +2,7 @@
 
 mod broker;
 mod local_broker;
+mod model_archives;
 mod retire;
 mod store;
 

@@ -36,18 +36,17 @@ pub fn encoder(spec: &TextSpec) -> Result<Arc<TextEncoder>, ItemError> {
     // As for a model: a file this worker cannot read is this worker's
     // problem (another may have it mounted); one that is not the job's,
     // or does not load, is the job's.
-    let bytes = std::fs::read(path).map_err(|e| {
-        ItemError::unable(format!(
+    use batchfleet_shared::pinned::PinnedError;
+    let bytes = match batchfleet_shared::pinned::read(path, &spec.tokenizer.sha256) {
+        Ok(bytes) => bytes,
+        Err(PinnedError::Unreadable(e)) => return Err(ItemError::unable(format!(
             "cannot read tokenizer {path} on this worker: {e}; it must be readable by every worker at the path the job was planned with"
-        ))
-    })?;
-    let actual = batchfleet_shared::fsutil::sha256_bytes(&bytes);
-    if !actual.eq_ignore_ascii_case(&spec.tokenizer.sha256) {
-        return Err(ItemError::unrunnable(format!(
+        ))),
+        Err(PinnedError::Changed { actual, .. }) => return Err(ItemError::unrunnable(format!(
             "tokenizer {path} has sha256 {actual} but the job expects {}; the file changed after the job was planned — restore it, or run the manifest again to start a job with the new tokenizer",
             spec.tokenizer.sha256
-        )));
-    }
+        ))),
+    };
     let encoder = TextEncoder::from_bytes(&bytes, Some(spec.max_length))
         .map(Arc::new)
         .map_err(|e| ItemError::unrunnable(format!("tokenizer {path} {e}")))?;

@@ -190,7 +190,9 @@ impl TorchBackend {
             // holds, about), so the load itself fits; checked again below
             // with what it holds once loaded.
             if self.memory.is_some() {
-                let file = std::fs::metadata(&model.path).map_or(0, |m| m.len());
+                let file = batchfleet_shared::pinned::local_file(&model.path, &model.sha256)
+                    .and_then(|f| std::fs::metadata(f).ok())
+                    .map_or(0, |m| m.len());
                 self.make_room(&model.device, file);
             }
             let started = std::time::Instant::now();
@@ -279,22 +281,26 @@ fn precision_kind(p: Precision) -> tch::Kind {
 /// holds: its parameters' (in the loaded precision) or its file's, the
 /// larger (a frozen module keeps its weights as constants, not parameters).
 fn load_pinned(model: &ModelRef) -> Result<(Loaded, u64), ItemError> {
-    let bytes = std::fs::read(&model.path).map_err(|e| {
-        ItemError::unable(format!(
-            "cannot read model {} on this worker: {e}",
-            model.path
-        ))
-    })?;
-    let actual = batchfleet_shared::fsutil::sha256_bytes(&bytes);
+    use batchfleet_shared::pinned::PinnedError;
+    // An `s3://` model comes through this machine's cache (downloaded once).
+    let bytes = match batchfleet_shared::pinned::read(&model.path, &model.sha256) {
+        Ok(bytes) => bytes,
+        Err(PinnedError::Unreadable(e)) => {
+            return Err(ItemError::unable(format!(
+                "cannot read model {} on this worker: {e}",
+                model.path
+            )))
+        }
+        Err(PinnedError::Changed { actual, bytes }) => {
+            return Err(ItemError::unrunnable(format!(
+                "model {} has sha256 {actual} but the job expects {} (it is now {}); the file changed after the job was planned — restore it, or run the manifest again to start a job with the new model",
+                model.path,
+                model.sha256,
+                batchfleet_shared::model_file::inspect_bytes(&bytes).describe()
+            )))
+        }
+    };
     let kind = batchfleet_shared::model_file::inspect_bytes(&bytes);
-    if actual != model.sha256 {
-        return Err(ItemError::unrunnable(format!(
-            "model {} has sha256 {actual} but the job expects {} (it is now {}); the file changed after the job was planned — restore it, or run the manifest again to start a job with the new model",
-            model.path,
-            model.sha256,
-            kind.describe()
-        )));
-    }
     if !kind.is_runnable() {
         return Err(ItemError::unrunnable(format!(
             "model {} is {}; {}",

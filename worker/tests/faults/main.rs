@@ -405,7 +405,7 @@ async fn a_coordinator_killed_mid_publish_resumes_publishing_only_the_rest() {
     let out = resume.wait_with_output().expect("resume output");
     assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let summary: Summary = serde_json::from_slice(
-        &std::fs::read(env.path().join("out/summary.json")).expect("summary"),
+        &std::fs::read(env.path().join("out/_summary.json")).expect("summary"),
     )
     .expect("summary json");
     assert_exactly_once(&env, &summary);

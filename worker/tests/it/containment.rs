@@ -722,7 +722,7 @@ async fn links_planted_in_the_output_folder_are_refused_and_nothing_is_written_t
     let elsewhere = tempfile::tempdir().expect("elsewhere");
     std::fs::write(elsewhere.path().join("victim"), "precious\n").expect("victim");
     let out = env.path().join("s/out");
-    std::os::unix::fs::symlink(elsewhere.path(), out.join("rejects")).expect("link");
+    std::os::unix::fs::symlink(elsewhere.path(), out.join("_rejects")).expect("link");
     std::os::unix::fs::symlink(elsewhere.path().join("victim"), out.join("part-000001.csv"))
         .expect("link");
     let mut workers = vec![env.spawn_worker("w1", &[])];

@@ -57,7 +57,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
     // Every input id exactly once, every score equal to PyTorch's within 1e-5.
     let out = matches_golden(&env, 50_000);
 
-    // summary.json agrees with the data and the plan (4 files × 12500 rows at ≤4000 per item: 4 × 4 items).
+    // _summary.json agrees with the data and the plan (4 files × 12500 rows at ≤4000 per item: 4 × 4 items).
     let on_disk: Summary =
         serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("summary json");
     assert_eq!(on_disk, *report);
@@ -76,7 +76,7 @@ async fn two_workers_score_every_row_exactly_once_matching_pytorch() {
 
     // The merged output: one header, then every row once, in input order
     // (input files sorted, rows as they appear), exactly the parts' rows.
-    let merged = out.join("predictions.csv");
+    let merged = out.join("_merged/predictions.csv");
     assert_eq!(on_disk.merged.as_deref(), Some(merged.as_path()));
     let merged_text = std::fs::read_to_string(&merged).expect("merged output");
     let mut lines = merged_text.lines();
@@ -454,7 +454,7 @@ async fn parquet_input_scores_every_row_matching_pytorch() {
     // The merged file lists the ids in input order: files sorted, rows as written.
     let mut ids = Vec::new();
     let columns =
-        batchfleet_shared::table::read_part(&out.join("predictions.parquet"), |_, row| {
+        batchfleet_shared::table::read_part(&out.join("_merged/predictions.parquet"), |_, row| {
             ids.push(row[0].text())
         })
         .expect("merged output");
@@ -548,7 +548,8 @@ async fn labels_top_k_and_copied_columns_in_json_lines_output() {
         }
     }
     let names = ["low", "mid", "high"];
-    let merged = std::fs::read_to_string(out.join("predictions.jsonl")).expect("merged output");
+    let merged =
+        std::fs::read_to_string(out.join("_merged/predictions.jsonl")).expect("merged output");
     let mut rows = 0;
     for line in merged.lines() {
         let row: serde_json::Value = serde_json::from_str(line).expect("a JSON object");
@@ -728,10 +729,10 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
             // Everything a local job leaves, as objects: parts, summary, marker, merged file.
             let names = fs::list_dir(&out).expect("list the output");
             for want in [
-                "summary.json",
+                "_summary.json",
                 "_SUCCESS",
                 "_JOB",
-                "predictions.csv",
+                "_merged",
                 "part-000000.csv",
             ] {
                 assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
@@ -740,7 +741,7 @@ async fn csv_parquet_and_image_jobs_read_from_and_write_to_s3() {
                 !names.iter().any(|n| n == "_partial"),
                 "checkpoints removed: {names:?}"
             );
-            let merged = fs::read_to_string(&out.join("predictions.csv")).expect("merged");
+            let merged = fs::read_to_string(&out.join("_merged/predictions.csv")).expect("merged");
             assert_eq!(merged.lines().count() as u64, rows + 1);
         }
         env.cleanup(&[&job_id]).await;
@@ -897,7 +898,7 @@ async fn a_model_returning_integers_writes_integers() {
         .collect();
     let mut seen = 0;
     let columns = batchfleet_shared::table::read_part(
-        &env.path().join("out/predictions.parquet"),
+        &env.path().join("out/_merged/predictions.parquet"),
         |_, row| {
             let got: Vec<i64> = row[1..]
                 .iter()

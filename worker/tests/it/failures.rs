@@ -388,7 +388,7 @@ async fn poisoned_items_are_dead_lettered_then_replayed_after_a_model_fix(backen
     assert_eq!(report.status, "completed_with_failures");
     assert_eq!((report.items_total, report.items_failed), (8, 2));
     // No merged output while items are missing: it would pass for complete.
-    let merged = env.path().join("out/predictions.csv");
+    let merged = env.path().join("out/_merged/predictions.csv");
     assert!(report.merged.is_none() && !merged.exists());
 
     // INV-DLQ: the dead items are exactly the poisoned ones (rows 10 and 1300 → items 0 and 5).

@@ -202,7 +202,7 @@ async fn a_finished_jobs_state_expires_after_the_retention_and_a_running_ones_ne
         .expect("EXISTS");
     assert_eq!(exists, 0);
     let summary: batchfleet_coordinator::reducer::Summary = serde_json::from_slice(
-        &std::fs::read(env.path().join("out/summary.json")).expect("the summary stays"),
+        &std::fs::read(env.path().join("out/_summary.json")).expect("the summary stays"),
     )
     .expect("a summary");
     assert_eq!(summary.job_id, id);
@@ -837,6 +837,13 @@ async fn a_pool_nobody_serves_is_named_by_run_and_status() {
         .expect("status");
     let v: serde_json::Value = serde_json::from_slice(&status.stdout).expect("json");
     assert_eq!(v["consumers"], 1);
+    // Without an id: the job registered last (the only one under this prefix).
+    let latest = coordinator(&env)
+        .args(["status", "--json"])
+        .output()
+        .expect("status");
+    let v: serde_json::Value = serde_json::from_slice(&latest.stdout).expect("json");
+    assert_eq!(v["id"], id.as_str());
     let out = coordinator(&env)
         .args(["wait", &id])
         .output()

@@ -10,6 +10,7 @@ mod formats;
 mod jobs;
 mod models;
 mod privilege;
+mod remote_models;
 mod reports;
 mod slurm_task;
 mod starts;

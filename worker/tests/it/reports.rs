@@ -1,4 +1,4 @@
-//! What a finished job reports: the prediction distribution in summary.json
+//! What a finished job reports: the prediction distribution in _summary.json
 //! (checked against PyTorch's own scores), `batchfleet compare` between two
 //! jobs, the `[on_complete]` command and webhook (a real local HTTP server
 //! that fails once), and `batchfleet jobs`.
@@ -130,7 +130,7 @@ async fn summary_distribution_compare_hooks_and_job_list() {
     let (job_a, summary_a, report_a) = completed(&env, &a).await;
     let (job_b, summary_b, _) = completed(&env, &b).await;
 
-    // The distribution in summary.json is the histogram of PyTorch's own scores.
+    // The distribution in _summary.json is the histogram of PyTorch's own scores.
     let dist = report_a
         .predictions
         .clone()
@@ -151,7 +151,7 @@ async fn summary_distribution_compare_hooks_and_job_list() {
     );
 
     // The hooks ran: the command saw the status, the webhook got the summary
-    // with the bearer token on the second attempt, and summary.json says so.
+    // with the bearer token on the second attempt, and _summary.json says so.
     assert_eq!(
         std::fs::read_to_string(a_dir.join("hook.out"))
             .expect("hook output")
@@ -219,8 +219,8 @@ async fn summary_distribution_compare_hooks_and_job_list() {
     );
     assert_eq!(
         diff.status.code(),
-        Some(1),
-        "different models drift past a tiny PSI gate: {out}"
+        Some(7),
+        "different models drift past a tiny PSI gate, with the gate's own exit code: {out}"
     );
     // By job id, through Redis.
     let by_id = compare(Path::new(&job_a), Path::new(&job_b), &[]);
@@ -298,7 +298,7 @@ async fn hook_commands_cannot_read_the_coordinator_and_the_operator_decides_whic
         stderr.contains("[on_complete] command") && stderr.contains("--hooks webhook"),
         "{stderr}"
     );
-    assert!(!dir.join("out").join("summary.json").exists());
+    assert!(!dir.join("out").join("_summary.json").exists());
     assert!(!dir.join("rc.txt").exists());
     // Commands on: the job runs and so does its command, which cannot read
     // the coordinator's environment.
@@ -392,7 +392,7 @@ async fn everything_under(env: &TestEnv, prefix: &str) -> Vec<(String, String)> 
 
 /// A webhook URL given with `--set` may carry a token in its path: the
 /// hook posts to the whole URL, and neither the job record in Redis nor
-/// `summary.json` keeps more than its origin.
+/// `_summary.json` keeps more than its origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_given_with_set_is_posted_to_and_stored_nowhere() {
     let env = TestEnv::new("hookset");

@@ -345,10 +345,10 @@ pub fn matches_golden(env: &TestEnv, rows: usize) -> PathBuf {
     out
 }
 
-/// Every rejected row in an output folder's `rejects/*.jsonl` files.
+/// Every rejected row in an output folder's `_rejects/*.jsonl` files.
 pub fn rejects(out: &Path) -> Vec<serde_json::Value> {
     let mut all = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(out.join("rejects")) {
+    if let Ok(entries) = std::fs::read_dir(out.join("_rejects")) {
         for e in entries
             .flatten()
             .filter(|e| e.path().extension().is_some_and(|x| x == "jsonl"))

@@ -3,7 +3,7 @@
 //! workers, the coordinator and the broker with a default scrape config (no
 //! `honor_labels`, as under the Prometheus Operator); then every query of
 //! the Grafana dashboard is evaluated against that Prometheus and must
-//! return data, and the key figures must agree with summary.json. Every
+//! return data, and the key figures must agree with _summary.json. Every
 //! batchfleet metric has its HELP text, and a worker drops a finished job's
 //! series after `--metrics-idle-timeout` while keeping its own.
 //!
@@ -308,7 +308,7 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
         .expect("query")
         .is_empty());
 
-    // Key figures agree with summary.json.
+    // Key figures agree with _summary.json.
     let job = format!("batch_job=\"{job_id}\"");
     assert_eq!(prom.scalar(&rows_q), Some(20_000.0));
     assert_eq!(
@@ -421,6 +421,14 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
     let text = scrape(w3);
     assert!(text.contains("\nbatchfleet_worker_up{"), "{text}");
     assert!(text.contains("\nprocess_cpu_seconds_total{"), "{text}");
+    // The version outlives the idle timeout too.
+    let build = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
+    assert!(
+        text.lines().any(|l| l.starts_with("batchfleet_build_info{")
+            && l.contains(&build)
+            && l.ends_with(" 1")),
+        "{text}"
+    );
     stop_all(&mut short);
     env.cleanup(&[&job_id, &short_id]).await;
     drop(broker);
