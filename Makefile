@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test wheel wheel-check chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -19,6 +19,15 @@ test: venv services tools
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo build --workspace --bins
 	cargo test --workspace --all-targets
+	BATCHFLEET_BIN_DIR=$(CURDIR)/target/debug python -m pytest -q -p no:cacheprovider coordinator/python/tests
+
+## wheel: dist/batchfleet-<version>-py3-none-linux_<arch>.whl — the commands and the Python package; requires the exact torch it was built against (docs/python.md)
+wheel: venv release
+	python .ci/wheel.py
+
+## wheel-check: installs the wheel into a fresh venv and runs a job with its commands and its package, --local and on a fleet
+wheel-check: wheel services
+	.ci/wheel-check.sh
 
 ## chaos: a 200k-row job while workers, the coordinator, RabbitMQ and Redis are killed/restarted; checks the invariants
 chaos: venv services release
