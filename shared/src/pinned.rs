@@ -84,8 +84,18 @@ pub fn local_file(path: &str, sha256: &str) -> Option<PathBuf> {
     if !crate::source::is_url(Path::new(path)) {
         return Some(PathBuf::from(path));
     }
+    if !is_digest(sha256) {
+        return None;
+    }
     let file = cache().file_of(sha256);
     file.is_file().then_some(file)
+}
+
+/// Whether `s` is a SHA-256 in hex: the only names the cache reads, writes
+/// or removes (a digest comes with a message, and a message is not trusted
+/// to name a file).
+fn is_digest(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 impl Cache {
@@ -130,14 +140,18 @@ impl Cache {
     /// The bytes of `url`, which must hash to `sha256`: from the cache when
     /// a good copy is there, else downloaded, checked and kept.
     pub fn bytes(&self, url: &str, sha256: &str) -> Result<Vec<u8>, PinnedError> {
-        let file = self.file_of(sha256);
-        if let Ok(bytes) = std::fs::read(&file) {
-            if sha256_bytes(&bytes).eq_ignore_ascii_case(sha256) {
-                touch(&file);
-                return Ok(bytes);
+        // Not a digest: nothing in the cache can be it (and no file named
+        // after it is touched); the object read below will not match.
+        let file = is_digest(sha256).then(|| self.file_of(sha256));
+        if let Some(file) = &file {
+            if let Ok(bytes) = std::fs::read(file) {
+                if sha256_bytes(&bytes).eq_ignore_ascii_case(sha256) {
+                    touch(file);
+                    return Ok(bytes);
+                }
+                tracing::warn!(file = %file.display(), "a cached file does not hash to its name; downloading it again");
+                let _ = std::fs::remove_file(file);
             }
-            tracing::warn!(file = %file.display(), "a cached file does not hash to its name; downloading it again");
-            let _ = std::fs::remove_file(&file);
         }
         let bytes = crate::source::fs::read(Path::new(url)).map_err(PinnedError::Unreadable)?;
         let actual = sha256_bytes(&bytes);
@@ -263,6 +277,23 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(read(p, &sha), Err(PinnedError::Unreadable(_))));
         assert_eq!(local_file(p, &sha), Some(path.clone()));
+    }
+
+    #[test]
+    fn a_digest_that_is_not_one_names_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let cache = Cache::new(dir.path().join("cache"), 1 << 20);
+        std::fs::create_dir_all(dir.path().join("cache/sha256")).unwrap();
+        // A forged digest climbing out of the cache: never read nor removed.
+        // (The store is unreachable here, so the read fails after the cache.)
+        let forged = "../../victim";
+        assert!(!is_digest(forged));
+        assert!(cache.bytes("s3://", forged).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert!(is_digest(&sha256_bytes(b"x")));
+        assert!(!is_digest(&"g".repeat(64)));
     }
 
     #[test]

@@ -82,7 +82,7 @@ class Job:
         job has no state in Redis: its summary instead."""
         if self.local:
             return self.summary()
-        return _call(["status", self.id], self._env, what=f"job {self.id}", expect_outcome=False)
+        return _call(["status", self.id], self._env, what=f"job {self.id}")
 
     def cancel(self, reason: Optional[str] = None) -> Dict[str, Any]:
         """Cancels the job (``batchfleet cancel``): queued items are skipped,
@@ -91,7 +91,7 @@ class Job:
         args = ["cancel", self.id]
         if reason:
             args += ["--reason", reason]
-        return _call(args, self._env, what=f"job {self.id}", expect_outcome=False)
+        return _call(args, self._env, what=f"job {self.id}")
 
     def summary(self) -> Dict[str, Any]:
         """The job's ``_summary.json``, read from its output folder (written
@@ -218,7 +218,7 @@ def job(job_id: str, *, env: Optional[Mapping[str, str]] = None) -> Job:
     """Attaches to a job by id (one ``batchfleet run --detach`` started, or
     another process): raises :class:`~batchfleet.BatchfleetError` if Redis
     does not know it."""
-    status = _call(["status", job_id], env or {}, what=f"job {job_id}", expect_outcome=False)
+    status = _call(["status", job_id], env or {}, what=f"job {job_id}")
     return Job(job_id, output_dir=str(status["output_dir"]), env=env)
 
 
@@ -261,7 +261,6 @@ def _call(
     *,
     timeout: Optional[float] = None,
     what: str,
-    expect_outcome: bool = True,
 ) -> Dict[str, Any]:
     """Runs ``batchfleet <args> --json``; its JSON object, or the error
     named for its exit code."""
