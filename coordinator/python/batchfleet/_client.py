@@ -3,6 +3,7 @@ and reads its one JSON object; results are read from the output folder."""
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -378,7 +379,7 @@ def _read_part(fs: Any, path: str, fmt: str, text_columns: List[str]) -> "pyarro
         import pyarrow.csv as pcsv
 
         header = data.split(b"\n", 1)[0].decode("utf-8")
-        names = next(iter(__import__("csv").reader([header])), [])
+        names = next(csv.reader([header]), [])
         types = {c: pa.string() for c in names if c in text_columns}
         return pcsv.read_csv(pa.BufferReader(data), convert_options=pcsv.ConvertOptions(column_types=types, strings_can_be_null=False))
     import pyarrow.json as pjson

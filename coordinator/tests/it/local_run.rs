@@ -414,16 +414,8 @@ fn a_second_ctrl_c_stops_a_draining_local_run_at_once() {
 #[test]
 fn plan_sample_predicts_rows_across_the_input_before_anything_runs() {
     let dir = job(4_000, 500);
-    let golden: std::collections::HashMap<String, f64> =
-        std::fs::read_to_string(dir.path().join("golden.csv"))
-            .expect("golden")
-            .lines()
-            .skip(1)
-            .map(|l| {
-                let (id, score) = l.split_once(',').expect("id,score");
-                (id.to_owned(), score.parse().expect("score"))
-            })
-            .collect();
+    let golden =
+        batchfleet_testkit::verify::rows_by_id(&dir.path().join("golden.csv")).expect("golden");
     let out = batchfleet(dir.path())
         .args([
             "plan",
@@ -454,7 +446,7 @@ fn plan_sample_predicts_rows_across_the_input_before_anything_runs() {
             .expect("a CSV line")
             .split_once(',')
             .expect("id,score");
-        let want = golden[id];
+        let want = golden[id][0];
         let got: f64 = score.parse().expect("score");
         assert!(
             (got - want).abs() <= 1e-5 * want.abs().max(1.0),

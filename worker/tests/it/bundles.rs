@@ -421,21 +421,8 @@ async fn a_bundle_the_broker_dead_letters_fails_lists_and_replays_item_by_item()
     .await
     .expect("replay");
     assert_eq!(replayed.items, seqs);
-    let followed = tokio::time::timeout(
-        Duration::from_secs(120),
-        batchfleet_coordinator::follow_job(
-            &env.run_config(),
-            &store,
-            &id,
-            tokio_util::sync::CancellationToken::new(),
-        ),
-    )
-    .await
-    .expect("the replayed job settled in time")
-    .expect("followed");
-    let batchfleet_coordinator::RunOutcome::Completed { report: again, .. } = followed else {
-        panic!("{followed:?}")
-    };
+    let again =
+        crate::support::follow_to_end(&env.run_config(), &id, Duration::from_secs(120)).await;
     assert_eq!(again.status, "completed", "{again:?}");
     assert!(verified(&env.path().join("job")).is_empty());
     assert!(

@@ -6,13 +6,11 @@
 //! model file.
 
 use crate::support::{TestEnv, Worker};
-use batchfleet_coordinator::RunOutcome;
 use batchfleet_testkit::python::{make_job, JobGen};
 use batchfleet_testkit::services::{unique, S3Server};
 use batchfleet_testkit::verify::verify;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -194,29 +192,14 @@ async fn a_model_in_s3_is_pinned_downloaded_once_per_worker_and_contained() {
     let blind: Vec<(&str, String)> = elsewhere.env();
     let mut workers = vec![spawn("blind", &blind)];
     env.wait_for_consumers(1, &mut workers).await;
-    let submitted = batchfleet_coordinator::submit_job(&with_out("out4"), &manifest)
-        .await
-        .expect("submit");
-    let RunOutcome::Detached { job_id: job4, .. } = submitted else {
-        panic!("{submitted:?}")
-    };
+    let job4 = crate::support::submit(&with_out("out4"), &manifest).await;
     logged(
         &mut workers[0],
         &format!("cannot read model {url} on this worker"),
     )
     .await;
     workers.push(spawn(again, &settings));
-    let store = cfg.connections.store().await.expect("redis");
-    let followed = tokio::time::timeout(
-        LIMIT,
-        batchfleet_coordinator::follow_job(&cfg, &store, &job4, CancellationToken::new()),
-    )
-    .await
-    .expect("settled in time")
-    .expect("followed");
-    let RunOutcome::Completed { report, .. } = followed else {
-        panic!("{followed:?}")
-    };
+    let report = crate::support::follow_to_end(&cfg, &job4, LIMIT).await;
     check("out4", &report);
     assert!(cached(&cache("blind")).is_empty());
     crate::support::stop_all(&mut workers);
@@ -228,12 +211,7 @@ async fn a_model_in_s3_is_pinned_downloaded_once_per_worker_and_contained() {
     let text = std::fs::read_to_string(&manifest).expect("manifest");
     let manifest_b = env.path().join("job-b.toml");
     std::fs::write(&manifest_b, text.replace(&url, &url_b)).expect("manifest b");
-    let submitted = batchfleet_coordinator::submit_job(&with_out("out5"), &manifest_b)
-        .await
-        .expect("submit");
-    let RunOutcome::Detached { job_id: job5, .. } = submitted else {
-        panic!("{submitted:?}")
-    };
+    let job5 = crate::support::submit(&with_out("out5"), &manifest_b).await;
     put(
         &s3,
         bucket,
@@ -241,16 +219,7 @@ async fn a_model_in_s3_is_pinned_downloaded_once_per_worker_and_contained() {
         &env.path().join("classes.pt"),
     );
     let mut workers = vec![spawn("late", &settings)];
-    let followed = tokio::time::timeout(
-        LIMIT,
-        batchfleet_coordinator::follow_job(&cfg, &store, &job5, CancellationToken::new()),
-    )
-    .await
-    .expect("settled in time")
-    .expect("followed");
-    let RunOutcome::Completed { report, .. } = followed else {
-        panic!("{followed:?}")
-    };
+    let report = crate::support::follow_to_end(&cfg, &job5, LIMIT).await;
     assert_eq!(report.status, "failed", "{report:?}");
     assert_eq!(
         report.failed_class.as_deref(),

@@ -320,18 +320,43 @@ pub async fn run_with_config_to_end(
     manifest: &Path,
     limit: Duration,
 ) -> (String, batchfleet_coordinator::reducer::Summary) {
-    use batchfleet_coordinator::{run_job, RunOutcome};
     let outcome = tokio::time::timeout(
         limit,
-        run_job(cfg, manifest, tokio_util::sync::CancellationToken::new()),
+        batchfleet_coordinator::run_job(cfg, manifest, tokio_util::sync::CancellationToken::new()),
     )
     .await
-    .unwrap_or_else(|_| panic!("job settled within {limit:?}"))
-    .expect("job ran");
-    match outcome {
-        RunOutcome::Completed { job_id, report, .. } => (job_id, *report),
-        other => panic!("expected a settled job, got {other:?}"),
+    .unwrap_or_else(|_| panic!("job settled within {limit:?}"));
+    settled(outcome)
+}
+
+/// Publishes the job of `manifest` without following it (`run
+/// --detach`); its id.
+pub async fn submit(cfg: &RunConfig, manifest: &Path) -> String {
+    match batchfleet_coordinator::submit_job(cfg, manifest)
+        .await
+        .expect("submit")
+    {
+        batchfleet_coordinator::RunOutcome::Detached { job_id, .. } => job_id,
+        other => panic!("expected a published job, got {other:?}"),
     }
+}
+
+/// Follows `job` (published by another) until it settles, at most `limit`;
+/// its summary.
+pub async fn follow_to_end(cfg: &RunConfig, job: &str, limit: Duration) -> Summary {
+    let store = cfg.connections.store().await.expect("redis");
+    let followed = tokio::time::timeout(
+        limit,
+        batchfleet_coordinator::follow_job(
+            cfg,
+            &store,
+            job,
+            tokio_util::sync::CancellationToken::new(),
+        ),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("job {job} settled within {limit:?}"));
+    settled(followed).1
 }
 
 /// Checks the env's `out/` against its `golden.csv` (every id once, every
@@ -535,13 +560,7 @@ impl TestEnv {
                 .await
                 .expect("replay");
                 broker.close("bye").await;
-                let followed = tokio::time::timeout(
-                    limit,
-                    batchfleet_coordinator::follow_job(&self.run_config(), &store, job, token()),
-                )
-                .await
-                .unwrap_or_else(|_| panic!("replay settled within {limit:?}"));
-                settled(followed).1
+                follow_to_end(&self.run_config(), job, limit).await
             }
             Backend::Local => {
                 let replayed = tokio::time::timeout(
