@@ -194,12 +194,17 @@ pub fn histogram_of(
         });
         if spec.vector.is_some() {
             // One vector value (JSON Lines, Parquet), or one number per column (CSV).
-            let row_stats = match cols.as_slice() {
-                [one] if let crate::table::Value::Vector(v) = &row[*one] => {
-                    crate::store::VectorStats::of_row(v.iter().copied())
-                }
-                many => crate::store::VectorStats::of_row(
-                    many.iter().map(|c| row[*c].as_f64().unwrap_or(f64::NAN)),
+            let one_vector = match cols.as_slice() {
+                [one] => match &row[*one] {
+                    crate::table::Value::Vector(v) => Some(v),
+                    _ => None,
+                },
+                _ => None,
+            };
+            let row_stats = match one_vector {
+                Some(v) => crate::store::VectorStats::of_row(v.iter().copied()),
+                None => crate::store::VectorStats::of_row(
+                    cols.iter().map(|c| row[*c].as_f64().unwrap_or(f64::NAN)),
                 ),
             };
             tally.vector = crate::store::VectorStats::merge(tally.vector, row_stats);
