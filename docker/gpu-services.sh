@@ -27,7 +27,7 @@ while [ "$i" -lt "$n" ]; do
       BATCHFLEET_SIGNING_KEY_FILE: /run/secrets/signing_key
       BATCHFLEET_REDIS_PREFIX: bf
       BATCHFLEET_LOG_FORMAT: json
-      BATCHFLEET_DATA_ROOTS: /data
+      BATCHFLEET_DATA_ROOT: /data
       BATCHFLEET_METRICS_PORT: "9100"
     secrets: [worker_amqp_url, worker_redis_url, signing_key]
     volumes: ["\${BATCHFLEET_DATA:-./data}:/data"]

@@ -46,11 +46,11 @@ pub(crate) fn fault_job(
 
 /// The worker flags of a fault run: one thread and one item at a time,
 /// heartbeats every second and 6 s leases (a dead worker's items move on
-/// quickly), outages ridden out for `connect_timeout`, every mini-batch
+/// quickly), outages ridden out for `outage_timeout`, every mini-batch
 /// slowed by `batch_delay` (a heavier model, so the job lasts through the
 /// faults), every path under `root`.
 pub(crate) fn fault_worker_args(
-    connect_timeout: &str,
+    outage_timeout: &str,
     batch_delay: Duration,
     root: &Path,
 ) -> Vec<String> {
@@ -61,8 +61,8 @@ pub(crate) fn fault_worker_args(
         "1",
         "--drain-timeout",
         "15s",
-        "--connect-timeout",
-        connect_timeout,
+        "--outage-timeout",
+        outage_timeout,
         "--heartbeat",
         "1s",
         "--lease-ttl",

@@ -156,6 +156,43 @@ fn resolve_existing(path: &Path) -> Result<PathBuf, String> {
     Err("none of it exists".into())
 }
 
+/// The variable `--data-root` reads: one root, or several separated by `:`.
+pub const DATA_ROOT_ENV: &str = "BATCHFLEET_DATA_ROOT";
+
+/// The variable's earlier name, still read when neither `--data-root`
+/// nor [`DATA_ROOT_ENV`] gives a root.
+pub const LEGACY_DATA_ROOT_ENV: &str = "BATCHFLEET_DATA_ROOTS";
+
+/// Fills `roots` from [`LEGACY_DATA_ROOT_ENV`] when the flag and
+/// [`DATA_ROOT_ENV`] gave none, and returns the notice to log then.
+pub fn legacy_data_roots(roots: &mut Vec<PathBuf>) -> Option<String> {
+    legacy_data_roots_from(
+        roots,
+        std::env::var_os(DATA_ROOT_ENV).is_some(),
+        std::env::var_os(LEGACY_DATA_ROOT_ENV),
+    )
+}
+
+fn legacy_data_roots_from(
+    roots: &mut Vec<PathBuf>,
+    new_set: bool,
+    legacy: Option<std::ffi::OsString>,
+) -> Option<String> {
+    let legacy = legacy.filter(|v| !v.is_empty())?;
+    if !roots.is_empty() || new_set {
+        return Some(format!(
+            "{LEGACY_DATA_ROOT_ENV} is ignored: --data-root or {DATA_ROOT_ENV} is set"
+        ));
+    }
+    let split: Vec<PathBuf> = std::env::split_paths(&legacy)
+        .filter(|p| !p.as_os_str().is_empty())
+        .collect();
+    roots.extend(rejoin_urls(&split));
+    Some(format!(
+        "{LEGACY_DATA_ROOT_ENV} is read as {DATA_ROOT_ENV}, its name now: rename it"
+    ))
+}
+
 /// Data roots as given to a `:`-separated variable and split there: puts
 /// back together `s3` and `//bucket/prefix`, which the split tore apart.
 fn rejoin_urls(roots: &[PathBuf]) -> Vec<PathBuf> {
@@ -196,6 +233,19 @@ mod tests {
         assert!(e.reason.contains("--data-root s3://"), "{e}");
         assert!(DataRoots::default().check(Path::new("s3://any/x")).is_ok());
         assert!(DataRoots::new(&[PathBuf::from("s3://")]).is_err());
+        // The legacy variable, read only when nothing newer is set.
+        let mut got = Vec::new();
+        let notice = legacy_data_roots_from(&mut got, false, Some("/data:s3://b/p".into()));
+        assert_eq!(got, vec![PathBuf::from("/data"), PathBuf::from("s3://b/p")]);
+        assert!(notice.unwrap().contains("BATCHFLEET_DATA_ROOT,"));
+        let mut given = vec![PathBuf::from("/x")];
+        let notice = legacy_data_roots_from(&mut given, false, Some("/data".into()));
+        assert_eq!(given, vec![PathBuf::from("/x")]);
+        assert!(notice.unwrap().contains("ignored"));
+        let mut none = Vec::new();
+        assert!(legacy_data_roots_from(&mut none, true, Some("/data".into())).is_some());
+        assert!(none.is_empty());
+        assert!(legacy_data_roots_from(&mut none, false, None).is_none());
         // "/data:s3://b/p" split at ':' comes back whole.
         let split: Vec<PathBuf> = "/data:s3://b/p".split(':').map(PathBuf::from).collect();
         assert_eq!(

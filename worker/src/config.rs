@@ -77,10 +77,16 @@ pub struct WorkerConfig {
     /// KillWait and GraceTime).
     #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
-    /// How long to keep retrying RabbitMQ and Redis, at start-up and after
-    /// losing either (a broker or Redis restart); then the worker exits 1.
-    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    /// How long one try to reach RabbitMQ or Redis, and one Redis request,
+    /// waits for an answer (at most 10 s; the same flag, variable and
+    /// default as the `batchfleet` commands').
+    #[arg(long, env = "BATCHFLEET_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,
+    /// How long to keep retrying RabbitMQ and Redis, at start-up and after
+    /// losing either (a broker or Redis restart, a failover); then the
+    /// worker exits 1. Never less than --connect-timeout.
+    #[arg(long, env = "BATCHFLEET_OUTAGE_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub outage_timeout: Duration,
     /// How often the worker beats in Redis for each job it holds leased
     /// items of (one write per job keeps all their leases live), and how
     /// long an item runs before it is leased at all.
@@ -124,7 +130,7 @@ pub struct WorkerConfig {
     /// Required (queue contents are not trusted) unless --allow-any-path.
     #[arg(
         long = "data-root",
-        env = "BATCHFLEET_DATA_ROOTS",
+        env = "BATCHFLEET_DATA_ROOT",
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
@@ -229,6 +235,11 @@ fn parse_offset_ms(s: &str) -> Result<i64, String> {
 }
 
 impl WorkerConfig {
+    /// How long an outage of RabbitMQ or Redis is ridden out.
+    pub fn outage(&self) -> Duration {
+        self.outage_timeout.max(self.connect_timeout)
+    }
+
     /// The caps on what one work item may ask of this worker.
     pub fn limits(&self) -> batchfleet_shared::message::ItemLimits {
         batchfleet_shared::message::ItemLimits {

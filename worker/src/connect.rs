@@ -1,6 +1,6 @@
 //! The worker's connections to the broker and the job store: asked of the
 //! [`Backend`] and retried with capped exponential backoff up to
-//! `--connect-timeout`, at start-up and after losing either (a broker or
+//! `--outage-timeout`, at start-up and after losing either (a broker or
 //! Redis restart). A refusal that no retry can mend (wrong credentials, an
 //! untrusted certificate) ends the wait at once.
 
@@ -27,7 +27,7 @@ pub(crate) async fn session(
 ) -> anyhow::Result<Session> {
     let name = format!("batchfleet-worker {worker_id}");
     let per_try = per_try(cfg);
-    Ok(with_retry("RabbitMQ", cfg.connect_timeout, || async {
+    Ok(with_retry("RabbitMQ", cfg.outage(), || async {
         let broker = backend.broker(&name, per_try).await?;
         match Session::open(broker.clone(), queues, prefetch, worker_id, cfg.job_queues).await {
             Ok(mut session) => {
@@ -48,7 +48,7 @@ pub(crate) async fn session(
 /// The job store: Redis, or the in-process store.
 pub(crate) async fn store(backend: &Backend, cfg: &WorkerConfig) -> anyhow::Result<Store> {
     let per_try = per_try(cfg);
-    Ok(with_retry("Redis", cfg.connect_timeout, || backend.store(per_try)).await?)
+    Ok(with_retry("Redis", cfg.outage(), || backend.store(per_try)).await?)
 }
 
 /// How long one try may take.

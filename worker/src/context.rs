@@ -65,7 +65,7 @@ impl Tuning {
             heartbeat: cfg.heartbeat,
             lease_ttl: cfg.lease_ttl.max(cfg.heartbeat * 2),
             ack_after: cfg.ack_after,
-            store_patience: cfg.connect_timeout,
+            store_patience: cfg.outage(),
             unable_for: cfg.unable_for,
             unknown_job_grace: cfg.unknown_job_grace,
             pause_max: cfg.disk_full_max_pause,

@@ -28,7 +28,7 @@
 //! - [`error`]: failure classes by owner (item, job, worker, message) that
 //!   say what to do with an item.
 //! - [`config`]: flags and `BATCHFLEET_*` environment variables.
-//! - [`connect`]: the broker and the store, retried up to `--connect-timeout`.
+//! - [`connect`]: the broker and the store, retried up to `--outage-timeout`.
 //! - [`debug`]: the worker's clock and its testing aids.
 //! - [`probe`]: a job's model call tried at validation (the coordinator's dry run).
 //! - [`gpu`]: GPU memory and utilisation metrics from NVML.
@@ -103,7 +103,7 @@ pub enum Exit {
 
 /// Runs a worker until `shutdown` is cancelled (then drains) or a restart
 /// request. A lost RabbitMQ connection (broker restart) is re-established
-/// with capped exponential backoff for up to `--connect-timeout`; items in
+/// with capped exponential backoff for up to `--outage-timeout`; items in
 /// flight meanwhile finish, and their acks, which the broker can no longer
 /// take, are redone by the redelivery that finds them done. No work item can
 /// stop a worker: every failure is settled by its owner (see [`error`]).
@@ -217,7 +217,7 @@ fn trust(cfg: &WorkerConfig, fleet: bool) -> anyhow::Result<(DataRoots, Option<S
         tracing::info!(roots = %roots.describe(), "item paths confined to the data roots");
     } else if fleet && !cfg.allow_any_path {
         return Err(ConfigError(
-            "no --data-root (BATCHFLEET_DATA_ROOTS): a worker reads inputs and models and writes outputs only under its data roots; give the folder (or s3://bucket/prefix) its jobs use, or pass --allow-any-path (BATCHFLEET_ALLOW_ANY_PATH=1) to accept any absolute path".into(),
+            "no --data-root (BATCHFLEET_DATA_ROOT): a worker reads inputs and models and writes outputs only under its data roots; give the folder (or s3://bucket/prefix) its jobs use, or pass --allow-any-path (BATCHFLEET_ALLOW_ANY_PATH=1) to accept any absolute path".into(),
         )
         .into());
     } else {

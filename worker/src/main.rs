@@ -17,8 +17,11 @@ fn main() -> ExitCode {
 }
 
 async fn run() -> ExitCode {
-    let cfg = batchfleet_worker::WorkerConfig::parse();
+    let mut cfg = batchfleet_worker::WorkerConfig::parse();
     cfg.services.init_logging();
+    if let Some(notice) = batchfleet_shared::paths::legacy_data_roots(&mut cfg.data_roots) {
+        tracing::warn!("{notice}");
+    }
     // Before any libtorch call.
     batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
         "BATCHFLEET_LIBTORCH_LIB"

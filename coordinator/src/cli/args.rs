@@ -170,10 +170,41 @@ pub enum Command {
     /// `batchfleet completions zsh > "${fpath[1]}/_batchfleet"`,
     /// `batchfleet completions fish > ~/.config/fish/completions/batchfleet.fish`.
     Completions(CompletionsArgs),
+    /// Print the JSON Schema of a job manifest, for editors that check and
+    /// complete `job.toml` (Taplo, Even Better TOML, JetBrains IDEs): e.g.
+    /// `batchfleet schema > batchfleet.schema.json` and a first line
+    /// `#:schema ./batchfleet.schema.json` in the manifest.
+    Schema,
+    /// Write the manual pages (`batchfleet.1`, one `batchfleet-<command>.1`
+    /// per command, and `batchfleet-worker.1` where this binary runs jobs
+    /// `--local`) into a folder: e.g. `batchfleet man /usr/local/share/man/man1`.
+    Man(ManArgs),
     /// Validation's trial of a model call, in a process of its own: a task
     /// spec (JSON) on stdin, the outcome (JSON) on stdout. Not for people.
     #[command(hide = true)]
     TryModel,
+}
+
+impl Command {
+    /// The `--data-root` list this command takes, if it takes one.
+    pub fn data_roots_mut(&mut self) -> Option<&mut Vec<PathBuf>> {
+        match self {
+            Command::Run(a) => Some(&mut a.follow.data_roots),
+            Command::Resume(a) => Some(&mut a.follow.data_roots),
+            Command::Wait(a) => Some(&mut a.follow.data_roots),
+            Command::Supervise(a) => Some(&mut a.follow.data_roots),
+            Command::Cancel(a) => Some(&mut a.data_roots),
+            Command::Plan(a) => Some(&mut a.data_roots),
+            _ => None,
+        }
+    }
+}
+
+/// `batchfleet man`.
+#[derive(Debug, Args)]
+pub struct ManArgs {
+    /// The folder to write the pages into (created if missing).
+    pub dir: PathBuf,
 }
 
 /// `batchfleet completions`.
@@ -332,7 +363,7 @@ pub struct CancelArgs {
     /// hooks when this command writes its summary (as for `run`).
     #[arg(
         long = "data-root",
-        env = "BATCHFLEET_DATA_ROOTS",
+        env = "BATCHFLEET_DATA_ROOT",
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
@@ -395,7 +426,7 @@ pub struct PlanArgs {
     /// Folder every path of the job must stay under (as for `run`).
     #[arg(
         long = "data-root",
-        env = "BATCHFLEET_DATA_ROOTS",
+        env = "BATCHFLEET_DATA_ROOT",
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,
@@ -475,7 +506,7 @@ pub struct FollowArgs {
     /// them with ':' in the variable. Default: the manifest's folder.
     #[arg(
         long = "data-root",
-        env = "BATCHFLEET_DATA_ROOTS",
+        env = "BATCHFLEET_DATA_ROOT",
         value_delimiter = ':'
     )]
     pub data_roots: Vec<std::path::PathBuf>,

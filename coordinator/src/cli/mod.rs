@@ -40,9 +40,15 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Runs a parsed command line and returns the process exit code.
-pub async fn main(cli: Cli) -> ExitCode {
+pub async fn main(mut cli: Cli) -> ExitCode {
     if let Command::Completions(args) = &cli.command {
         return completions(args.shell);
+    }
+    if let Command::Schema = &cli.command {
+        return schema();
+    }
+    if let Command::Man(args) = &cli.command {
+        return man_pages(&args.dir);
     }
     if let Command::TryModel = &cli.command {
         return crate::manifest::try_model_main();
@@ -52,6 +58,13 @@ pub async fn main(cli: Cli) -> ExitCode {
         crate::manifest::start_model_trial();
     }
     cli.global.services.init_logging();
+    if let Some(notice) = cli
+        .command
+        .data_roots_mut()
+        .and_then(batchfleet_shared::paths::legacy_data_roots)
+    {
+        tracing::warn!("{notice}");
+    }
     // Before any libtorch call (`run --local` and validation use it).
     batchfleet_shared::cuda::log(&batchfleet_shared::cuda::load(option_env!(
         "BATCHFLEET_LIBTORCH_LIB"
@@ -91,7 +104,9 @@ pub async fn main(cli: Cli) -> ExitCode {
         }
         Command::Dlq(cmd) => dlq::main(cmd, &connections).await,
         // Answered before anything else, above.
-        Command::Completions(_) | Command::TryModel => ExitCode::SUCCESS,
+        Command::Completions(_) | Command::Schema | Command::Man(_) | Command::TryModel => {
+            ExitCode::SUCCESS
+        }
         Command::Status(args) => status_main(args, connections).await,
         Command::Jobs(args) => jobs_main(args, connections).await,
         Command::Compare(args) => compare_main(&args, &connections).await,
@@ -116,6 +131,58 @@ fn completions(shell: clap_complete::Shell) -> ExitCode {
             ExitCode::from(EXIT_FAILURE)
         }
     }
+}
+
+/// `batchfleet schema`: the manifest's JSON Schema on stdout.
+fn schema() -> ExitCode {
+    use std::io::Write;
+    let mut text =
+        serde_json::to_string_pretty(&crate::manifest::json_schema()).unwrap_or_default();
+    text.push('\n');
+    match std::io::stdout().write_all(text.as_bytes()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write the schema: {e}");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+/// `batchfleet man DIR`: the manual pages, rendered from the same clap
+/// definitions as `--help`.
+fn man_pages(dir: &Path) -> ExitCode {
+    use clap::CommandFactory;
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| clap_mangen::generate_to(Cli::command(), dir))
+        .and_then(|()| worker_man_page(dir));
+    match written {
+        Ok(()) => {
+            println!("manual pages written to {}", dir.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!(
+                "error: cannot write the manual pages to {}: {e}",
+                dir.display()
+            );
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+/// `batchfleet-worker.1`, where this binary carries the worker.
+#[cfg(feature = "local")]
+fn worker_man_page(dir: &Path) -> std::io::Result<()> {
+    use clap::CommandFactory;
+    let mut page = Vec::new();
+    clap_mangen::Man::new(batchfleet_worker::WorkerConfig::command()).render(&mut page)?;
+    std::fs::write(dir.join("batchfleet-worker.1"), page)
+}
+
+#[cfg(not(feature = "local"))]
+fn worker_man_page(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// Commands that follow a job serve metrics while they do.

@@ -77,7 +77,7 @@ impl Case {
             .args(args)
             .env_remove("BATCHFLEET_AMQP_URL")
             .env_remove("BATCHFLEET_REDIS_URL")
-            .env("BATCHFLEET_DATA_ROOTS", roots)
+            .env("BATCHFLEET_DATA_ROOT", roots)
             .output()
             .expect("run batchfleet")
     }
@@ -165,7 +165,7 @@ async fn hooks_the_operator_does_not_allow_exit_2_and_publish_nothing() {
         .arg(case.manifest())
         .env("AWS_SECRET_ACCESS_KEY", "not-a-real-key")
         .env(
-            "BATCHFLEET_DATA_ROOTS",
+            "BATCHFLEET_DATA_ROOT",
             format!("{}:{}", fixture().display(), case.dir.path().display()),
         )
         .output()

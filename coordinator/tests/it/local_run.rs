@@ -31,6 +31,7 @@ fn batchfleet(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_batchfleet"));
     c.env("BATCHFLEET_AMQP_URL", NO_AMQP)
         .env("BATCHFLEET_REDIS_URL", NO_REDIS)
+        .env_remove("BATCHFLEET_DATA_ROOT")
         .env_remove("BATCHFLEET_DATA_ROOTS")
         .env_remove("LD_LIBRARY_PATH") // the binary must find libtorch by itself
         .current_dir(dir);

@@ -91,7 +91,7 @@ impl<'a> JobRun<'a> {
         let key = secret("signing-key", fault::FAULT_KEY)?;
         let env = vec![
             ("BATCHFLEET_BIN", bin.display().to_string()),
-            ("BATCHFLEET_DATA_ROOTS", root.display().to_string()),
+            ("BATCHFLEET_DATA_ROOT", root.display().to_string()),
             ("BATCHFLEET_AMQP_URL_FILE", amqp.display().to_string()),
             ("BATCHFLEET_REDIS_URL_FILE", redis.display().to_string()),
             ("BATCHFLEET_SIGNING_KEY_FILE", key.display().to_string()),
@@ -101,7 +101,7 @@ impl<'a> JobRun<'a> {
             ("BATCHFLEET_PREFETCH", "1".to_owned()),
             ("BATCHFLEET_HEARTBEAT", "1s".to_owned()),
             ("BATCHFLEET_LEASE_TTL", "6s".to_owned()),
-            ("BATCHFLEET_CONNECT_TIMEOUT", "2m".to_owned()),
+            ("BATCHFLEET_OUTAGE_TIMEOUT", "2m".to_owned()),
             (
                 "BATCHFLEET_DEBUG_BATCH_DELAY",
                 format!("{}ms", cfg.batch_delay.as_millis()),

@@ -39,7 +39,7 @@ use tokio_util::task::TaskTracker;
 /// Consumes until shutdown (or the worker stops on its own), re-opening
 /// the session when the broker connection is lost, then drains. `Some(why)`
 /// when the broker was lost and could not be reached again within
-/// `--connect-timeout`.
+/// `--outage-timeout`.
 pub(crate) async fn run(
     cfg: &WorkerConfig,
     backend: &Backend,

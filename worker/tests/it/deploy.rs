@@ -210,7 +210,7 @@ async fn the_compose_command_lines_and_variables_run_a_job_as_local_processes() 
         ("BATCHFLEET_METRICS_PORT", "0".to_owned()),
         // compose's /data: the test's folder.
         (
-            "BATCHFLEET_DATA_ROOTS",
+            "BATCHFLEET_DATA_ROOT",
             env.path().to_str().expect("utf-8").to_owned(),
         ),
     ];

@@ -724,7 +724,7 @@ async fn a_worker_with_wrong_credentials_fails_fast_without_leaking_them() {
         .args([
             "--pool",
             &env.pool,
-            "--connect-timeout",
+            "--outage-timeout",
             "60s",
             "--data-root",
         ])

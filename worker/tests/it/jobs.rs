@@ -381,7 +381,7 @@ async fn a_redis_that_may_evict_job_state_is_refused_at_start() {
     // The worker refuses it too, saying why, and exits.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
         .args(["--redis-url", &evicting.url(), "--pool", &env.pool])
-        .args(["--connect-timeout", "5s", "--allow-any-path"])
+        .args(["--outage-timeout", "5s", "--allow-any-path"])
         .output()
         .expect("worker");
     // Final: the exit code that tells systemd and Kubernetes not to restart it.
@@ -1153,6 +1153,7 @@ async fn a_short_high_priority_job_overtakes_a_long_low_priority_one() {
 fn a_worker_without_a_data_root_refuses_to_start_for_good() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
         .args(["--pool", "no-data-root", "--connect-timeout", "1s"])
+        .env_remove("BATCHFLEET_DATA_ROOT")
         .env_remove("BATCHFLEET_DATA_ROOTS")
         .env_remove("BATCHFLEET_ALLOW_ANY_PATH")
         .output()
@@ -1165,6 +1166,38 @@ fn a_worker_without_a_data_root_refuses_to_start_for_good() {
     assert!(
         stderr.contains("no --data-root") && stderr.contains("--allow-any-path"),
         "{stderr}"
+    );
+}
+
+/// The variable's earlier name is still read when the new one is unset:
+/// a root that does not exist, named by it alone, is the error (rather than
+/// "no --data-root"), and a warning names the new variable.
+#[test]
+fn the_legacy_data_roots_variable_is_still_read() {
+    let missing = tempfile::tempdir().expect("tmp").path().join("gone");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+        .args(["--pool", "legacy-data-root", "--connect-timeout", "1s"])
+        .env_remove("BATCHFLEET_DATA_ROOT")
+        .env("BATCHFLEET_DATA_ROOTS", &missing)
+        .env_remove("BATCHFLEET_ALLOW_ANY_PATH")
+        .output()
+        .expect("worker");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(batchfleet_worker::EXIT_CONFIG))
+    );
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        all.contains("--data-root:") && all.contains("gone") && !all.contains("no --data-root"),
+        "{all}"
+    );
+    assert!(
+        all.contains("BATCHFLEET_DATA_ROOTS is read as BATCHFLEET_DATA_ROOT"),
+        "{all}"
     );
 }
 

@@ -94,7 +94,7 @@ impl TestEnv {
                 "--threads",
                 "1",
             ])
-            .args(["--drain-timeout", "20s", "--connect-timeout", "60s"])
+            .args(["--drain-timeout", "20s", "--outage-timeout", "60s"])
             // Confined to the env's folder (unless the test names its own
             // roots), as a production worker is to its data.
             .args(if extra.contains(&"--data-root") {
