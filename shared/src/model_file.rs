@@ -145,6 +145,104 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     })
 }
 
+/// What a model archive says about the torch that wrote it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Provenance {
+    /// A TorchScript archive's file format version (its `version` entry):
+    /// the oldest format that holds what it uses, not the torch release.
+    pub format_version: Option<u64>,
+    /// The torch release a `torch.export` or AOTInductor package records
+    /// (`torch_version` in its `models/*.json`), e.g. `2.13.0+cu130`.
+    pub torch_version: Option<String>,
+}
+
+/// The newest TorchScript file format libtorch 2.x reads
+/// (`caffe2::serialize::kMaxSupportedFileFormatVersion`).
+pub const MAX_FORMAT_VERSION: u64 = 10;
+
+/// Reads [`Provenance`] from the archive at `path` (empty for a file that
+/// is not an archive, or says nothing).
+pub fn provenance_file(path: &Path) -> io::Result<Provenance> {
+    let mut f = std::fs::File::open(path)?;
+    provenance(&mut f)
+}
+
+/// Reads [`Provenance`] from any seekable reader.
+pub fn provenance<R: Read + Seek>(r: &mut R) -> io::Result<Provenance> {
+    let len = r.seek(SeekFrom::End(0))?;
+    let mut out = Provenance::default();
+    let Some(entries) = central_directory(r, len)? else {
+        return Ok(out);
+    };
+    let rel = |name: &str| {
+        name.split_once('/')
+            .map_or(name, |(_, rest)| rest)
+            .to_owned()
+    };
+    if let Some(v) = entries.iter().find(|e| rel(&e.name) == "version") {
+        let text = entry_head(r, v, 64)?;
+        out.format_version = std::str::from_utf8(&text)
+            .ok()
+            .and_then(|t| t.trim().parse().ok());
+    }
+    for e in entries.iter().filter(|e| {
+        let name = rel(&e.name);
+        name.starts_with("models/") && name.ends_with(".json")
+    }) {
+        // `torch_version` comes late in the program's JSON, after the graph.
+        let text = entry_head(r, e, 256 << 20)?;
+        if let Some(v) = json_string_field(&text, b"\"torch_version\"") {
+            out.torch_version = Some(v);
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// The string value of `"key": "…"` in JSON text, found without parsing the rest.
+fn json_string_field(text: &[u8], key: &[u8]) -> Option<String> {
+    let at = text.windows(key.len()).position(|w| w == key)? + key.len();
+    let rest = &text[at..];
+    let colon = rest.iter().position(|&b| !b.is_ascii_whitespace())?;
+    let rest = rest[colon..].strip_prefix(b":")?;
+    let start = rest.iter().position(|&b| !b.is_ascii_whitespace())?;
+    let rest = rest[start..].strip_prefix(b"\"")?;
+    let end = rest.iter().position(|&b| b == b'"')?;
+    let value = std::str::from_utf8(&rest[..end]).ok()?;
+    (!value.is_empty() && value.len() <= 64 && value.chars().all(|c| c.is_ascii_graphic()))
+        .then(|| value.to_owned())
+}
+
+/// The release part of a torch version (`2.13.0+cu130` → `2.13.0`).
+fn release(version: &str) -> &str {
+    version
+        .split(['+', 'a', 'b', 'r', 'd'])
+        .next()
+        .unwrap_or(version)
+}
+
+/// A warning for a model written by another torch than the libtorch
+/// batchfleet runs (`linked`, e.g. `2.13.0`), or `None` where the archive
+/// says nothing against it. A package (`.pt2`) loads only in the torch
+/// release that wrote it; a TorchScript archive loads in the same or a
+/// newer libtorch, up to [`MAX_FORMAT_VERSION`].
+pub fn version_warning(p: &Provenance, linked: &str) -> Option<String> {
+    let linked = release(linked);
+    if let Some(wrote) = &p.torch_version {
+        if release(wrote) != linked {
+            return Some(format!(
+                "the model package says it was written by torch {wrote}, but batchfleet runs libtorch {linked}: a .pt2 package loads only in the torch release that wrote it; export and compile it again with torch=={linked}"
+            ));
+        }
+    }
+    match p.format_version {
+        Some(v) if v > MAX_FORMAT_VERSION => Some(format!(
+            "the model is a TorchScript archive of format version {v}, newer than libtorch {linked} reads (at most {MAX_FORMAT_VERSION}): it was written by a newer torch; save it again with torch=={linked} (or older)"
+        )),
+        _ => None,
+    }
+}
+
 /// One parameter of a TorchScript module's `forward` (after `self`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Param {
@@ -457,6 +555,51 @@ pub fn torchscript_like_zip() -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn provenance_says_which_torch_wrote_a_package() {
+        let ts = torchscript_like_zip();
+        let p = provenance(&mut io::Cursor::new(&ts)).unwrap();
+        assert_eq!(p.format_version, Some(3));
+        assert_eq!(p.torch_version, None);
+        assert_eq!(version_warning(&p, "2.13.0+cu130"), None);
+        let newer = stored_zip(&[
+            ("m/version", b"11\n"),
+            (
+                "m/code/__torch__.py",
+                b"def forward(self, x):\n  return x\n",
+            ),
+            ("m/constants.pkl", b""),
+        ]);
+        let p = provenance(&mut io::Cursor::new(&newer)).unwrap();
+        let w = version_warning(&p, "2.13.0").expect("a newer format is named");
+        assert!(
+            w.contains("format version 11") && w.contains("torch==2.13.0"),
+            "{w}"
+        );
+        let json = br#"{"graph_module": {"graph": {}}, "schema_version": {"major": 8}, "torch_version": "2.12.1+cpu", "guards_code": []}"#;
+        let package = stored_zip(&[
+            ("m/archive_format", b"pt2"),
+            ("m/models/model.json", json),
+            ("m/data/aotinductor/model/x.so", b""),
+        ]);
+        let p = provenance(&mut io::Cursor::new(&package)).unwrap();
+        assert_eq!(p.torch_version.as_deref(), Some("2.12.1+cpu"));
+        let w = version_warning(&p, "2.13.0+cu130").expect("another release is named");
+        assert!(
+            w.contains("torch 2.12.1+cpu") && w.contains("libtorch 2.13.0"),
+            "{w}"
+        );
+        // The same release with another build tag is the same torch.
+        let same = Provenance {
+            torch_version: Some("2.13.0+cpu".into()),
+            ..Default::default()
+        };
+        assert_eq!(version_warning(&same, "2.13.0+cu130"), None);
+        // A forged field is not echoed.
+        let odd = br#"{"torch_version": "2.1\u0000 evil"}"#;
+        assert_eq!(json_string_field(odd, br#""torch_version""#), None);
+    }
+
     use super::*;
 
     fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {

@@ -61,8 +61,9 @@ pub use input::expand_columns;
 pub use policy::{DEFAULT_BATCH_SIZE, DEFAULT_CHECKPOINT_EVERY, DEFAULT_ITEM_ROWS};
 pub use probes::{check_parquet_columns, read_header, read_jsonl_keys, sample, SAMPLE_FILES};
 pub use schema::{
-    BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection, JobSection,
-    Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection, Priority,
+    json_schema, BatchingSection, FailureSection, HistogramSection, InputFormat, InputSection,
+    JobSection, Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
+    Priority,
 };
 pub use spec::{BlindCut, ErrorBudget, InputFile, ItemSizing, JobSpec, OnComplete};
 

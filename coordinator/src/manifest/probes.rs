@@ -176,6 +176,7 @@ pub(super) fn check_torchscript(
         )
     })?;
     if kind.is_runnable() {
+        warn_of_another_torch(path);
         Ok(kind)
     } else {
         Err(format!(
@@ -183,6 +184,22 @@ pub(super) fn check_torchscript(
             path.display(),
             kind.describe()
         ))
+    }
+}
+
+/// Logs a warning when the model says it was written by a torch other than
+/// the libtorch this binary runs (a `.pt2` package of another release, a
+/// TorchScript format newer than it reads): the trial that follows, or the
+/// workers, may then fail to load it, and this says why.
+fn warn_of_another_torch(path: &Path) {
+    let Some(linked) = option_env!("BATCHFLEET_LIBTORCH_VERSION") else {
+        return;
+    };
+    if let Some(warning) = batchfleet_shared::model_file::provenance_file(path)
+        .ok()
+        .and_then(|p| batchfleet_shared::model_file::version_warning(&p, linked))
+    {
+        tracing::warn!(model = %path.display(), "{warning}");
     }
 }
 

@@ -1,13 +1,16 @@
 //! The manifest as written: the TOML types a manifest file is parsed into,
 //! one per section. Every struct denies unknown keys, so a misspelt key is an
 //! error with its line rather than a silently ignored setting. Nothing here
-//! checks values; the other submodules of [`super`] do.
+//! checks values; the other submodules of [`super`] do. The same types give
+//! the manifest's JSON Schema ([`json_schema`], `batchfleet schema`), so the
+//! schema editors check `job.toml` against cannot drift from the parser.
 
 use batchfleet_shared::message::{OnBadRow, OutputFormat};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The manifest as written (after TOML parsing, before validation).
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
     /// `[job]`
@@ -32,7 +35,7 @@ pub struct Manifest {
 }
 
 /// `[on_complete]`: what runs when the job ends (completed, with failures, or failed).
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OnCompleteSection {
     /// A command and its arguments (no shell), run in the manifest's folder
@@ -53,7 +56,7 @@ pub struct OnCompleteSection {
 }
 
 /// `[failure]`: retries, bad rows, timeouts and the error budget.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FailureSection {
     /// Attempts per item for transient failures and timeouts. Default 3.
@@ -87,7 +90,7 @@ pub struct FailureSection {
 }
 
 /// `[job]`
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobSection {
     /// Job name: letters, digits, `-`, `_`, `.`; at most 64 characters.
@@ -106,7 +109,7 @@ fn default_pool() -> String {
 
 /// `[job] priority`: how the workers of a pool share their time among
 /// the jobs that have items queued — in proportion to these weights.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Priority {
     /// Weight 4.
@@ -148,7 +151,7 @@ impl Priority {
 }
 
 /// Input file formats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum InputFormat {
     /// CSV with a header row.
@@ -163,7 +166,7 @@ pub enum InputFormat {
 }
 
 /// `[input]`
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InputSection {
     /// Input format.
@@ -198,7 +201,7 @@ pub struct InputSection {
 }
 
 /// `[input] missing`, as written: a word or a number.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum MissingSetting {
     /// `"reject"` or `"nan"`.
@@ -212,7 +215,7 @@ fn default_delimiter() -> String {
 }
 
 /// `[preprocess]`: how image files become a model input.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PreprocessSection {
     /// `[height, width]` the model takes.
@@ -226,7 +229,7 @@ pub struct PreprocessSection {
 }
 
 /// `[model]`
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// TorchScript file (`torch.jit.save`).
@@ -253,7 +256,7 @@ pub struct ModelSection {
 }
 
 /// One entry of `[model] inputs`, as written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum InputSetting {
     /// A source name: `"input_ids"`, `"attention_mask"`, `"token_type_ids"`,
@@ -264,7 +267,7 @@ pub enum InputSetting {
 }
 
 /// `{ name, source, dtype }` of `[model] inputs`.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InputTable {
     /// The `forward` parameter's name. Default: the source's name.
@@ -277,7 +280,7 @@ pub struct InputTable {
 }
 
 /// `[output] select`, as written: a key, a position, or several.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SelectSetting {
     /// A dict key.
@@ -289,7 +292,7 @@ pub enum SelectSetting {
 }
 
 /// One entry of a list `[output] select`.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SelectOne {
     /// A dict key.
@@ -303,7 +306,7 @@ fn default_device() -> String {
 }
 
 /// `[batching]`
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchingSection {
     /// Rows per work item (exclusive with `item_bytes`). Default 10000.
@@ -317,7 +320,7 @@ pub struct BatchingSection {
 }
 
 /// `[output]`
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutputSection {
     /// Output directory (created if missing).
@@ -358,7 +361,7 @@ pub struct OutputSection {
 }
 
 /// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HistogramSection {
     /// Lower edge of the first bin. Default 0.
@@ -371,6 +374,73 @@ pub struct HistogramSection {
 
 fn default_output_format() -> OutputFormat {
     OutputFormat::Csv
+}
+
+/// Takes `null` out of the schema, which TOML cannot write: out of `type`
+/// lists and `anyOf` alternatives (an `Option`'s schema), and the unset keys
+/// out of every `default` a section's `Default` gave (an empty one goes).
+fn drop_nulls(value: &mut serde_json::Value) {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::Object(default)) = map.get_mut("default") {
+                default.retain(|_, v| !v.is_null());
+                if default.is_empty() {
+                    map.remove("default");
+                }
+            }
+            if let Some(Value::Array(types)) = map.get_mut("type") {
+                types.retain(|t| t != "null");
+                if let [one] = types.as_slice() {
+                    let one = one.clone();
+                    map.insert("type".into(), one);
+                }
+            }
+            let null = serde_json::json!({ "type": "null" });
+            if let Some(Value::Array(alternatives)) = map.get_mut("anyOf") {
+                alternatives.retain(|a| *a != null);
+                if alternatives.len() == 1 {
+                    if let Some(Value::Object(only)) = alternatives.pop() {
+                        map.remove("anyOf");
+                        for (k, v) in only {
+                            map.entry(k).or_insert(v);
+                        }
+                    }
+                }
+            }
+            map.values_mut().for_each(drop_nulls);
+        }
+        Value::Array(items) => items.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
+/// Where the schema says it lives (its `$id`).
+pub const SCHEMA_ID: &str = "https://batchfleet.dev/schema/manifest.json";
+
+/// The JSON Schema (draft 2020-12) of a manifest as written: every section,
+/// key, type, default and description, unknown keys refused. Editors that
+/// read JSON Schema for TOML (Taplo and Even Better TOML, JetBrains IDEs)
+/// complete and check `job.toml` with it. Values are checked further at
+/// validation (paths, globs, ranges).
+pub fn json_schema() -> serde_json::Value {
+    let schema = schemars::schema_for!(Manifest);
+    let mut value = serde_json::to_value(&schema).unwrap_or_default();
+    // TOML has no null: an optional key is one that may be left out.
+    drop_nulls(&mut value);
+    if let Some(top) = value.as_object_mut() {
+        top.insert("$id".into(), SCHEMA_ID.into());
+        top.insert("title".into(), "batchfleet job manifest".into());
+        top.insert(
+            "description".into(),
+            format!(
+                "A batchfleet {} job manifest (job.toml); see docs/manifest.md.",
+                env!("CARGO_PKG_VERSION")
+            )
+            .into(),
+        );
+    }
+    value
 }
 
 #[cfg(test)]
@@ -393,5 +463,57 @@ mod tests {
             }
         }
         assert!(seen >= 2, "examples in {}", dir.display());
+    }
+
+    /// Every section and key the parser takes is in the schema, which
+    /// refuses unknown keys as the parser does.
+    #[test]
+    fn the_schema_names_every_section_and_refuses_unknown_keys() {
+        let schema = json_schema();
+        let text = schema.to_string();
+        assert_eq!(schema["additionalProperties"], serde_json::json!(false));
+        for section in [
+            "job",
+            "input",
+            "model",
+            "batching",
+            "output",
+            "preprocess",
+            "failure",
+            "on_complete",
+        ] {
+            assert!(
+                schema["properties"][section].is_object(),
+                "no [{section}] in {text}"
+            );
+        }
+        let defs = &schema["$defs"];
+        assert_eq!(
+            defs["JobSection"]["additionalProperties"],
+            serde_json::json!(false)
+        );
+        assert_eq!(
+            defs["JobSection"]["properties"]["pool"]["default"],
+            serde_json::json!("default")
+        );
+        assert!(defs["ModelSection"]["properties"]["sha256"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("SHA-256")));
+        assert_eq!(
+            defs["InputFormat"]["oneOf"].as_array().map(Vec::len),
+            Some(4),
+            "{}",
+            defs["InputFormat"]
+        );
+        assert_eq!(
+            schema["required"],
+            serde_json::json!(["job", "input", "model", "output"])
+        );
+        // TOML has no null: nothing in the schema allows or defaults to one.
+        assert!(!text.contains("null"), "{text}");
+        assert_eq!(
+            defs["ModelSection"]["properties"]["sha256"]["type"],
+            serde_json::json!("string")
+        );
     }
 }

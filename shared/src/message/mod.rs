@@ -177,7 +177,9 @@ pub struct TaskSpec {
 }
 
 /// What a bad row does to its item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum OnBadRow {
     /// Write the row to the item's rejects file with the reason and go on.

@@ -5,7 +5,9 @@
 use serde::{Deserialize, Serialize};
 
 /// Output format of part files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum OutputFormat {
     /// Comma-separated values with a header row.

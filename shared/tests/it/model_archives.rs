@@ -1,11 +1,12 @@
-//! The model-archive reader (`model_file`) on archives torch itself wrote,
+//! The model-archive reader (`model_file`: the kind, `forward`'s
+//! parameters, the provenance) on archives torch itself wrote,
 //! cut short at every length near their ends and mutated at random: it
 //! parses untrusted files (a manifest names any file; a worker reads what
 //! the message names), so every case must end — with a kind, never a panic
 //! or a hang — and no archive without its end records passes for
 //! TorchScript. A bounded, seeded mutation run: the same cases every time.
 
-use batchfleet_shared::model_file::{forward_params, inspect_bytes, ModelKind};
+use batchfleet_shared::model_file::{forward_params, inspect_bytes, provenance, ModelKind};
 use batchfleet_testkit::python::{make_job, JobGen};
 
 /// Inspects `bytes` (and reads forward's parameters from them, as a file
@@ -17,6 +18,8 @@ fn survives(case: &str, bytes: &[u8], scratch: &std::path::Path) -> ModelKind {
     // Any answer will do (an error, none, some parameters): it answered.
     let _ = std::panic::catch_unwind(|| forward_params(scratch))
         .unwrap_or_else(|_| panic!("forward_params panicked on {case}"));
+    let _ = std::panic::catch_unwind(|| provenance(&mut std::io::Cursor::new(bytes)))
+        .unwrap_or_else(|_| panic!("provenance panicked on {case}"));
     kind
 }
 
