@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test wheel wheel-check chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test wheel wheel-check fuzz chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -66,6 +66,10 @@ scale: venv services release
 ## bench: the fleet against the compute and I/O ceilings, the control plane and memory (a few minutes; BENCH_ARGS=--quick for the short form)
 bench: venv services release
 	target/release/batchfleet-loadtest bench $(BENCH_ARGS)
+
+## fuzz: the model-archive reader under cargo-fuzz (libFuzzer + AddressSanitizer, nightly) for FUZZ_SECONDS (default 60) from real and truncated archives
+fuzz: venv
+	.ci/fuzz.sh
 
 ## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so
 gpu-check: venv services release

@@ -260,9 +260,13 @@ pub struct Param {
 /// <class>, …)`. `Ok(None)` when the archive does not say (not TorchScript,
 /// compressed entries, or code this reader does not follow).
 pub fn forward_params(path: &Path) -> io::Result<Option<Vec<Param>>> {
-    let mut f = std::fs::File::open(path)?;
+    forward_params_from(&mut std::fs::File::open(path)?)
+}
+
+/// [`forward_params`] from any seekable reader.
+pub fn forward_params_from<R: Read + Seek>(f: &mut R) -> io::Result<Option<Vec<Param>>> {
     let len = f.seek(SeekFrom::End(0))?;
-    let Some(entries) = central_directory(&mut f, len)? else {
+    let Some(entries) = central_directory(f, len)? else {
         return Ok(None);
     };
     let Some(pkl) = entries
@@ -273,7 +277,7 @@ pub fn forward_params(path: &Path) -> io::Result<Option<Vec<Param>>> {
     };
     let top = pkl.name.split_once('/').map_or("", |(t, _)| t).to_owned();
     // PROTO 2, then GLOBAL `c<module>\n<class>\n`: the root object's class.
-    let head = entry_head(&mut f, pkl, 4096)?;
+    let head = entry_head(f, pkl, 4096)?;
     let Some(global) = head.get(2..).filter(|h| h.first() == Some(&b'c')) else {
         return Ok(None);
     };
@@ -287,7 +291,7 @@ pub fn forward_params(path: &Path) -> io::Result<Option<Vec<Param>>> {
     let Some(entry) = entries.iter().find(|e| e.name == code) else {
         return Ok(None);
     };
-    let source = entry_head(&mut f, entry, 64 << 20)?;
+    let source = entry_head(f, entry, 64 << 20)?;
     Ok(parse_forward(
         &String::from_utf8_lossy(&source),
         &format!("{module}.{class}"),
