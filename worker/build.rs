@@ -5,7 +5,11 @@
 //! `src/aoti.rs`) against the headers next to that folder.
 use std::path::PathBuf;
 
+#[path = "../shared/build_support/rust_lld.rs"]
+mod rust_lld;
+
 fn main() {
+    rust_lld::prefer_rust_lld();
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=cpp/aoti.cpp");
