@@ -114,14 +114,8 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     let Some(entries) = central_directory(r, len)? else {
         return Ok(ModelKind::NotAnArchive);
     };
-    // Every writer in torch puts the entries under one top folder (the file's stem).
-    let rel = |name: &str| {
-        name.split_once('/')
-            .map_or(name, |(_, rest)| rest)
-            .to_owned()
-    };
-    let names: Vec<String> = entries.iter().map(|e| rel(&e.name)).collect();
-    let has = |n: &str| names.iter().any(|x| x == n);
+    let names: Vec<&str> = entries.iter().map(|e| in_archive(&e.name)).collect();
+    let has = |n: &str| names.contains(&n);
     if has("archive_format") && names.iter().any(|n| n.starts_with("data/aotinductor/")) {
         return Ok(ModelKind::AotiPackage);
     }
@@ -131,7 +125,7 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     if names.iter().any(|n| n.starts_with("code/")) && has("constants.pkl") {
         return Ok(ModelKind::TorchScript);
     }
-    let Some(pkl) = entries.iter().find(|e| rel(&e.name) == "data.pkl") else {
+    let Some(pkl) = entries.iter().find(|e| in_archive(&e.name) == "data.pkl") else {
         return Ok(ModelKind::OtherZip);
     };
     // A pickled module stores its attributes (`_modules`, `_parameters`, …)
@@ -143,6 +137,12 @@ pub fn inspect<R: Read + Seek>(r: &mut R) -> io::Result<ModelKind> {
     } else {
         ModelKind::StateDict
     })
+}
+
+/// An entry's name below the archive's top folder: every writer in torch
+/// puts the entries under one (the file's stem).
+fn in_archive(name: &str) -> &str {
+    name.split_once('/').map_or(name, |(_, rest)| rest)
 }
 
 /// What a model archive says about the torch that wrote it.
@@ -174,19 +174,14 @@ pub fn provenance<R: Read + Seek>(r: &mut R) -> io::Result<Provenance> {
     let Some(entries) = central_directory(r, len)? else {
         return Ok(out);
     };
-    let rel = |name: &str| {
-        name.split_once('/')
-            .map_or(name, |(_, rest)| rest)
-            .to_owned()
-    };
-    if let Some(v) = entries.iter().find(|e| rel(&e.name) == "version") {
+    if let Some(v) = entries.iter().find(|e| in_archive(&e.name) == "version") {
         let text = entry_head(r, v, 64)?;
         out.format_version = std::str::from_utf8(&text)
             .ok()
             .and_then(|t| t.trim().parse().ok());
     }
     for e in entries.iter().filter(|e| {
-        let name = rel(&e.name);
+        let name = in_archive(&e.name);
         name.starts_with("models/") && name.ends_with(".json")
     }) {
         // `torch_version` comes late in the program's JSON, after the graph.

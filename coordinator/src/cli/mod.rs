@@ -118,16 +118,21 @@ pub async fn main(mut cli: Cli) -> ExitCode {
 /// `batchfleet completions SHELL`: the completion script on stdout.
 fn completions(shell: clap_complete::Shell) -> ExitCode {
     use clap::CommandFactory;
-    use std::io::Write;
     // Into memory first: the generator panics on a write error, and a
     // closed pipe (`| head`) is not one worth a panic.
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut Cli::command(), "batchfleet", &mut script);
-    match std::io::stdout().write_all(&script) {
+    write_stdout(&script, "the completion script")
+}
+
+/// Writes a generated text to stdout; a closed pipe (`| head`) is no error.
+fn write_stdout(bytes: &[u8], what: &str) -> ExitCode {
+    use std::io::Write;
+    match std::io::stdout().write_all(bytes) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: cannot write the completion script: {e}");
+            eprintln!("error: cannot write {what}: {e}");
             ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -135,18 +140,10 @@ fn completions(shell: clap_complete::Shell) -> ExitCode {
 
 /// `batchfleet schema`: the manifest's JSON Schema on stdout.
 fn schema() -> ExitCode {
-    use std::io::Write;
     let mut text =
         serde_json::to_string_pretty(&crate::manifest::json_schema()).unwrap_or_default();
     text.push('\n');
-    match std::io::stdout().write_all(text.as_bytes()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: cannot write the schema: {e}");
-            ExitCode::from(EXIT_FAILURE)
-        }
-    }
+    write_stdout(text.as_bytes(), "the schema")
 }
 
 /// `batchfleet man DIR`: the manual pages, rendered from the same clap

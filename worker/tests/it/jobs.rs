@@ -1149,15 +1149,24 @@ async fn a_short_high_priority_job_overtakes_a_long_low_priority_one() {
     env.cleanup(&[&short_id, &long_id]).await;
 }
 
-#[test]
-fn a_worker_without_a_data_root_refuses_to_start_for_good() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
-        .args(["--pool", "no-data-root", "--connect-timeout", "1s"])
+/// A worker started with neither `--data-root` nor `BATCHFLEET_DATA_ROOT`,
+/// and with `BATCHFLEET_DATA_ROOTS` (the variable's earlier name) as given.
+fn worker_with_legacy_roots(pool: &str, legacy: Option<&Path>) -> std::process::Output {
+    let mut worker = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"));
+    worker
+        .args(["--pool", pool, "--connect-timeout", "1s"])
         .env_remove("BATCHFLEET_DATA_ROOT")
         .env_remove("BATCHFLEET_DATA_ROOTS")
-        .env_remove("BATCHFLEET_ALLOW_ANY_PATH")
-        .output()
-        .expect("worker");
+        .env_remove("BATCHFLEET_ALLOW_ANY_PATH");
+    if let Some(roots) = legacy {
+        worker.env("BATCHFLEET_DATA_ROOTS", roots);
+    }
+    worker.output().expect("worker")
+}
+
+#[test]
+fn a_worker_without_a_data_root_refuses_to_start_for_good() {
+    let out = worker_with_legacy_roots("no-data-root", None);
     assert_eq!(
         out.status.code(),
         Some(i32::from(batchfleet_worker::EXIT_CONFIG))
@@ -1175,13 +1184,7 @@ fn a_worker_without_a_data_root_refuses_to_start_for_good() {
 #[test]
 fn the_legacy_data_roots_variable_is_still_read() {
     let missing = tempfile::tempdir().expect("tmp").path().join("gone");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
-        .args(["--pool", "legacy-data-root", "--connect-timeout", "1s"])
-        .env_remove("BATCHFLEET_DATA_ROOT")
-        .env("BATCHFLEET_DATA_ROOTS", &missing)
-        .env_remove("BATCHFLEET_ALLOW_ANY_PATH")
-        .output()
-        .expect("worker");
+    let out = worker_with_legacy_roots("legacy-data-root", Some(&missing));
     assert_eq!(
         out.status.code(),
         Some(i32::from(batchfleet_worker::EXIT_CONFIG))
