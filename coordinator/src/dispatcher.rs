@@ -316,9 +316,24 @@ async fn announce(broker: &dyn Broker, queues: &PoolQueues, job: &str, weight: u
 
 /// The job ended (summary written) or was cancelled: off the pool's active
 /// jobs, its queue deleted a grace later with whatever is left in it
-/// (copies of items that are settled) — see [`batchfleet_shared::retire`].
-pub async fn retire_job(store: &Store, broker: &dyn Broker, pool: &str, job: &str) {
+/// (copies of items that are settled) — see [`batchfleet_shared::retire`];
+/// then its end announced to the pool's workers (signed with `key` where
+/// the pool's messages are), which let go of its queue and forget its
+/// facts at once instead of at their next look. Best effort: a worker that
+/// does not hear it learns the same from its next look at the pool's
+/// active jobs.
+pub async fn retire_job(
+    store: &Store,
+    broker: &dyn Broker,
+    pool: &str,
+    job: &str,
+    key: Option<&batchfleet_shared::signing::SigningKey>,
+) {
     batchfleet_shared::retire::retire(store, broker, pool, job).await;
+    let notice = batchfleet_shared::broker::Notice::end(job, batchfleet_shared::now_ms(), key);
+    if let Err(e) = broker.announce(&PoolQueues::new(pool), &notice).await {
+        tracing::debug!(job, error = %e, "could not announce the job's end; workers learn it at their next look at the pool's active jobs");
+    }
 }
 
 fn summary_job_id(path: &Path) -> Option<String> {
@@ -386,7 +401,7 @@ mod tests {
             .expect("declare the job's queue");
         full.activate_job(&pool, job, 1).await.expect("listed");
 
-        retire_job(&limited, &*broker, &pool, job).await;
+        retire_job(&limited, &*broker, &pool, job, None).await;
         assert!(
             full.active_jobs(&pool)
                 .await
@@ -403,7 +418,7 @@ mod tests {
             "a job still listed keeps its queue"
         );
 
-        retire_job(&full, &*broker, &pool, job).await;
+        retire_job(&full, &*broker, &pool, job, None).await;
         assert!(!full
             .active_jobs(&pool)
             .await

@@ -253,7 +253,14 @@ pub async fn cancel_job(
         // (without a broker, workers skip them as they come).
         match cfg.connections.broker("batchfleet cancel").await {
             Ok(broker) => {
-                crate::dispatcher::retire_job(store, &*broker, &job.pool, job_id).await;
+                crate::dispatcher::retire_job(
+                    store,
+                    &*broker,
+                    &job.pool,
+                    job_id,
+                    cfg.connections.signing_key.as_ref(),
+                )
+                .await;
                 broker.close("bye").await;
             }
             Err(e) => {
@@ -433,7 +440,14 @@ async fn reduce_claimed(
     // Ended: its queue goes, and the pool's workers stop consuming it.
     match cfg.connections.broker("batchfleet reducer").await {
         Ok(broker) => {
-            crate::dispatcher::retire_job(store, &*broker, &report.pool, job_id).await;
+            crate::dispatcher::retire_job(
+                store,
+                &*broker,
+                &report.pool,
+                job_id,
+                cfg.connections.signing_key.as_ref(),
+            )
+            .await;
             broker.close("bye").await;
         }
         Err(e) => {

@@ -145,6 +145,8 @@ pub struct ControlPlane {
     pub rss_after_1k_mib: Vec<f64>,
     /// Each worker's RSS (MiB) after 10,000 items.
     pub rss_after_10k_mib: Vec<f64>,
+    /// Each worker's RSS (MiB) once the job ended (after all its items).
+    pub rss_at_end_mib: Vec<f64>,
     /// CPU per item by process, while the job ran.
     pub cpu: CpuPerItem,
     /// Body bytes of one of the job's work messages as published (version
@@ -498,33 +500,35 @@ fn control_plane(
     let mut fleet = Fleet::start(bins.0, &dir, &pool, prefix, cfg.workers, threads)?;
     let done = std::sync::atomic::AtomicBool::new(false);
     let cpu_before = CpuSample::take(&fleet.pids());
-    let (wall, summary, rss_1k, rss_10k, cpu_after) = std::thread::scope(|s| -> Result<_> {
-        let fleet = &fleet;
-        let done_ref = &done;
-        let watcher = s.spawn(move || {
-            // Sample the workers' RSS as the committed-item count passes 1k and 10k.
-            let (mut at_1k, mut at_10k) = (Vec::new(), Vec::new());
-            while !done_ref.load(std::sync::atomic::Ordering::Relaxed) {
-                let n = fleet.metric_sum("batchfleet_worker_items_completed_total");
-                if at_1k.is_empty() && n >= 1_000.0 {
-                    at_1k = fleet.rss("VmRSS");
+    let (wall, summary, rss_1k, rss_10k, rss_end, cpu_after) =
+        std::thread::scope(|s| -> Result<_> {
+            let fleet = &fleet;
+            let done_ref = &done;
+            let watcher = s.spawn(move || {
+                // Sample the workers' RSS as the committed-item count passes 1k and 10k.
+                let (mut at_1k, mut at_10k) = (Vec::new(), Vec::new());
+                while !done_ref.load(std::sync::atomic::Ordering::Relaxed) {
+                    let n = fleet.metric_sum("batchfleet_worker_items_completed_total");
+                    if at_1k.is_empty() && n >= 1_000.0 {
+                        at_1k = fleet.rss("VmRSS");
+                    }
+                    if at_10k.is_empty() && n >= 10_000.0 {
+                        at_10k = fleet.rss("VmRSS");
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
                 }
-                if at_10k.is_empty() && n >= 10_000.0 {
-                    at_10k = fleet.rss("VmRSS");
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            (at_1k, at_10k)
-        });
-        let r = run_job(bins.1, &dir.join("job.toml"), prefix);
-        let cpu_after = CpuSample::take(&fleet.pids());
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
-        let (a, b) = watcher
-            .join()
-            .map_err(|_| anyhow::anyhow!("watcher panicked"))?;
-        let (wall, _, summary) = r?;
-        Ok((wall, summary, a, b, cpu_after))
-    })?;
+                (at_1k, at_10k)
+            });
+            let r = run_job(bins.1, &dir.join("job.toml"), prefix);
+            let cpu_after = CpuSample::take(&fleet.pids());
+            let at_end = fleet.rss("VmRSS");
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (a, b) = watcher
+                .join()
+                .map_err(|_| anyhow::anyhow!("watcher panicked"))?;
+            let (wall, _, summary) = r?;
+            Ok((wall, summary, a, b, at_end, cpu_after))
+        })?;
     // Group commit: items per commit call, over the job (0 with a build
     // that commits one item per call and has no such metric).
     let group =
@@ -547,6 +551,7 @@ fn control_plane(
         ratio_to_raw_consume: items_per_s / raw_consume,
         rss_after_1k_mib: rss_1k,
         rss_after_10k_mib: rss_10k,
+        rss_at_end_mib: rss_end,
         cpu: cpu_before.per_item(&cpu_after, items, cores),
         message_body_bytes,
         whole_message_body_bytes,
@@ -734,15 +739,11 @@ fn print(r: &BenchReport) {
             c.message_body_bytes, c.whole_message_body_bytes, c.bundled_body_bytes_per_item, c.bundle_items, c.commit_group_mean
         );
         println!(
-            "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB",
-            c.rss_after_1k_mib
-                .iter()
-                .map(|m| m.round())
-                .collect::<Vec<_>>(),
-            c.rss_after_10k_mib
-                .iter()
-                .map(|m| m.round())
-                .collect::<Vec<_>>()
+            "  worker RSS after 1k items {:?} MiB, after 10k items {:?} MiB, after all {} items {:?} MiB",
+            rounded(&c.rss_after_1k_mib),
+            rounded(&c.rss_after_10k_mib),
+            c.items,
+            rounded(&c.rss_at_end_mib),
         );
         let cpu = &c.cpu;
         println!(
@@ -759,4 +760,9 @@ fn print(r: &BenchReport) {
             j.jobs, j.fleet_start_median_ms, ms, j.fleet_wall_median_s, j.local_wall_median_s
         );
     }
+}
+
+/// Figures rounded to whole numbers, for printing.
+fn rounded(v: &[f64]) -> Vec<f64> {
+    v.iter().map(|m| m.round()).collect()
 }

@@ -95,6 +95,8 @@ pub mod names {
     /// (`opened`: worked; `split`: it came back, its items published one
     /// by one) (counter; pool, how).
     pub const WORKER_BUNDLES: &str = "batchfleet_worker_bundles_total";
+    /// Worker: notices heard on its pool's notice exchange (counter; kind = start, end, refused).
+    pub const WORKER_NOTICES: &str = "batchfleet_worker_notices_total";
     /// Any process: fsyncs and filesystem syncs made, by what was synced
     /// (`file`, `folder`, `filesystem`: one sync shared by the files a
     /// worker wrote side by side) (counter; what).
@@ -193,6 +195,7 @@ pub mod names {
         (WORKER_MODELS_BYTES, Kind::Gauge, "Bytes of the models the worker keeps loaded (parameters, or the file when larger)."),
         (WORKER_MESSAGES, Kind::Counter, "Work messages taken from the broker (a bundle of several items counts once)."),
         (WORKER_BUNDLES, Kind::Counter, "Bundles (several items in one message) received, by how: opened (its items worked side by side, the bundle acknowledged once all are settled) or split (it came back, and its items were published one by one)."),
+        (WORKER_NOTICES, Kind::Counter, "Notices heard on the pool's notice exchange, by kind: start (a job announced: its queue consumed at once), end (a job ended: its queue let go and its facts forgotten at once), refused (an end notice stale, unsigned or forged where the pool's messages are signed; ignored)."),
         (WORKER_ITEM_STARTS, Kind::Counter, "Items started, by how: quick (a first delivery checked against the job's facts, no Redis request, no lease until its first heartbeat) or checked (the start script)."),
         (WORKER_MODEL_LOAD, Kind::Histogram, "Seconds spent loading a model."),
         (BUILD_INFO, Kind::Gauge, "1, labelled with the batchfleet version this process runs (and component)."),

@@ -2,7 +2,8 @@
 //! grace later.
 //!
 //! Workers consume the queues of the jobs they last read listed active
-//! (read every few seconds, and at once when a job is announced). A queue
+//! (read every minute, and followed at once when a job's start or end is
+//! announced). A queue
 //! deleted the moment its job leaves the list can meet a `basic.consume`
 //! that a worker decided on the read just before — and RabbitMQ answers a
 //! consume that meets a quorum queue in the middle of its deletion by
@@ -35,7 +36,7 @@ use crate::store::{JobStatus, Store, StoreError};
 use std::time::Duration;
 
 /// How long a retired job's queue stays before a sweep deletes it.
-pub const RETIRED_GRACE: Duration = Duration::from_secs(30);
+pub const RETIRED_GRACE: Duration = Duration::from_secs(90);
 
 /// Retired jobs' queues deleted at most per sweep.
 pub const SWEEP_LIMIT: usize = 64;

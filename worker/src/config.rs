@@ -179,13 +179,13 @@ pub struct WorkerConfig {
     #[arg(long, env = "BATCHFLEET_DEBUG_CLOCK_OFFSET", default_value = "0s", value_parser = parse_offset_ms, allow_hyphen_values = true, hide = true)]
     pub debug_clock_offset: i64,
     /// Testing aid: read the pool's active jobs this often whatever else
-    /// (by default every 10 s while the pool's announcements are heard, every
+    /// (by default every 60 s while the pool's announcements are heard, every
     /// second when they are not); a long one leaves new jobs to the
     /// announcements alone.
     #[arg(long, env = "BATCHFLEET_DEBUG_JOBS_EVERY", value_parser = humantime::parse_duration, hide = true)]
     pub debug_jobs_every: Option<Duration>,
     /// Testing aid: sweep the queues of the pool's retired jobs once they
-    /// are this old (by default 30 s; see `batchfleet_shared::retire`).
+    /// are this old (by default 90 s; see `batchfleet_shared::retire`).
     #[arg(long, env = "BATCHFLEET_DEBUG_RETIRED_GRACE", value_parser = humantime::parse_duration, hide = true)]
     pub debug_retired_grace: Option<Duration>,
     /// Testing aid: while this file exists, writing output fails as on a full disk.

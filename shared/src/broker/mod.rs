@@ -502,18 +502,37 @@ impl Delivery {
     }
 }
 
-/// A job's start, as announced on its pool's notice exchange: the job id
-/// and its weight among the pool's active jobs, as the coordinator listed
-/// it. The body is `<job> <weight>`; a body with no weight (a coordinator
-/// of an earlier version sends the id alone) decodes with none, and a
-/// worker then reads the pool's active jobs to learn it.
+/// A job's start or end, as announced on its pool's notice exchange.
+///
+/// A start carries the job id and its weight among the pool's active jobs,
+/// as the coordinator listed it: the body is `<job> <weight>`; a body with
+/// no weight (a coordinator of an earlier version sends the id alone)
+/// decodes with none, and a worker then reads the pool's active jobs to
+/// learn it.
+///
+/// An end (the job's summary written, or the job cancelled, and the job
+/// taken off the pool's active jobs) is `<job> end <ms>`, or `<job> end
+/// <ms> <signature>` where the pool's messages are signed: the signature
+/// covers `end <job> <ms>`, `ms` the coordinator's clock, so a notice
+/// cannot be forged nor replayed past [`END_NOTICE_VALID`]. A worker
+/// that hears one lets go of the job's queue and forgets its facts at
+/// once, so workers need not read the active jobs nor a job's facts
+/// often to learn that it ended. A worker of an earlier version reads an
+/// end notice as a start without a weight: it reads the active jobs now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notice {
     /// The job announced.
     pub job: String,
-    /// Its weight among the pool's active jobs, when the notice says.
+    /// Its weight among the pool's active jobs, when a start notice says.
     pub weight: Option<u32>,
+    /// An end notice: when it was sent (ms since the epoch) and its
+    /// signature, where the pool's messages are signed.
+    pub ended: Option<(u64, Option<String>)>,
 }
+
+/// How long an end notice counts after it was sent (clocks of coordinator
+/// and worker apart included): an older one, heard again, is ignored.
+pub const END_NOTICE_VALID: Duration = Duration::from_secs(600);
 
 impl Notice {
     /// The announcement of `job`, listed with `weight`.
@@ -521,34 +540,81 @@ impl Notice {
         Self {
             job: job.to_owned(),
             weight: Some(weight),
+            ended: None,
+        }
+    }
+
+    /// The end of `job`, sent at `now_ms`, signed with `key` when the
+    /// pool's messages are.
+    pub fn end(job: &str, now_ms: u64, key: Option<&crate::signing::SigningKey>) -> Self {
+        let signature = key.map(|k| k.sign(end_payload(job, now_ms).as_bytes()));
+        Self {
+            job: job.to_owned(),
+            weight: None,
+            ended: Some((now_ms, signature)),
+        }
+    }
+
+    /// Whether an end notice is to be trusted by a worker whose clock reads
+    /// `now_ms` and that holds `key`: sent within [`END_NOTICE_VALID`] (and
+    /// not from further ahead than that), and signed by `key` when there is
+    /// one. A start notice is a hint that needs no trust (`true`).
+    pub fn trusted(&self, now_ms: u64, key: Option<&crate::signing::SigningKey>) -> bool {
+        let Some((at, signature)) = &self.ended else {
+            return true;
+        };
+        let valid = END_NOTICE_VALID.as_millis() as u64;
+        if now_ms.abs_diff(*at) > valid {
+            return false;
+        }
+        match (key, signature) {
+            (None, _) => true,
+            (Some(k), Some(sig)) => k.verify(end_payload(&self.job, *at).as_bytes(), sig),
+            (Some(_), None) => false,
         }
     }
 
     /// The message body.
     pub fn encode(&self) -> String {
-        match self.weight {
-            Some(w) => format!("{} {w}", self.job),
-            None => self.job.clone(),
+        match (&self.ended, self.weight) {
+            (Some((at, Some(sig))), _) => format!("{} end {at} {sig}", self.job),
+            (Some((at, None)), _) => format!("{} end {at}", self.job),
+            (None, Some(w)) => format!("{} {w}", self.job),
+            (None, None) => self.job.clone(),
         }
     }
 
     /// What a body says (never an error: a notice is a hint, and a body
-    /// that is not `<job> <weight>` is taken as a job id alone).
+    /// that is neither `<job> <weight>` nor an end notice is taken as a job
+    /// id alone).
     pub fn decode(body: &[u8]) -> Self {
         let body = String::from_utf8_lossy(body);
+        let words: Vec<&str> = body.split(' ').collect();
+        if let [job, "end", at, rest @ ..] = words.as_slice() {
+            if let (false, Ok(at), 0 | 1) = (job.is_empty(), at.parse::<u64>(), rest.len()) {
+                return Self {
+                    job: (*job).to_owned(),
+                    weight: None,
+                    ended: Some((at, rest.first().map(|s| (*s).to_owned()))),
+                };
+            }
+        }
         if let Some((job, weight)) = body.rsplit_once(' ') {
             if let (false, Ok(w)) = (job.is_empty(), weight.parse::<u32>()) {
-                return Self {
-                    job: job.to_owned(),
-                    weight: Some(w),
-                };
+                return Self::new(job, w);
             }
         }
         Self {
             job: body.into_owned(),
             weight: None,
+            ended: None,
         }
     }
+}
+
+/// What an end notice's signature covers.
+fn end_payload(job: &str, at_ms: u64) -> String {
+    format!("end {job} {at_ms}")
 }
 
 /// The jobs announced on a pool's notice exchange, as they are announced.
@@ -675,6 +741,57 @@ mod tests {
         for body in ["scores-ab12", "scores-ab12 x", " 4", "a b c"] {
             let d = Notice::decode(body.as_bytes());
             assert_eq!((d.job.as_str(), d.weight), (body, None), "{body:?}");
+        }
+    }
+
+    #[test]
+    fn an_end_notice_is_trusted_only_fresh_and_under_the_pools_key() {
+        use crate::signing::SigningKey;
+        let key = SigningKey::new(b"0123456789abcdef-end", "test").expect("key");
+        let other = SigningKey::new(b"fedcba9876543210-end", "test").expect("key");
+        let now = 1_800_000_000_000u64;
+        let signed = Notice::end("scores-ab12", now, Some(&key));
+        let body = signed.encode();
+        assert!(
+            body.starts_with(&format!("scores-ab12 end {now} ")),
+            "{body}"
+        );
+        let heard = Notice::decode(body.as_bytes());
+        assert_eq!(heard, signed);
+        assert_eq!(heard.weight, None);
+        assert!(heard.trusted(now + 1_000, Some(&key)));
+        assert!(!heard.trusted(now, Some(&other)), "another key");
+        let late = now + END_NOTICE_VALID.as_millis() as u64 + 1;
+        assert!(!heard.trusted(late, Some(&key)), "replayed too late");
+        assert!(!heard.trusted(now - END_NOTICE_VALID.as_millis() as u64 - 1, Some(&key)));
+        // Another job, or another moment, under the same signature.
+        let sig = signed
+            .ended
+            .as_ref()
+            .and_then(|(_, s)| s.clone())
+            .expect("signed");
+        for forged in [
+            format!("scores-ff00 end {now} {sig}"),
+            format!("scores-ab12 end {} {sig}", now + 1),
+        ] {
+            assert!(
+                !Notice::decode(forged.as_bytes()).trusted(now, Some(&key)),
+                "{forged}"
+            );
+        }
+        // Unsigned: trusted only where the pool's messages are not signed.
+        let bare = Notice::decode(Notice::end("scores-ab12", now, None).encode().as_bytes());
+        assert_eq!(bare.ended, Some((now, None)));
+        assert!(bare.trusted(now, None));
+        assert!(!bare.trusted(now, Some(&key)));
+        // A start needs no trust; what is not an end notice is not one.
+        assert!(Notice::new("scores-ab12", 2).trusted(0, Some(&key)));
+        for body in [
+            "scores-ab12 end",
+            "scores-ab12 end x",
+            "scores-ab12 end 5 s x",
+        ] {
+            assert_eq!(Notice::decode(body.as_bytes()).ended, None, "{body:?}");
         }
     }
 

@@ -31,7 +31,7 @@ use session::Session;
 pub use sources::DEFAULT_JOB_QUEUES;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -151,10 +151,16 @@ async fn consume(
         let now = Instant::now();
         let kept = if now >= sizing.next_jobs {
             sizing.next_jobs = now + sizing.jobs_every(session.notices.is_some());
-            Some(session.refresh_jobs(&ctx.store).await)
+            let kept = session.refresh_jobs(&ctx.store).await;
+            // An idle pool's retired queues are swept when due, not at the
+            // next look a minute later.
+            if let Some(at) = session.idle_sweep_at() {
+                sizing.next_jobs = sizing.next_jobs.min(at.max(now + SWEEP_RETRY));
+            }
+            Some(kept)
         } else if now >= sizing.next_follow && session.work.crowded() {
             // More active jobs than queues consumed: a queue gone dormant
-            // gives its place to another job's.
+            // gives its place to another job's; an ended job's is let go.
             Some(session.follow_jobs().await)
         } else {
             None
@@ -194,7 +200,7 @@ async fn consume(
             // let go within the grace before its queue is deleted.
             _ = tokio::time::sleep_until(sizing.next_jobs.into()) => continue,
             announced = session::announced(&mut session.notices) => {
-                if let Some(why) = look_now(announced, session, sizing) {
+                if let Some(why) = look_now(announced, session, sizing, ctx) {
                     return Some(why);
                 }
                 continue;
@@ -226,7 +232,7 @@ async fn consume(
             // Time to replace an emptied queue (the permit goes back).
             _ = tokio::time::sleep_until(sizing.next_follow.into()), if crowded => {}
             announced = session::announced(&mut session.notices) => {
-                if let Some(why) = look_now(announced, session, sizing) {
+                if let Some(why) = look_now(announced, session, sizing, ctx) {
                     return Some(why);
                 }
             }
@@ -258,36 +264,60 @@ fn queued(session: &Session, sizing: &Sizing) -> BTreeMap<String, Instant> {
     out
 }
 
+/// The soonest a sweep that left a queue (still consumed) is tried again.
+const SWEEP_RETRY: Duration = Duration::from_secs(1);
+
 /// A job announced: its queue is consumed now. A notice that carries the
 /// job's weight adds the job to the active jobs as last read (the next
 /// read confirms it), and the worker follows them at once, with no Redis
 /// request — a job's start does not cost a read per worker. One without
 /// (from a coordinator of an earlier version) makes the worker read the
-/// pool's active jobs now. `Some(why)` when the announcements' connection
-/// was lost.
+/// pool's active jobs now. A job's end, trusted (fresh, and signed where
+/// the pool's messages are), takes it off the active jobs as last read:
+/// its queue is let go and its facts forgotten at once, with no Redis
+/// request either. `Some(why)` when the announcements' connection was
+/// lost.
 fn look_now(
     announced: Result<Notice, String>,
     session: &mut Session,
     sizing: &mut Sizing,
+    ctx: &ItemContext,
 ) -> Option<String> {
-    match announced {
-        Ok(Notice {
-            job,
-            weight: Some(weight),
-        }) if batchfleet_shared::message::valid_job_id(&job) => {
-            tracing::debug!(%job, weight, "job announced; consuming its queue");
-            session.work.announced_with(&job, weight);
+    let notice = match announced {
+        Ok(notice) => notice,
+        Err(why) => return Some(why),
+    };
+    let valid = batchfleet_shared::message::valid_job_id(&notice.job);
+    match (&notice.ended, notice.weight) {
+        (Some(_), _) if !valid => {}
+        (Some(_), _) => {
+            if !notice.trusted(ctx.clock.now_ms(), ctx.guard.key.as_ref()) {
+                tracing::debug!(job = %notice.job, "an end notice that is stale, unsigned or forged; ignored");
+                metrics::counter!(names::WORKER_NOTICES, "kind" => "refused").increment(1);
+                return None;
+            }
+            tracing::debug!(job = %notice.job, "job ended; letting go of its queue");
+            metrics::counter!(names::WORKER_NOTICES, "kind" => "end").increment(1);
+            if let Some(sweep) = session.ended(&notice.job) {
+                sizing.next_jobs = sizing.next_jobs.min(sweep);
+            }
+            ctx.facts.forget(&notice.job);
             sizing.next_follow = Instant::now();
-            None
         }
-        Ok(Notice { job, .. }) => {
-            tracing::debug!(%job, "job announced; looking at the pool's active jobs");
-            session.work.announced(&job);
+        (None, Some(weight)) if valid => {
+            tracing::debug!(job = %notice.job, weight, "job announced; consuming its queue");
+            metrics::counter!(names::WORKER_NOTICES, "kind" => "start").increment(1);
+            session.work.announced_with(&notice.job, weight);
+            sizing.next_follow = Instant::now();
+        }
+        (None, _) => {
+            tracing::debug!(job = %notice.job, "job announced; looking at the pool's active jobs");
+            metrics::counter!(names::WORKER_NOTICES, "kind" => "start").increment(1);
+            session.work.announced(&notice.job);
             sizing.next_jobs = Instant::now();
-            None
         }
-        Err(why) => Some(why),
     }
+    None
 }
 
 /// Handles a work delivery on its own task; an item settled with its work

@@ -148,13 +148,13 @@ impl Sizing {
 pub const JOBS_EVERY: Duration = Duration::from_secs(1);
 
 /// How often a worker that hears the announcements reads the pool's
-/// active jobs anyway: for a notice missed while it reconnected, a job
-/// that left the list (let go within this, well within the
-/// [`RETIRED_GRACE`](batchfleet_shared::retire::RETIRED_GRACE) before its
-/// queue is deleted), and changed weights. Each read is a Redis request
-/// per worker, so this sets the idle fleet's Redis load (0.1 requests per
+/// active jobs anyway: for a notice missed while it reconnected — a start,
+/// or an end (the job's queue is then let go within this, within the
+/// [`RETIRED_GRACE`](batchfleet_shared::retire::RETIRED_GRACE) before it
+/// is deleted) — and changed weights. Each read is a Redis request per
+/// worker, so this sets the idle fleet's Redis load (1/60 request per
 /// worker-second).
-pub const LISTENING_EVERY: Duration = Duration::from_secs(10);
+pub const LISTENING_EVERY: Duration = Duration::from_secs(60);
 
 /// Consumes the work queue again with `size` deliveries (quorum queues take
 /// a consumer's prefetch when it subscribes): the old subscription is

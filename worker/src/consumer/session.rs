@@ -131,6 +131,26 @@ impl Session {
         settle(let_go).await
     }
 
+    /// Job `job` ended (its end notice heard): off the active jobs as last
+    /// read, so the next follow lets go of its queue; its retired queue is
+    /// swept as after a read that found it gone. When the pool then looks
+    /// idle (no active job left as last read), when to read the list for
+    /// that sweep: the last job of a busy spell has no retire after it to
+    /// sweep its queue, and the list is otherwise read only every minute.
+    pub(crate) fn ended(&mut self, job: &str) -> Option<Instant> {
+        if !self.work.ended(job) {
+            return None;
+        }
+        self.sweep_at = Some(Instant::now() + self.retired_grace + SWEEP_MARGIN);
+        self.idle_sweep_at()
+    }
+
+    /// When a sweep of the pool's retired queues comes due while the pool
+    /// looks idle: the list is to be read then (see [`Session::ended`]).
+    pub(crate) fn idle_sweep_at(&self) -> Option<Instant> {
+        self.sweep_at.filter(|_| self.work.idle())
+    }
+
     /// Sets how long a retired job's queue stays (a testing aid).
     pub(crate) fn set_retired_grace(&mut self, grace: Duration) {
         self.retired_grace = grace;

@@ -263,11 +263,28 @@ impl Sources {
         self.jobs.values().filter(|s| s.busy(now)).count()
     }
 
-    /// Whether there are more active jobs than job queues consumed: then
-    /// [`Sources::follow`] is worth calling often, to give the place of a
-    /// queue gone dormant to another job's.
+    /// Notes that job `job` ended (its end notice heard): it leaves the
+    /// active jobs as last read, and [`Sources::follow`] lets go of its
+    /// queue. Whether it was listed.
+    pub fn ended(&mut self, job: &str) -> bool {
+        self.announced.remove(job);
+        self.active.remove(job).is_some()
+    }
+
+    /// Whether no job is active, as last read (less those ended since).
+    pub fn idle(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    /// Whether there are more active jobs than job queues consumed, a
+    /// queue consumed of a job no longer active, or a subscription let go
+    /// and not ended yet: then [`Sources::follow`] is worth calling often,
+    /// to give the place of a queue gone dormant to another job's, or let
+    /// an ended job's go and end its subscription.
     pub fn crowded(&self) -> bool {
         self.active.len() > self.jobs.len()
+            || !self.retiring.is_empty()
+            || self.jobs.keys().any(|job| !self.active.contains_key(job))
     }
 
     /// Whether a job of the last read of the pool's active jobs is not in

@@ -11,9 +11,11 @@
 //! together; the first to ask reads the facts and the others wait for that
 //! read (one request per job and worker, not one per item).
 //!
-//! A job cancelled or failed is seen by every worker within [`FRESH`]: an
-//! item started meanwhile is refused at its commit (cancelled) or settles
-//! as any item in flight when its job failed.
+//! A job that ends — finished, cancelled or failed — is announced on the
+//! pool's notice exchange, and a worker that hears it forgets the job's
+//! facts at once; one that does not (reconnecting meanwhile) sees it
+//! within [`FRESH`]: an item started meanwhile is refused at its commit
+//! (cancelled) or settles as any item in flight when its job failed.
 
 use batchfleet_shared::store::{JobFacts, Store};
 use std::collections::HashMap;
@@ -23,10 +25,10 @@ use tokio::sync::OnceCell;
 
 /// How long facts read from Redis are used before they are read again:
 /// a read per job and worker each time (in the 500-worker soak, 2 s made
-/// them 0.04 Redis requests per item), and how late a worker may start an
-/// item of a job cancelled or failed meanwhile (computed, then refused at
-/// its commit).
-pub const FRESH: Duration = Duration::from_secs(5);
+/// them 0.04 Redis requests per item), and how late a worker that missed
+/// the job's end notice may start an item of a job cancelled or failed
+/// meanwhile (computed, then refused at its commit).
+pub const FRESH: Duration = Duration::from_secs(15);
 
 /// Jobs whose facts are kept; the oldest read is dropped past this many.
 const KEPT: usize = 64;

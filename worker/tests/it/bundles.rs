@@ -4,7 +4,7 @@
 //! and a bundle that comes back is split into its items.
 
 use crate::containment::{dead_items, job_in, start_waiting, summary, until, verified, Waiting};
-use crate::support::{free_port, stop_all, Backend, TestEnv, Workers};
+use crate::support::{free_port, labelled, stop_all, Backend, TestEnv, Workers};
 use batchfleet_coordinator::dlq::Filter;
 use batchfleet_shared::broker::Outgoing;
 use batchfleet_shared::message::{Envelope, InputSlice};
@@ -14,16 +14,6 @@ use std::time::Duration;
 /// The sum of a worker's counter `name` over the samples labelled `how`.
 fn counter(metrics: &str, name: &str, how: &str) -> u64 {
     labelled(metrics, name, "how", how)
-}
-
-/// The sum of a worker's counter `name` over the samples whose label
-/// `label` is `value`.
-fn labelled(metrics: &str, name: &str, label: &str, value: &str) -> u64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(name) && l.contains(&format!("{label}=\"{value}\"")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
 }
 
 crate::on_both_backends!(a_job_of_short_items_travels_in_bundles_and_every_row_is_predicted_once);

@@ -1,10 +1,15 @@
-//! A new job's queue is consumed as soon as the job is announced: with the
-//! workers' timer that looks at the pool's active jobs set to an hour, only
-//! the announcement on the pool's notice exchange can bring them to it.
+//! A new job's queue is consumed as soon as the job is announced, and let
+//! go as soon as its end is: with the workers' timer that looks at the
+//! pool's active jobs set to an hour, only the announcements on the pool's
+//! notice exchange can bring them to a queue or take them away from it.
 
-use crate::support::{Backend, TestEnv};
+use crate::containment::until;
+use crate::support::{follow_to_end, free_port, labelled, scrape, submit, Backend, TestEnv};
+use batchfleet_shared::broker::{Notice, PoolQueues, END_NOTICE_VALID};
+use batchfleet_shared::signing::SigningKey;
 use batchfleet_testkit::python::{make_job, JobGen};
 use batchfleet_testkit::verify::verify;
+use std::time::Duration;
 
 crate::on_both_backends!(a_new_job_is_consumed_as_soon_as_it_is_announced);
 
@@ -39,6 +44,128 @@ async fn a_new_job_is_consumed_as_soon_as_it_is_announced(backend: Backend) {
     workers.stop();
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     env.cleanup(&ids).await;
+}
+
+/// A job's end is announced, signed: a worker that looks at the pool's
+/// active jobs only every hour lets go of the ended job's queue at once
+/// (its consumer leaves the queue, which stays for the retire grace). End
+/// notices of the running job that are unsigned, signed with another key or
+/// stale are refused: the worker keeps consuming its queue, and the job
+/// completes. (Without end notices the worker would hold the ended job's
+/// subscription until its next look, an hour later.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_job_is_let_go_at_its_signed_end_notice_and_forged_ones_are_refused() {
+    let env = TestEnv::new("ends");
+    let secret = "0123456789abcdef-test-end-notices";
+    let key = SigningKey::new(secret.as_bytes(), "test").expect("key");
+    let other = SigningKey::new(b"fedcba9876543210-another-key", "test").expect("key");
+    let mut cfg = env.run_config();
+    cfg.connections.signing_key = Some(key.clone());
+    let port = free_port();
+    let mut workers = vec![env.spawn_worker_with_env(
+        "w1",
+        &[
+            "--metrics-port",
+            &port,
+            "--debug-jobs-every",
+            "1h",
+            "--debug-batch-delay",
+            "300ms",
+            "--prefetch",
+            "1",
+            "--prefetch-max",
+            "1",
+        ],
+        &[("BATCHFLEET_SIGNING_KEY", secret.to_owned())],
+    )];
+    env.wait_for_consumers(1, &mut workers).await;
+    let dir = env.path().join("job");
+    let gen = JobGen {
+        rows: 2_000,
+        files: 1,
+        features: 4,
+        hidden: 8,
+        name: batchfleet_testkit::services::unique("ends"),
+        pool: env.pool.clone(),
+        item_rows: 100,
+        batch_size: 100,
+        ..JobGen::default()
+    };
+    make_job(&dir, &gen).expect("generate job");
+    // 20 items of 0.3 s each, one at a time: about 6 s of work.
+    let job = submit(&cfg, &dir.join("job.toml")).await;
+    let broker = env.broker().await;
+    let queues = PoolQueues::new(&env.pool);
+    let queue = queues.job(&job);
+    let consumers = || async {
+        broker
+            .consumer_count(&queue)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    };
+    until(
+        "the worker consumes the job's queue",
+        Duration::from_secs(30),
+        || async { consumers().await == 1 },
+    )
+    .await;
+    let now = batchfleet_shared::now_ms();
+    let stale = now - END_NOTICE_VALID.as_millis() as u64 - 60_000;
+    for forged in [
+        Notice::end(&job, now, None),
+        Notice::end(&job, now, Some(&other)),
+        Notice::end(&job, stale, Some(&key)),
+    ] {
+        broker.announce(&queues, &forged).await.expect("announce");
+    }
+    let refused = || {
+        labelled(
+            &scrape(&port),
+            "batchfleet_worker_notices_total",
+            "kind",
+            "refused",
+        )
+    };
+    until(
+        "three end notices refused",
+        Duration::from_secs(30),
+        || async { refused() == 3 },
+    )
+    .await;
+    assert_eq!(
+        consumers().await,
+        1,
+        "a refused end notice lets go of nothing"
+    );
+    let report = follow_to_end(&cfg, &job, Duration::from_secs(120)).await;
+    assert_eq!(report.status, "completed", "{report:?}");
+    let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
+    assert!(v.ok(), "{}", v.describe());
+    assert_eq!(v.output_rows, 2_000);
+    // The job's end, announced by its reducer, signed.
+    until(
+        "the worker lets go of the ended job's queue",
+        Duration::from_secs(30),
+        || async { consumers().await == 0 },
+    )
+    .await;
+    assert!(
+        broker.ready_count(&queue).await.expect("declare").is_some(),
+        "the queue itself stays for the retire grace"
+    );
+    let metrics = scrape(&port);
+    assert!(
+        labelled(&metrics, "batchfleet_worker_notices_total", "kind", "end") >= 1,
+        "{metrics}"
+    );
+    assert_eq!(refused(), 3);
+    broker.close("bye").await;
+    for w in &mut workers {
+        w.terminate(Duration::from_secs(30));
+    }
+    env.cleanup(&[job.as_str()]).await;
 }
 
 /// The first delivery of an item starts without the start script (no Redis

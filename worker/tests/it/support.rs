@@ -630,3 +630,22 @@ pub fn free_port() -> String {
         .port()
         .to_string()
 }
+
+/// The sum of a worker's counter `name` over the samples whose label
+/// `label` is `value`, in the text of its metrics endpoint.
+pub fn labelled(metrics: &str, name: &str, label: &str, value: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(&format!("{label}=\"{value}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// The text of the metrics endpoint on `port` of this machine.
+pub fn scrape(port: &str) -> String {
+    ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .expect("scrape")
+        .into_string()
+        .expect("text")
+}
