@@ -314,6 +314,13 @@ fn rounds(
                 "--no-progress",
                 "--orphan-grace",
                 "5s",
+                // Started as a scheduler would start them, with the
+                // patience of a production run: the broker on this shared
+                // machine has stalled for 20 s (no log line, no answer)
+                // while the rounds create and delete quorum queues, and a
+                // CLI's default of 10 s then failed the job's start.
+                "--connect-timeout",
+                "60s",
             ]
             .iter()
             .map(|s| (*s).to_owned())

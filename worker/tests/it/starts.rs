@@ -81,7 +81,7 @@ async fn an_ended_job_is_let_go_at_its_signed_end_notice_and_forged_ones_are_ref
     env.wait_for_consumers(1, &mut workers).await;
     let dir = env.path().join("job");
     let gen = JobGen {
-        rows: 2_000,
+        rows: 4_000,
         files: 1,
         features: 4,
         hidden: 8,
@@ -92,7 +92,7 @@ async fn an_ended_job_is_let_go_at_its_signed_end_notice_and_forged_ones_are_ref
         ..JobGen::default()
     };
     make_job(&dir, &gen).expect("generate job");
-    // 20 items of 0.3 s each, one at a time: about 6 s of work.
+    // 40 items of 0.3 s each, one at a time: at least 12 s of work.
     let job = submit(&cfg, &dir.join("job.toml")).await;
     let broker = env.broker().await;
     let queues = PoolQueues::new(&env.pool);
@@ -143,7 +143,7 @@ async fn an_ended_job_is_let_go_at_its_signed_end_notice_and_forged_ones_are_ref
     assert_eq!(report.status, "completed", "{report:?}");
     let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
-    assert_eq!(v.output_rows, 2_000);
+    assert_eq!(v.output_rows, 4_000);
     // The job's end, announced by its reducer, signed.
     until(
         "the worker lets go of the ended job's queue",
