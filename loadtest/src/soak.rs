@@ -315,8 +315,8 @@ fn rounds(
                 "--orphan-grace",
                 "5s",
                 // Started as a scheduler would start them, with the
-                // patience of a production run: the broker on this shared
-                // machine has stalled for 20 s (no log line, no answer)
+                // patience of a production run: the broker on the 2-core
+                // reference machine has stalled for 20 s (no log line, no answer)
                 // while the rounds create and delete quorum queues, and a
                 // CLI's default of 10 s then failed the job's start.
                 "--connect-timeout",
