@@ -710,7 +710,7 @@ fn print(r: &BenchReport) {
         println!(
             "          planning {:.2} s; stages (s, all workers): queue wait {:.2}, read {:.2}, inference {:.2}, write {:.2}; peak RSS workers {:?} MiB, coordinator {:.0} MiB; best batch {} (the fleet runs it)",
             g.plan_s, g.stage_s.queue_wait, g.stage_s.read, g.stage_s.inference, g.stage_s.write,
-            g.worker_peak_rss_mib.iter().map(|m| m.round()).collect::<Vec<_>>(), g.coordinator_peak_rss_mib, g.compute_batch
+            rounded(&g.worker_peak_rss_mib), g.coordinator_peak_rss_mib, g.compute_batch
         );
         println!(
             "          run --local: {:.0} rows/s ({} pipelines; ÷fleet {:.2}, ÷serial {:.2}, wall {:.2} s, peak RSS {:.0} MiB); one pipeline of all cores {:.0} rows/s",
@@ -754,7 +754,7 @@ fn print(r: &BenchReport) {
         );
     }
     if let Some(j) = &r.starts {
-        let ms: Vec<f64> = j.fleet_start_ms.iter().map(|m| m.round()).collect();
+        let ms = rounded(&j.fleet_start_ms);
         println!(
             "  job start: {} one-item jobs; first item started {:.0} ms after publication (median; each {:?} ms), wall {:.2} s per job (median) on the fleet; run --local {:.2} s per job (median)",
             j.jobs, j.fleet_start_median_ms, ms, j.fleet_wall_median_s, j.local_wall_median_s

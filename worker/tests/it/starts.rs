@@ -3,11 +3,10 @@
 //! pool's active jobs set to an hour, only the announcements on the pool's
 //! notice exchange can bring them to a queue or take them away from it.
 
-use crate::containment::until;
+use crate::containment::{job_in, until};
 use crate::support::{follow_to_end, free_port, labelled, scrape, submit, Backend, TestEnv};
 use batchfleet_shared::broker::{Notice, PoolQueues, END_NOTICE_VALID};
 use batchfleet_shared::signing::SigningKey;
-use batchfleet_testkit::python::{make_job, JobGen};
 use batchfleet_testkit::verify::verify;
 use std::time::Duration;
 
@@ -21,20 +20,9 @@ async fn a_new_job_is_consumed_as_soon_as_it_is_announced(backend: Backend) {
     let mut workers = env.workers(backend, &[&["--debug-jobs-every", "1h"]]).await;
     let mut ids = Vec::new();
     for name in ["first", "second"] {
+        let manifest = job_in(&env, name, 300, 100);
         let dir = env.path().join(name);
-        let gen = JobGen {
-            rows: 300,
-            files: 1,
-            features: 4,
-            hidden: 8,
-            name: batchfleet_testkit::services::unique(name),
-            pool: env.pool.clone(),
-            item_rows: 100,
-            batch_size: 64,
-            ..JobGen::default()
-        };
-        make_job(&dir, &gen).expect("generate job");
-        let (job_id, report) = env.run_on(&workers, &dir.join("job.toml")).await;
+        let (job_id, report) = env.run_on(&workers, &manifest).await;
         assert_eq!(report.status, "completed", "{name}");
         let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
         assert!(v.ok(), "{name}: {}", v.describe());
@@ -79,21 +67,10 @@ async fn an_ended_job_is_let_go_at_its_signed_end_notice_and_forged_ones_are_ref
         &[("BATCHFLEET_SIGNING_KEY", secret.to_owned())],
     )];
     env.wait_for_consumers(1, &mut workers).await;
+    let manifest = job_in(&env, "job", 4_000, 100);
     let dir = env.path().join("job");
-    let gen = JobGen {
-        rows: 4_000,
-        files: 1,
-        features: 4,
-        hidden: 8,
-        name: batchfleet_testkit::services::unique("ends"),
-        pool: env.pool.clone(),
-        item_rows: 100,
-        batch_size: 100,
-        ..JobGen::default()
-    };
-    make_job(&dir, &gen).expect("generate job");
     // 40 items of 0.3 s each, one at a time: at least 12 s of work.
-    let job = submit(&cfg, &dir.join("job.toml")).await;
+    let job = submit(&cfg, &manifest).await;
     let broker = env.broker().await;
     let queues = PoolQueues::new(&env.pool);
     let queue = queues.job(&job);
@@ -194,19 +171,8 @@ async fn first_deliveries_start_without_a_round_trip_and_lease_only_past_a_heart
             ]],
         )
         .await;
+    let manifest = job_in(&env, "job", 800, 100);
     let dir = env.path().join("job");
-    let gen = JobGen {
-        rows: 800,
-        files: 1,
-        features: 4,
-        hidden: 8,
-        name: batchfleet_testkit::services::unique("quick"),
-        pool: env.pool.clone(),
-        item_rows: 100,
-        batch_size: 100,
-        ..JobGen::default()
-    };
-    make_job(&dir, &gen).expect("generate job");
     let store = env.connections().store().await.expect("redis");
     let watch = {
         let store = store.clone();
@@ -226,7 +192,7 @@ async fn first_deliveries_start_without_a_round_trip_and_lease_only_past_a_heart
             seen
         })
     };
-    let (job_id, report) = env.run_on(&workers, &dir.join("job.toml")).await;
+    let (job_id, report) = env.run_on(&workers, &manifest).await;
     assert_eq!(report.status, "completed");
     let v = verify(&dir.join("out"), &dir.join("golden.csv"), 1e-5).expect("verify");
     assert!(v.ok(), "{}", v.describe());
