@@ -422,6 +422,11 @@ async fn heartbeat_loop(
             }
             _ = tick.tick() => {}
         }
+        // Its commit has begun: the commit settles the lease (drops it, or
+        // finds none), and the item is held as it was until it lands.
+        if signals.committing.load(Ordering::SeqCst) {
+            continue;
+        }
         if !held.is_settled() && held.received.elapsed() >= ctx.tuning.ack_after {
             if signals.at_model.load(Ordering::SeqCst) {
                 // From here the lease alone holds the item: if this worker dies,

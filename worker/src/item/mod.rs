@@ -712,9 +712,11 @@ async fn commit(
     ctx: &ItemContext,
 ) -> Result<Handled, ItemError> {
     stats.finished_ms = ctx.clock.now_ms();
-    // A lease the first heartbeat writes after this is dropped when the
-    // item is finished (`LeaseGuard::finish`), unless the item is done by
-    // then: the lease script writes none for a done item.
+    // From here the heartbeat writes no lease; one it was writing as this
+    // began is dropped when the item is finished (`LeaseGuard::finish`),
+    // unless the item is done by then: the lease script writes none for a
+    // done item.
+    signals.committing.store(true, Ordering::SeqCst);
     let leased = signals.leased.load(Ordering::SeqCst);
     signals.lease_committed.store(leased, Ordering::SeqCst);
     // With the others that finish meanwhile, and the job's model rows
@@ -726,7 +728,8 @@ async fn commit(
     let won = ctx
         .committer
         .commit(&item.job_id, stats.clone(), hist.to_vec(), folder, leased)
-        .await?;
+        .await
+        .inspect_err(|_| signals.committing.store(false, Ordering::SeqCst))?;
     if let Some((out, dir)) = partial {
         // The segments are in the part file now.
         let _ = blocking(move || checkpoint::remove(&out, &dir)).await;

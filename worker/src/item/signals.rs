@@ -41,6 +41,13 @@ pub struct Signals {
     /// Set when the item's commit carried its lease (the commit script
     /// dropped it); a lease written after that is dropped at the end.
     pub lease_committed: AtomicBool,
+    /// Set once the item's commit has begun (its part file is published and
+    /// the commit handed to its group): the heartbeat writes nothing more.
+    /// A lease written now would be refused once the commit lands (and cost
+    /// a done check), or outlive the commit and cost a drop; until the
+    /// commit lands the item is held as before it (its delivery or its
+    /// lease), for at most the group's linger and one Redis call.
+    pub committing: AtomicBool,
     /// Cancelled to stop the heartbeat.
     pub(crate) stop: CancellationToken,
 }
