@@ -71,9 +71,9 @@ bench: venv services release
 fuzz: venv
 	.ci/fuzz.sh
 
-## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so
+## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so (GPU_CHECK_ARGS=--local: no services, run --local against host-fed and device-resident forward in float32 and bfloat16, on the CPU for a few seconds where there is no GPU)
 gpu-check: venv services release
-	target/release/batchfleet-loadtest gpu-check
+	target/release/batchfleet-loadtest gpu-check $(GPU_CHECK_ARGS)
 
 ## deploy-check: docker/ validated without Docker (compose config, hadolint, kubernetes-validate, systemd-analyze)
 deploy-check: venv release

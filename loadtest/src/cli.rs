@@ -126,7 +126,9 @@ pub(crate) enum Command {
     /// On a machine with a GPU: the fleet's rows/s on the GPU next to raw
     /// libtorch forward on it, for a compute-bound and an I/O-bound model,
     /// and the share of the job the GPU sat idle (under four minutes). On a
-    /// machine without one it says so and exits 0.
+    /// machine without one it says so and exits 0. With `--local`: no
+    /// services, `run --local` against host-fed and device-resident forward
+    /// (on the CPU where there is no GPU).
     GpuCheck(GpuCheckArgs),
 }
 
@@ -550,8 +552,21 @@ impl ForwardArgs {
 /// `GpuCheck`'s flags (see [`Command::GpuCheck`]).
 #[derive(Debug, Args)]
 pub(crate) struct GpuCheckArgs {
-    /// Rows of each model's job.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// With no services: `run --local` against host-fed and device-resident
+    /// `forward`, in float32 and bfloat16, models made by this machine's
+    /// PyTorch (python3, or BATCHFLEET_PYTHON); on the CPU for a second or
+    /// two per figure where no GPU is visible.
+    #[arg(long)]
+    local: bool,
+    /// `--local`: seconds of device work per figure (default 20 on a GPU,
+    /// 1.5 on the CPU).
+    #[arg(long, requires = "local")]
+    seconds: Option<f64>,
+    /// `--local`: run on the CPU even where a GPU is visible.
+    #[arg(long, requires = "local")]
+    cpu: bool,
+    /// Rows of each model's job (the fleet form, without `--local`).
+    #[arg(long, default_value_t = 1_000_000, conflicts_with = "local")]
     rows: u64,
     /// Write the figures as JSON to this file.
     #[arg(long)]
@@ -563,8 +578,23 @@ pub(crate) struct GpuCheckArgs {
 
 impl GpuCheckArgs {
     fn run(self) -> Result<()> {
-        let Self { rows, json, dir } = self;
-        let figures = gpu::run(&gpu::GpuCheckConfig { rows, dir })?;
+        let Self {
+            local,
+            seconds,
+            cpu,
+            rows,
+            json,
+            dir,
+        } = self;
+        let figures = if local {
+            let figures =
+                crate::gpulocal::run(&crate::gpulocal::LocalConfig { seconds, dir, cpu })?;
+            Some(serde_json::to_value(figures)?)
+        } else {
+            gpu::run(&gpu::GpuCheckConfig { rows, dir })?
+                .map(serde_json::to_value)
+                .transpose()?
+        };
         if let (Some(path), Some(figures)) = (json, figures) {
             std::fs::write(&path, serde_json::to_vec_pretty(&figures)?)?;
             println!("figures written to {}", path.display());

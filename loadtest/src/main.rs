@@ -40,6 +40,7 @@ mod fleetsoak;
 mod formatbench;
 mod forward;
 mod gpu;
+mod gpulocal;
 mod planning;
 mod rediscluster;
 mod scale;

@@ -1,0 +1,585 @@
+//! `batchfleet-loadtest gpu-check --local`: the GPU path measured with no
+//! services — on a machine that has PyTorch and nothing else (the bundle of
+//! `make gpu-bundle`), or anywhere.
+//!
+//! For each model and precision, side by side in one run:
+//! - **resident**: `forward` on rows already on the device, at the best
+//!   batch — the device's ceiling;
+//! - **host-fed**: the rows in host memory, each mini-batch copied in and
+//!   its output back, one after the other (a hand-written PyTorch loop), at
+//!   the best of a few batch sizes;
+//! - **fleet**: `batchfleet run --local` (one pipeline with every core, the
+//!   in-process queues and job store) over CSV files of the same rows at
+//!   that batch: read → parse → copy → forward → write, from the command's
+//!   start to its summary; its output checked against PyTorch's on a sample
+//!   of rows;
+//! - the fleet over each, and the GPU's busy share during the fleet's run
+//!   (`nvidia-smi`'s utilisation, sampled every 200 ms).
+//!
+//! Each figure gets `--seconds` of device work (20 on a GPU). On a machine
+//! without a GPU it says so and runs the same pipeline on the CPU with a
+//! small model for a second or two per figure, so CI proves the path (and
+//! a bundle) works.
+//!
+//! The models and PyTorch's predictions come from `python3` (or
+//! `BATCHFLEET_PYTHON`) running the generator built into this binary
+//! (`loadtest/python/gpu_models.py`, torch and the standard library only).
+
+use crate::fault::{sibling, work_dir};
+use crate::fleet::run_job_with;
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The generator, written into the work folder and run there.
+const GENERATOR: &str = include_str!("../python/gpu_models.py");
+
+/// What `gpu-check --local` runs.
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    /// Seconds of device work per figure (default: 20 on a GPU, 1.5 on the CPU).
+    pub seconds: Option<f64>,
+    /// Work folder (default: a temporary one).
+    pub dir: Option<PathBuf>,
+    /// Force the CPU even where a GPU is visible.
+    pub cpu: bool,
+}
+
+/// One model in one precision.
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseFigures {
+    /// The model, in words.
+    pub model: String,
+    /// `float32` or `bfloat16`.
+    pub dtype: String,
+    /// Rows per `forward` call (the host-fed loop's best).
+    pub batch: usize,
+    /// Rows/s of `forward` on rows already on the device.
+    pub resident_rows_per_s: f64,
+    /// Rows/s of the host-fed loop at `batch`.
+    pub host_fed_rows_per_s: f64,
+    /// Rows of the fleet's job.
+    pub fleet_rows: u64,
+    /// Rows/s of `batchfleet run --local`, start to summary.
+    pub fleet_rows_per_s: f64,
+    /// Its wall time (s).
+    pub fleet_wall_s: f64,
+    /// Fleet ÷ host-fed.
+    pub fleet_vs_host_fed: f64,
+    /// Fleet ÷ resident.
+    pub fleet_vs_resident: f64,
+    /// The GPU's mean utilisation during the fleet's run (0–1; none on the
+    /// CPU or without `nvidia-smi`).
+    pub gpu_busy: Option<f64>,
+    /// Largest difference from PyTorch's float32 predictions on the sample.
+    pub max_abs_diff: f64,
+    /// The difference allowed (relative to the sample's largest output).
+    pub tolerance: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct LocalFigures {
+    /// `cuda:0 (<name>)` or `cpu`.
+    pub device: String,
+    /// Whether a GPU was used.
+    pub gpu: bool,
+    /// Cores of this machine.
+    pub cores: usize,
+    /// Seconds of device work per figure.
+    pub seconds: f64,
+    /// Each model and precision.
+    pub cases: Vec<CaseFigures>,
+}
+
+/// The MLP's shape and the sizes of its data.
+struct Shape {
+    features: usize,
+    hidden: usize,
+    layers: usize,
+    outputs: usize,
+    /// Rows of the one CSV file the job's files are links of.
+    file_rows: usize,
+    item_rows: usize,
+    batches: &'static [usize],
+}
+
+/// Runs the check and prints its figures.
+pub fn run(cfg: &LocalConfig) -> Result<LocalFigures> {
+    let gpu = !cfg.cpu && tch::Cuda::is_available();
+    let device = if gpu {
+        tch::Device::Cuda(0)
+    } else {
+        tch::Device::Cpu
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let seconds = cfg.seconds.unwrap_or(if gpu { 20.0 } else { 1.5 });
+    let name = if gpu {
+        format!("cuda:0 ({})", gpu_name().unwrap_or_else(|| "GPU".into()))
+    } else {
+        "cpu".to_owned()
+    };
+    if gpu {
+        println!("gpu-check --local: {name}, {seconds} s of device work per figure");
+    } else {
+        println!(
+            "gpu-check --local: no CUDA device is visible to libtorch here (device count {}); running the same pipeline on the CPU, {seconds} s per figure, to show it works",
+            tch::Cuda::device_count()
+        );
+    }
+    let shape = if gpu {
+        Shape {
+            features: 64,
+            hidden: 8192,
+            layers: 4,
+            outputs: 4,
+            file_rows: 100_000,
+            item_rows: 50_000,
+            batches: &[1024, 4096, 16384],
+        }
+    } else {
+        Shape {
+            features: 64,
+            hidden: 512,
+            layers: 2,
+            outputs: 4,
+            file_rows: 20_000,
+            item_rows: 5_000,
+            batches: &[1024, 4096],
+        }
+    };
+    let (root, _tmp) = work_dir(cfg.dir.as_deref())?;
+    let coordinator = sibling("batchfleet")?;
+    let model_dir = root.join("mlp");
+    std::fs::create_dir_all(&model_dir)?;
+    let base = model_dir.join("rows.csv");
+    write_rows(&base, shape.features, shape.file_rows)?;
+    let verify = model_dir.join("verify.csv");
+    write_head(&base, &verify, 256)?;
+    generate(&root, &model_dir, &shape, &verify)?;
+    let host = load_rows(&base, shape.features)?;
+    let mut cases = Vec::new();
+    for (dtype, kind) in [
+        ("float32", tch::Kind::Float),
+        ("bfloat16", tch::Kind::BFloat16),
+    ] {
+        let label = format!(
+            "MLP {}→{}×{}→{}",
+            shape.features, shape.hidden, shape.layers, shape.outputs
+        );
+        println!(
+            "gpu-check [{label}, {dtype}] forward, rows on the device and fed from host memory…"
+        );
+        let model = model_dir.join("model.pt");
+        let (batch, host_fed) = best_host_fed(
+            &model,
+            &host,
+            shape.features,
+            shape.batches,
+            device,
+            kind,
+            seconds,
+        )?;
+        let resident = resident(&model, &host, shape.features, batch, device, kind, seconds)?;
+        // The fleet's job: as many links of the rows' file as `seconds` of
+        // the host-fed loop's rate take.
+        let rows_wanted = (host_fed * seconds).max(shape.file_rows as f64);
+        let files = (rows_wanted / shape.file_rows as f64).ceil() as usize;
+        let job = model_dir.join(format!("job-{dtype}"));
+        let _ = std::fs::remove_dir_all(&job);
+        std::fs::create_dir_all(job.join("data"))?;
+        for i in 0..files {
+            std::fs::hard_link(&base, job.join(format!("data/part-{i:05}.csv"))).or_else(|_| {
+                std::fs::copy(&base, job.join(format!("data/part-{i:05}.csv"))).map(|_| ())
+            })?;
+        }
+        // The model under the job's folder (the data root of `run --local`).
+        std::fs::hard_link(&model, job.join("model.pt"))
+            .or_else(|_| std::fs::copy(&model, job.join("model.pt")).map(|_| ()))?;
+        let manifest = job.join("job.toml");
+        std::fs::write(
+            &manifest,
+            manifest_text(&shape, dtype, batch, if gpu { "cuda" } else { "cpu" }),
+        )?;
+        let fleet_rows = (files * shape.file_rows) as u64;
+        println!("gpu-check [{label}, {dtype}] the fleet: run --local, {fleet_rows} rows in {files} files, batch {batch}…");
+        let sampler = gpu.then(UtilSampler::start).flatten();
+        let local = ["--local", "--workers", "1", "--threads"]
+            .map(str::to_owned)
+            .into_iter()
+            .chain([cores.to_string()])
+            .collect::<Vec<_>>();
+        let ran = run_job_with(&coordinator, &manifest, "bf-unused", &local, "out");
+        let gpu_busy = sampler.and_then(UtilSampler::stop);
+        let (wall, _, summary) = ran?;
+        let done = summary["rows_predicted"].as_u64().unwrap_or(0);
+        if done != fleet_rows {
+            bail!("[{label}, {dtype}] the job predicted {done} rows of {fleet_rows}");
+        }
+        let (max_abs_diff, tolerance) =
+            check(&job.join("out"), &model_dir.join("golden.csv"), kind)?;
+        if max_abs_diff > tolerance {
+            bail!("[{label}, {dtype}] output differs from PyTorch's by {max_abs_diff:.3e} (allowed {tolerance:.3e})");
+        }
+        let _ = std::fs::remove_dir_all(&job);
+        let fleet = fleet_rows as f64 / wall.max(1e-9);
+        cases.push(CaseFigures {
+            model: label,
+            dtype: dtype.to_owned(),
+            batch,
+            resident_rows_per_s: resident,
+            host_fed_rows_per_s: host_fed,
+            fleet_rows,
+            fleet_rows_per_s: fleet,
+            fleet_wall_s: wall,
+            fleet_vs_host_fed: fleet / host_fed,
+            fleet_vs_resident: fleet / resident,
+            gpu_busy,
+            max_abs_diff,
+            tolerance,
+        });
+    }
+    let figures = LocalFigures {
+        device: name,
+        gpu,
+        cores,
+        seconds,
+        cases,
+    };
+    print(&figures);
+    Ok(figures)
+}
+
+fn print(f: &LocalFigures) {
+    println!("\ngpu-check --local on {} ({} cores):", f.device, f.cores);
+    println!(
+        "  {:<22} {:<9} {:>6} {:>14} {:>14} {:>14} {:>8} {:>8} {:>8} {:>10}",
+        "model",
+        "dtype",
+        "batch",
+        "resident/s",
+        "host-fed/s",
+        "fleet/s",
+        "÷host",
+        "÷resid",
+        "GPU busy",
+        "max diff"
+    );
+    for c in &f.cases {
+        println!(
+            "  {:<22} {:<9} {:>6} {:>14.0} {:>14.0} {:>14.0} {:>8.2} {:>8.2} {:>8} {:>10.2e}",
+            c.model,
+            c.dtype,
+            c.batch,
+            c.resident_rows_per_s,
+            c.host_fed_rows_per_s,
+            c.fleet_rows_per_s,
+            c.fleet_vs_host_fed,
+            c.fleet_vs_resident,
+            c.gpu_busy
+                .map_or_else(|| "n/a".to_owned(), |b| format!("{:.0}%", b * 100.0)),
+            c.max_abs_diff
+        );
+    }
+}
+
+/// The name of GPU 0, from `nvidia-smi`.
+fn gpu_name() -> Option<String> {
+    let out = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=name,driver_version",
+            "--format=csv,noheader",
+            "-i",
+            "0",
+        ])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Deterministic rows `id,f0..` with values in [-1, 1] at four decimals.
+fn write_rows(path: &Path, features: usize, rows: usize) -> Result<()> {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let header: Vec<String> = std::iter::once("id".to_owned())
+        .chain((0..features).map(|k| format!("f{k}")))
+        .collect();
+    writeln!(out, "{}", header.join(","))?;
+    let mut rng = fastrand::Rng::with_seed(11);
+    for i in 0..rows {
+        write!(out, "r{i}")?;
+        for _ in 0..features {
+            write!(out, ",{:.4}", rng.f32() * 2.0 - 1.0)?;
+        }
+        writeln!(out)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// The header and first `rows` rows of `from`.
+fn write_head(from: &Path, to: &Path, rows: usize) -> Result<()> {
+    let text = std::fs::read_to_string(from)?;
+    let head: Vec<&str> = text.lines().take(rows + 1).collect();
+    std::fs::write(to, head.join("\n") + "\n")?;
+    Ok(())
+}
+
+/// The model and PyTorch's predictions on `verify`, by the generator.
+fn generate(root: &Path, dir: &Path, s: &Shape, verify: &Path) -> Result<()> {
+    let script = root.join("gpu_models.py");
+    std::fs::write(&script, GENERATOR)?;
+    let python = std::env::var("BATCHFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg("--out")
+        .arg(dir)
+        .args(["--features", &s.features.to_string()])
+        .args(["--hidden", &s.hidden.to_string()])
+        .args(["--layers", &s.layers.to_string()])
+        .args(["--outputs", &s.outputs.to_string()])
+        .arg("--verify")
+        .arg(verify)
+        .output()
+        .with_context(|| {
+            format!("running {python} (a Python with torch; BATCHFLEET_PYTHON names another)")
+        })?;
+    if !out.status.success() {
+        bail!(
+            "{python} {} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn load_rows(path: &Path, features: usize) -> Result<Vec<f32>> {
+    let f = crate::forward::load_csv(&[path.to_owned()])?;
+    if f.cols != features {
+        bail!("{} has {} features, not {features}", path.display(), f.cols);
+    }
+    Ok(f.values)
+}
+
+fn load(model: &Path, device: tch::Device, kind: tch::Kind) -> Result<tch::CModule> {
+    let mut m = tch::CModule::load_on_device(model, device)
+        .with_context(|| format!("loading {} on {device:?}", model.display()))?;
+    m.set_eval();
+    if kind != tch::Kind::Float {
+        m.to(device, kind, false);
+    }
+    Ok(m)
+}
+
+fn sync(device: tch::Device) {
+    if let tch::Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Passes over the host rows until `seconds` have gone (one warm-up pass
+/// first): rows/s.
+fn timed(seconds: f64, rows_per_pass: usize, mut pass: impl FnMut() -> Result<()>) -> Result<f64> {
+    pass()?;
+    let started = Instant::now();
+    let mut rows = 0usize;
+    while started.elapsed().as_secs_f64() < seconds {
+        pass()?;
+        rows += rows_per_pass;
+    }
+    Ok(rows as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The host-fed loop at each batch size (a third of `seconds` each): the
+/// best batch and its rows/s.
+fn best_host_fed(
+    model: &Path,
+    host: &[f32],
+    cols: usize,
+    batches: &[usize],
+    device: tch::Device,
+    kind: tch::Kind,
+    seconds: f64,
+) -> Result<(usize, f64)> {
+    let m = load(model, device, kind)?;
+    let _guard = tch::no_grad_guard();
+    let rows = host.len() / cols;
+    let mut best = (0, 0.0);
+    for &batch in batches {
+        let rate = timed(seconds / batches.len() as f64, rows, || {
+            for chunk in host.chunks(batch * cols) {
+                let n = (chunk.len() / cols) as i64;
+                let x = tch::Tensor::f_from_slice(chunk)?
+                    .f_view([n, cols as i64])?
+                    .f_to_device(device)?
+                    .f_to_kind(kind)?;
+                let y = m
+                    .forward_ts(&[x])?
+                    .f_to_kind(tch::Kind::Float)?
+                    .f_to_device(tch::Device::Cpu)?
+                    .f_contiguous()?;
+                let mut out = vec![0f32; y.numel()];
+                y.f_copy_data(&mut out, y.numel())?;
+            }
+            Ok(())
+        })?;
+        println!("  host-fed, batch {batch}: {rate:.0} rows/s");
+        if rate > best.1 {
+            best = (batch, rate);
+        }
+    }
+    Ok(best)
+}
+
+/// `forward` on batches already on the device, for `seconds`.
+fn resident(
+    model: &Path,
+    host: &[f32],
+    cols: usize,
+    batch: usize,
+    device: tch::Device,
+    kind: tch::Kind,
+    seconds: f64,
+) -> Result<f64> {
+    let m = load(model, device, kind)?;
+    let _guard = tch::no_grad_guard();
+    let n = batch.min(host.len() / cols);
+    let x = tch::Tensor::f_from_slice(&host[..n * cols])?
+        .f_view([n as i64, cols as i64])?
+        .f_to_device(device)?
+        .f_to_kind(kind)?;
+    // Enough calls per pass that a pass is a few hundred milliseconds.
+    let calls = 8;
+    let rate = timed(seconds, n * calls, || {
+        for _ in 0..calls {
+            let _ = m.forward_ts(&[x.shallow_clone()])?;
+        }
+        sync(device);
+        Ok(())
+    })?;
+    println!("  resident, batch {n}: {rate:.0} rows/s");
+    Ok(rate)
+}
+
+fn manifest_text(s: &Shape, dtype: &str, batch: usize, device: &str) -> String {
+    let precision = if dtype == "float32" {
+        String::new()
+    } else {
+        format!("dtype = \"{dtype}\"\n")
+    };
+    format!(
+        "[job]\nname = \"gpu-check-{dtype}\"\n\n[input]\nformat = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\nfeature_columns = [\"f0..f{}\"]\n\n[model]\npath = \"model.pt\"\ndevice = \"{device}\"\n{precision}\n[batching]\nitem_rows = {}\ninference_batch_size = {batch}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n",
+        s.features - 1,
+        s.item_rows,
+    )
+}
+
+/// The largest difference between the output's rows and PyTorch's on the
+/// sample (each id looked up in the part files until all are found), and
+/// the difference allowed: 1e-3 of the sample's largest output in float32,
+/// 0.1 of it in bfloat16 (8 bits of mantissa through every layer).
+fn check(out: &Path, golden: &Path, kind: tch::Kind) -> Result<(f64, f64)> {
+    let mut want: HashMap<String, Vec<f64>> = HashMap::new();
+    let mut g = csv::Reader::from_path(golden)?;
+    for rec in g.records() {
+        let rec = rec?;
+        let vals = rec
+            .iter()
+            .skip(1)
+            .map(str::parse::<f64>)
+            .collect::<Result<Vec<_>, _>>()?;
+        want.insert(rec[0].to_owned(), vals);
+    }
+    let scale = want
+        .values()
+        .flatten()
+        .fold(0f64, |m, v| m.max(v.abs()))
+        .max(1e-6);
+    let tolerance = scale * if kind == tch::Kind::Float { 1e-3 } else { 0.1 };
+    let mut parts: Vec<PathBuf> = std::fs::read_dir(out)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("part-") && n.ends_with(".csv"))
+        })
+        .collect();
+    parts.sort();
+    let mut worst = 0f64;
+    for part in parts {
+        if want.is_empty() {
+            break;
+        }
+        let mut r = csv::Reader::from_path(&part)?;
+        for rec in r.records() {
+            let rec = rec?;
+            let Some(expected) = want.remove(&rec[0]) else {
+                continue;
+            };
+            for (got, e) in rec.iter().skip(1).zip(&expected) {
+                let got: f64 = got
+                    .parse()
+                    .with_context(|| format!("{}: {got:?} is not a number", part.display()))?;
+                worst = worst.max((got - e).abs());
+            }
+        }
+    }
+    if !want.is_empty() {
+        bail!(
+            "{} of the sample's rows are not in {}",
+            want.len(),
+            out.display()
+        );
+    }
+    Ok((worst, tolerance))
+}
+
+/// `nvidia-smi`'s utilisation of GPU 0, sampled every 200 ms on a thread.
+struct UtilSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<f64>>,
+}
+
+impl UtilSampler {
+    fn start() -> Option<Self> {
+        gpu_name()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                if let Ok(out) = Command::new("nvidia-smi")
+                    .args([
+                        "--query-gpu=utilization.gpu",
+                        "--format=csv,noheader,nounits",
+                        "-i",
+                        "0",
+                    ])
+                    .output()
+                {
+                    if let Ok(v) = String::from_utf8_lossy(&out.stdout).trim().parse::<f64>() {
+                        samples.push(v / 100.0);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            samples
+        });
+        Some(Self { stop, thread })
+    }
+
+    /// The mean of the samples.
+    fn stop(self) -> Option<f64> {
+        self.stop.store(true, Ordering::Relaxed);
+        let samples = self.thread.join().ok()?;
+        (!samples.is_empty()).then(|| samples.iter().sum::<f64>() / samples.len() as f64)
+    }
+}
