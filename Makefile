@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test wheel wheel-check fuzz chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test wheel wheel-check fuzz chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check gpu-bundle gpu-bundle-check deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -74,6 +74,14 @@ fuzz: venv
 ## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so (GPU_CHECK_ARGS=--local: no services, run --local against host-fed and device-resident forward in float32 and bfloat16, on the CPU for a few seconds where there is no GPU)
 gpu-check: venv services release
 	target/release/batchfleet-loadtest gpu-check $(GPU_CHECK_ARGS)
+
+## gpu-bundle: dist/batchfleet-bundle-torch$(TORCH).tar.gz — the binaries built against PyTorch $(TORCH)'s libtorch, for a machine that has that PyTorch and nothing else (docs/deploy.md)
+gpu-bundle:
+	.ci/gpu-bundle.sh
+
+## gpu-bundle-check: builds the bundle (TORCH, default 2.11.0), unpacks it beside a fresh venv holding only that torch and runs its gpu-check --local there (downloads a second PyTorch; not in CI)
+gpu-bundle-check:
+	.ci/gpu-bundle-check.sh
 
 ## deploy-check: docker/ validated without Docker (compose config, hadolint, kubernetes-validate, systemd-analyze)
 deploy-check: venv release

@@ -29,7 +29,8 @@ docker-compose -p batchfleet -f "$tmp_gpus/compose.yaml" -f "$tmp_gpus/compose.g
 grep -q "worker-gpu1:" "$tmp_gpus/rendered.yaml"
 rm -rf "$tmp_gpus"
 echo "== shell scripts"
-for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/rabbitmq/permissions.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch; do sh -n "$f"; done
+for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/rabbitmq/permissions.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch docker/bundle/launch.sh; do sh -n "$f"; done
+.venv/bin/shellcheck --shell=sh docker/bundle/launch.sh
 echo "== Slurm templates"
 for f in docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task docker/slurm/batchfleet.env.example; do bash -n "$f"; done
 .venv/bin/shellcheck --shell=bash docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task
