@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 
-.PHONY: demo test wheel wheel-check fuzz chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check gpu-bundle gpu-bundle-check deploy-check dist venv services tools build release fmt lint clean
+.PHONY: demo test wheel wheel-check fuzz chaos soak-faults soak-fleet cluster-test redis-failover-test redis-cluster-test slurm-test scale bench gpu-check gpu-bundle gpu-bundle-check torch-pairing-test deploy-check dist venv services tools build release fmt lint clean
 
 ## demo: set everything up, run a 200k-row job on two workers, print the summary
 demo: venv release
@@ -82,6 +82,10 @@ gpu-bundle:
 ## gpu-bundle-check: builds the bundle (TORCH, default 2.11.0), unpacks it beside a fresh venv holding only that torch and runs its gpu-check --local there (downloads a second PyTorch; not in CI)
 gpu-bundle-check:
 	.ci/gpu-bundle-check.sh
+
+## torch-pairing-test: the test suite against PyTorch $(TORCH)'s libtorch through the bundle's ported torch-sys (after make gpu-bundle TORCH=...; builds everything a second time; not in CI)
+torch-pairing-test: services
+	.ci/torch-pairing-test.sh
 
 ## deploy-check: docker/ validated without Docker (compose config, hadolint, kubernetes-validate, systemd-analyze)
 deploy-check: venv release

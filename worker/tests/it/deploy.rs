@@ -42,9 +42,14 @@ fn help(bin: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// `BATCHFLEET_*` names that are the compose file's, cloud-init's or the
-/// Slurm templates' own variables, not the binaries'.
+/// `BATCHFLEET_*` names that are the compose file's, cloud-init's, the
+/// Slurm templates' or the GPU bundle's launcher's own variables, not the
+/// binaries' flags (`BATCHFLEET_CUDA` is read by every binary at start-up,
+/// before its flags are parsed: `batchfleet_shared::cuda::ENV`).
 const DEPLOYMENT_ONLY: &[&str] = &[
+    "BATCHFLEET_LIBTORCH_DIR",
+    "BATCHFLEET_PYTHON",
+    batchfleet_shared::cuda::ENV,
     "BATCHFLEET_VARIANT",
     "BATCHFLEET_DATA",
     "BATCHFLEET_JOBS",
