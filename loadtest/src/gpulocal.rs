@@ -98,16 +98,97 @@ pub struct LocalFigures {
     pub cases: Vec<CaseFigures>,
 }
 
-/// The MLP's shape and the sizes of its data.
-struct Shape {
-    features: usize,
-    hidden: usize,
-    layers: usize,
-    outputs: usize,
+/// A model of the check and the sizes of its data.
+struct Case {
+    /// The model, in words.
+    label: String,
+    /// MLP (features) or sentence encoder (text).
+    kind: CaseKind,
+    /// The generator's flags for it.
+    args: Vec<String>,
     /// Rows of the one CSV file the job's files are links of.
     file_rows: usize,
     item_rows: usize,
     batches: &'static [usize],
+}
+
+enum CaseKind {
+    /// `features` columns `f0..`.
+    Mlp { features: usize },
+    /// A `text` column of words `w0..w{vocab-1}`.
+    Text { vocab: usize },
+}
+
+/// The cases: an MLP and a sentence encoder, large on a GPU, small on the CPU.
+fn cases(gpu: bool) -> Vec<Case> {
+    let flags = |pairs: &[(&str, usize)]| -> Vec<String> {
+        pairs
+            .iter()
+            .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
+            .collect()
+    };
+    let (hidden, layers, file_rows, item_rows, batches): (
+        usize,
+        usize,
+        usize,
+        usize,
+        &'static [usize],
+    ) = if gpu {
+        (8192, 4, 100_000, 50_000, &[1024, 4096, 16384])
+    } else {
+        (512, 2, 20_000, 5_000, &[1024, 4096])
+    };
+    let mlp = Case {
+        label: format!("MLP 64→{hidden}×{layers}→4"),
+        kind: CaseKind::Mlp { features: 64 },
+        args: [
+            vec!["--kind".to_owned(), "mlp".to_owned()],
+            flags(&[
+                ("features", 64),
+                ("hidden", hidden),
+                ("layers", layers),
+                ("outputs", 4),
+            ]),
+        ]
+        .concat(),
+        file_rows,
+        item_rows,
+        batches,
+    };
+    let (vocab, dim, heads, layers, ff, file_rows, item_rows, batches): (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        &'static [usize],
+    ) = if gpu {
+        (8000, 768, 12, 6, 3072, 50_000, 10_000, &[64, 256, 1024])
+    } else {
+        (1000, 64, 4, 2, 128, 5_000, 1_000, &[64, 256])
+    };
+    let text = Case {
+        label: format!("encoder {dim}d×{layers}"),
+        kind: CaseKind::Text { vocab },
+        args: [
+            vec!["--kind".to_owned(), "text".to_owned()],
+            flags(&[
+                ("vocab", vocab),
+                ("dim", dim),
+                ("heads", heads),
+                ("layers", layers),
+                ("ff", ff),
+                ("outputs", 4),
+            ]),
+        ]
+        .concat(),
+        file_rows,
+        item_rows,
+        batches,
+    };
+    vec![mlp, text]
 }
 
 /// Runs the check and prints its figures.
@@ -133,127 +214,213 @@ pub fn run(cfg: &LocalConfig) -> Result<LocalFigures> {
             tch::Cuda::device_count()
         );
     }
-    let shape = if gpu {
-        Shape {
-            features: 64,
-            hidden: 8192,
-            layers: 4,
-            outputs: 4,
-            file_rows: 100_000,
-            item_rows: 50_000,
-            batches: &[1024, 4096, 16384],
-        }
-    } else {
-        Shape {
-            features: 64,
-            hidden: 512,
-            layers: 2,
-            outputs: 4,
-            file_rows: 20_000,
-            item_rows: 5_000,
-            batches: &[1024, 4096],
-        }
-    };
     let (root, _tmp) = work_dir(cfg.dir.as_deref())?;
     let coordinator = sibling("batchfleet")?;
-    let model_dir = root.join("mlp");
-    std::fs::create_dir_all(&model_dir)?;
-    let base = model_dir.join("rows.csv");
-    write_rows(&base, shape.features, shape.file_rows)?;
-    let verify = model_dir.join("verify.csv");
-    write_head(&base, &verify, 256)?;
-    generate(&root, &model_dir, &shape, &verify)?;
-    let host = load_rows(&base, shape.features)?;
-    let mut cases = Vec::new();
-    for (dtype, kind) in [
-        ("float32", tch::Kind::Float),
-        ("bfloat16", tch::Kind::BFloat16),
-    ] {
-        let label = format!(
-            "MLP {}→{}×{}→{}",
-            shape.features, shape.hidden, shape.layers, shape.outputs
-        );
-        println!(
-            "gpu-check [{label}, {dtype}] forward, rows on the device and fed from host memory…"
-        );
-        let model = model_dir.join("model.pt");
-        let (batch, host_fed) = best_host_fed(
-            &model,
-            &host,
-            shape.features,
-            shape.batches,
-            device,
-            kind,
-            seconds,
-        )?;
-        let resident = resident(&model, &host, shape.features, batch, device, kind, seconds)?;
-        // The fleet's job: as many links of the rows' file as `seconds` of
-        // the host-fed loop's rate take.
-        let rows_wanted = (host_fed * seconds).max(shape.file_rows as f64);
-        let files = (rows_wanted / shape.file_rows as f64).ceil() as usize;
-        let job = model_dir.join(format!("job-{dtype}"));
-        let _ = std::fs::remove_dir_all(&job);
-        std::fs::create_dir_all(job.join("data"))?;
-        for i in 0..files {
-            std::fs::hard_link(&base, job.join(format!("data/part-{i:05}.csv"))).or_else(|_| {
-                std::fs::copy(&base, job.join(format!("data/part-{i:05}.csv"))).map(|_| ())
-            })?;
+    let script = root.join("gpu_models.py");
+    std::fs::write(&script, GENERATOR)?;
+    let mut figures = Vec::new();
+    for (i, case) in cases(gpu).iter().enumerate() {
+        let dir = root.join(format!("case-{i}"));
+        std::fs::create_dir_all(&dir)?;
+        let base = dir.join("rows.csv");
+        let host = match case.kind {
+            CaseKind::Mlp { features } => {
+                Host::Features(write_rows(&base, features, case.file_rows)?, features)
+            }
+            CaseKind::Text { vocab } => Host::Tokens(write_text(&base, vocab, case.file_rows)?),
+        };
+        let verify = dir.join("verify.csv");
+        write_head(&base, &verify, 256)?;
+        generate(&script, &dir, &case.args, &verify)?;
+        for (dtype, kind) in [
+            ("float32", tch::Kind::Float),
+            ("bfloat16", tch::Kind::BFloat16),
+        ] {
+            figures.push(one(
+                case,
+                &dir,
+                &host,
+                dtype,
+                kind,
+                device,
+                seconds,
+                cores,
+                &coordinator,
+            )?);
         }
-        // The model under the job's folder (the data root of `run --local`).
-        std::fs::hard_link(&model, job.join("model.pt"))
-            .or_else(|_| std::fs::copy(&model, job.join("model.pt")).map(|_| ()))?;
-        let manifest = job.join("job.toml");
-        std::fs::write(
-            &manifest,
-            manifest_text(&shape, dtype, batch, if gpu { "cuda" } else { "cpu" }),
-        )?;
-        let fleet_rows = (files * shape.file_rows) as u64;
-        println!("gpu-check [{label}, {dtype}] the fleet: run --local, {fleet_rows} rows in {files} files, batch {batch}…");
-        let sampler = gpu.then(UtilSampler::start).flatten();
-        let local = ["--local", "--workers", "1", "--threads"]
-            .map(str::to_owned)
-            .into_iter()
-            .chain([cores.to_string()])
-            .collect::<Vec<_>>();
-        let ran = run_job_with(&coordinator, &manifest, "bf-unused", &local, "out");
-        let gpu_busy = sampler.and_then(UtilSampler::stop);
-        let (wall, _, summary) = ran?;
-        let done = summary["rows_predicted"].as_u64().unwrap_or(0);
-        if done != fleet_rows {
-            bail!("[{label}, {dtype}] the job predicted {done} rows of {fleet_rows}");
-        }
-        let (max_abs_diff, tolerance) =
-            check(&job.join("out"), &model_dir.join("golden.csv"), kind)?;
-        if max_abs_diff > tolerance {
-            bail!("[{label}, {dtype}] output differs from PyTorch's by {max_abs_diff:.3e} (allowed {tolerance:.3e})");
-        }
-        let _ = std::fs::remove_dir_all(&job);
-        let fleet = fleet_rows as f64 / wall.max(1e-9);
-        cases.push(CaseFigures {
-            model: label,
-            dtype: dtype.to_owned(),
-            batch,
-            resident_rows_per_s: resident,
-            host_fed_rows_per_s: host_fed,
-            fleet_rows,
-            fleet_rows_per_s: fleet,
-            fleet_wall_s: wall,
-            fleet_vs_host_fed: fleet / host_fed,
-            fleet_vs_resident: fleet / resident,
-            gpu_busy,
-            max_abs_diff,
-            tolerance,
-        });
     }
     let figures = LocalFigures {
         device: name,
         gpu,
         cores,
         seconds,
-        cases,
+        cases: figures,
     };
     print(&figures);
     Ok(figures)
+}
+
+/// One case in one precision: the three figures and the check.
+#[allow(clippy::too_many_arguments)]
+fn one(
+    case: &Case,
+    dir: &Path,
+    host: &Host,
+    dtype: &str,
+    kind: tch::Kind,
+    device: tch::Device,
+    seconds: f64,
+    cores: usize,
+    coordinator: &Path,
+) -> Result<CaseFigures> {
+    let label = &case.label;
+    let model = dir.join("model.pt");
+    println!("gpu-check [{label}, {dtype}] forward, rows on the device and fed from host memory…");
+    let (batch, host_fed) = best_host_fed(&model, host, case.batches, device, kind, seconds)?;
+    let resident = resident(&model, host, batch, device, kind, seconds)?;
+    // The fleet's job: as many links of the rows' file as `seconds` of the
+    // host-fed loop's rate take.
+    let rows_wanted = (host_fed * seconds).max(case.file_rows as f64);
+    let files = (rows_wanted / case.file_rows as f64).ceil() as usize;
+    let job = dir.join(format!("job-{dtype}"));
+    let _ = std::fs::remove_dir_all(&job);
+    std::fs::create_dir_all(job.join("data"))?;
+    let link = |from: &Path, to: PathBuf| -> Result<()> {
+        std::fs::hard_link(from, &to).or_else(|_| std::fs::copy(from, &to).map(|_| ()))?;
+        Ok(())
+    };
+    for i in 0..files {
+        link(
+            &dir.join("rows.csv"),
+            job.join(format!("data/part-{i:05}.csv")),
+        )?;
+    }
+    // The model (and tokenizer) under the job's folder: the data root of
+    // `run --local`.
+    link(&model, job.join("model.pt"))?;
+    if matches!(case.kind, CaseKind::Text { .. }) {
+        link(&dir.join("tokenizer.json"), job.join("tokenizer.json"))?;
+    }
+    let manifest = job.join("job.toml");
+    std::fs::write(
+        &manifest,
+        manifest_text(
+            case,
+            dtype,
+            batch,
+            if device.is_cuda() { "cuda" } else { "cpu" },
+        ),
+    )?;
+    let fleet_rows = (files * case.file_rows) as u64;
+    println!("gpu-check [{label}, {dtype}] the fleet: run --local, {fleet_rows} rows in {files} files, batch {batch}…");
+    let sampler = device.is_cuda().then(UtilSampler::start).flatten();
+    let local = ["--local", "--workers", "1", "--threads"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([cores.to_string()])
+        .collect::<Vec<_>>();
+    let ran = run_job_with(coordinator, &manifest, "bf-unused", &local, "out");
+    let gpu_busy = sampler.and_then(UtilSampler::stop);
+    let (wall, _, summary) = ran?;
+    let done = summary["rows_predicted"].as_u64().unwrap_or(0);
+    if done != fleet_rows {
+        bail!("[{label}, {dtype}] the job predicted {done} rows of {fleet_rows}");
+    }
+    let (max_abs_diff, tolerance) = check(&job.join("out"), &dir.join("golden.csv"), kind)?;
+    if max_abs_diff > tolerance {
+        bail!("[{label}, {dtype}] output differs from PyTorch's by {max_abs_diff:.3e} (allowed {tolerance:.3e})");
+    }
+    let _ = std::fs::remove_dir_all(&job);
+    let fleet = fleet_rows as f64 / wall.max(1e-9);
+    Ok(CaseFigures {
+        model: label.clone(),
+        dtype: dtype.to_owned(),
+        batch,
+        resident_rows_per_s: resident,
+        host_fed_rows_per_s: host_fed,
+        fleet_rows,
+        fleet_rows_per_s: fleet,
+        fleet_wall_s: wall,
+        fleet_vs_host_fed: fleet / host_fed,
+        fleet_vs_resident: fleet / resident,
+        gpu_busy,
+        max_abs_diff,
+        tolerance,
+    })
+}
+
+/// A case's rows in host memory.
+enum Host {
+    /// Row-major features, and their number per row.
+    Features(Vec<f32>, usize),
+    /// Each row's token ids (`[CLS] … [SEP]`).
+    Tokens(Vec<Vec<i64>>),
+}
+
+impl Host {
+    fn rows(&self) -> usize {
+        match self {
+            Host::Features(v, cols) => v.len() / cols,
+            Host::Tokens(t) => t.len(),
+        }
+    }
+
+    /// The rows as mini-batches of `batch` rows on the CPU: features
+    /// `[n, F]`; or token ids and mask `[n, L]`, the rows sorted by length
+    /// and each batch padded to its longest (as a worker does).
+    fn batches(&self, batch: usize) -> Result<Vec<Vec<tch::Tensor>>> {
+        match self {
+            Host::Features(values, cols) => values
+                .chunks(batch * cols)
+                .map(|chunk| {
+                    let n = (chunk.len() / cols) as i64;
+                    Ok(vec![
+                        tch::Tensor::f_from_slice(chunk)?.f_view([n, *cols as i64])?
+                    ])
+                })
+                .collect(),
+            Host::Tokens(rows) => {
+                let mut order: Vec<&Vec<i64>> = rows.iter().collect();
+                order.sort_by_key(|r| r.len());
+                order
+                    .chunks(batch)
+                    .map(|chunk| {
+                        let len = chunk.iter().map(|r| r.len()).max().unwrap_or(1);
+                        let mut ids = vec![0i64; chunk.len() * len];
+                        let mut mask = vec![0i64; chunk.len() * len];
+                        for (i, r) in chunk.iter().enumerate() {
+                            ids[i * len..i * len + r.len()].copy_from_slice(r);
+                            mask[i * len..i * len + r.len()].fill(1);
+                        }
+                        let shape = [chunk.len() as i64, len as i64];
+                        Ok(vec![
+                            tch::Tensor::f_from_slice(&ids)?.f_view(shape)?,
+                            tch::Tensor::f_from_slice(&mask)?.f_view(shape)?,
+                        ])
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// A batch's tensors on `device`, floating-point ones in `kind`.
+fn to_device(
+    batch: &[tch::Tensor],
+    device: tch::Device,
+    kind: tch::Kind,
+) -> Result<Vec<tch::Tensor>> {
+    batch
+        .iter()
+        .map(|t| {
+            let t = t.f_to_device(device)?;
+            Ok(if t.is_floating_point() {
+                t.f_to_kind(kind)?
+            } else {
+                t
+            })
+        })
+        .collect()
 }
 
 fn print(f: &LocalFigures) {
@@ -305,23 +472,54 @@ fn gpu_name() -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// Deterministic rows `id,f0..` with values in [-1, 1] at four decimals.
-fn write_rows(path: &Path, features: usize, rows: usize) -> Result<()> {
+/// Deterministic rows `id,f0..` with values in [-1, 1] at four decimals,
+/// written to `path` and returned.
+fn write_rows(path: &Path, features: usize, rows: usize) -> Result<Vec<f32>> {
     let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
     let header: Vec<String> = std::iter::once("id".to_owned())
         .chain((0..features).map(|k| format!("f{k}")))
         .collect();
     writeln!(out, "{}", header.join(","))?;
     let mut rng = fastrand::Rng::with_seed(11);
+    let mut values = Vec::with_capacity(rows * features);
     for i in 0..rows {
         write!(out, "r{i}")?;
         for _ in 0..features {
-            write!(out, ",{:.4}", rng.f32() * 2.0 - 1.0)?;
+            // The value as written, so the host rows are the file's.
+            let v: f32 = format!("{:.4}", rng.f32() * 2.0 - 1.0).parse()?;
+            write!(out, ",{v}")?;
+            values.push(v);
         }
         writeln!(out)?;
     }
     out.flush()?;
-    Ok(())
+    Ok(values)
+}
+
+/// Deterministic rows `id,text` of 8–64 words `w0..w{vocab-1}`, written to
+/// `path`; each row's token ids returned as the generator's tokenizer
+/// gives them: `[CLS]` (2), word k as 4 + k, `[SEP]` (3).
+fn write_text(path: &Path, vocab: usize, rows: usize) -> Result<Vec<Vec<i64>>> {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(out, "id,text")?;
+    let mut rng = fastrand::Rng::with_seed(13);
+    let mut tokens = Vec::with_capacity(rows);
+    for i in 0..rows {
+        let words = rng.usize(8..=64);
+        let mut ids = Vec::with_capacity(words + 2);
+        ids.push(2);
+        write!(out, "r{i},")?;
+        for w in 0..words {
+            let k = rng.usize(0..vocab);
+            write!(out, "{}w{k}", if w == 0 { "" } else { " " })?;
+            ids.push(4 + k as i64);
+        }
+        ids.push(3);
+        writeln!(out)?;
+        tokens.push(ids);
+    }
+    out.flush()?;
+    Ok(tokens)
 }
 
 /// The header and first `rows` rows of `from`.
@@ -332,19 +530,15 @@ fn write_head(from: &Path, to: &Path, rows: usize) -> Result<()> {
     Ok(())
 }
 
-/// The model and PyTorch's predictions on `verify`, by the generator.
-fn generate(root: &Path, dir: &Path, s: &Shape, verify: &Path) -> Result<()> {
-    let script = root.join("gpu_models.py");
-    std::fs::write(&script, GENERATOR)?;
+/// The model (and tokenizer) and PyTorch's predictions on `verify`, by
+/// the generator.
+fn generate(script: &Path, dir: &Path, args: &[String], verify: &Path) -> Result<()> {
     let python = std::env::var("BATCHFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = Command::new(&python)
-        .arg(&script)
+        .arg(script)
         .arg("--out")
         .arg(dir)
-        .args(["--features", &s.features.to_string()])
-        .args(["--hidden", &s.hidden.to_string()])
-        .args(["--layers", &s.layers.to_string()])
-        .args(["--outputs", &s.outputs.to_string()])
+        .args(args)
         .arg("--verify")
         .arg(verify)
         .output()
@@ -359,14 +553,6 @@ fn generate(root: &Path, dir: &Path, s: &Shape, verify: &Path) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn load_rows(path: &Path, features: usize) -> Result<Vec<f32>> {
-    let f = crate::forward::load_csv(&[path.to_owned()])?;
-    if f.cols != features {
-        bail!("{} has {} features, not {features}", path.display(), f.cols);
-    }
-    Ok(f.values)
 }
 
 fn load(model: &Path, device: tch::Device, kind: tch::Kind) -> Result<tch::CModule> {
@@ -385,7 +571,7 @@ fn sync(device: tch::Device) {
     }
 }
 
-/// Passes over the host rows until `seconds` have gone (one warm-up pass
+/// Passes over the rows until `seconds` have gone (one warm-up pass
 /// first): rows/s.
 fn timed(seconds: f64, rows_per_pass: usize, mut pass: impl FnMut() -> Result<()>) -> Result<f64> {
     pass()?;
@@ -398,12 +584,12 @@ fn timed(seconds: f64, rows_per_pass: usize, mut pass: impl FnMut() -> Result<()
     Ok(rows as f64 / started.elapsed().as_secs_f64())
 }
 
-/// The host-fed loop at each batch size (a third of `seconds` each): the
-/// best batch and its rows/s.
+/// The host-fed loop at each batch size (an equal share of `seconds`
+/// each): every mini-batch copied to the device, through `forward`, and its
+/// output copied back. The best batch and its rows/s.
 fn best_host_fed(
     model: &Path,
-    host: &[f32],
-    cols: usize,
+    host: &Host,
     batches: &[usize],
     device: tch::Device,
     kind: tch::Kind,
@@ -411,18 +597,13 @@ fn best_host_fed(
 ) -> Result<(usize, f64)> {
     let m = load(model, device, kind)?;
     let _guard = tch::no_grad_guard();
-    let rows = host.len() / cols;
     let mut best = (0, 0.0);
     for &batch in batches {
-        let rate = timed(seconds / batches.len() as f64, rows, || {
-            for chunk in host.chunks(batch * cols) {
-                let n = (chunk.len() / cols) as i64;
-                let x = tch::Tensor::f_from_slice(chunk)?
-                    .f_view([n, cols as i64])?
-                    .f_to_device(device)?
-                    .f_to_kind(kind)?;
+        let on_host = host.batches(batch)?;
+        let rate = timed(seconds / batches.len() as f64, host.rows(), || {
+            for b in &on_host {
                 let y = m
-                    .forward_ts(&[x])?
+                    .forward_ts(&to_device(b, device, kind)?)?
                     .f_to_kind(tch::Kind::Float)?
                     .f_to_device(tch::Device::Cpu)?
                     .f_contiguous()?;
@@ -439,11 +620,10 @@ fn best_host_fed(
     Ok(best)
 }
 
-/// `forward` on batches already on the device, for `seconds`.
+/// `forward` on the same mini-batches already on the device, for `seconds`.
 fn resident(
     model: &Path,
-    host: &[f32],
-    cols: usize,
+    host: &Host,
     batch: usize,
     device: tch::Device,
     kind: tch::Kind,
@@ -451,34 +631,41 @@ fn resident(
 ) -> Result<f64> {
     let m = load(model, device, kind)?;
     let _guard = tch::no_grad_guard();
-    let n = batch.min(host.len() / cols);
-    let x = tch::Tensor::f_from_slice(&host[..n * cols])?
-        .f_view([n as i64, cols as i64])?
-        .f_to_device(device)?
-        .f_to_kind(kind)?;
-    // Enough calls per pass that a pass is a few hundred milliseconds.
-    let calls = 8;
-    let rate = timed(seconds, n * calls, || {
-        for _ in 0..calls {
-            let _ = m.forward_ts(&[x.shallow_clone()])?;
+    let on_device = host
+        .batches(batch)?
+        .iter()
+        .map(|b| to_device(b, device, kind))
+        .collect::<Result<Vec<_>>>()?;
+    let rate = timed(seconds, host.rows(), || {
+        for b in &on_device {
+            let _ = m.forward_ts(b)?;
         }
         sync(device);
         Ok(())
     })?;
-    println!("  resident, batch {n}: {rate:.0} rows/s");
+    println!("  resident, batch {batch}: {rate:.0} rows/s");
     Ok(rate)
 }
 
-fn manifest_text(s: &Shape, dtype: &str, batch: usize, device: &str) -> String {
+fn manifest_text(case: &Case, dtype: &str, batch: usize, device: &str) -> String {
     let precision = if dtype == "float32" {
         String::new()
     } else {
         format!("dtype = \"{dtype}\"\n")
     };
+    let (columns, tokenizer) = match case.kind {
+        CaseKind::Mlp { features } => (
+            format!("feature_columns = [\"f0..f{}\"]\n", features - 1),
+            "",
+        ),
+        CaseKind::Text { .. } => (
+            "text_column = \"text\"\n".to_owned(),
+            "tokenizer = \"tokenizer.json\"\n",
+        ),
+    };
     format!(
-        "[job]\nname = \"gpu-check-{dtype}\"\n\n[input]\nformat = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\nfeature_columns = [\"f0..f{}\"]\n\n[model]\npath = \"model.pt\"\ndevice = \"{device}\"\n{precision}\n[batching]\nitem_rows = {}\ninference_batch_size = {batch}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n",
-        s.features - 1,
-        s.item_rows,
+        "[job]\nname = \"gpu-check-{dtype}\"\n\n[input]\nformat = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\n{columns}\n[model]\npath = \"model.pt\"\n{tokenizer}device = \"{device}\"\n{precision}\n[batching]\nitem_rows = {}\ninference_batch_size = {batch}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n",
+        case.item_rows,
     )
 }
 
