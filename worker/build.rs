@@ -1,8 +1,9 @@
 //! Embeds libtorch's library folder as an rpath, so `batchfleet-worker` runs
 //! without LD_LIBRARY_PATH (torch-sys exports the folder to crates that
-//! depend on it directly, as DEP_TCH_LIBTORCH_LIB), and builds the C++ shim
+//! depend on it directly, as DEP_TCH_LIBTORCH_LIB), and builds the C++ shims
 //! over libtorch's AOTInductor package loader (`cpp/aoti.cpp`, see
-//! `src/aoti.rs`) against the headers next to that folder.
+//! `src/runner/aoti.rs`) and its TF32 switch (`cpp/precision.cpp`, see
+//! `src/runner/precision.rs`) against the headers next to that folder.
 use std::path::PathBuf;
 
 #[path = "../shared/build_support/rust_lld.rs"]
@@ -13,6 +14,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=cpp/aoti.cpp");
+    println!("cargo:rerun-if-changed=cpp/precision.cpp");
     let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB); build with LIBTORCH_USE_PYTORCH=1 or LIBTORCH set");
     };
@@ -35,6 +37,7 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("cpp/aoti.cpp")
+        .file("cpp/precision.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

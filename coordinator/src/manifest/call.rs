@@ -385,6 +385,13 @@ mod tests {
         // A plain manifest keeps the plain call (and so its job id).
         let plain = fx.load(GOOD).unwrap();
         assert!(plain.task.model.takes_plain_features());
+        assert!(!plain.task.model.tf32);
+        // TF32 reaches the task, and changes the outputs' numbers: a new job.
+        let tf32 = fx.load(&with("tf32 = true", "")).unwrap();
+        assert!(tf32.task.model.tf32);
+        assert_ne!(tf32.job_id, plain.job_id);
+        let off = fx.load(&with("tf32 = false", "")).unwrap();
+        assert_eq!(off.job_id, plain.job_id, "the default, written out");
     }
 
     #[test]

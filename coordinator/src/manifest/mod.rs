@@ -347,6 +347,7 @@ pub fn validate(
         select: outputs.select,
         pooling: outputs.pooling,
         normalize: outputs.normalize,
+        tf32: m.model.tf32,
         ..model
     };
     let batching = policy::batching(&m.batching, m.input.text_column.is_some(), &mut problems);

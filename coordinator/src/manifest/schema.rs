@@ -253,6 +253,11 @@ pub struct ModelSection {
     pub inputs: Vec<InputSetting>,
     /// `"bfloat16"` or `"float16"`: run the model in reduced precision.
     pub dtype: Option<String>,
+    /// Let CUDA matrix multiplications run in TF32 (10-bit mantissa, on
+    /// compute capability 8.0 and newer): faster, about 1e-3 relative
+    /// error per product. Default false. No effect on the CPU.
+    #[serde(default)]
+    pub tf32: bool,
 }
 
 /// One entry of `[model] inputs`, as written.

@@ -62,6 +62,9 @@ pub struct ModelRef {
     /// L2-normalise each selected output's rows (`[output] normalize`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub normalize: bool,
+    /// CUDA matrix multiplications may run in TF32 (`[model] tf32`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tf32: bool,
 }
 
 impl ModelRef {
@@ -80,6 +83,7 @@ impl ModelRef {
             select: Vec::new(),
             pooling: None,
             normalize: false,
+            tf32: false,
         }
     }
 

@@ -10,14 +10,17 @@
 //! - [`torch`]: the libtorch backend ([`TorchBackend`]): loading, caching,
 //!   tensors, output selection, error classes, queued GPU runs.
 //! - [`aoti`]: AOTInductor packages through libtorch's own loader.
+//! - [`precision`]: the TF32 switch for CUDA matrix multiplications.
 //! - this file: the runner thread ([`ModelRunner`]) and its requests.
 
 mod aoti;
 mod backend;
+mod precision;
 mod predict;
 mod torch;
 
 pub use backend::{Arg, ArgValues, Backend, Delayed, ForwardError, Forwarded, Ran};
+pub use precision::{set_tf32, tf32};
 pub use predict::{predict, predict_tokens, Predictions};
 pub use torch::{TorchBackend, DEFAULT_MODELS_KEPT};
 

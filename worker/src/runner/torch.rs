@@ -167,7 +167,12 @@ impl TorchBackend {
     /// worker cannot take the job now (`unable`: another worker may have
     /// the memory), where any other load error fails the job.
     pub fn module(&mut self, model: &ModelRef) -> Result<&Loaded, ItemError> {
-        // Called for every forward: found without building a key.
+        // Called before every forward: the model's own TF32 setting, the
+        // switch being the process's.
+        if super::precision::tf32() != model.tf32 {
+            super::precision::set_tf32(model.tf32);
+        }
+        // Found without building a key.
         let found = self
             .cache
             .iter()
