@@ -21,6 +21,16 @@ embeddings, L pre-norm transformer layers of D dimensions, H heads and a
 feed-forward of FF, mean pooling where `attention_mask` is 1, a linear head
 of K outputs; `forward(input_ids, attention_mask)`), and DIR/golden.csv for
 the rows of the verify file (`id,text`), each encoded alone, unpadded.
+
+    python3 gpu_models.py --kind cnn --out DIR --size S --layers L --outputs K \
+        --verify DIR/verify.bin
+
+An image CNN instead: DIR/model.pt (L stride-2 3×3 convolutions with batch
+norm and ReLU, 32 channels doubling to at most 512, global average pooling,
+a linear head of K outputs; `forward` takes `[rows, 3, S, S]`), and
+DIR/golden.csv for the images whose preprocessed pixels (float32,
+little-endian, channels first, as a worker feeds them) are in the verify
+file, their ids one per line in DIR/verify.ids.
 """
 import argparse
 import csv
@@ -98,6 +108,51 @@ class Encoder(torch.nn.Module):
         return self.head(pooled)
 
 
+class Cnn(torch.nn.Module):
+    def __init__(self, layers: int, outputs: int):
+        super().__init__()
+        blocks = []
+        channels = 3
+        for i in range(layers):
+            out = min(32 * 2**i, 512)
+            blocks += [
+                torch.nn.Conv2d(channels, out, 3, stride=2, padding=1, bias=False),
+                torch.nn.BatchNorm2d(out),
+                torch.nn.ReLU(),
+            ]
+            channels = out
+        self.features = torch.nn.Sequential(*blocks)
+        self.head = torch.nn.Linear(channels, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def cnn(args: argparse.Namespace) -> None:
+    torch.manual_seed(7)
+    model = Cnn(args.layers, args.outputs).eval()
+    with torch.no_grad():
+        # Running statistics that are not the identity, as a trained model's.
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    os.makedirs(args.out, exist_ok=True)
+    torch.jit.save(torch.jit.script(model), os.path.join(args.out, "model.pt"))
+    with open(os.path.splitext(args.verify)[0] + ".ids", encoding="utf-8") as f:
+        ids = [line.strip() for line in f if line.strip()]
+    with open(args.verify, "rb") as f:
+        raw = bytearray(f.read())
+    x = torch.frombuffer(raw, dtype=torch.float32).view(len(ids), 3, args.size, args.size)
+    with torch.no_grad():
+        y = model(x)
+    with open(os.path.join(args.out, "golden.csv"), "w", newline="", encoding="utf-8") as g:
+        w = csv.writer(g)
+        w.writerow(["id"] + [f"score_{k}" for k in range(args.outputs)])
+        for i, row in zip(ids, y.tolist()):
+            w.writerow([i] + [repr(v) for v in row])
+
+
 def tokenizer_json(vocab: int) -> dict:
     words = {t: i for i, t in enumerate(SPECIALS)}
     for k in range(vocab):
@@ -155,7 +210,7 @@ def text(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kind", choices=["mlp", "text"], default="mlp")
+    ap.add_argument("--kind", choices=["mlp", "text", "cnn"], default="mlp")
     ap.add_argument("--out", required=True)
     ap.add_argument("--features", type=int)
     ap.add_argument("--hidden", type=int)
@@ -165,10 +220,14 @@ def main() -> None:
     ap.add_argument("--dim", type=int)
     ap.add_argument("--heads", type=int)
     ap.add_argument("--ff", type=int)
+    ap.add_argument("--size", type=int)
     ap.add_argument("--verify", required=True)
     args = ap.parse_args()
     if args.kind == "text":
         text(args)
+        return
+    if args.kind == "cnn":
+        cnn(args)
         return
 
     torch.manual_seed(7)

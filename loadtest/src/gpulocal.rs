@@ -81,6 +81,8 @@ pub struct CaseFigures {
     pub max_abs_diff: f64,
     /// The difference allowed (relative to the sample's largest output).
     pub tolerance: f64,
+    /// Images only: decoded and preprocessed per second on one core.
+    pub decode_per_core: Option<f64>,
 }
 
 /// The whole run.
@@ -117,6 +119,13 @@ enum CaseKind {
     Mlp { features: usize },
     /// A `text` column of words `w0..w{vocab-1}`.
     Text { vocab: usize },
+    /// `distinct` JPEG files of `size × size` pixels (the job's files are
+    /// links of them, `max_files` at most).
+    Images {
+        size: u32,
+        distinct: usize,
+        max_files: usize,
+    },
 }
 
 /// The cases: an MLP and a sentence encoder, large on a GPU, small on the CPU.
@@ -188,7 +197,36 @@ fn cases(gpu: bool) -> Vec<Case> {
         item_rows,
         batches,
     };
-    vec![mlp, text]
+    let (size, layers, distinct, host_rows, item_rows, max_files, batches): (
+        u32,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        &'static [usize],
+    ) = if gpu {
+        (224, 5, 64, 1024, 256, 300_000, &[64, 256, 1024])
+    } else {
+        (64, 4, 32, 256, 64, 2_000, &[32, 128])
+    };
+    let cnn = Case {
+        label: format!("CNN {size}px×{layers}"),
+        kind: CaseKind::Images {
+            size,
+            distinct,
+            max_files,
+        },
+        args: [
+            vec!["--kind".to_owned(), "cnn".to_owned()],
+            flags(&[("size", size as usize), ("layers", layers), ("outputs", 4)]),
+        ]
+        .concat(),
+        file_rows: host_rows,
+        item_rows,
+        batches,
+    };
+    vec![mlp, text, cnn]
 }
 
 /// Runs the check and prints its figures.
@@ -223,14 +261,26 @@ pub fn run(cfg: &LocalConfig) -> Result<LocalFigures> {
         let dir = root.join(format!("case-{i}"));
         std::fs::create_dir_all(&dir)?;
         let base = dir.join("rows.csv");
-        let host = match case.kind {
-            CaseKind::Mlp { features } => {
-                Host::Features(write_rows(&base, features, case.file_rows)?, features)
+        let mut decode = None;
+        let (host, verify) = match case.kind {
+            CaseKind::Mlp { features } => (
+                Host::Features(write_rows(&base, features, case.file_rows)?, features),
+                dir.join("verify.csv"),
+            ),
+            CaseKind::Text { vocab } => (
+                Host::Tokens(write_text(&base, vocab, case.file_rows)?),
+                dir.join("verify.csv"),
+            ),
+            CaseKind::Images { size, distinct, .. } => {
+                let (pixels, per_core) = write_images(&dir, size, distinct, case.file_rows)?;
+                println!("  decoding and preprocessing: {per_core:.0} images/s per core");
+                decode = Some(per_core);
+                (Host::Pixels(pixels, size as usize), dir.join("verify.bin"))
             }
-            CaseKind::Text { vocab } => Host::Tokens(write_text(&base, vocab, case.file_rows)?),
         };
-        let verify = dir.join("verify.csv");
-        write_head(&base, &verify, 256)?;
+        if !matches!(case.kind, CaseKind::Images { .. }) {
+            write_head(&base, &verify, 256)?;
+        }
         generate(&script, &dir, &case.args, &verify)?;
         // TF32 only where it does something: on a GPU.
         let precisions: &[(&str, tch::Kind)] = if gpu {
@@ -258,6 +308,7 @@ pub fn run(cfg: &LocalConfig) -> Result<LocalFigures> {
                 seconds,
                 cores,
                 &coordinator,
+                decode,
             );
             batchfleet_worker::runner::set_tf32(false);
             figures.push(result?);
@@ -286,29 +337,53 @@ fn one(
     seconds: f64,
     cores: usize,
     coordinator: &Path,
+    decode: Option<f64>,
 ) -> Result<CaseFigures> {
     let label = &case.label;
     let model = dir.join("model.pt");
     println!("gpu-check [{label}, {dtype}] forward, rows on the device and fed from host memory…");
     let (batch, host_fed) = best_host_fed(&model, host, case.batches, device, kind, seconds)?;
     let resident = resident(&model, host, batch, device, kind, seconds)?;
-    // The fleet's job: as many links of the rows' file as `seconds` of the
-    // host-fed loop's rate take.
-    let rows_wanted = (host_fed * seconds).max(case.file_rows as f64);
-    let files = (rows_wanted / case.file_rows as f64).ceil() as usize;
-    let job = dir.join(format!("job-{dtype}"));
+    // The fleet's job: as many rows as `seconds` of the host-fed loop's
+    // rate take — or, for images, of the rate the machine's cores decode
+    // them at, if that is lower — in links of the rows' file (of the
+    // images).
+    let rate = decode.map_or(host_fed, |d| host_fed.min(d * cores as f64));
+    let rows_wanted = (rate * seconds).max(case.file_rows as f64);
+    let job = dir.join(format!("job-{}", dtype.replace('+', "-")));
     let _ = std::fs::remove_dir_all(&job);
     std::fs::create_dir_all(job.join("data"))?;
-    let link = |from: &Path, to: PathBuf| -> Result<()> {
-        std::fs::hard_link(from, &to).or_else(|_| std::fs::copy(from, &to).map(|_| ()))?;
-        Ok(())
+    let (fleet_rows, files) = match case.kind {
+        CaseKind::Images {
+            distinct,
+            max_files,
+            ..
+        } => {
+            let n = (rows_wanted as usize).clamp(distinct, max_files.max(distinct));
+            for i in 0..n {
+                let name = if i < distinct {
+                    image_id(i)
+                } else {
+                    format!("l-{i:07}.jpg")
+                };
+                link(
+                    &dir.join("img").join(image_id(i % distinct)),
+                    job.join("data").join(name),
+                )?;
+            }
+            (n as u64, n)
+        }
+        _ => {
+            let files = (rows_wanted / case.file_rows as f64).ceil() as usize;
+            for i in 0..files {
+                link(
+                    &dir.join("rows.csv"),
+                    job.join(format!("data/part-{i:05}.csv")),
+                )?;
+            }
+            ((files * case.file_rows) as u64, files)
+        }
     };
-    for i in 0..files {
-        link(
-            &dir.join("rows.csv"),
-            job.join(format!("data/part-{i:05}.csv")),
-        )?;
-    }
     // The model (and tokenizer) under the job's folder: the data root of
     // `run --local`.
     link(&model, job.join("model.pt"))?;
@@ -325,7 +400,6 @@ fn one(
             if device.is_cuda() { "cuda" } else { "cpu" },
         ),
     )?;
-    let fleet_rows = (files * case.file_rows) as u64;
     println!("gpu-check [{label}, {dtype}] the fleet: run --local, {fleet_rows} rows in {files} files, batch {batch}…");
     let sampler = device.is_cuda().then(UtilSampler::start).flatten();
     let local = ["--local", "--workers", "1", "--threads"]
@@ -361,7 +435,14 @@ fn one(
         gpu_busy,
         max_abs_diff,
         tolerance,
+        decode_per_core: decode,
     })
+}
+
+/// A hard link of `from` at `to` (a copy where links are not possible).
+fn link(from: &Path, to: PathBuf) -> Result<()> {
+    std::fs::hard_link(from, &to).or_else(|_| std::fs::copy(from, &to).map(|_| ()))?;
+    Ok(())
 }
 
 /// A case's rows in host memory.
@@ -370,6 +451,8 @@ enum Host {
     Features(Vec<f32>, usize),
     /// Each row's token ids (`[CLS] … [SEP]`).
     Tokens(Vec<Vec<i64>>),
+    /// Preprocessed images, `[3, size, size]` each, and their size.
+    Pixels(Vec<f32>, usize),
 }
 
 impl Host {
@@ -377,6 +460,7 @@ impl Host {
         match self {
             Host::Features(v, cols) => v.len() / cols,
             Host::Tokens(t) => t.len(),
+            Host::Pixels(v, size) => v.len() / (3 * size * size),
         }
     }
 
@@ -394,6 +478,17 @@ impl Host {
                     ])
                 })
                 .collect(),
+            Host::Pixels(values, size) => {
+                let row = 3 * size * size;
+                values
+                    .chunks(batch * row)
+                    .map(|chunk| {
+                        let n = (chunk.len() / row) as i64;
+                        let s = *size as i64;
+                        Ok(vec![tch::Tensor::f_from_slice(chunk)?.f_view([n, 3, s, s])?])
+                    })
+                    .collect()
+            }
             Host::Tokens(rows) => {
                 let mut order: Vec<&Vec<i64>> = rows.iter().collect();
                 order.sort_by_key(|r| r.len());
@@ -469,6 +564,16 @@ fn print(f: &LocalFigures) {
             c.max_abs_diff
         );
     }
+    for c in f.cases.iter().filter(|c| c.dtype == "float32") {
+        if let Some(d) = c.decode_per_core {
+            println!(
+                "  {}: one core decodes and preprocesses {d:.0} images/s ({:.0} on {} cores)",
+                c.model,
+                d * f.cores as f64,
+                f.cores
+            );
+        }
+    }
 }
 
 /// The name of GPU 0, from `nvidia-smi`.
@@ -535,6 +640,78 @@ fn write_text(path: &Path, vocab: usize, rows: usize) -> Result<Vec<Vec<i64>>> {
     }
     out.flush()?;
     Ok(tokens)
+}
+
+/// The name (and id) of distinct image `i`.
+fn image_id(i: usize) -> String {
+    format!("o-{i:05}.jpg")
+}
+
+/// `distinct` seeded JPEG images of `size × size` pixels (smooth colour
+/// gradients with noise, quality 90) in `dir/img/`; their pixels as a
+/// worker preprocesses them (decoded with the worker's code) written to
+/// `dir/verify.bin` with their ids in `dir/verify.ids`, and repeated to
+/// `rows` images in host memory; and how many images one core decodes and
+/// preprocesses per second.
+fn write_images(dir: &Path, size: u32, distinct: usize, rows: usize) -> Result<(Vec<f32>, f64)> {
+    let img_dir = dir.join("img");
+    std::fs::create_dir_all(&img_dir)?;
+    let mut rng = fastrand::Rng::with_seed(17);
+    let mut encoded = Vec::with_capacity(distinct);
+    for i in 0..distinct {
+        let (a, b, c) = (rng.f32(), rng.f32(), rng.f32());
+        let img = image::RgbImage::from_fn(size, size, |x, y| {
+            let (u, v) = (x as f32 / size as f32, y as f32 / size as f32);
+            let noise = rng.f32() * 0.2;
+            let px = |t: f32| ((t.fract() * 0.8 + noise) * 255.0).clamp(0.0, 255.0) as u8;
+            image::Rgb([px(a + u), px(b + v), px(c + u * v)])
+        });
+        let mut bytes = Vec::new();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90).encode_image(&img)?;
+        std::fs::write(img_dir.join(image_id(i)), &bytes)?;
+        encoded.push(bytes);
+    }
+    let spec = batchfleet_shared::message::ImageSpec {
+        height: size,
+        width: size,
+        channels: 3,
+        mean: vec![0.0; 3],
+        std: vec![1.0; 3],
+    };
+    let row = 3 * (size * size) as usize;
+    let preprocess = |bytes: &[u8], out: &mut [f32]| -> Result<()> {
+        let img = image::load_from_memory(bytes)?;
+        batchfleet_worker::reader::to_chw(&img, &spec, out);
+        Ok(())
+    };
+    let mut pixels = vec![0f32; distinct * row];
+    for (bytes, out) in encoded.iter().zip(pixels.chunks_mut(row)) {
+        preprocess(bytes, out)?;
+    }
+    let mut raw = Vec::with_capacity(pixels.len() * 4);
+    for v in &pixels {
+        raw.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(dir.join("verify.bin"), raw)?;
+    let ids: Vec<String> = (0..distinct).map(image_id).collect();
+    std::fs::write(dir.join("verify.ids"), ids.join("\n") + "\n")?;
+    // One core's rate, for a second.
+    let mut scratch = vec![0f32; row];
+    let started = Instant::now();
+    let mut decoded = 0usize;
+    while started.elapsed() < Duration::from_secs(1) {
+        preprocess(&encoded[decoded % distinct], &mut scratch)?;
+        decoded += 1;
+    }
+    let per_core = decoded as f64 / started.elapsed().as_secs_f64();
+    let host: Vec<f32> = (0..rows)
+        .flat_map(|i| {
+            pixels[(i % distinct) * row..(i % distinct + 1) * row]
+                .iter()
+                .copied()
+        })
+        .collect();
+    Ok((host, per_core))
 }
 
 /// The header and first `rows` rows of `from`.
@@ -668,18 +845,22 @@ fn manifest_text(case: &Case, dtype: &str, batch: usize, device: &str) -> String
         "float32+tf32" => "tf32 = true\n".to_owned(),
         other => format!("dtype = \"{other}\"\n"),
     };
-    let (columns, tokenizer) = match case.kind {
+    let (input, tokenizer) = match case.kind {
         CaseKind::Mlp { features } => (
-            format!("feature_columns = [\"f0..f{}\"]\n", features - 1),
+            format!("format = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\nfeature_columns = [\"f0..f{}\"]\n", features - 1),
             "",
         ),
         CaseKind::Text { .. } => (
-            "text_column = \"text\"\n".to_owned(),
+            "format = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\ntext_column = \"text\"\n".to_owned(),
             "tokenizer = \"tokenizer.json\"\n",
+        ),
+        CaseKind::Images { size, .. } => (
+            format!("format = \"files\"\npaths = [\"data/*.jpg\"]\nroot = \"data\"\n\n[preprocess]\nsize = [{size}, {size}]\nchannels = 3\n"),
+            "",
         ),
     };
     format!(
-        "[job]\nname = \"gpu-check-{}\"\n\n[input]\nformat = \"csv\"\npaths = [\"data/*.csv\"]\nid_column = \"id\"\n{columns}\n[model]\npath = \"model.pt\"\n{tokenizer}device = \"{device}\"\n{precision}\n[batching]\nitem_rows = {}\ninference_batch_size = {batch}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n",
+        "[job]\nname = \"gpu-check-{}\"\n\n[input]\n{input}\n[model]\npath = \"model.pt\"\n{tokenizer}device = \"{device}\"\n{precision}\n[batching]\nitem_rows = {}\ninference_batch_size = {batch}\n\n[output]\ndir = \"out\"\nformat = \"csv\"\n",
         dtype.replace('+', "-"),
         case.item_rows,
     )

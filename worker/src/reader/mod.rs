@@ -28,6 +28,9 @@ use batchfleet_shared::split;
 use std::path::Path;
 
 pub use batchfleet_shared::message::Layout;
+/// One image as a worker feeds it to the model (`gpu-check --local` checks
+/// its CNN's outputs against PyTorch's on these pixels).
+pub use images::to_chw;
 
 /// Reads the rows of `slice`. A malformed row is rejected or fails the item
 /// (poison), per `on_bad_row`; a file that changed since planning is poison.
