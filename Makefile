@@ -71,11 +71,11 @@ bench: venv services release
 fuzz: venv
 	.ci/fuzz.sh
 
-## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so (GPU_CHECK_ARGS=--local: no services, run --local against host-fed and device-resident forward in float32 and bfloat16, on the CPU for a few seconds where there is no GPU)
+## gpu-check: on a machine with a GPU, the fleet against raw forward on it and the GPU's idle share (under four minutes); without one it says so (GPU_CHECK_ARGS=--local: no services; an MLP, a sentence encoder and an image CNN through run --local against host-fed and device-resident forward, in float32, float32 with TF32 and bfloat16, under six minutes; on the CPU for a minute or two where there is no GPU)
 gpu-check: venv services release
 	target/release/batchfleet-loadtest gpu-check $(GPU_CHECK_ARGS)
 
-## gpu-bundle: dist/batchfleet-bundle-torch$(TORCH).tar.gz — the binaries built against PyTorch $(TORCH)'s libtorch, for a machine that has that PyTorch and nothing else (docs/deploy.md)
+## gpu-bundle: dist/batchfleet-bundle-torch$(TORCH).tar.zst (and .tar.gz) — the binaries built against PyTorch $(TORCH)'s libtorch, for a machine that has that PyTorch and nothing else (docs/deploy.md)
 gpu-bundle:
 	.ci/gpu-bundle.sh
 

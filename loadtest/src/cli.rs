@@ -552,10 +552,12 @@ impl ForwardArgs {
 /// `GpuCheck`'s flags (see [`Command::GpuCheck`]).
 #[derive(Debug, Args)]
 pub(crate) struct GpuCheckArgs {
-    /// With no services: `run --local` against host-fed and device-resident
-    /// `forward`, in float32 and bfloat16, models made by this machine's
-    /// PyTorch (python3, or BATCHFLEET_PYTHON); on the CPU for a second or
-    /// two per figure where no GPU is visible.
+    /// With no services: an MLP, a sentence encoder and an image CNN made
+    /// by this machine's PyTorch (python3, or BATCHFLEET_PYTHON), each
+    /// through `run --local` against host-fed and device-resident
+    /// `forward`, in float32, float32 with TF32 (on a GPU) and bfloat16; on
+    /// the CPU, small, for a second or two per figure where no GPU is
+    /// visible.
     #[arg(long)]
     local: bool,
     /// `--local`: seconds of device work per figure (default 20 on a GPU,

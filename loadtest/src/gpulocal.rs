@@ -2,24 +2,29 @@
 //! services — on a machine that has PyTorch and nothing else (the bundle of
 //! `make gpu-bundle`), or anywhere.
 //!
-//! For each model and precision, side by side in one run:
-//! - **resident**: `forward` on rows already on the device, at the best
-//!   batch — the device's ceiling;
+//! Three models — a compute-bound MLP over CSV features, a sentence
+//! encoder over CSV text (a word-level `tokenizer.json`), an image CNN over
+//! JPEG files — each in float32, float32 with `[model] tf32` (on a GPU) and
+//! bfloat16. For each, side by side in one run:
+//! - **resident**: `forward` on mini-batches already on the device, at the
+//!   host-fed loop's best batch — the device's ceiling;
 //! - **host-fed**: the rows in host memory, each mini-batch copied in and
 //!   its output back, one after the other (a hand-written PyTorch loop), at
 //!   the best of a few batch sizes;
 //! - **fleet**: `batchfleet run --local` (one pipeline with every core, the
-//!   in-process queues and job store) over CSV files of the same rows at
-//!   that batch: read → parse → copy → forward → write, from the command's
-//!   start to its summary; its output checked against PyTorch's on a sample
-//!   of rows;
+//!   in-process queues and job store) over files of the same rows at that
+//!   batch: read → parse, tokenize or decode → copy → forward → write, from
+//!   the command's start to its summary; its output checked against
+//!   PyTorch's on a sample of rows;
 //! - the fleet over each, and the GPU's busy share during the fleet's run
 //!   (`nvidia-smi`'s utilisation, sampled every 200 ms).
 //!
 //! Each figure gets `--seconds` of device work (20 on a GPU). On a machine
-//! without a GPU it says so and runs the same pipeline on the CPU with a
-//! small model for a second or two per figure, so CI proves the path (and
-//! a bundle) works.
+//! without a GPU it says so and runs the same pipeline on the CPU with
+//! small models for a second or two per figure, so CI proves the path (and
+//! a bundle) works. For the CNN it states how many images one core decodes
+//! and preprocesses per second, and sizes the fleet's job to the lower of
+//! the host-fed rate and all cores' decoding.
 //!
 //! The models and PyTorch's predictions come from `python3` (or
 //! `BATCHFLEET_PYTHON`) running the generator built into this binary
