@@ -560,7 +560,7 @@ pub(crate) struct GpuCheckArgs {
     /// visible.
     #[arg(long)]
     local: bool,
-    /// `--local`: seconds of device work per figure (default 20 on a GPU,
+    /// `--local`: seconds of device work per figure (default 10 on a GPU,
     /// 1.5 on the CPU).
     #[arg(long, requires = "local")]
     seconds: Option<f64>,

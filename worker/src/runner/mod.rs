@@ -20,7 +20,7 @@ mod predict;
 mod torch;
 
 pub use backend::{Arg, ArgValues, Backend, Delayed, ForwardError, Forwarded, Ran};
-pub use precision::{set_tf32, tf32};
+pub use precision::set_tf32;
 pub use predict::{predict, predict_tokens, Predictions};
 pub use torch::{TorchBackend, DEFAULT_MODELS_KEPT};
 

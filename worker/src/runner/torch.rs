@@ -169,9 +169,7 @@ impl TorchBackend {
     pub fn module(&mut self, model: &ModelRef) -> Result<&Loaded, ItemError> {
         // Called before every forward: the model's own TF32 setting, the
         // switch being the process's.
-        if super::precision::tf32() != model.tf32 {
-            super::precision::set_tf32(model.tf32);
-        }
+        super::precision::set_tf32(model.tf32);
         // Found without building a key.
         let found = self
             .cache
