@@ -8,9 +8,9 @@
 //! The switch is the process's, not the model's: the runner sets it to the
 //! model's setting before each of its calls where it differs from what was
 //! last set (one atomic store in libtorch), so a worker running jobs with
-//! and without it gives each its own. Two
-//! pipelines of one `run --local` process running jobs with different
-//! settings at once share it (the last set wins for calls in flight).
+//! and without it gives each its own. Two pipelines of one `run --local`
+//! process running jobs with different settings at once share it (the
+//! last set wins for calls in flight).
 #![allow(unsafe_code)]
 
 use std::ffi::c_int;
