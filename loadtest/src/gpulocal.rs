@@ -134,103 +134,78 @@ enum CaseKind {
     },
 }
 
-/// The cases: an MLP and a sentence encoder, large on a GPU, small on the CPU.
+/// The generator's flags for a model of `kind`: `--kind <kind> --<k> <v> …`.
+fn generator_args(kind: &str, pairs: &[(&str, usize)]) -> Vec<String> {
+    ["--kind".to_owned(), kind.to_owned()]
+        .into_iter()
+        .chain(
+            pairs
+                .iter()
+                .flat_map(|(k, v)| [format!("--{k}"), v.to_string()]),
+        )
+        .collect()
+}
+
+/// The cases: an MLP, a sentence encoder and an image CNN, large on a GPU,
+/// small on the CPU.
 fn cases(gpu: bool) -> Vec<Case> {
-    let flags = |pairs: &[(&str, usize)]| -> Vec<String> {
-        pairs
-            .iter()
-            .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
-            .collect()
+    let pick = |on_gpu: usize, on_cpu: usize| if gpu { on_gpu } else { on_cpu };
+    let batches = |on_gpu: &'static [usize], on_cpu: &'static [usize]| {
+        if gpu {
+            on_gpu
+        } else {
+            on_cpu
+        }
     };
-    let (hidden, layers, file_rows, item_rows, batches): (
-        usize,
-        usize,
-        usize,
-        usize,
-        &'static [usize],
-    ) = if gpu {
-        (8192, 4, 100_000, 50_000, &[1024, 4096, 16384])
-    } else {
-        (512, 2, 20_000, 5_000, &[1024, 4096])
-    };
+    let (hidden, layers) = (pick(8192, 512), pick(4, 2));
     let mlp = Case {
         label: format!("MLP 64→{hidden}×{layers}→4"),
         kind: CaseKind::Mlp { features: 64 },
-        args: [
-            vec!["--kind".to_owned(), "mlp".to_owned()],
-            flags(&[
+        args: generator_args(
+            "mlp",
+            &[
                 ("features", 64),
                 ("hidden", hidden),
                 ("layers", layers),
                 ("outputs", 4),
-            ]),
-        ]
-        .concat(),
-        file_rows,
-        item_rows,
-        batches,
+            ],
+        ),
+        file_rows: pick(100_000, 20_000),
+        item_rows: pick(50_000, 5_000),
+        batches: batches(&[1024, 4096, 16384], &[1024, 4096]),
     };
-    let (vocab, dim, heads, layers, ff, file_rows, item_rows, batches): (
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        &'static [usize],
-    ) = if gpu {
-        (8000, 768, 12, 6, 3072, 50_000, 10_000, &[64, 256, 1024])
-    } else {
-        (1000, 64, 4, 2, 128, 5_000, 1_000, &[64, 256])
-    };
+    let (vocab, dim, layers) = (pick(8000, 1000), pick(768, 64), pick(6, 2));
     let text = Case {
         label: format!("encoder {dim}d×{layers}"),
         kind: CaseKind::Text { vocab },
-        args: [
-            vec!["--kind".to_owned(), "text".to_owned()],
-            flags(&[
+        args: generator_args(
+            "text",
+            &[
                 ("vocab", vocab),
                 ("dim", dim),
-                ("heads", heads),
+                ("heads", pick(12, 4)),
                 ("layers", layers),
-                ("ff", ff),
+                ("ff", pick(3072, 128)),
                 ("outputs", 4),
-            ]),
-        ]
-        .concat(),
-        file_rows,
-        item_rows,
-        batches,
+            ],
+        ),
+        file_rows: pick(50_000, 5_000),
+        item_rows: pick(10_000, 1_000),
+        batches: batches(&[64, 256, 1024], &[64, 256]),
     };
-    let (size, layers, distinct, host_rows, item_rows, max_files, batches): (
-        u32,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        &'static [usize],
-    ) = if gpu {
-        (224, 5, 64, 1024, 256, 300_000, &[64, 256, 1024])
-    } else {
-        (64, 4, 32, 256, 64, 2_000, &[32, 128])
-    };
+    let (size, layers) = (pick(224, 64), pick(5, 4));
     let cnn = Case {
         label: format!("CNN {size}px×{layers}"),
         kind: CaseKind::Images {
-            size,
-            distinct,
-            max_files,
+            size: size as u32,
+            distinct: pick(64, 32),
+            max_files: pick(300_000, 2_000),
         },
-        args: [
-            vec!["--kind".to_owned(), "cnn".to_owned()],
-            flags(&[("size", size as usize), ("layers", layers), ("outputs", 4)]),
-        ]
-        .concat(),
-        file_rows: host_rows,
-        item_rows,
-        batches,
+        args: generator_args("cnn", &[("size", size), ("layers", layers), ("outputs", 4)]),
+        // The images held in host memory for the loops.
+        file_rows: pick(1024, 256),
+        item_rows: pick(256, 64),
+        batches: batches(&[64, 256, 1024], &[32, 128]),
     };
     vec![mlp, text, cnn]
 }
@@ -818,22 +793,19 @@ fn best_host_fed(
     };
     // Each batch size tried briefly; the best measured for `seconds`.
     let probe = (seconds / batches.len() as f64).min(1.0);
-    let mut best = (0, 0.0);
+    let mut best: Option<(usize, f64, Vec<Vec<tch::Tensor>>)> = None;
     for &batch in batches {
         let on_host = host.batches(batch)?;
         let rate = timed(probe, host.rows(), || pass(&on_host))?;
         println!("  host-fed, batch {batch}: {rate:.0} rows/s ({probe:.1} s)");
-        if rate > best.1 {
-            best = (batch, rate);
+        if best.as_ref().is_none_or(|(_, r, _)| rate > *r) {
+            best = Some((batch, rate, on_host));
         }
     }
-    let on_host = host.batches(best.0)?;
+    let (batch, _, on_host) = best.context("no batch size to try")?;
     let rate = timed(seconds, host.rows(), || pass(&on_host))?;
-    println!(
-        "  host-fed, batch {}: {rate:.0} rows/s ({seconds} s)",
-        best.0
-    );
-    Ok((best.0, rate))
+    println!("  host-fed, batch {batch}: {rate:.0} rows/s ({seconds} s)");
+    Ok((batch, rate))
 }
 
 /// `forward` on the same mini-batches already on the device, for `seconds`.
