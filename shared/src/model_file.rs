@@ -398,7 +398,7 @@ fn central_directory<R: Read + Seek>(r: &mut R, len: u64) -> io::Result<Option<V
             return Ok(None);
         }
         let end64 = u64_at(&tail, loc + 8);
-        if end64 + 56 > len {
+        if end64.checked_add(56).is_none_or(|end| end > len) {
             return Ok(None);
         }
         let mut rec = [0u8; 56];
@@ -702,5 +702,19 @@ mod tests {
         forged[n - 12..n - 8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_ne!(inspect_bytes(&forged), ModelKind::TorchScript);
         assert!(ModelKind::StateDict.describe().contains("state_dict"));
+    }
+
+    /// Found by `make fuzz`: a ZIP64 locator whose end-record offset is
+    /// near `u64::MAX` overflowed the bounds check.
+    #[test]
+    fn a_zip64_locator_pointing_past_the_end_of_u64_is_refused() {
+        let forged: &[u8] = &[
+            3, 0, 0, 0, 0, 0, 80, 75, 6, 7, 0, 10, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255, 0,
+            111, 101, 47, 80, 75, 5, 6, 0, 126, 0, 0, 8, 0, 8, 0, 48, 2, 0, 0, 255, 255, 255, 255,
+            0, 0,
+        ];
+        let p = provenance(&mut io::Cursor::new(forged)).unwrap();
+        assert_eq!(p, Provenance::default());
+        assert_ne!(inspect_bytes(forged), ModelKind::TorchScript);
     }
 }
