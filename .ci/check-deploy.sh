@@ -69,6 +69,11 @@ assert auth["spec"]["secretTargetRef"][0]["name"] == "batchfleet-monitor", auth
 r = re.compile(md["queueName"])
 assert r.match("bf.default.work") and r.match("bf.default.job.scores-1a2b3c4d"), md["queueName"]
 assert not any(r.match(q) for q in ["bf.default.dead", "bf.default.infra", "bf.default.retry.5s", "bf.gpu.work"])
+# The second trigger sizes the fleet to the pool's deadlines, from the gauge
+# the coordinators export (max over them), one worker per unit.
+prom = next(t for t in so["spec"]["triggers"] if t["type"] == "prometheus")["metadata"]
+assert 'max(batchfleet_pool_workers_needed{pool="default"})' in prom["query"], prom
+assert prom["threshold"] == "1" and prom["serverAddress"].startswith("http"), prom
 print(f"{sys.argv[1]}: parsed ({', '.join(kinds)}); KEDA CRD schema not available offline")
 PY
 echo "== cloud-init installs only what make dist produces"

@@ -192,6 +192,9 @@ pub struct SuperviseConfig {
     /// is taken over: its reducer died mid-way. The reducer renews it four
     /// times as often while it writes the summary, merges and runs hooks.
     pub reduce_stale: Duration,
+    /// How often a job with a deadline or a worker-hour cost has its pace
+    /// measured (its rate is taken over at least twelve of these).
+    pub pace_every: Duration,
 }
 
 impl Default for SuperviseConfig {
@@ -203,6 +206,7 @@ impl Default for SuperviseConfig {
             every: Duration::from_secs(1),
             unable_timeout: Duration::from_secs(300),
             reduce_stale: Duration::from_secs(120),
+            pace_every: crate::pace::PACE_EVERY,
         }
     }
 }

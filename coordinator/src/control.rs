@@ -49,6 +49,19 @@ pub struct PlanReport {
     /// `--sample N`: rows predicted in this process (absent without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sample: Option<SampleReport>,
+    /// `[job] deadline`, resolved (RFC 3339): a duration counts from the
+    /// job's first run, now for a new job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+    /// With `--sample` and a deadline: workers of one core that finish the
+    /// job's rows by it at the sampled rate (the estimate before the first
+    /// item; once it runs, `status` has the measured one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers_for_deadline: Option<u32>,
+    /// With `--sample` and `[job] worker_hour_cost`: the job's rows at the
+    /// sampled rate, as worker-hours of one core times that cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost_estimate: Option<f64>,
 }
 
 /// What `plan --sample N` adds: rows read from items spread across the
@@ -127,6 +140,32 @@ pub async fn plan(
         Some(s) => s.job(&spec.job_id).await?,
         None => None,
     };
+    let now_ms = batchfleet_shared::now_ms();
+    let deadline_ms = spec
+        .deadline
+        .map(|d| d.at_ms(record.as_ref().map_or(now_ms, |r| r.created_ms)));
+    let per_core = sampled
+        .as_ref()
+        .map(|p| p.rows_per_s_per_core)
+        .filter(|r| *r > 0.0);
+    let rows_left = planned
+        .rows_total
+        .saturating_sub(record.as_ref().map_or(0, |r| r.rows_done));
+    let workers_for_deadline = deadline_ms.zip(per_core).map(|(d, rate)| {
+        let left_s = d.saturating_sub(now_ms) as f64 / 1000.0;
+        let items = planned.items.len().max(1) as f64;
+        if left_s <= 0.0 {
+            items as u32
+        } else {
+            (rows_left as f64 / (rate * left_s))
+                .ceil()
+                .clamp(1.0, items) as u32
+        }
+    });
+    let cost_estimate = spec
+        .worker_hour_cost
+        .zip(per_core)
+        .map(|(c, rate)| crate::pace::cost(rows_left as f64 / rate, c));
     let (state, status, items_done) = match &record {
         Some(r) => {
             let state = match r.status {
@@ -154,6 +193,9 @@ pub async fn plan(
         output_dir: spec.task.output.dir.clone(),
         overrides: spec.overrides.clone(),
         sample: sampled,
+        deadline: deadline_ms.map(crate::pace::rfc3339),
+        workers_for_deadline,
+        cost_estimate,
     })
 }
 
@@ -304,6 +346,21 @@ pub fn render_plan(r: &PlanReport) -> String {
                 p.rows_rejected, p.rows_read
             );
         }
+    }
+    if let Some(d) = &r.deadline {
+        let _ = write!(s, "\ndeadline: {d}");
+        if let Some(n) = r.workers_for_deadline {
+            let _ = write!(
+                s,
+                "; about {n} worker(s) of one core finish it by then at the sampled rate"
+            );
+        }
+    }
+    if let Some(c) = r.cost_estimate {
+        let _ = write!(
+            s,
+            "\ncost: about {c:.2} at the sampled rate (worker_hour_cost)"
+        );
     }
     s.push_str(match r.state.as_str() {
         "new" => "\n`batchfleet run` would publish every item",

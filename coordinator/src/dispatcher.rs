@@ -87,6 +87,27 @@ pub fn claim_output_dir(dir: &Path, job_id: &str) -> Result<bool, RunError> {
     Ok(false)
 }
 
+/// A new job whose `[job] deadline` is a time already past is refused
+/// before anything is written (a job run again keeps it: it is followed
+/// to its end, late).
+fn refuse_past_deadline(spec: &JobSpec, now_ms: u64) -> Result<(), RunError> {
+    match spec.deadline {
+        Some(crate::manifest::Deadline::At(at)) if at <= now_ms => {
+            Err(RunError::Manifest(crate::manifest::ManifestError {
+                file: spec.manifest_path.clone(),
+                problems: vec![crate::manifest::Problem {
+                    field: "[job] deadline".into(),
+                    message: format!(
+                        "{} is already past; give a later time, or a duration such as \"2h\"",
+                        crate::pace::rfc3339(at)
+                    ),
+                }],
+            }))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Registers the job (or finds it) and publishes every item not yet done.
 /// `submitted_ms` (when `batchfleet run` started) becomes the job's start time.
 pub async fn dispatch(
@@ -113,6 +134,9 @@ pub async fn dispatch(
         tracing::info!(job = %spec.job_id, "output folder holds this job's completed output; nothing to publish");
         return Ok(Dispatched::AlreadyCompleted { summary });
     }
+    if existing.is_none() {
+        refuse_past_deadline(spec, submitted_ms)?;
+    }
     let ours_already = claim_output_dir(out, &spec.job_id)?;
 
     let plan = planner::plan(spec)?;
@@ -121,6 +145,7 @@ pub async fn dispatch(
     // ones that failed for good (or were skipped by a failed job) are not.
     let mut watermark = 0u64;
     let mut again = std::collections::HashSet::new();
+    let created_ms = existing.as_ref().map_or(submitted_ms, |j| j.created_ms);
     match existing {
         Some(job) => {
             if job.items_total != plan.items.len() as u64 || job.rows_total != plan.rows_total {
@@ -187,6 +212,16 @@ pub async fn dispatch(
         .update_job(
             &spec.job_id,
             &RecordUpdate::Priority(spec.priority.as_str().to_owned()),
+        )
+        .await?;
+    // As the manifest says now; a duration counts from the job's first run.
+    store
+        .update_job(
+            &spec.job_id,
+            &RecordUpdate::Deadline {
+                deadline_ms: spec.deadline.map_or(0, |d| d.at_ms(created_ms)),
+                worker_hour_cost: spec.worker_hour_cost,
+            },
         )
         .await?;
     // The pool's workers hear of the job now and consume its queue while

@@ -45,6 +45,7 @@ mod job;
 pub mod local;
 pub mod manifest;
 mod monitor;
+pub mod pace;
 pub mod planner;
 mod record;
 pub mod reducer;

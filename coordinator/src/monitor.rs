@@ -174,6 +174,7 @@ pub async fn follow(
     let mut first_poll = true;
     let (mut holder, mut renewed) = (false, None::<Instant>);
     let mut consumers = Consumers::default();
+    let mut pacer = crate::pace::Pacer::new();
     loop {
         // At once the first time (the supervisor sets its gauges then); near
         // the end, poll fast so the job's end is seen at once. The supervisor
@@ -204,6 +205,7 @@ pub async fn follow(
         }
         if holder {
             supervisor.tick(store).await;
+            pacer.tick(store, cfg, job_id, false).await;
         }
         let p = match store.progress(job_id).await {
             Ok(p) if p.items_total > 0 => p,
@@ -248,6 +250,10 @@ pub async fn follow(
         }
         last = p;
         if let Some(how) = ended(store, job_id, &pool, &p, &budget, &bar).await {
+            if holder {
+                // Its cost up to the end, for the summary.
+                pacer.tick(store, cfg, job_id, true).await;
+            }
             return Ok(how);
         }
     }

@@ -46,6 +46,9 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         max_crashes: spec.budget.max_crashes,
         max_rejected_rows: spec.budget.max_rejected_rows,
         max_rejected_percent: spec.budget.max_rejected_percent,
+        deadline_ms: spec.deadline.map_or(0, |d| d.at_ms(created_ms)),
+        worker_hour_cost: spec.worker_hour_cost,
+        pace: None,
     }
 }
 

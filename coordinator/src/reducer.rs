@@ -5,7 +5,7 @@ use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
 use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
 use batchfleet_shared::output::{SUCCESS_FILE, SUMMARY_FILE};
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobStatus, RecordUpdate, Store};
+use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -108,6 +108,10 @@ pub struct Summary {
     /// modification time or ETag): the data these predictions came from.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inputs: Vec<crate::manifest::InputFile>,
+    /// `[job] deadline` and `[job] worker_hour_cost`: whether the job met
+    /// its deadline, the worker-hours it used and its cost per million rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outlook: Option<crate::pace::Outlook>,
 }
 
 /// Histograms of the model's outputs: equal-width bins over `[min, max)`,
@@ -382,6 +386,14 @@ pub async fn finish(
                 Some(crate::manifest::InputFile { path, fingerprint })
             })
             .collect(),
+        outlook: crate::pace::Outlook::of(
+            &JobRecord {
+                status,
+                finished_ms: finished,
+                ..job.clone()
+            },
+            finished,
+        ),
     };
     if job.merge {
         if status == JobStatus::Completed {

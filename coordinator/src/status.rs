@@ -37,6 +37,10 @@ pub struct JobStatusReport {
     pub workers_unable: Vec<UnableReport>,
     /// Consumers of the pool's work queue now (`None`: the broker was not asked).
     pub consumers: Option<u32>,
+    /// Its deadline and cost (`[job] deadline`, `[job] worker_hour_cost`):
+    /// projected finish, workers needed, cost so far and to go.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outlook: Option<crate::pace::Outlook>,
 }
 
 /// A worker that cannot take the job's items for now.
@@ -146,6 +150,130 @@ pub fn render_jobs(jobs: &[JobLine]) -> String {
     s
 }
 
+/// What `batchfleet scale-advice` says: per pool, the workers it needs
+/// for its jobs' deadlines beside the workers it has.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleAdvice {
+    /// The pools, by name.
+    pub pools: Vec<PoolAdvice>,
+}
+
+/// One pool's advice.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolAdvice {
+    /// Pool name.
+    pub pool: String,
+    /// Consumers of its work queue now (`None`: the broker did not say).
+    pub workers: Option<u32>,
+    /// Workers it needs to finish every job of it that has a deadline on
+    /// time, the pool shared as now: the most any of them needs (0: none
+    /// has a deadline, or none has a rate yet). The value of
+    /// `batchfleet_pool_workers_needed{pool}`.
+    pub workers_needed: u32,
+    /// Its active jobs.
+    pub jobs: Vec<JobAdvice>,
+}
+
+/// One active job of a pool.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobAdvice {
+    /// Job id.
+    pub job: String,
+    /// Its pace is older than [`crate::pace::FRESH_MS`] (its coordinator
+    /// is gone, or stuck): not counted in the pool's need.
+    pub stale: bool,
+    /// Deadline, finish, need and cost (a job with neither a deadline nor
+    /// a worker-hour cost has none).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub outlook: Option<crate::pace::Outlook>,
+}
+
+/// The advice for `pools` (none given: the pools of the unfinished jobs
+/// among the last `limit`).
+pub async fn scale_advice(
+    store: &Store,
+    pools: &[String],
+    limit: usize,
+) -> Result<ScaleAdvice, StoreError> {
+    let mut names: std::collections::BTreeSet<String> = pools.iter().cloned().collect();
+    if names.is_empty() {
+        for id in store.recent_jobs(limit).await? {
+            if let Some(j) = store.job(&id).await? {
+                if !j.status.is_final() {
+                    names.insert(j.pool);
+                }
+            }
+        }
+    }
+    let now = store.now_ms().await?;
+    let mut out = Vec::new();
+    for pool in names {
+        let mut jobs = Vec::new();
+        let mut paces = Vec::new();
+        for id in store.active_jobs(&pool).await?.into_keys() {
+            let Some(job) = store.job(&id).await? else {
+                continue;
+            };
+            if let Some(p) = &job.pace {
+                paces.push(p.clone());
+            }
+            jobs.push(JobAdvice {
+                stale: job
+                    .pace
+                    .as_ref()
+                    .is_some_and(|p| !p.is_fresh(now, crate::pace::FRESH_MS)),
+                outlook: crate::pace::Outlook::of(&job, now),
+                job: id,
+            });
+        }
+        out.push(PoolAdvice {
+            workers_needed: crate::pace::pool_needed(&paces, now),
+            workers: None,
+            pool,
+            jobs,
+        });
+    }
+    Ok(ScaleAdvice { pools: out })
+}
+
+/// `batchfleet scale-advice` for people.
+pub fn render_scale_advice(a: &ScaleAdvice) -> String {
+    if a.pools.is_empty() {
+        return "(no pool with an unfinished job; name one with --pool)".into();
+    }
+    let mut s = String::new();
+    for p in &a.pools {
+        let now = p
+            .workers
+            .map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+        let _ = writeln!(
+            s,
+            "pool {}: {} worker(s) now, {} needed for its deadlines",
+            p.pool, now, p.workers_needed
+        );
+        for j in &p.jobs {
+            let what = match &j.outlook {
+                Some(o) if o.deadline.is_some() => format!(
+                    "deadline {}, finish {}{}, needs {}",
+                    o.deadline.as_deref().unwrap_or_default(),
+                    o.projected_finish.as_deref().unwrap_or("not known yet"),
+                    if o.late { " (LATE)" } else { "" },
+                    o.workers_needed
+                        .map_or_else(|| "not known yet".to_owned(), |n| n.to_string())
+                ),
+                _ => "no deadline".into(),
+            };
+            let stale = if j.stale {
+                " [pace stale: not counted]"
+            } else {
+                ""
+            };
+            let _ = writeln!(s, "  {:<40} {what}{stale}", j.job);
+        }
+    }
+    s.trim_end().to_owned()
+}
+
 /// One item in progress, from its worker's lease.
 #[derive(Debug, Clone, Serialize)]
 pub struct InFlight {
@@ -245,6 +373,7 @@ pub async fn report(store: &Store, job_id: &str) -> Result<Option<JobStatusRepor
         },
         elapsed_s: secs,
         eta_s: eta(&job, secs),
+        outlook: crate::pace::Outlook::of(&job, now),
         job,
         consumers: None,
     }))
@@ -344,6 +473,9 @@ pub fn render(r: &JobStatusReport) -> String {
             .map(|e| format!(", about {} to go at this rate", human_secs(e)))
             .unwrap_or_default()
     );
+    if let Some(o) = &r.outlook {
+        let _ = writeln!(s, "{}", o.render());
+    }
     if !r.failures_by_class.is_empty() {
         let classes: Vec<String> = r
             .failures_by_class

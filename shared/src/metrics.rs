@@ -157,6 +157,20 @@ pub mod names {
     pub const JOB_DURATION: &str = "batchfleet_coordinator_job_duration_seconds";
     /// Coordinator: 1 once the job is settled (gauge; job, pool).
     pub const JOB_FINISHED: &str = "batchfleet_coordinator_job_finished";
+    /// Coordinator: workers the pool needs to finish every job of it that
+    /// has a deadline on time (gauge; pool). Each coordinator supervising
+    /// a job of the pool exports it: read it with `max by (pool)`.
+    pub const POOL_WORKERS_NEEDED: &str = "batchfleet_pool_workers_needed";
+    /// Coordinator: workers the pool needs for this job to finish by its deadline (gauge; job, pool).
+    pub const JOB_WORKERS_NEEDED: &str = "batchfleet_coordinator_job_workers_needed";
+    /// Coordinator: 1 while the job would finish after its deadline at the fleet's size (gauge; job, pool).
+    pub const JOB_DEADLINE_LATE: &str = "batchfleet_coordinator_job_deadline_late";
+    /// Coordinator: seconds until the job's deadline, 0 once past (gauge; job, pool).
+    pub const JOB_DEADLINE_SECONDS_LEFT: &str = "batchfleet_coordinator_job_deadline_seconds_left";
+    /// Coordinator: worker-seconds the job has used, its share of its pool (gauge; job, pool).
+    pub const JOB_WORKER_SECONDS: &str = "batchfleet_coordinator_job_worker_seconds";
+    /// Coordinator: what the job has cost so far at `[job] worker_hour_cost` (gauge; job, pool).
+    pub const JOB_COST: &str = "batchfleet_coordinator_job_cost";
 
     /// A worker's gauges with no labels of their own: they change rarely
     /// (`up` is set once), so the process touches them to keep them from
@@ -221,6 +235,12 @@ pub mod names {
         (JOB_REDISPATCHED, Kind::Gauge, "Items of the batch job published again (dead workers, stragglers, lost messages)."),
         (JOB_DURATION, Kind::Gauge, "Seconds since the batch job was registered; final once it is done."),
         (JOB_FINISHED, Kind::Gauge, "1 once the batch job is settled."),
+        (POOL_WORKERS_NEEDED, Kind::Gauge, "Workers the pool needs to finish its jobs with deadlines on time, the pool shared as now (max over coordinators)."),
+        (JOB_WORKERS_NEEDED, Kind::Gauge, "Workers the pool needs for the batch job to finish by its deadline."),
+        (JOB_DEADLINE_LATE, Kind::Gauge, "1 while the batch job would finish after its deadline at the fleet's current size."),
+        (JOB_DEADLINE_SECONDS_LEFT, Kind::Gauge, "Seconds until the batch job's deadline."),
+        (JOB_WORKER_SECONDS, Kind::Gauge, "Worker-seconds the batch job has used (its share of its pool)."),
+        (JOB_COST, Kind::Gauge, "What the batch job has cost so far at its worker_hour_cost."),
     ];
 
     /// A metric's Prometheus type.

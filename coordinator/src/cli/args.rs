@@ -155,6 +155,12 @@ pub enum Command {
     Status(StatusArgs),
     /// List recent jobs, newest first (the ones whose state is retained).
     Jobs(JobsArgs),
+    /// How many workers each pool needs to finish its jobs with a
+    /// `[job] deadline` on time, beside how many consume it now (as the
+    /// gauge `batchfleet_pool_workers_needed`): for compose, VM and Slurm
+    /// scripts, e.g. `docker compose up -d --scale worker=$(batchfleet
+    /// scale-advice --pool default --json | jq '.pools[0].workers_needed')`.
+    ScaleAdvice(ScaleAdviceArgs),
     /// Remove finished jobs' state from Redis now, instead of when their
     /// retention (--retention) is up; their summaries stay in the output folders.
     Gc(GcArgs),
@@ -500,6 +506,11 @@ pub struct FollowArgs {
     /// committed for this long: no able worker is taking its items.
     #[arg(long, env = "BATCHFLEET_UNABLE_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
     pub unable_timeout: Duration,
+    /// How often a job with a `[job] deadline` or `worker_hour_cost` has its
+    /// pace measured (rate, projected finish, workers needed, cost); its
+    /// rate is taken over at least twelve of these.
+    #[arg(long, env = "BATCHFLEET_PACE_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub pace_interval: Duration,
     /// Folder every path of the job (input files, model, output folder)
     /// must stay under, symlinks resolved, or an s3://bucket/prefix that
     /// every s3:// location must stay under; repeat for several, or separate
@@ -537,6 +548,7 @@ impl FollowArgs {
                 speculate_after: self.speculate_after,
                 orphan_grace: self.orphan_grace,
                 unable_timeout: self.unable_timeout,
+                pace_every: self.pace_interval.max(Duration::from_millis(100)),
                 ..Default::default()
             },
             data_roots: self.data_roots.clone(),
@@ -551,6 +563,21 @@ impl FollowArgs {
 pub struct JobsArgs {
     /// How many jobs to list.
     #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `batchfleet scale-advice`.
+#[derive(Debug, Args)]
+pub struct ScaleAdviceArgs {
+    /// The pool to advise on (repeatable); default: every pool with an
+    /// unfinished job among the last --limit jobs.
+    #[arg(long = "pool")]
+    pub pools: Vec<String>,
+    /// How many recent jobs to look through for pools.
+    #[arg(long, default_value_t = 100)]
     pub limit: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -608,6 +635,9 @@ mod tests {
         "status --json",
         "jobs --limit",
         "jobs --json",
+        "scale-advice --pool",
+        "scale-advice --limit",
+        "scale-advice --json",
         "gc --older-than",
         "gc --dry-run",
         "gc --json",

@@ -23,8 +23,8 @@ mod report;
 
 pub use args::{
     CancelArgs, Cli, Command, CompareArgs, CompletionsArgs, DlqCommand, FollowArgs, GcArgs,
-    GlobalArgs, JobsArgs, OverrideArgs, PlanArgs, ResumeArgs, RunArgs, StatusArgs, SuperviseArgs,
-    WaitArgs,
+    GlobalArgs, JobsArgs, OverrideArgs, PlanArgs, ResumeArgs, RunArgs, ScaleAdviceArgs, StatusArgs,
+    SuperviseArgs, WaitArgs,
 };
 pub use report::{
     exit_code, outcome_json, EXIT_CANCELLED, EXIT_COMPLETED_WITH_FAILURES, EXIT_DRIFT,
@@ -109,6 +109,7 @@ pub async fn main(mut cli: Cli) -> ExitCode {
         }
         Command::Status(args) => status_main(args, connections).await,
         Command::Jobs(args) => jobs_main(args, connections).await,
+        Command::ScaleAdvice(args) => scale_advice_main(args, connections).await,
         Command::Compare(args) => compare_main(&args, &connections).await,
         Command::Plan(args) => plan_main(args, connections).await,
         Command::Gc(args) => gc_main(args, connections).await,
@@ -347,6 +348,30 @@ async fn jobs_main(args: JobsArgs, connections: Connections) -> ExitCode {
         }
         Err(e) => report_error(&RunError::Store(e)),
     }
+}
+
+/// `batchfleet scale-advice`.
+async fn scale_advice_main(args: ScaleAdviceArgs, connections: Connections) -> ExitCode {
+    let store = match connections.store().await {
+        Ok(s) => s,
+        Err(e) => return report_error(&RunError::Store(e)),
+    };
+    let mut advice = match status::scale_advice(&store, &args.pools, args.limit).await {
+        Ok(a) => a,
+        Err(e) => return report_error(&RunError::Store(e)),
+    };
+    for pool in &mut advice.pools {
+        pool.workers = pool_consumers(&connections, &pool.pool).await;
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&advice).expect("advice serializes")
+        );
+    } else {
+        println!("{}", status::render_scale_advice(&advice));
+    }
+    ExitCode::SUCCESS
 }
 
 /// `batchfleet gc`.

@@ -65,7 +65,7 @@ pub use schema::{
     JobSection, Manifest, ModelSection, OnCompleteSection, OutputSection, PreprocessSection,
     Priority,
 };
-pub use spec::{BlindCut, ErrorBudget, InputFile, ItemSizing, JobSpec, OnComplete};
+pub use spec::{BlindCut, Deadline, ErrorBudget, InputFile, ItemSizing, JobSpec, OnComplete};
 
 use batchfleet_shared::message::{CsvLayout, Missing, TaskSpec, TextSpec};
 use batchfleet_shared::model_file::ModelKind;
@@ -308,7 +308,7 @@ pub fn validate(
     trial: ModelTrial,
 ) -> Result<JobSpec, ManifestError> {
     let mut problems = Problems::default();
-    spec::check_job(&m.job, &mut problems);
+    let deadline = spec::check_job(&m.job, &mut problems);
     let inputs = input::files(m, base, roots, &mut problems);
     let image = preprocess::check(m, &mut problems);
     let layout = input::layout(m, &inputs.files, &mut problems);
@@ -424,6 +424,8 @@ pub fn validate(
         name: m.job.name.clone(),
         pool: m.job.pool.clone(),
         priority: m.job.priority,
+        deadline,
+        worker_hour_cost: m.job.worker_hour_cost,
         manifest_path: std::path::absolute(manifest_path)
             .unwrap_or_else(|_| manifest_path.to_owned()),
         files,

@@ -101,6 +101,17 @@ pub struct JobSection {
     /// The job's share of its pool's workers while other jobs run beside it.
     #[serde(default)]
     pub priority: Priority,
+    /// When the job should be done: a duration from the job's first run
+    /// (`"2h"`, `"90m"`, `"1h 30m"`) or an RFC 3339 time
+    /// (`"2026-12-08T06:00:00Z"`). The coordinator then keeps
+    /// `batchfleet_pool_workers_needed{pool}`, the workers the pool needs to
+    /// finish it on time, and warns as soon as the job will finish late at
+    /// the fleet's current size.
+    pub deadline: Option<String>,
+    /// What one worker costs per hour, in any currency (`1.20`): `status`
+    /// shows the job's cost so far and to go, and `_summary.json` its cost
+    /// per million rows.
+    pub worker_hour_cost: Option<f64>,
 }
 
 fn default_pool() -> String {

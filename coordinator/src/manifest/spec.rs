@@ -62,6 +62,10 @@ pub struct JobSpec {
     /// part of the job id: running the manifest again with another
     /// priority re-weights the running job).
     pub priority: super::schema::Priority,
+    /// `[job] deadline` (not part of the job id, as priority).
+    pub deadline: Option<Deadline>,
+    /// `[job] worker_hour_cost` (not part of the job id).
+    pub worker_hour_cost: Option<f64>,
     /// Manifest file.
     pub manifest_path: PathBuf,
     /// Input files, sorted, deduplicated.
@@ -201,7 +205,7 @@ impl ErrorBudget {
 }
 
 /// Checks the `[job]` name and pool.
-pub(super) fn check_job(job: &JobSection, problems: &mut Problems) {
+pub(super) fn check_job(job: &JobSection, problems: &mut Problems) -> Option<Deadline> {
     if !valid_name(&job.name) {
         problems.add(
             "[job] name",
@@ -219,6 +223,61 @@ pub(super) fn check_job(job: &JobSection, problems: &mut Problems) {
                 job.pool
             ),
         );
+    }
+    if let Some(cost) = job
+        .worker_hour_cost
+        .filter(|c| !(c.is_finite() && *c > 0.0))
+    {
+        problems.add(
+            "[job] worker_hour_cost",
+            format!("{cost} is not a cost; give what one worker costs per hour, a number above 0 (e.g. 1.20)"),
+        );
+    }
+    let deadline = job.deadline.as_deref()?;
+    match Deadline::parse(deadline) {
+        Ok(d) => Some(d),
+        Err(why) => {
+            problems.add("[job] deadline", format!("\"{deadline}\" {why}"));
+            None
+        }
+    }
+}
+
+/// `[job] deadline`, as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deadline {
+    /// A duration from the job's first run (its registration).
+    After(std::time::Duration),
+    /// A time, in ms since the epoch.
+    At(u64),
+}
+
+impl Deadline {
+    /// A duration (`2h`, `90m`, `1h 30m`) or an RFC 3339 time
+    /// (`2026-12-08T06:00:00Z`; without a zone, UTC).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if let Ok(d) = humantime::parse_duration(text) {
+            if d.is_zero() {
+                return Err("leaves no time; give a duration above 0, such as \"2h\"".into());
+            }
+            return Ok(Deadline::After(d));
+        }
+        match humantime::parse_rfc3339_weak(text) {
+            Ok(t) => Ok(Deadline::At(
+                t.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+            )),
+            Err(_) => Err("is neither a duration (\"2h\", \"90m\", \"1h 30m\") nor an RFC 3339 time (\"2026-12-08T06:00:00Z\")".into()),
+        }
+    }
+
+    /// When, for a job first registered at `created_ms` (ms since the epoch).
+    pub fn at_ms(self, created_ms: u64) -> u64 {
+        match self {
+            Deadline::After(d) => created_ms.saturating_add(d.as_millis() as u64),
+            Deadline::At(ms) => ms,
+        }
     }
 }
 
@@ -344,5 +403,51 @@ mod tests {
         let json = serde_json::to_value(&listed[0]).unwrap();
         assert_eq!(json["size"], recorded.size);
         assert!(json["mtime_ns"].as_u64().is_some(), "{json}");
+    }
+
+    #[test]
+    fn a_deadline_is_a_duration_or_a_time_and_neither_it_nor_the_cost_changes_the_job_id() {
+        let fx = Fixture::new();
+        let plain = fx.load(GOOD).unwrap();
+        assert_eq!((plain.deadline, plain.worker_hour_cost), (None, None));
+        let with = |lines: &str| GOOD.replacen("[job]\n", &format!("[job]\n{lines}\n"), 1);
+        let timed = fx
+            .load(&with("deadline = \"1h 30m\"\nworker_hour_cost = 1.2"))
+            .unwrap();
+        assert_eq!(
+            timed.deadline,
+            Some(Deadline::After(std::time::Duration::from_secs(5400)))
+        );
+        assert_eq!(timed.deadline.unwrap().at_ms(1_000), 5_401_000);
+        assert_eq!(timed.worker_hour_cost, Some(1.2));
+        assert_eq!(timed.job_id, plain.job_id);
+        let at = fx
+            .load(&with("deadline = \"2026-12-08T06:00:00Z\""))
+            .unwrap()
+            .deadline
+            .unwrap();
+        assert_eq!(at, Deadline::At(1_796_709_600_000));
+        assert_eq!(at.at_ms(1), 1_796_709_600_000);
+        for (bad, field, says) in [
+            (
+                "deadline = \"soon\"",
+                "[job] deadline",
+                "neither a duration",
+            ),
+            ("deadline = \"0s\"", "[job] deadline", "leaves no time"),
+            (
+                "worker_hour_cost = -1.0",
+                "[job] worker_hour_cost",
+                "above 0",
+            ),
+            (
+                "worker_hour_cost = nan",
+                "[job] worker_hour_cost",
+                "above 0",
+            ),
+        ] {
+            let err = crate::manifest::testing::problems(fx.load(&with(bad)));
+            assert!(err.contains(field) && err.contains(says), "{bad}: {err}");
+        }
     }
 }

@@ -148,6 +148,20 @@ async fn invalid_manifest_exits_2_names_each_problem_and_publishes_nothing() {
 }
 
 #[tokio::test]
+async fn a_deadline_already_past_exits_2_and_publishes_nothing() {
+    let case =
+        Case::new(|t| t.replacen("[job]\n", "[job]\ndeadline = \"2020-01-01T00:00:00Z\"\n", 1));
+    let out = case.run(&["run", case.manifest().to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("[job] deadline: 2020-01-01T00:00:00Z is already past"),
+        "{err}"
+    );
+    case.assert_nothing_published().await;
+}
+
+#[tokio::test]
 async fn hooks_the_operator_does_not_allow_exit_2_and_publish_nothing() {
     // A manifest may not send this process's AWS key to a URL it chooses,
     // nor post the summary in clear.
@@ -373,6 +387,35 @@ fn plan(case: &Case, extra: &[&str]) -> serde_json::Value {
     let out = case.run(&args);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&out)))
+}
+
+#[tokio::test]
+async fn plan_sample_estimates_the_workers_a_deadline_needs_and_the_cost() {
+    let case = Case::new(|t| {
+        t.replacen(
+            "[job]\n",
+            "[job]\ndeadline = \"1h\"\nworker_hour_cost = 3.6\n",
+            1,
+        )
+    });
+    let p = plan(&case, &["--sample", "50"]);
+    let rate = p["sample"]["rows_per_s_per_core"].as_f64().expect("rate");
+    // A new job's duration counts from now.
+    let deadline = p["deadline"].as_str().expect("deadline");
+    let at = humantime::parse_rfc3339(deadline).expect("RFC 3339");
+    let left = at
+        .duration_since(std::time::SystemTime::now())
+        .expect("ahead");
+    assert!(left > Duration::from_secs(3500), "{deadline}");
+    // 1000 rows in an hour: one worker of one core, at any rate above 0.3 rows/s.
+    assert!(rate > 1.0, "{p}");
+    assert_eq!(p["workers_for_deadline"], 1, "{p}");
+    // 1000 rows at `rate` per core-second, at 3.6 per hour: 0.001 per second.
+    let cost = p["cost_estimate"].as_f64().expect("cost");
+    assert!((cost - 1000.0 / rate * 0.001).abs() < 1e-9, "{p}");
+    // Without a deadline, neither.
+    let plain = plan(&Case::new(|t| t), &["--sample", "50"]);
+    assert!(plain.get("workers_for_deadline").is_none(), "{plain}");
 }
 
 #[tokio::test]

@@ -61,7 +61,7 @@ mod record;
 pub mod redis;
 
 pub use error::StoreError;
-pub use record::{JobRecord, JobStatus, RecordUpdate, DEFAULT_MAX_CRASHES};
+pub use record::{JobRecord, JobStatus, Pace, RecordUpdate, DEFAULT_MAX_CRASHES};
 
 /// One item's commit, in a group ([`JobStore::commit_group`]).
 #[derive(Debug, Clone, Copy)]

@@ -148,6 +148,47 @@ pub struct JobRecord {
     pub max_rejected_rows: Option<u64>,
     /// `[failure] max_rejected_percent`: most percent of rows that may be rejected.
     pub max_rejected_percent: Option<f64>,
+    /// `[job] deadline`: when the job should be done (ms since the epoch; 0: none).
+    pub deadline_ms: u64,
+    /// `[job] worker_hour_cost`: what one worker costs per hour.
+    pub worker_hour_cost: Option<f64>,
+    /// The job's pace, as its supervising coordinator last measured it.
+    pub pace: Option<Pace>,
+}
+
+/// A running job's pace, measured by its supervising coordinator every few
+/// seconds: what its pool's workers achieve on it, whether it will finish
+/// by its deadline at the fleet's current size, and what it has cost.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Pace {
+    /// When it was measured (ms since the epoch).
+    pub at_ms: u64,
+    /// Workers consuming the job's pool then.
+    pub workers: u32,
+    /// Rows of this job per worker-second of its pool, over the last
+    /// minute, with the pool shared as it is now (`None` before a rate).
+    pub rows_per_worker_s: Option<f64>,
+    /// Workers the pool needs for this job to finish by its deadline, the
+    /// pool shared as it is now (`None`: no deadline, or no rate yet).
+    pub workers_needed: Option<u32>,
+    /// When the job finishes at this rate with `workers` (ms since the
+    /// epoch; `None`: no rate, or no worker).
+    pub finish_ms: Option<u64>,
+    /// The job will finish after its deadline at the fleet's current size.
+    pub late: bool,
+    /// Worker-seconds the job has used: each of its pool's workers counted
+    /// for the job's share of the pool (its priority weight among the
+    /// pool's active jobs) while it ran.
+    pub worker_s: f64,
+    /// Worker-seconds it still needs at this rate.
+    pub worker_s_to_go: Option<f64>,
+}
+
+impl Pace {
+    /// Whether it was measured within `max_age_ms` of `now_ms`.
+    pub fn is_fresh(&self, now_ms: u64, max_age_ms: u64) -> bool {
+        now_ms.saturating_sub(self.at_ms) <= max_age_ms
+    }
 }
 
 /// Crashes of one item after which it is dead-lettered (class `crash`)
@@ -192,6 +233,9 @@ impl JobRecord {
             max_crashes: DEFAULT_MAX_CRASHES,
             max_rejected_rows: None,
             max_rejected_percent: None,
+            deadline_ms: 0,
+            worker_hour_cost: None,
+            pace: None,
         }
     }
 
@@ -253,6 +297,14 @@ impl JobRecord {
                     .map(|v| v.to_string())
                     .unwrap_or_default(),
             ),
+            ("deadline_ms", self.deadline_ms.to_string()),
+            (
+                "worker_hour_cost",
+                self.worker_hour_cost
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            ),
+            ("pace", pace_field(self.pace.as_ref())),
         ]
     }
 
@@ -333,8 +385,23 @@ impl JobRecord {
             },
             max_rejected_rows: opt_u("max_rejected_rows")?,
             max_rejected_percent: opt_f("max_rejected_percent")?,
+            deadline_ms: num("deadline_ms")?,
+            worker_hour_cost: opt_f("worker_hour_cost")?,
+            pace: match map.get("pace").map(String::as_str) {
+                None | Some("") => None,
+                Some(v) => Some(
+                    serde_json::from_str(v)
+                        .map_err(|e| corrupt(format!("field pace is not a pace: {e}")))?,
+                ),
+            },
         })
     }
+}
+
+/// The `pace` hash field: JSON, or empty for none.
+fn pace_field(pace: Option<&Pace>) -> String {
+    pace.map(|p| serde_json::to_string(p).expect("a pace serializes"))
+        .unwrap_or_default()
 }
 
 /// A change to a job's record: the fields one step of the job owns, and
@@ -361,6 +428,16 @@ pub enum RecordUpdate {
         /// The new model digest.
         model_sha256: Option<String>,
     },
+    /// `[job] deadline` and `[job] worker_hour_cost` as the manifest says
+    /// now (a run of the manifest sets them again).
+    Deadline {
+        /// When (ms since the epoch; 0: none).
+        deadline_ms: u64,
+        /// Per worker-hour.
+        worker_hour_cost: Option<f64>,
+    },
+    /// The job's pace as measured now.
+    Pace(Pace),
     /// Reduced: its final status and when.
     Finished {
         /// The final status.
@@ -400,6 +477,17 @@ impl RecordUpdate {
                 }
                 f
             }
+            RecordUpdate::Deadline {
+                deadline_ms,
+                worker_hour_cost,
+            } => vec![
+                ("deadline_ms", deadline_ms.to_string()),
+                (
+                    "worker_hour_cost",
+                    worker_hour_cost.map(|v| v.to_string()).unwrap_or_default(),
+                ),
+            ],
+            RecordUpdate::Pace(p) => vec![("pace", pace_field(Some(p)))],
             RecordUpdate::Finished { status, at_ms } => vec![
                 ("status", status.as_str().to_owned()),
                 ("finished_ms", at_ms.to_string()),
@@ -431,6 +519,18 @@ mod tests {
             max_crashes: 5,
             max_rejected_rows: Some(7),
             max_rejected_percent: Some(2.5),
+            deadline_ms: 7_200_005,
+            worker_hour_cost: Some(1.2),
+            pace: Some(Pace {
+                at_ms: 9,
+                workers: 3,
+                rows_per_worker_s: Some(12.5),
+                workers_needed: Some(4),
+                finish_ms: Some(8_000_000),
+                late: true,
+                worker_s: 30.5,
+                worker_s_to_go: Some(100.0),
+            }),
             ..JobRecord::sample("j-1")
         }
     }
@@ -478,6 +578,11 @@ mod tests {
             RecordUpdate::Replayed {
                 model_sha256: Some("ab".into()),
             },
+            RecordUpdate::Deadline {
+                deadline_ms: 9,
+                worker_hour_cost: Some(2.0),
+            },
+            RecordUpdate::Pace(Pace::default()),
             RecordUpdate::Finished {
                 status: JobStatus::Completed,
                 at_ms: 5,

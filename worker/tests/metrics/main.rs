@@ -7,6 +7,11 @@
 //! batchfleet metric has its HELP text, and a worker drops a finished job's
 //! series after `--metrics-idle-timeout` while keeping its own.
 //!
+//! A job with a `[job] deadline`, its coordinator a `batchfleet run`
+//! process of its own: `batchfleet_pool_workers_needed`, scraped by a real
+//! Prometheus, rises when workers leave and falls when more come, and
+//! `status`, `scale-advice` and `_summary.json` say the same.
+//!
 //! Needs the `prometheus` binary (Debian package `prometheus`; `make test`
 //! installs it). The coordinator runs in this process with its metrics
 //! endpoint, so this test has a binary of its own.
@@ -246,10 +251,18 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
         // Text input's tokenizing time has no data on this numeric job, nor
         // the GPU queries without a GPU; their queries must still be ones
         // Prometheus answers.
+        // Nor the deadline panel on a job without one (the deadline test
+        // below evaluates it).
         let may_be_empty = [
             names::WORKER_TOKENIZE,
             names::WORKER_GPU_MEMORY,
             names::WORKER_GPU_UTILIZATION,
+            names::POOL_WORKERS_NEEDED,
+            names::JOB_WORKERS_NEEDED,
+            names::JOB_DEADLINE_LATE,
+            names::JOB_DEADLINE_SECONDS_LEFT,
+            names::JOB_WORKER_SECONDS,
+            names::JOB_COST,
         ]
         .iter()
         .any(|n| q.contains(n));
@@ -432,4 +445,227 @@ async fn every_dashboard_query_returns_data_and_agrees_with_the_summary() {
     stop_all(&mut short);
     env.cleanup(&[&job_id, &short_id]).await;
     drop(broker);
+}
+
+/// Polls `q` in Prometheus until `until` holds for its value (bounded); the
+/// values seen, the last one last.
+async fn watch(
+    prom: &Prometheus,
+    q: &str,
+    within: Duration,
+    until: impl Fn(f64) -> bool,
+) -> Vec<f64> {
+    let deadline = Instant::now() + within;
+    let mut seen = Vec::new();
+    loop {
+        if let Some(v) = prom.scalar(q) {
+            if seen.last() != Some(&v) {
+                seen.push(v);
+            }
+            if until(v) {
+                return seen;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{q} never got there within {within:?}; seen {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `batchfleet <args>` against the env's services, its JSON output.
+fn cli_json(env: &TestEnv, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(
+        std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
+    )
+    .args(["--redis-prefix", &env.prefix])
+    .args(args)
+    .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+    .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
+    .output()
+    .expect("run batchfleet");
+    assert!(
+        out.status.success(),
+        "batchfleet {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_a_deadline_needs_rise_when_workers_leave_and_fall_when_more_come() {
+    let env = TestEnv::new("deadline");
+    let name = batchfleet_testkit::services::unique("deadline");
+    make_job(
+        env.path(),
+        &JobGen {
+            rows: 24_000,
+            files: 2,
+            features: 8,
+            hidden: 16,
+            outputs: 1,
+            name,
+            pool: env.pool.clone(),
+            item_rows: 50,
+            batch_size: 50,
+            ..JobGen::default()
+        },
+    )
+    .expect("generate job");
+    // One mini-batch of 50 rows per item, each held 250 ms on purpose: about
+    // 200 rows/s per worker, so one worker needs two minutes and three
+    // finish in about 40 s, inside the deadline.
+    let manifest = env.path().join("job.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replacen(
+            "[job]\n",
+            "[job]\ndeadline = \"45s\"\nworker_hour_cost = 1.2\n",
+            1,
+        ),
+    )
+    .expect("manifest with a deadline");
+    let slow = [
+        "--debug-batch-delay",
+        "250ms",
+        "--prefetch",
+        "1",
+        "--prefetch-max",
+        "1",
+    ];
+    let mut workers: Vec<_> = (0..3)
+        .map(|i| env.spawn_worker(&format!("d{i}"), &slow))
+        .collect();
+    env.wait_for_consumers(3, &mut workers).await;
+
+    let port = free_port();
+    let prom = Prometheus::start(env.path(), &[port], free_port());
+    let log = std::fs::File::create(env.path().join("coordinator.log")).expect("log");
+    let coordinator = Command::new(
+        std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
+    )
+    .args(["--redis-prefix", &env.prefix])
+    .args([
+        "--metrics-port",
+        &port.to_string(),
+        "--metrics-host",
+        "127.0.0.1",
+    ])
+    .args(["run", "--no-progress", "--json", "--pace-interval", "250ms"])
+    .arg(&manifest)
+    .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+    .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::from(log))
+    .spawn()
+    .expect("batchfleet run");
+    let need = format!(
+        "max(batchfleet_pool_workers_needed{{pool=\"{}\"}})",
+        env.pool
+    );
+
+    // Three workers: a need is known once rows settle.
+    let seen = watch(&prom, &need, Duration::from_secs(60), |v| v > 0.0).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = prom.scalar(&need).expect("need");
+    assert!(before >= 1.0, "{seen:?}");
+    let running = cli_json(&env, &["status", "--json"]);
+    assert_eq!(running["outlook"]["worker_hour_cost"], 1.2, "{running}");
+    assert!(running["outlook"]["deadline"].is_string(), "{running}");
+
+    // Two leave (a scale-down: they drain): the one left falls behind, and
+    // the need rises above what it was.
+    for mut w in workers.drain(1..) {
+        let status = w.terminate(Duration::from_secs(30));
+        assert!(status.success(), "{}", w.log_text());
+    }
+    let rising = watch(&prom, &need, Duration::from_secs(40), |v| v > before).await;
+    let late = format!(
+        "max(batchfleet_coordinator_job_deadline_late{{pool=\"{}\"}})",
+        env.pool
+    );
+    watch(&prom, &late, Duration::from_secs(20), |v| v == 1.0).await;
+    // The dashboard's deadline panel has data for it, every query.
+    let panel = dashboard()["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .find(|p| {
+            p["title"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("Deadline"))
+        })
+        .cloned()
+        .expect("a deadline panel");
+    for t in panel["targets"].as_array().expect("targets") {
+        let q = t["expr"]
+            .as_str()
+            .expect("expr")
+            .replace("$job", ".+")
+            .replace("$pool", &env.pool);
+        assert!(!prom.query(&q).expect("query").is_empty(), "no data: {q}");
+    }
+    let advice = cli_json(&env, &["scale-advice", "--pool", &env.pool, "--json"]);
+    let pool = &advice["pools"][0];
+    assert_eq!(pool["workers"], 1, "{advice}");
+    assert!(
+        pool["workers_needed"].as_f64().expect("a need") > before,
+        "{advice}"
+    );
+    assert_eq!(pool["jobs"][0]["late"], true, "{advice}");
+
+    // Five more come: the need falls below its peak.
+    let peak = *rising.last().expect("a need");
+    workers.extend((3..8).map(|i| env.spawn_worker(&format!("d{i}"), &slow)));
+    env.wait_for_consumers(6, &mut workers).await;
+    // (Above 0: a finished job needs nothing, which is not the point here.)
+    let falling = watch(&prom, &need, Duration::from_secs(40), |v| {
+        v > 0.0 && v < peak
+    })
+    .await;
+
+    // The job ends; its summary has its cost and whether it was on time.
+    let out = coordinator.wait_with_output().expect("coordinator");
+    assert!(
+        out.status.success(),
+        "{}",
+        std::fs::read_to_string(env.path().join("coordinator.log")).unwrap_or_default()
+    );
+    let coordinator_log =
+        std::fs::read_to_string(env.path().join("coordinator.log")).unwrap_or_default();
+    assert!(
+        coordinator_log.contains("will miss its deadline"),
+        "{coordinator_log}"
+    );
+    let outcome: serde_json::Value = serde_json::from_slice(&out.stdout).expect("run --json");
+    let job_id = outcome["job_id"].as_str().expect("job id").to_owned();
+    let summary: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            env.path()
+                .join("out")
+                .join(batchfleet_shared::output::SUMMARY_FILE),
+        )
+        .expect("summary"),
+    )
+    .expect("summary json");
+    let o = &summary["outlook"];
+    let hours = o["worker_hours"].as_f64().expect("worker hours");
+    // Between one and eight workers for the job's whole wall time.
+    let wall_h = summary["duration_s"].as_f64().expect("duration") / 3600.0;
+    assert!(
+        hours > 0.5 * wall_h && hours < 8.0 * wall_h,
+        "{o} over {wall_h} h"
+    );
+    let cost = o["cost"].as_f64().expect("cost");
+    assert!((cost - hours * 1.2).abs() < 1e-9, "{o}");
+    let per_million = o["cost_per_million_rows"].as_f64().expect("per million");
+    assert!((per_million - cost / 24_000.0 * 1e6).abs() < 1e-6, "{o}");
+    let finished = summary["finished_at_ms"].as_u64().expect("finished");
+    let deadline_ms = summary["started_at_ms"].as_u64().expect("started") + 45_000;
+    assert_eq!(o["late"], finished > deadline_ms, "{o}");
+    eprintln!("need with 3 workers {before}; with 1: {rising:?}; with 6: {falling:?}; {o}");
+    stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
 }
