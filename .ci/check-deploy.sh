@@ -30,7 +30,7 @@ grep -q "worker-gpu1:" "$tmp_gpus/rendered.yaml"
 rm -rf "$tmp_gpus"
 echo "== shell scripts"
 for f in docker/make-secrets.sh docker/gpu-services.sh docker/rabbitmq/entrypoint.sh docker/rabbitmq/permissions.sh docker/redis/entrypoint.sh docker/vm/batchfleet-preemption-watch docker/bundle/launch.sh; do sh -n "$f"; done
-.venv/bin/shellcheck --shell=sh docker/bundle/launch.sh
+.venv/bin/shellcheck --shell=sh docker/bundle/launch.sh docker/scale-to-deadline.sh
 echo "== Slurm templates"
 for f in docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task docker/slurm/batchfleet.env.example; do bash -n "$f"; done
 .venv/bin/shellcheck --shell=bash docker/slurm/*.sbatch docker/slurm/batchfleet-slurm-task

@@ -3,9 +3,10 @@
 # Prometheus (the metrics test scrapes real workers with it), openssl
 # (the TLS and webhook tests make their CA and certificates with it), and
 # mkfs.ext4, fsfreeze and prlimit (the stalled-write test freezes a file
-# system of its own; the model-memory test bounds a worker's address space).
+# system of its own; the model-memory test bounds a worker's address space),
+# jq (docker/scale-to-deadline.sh, run by the deadline test).
 set -euo pipefail
-for tool in mkfs.ext4:e2fsprogs fsfreeze:util-linux prlimit:util-linux; do
+for tool in mkfs.ext4:e2fsprogs fsfreeze:util-linux prlimit:util-linux jq:jq; do
   command -v "${tool%%:*}" >/dev/null && continue
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${tool#*:} from Debian's packages (for ${tool%%:*})"

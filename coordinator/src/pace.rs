@@ -90,11 +90,14 @@ impl Tracker {
 
     /// Adds a sample and says what the pace is now.
     pub fn observe(&mut self, o: Observed) -> Pace {
-        // Workers seen at both ends of the interval: the mean of the two
-        // (a scale-up or -down happened somewhere in between).
+        // The workers seen at both ends of the interval: one that joined
+        // in it was still starting (loading its model), one that left
+        // drained its last items into it. Counting the fewer keeps a
+        // scale-up from reading as a slower fleet (a need that rises
+        // because workers were added would add more).
         if let (Some((workers, share)), Some(prev)) = (self.last, self.samples.back()) {
             let dt = o.now_ms.saturating_sub(prev.at_ms) as f64 / 1000.0;
-            let workers = (f64::from(workers) + f64::from(o.workers)) / 2.0;
+            let workers = f64::from(workers.min(o.workers));
             let share = (share + o.share.clamp(0.0, 1.0)) / 2.0;
             self.pool_worker_s += workers * dt;
             self.worker_s += workers * dt * share;
@@ -676,5 +679,17 @@ mod tests {
             ..running
         };
         assert!(Outlook::of(&plain, 1).is_none());
+    }
+
+    #[test]
+    fn workers_that_just_joined_do_not_read_as_a_slower_fleet() {
+        let mut t = Tracker::default();
+        t.observe(at(0, 0, 2));
+        let before = t.observe(at(10, 200, 2));
+        // Eight more joined in the last interval, still loading their model:
+        // the same two produced its rows.
+        let joined = t.observe(at(15, 300, 10));
+        assert_eq!(joined.rows_per_worker_s, before.rows_per_worker_s);
+        assert!(joined.workers_needed <= before.workers_needed, "{joined:?}");
     }
 }

@@ -553,7 +553,7 @@ async fn the_workers_a_deadline_needs_rise_when_workers_leave_and_fall_when_more
         "--metrics-host",
         "127.0.0.1",
     ])
-    .args(["run", "--no-progress", "--json", "--pace-interval", "250ms"])
+    .args(["run", "--no-progress", "--json", "--pace-interval", "500ms"])
     .arg(&manifest)
     .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
     .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
@@ -610,11 +610,57 @@ async fn the_workers_a_deadline_needs_rise_when_workers_leave_and_fall_when_more
     let advice = cli_json(&env, &["scale-advice", "--pool", &env.pool, "--json"]);
     let pool = &advice["pools"][0];
     assert_eq!(pool["workers"], 1, "{advice}");
+    // Late with one worker: it needs more than the one it has.
     assert!(
-        pool["workers_needed"].as_f64().expect("a need") > before,
+        pool["workers_needed"].as_f64().expect("a need") > 1.0,
         "{advice}"
     );
     assert_eq!(pool["jobs"][0]["late"], true, "{advice}");
+    // docker/scale-to-deadline.sh scales to that need (its own reading),
+    // here capped at 4 by its ceiling and raised to 2 by its floor.
+    let scaled = env.path().join("scaled");
+    let script = Command::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docker/scale-to-deadline.sh"
+    ))
+    .arg("--once")
+    .env(
+        "BATCHFLEET",
+        format!(
+            "{} --redis-prefix {}",
+            std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
+                .with_file_name("batchfleet")
+                .display(),
+            env.prefix
+        ),
+    )
+    .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
+    .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+    .env("POOL", &env.pool)
+    .env("MIN_WORKERS", "2")
+    .env("MAX_WORKERS", "4")
+    .env("SCALE", format!("echo %d > {}", scaled.display()))
+    .output()
+    .expect("scale-to-deadline.sh");
+    assert!(
+        script.status.success(),
+        "{}",
+        String::from_utf8_lossy(&script.stderr)
+    );
+    let count: u32 = std::fs::read_to_string(&scaled)
+        .expect("the scale command ran")
+        .trim()
+        .parse()
+        .expect("a count");
+    let said = String::from_utf8_lossy(&script.stdout).into_owned();
+    let advised: u32 = said
+        .split("needs ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no need in {said:?}"));
+    assert!(advised >= 1, "{said}");
+    assert_eq!(count, advised.clamp(2, 4), "{said}");
 
     // Five more come: the need falls below its peak.
     let peak = *rising.last().expect("a need");
