@@ -173,6 +173,9 @@ pub struct RunConfig {
     pub overrides: Vec<String>,
     /// How a new job's model call is tried at validation (`--validate-memory`).
     pub trial: crate::manifest::ModelTrial,
+    /// `run --since`: what the narrowed job scores and reuses, written to
+    /// its output folder (`_since.json`) once the folder is claimed.
+    pub since: Option<std::sync::Arc<crate::since::Incremental>>,
 }
 
 /// Straggler and orphan settings.

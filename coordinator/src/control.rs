@@ -62,6 +62,9 @@ pub struct PlanReport {
     /// sampled rate, as worker-hours of one core times that cost.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cost_estimate: Option<f64>,
+    /// `--since`: the files new, changed and reused since that job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub incremental: Option<crate::since::Incremental>,
 }
 
 /// What `plan --sample N` adds: rows read from items spread across the
@@ -196,6 +199,7 @@ pub async fn plan(
         deadline: deadline_ms.map(crate::pace::rfc3339),
         workers_for_deadline,
         cost_estimate,
+        incremental: None,
     })
 }
 
@@ -355,6 +359,17 @@ pub fn render_plan(r: &PlanReport) -> String {
                 "; about {n} worker(s) of one core finish it by then at the sampled rate"
             );
         }
+    }
+    if let Some(i) = &r.incremental {
+        let _ = write!(
+            s,
+            "\nsince job {}: {} new and {} changed file(s) to score, {} unchanged (reused from {})",
+            i.since_job,
+            i.new.len(),
+            i.changed.len(),
+            i.reused.len(),
+            i.since_output_dir
+        );
     }
     if let Some(c) = r.cost_estimate {
         let _ = write!(

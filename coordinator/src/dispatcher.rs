@@ -138,6 +138,9 @@ pub async fn dispatch(
         refuse_past_deadline(spec, submitted_ms)?;
     }
     let ours_already = claim_output_dir(out, &spec.job_id)?;
+    if let Some(incremental) = &cfg.since {
+        crate::since::write(out, incremental)?;
+    }
 
     let plan = planner::plan(spec)?;
     tracing::info!(job = %spec.job_id, items = plan.items.len(), rows = plan.rows_total, "planned");
@@ -189,7 +192,7 @@ pub async fn dispatch(
             record.done_bits = !cfg.connections.whole_messages;
             store.put_job(&record).await?;
             store
-                .put_inputs(&spec.job_id, &crate::record::input_fields(spec))
+                .put_inputs(&spec.job_id, &crate::record::input_fields(spec, &plan))
                 .await?;
             if ours_already {
                 seed_from_outputs(spec, &plan, store).await?;

@@ -49,6 +49,7 @@ pub mod pace;
 pub mod planner;
 mod record;
 pub mod reducer;
+pub mod since;
 pub mod status;
 mod supervisor;
 

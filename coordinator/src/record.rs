@@ -52,13 +52,30 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
     }
 }
 
-/// The job's input files as the store records them: path → JSON fingerprint.
-pub fn input_fields(spec: &JobSpec) -> Vec<(String, String)> {
+/// The job's input files as the store records them: path → JSON
+/// fingerprint, with the first and last item holding the file's rows.
+pub fn input_fields(spec: &JobSpec, plan: &planner::Plan) -> Vec<(String, String)> {
+    let mut items: std::collections::HashMap<std::path::PathBuf, [u32; 2]> =
+        std::collections::HashMap::new();
+    for item in &plan.items {
+        for file in item.input.input_files() {
+            let range = items.entry(file).or_insert([item.seq, item.seq]);
+            range[0] = range[0].min(item.seq);
+            range[1] = range[1].max(item.seq);
+        }
+    }
     spec.input_files()
         .into_iter()
         .map(|f| {
-            let json = serde_json::to_string(&f.fingerprint).expect("fingerprints serialize");
-            (f.path, json)
+            let file = crate::manifest::InputFile {
+                items: items.get(std::path::Path::new(&f.path)).copied(),
+                ..f
+            };
+            let mut json = serde_json::to_value(&file).expect("an input file serializes");
+            if let Some(o) = json.as_object_mut() {
+                o.remove("path");
+            }
+            (file.path, json.to_string())
         })
         .collect()
 }

@@ -112,6 +112,11 @@ pub struct Summary {
     /// its deadline, the worker-hours it used and its cost per million rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outlook: Option<crate::pace::Outlook>,
+    /// `run --since`: the finished job it followed, the files it scored
+    /// (new, and changed with where their out-of-date predictions are) and
+    /// the files it reused, with the job and output folder holding them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incremental: Option<crate::since::Incremental>,
 }
 
 /// Histograms of the model's outputs: equal-width bins over `[min, max)`,
@@ -382,10 +387,13 @@ pub async fn finish(
             .await?
             .into_iter()
             .filter_map(|(path, json)| {
-                let fingerprint = serde_json::from_str(&json).ok()?;
-                Some(crate::manifest::InputFile { path, fingerprint })
+                // The fingerprint's fields, and (jobs since it) the items.
+                let mut v: serde_json::Value = serde_json::from_str(&json).ok()?;
+                v.as_object_mut()?.insert("path".into(), path.into());
+                serde_json::from_value(v).ok()
             })
             .collect(),
+        incremental: crate::since::read(out),
         outlook: crate::pace::Outlook::of(
             &JobRecord {
                 status,

@@ -726,7 +726,7 @@ impl Supervisor {
         record.items_published = record.items_total;
         store.restore_job(&record).await?;
         store
-            .put_inputs(&self.job_id, &crate::record::input_fields(&spec))
+            .put_inputs(&self.job_id, &crate::record::input_fields(&spec, &plan))
             .await?;
         store.put_task(&self.job_id, &plan.task).await?;
         let restored = crate::record::commit_found(store, &self.job_id, &found).await?;

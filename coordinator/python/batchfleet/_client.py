@@ -107,26 +107,28 @@ class Job:
         except FileNotFoundError:
             raise BatchfleetError(f"{_join(self.output_dir, name)} does not exist: job {self.id} has not ended yet (Job.wait() waits for it)", job_id=self.id) from None
 
-    def to_arrow(self) -> "pyarrow.Table":
+    def to_arrow(self, reused: bool = False) -> "pyarrow.Table":
         """Every predicted row, in input order, as one ``pyarrow.Table``
-        (the part files ``part-*`` of the output folder, in item order)."""
+        (the part files ``part-*`` of the output folder, in item order).
+
+        ``reused=True``, for a job run with ``--since``: also the rows of the
+        files it reused, from the parts of the folders its summary names
+        (``incremental.reused``), after its own."""
         import pyarrow as pa
 
-        fs, root = _filesystem(self.output_dir)
-        parts = sorted(
-            (int(m.group(1)), m.group(2), name)
-            for name in _list(fs, root)
-            if (m := _PART.match(name))
-        )
         text_columns = self._text_columns()
-        tables = [_read_part(fs, _join(root, name), fmt, text_columns) for _, fmt, name in parts]
+        tables = _read_parts(self.output_dir, text_columns)
+        if reused:
+            for r in (self.summary().get("incremental") or {}).get("reused", []):
+                first, last = r["items"]
+                tables += _read_parts(r["output_dir"], text_columns, range(first, last + 1))
         if not tables:
             return pa.table({})
         return pa.concat_tables(tables, promote_options="permissive")
 
-    def to_pandas(self) -> "pandas.DataFrame":
+    def to_pandas(self, reused: bool = False) -> "pandas.DataFrame":
         """:meth:`to_arrow` as a ``pandas.DataFrame``."""
-        return self.to_arrow().to_pandas()
+        return self.to_arrow(reused=reused).to_pandas()
 
     def rejects(self) -> "pandas.DataFrame":
         """The rows that were not predicted, with why: one row per rejected
@@ -167,14 +169,21 @@ def run(
     manifest: Manifest,
     *,
     set: Optional[Union[Mapping[str, Any], Iterable[str]]] = None,
+    since: Optional[str] = None,
     local: bool = False,
     detach: bool = False,
     data_roots: Optional[Sequence[PathLike]] = None,
     workers: Optional[int] = None,
     env: Optional[Mapping[str, str]] = None,
     timeout: Optional[float] = None,
-) -> Job:
+) -> Optional[Job]:
     """Runs a job (``batchfleet run``) and returns it.
+
+    ``since`` (a finished job's id, output folder or ``_summary.json``)
+    scores only the input files new or changed since that job
+    (``--since``); with nothing new or changed nothing runs and this
+    returns ``None``. :meth:`Job.to_pandas` with ``reused=True`` then
+    reads the reused files' rows too.
 
     ``manifest`` is the path of a manifest, or a dict of one (its tables as
     nested dicts), written as TOML to ``.batchfleet/<name>-<digest>.toml``
@@ -207,12 +216,27 @@ def run(
         args += ["--data-root", os.fspath(root)]
     for kv in _overrides(set):
         args += ["--set", kv]
+    if since is not None:
+        args += ["--since", os.fspath(since)]
     out = _call(args, env or {}, timeout=timeout, what="batchfleet run")
+    if out.get("status") == "nothing_to_score":
+        return None
     report = out.get("report")
     output_dir = (report or {}).get("output_dir")
     if output_dir is None and out.get("summary"):
         output_dir = os.path.dirname(str(out["summary"]))
     return Job(out["job_id"], output_dir=output_dir, report=report, local=local, env=env)
+
+
+def _read_parts(output_dir: str, text_columns: List[str], seqs: Optional[range] = None) -> List["pyarrow.Table"]:
+    """The part files of ``output_dir`` (those of ``seqs`` only, if given), in item order."""
+    fs, root = _filesystem(output_dir)
+    parts = sorted(
+        (int(m.group(1)), m.group(2), name)
+        for name in _list(fs, root)
+        if (m := _PART.match(name)) and (seqs is None or int(m.group(1)) in seqs)
+    )
+    return [_read_part(fs, _join(root, name), fmt, text_columns) for _, fmt, name in parts]
 
 
 def job(job_id: str, *, env: Optional[Mapping[str, str]] = None) -> Job:

@@ -85,6 +85,29 @@ def test_a_local_job_reads_back_as_one_dataset_with_every_reader(tmp_path) -> No
     assert summary["job_id"] == job.id and summary["status"] == "completed"
 
 
+def test_an_incremental_job_scores_the_new_file_and_reads_back_with_what_it_reused(tmp_path) -> None:
+    folder = str(tmp_path)
+    make_job(folder, rows=1000, item_rows=250)
+    manifest = os.path.join(folder, "job.toml")
+    first = batchfleet.run(manifest, local=True, workers=1, data_roots=[folder])
+    data = os.path.join(folder, "data")
+    existing = sorted(os.listdir(data))
+    with open(os.path.join(data, existing[0])) as src, open(os.path.join(data, "zz-new.csv"), "w") as dst:
+        lines = src.read().splitlines()
+        dst.write("\n".join([lines[0]] + [f"new-{i}," + l.split(",", 1)[1] for i, l in enumerate(lines[1:])]) + "\n")
+    new_rows = len(lines) - 1
+    later = batchfleet.run(manifest, local=True, workers=1, data_roots=[folder],
+                           set={"output.dir": os.path.join(folder, "out-2")}, since=first.output_dir)
+    assert later is not None and later.id != first.id
+    assert len(later.to_pandas()) == new_rows
+    every = later.to_pandas(reused=True)
+    assert len(every) == 1000 + new_rows
+    assert sorted(every["id"]) == sorted(list(first.to_pandas()["id"]) + [f"new-{i}" for i in range(new_rows)])
+    # Nothing new since the second: nothing runs.
+    assert batchfleet.run(manifest, local=True, workers=1, data_roots=[folder],
+                          set={"output.dir": os.path.join(folder, "out-3")}, since=later.output_dir) is None
+
+
 def test_csv_and_jsonl_outputs_read_back_with_pandas(tmp_path) -> None:
     folder = str(tmp_path)
     golden = make_job(folder, rows=1200, item_rows=300)

@@ -329,6 +329,14 @@ pub struct RunArgs {
     pub threads: Option<usize>,
     #[command(flatten)]
     pub overrides: OverrideArgs,
+    /// Score only the input files that are new or changed (by size and
+    /// modification time, or ETag) since this finished job — its id, its
+    /// output folder or its _summary.json —, into the manifest's output
+    /// folder (not that job's: one per run, e.g. `--set
+    /// output.dir=out/$(date +%F)`); the summary lists what was reused
+    /// and from where. Nothing new or changed: nothing is published.
+    #[arg(long, value_name = "JOB")]
+    pub since: Option<String>,
     /// Return as soon as the items are published, printing the job id;
     /// `batchfleet wait <job>` follows it later (or `batchfleet supervise`
     /// finishes it).
@@ -429,6 +437,10 @@ pub struct PlanArgs {
     /// with no Redis (a job for `run --local`).
     #[arg(long, env = "BATCHFLEET_LOCAL", value_parser = clap::builder::BoolishValueParser::new())]
     pub local: bool,
+    /// As `run --since`: plan only the files new or changed since this
+    /// finished job, and list the ones reused.
+    #[arg(long, value_name = "JOB")]
+    pub since: Option<String>,
     /// Folder every path of the job must stay under (as for `run`).
     #[arg(
         long = "data-root",
@@ -535,6 +547,7 @@ impl FollowArgs {
             data_roots: Vec::new(),
             overrides: Vec::new(),
             trial: Default::default(),
+            since: None,
         }
     }
 
@@ -554,6 +567,7 @@ impl FollowArgs {
             data_roots: self.data_roots.clone(),
             overrides: Vec::new(),
             trial: Default::default(),
+            since: None,
         }
     }
 }
@@ -631,6 +645,8 @@ mod tests {
         "plan --set",
         "plan --json",
         "plan --sample",
+        "plan --since",
+        "run --since",
         "plan --workers",
         "status --json",
         "jobs --limit",

@@ -205,6 +205,33 @@ async fn run_main(args: RunArgs, connections: Connections) -> ExitCode {
     let mut cfg = args.follow.run_config(connections);
     cfg.overrides = args.overrides.set.clone();
     cfg.trial = args.overrides.trial();
+    if let Some(since) = &args.since {
+        match crate::since::narrow(&cfg, &args.manifest, since, args.local).await {
+            Ok(crate::since::Narrowed::Run { set, incremental }) => {
+                cfg.overrides.push(set);
+                cfg.since = Some(std::sync::Arc::new(incremental));
+            }
+            Ok(crate::since::Narrowed::Nothing(incremental)) => {
+                let said = format!(
+                    "nothing new or changed since job {}: {} file(s) unchanged, nothing published",
+                    incremental.since_job,
+                    incremental.reused.len()
+                );
+                if args.json {
+                    let out = serde_json::json!({
+                        "job_id": null, "status": "nothing_to_score", "exit_code": 0,
+                        "incremental": incremental,
+                    });
+                    println!("{out}");
+                } else {
+                    println!("{said}");
+                }
+                return ExitCode::SUCCESS;
+            }
+            Err(e) if args.json => return print_json_error(&e),
+            Err(e) => return report_error(&e),
+        }
+    }
     let shutdown = batchfleet_shared::shutdown::on_signals();
     let run = if args.detach {
         crate::job::submit_job(&cfg, &args.manifest).await
@@ -411,7 +438,43 @@ async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
         rows: rows as usize,
         workers: args.workers,
     });
-    match crate::control::plan(&cfg, &args.manifest, store.as_ref(), sample).await {
+    let mut incremental = None;
+    if let Some(since) = &args.since {
+        match crate::since::narrow(&cfg, &args.manifest, since, args.local).await {
+            Ok(crate::since::Narrowed::Run {
+                set,
+                incremental: i,
+            }) => {
+                cfg.overrides.push(set);
+                incremental = Some(i);
+            }
+            Ok(crate::since::Narrowed::Nothing(i)) => {
+                if args.json {
+                    let out = serde_json::json!({ "state": "nothing_to_score", "incremental": i });
+                    println!("{out}");
+                } else {
+                    println!(
+                        "nothing new or changed since job {}: {} file(s) unchanged; `batchfleet run --since` would publish nothing",
+                        i.since_job,
+                        i.reused.len()
+                    );
+                }
+                return ExitCode::SUCCESS;
+            }
+            Err(RunError::Manifest(e)) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(EXIT_INVALID);
+            }
+            Err(e) => return report_error(&e),
+        }
+    }
+    let planned = crate::control::plan(&cfg, &args.manifest, store.as_ref(), sample)
+        .await
+        .map(|mut r| {
+            r.incremental = incremental;
+            r
+        });
+    match planned {
         Ok(r) if args.json => {
             println!("{}", serde_json::to_string(&r).expect("plan serializes"));
             ExitCode::SUCCESS

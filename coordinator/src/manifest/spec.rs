@@ -120,6 +120,7 @@ impl JobSpec {
             .map(|(path, fingerprint)| InputFile {
                 path: path.to_string_lossy().into_owned(),
                 fingerprint: fingerprint.clone(),
+                items: None,
             })
             .collect()
     }
@@ -133,6 +134,10 @@ pub struct InputFile {
     /// Size and modification time (local) or ETag (S3).
     #[serde(flatten)]
     pub fingerprint: Fingerprint,
+    /// The first and last item holding its rows: its predictions are in
+    /// the part files of those numbers (`part-<first>` … `part-<last>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub items: Option<[u32; 2]>,
 }
 
 /// The validated `[on_complete]` section.

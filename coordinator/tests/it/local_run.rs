@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 const NO_AMQP: &str = "amqp://127.0.0.1:9/%2f";
 const NO_REDIS: &str = "redis://127.0.0.1:9/";
 
-fn job(rows: u64, item_rows: u64) -> tempfile::TempDir {
+pub(crate) fn job(rows: u64, item_rows: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     make_job(
         dir.path(),
@@ -27,7 +27,7 @@ fn job(rows: u64, item_rows: u64) -> tempfile::TempDir {
     dir
 }
 
-fn batchfleet(dir: &Path) -> Command {
+pub(crate) fn batchfleet(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_batchfleet"));
     c.env("BATCHFLEET_AMQP_URL", NO_AMQP)
         .env("BATCHFLEET_REDIS_URL", NO_REDIS)
@@ -38,7 +38,7 @@ fn batchfleet(dir: &Path) -> Command {
     c
 }
 
-fn summary(out: &Path) -> serde_json::Value {
+pub(crate) fn summary(out: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(out.join("_summary.json")).expect("_summary.json"))
         .expect("summary is JSON")
 }
@@ -49,7 +49,7 @@ fn verify(dir: &Path) {
     assert!(v.ok(), "{}", v.describe());
 }
 
-fn parts(out: &Path) -> Vec<PathBuf> {
+pub(crate) fn parts(out: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(out)
         .map(|d| {
             d.filter_map(Result::ok)

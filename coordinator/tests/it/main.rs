@@ -6,3 +6,4 @@
 mod cli;
 mod hooks;
 mod local_run;
+mod since;

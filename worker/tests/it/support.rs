@@ -66,6 +66,7 @@ impl TestEnv {
             data_roots: Vec::new(),
             overrides: Vec::new(),
             trial: Default::default(),
+            since: None,
         }
     }
 
