@@ -18,6 +18,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// What `--since` takes, for its errors.
+const SINCE_WHAT: &str =
+    "a finished job to score since (`--since`: a job id, its output folder or its _summary.json)";
+
 /// The file beside a narrowed job's parts that says what it reused.
 pub const SINCE_FILE: &str = "_since.json";
 
@@ -73,12 +77,10 @@ impl Incremental {
 /// scored and, for an incremental job, the ones it reused — with where
 /// their predictions are.
 pub async fn covered(cfg: &RunConfig, which: &str, local: bool) -> Result<Previous, RunError> {
-    let bad = |reason: String| {
-        RunError::NotA {
+    let bad = |reason: String| RunError::NotA {
         path: PathBuf::from(which),
-        what: "a finished job to score since (`--since`: a job id, its output folder or its _summary.json)",
+        what: SINCE_WHAT,
         reason,
-    }
     };
     let given = Path::new(which);
     let exists = |p: &Path| batchfleet_shared::source::fs::exists(p).unwrap_or(false);

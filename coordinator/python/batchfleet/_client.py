@@ -120,6 +120,8 @@ class Job:
         tables = _read_parts(self.output_dir, text_columns)
         if reused:
             for r in (self.summary().get("incremental") or {}).get("reused", []):
+                if not r.get("items"):
+                    raise BatchfleetError(f"{r['path']} was reused from {r['output_dir']}, whose summary does not say which parts hold it (a job from before batchfleet recorded that): read that folder yourself", job_id=self.id)
                 first, last = r["items"]
                 tables += _read_parts(r["output_dir"], text_columns, range(first, last + 1))
         if not tables:
