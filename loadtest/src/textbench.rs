@@ -68,7 +68,34 @@ pub struct TextRegime {
     /// The same job with `[model] dtype`, on the same fleet: precision,
     /// rows/s, and its outputs against the float32 run's.
     pub reduced: Vec<Reduced>,
+    /// Peak resident memory of the fixed-batch fleet's workers (MiB, the largest).
+    pub worker_peak_rss_mib: f64,
+    /// The same job with `[batching] max_batch_tokens`, each on a fleet of
+    /// its own: rows/s and peak memory against the fixed batches.
+    pub budgets: Vec<Budgeted>,
 }
+
+/// One token-budget run of the text job.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Budgeted {
+    /// `max_batch_tokens`.
+    pub max_batch_tokens: u32,
+    /// `inference_batch_size` beside it (rows per call at most).
+    pub batch: u32,
+    /// Rows/s, submit to `_SUCCESS` (0 when the run failed).
+    pub rows_per_s: f64,
+    /// Its rate ÷ the fixed-batch run's.
+    pub to_fixed: f64,
+    /// Peak resident memory of its workers (MiB, the largest).
+    pub worker_peak_rss_mib: f64,
+    /// Largest absolute difference from the fixed-batch embeddings.
+    pub max_abs_diff: f64,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
+/// Token budgets tried, with the rows per call they allow at most.
+const BUDGETS: [(u32, u32); 2] = [(2_048, 1_024), (4_096, 1_024)];
 
 /// One reduced-precision run of the text job.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -144,6 +171,7 @@ pub fn run(
     let (wall, _, _) = run_job(bins.1, &manifest, prefix)?;
     let tokenize_s = fleet.metric_sum("batchfleet_worker_tokenize_seconds_sum");
     let inference_s = fleet.metric_sum("batchfleet_worker_inference_seconds_sum");
+    let worker_peak_rss_mib = fleet.rss("VmHWM").into_iter().fold(0.0, f64::max);
     // The same job in reduced precision on the same fleet.
     let job = std::fs::read_to_string(&manifest)?;
     let mut reduced = Vec::new();
@@ -183,6 +211,48 @@ pub fn run(
         reduced.push(r);
     }
     fleet.stop();
+    // Token budgets, each on a fresh fleet (its peak memory its own).
+    let mut budgets = Vec::new();
+    for (tokens, batch) in BUDGETS {
+        println!("bench [text] fleet with max_batch_tokens = {tokens}…");
+        let name = format!("tokens-{tokens}");
+        let path = dir.join(format!("job-{name}.toml"));
+        std::fs::write(
+            &path,
+            job.replace(
+                &format!("inference_batch_size = {BATCH}\n"),
+                &format!("inference_batch_size = {batch}\nmax_batch_tokens = {tokens}\n"),
+            )
+            .replace(
+                "name = \"bench-text\"",
+                &format!("name = \"bench-text-{name}\""),
+            )
+            .replace("dir = \"out\"", &format!("dir = \"out-{name}\"")),
+        )?;
+        let mut b = Budgeted {
+            max_batch_tokens: tokens,
+            batch,
+            ..Budgeted::default()
+        };
+        let mut own = Fleet::start(bins.0, &dir, &pool, prefix, workers, threads)?;
+        let out = format!("out-{name}");
+        match run_job_with(bins.1, &path, prefix, &[], &out).and_then(|(w, _, _)| {
+            Ok((
+                w,
+                batchfleet_testkit::verify::agreement(&dir.join("out"), &dir.join(&out))?,
+            ))
+        }) {
+            Ok((w, (diff, _))) => {
+                b.rows_per_s = rows as f64 / w.max(1e-9);
+                b.to_fixed = wall / w.max(1e-9);
+                b.max_abs_diff = diff;
+                b.worker_peak_rss_mib = own.rss("VmHWM").into_iter().fold(0.0, f64::max);
+            }
+            Err(e) => b.error = Some(format!("{e:#}")),
+        }
+        own.stop();
+        budgets.push(b);
+    }
     services::delete_pool_queues(&pool);
     // The fleet's embeddings are the Python loop's (its CSV as the golden file).
     let golden = dir.join("python-golden.csv");
@@ -229,6 +299,8 @@ pub fn run(
         tokenize_s,
         inference_s,
         reduced,
+        worker_peak_rss_mib,
+        budgets,
     })
 }
 
@@ -244,6 +316,15 @@ pub fn print(t: &TextRegime) {
         t.compute_rows_per_s, t.compute_first_pass_rows_per_s, t.unsorted_rows_per_s, t.max_length_rows_per_s, t.no_optimize_rows_per_s,
         t.tokens[0], t.tokens[1], t.tokens[2], t.tokens[3], t.tokenize_s, t.inference_s
     );
+    for b in &t.budgets {
+        match &b.error {
+            Some(e) => println!("          max_batch_tokens = {}: failed: {e}", b.max_batch_tokens),
+            None => println!(
+                "          max_batch_tokens = {} (≤ {} rows a call): fleet {:.0} rows/s ({:.2}× batches of {}), worker peak RSS {:.0} MiB (fixed {:.0}); max |diff| {:.2e}",
+                b.max_batch_tokens, b.batch, b.rows_per_s, b.to_fixed, t.batch, b.worker_peak_rss_mib, t.worker_peak_rss_mib, b.max_abs_diff
+            ),
+        }
+    }
     for r in &t.reduced {
         match &r.error {
             Some(e) => println!("          dtype = {}: failed: {e}", r.dtype),

@@ -75,6 +75,9 @@ pub struct Tokens {
     pub pad_id: i64,
     /// Padded lengths are rounded up to a multiple of this (0 or 1: not rounded).
     pub multiple: usize,
+    /// Padded tokens per `forward` call at most (0: no budget; `[batching]
+    /// max_batch_tokens`).
+    pub max_batch_tokens: usize,
 }
 
 impl Tokens {

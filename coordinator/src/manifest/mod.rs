@@ -394,6 +394,7 @@ pub fn validate(
                 tokenizer: t.file,
                 max_length: t.max_length,
                 pad_to_multiple_of: t.pad_to_multiple_of,
+                max_batch_tokens: batching.max_batch_tokens,
             }),
             _ => None,
         },

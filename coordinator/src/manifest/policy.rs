@@ -24,6 +24,8 @@ pub(super) struct Batching {
     pub(super) batch_size: u32,
     /// Rows between checkpoints inside an item (0 = none).
     pub(super) checkpoint_rows: u32,
+    /// Text input: padded tokens per `forward` call at most (0: no budget).
+    pub(super) max_batch_tokens: u32,
 }
 
 /// Checks `[batching]`: one of `item_rows` and `item_bytes`, each at least 1,
@@ -62,10 +64,23 @@ pub(super) fn batching(b: &BatchingSection, text: bool, problems: &mut Problems)
 
     let default_every = if text { 0 } else { DEFAULT_CHECKPOINT_EVERY };
     let checkpoint_every = b.checkpoint_every.unwrap_or(default_every);
+    match b.max_batch_tokens {
+        Some(0) => problems.add(
+            "[batching] max_batch_tokens",
+            "must be at least 1 (or left out: mini-batches of inference_batch_size rows)".into(),
+        ),
+        Some(_) if !text => problems.add(
+            "[batching] max_batch_tokens",
+            "applies to text input only ([input] text_column with a [model] tokenizer); remove it"
+                .into(),
+        ),
+        _ => {}
+    }
     Batching {
         sizing,
         batch_size,
         checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
+        max_batch_tokens: b.max_batch_tokens.unwrap_or(0),
     }
 }
 
@@ -181,5 +196,18 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("[model] device: \"tpu\""), "{err}");
+        // A token budget is for text input; 0 is no budget.
+        let budget = |n: u32| {
+            problems(fx.load(&GOOD.replace(
+                "inference_batch_size = 64",
+                &format!("inference_batch_size = 64\nmax_batch_tokens = {n}"),
+            )))
+        };
+        assert!(
+            budget(512).contains("[batching] max_batch_tokens: applies to text input only"),
+            "{}",
+            budget(512)
+        );
+        assert!(budget(0).contains("must be at least 1"), "{}", budget(0));
     }
 }

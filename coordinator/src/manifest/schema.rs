@@ -333,6 +333,11 @@ pub struct BatchingSection {
     pub inference_batch_size: Option<u32>,
     /// Mini-batches between checkpoints inside an item (0 = off). Default 4.
     pub checkpoint_every: Option<u32>,
+    /// Text input: padded tokens per `forward` call at most. The rows,
+    /// sorted by length, fill each mini-batch up to this budget (rows ×
+    /// padded length), and to `inference_batch_size` rows at most: many
+    /// short rows per call, few long ones.
+    pub max_batch_tokens: Option<u32>,
 }
 
 /// `[output]`

@@ -125,6 +125,11 @@ pub struct TextSpec {
     /// Padded lengths are rounded up to a multiple of this; 0 or 1: not rounded.
     #[serde(default, skip_serializing_if = "super::output::is_zero")]
     pub pad_to_multiple_of: u32,
+    /// Padded tokens per `forward` call at most: the rows, sorted by
+    /// length, fill each mini-batch up to it (and to the batch size in
+    /// rows); 0: mini-batches of the batch size.
+    #[serde(default, skip_serializing_if = "super::output::is_zero")]
+    pub max_batch_tokens: u32,
 }
 
 /// A file a task depends on besides its input, identified by path and content digest.

@@ -70,6 +70,7 @@ pub fn tokenize(batch: &mut Batch, spec: &TextSpec, type_ids: bool) -> Result<()
         types: Vec::new(),
         pad_id: encoder.pad_id(),
         multiple: spec.pad_to_multiple_of as usize,
+        max_batch_tokens: spec.max_batch_tokens as usize,
     };
     for i in 0..batch.rows() {
         let types = type_ids.then_some(&mut tokens.types);

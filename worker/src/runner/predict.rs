@@ -46,7 +46,14 @@ pub fn predict<B: Backend + ?Sized>(
         cols,
         row_shape,
     };
-    predict_inputs(backend, model, inputs, rows, batch_size, policy)
+    predict_segments(
+        backend,
+        model,
+        inputs,
+        rows,
+        &[(0, rows, batch_size)],
+        policy,
+    )
 }
 
 /// Predicts rows of token ids (text input), with `features` (`cols` per
@@ -91,7 +98,8 @@ pub fn predict_tokens<B: Backend + ?Sized>(
         }
     }
     let n = order.len();
-    let by_length = predict_inputs(
+    let segments = token_batches(&sorted, batch_size, tokens.max_batch_tokens);
+    let by_length = predict_segments(
         backend,
         model,
         Inputs::Tokens {
@@ -100,7 +108,7 @@ pub fn predict_tokens<B: Backend + ?Sized>(
             cols,
         },
         n,
-        batch_size,
+        &segments,
         policy,
     )?;
     // Back to input order (rows relative to the range's start).
@@ -124,6 +132,40 @@ pub fn predict_tokens<B: Backend + ?Sized>(
         .collect();
     out.failed.sort_by_key(|f| f.0);
     Ok(out)
+}
+
+/// Mini-batches of rows sorted by length, as runs of equal-sized ones:
+/// `(first row, end, rows per mini-batch)`. Each mini-batch takes rows
+/// while their count times the padded length of its longest (its last)
+/// stays within `max_tokens`, and `batch_size` rows at most (at least one
+/// row); 0 `max_tokens`: `batch_size` rows each.
+fn token_batches(
+    sorted: &Tokens,
+    batch_size: usize,
+    max_tokens: usize,
+) -> Vec<(usize, usize, usize)> {
+    let n = sorted.rows();
+    let batch_size = batch_size.max(1);
+    if max_tokens == 0 {
+        return vec![(0, n, batch_size)];
+    }
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut at = 0;
+    while at < n {
+        let mut k = 1;
+        while k < batch_size
+            && at + k < n
+            && (k + 1) * sorted.padded_len(sorted.row(at + k).len()) <= max_tokens
+        {
+            k += 1;
+        }
+        match runs.last_mut() {
+            Some((_, end, size)) if *size == k && *end == at => *end = at + k,
+            _ => runs.push((at, at + k, k)),
+        }
+        at += k;
+    }
+    runs
 }
 
 /// What the model takes: rows of `f32` features, or rows of token ids.
@@ -321,13 +363,15 @@ impl Inputs<'_> {
     }
 }
 
-/// [`predict`] over any [`Inputs`] of `rows` rows.
-fn predict_inputs<B: Backend + ?Sized>(
+/// Predicts `rows` rows of `inputs` in runs of mini-batches of their own size
+/// (`(first row, end, rows per mini-batch)`, covering every row in order).
+/// A mini-batch size that ran out of memory caps the runs after it too.
+fn predict_segments<B: Backend + ?Sized>(
     backend: &mut B,
     model: &ModelRef,
     inputs: Inputs<'_>,
     rows: usize,
-    batch_size: usize,
+    segments: &[(usize, usize, usize)],
     policy: &FailurePolicy,
 ) -> Result<Predictions, ItemError> {
     let mut out = Predictions::default();
@@ -338,9 +382,17 @@ fn predict_inputs<B: Backend + ?Sized>(
         policy,
         out: &mut out,
         rows,
-        fit: batch_size.max(1),
+        fit: usize::MAX,
     };
-    run.in_chunks(0, rows)?;
+    let mut cap = usize::MAX;
+    for &(lo, hi, size) in segments {
+        let fit = size.max(1).min(cap);
+        run.fit = fit;
+        run.in_chunks(lo, hi)?;
+        if run.fit < fit {
+            cap = run.fit;
+        }
+    }
     if rows > 0 && out.failed.len() == rows {
         return Err(ItemError::poison(format!(
             "model {} raised on every row of the item: {}",
@@ -761,6 +813,50 @@ mod tests {
         .unwrap();
         assert_eq!(b.calls, [(2, 4)]);
         assert_eq!(p.values, [4.0, 4.0, 1.0, 4.0]);
+    }
+
+    #[test]
+    fn a_token_budget_fills_each_mini_batch_with_short_rows_and_few_long_ones() {
+        // Lengths 1, 1, 1, 1, 2, 2, 3, 6, 8 (in no order).
+        let lengths = [6usize, 1, 2, 1, 8, 1, 3, 2, 1];
+        let mut tokens = crate::batch::Tokens {
+            pad_id: 7,
+            ..Default::default()
+        };
+        for len in lengths {
+            tokens.push(&vec![1i64; len]);
+        }
+        tokens.max_batch_tokens = 6;
+        let mut b = Tokenized::default();
+        let p = predict_tokens(
+            &mut b,
+            &model(),
+            &tokens,
+            (&[], 0),
+            0..lengths.len(),
+            4,
+            &FailurePolicy::default(),
+        )
+        .unwrap();
+        // Sorted: 1 1 1 1 | 2 2 (3 rows of 2 would be 6, but the next is 3:
+        // 3 × 3 = 9) | 3 | 6 | 8 (alone over the budget: one row at least).
+        // Four rows at most (the batch size), never more than 6 tokens but
+        // for a row longer than that alone.
+        assert_eq!(b.calls, [(4, 1), (2, 2), (1, 3), (1, 6), (1, 8)]);
+        for (r, len) in lengths.iter().enumerate() {
+            assert_eq!(p.values[r * 2], *len as f32, "row {r} back in place");
+        }
+        // Runs of equal-sized mini-batches: one call to the backend each.
+        let sorted = {
+            let mut t = crate::batch::Tokens::default();
+            for len in [1usize, 1, 1, 1, 1, 1, 4, 4] {
+                t.push(&vec![1i64; len]);
+            }
+            t
+        };
+        assert_eq!(token_batches(&sorted, 2, 8), [(0, 8, 2)]);
+        assert_eq!(token_batches(&sorted, 3, 8), [(0, 6, 3), (6, 8, 2)]);
+        assert_eq!(token_batches(&sorted, 5, 0), [(0, 8, 5)]);
     }
 
     /// Like [`Fake`], but runs mini-batches as one run the way a GPU

@@ -78,11 +78,16 @@ async fn text_jobs_match_pytorch_in_every_format(backend: Backend) {
         ("jsonl", "jsonl", "pad_to_multiple_of = 8"),
         ("parquet", "parquet", ""),
     ] {
-        let path = write(
-            &env,
-            &format!("{format}.toml"),
-            &manifest(&env, format, out_format, extra),
-        );
+        // JSON Lines with a token budget too: mini-batches of many short
+        // rows and few long ones, the same embeddings.
+        let mut text = manifest(&env, format, out_format, extra);
+        if format == "jsonl" {
+            text = text.replace(
+                "inference_batch_size = 32\n",
+                "inference_batch_size = 32\nmax_batch_tokens = 600\n",
+            );
+        }
+        let path = write(&env, &format!("{format}.toml"), &text);
         let (job, summary) = env.run_on(&workers, &path).await;
         assert_eq!(summary.status, "completed", "{format}: {summary:?}");
         assert_eq!(
