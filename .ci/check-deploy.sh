@@ -95,6 +95,30 @@ for p in re.findall(r"/opt/(" + re.escape(top) + r"/[^\s\"]+)", text):
 assert "fetch-" not in text, text
 print(f"{sys.argv[1]}: installs {top} from make dist ({len(tree)} members)")
 PY
+echo "== the daily schedules pick the newest earlier completed day for --since"
+.venv/bin/python - docker/k8s/coordinator.yaml docker/vm/batchfleet-job.service <<'PY'
+import datetime, os, subprocess, sys, tempfile, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+cron = next(d for d in docs if d["kind"] == "CronJob")
+k8s = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+unit = next(l for l in open(sys.argv[2]).read().splitlines() if l.startswith("ExecStart="))
+unit = unit.split(" -c ", 1)[1].strip("'").replace("$$", "$").replace("%%", "%")
+today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+for name, script in [("CronJob", k8s), ("batchfleet-job.service", unit)]:
+    with tempfile.TemporaryDirectory() as out:
+        def run():
+            s = script.replace("/data/out/daily", out).replace("exec /usr/local/bin/batchfleet", "echo batchfleet")
+            return subprocess.run(["sh", "-c", s], capture_output=True, text=True, check=True).stdout.split()
+        args = run()
+        assert "--since" not in args and f"output.dir={out}/{today}" in args, (name, args)
+        for day, done in [("2026-01-01", True), ("2026-01-03", True), ("2026-01-04", False), (today, True)]:
+            os.makedirs(f"{out}/{day}")
+            if done:
+                open(f"{out}/{day}/_SUCCESS", "w").close()
+        args = run()
+        assert args[args.index("--since") + 1] == f"{out}/2026-01-03", (name, args)
+print("the CronJob and the systemd unit each run --since the newest earlier completed day, and no --since the first day")
+PY
 echo "== systemd-analyze verify"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 cp docker/vm/*.service docker/vm/*.timer "$tmp/"

@@ -436,7 +436,8 @@ impl Pacer {
         self.say_if_late(&job, &pace, pool_need);
     }
 
-    /// Consumers of the pool's work queue (0 when the broker cannot say).
+    /// Consumers of the pool's work queue (0 when the broker cannot say;
+    /// a connection that failed is opened again at the next interval).
     async fn workers(&mut self, cfg: &crate::config::RunConfig, pool: &str) -> u32 {
         if self.consumers.is_none() {
             self.consumers = cfg.connections.broker("batchfleet pace").await.ok();
@@ -445,12 +446,13 @@ impl Pacer {
             return 0;
         };
         let queue = batchfleet_shared::broker::PoolQueues::new(pool).work();
-        broker
-            .consumer_count(&queue)
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or(0)
+        match broker.consumer_count(&queue).await {
+            Ok(n) => n.unwrap_or(0),
+            Err(_) => {
+                self.consumers = None;
+                0
+            }
+        }
     }
 
     fn say_if_late(&mut self, job: &JobRecord, pace: &Pace, pool_need: u32) {
