@@ -474,17 +474,20 @@ async fn watch(
     }
 }
 
+/// The `batchfleet` binary built beside the worker.
+fn coordinator_bin() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet")
+}
+
 /// `batchfleet <args>` against the env's services, its JSON output.
 fn cli_json(env: &TestEnv, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(
-        std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
-    )
-    .args(["--redis-prefix", &env.prefix])
-    .args(args)
-    .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
-    .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
-    .output()
-    .expect("run batchfleet");
+    let out = Command::new(coordinator_bin())
+        .args(["--redis-prefix", &env.prefix])
+        .args(args)
+        .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
+        .output()
+        .expect("run batchfleet");
     assert!(
         out.status.success(),
         "batchfleet {args:?}: {}",
@@ -543,24 +546,22 @@ async fn the_workers_a_deadline_needs_rise_when_workers_leave_and_fall_when_more
     let port = free_port();
     let prom = Prometheus::start(env.path(), &[port], free_port());
     let log = std::fs::File::create(env.path().join("coordinator.log")).expect("log");
-    let coordinator = Command::new(
-        std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker")).with_file_name("batchfleet"),
-    )
-    .args(["--redis-prefix", &env.prefix])
-    .args([
-        "--metrics-port",
-        &port.to_string(),
-        "--metrics-host",
-        "127.0.0.1",
-    ])
-    .args(["run", "--no-progress", "--json", "--pace-interval", "500ms"])
-    .arg(&manifest)
-    .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
-    .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::from(log))
-    .spawn()
-    .expect("batchfleet run");
+    let coordinator = Command::new(coordinator_bin())
+        .args(["--redis-prefix", &env.prefix])
+        .args([
+            "--metrics-port",
+            &port.to_string(),
+            "--metrics-host",
+            "127.0.0.1",
+        ])
+        .args(["run", "--no-progress", "--json", "--pace-interval", "500ms"])
+        .arg(&manifest)
+        .env("BATCHFLEET_AMQP_URL", env.amqp.url.expose())
+        .env("BATCHFLEET_REDIS_URL", env.redis.url.expose())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("batchfleet run");
     let need = format!(
         "max(batchfleet_pool_workers_needed{{pool=\"{}\"}})",
         env.pool
@@ -628,9 +629,7 @@ async fn the_workers_a_deadline_needs_rise_when_workers_leave_and_fall_when_more
         "BATCHFLEET",
         format!(
             "{} --redis-prefix {}",
-            std::path::Path::new(env!("CARGO_BIN_EXE_batchfleet-worker"))
-                .with_file_name("batchfleet")
-                .display(),
+            coordinator_bin().display(),
             env.prefix
         ),
     )
