@@ -427,7 +427,7 @@ impl Pacer {
         }
         let mut paces = vec![pace.clone()];
         for id in others {
-            if let Ok(Some(JobRecord { pace: Some(p), .. })) = store.job(&id).await {
+            if let Ok(Some(p)) = store.job_pace(&id).await {
                 paces.push(p);
             }
         }

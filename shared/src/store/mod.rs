@@ -613,6 +613,12 @@ pub trait JobStore: Send + Sync + fmt::Debug {
         Ok(self.job(id).await?.as_ref().map(JobFacts::of))
     }
 
+    /// The job's pace (its record's `pace` field) alone, in one cheap read;
+    /// `None` if the job is unknown or has none.
+    async fn job_pace(&self, id: &str) -> Result<Option<Pace>, StoreError> {
+        Ok(self.job(id).await?.and_then(|j| j.pace))
+    }
+
     /// Redis's clock (`TIME`), in ms: the one clock leases are written and judged by.
     async fn now_ms(&self) -> Result<u64, StoreError>;
 

@@ -3,8 +3,8 @@
 //! implementations of `JobStore` must behave the same.
 
 use batchfleet_shared::store::{
-    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, RecordUpdate, Start,
-    Store, UnableNote, Work,
+    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, Pace, RecordUpdate,
+    Start, Store, UnableNote, Work,
 };
 
 /// Runs each `name: "redis key prefix stem"` test body against both stores.
@@ -45,6 +45,7 @@ on_both_stores! {
     workers_dying_on_an_item_are_counted_once_each_until_it_is_given_up: "bftest-crash",
     a_worker_stopped_while_draining_is_no_crash_of_its_items: "bftest-stopping",
     a_lease_written_once_lives_while_its_holder_beats: "bftest-beats",
+    a_job_s_deadline_and_pace_are_kept_in_its_record: "bftest-pace",
 }
 
 fn record(id: &str) -> JobRecord {
@@ -1379,4 +1380,46 @@ async fn a_slow_answer_is_waited_for_not_taken_for_an_outage() {
     let job = store.job("j").await.expect("read").expect("the job");
     assert_eq!(job.priority, "high");
     store.delete_job("j").await.expect("cleanup");
+}
+
+async fn a_job_s_deadline_and_pace_are_kept_in_its_record(store: Store) {
+    let id = "paced-00000001";
+    store.put_job(&record(id)).await.expect("put");
+    assert_eq!(store.job_pace(id).await.expect("pace"), None);
+    store
+        .update_job(
+            id,
+            &RecordUpdate::Deadline {
+                deadline_ms: 9_000,
+                worker_hour_cost: Some(1.5),
+            },
+        )
+        .await
+        .expect("deadline");
+    let pace = Pace {
+        at_ms: 5,
+        workers: 3,
+        rows_per_worker_s: Some(2.5),
+        workers_needed: Some(7),
+        finish_ms: Some(12_000),
+        late: true,
+        worker_s: 40.0,
+        worker_s_to_go: Some(80.0),
+    };
+    store
+        .update_job(id, &RecordUpdate::Pace(pace.clone()))
+        .await
+        .expect("pace");
+    // The pace alone, in one read, and the whole record, agree.
+    assert_eq!(store.job_pace(id).await.expect("pace"), Some(pace.clone()));
+    let job = store.job(id).await.expect("job").expect("a record");
+    assert_eq!(
+        (job.deadline_ms, job.worker_hour_cost, job.pace),
+        (9_000, Some(1.5), Some(pace))
+    );
+    assert_eq!(
+        store.job_pace("no-such-00000000").await.expect("pace"),
+        None
+    );
+    store.delete_job(id).await.expect("cleanup");
 }

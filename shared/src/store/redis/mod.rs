@@ -19,7 +19,7 @@ pub use scripts::{
 };
 
 use super::{
-    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, JobStore, Lease,
+    Claim, Commit, ItemFailure, ItemStats, JobFacts, JobRecord, JobStatus, JobStore, Lease, Pace,
     Progress, RecordUpdate, Start, StoreError, TaskLookup, UnableNote, Work,
 };
 use crate::endpoint::Endpoint;
@@ -249,6 +249,21 @@ impl JobStore for RedisStore {
             .await
             .map_err(cmd("HMGET job"))?;
         facts_of(&key, fields)
+    }
+
+    async fn job_pace(&self, id: &str) -> Result<Option<Pace>, StoreError> {
+        let key = self.keys.job_key(id);
+        let mut c = self.conn("HGET pace").await?;
+        let pace: Option<String> = c.hget(&key, "pace").await.map_err(cmd("HGET pace"))?;
+        match pace.as_deref() {
+            None | Some("") => Ok(None),
+            Some(text) => serde_json::from_str(text)
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt {
+                    key,
+                    reason: format!("field pace is not a pace: {e}"),
+                }),
+        }
     }
 
     /// Writes a new job record (all fields) and lists it in `P:jobs`.
