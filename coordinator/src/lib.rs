@@ -22,7 +22,12 @@
 //! - [`compare`]: prediction distributions of two jobs side by side, with drift.
 //! - [`control`]: `plan` (a manifest's job without publishing) and `gc`
 //!   (finished jobs' state removed before its retention is up).
-//! - [`status`]: read a job's state for `batchfleet status`.
+//! - [`status`]: read a job's state for `batchfleet status`, and the
+//!   pools' needs for `batchfleet scale-advice`.
+//! - [`pace`]: a job's pace against its `[job] deadline` and its cost: the
+//!   workers its pool needs, measured by the coordinator that supervises it.
+//! - [`since`]: incremental jobs (`run --since`): the files new or changed
+//!   since a finished job, and what it reused.
 //! - [`dlq`]: list, replay and purge dead-lettered items.
 //! - [`local`]: `run --local` — the coordinator and worker pipelines in one
 //!   process over the in-process queues and store; `dlq … --local`.
