@@ -205,7 +205,6 @@ pub async fn follow(
         }
         if holder {
             supervisor.tick(store).await;
-            pacer.tick(store, cfg, job_id, false).await;
         }
         let p = match store.progress(job_id).await {
             Ok(p) if p.items_total > 0 => p,
@@ -229,6 +228,9 @@ pub async fn follow(
         bar.set_position(p.rows_done);
         bar.set_message(items_message(&p));
         job_gauges(job_id, &pool, &p, rate, eta(&p, rate), created_ms);
+        if holder {
+            pacer.tick(store, cfg, job_id, &p, false).await;
+        }
         if bar.is_hidden() && last_log.elapsed() >= LOG_EVERY {
             last_log = Instant::now();
             tracing::info!(job = %job_id, items_done = p.items_done, items_failed = p.items_failed, items_total = p.items_total, rows_done = p.rows_done, rows_total = p.rows_total, rows_per_s = rate.round(), eta_s = eta(&p, rate), "progress");
@@ -252,7 +254,7 @@ pub async fn follow(
         if let Some(how) = ended(store, job_id, &pool, &p, &budget, &bar).await {
             if holder {
                 // Its cost up to the end, for the summary.
-                pacer.tick(store, cfg, job_id, true).await;
+                pacer.tick(store, cfg, job_id, &p, true).await;
             }
             return Ok(how);
         }

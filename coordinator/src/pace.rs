@@ -353,12 +353,14 @@ impl Pacer {
         }
     }
 
-    /// Measures now if `--pace-interval` has passed (or `now` is set).
+    /// Measures now if `--pace-interval` has passed (or `now` is set), from
+    /// the job's counters as its follower just read them.
     pub async fn tick(
         &mut self,
         store: &Store,
         cfg: &crate::config::RunConfig,
         job_id: &str,
+        progress: &batchfleet_shared::store::Progress,
         now: bool,
     ) {
         let every = cfg.supervise.pace_every;
@@ -396,10 +398,6 @@ impl Pacer {
                 (share, others)
             }
             Err(_) => (1.0, Vec::new()),
-        };
-        let progress = match store.progress(job_id).await {
-            Ok(p) => p,
-            Err(_) => return,
         };
         let now_ms = match store.now_ms().await {
             Ok(ms) => ms,

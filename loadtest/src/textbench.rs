@@ -177,30 +177,15 @@ pub fn run(
     let mut reduced = Vec::new();
     for dtype in ["bfloat16", "float16"] {
         println!("bench [text] fleet in {dtype}…");
-        let path = dir.join(format!("job-{dtype}.toml"));
-        std::fs::write(
-            &path,
-            job.replace(
-                "tokenizer = \"tokenizer.json\"",
-                &format!("tokenizer = \"tokenizer.json\"\ndtype = \"{dtype}\""),
-            )
-            .replace(
-                "name = \"bench-text\"",
-                &format!("name = \"bench-text-{dtype}\""),
-            )
-            .replace("dir = \"out\"", &format!("dir = \"out-{dtype}\"")),
-        )?;
+        let edited = job.replace(
+            "tokenizer = \"tokenizer.json\"",
+            &format!("tokenizer = \"tokenizer.json\"\ndtype = \"{dtype}\""),
+        );
         let mut r = Reduced {
             dtype: dtype.into(),
             ..Reduced::default()
         };
-        let out = format!("out-{dtype}");
-        match run_job_with(bins.1, &path, prefix, &[], &out).and_then(|(w, _, _)| {
-            Ok((
-                w,
-                batchfleet_testkit::verify::agreement(&dir.join("out"), &dir.join(&out))?,
-            ))
-        }) {
+        match run_variant(bins.1, &dir, &edited, dtype, prefix) {
             Ok((w, (diff, cosine))) => {
                 r.rows_per_s = rows as f64 / w.max(1e-9);
                 r.to_float32 = wall / w.max(1e-9);
@@ -215,33 +200,17 @@ pub fn run(
     let mut budgets = Vec::new();
     for (tokens, batch) in BUDGETS {
         println!("bench [text] fleet with max_batch_tokens = {tokens}…");
-        let name = format!("tokens-{tokens}");
-        let path = dir.join(format!("job-{name}.toml"));
-        std::fs::write(
-            &path,
-            job.replace(
-                &format!("inference_batch_size = {BATCH}\n"),
-                &format!("inference_batch_size = {batch}\nmax_batch_tokens = {tokens}\n"),
-            )
-            .replace(
-                "name = \"bench-text\"",
-                &format!("name = \"bench-text-{name}\""),
-            )
-            .replace("dir = \"out\"", &format!("dir = \"out-{name}\"")),
-        )?;
+        let edited = job.replace(
+            &format!("inference_batch_size = {BATCH}\n"),
+            &format!("inference_batch_size = {batch}\nmax_batch_tokens = {tokens}\n"),
+        );
         let mut b = Budgeted {
             max_batch_tokens: tokens,
             batch,
             ..Budgeted::default()
         };
         let mut own = Fleet::start(bins.0, &dir, &pool, prefix, workers, threads)?;
-        let out = format!("out-{name}");
-        match run_job_with(bins.1, &path, prefix, &[], &out).and_then(|(w, _, _)| {
-            Ok((
-                w,
-                batchfleet_testkit::verify::agreement(&dir.join("out"), &dir.join(&out))?,
-            ))
-        }) {
+        match run_variant(bins.1, &dir, &edited, &format!("tokens-{tokens}"), prefix) {
             Ok((w, (diff, _))) => {
                 b.rows_per_s = rows as f64 / w.max(1e-9);
                 b.to_fixed = wall / w.max(1e-9);
@@ -302,6 +271,35 @@ pub fn run(
         worker_peak_rss_mib,
         budgets,
     })
+}
+
+/// Runs the text job's manifest `edited` (another setting) as a job of its
+/// own named `name` (`job-<name>.toml`, output `out-<name>`) on the fleet
+/// running: its wall time, and its embeddings' largest difference from the
+/// first run's and least cosine similarity with them.
+fn run_variant(
+    coordinator: &Path,
+    dir: &Path,
+    edited: &str,
+    name: &str,
+    prefix: &str,
+) -> Result<(f64, (f64, f64))> {
+    let path = dir.join(format!("job-{name}.toml"));
+    let out = format!("out-{name}");
+    std::fs::write(
+        &path,
+        edited
+            .replace(
+                "name = \"bench-text\"",
+                &format!("name = \"bench-text-{name}\""),
+            )
+            .replace("dir = \"out\"", &format!("dir = \"{out}\"")),
+    )?;
+    let (wall, _, _) = run_job_with(coordinator, &path, prefix, &[], &out)?;
+    Ok((
+        wall,
+        batchfleet_testkit::verify::agreement(&dir.join("out"), &dir.join(&out))?,
+    ))
 }
 
 /// Prints the figures.
