@@ -145,6 +145,7 @@ pub async fn follow(
         }
     };
     supervisor.remember(&job);
+    let mut pacer = crate::pace::Pacer::for_job(&job);
     let budget = ErrorBudget {
         max_failed_items: job.max_failed_items,
         max_failed_percent: job.max_failed_percent,
@@ -174,7 +175,6 @@ pub async fn follow(
     let mut first_poll = true;
     let (mut holder, mut renewed) = (false, None::<Instant>);
     let mut consumers = Consumers::default();
-    let mut pacer = crate::pace::Pacer::new();
     loop {
         // At once the first time (the supervisor sets its gauges then); near
         // the end, poll fast so the job's end is seen at once. The supervisor

@@ -353,6 +353,17 @@ impl Pacer {
         }
     }
 
+    /// For `job` as its follower read it at the start: one with neither a
+    /// deadline nor a cost is not read again for a minute (a short job is
+    /// never read for its pace at all).
+    pub fn for_job(job: &JobRecord) -> Self {
+        let unpaced = job.deadline_ms == 0 && job.worker_hour_cost.is_none();
+        Self {
+            unpaced_until: unpaced.then(|| Instant::now() + UNPACED_RECHECK),
+            ..Self::new()
+        }
+    }
+
     /// Measures now if `--pace-interval` has passed (or `now` is set), from
     /// the job's counters as its follower just read them.
     pub async fn tick(
