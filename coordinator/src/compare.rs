@@ -77,25 +77,26 @@ fn column_drift(a: &ColumnDistribution, b: &ColumnDistribution) -> ColumnDrift {
     }
 }
 
-/// The two distributions and their drift as a table.
+/// The two jobs as [`render`] heads them: id, model and rows predicted.
+pub fn heads(a: &Summary, b: &Summary) -> [String; 2] {
+    [a, b].map(|j| {
+        format!(
+            "{}  model {} ({} rows)",
+            j.job_id, j.model, j.rows_predicted
+        )
+    })
+}
+
+/// The two distributions (headed A and B by `heads`) and their drift as a table.
 pub fn render(
-    a: &Summary,
-    b: &Summary,
+    heads: &[String; 2],
     da: &Distribution,
     db: &Distribution,
     drift: &[ColumnDrift],
 ) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "A  {}  model {} ({} rows)",
-        a.job_id, a.model, a.rows_predicted
-    );
-    let _ = writeln!(
-        s,
-        "B  {}  model {} ({} rows)",
-        b.job_id, b.model, b.rows_predicted
-    );
+    let _ = writeln!(s, "A  {}", heads[0]);
+    let _ = writeln!(s, "B  {}", heads[1]);
     let w = (da.max - da.min) / f64::from(da.bins);
     for ((ca, cb), d) in da.columns.iter().zip(&db.columns).zip(drift) {
         let _ = writeln!(

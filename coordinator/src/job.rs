@@ -436,7 +436,12 @@ async fn reduce_claimed(
         .as_ref()
         .map(|s| s.task.output.clone())
         .unwrap_or_default();
-    let (summary, mut report) = crate::reducer::finish(store, job_id, &output).await?;
+    let shadow = spec
+        .as_ref()
+        .and_then(|s| s.task.shadow.as_ref())
+        .map(|s| s.model.clone());
+    let (summary, mut report) =
+        crate::reducer::finish(store, job_id, &output, shadow.as_ref()).await?;
     // Ended: its queue goes, and the pool's workers stop consuming it.
     match cfg.connections.broker("batchfleet reducer").await {
         Ok(broker) => {

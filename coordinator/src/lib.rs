@@ -20,6 +20,8 @@
 //! - [`reducer`]: write `_summary.json` and `_SUCCESS` once every item is committed.
 //! - [`hooks`]: `[on_complete]` command and webhook when the job ends.
 //! - [`compare`]: prediction distributions of two jobs side by side, with drift.
+//! - [`shadow`]: the summary's `shadow` section — a candidate model
+//!   (`[model.shadow]`) against the job's over the rows both predicted.
 //! - [`control`]: `plan` (a manifest's job without publishing) and `gc`
 //!   (finished jobs' state removed before its retention is up).
 //! - [`status`]: read a job's state for `batchfleet status`, and the
@@ -54,6 +56,7 @@ pub mod pace;
 pub mod planner;
 mod record;
 pub mod reducer;
+pub mod shadow;
 pub mod since;
 pub mod status;
 mod supervisor;

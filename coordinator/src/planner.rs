@@ -362,6 +362,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
             text: None,
+            shadow: None,
         },
         versions: Vec::new(),
         task_sha256: None,

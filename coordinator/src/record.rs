@@ -186,6 +186,7 @@ pub fn scan_outputs(
                 recovered: true,
                 rows_resumed: 0,
                 vector: tally.vector,
+                shadow: None,
             },
             hist,
         ));

@@ -3,7 +3,9 @@
 
 use crate::error::RunError;
 use batchfleet_shared::fsutil::publish_atomically;
-use batchfleet_shared::message::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
+use batchfleet_shared::message::{
+    part_file_name, HistogramSpec, ModelRef, OutputFormat, OutputSpec,
+};
 use batchfleet_shared::output::{SUCCESS_FILE, SUMMARY_FILE};
 use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, RecordUpdate, Store};
 use serde::{Deserialize, Serialize};
@@ -117,6 +119,10 @@ pub struct Summary {
     /// the files it reused, with the job and output folder holding them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incremental: Option<crate::since::Incremental>,
+    /// `[model.shadow]`: the candidate model against the job's over every
+    /// row both predicted (`batchfleet compare JOB` reads it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::shadow::ShadowSummary>,
 }
 
 /// Histograms of the model's outputs: equal-width bins over `[min, max)`,
@@ -292,6 +298,7 @@ pub async fn finish(
     store: &Store,
     job_id: &str,
     output: &OutputSpec,
+    shadow: Option<&ModelRef>,
 ) -> Result<(PathBuf, Summary), RunError> {
     let histogram = &output.histogram;
     let job = store.job(job_id).await?.ok_or_else(|| {
@@ -318,6 +325,7 @@ pub async fn finish(
     // rows_done counts every settled row: predicted or rejected.
     let rows_predicted = job.rows_done.saturating_sub(job.rows_rejected);
     let workers: BTreeSet<&str> = stats.iter().map(|s| s.worker.as_str()).collect();
+    let names = output_names(out, format, &stats, output);
     let mut summary = Summary {
         job_id: job.id.clone(),
         name: job.name.clone(),
@@ -372,8 +380,9 @@ pub async fn finish(
         predictions: Distribution::new(
             histogram,
             store.histogram(job_id, histogram.bins as usize + 2).await?,
-            &output_names(out, format, &stats, output),
+            &names,
         ),
+        shadow: crate::shadow::ShadowSummary::of(&stats, shadow, output, &names),
         vectors: VectorSummary::of(&stats),
         on_complete: None,
         merged: None,
@@ -555,6 +564,7 @@ mod tests {
             recovered: false,
             rows_resumed: 0,
             vector: None,
+            shadow: None,
         }
     }
 

@@ -254,6 +254,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         failed: Vec::new(),
                         integer: false,
                         parts: Vec::new(),
+                        shadow: None,
                     };
                     batchfleet_worker::writer::write_part(
                         &out,

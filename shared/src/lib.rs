@@ -38,6 +38,8 @@
 //! - [`text`]: text input: a Hugging Face `tokenizer.json` loaded and used
 //!   the same way by validation and by workers.
 //! - [`source`]: input locations, local files or `s3://` objects, behind one reader.
+//! - [`shadow`]: a candidate model scored beside the job's (`[model.shadow]`):
+//!   what each item records of the two, merged over the job.
 //! - [`shutdown`]: SIGINT/SIGTERM turned into a `CancellationToken`.
 //! - [`telemetry`]: tracing subscriber set-up shared by the binaries.
 
@@ -58,6 +60,7 @@ pub mod paths;
 pub mod pinned;
 pub mod retire;
 pub mod secret;
+pub mod shadow;
 pub mod shared_sync;
 pub mod shutdown;
 pub mod signing;

@@ -47,6 +47,8 @@ pub enum Cell<'a> {
     Int(i64),
     /// A vector of floats (as many as the column's [`Kind::Vector`]).
     Vector(&'a [f32]),
+    /// No value (an empty CSV field, JSON `null`, a Parquet null).
+    Null,
 }
 
 /// One value read back from a part file.
@@ -187,8 +189,16 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
         debug_assert_eq!(cells.len(), self.names.len());
         match &mut self.inner {
             Sink::Csv(csv, fmt) => {
-                for cell in cells {
+                for (cell, kind) in cells.iter().zip(&self.kinds) {
                     match cell {
+                        Cell::Null => match kind {
+                            Kind::Vector(d) => {
+                                for _ in 0..*d {
+                                    csv.write_field("")?;
+                                }
+                            }
+                            _ => csv.write_field("")?,
+                        },
                         Cell::Text(t) => csv.write_field(t)?,
                         Cell::Float(v) => csv.write_field(fmt.format(*v))?,
                         Cell::Int(v) => csv.write_field(v.to_string())?,
@@ -214,7 +224,7 @@ impl<'w, W: Write + Send> PartWriter<'w, W> {
                         Cell::Float(v) if v.is_finite() => {
                             w.write_all(fmt.format(*v).as_bytes())?
                         }
-                        Cell::Float(_) => w.write_all(b"null")?,
+                        Cell::Float(_) | Cell::Null => w.write_all(b"null")?,
                         Cell::Int(v) => write!(w, "{v}")?,
                         Cell::Vector(v) => {
                             w.write_all(b"[")?;

@@ -531,6 +531,7 @@ impl ItemContext {
             self.debug.abort_at_model(item.seq, attempt);
             let call = slot.runner.predict_rows(
                 &item.task.model,
+                item.task.shadow.as_ref().map(|s| &s.model),
                 batch.take().expect("batch is sent once"),
                 rows,
                 item.task.batch_size as usize,

@@ -9,6 +9,7 @@ use crate::error::ItemError;
 use crate::runner::Predictions;
 use batchfleet_shared::fsutil::{publish_under, publish_under_with, NameSync, Publish};
 use batchfleet_shared::message::{OutputFormat, OutputSpec};
+use batchfleet_shared::shadow::ShadowSpec;
 use batchfleet_shared::table::{Cell, Kind, PartWriter};
 use std::io::Write;
 use std::path::Path;
@@ -17,7 +18,9 @@ pub use batchfleet_shared::output::{count_rejects_under, count_rows, REJECTS_DIR
 
 /// The columns of a part file for a model of `width` outputs: `id`, the
 /// copied input columns (`include_columns`), the outputs (unless
-/// `drop_scores`), `label` (`argmax`), then `top1_label, top1_score, …`.
+/// `drop_scores`), `label` (`argmax`), then `top1_label, top1_score, …`;
+/// with `[output] shadow = "columns"`, the same outputs again from the
+/// shadow model, each named `<name>_shadow`.
 /// The outputs are floats, or integers when `integer` (a model returning
 /// class ids or counts); with `[output] vector`, one vector column instead.
 /// `parts`: the selected outputs that make up the row (see
@@ -36,25 +39,86 @@ pub fn part_columns(
     };
     let mut cols = vec![("id".to_owned(), Kind::Text)];
     cols.extend(spec.include_columns.iter().map(|c| (c.clone(), Kind::Text)));
+    let mut outputs = Vec::new();
     if let Some(name) = &spec.vector {
-        cols.push((name.clone(), Kind::Vector(width as u32)));
-        return cols.into_iter().unzip();
+        outputs.push((name.clone(), Kind::Vector(width as u32)));
+    } else {
+        if !spec.drop_scores {
+            outputs.extend(
+                spec.output_names(width, parts)
+                    .into_iter()
+                    .map(|n| (n, output_kind)),
+            );
+        }
+        if spec.argmax {
+            outputs.push(("label".into(), label_kind));
+        }
+        for k in 1..=(spec.top_k as usize).min(width) {
+            outputs.push((format!("top{k}_label"), label_kind));
+            outputs.push((format!("top{k}_score"), output_kind));
+        }
     }
-    if !spec.drop_scores {
-        cols.extend(
-            spec.output_names(width, parts)
-                .into_iter()
-                .map(|n| (n, output_kind)),
-        );
+    if spec.shadow_columns {
+        let shadow: Vec<_> = outputs
+            .iter()
+            .map(|(n, k)| (ShadowSpec::column_name(n), *k))
+            .collect();
+        outputs.extend(shadow);
     }
-    if spec.argmax {
-        cols.push(("label".into(), label_kind));
-    }
-    for k in 1..=(spec.top_k as usize).min(width) {
-        cols.push((format!("top{k}_label"), label_kind));
-        cols.push((format!("top{k}_score"), output_kind));
-    }
+    cols.extend(outputs);
     cols.into_iter().unzip()
+}
+
+/// The cells of one row's outputs as [`part_columns`] names them: the
+/// vector, or the scores (unless `drop_scores`), `label` and the top
+/// classes. `order` is scratch space.
+fn push_outputs<'a>(
+    cells: &mut Vec<Cell<'a>>,
+    row: &'a [f32],
+    spec: &'a OutputSpec,
+    integer: bool,
+    order: &mut Vec<usize>,
+) {
+    let output = |v: f32| {
+        if integer {
+            Cell::Int(v as i64)
+        } else {
+            Cell::Float(v)
+        }
+    };
+    if spec.vector.is_some() {
+        cells.push(Cell::Vector(row));
+        return;
+    }
+    // A class's name, or its index when there is no labels file.
+    let label = |k: usize| -> Cell<'a> {
+        spec.labels
+            .get(k)
+            .map_or(Cell::Int(k as i64), |l| Cell::Text(l))
+    };
+    if !spec.drop_scores {
+        cells.extend(row.iter().map(|v| output(*v)));
+    }
+    if spec.argmax || spec.top_k > 0 {
+        // Largest first; NaN last; ties keep the lower index first.
+        order.clear();
+        order.extend(0..row.len());
+        let key = |k: usize| {
+            if row[k].is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                row[k]
+            }
+        };
+        order.sort_by(|a, b| key(*b).total_cmp(&key(*a)));
+        if spec.argmax {
+            cells.push(label(order[0]));
+        }
+        for &k in order.iter().take(spec.top_k as usize) {
+            cells.push(label(k));
+            cells.push(output(row[k]));
+        }
+    }
 }
 
 /// Writes `id` (plus copied input columns) and the predictions of every row
@@ -102,26 +166,21 @@ pub fn write_part_rows(
         }
     }
     let (names, kinds) = part_columns(spec, width, preds.integer, &preds.parts);
-    let vector = spec.vector.is_some();
-    let output = |v: f32| {
-        if preds.integer {
-            Cell::Int(v as i64)
-        } else {
-            Cell::Float(v)
-        }
-    };
+    // The shadow model's values beside them (`[output] shadow = "columns"`):
+    // a row it did not predict, or a shadow of another shape, is empty.
+    let shadow = spec
+        .shadow_columns
+        .then_some(preds.shadow.as_deref())
+        .flatten()
+        .and_then(|s| s.result.as_ref().ok())
+        .filter(|p| p.width == preds.width && p.values.len() == preds.values.len());
     let extras = spec.include_columns.len();
     let result = publish_under_with(out, rel, false, sync, |w| {
         let mut part = PartWriter::new(w, spec.format, names, kinds)?;
+        let shadow_cells = (part.kinds().len() - 1 - extras) / 2;
         let mut failed = preds.failed.iter().map(|(i, _)| *i).peekable();
         let mut cells: Vec<Cell> = Vec::with_capacity(part.kinds().len());
         let mut order: Vec<usize> = Vec::with_capacity(width);
-        // A class's name, or its index when there is no labels file.
-        let label = |k: usize| -> Cell {
-            spec.labels
-                .get(k)
-                .map_or(Cell::Int(k as i64), |l| Cell::Text(l))
-        };
         for (i, row) in preds.values.chunks(width).enumerate() {
             if failed.peek() == Some(&i) {
                 failed.next();
@@ -131,32 +190,14 @@ pub fn write_part_rows(
             cells.clear();
             cells.push(Cell::Text(batch.id(r)));
             cells.extend((0..extras).map(|j| Cell::Text(batch.extra(r, j, extras))));
-            if vector {
-                cells.push(Cell::Vector(row));
-                part.row(&cells)?;
-                continue;
-            }
-            if !spec.drop_scores {
-                cells.extend(row.iter().map(|v| output(*v)));
-            }
-            if spec.argmax || spec.top_k > 0 {
-                // Largest first; NaN last; ties keep the lower index first.
-                order.clear();
-                order.extend(0..row.len());
-                let key = |k: usize| {
-                    if row[k].is_nan() {
-                        f32::NEG_INFINITY
-                    } else {
-                        row[k]
-                    }
-                };
-                order.sort_by(|a, b| key(*b).total_cmp(&key(*a)));
-                if spec.argmax {
-                    cells.push(label(order[0]));
-                }
-                for &k in order.iter().take(spec.top_k as usize) {
-                    cells.push(label(k));
-                    cells.push(output(row[k]));
+            push_outputs(&mut cells, row, spec, preds.integer, &mut order);
+            if spec.shadow_columns {
+                match shadow
+                    .map(|p| &p.values[i * width..(i + 1) * width])
+                    .filter(|s| !s.iter().any(|v| v.is_nan()))
+                {
+                    Some(s) => push_outputs(&mut cells, s, spec, preds.integer, &mut order),
+                    None => cells.extend((0..shadow_cells).map(|_| Cell::Null)),
                 }
             }
             part.row(&cells)?;
@@ -271,6 +312,7 @@ mod tests {
             failed: vec![(1, "boom".into())],
             integer: false,
             parts: Vec::new(),
+            shadow: None,
         };
         let spec = OutputSpec::default();
         assert_eq!(
@@ -297,6 +339,7 @@ mod tests {
             failed: vec![],
             integer: false,
             parts: Vec::new(),
+            shadow: None,
         };
         (b, p)
     }
@@ -341,6 +384,7 @@ mod tests {
             failed: vec![],
             integer: true,
             parts: Vec::new(),
+            shadow: None,
         };
         let dest = dir.path().join("i.csv");
         write_part(
@@ -410,6 +454,73 @@ mod tests {
             assert_eq!(names, &tables[0].0);
             assert_eq!(rows[0], tables[0].1[0]);
             assert_eq!(rows[2], tables[0].1[2]);
+        }
+    }
+
+    #[test]
+    fn shadow_columns_follow_the_outputs_and_are_empty_where_the_shadow_missed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (b, mut p) = three_rows();
+        // The shadow predicted rows 0 and 2, not row 1.
+        let shadow = Predictions {
+            values: vec![0.6, 0.3, 0.1, f32::NAN, f32::NAN, f32::NAN, 0.0, 1.0, 0.0],
+            ..p.clone()
+        };
+        p.shadow = Some(Box::new(crate::runner::Shadowed {
+            result: Ok(shadow),
+            main: std::time::Duration::ZERO,
+            shadow: std::time::Duration::ZERO,
+        }));
+        for format in [
+            OutputFormat::Csv,
+            OutputFormat::Jsonl,
+            OutputFormat::Parquet,
+        ] {
+            let spec = OutputSpec {
+                format,
+                labels: vec!["cat".into(), "dog".into(), "bird".into()],
+                argmax: true,
+                shadow_columns: true,
+                ..OutputSpec::default()
+            };
+            let rel = spec.part_name(1);
+            write_part(dir.path(), Path::new(&rel), &spec, &b, &p).unwrap();
+            let mut rows = Vec::new();
+            let names = batchfleet_shared::table::read_part(&dir.path().join(&rel), |_, r| {
+                rows.push(
+                    r.iter()
+                        .map(|v| {
+                            v.as_f64()
+                                .map_or_else(|| v.text(), |x| (x as f32).to_string())
+                        })
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .unwrap();
+            assert_eq!(
+                names,
+                [
+                    "id",
+                    "score_0",
+                    "score_1",
+                    "score_2",
+                    "label",
+                    "score_0_shadow",
+                    "score_1_shadow",
+                    "score_2_shadow",
+                    "label_shadow"
+                ],
+                "{format:?}"
+            );
+            assert_eq!(
+                rows[0][4..],
+                ["dog", "0.6", "0.3", "0.1", "cat"],
+                "{format:?}"
+            );
+            assert_eq!(rows[1][5..], ["", "", "", ""], "{format:?}: {rows:?}");
+            assert_eq!(rows[2][8], "dog", "{format:?}");
+            // The job's histogram reads the job's model's columns only.
+            assert!(!spec.is_score_column("score_0_shadow") && spec.is_score_column("score_0"));
         }
     }
 
@@ -490,6 +601,7 @@ mod tests {
                 failed: vec![],
                 integer: false,
                 parts: Vec::new(),
+                shadow: None,
             },
         )
         .unwrap_err();

@@ -164,7 +164,8 @@ pub enum Command {
     /// Remove finished jobs' state from Redis now, instead of when their
     /// retention (--retention) is up; their summaries stay in the output folders.
     Gc(GcArgs),
-    /// Compare the prediction distributions of two jobs (e.g. a new model
+    /// Compare the prediction distributions of two jobs, or of one job's
+    /// model and its shadow model (e.g. a new model
     /// version against the current one on the same data): histograms side
     /// by side, population stability index and KS distance per output.
     Compare(CompareArgs),
@@ -409,6 +410,12 @@ pub struct OverrideArgs {
     /// Repeat for several. Overrides are part of the job: its id covers them.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Run this model beside the manifest's on every mini-batch, as
+    /// `[model.shadow] path` (a file, relative to this folder, or an
+    /// `s3://` object): the output stays the manifest model's, and the
+    /// summary's `shadow` section compares the two (see docs/rollout.md).
+    #[arg(long, value_name = "MODEL")]
+    pub shadow: Option<PathBuf>,
     /// Most memory the model may take when validation tries it on two
     /// sample rows, in a process of its own (`8GiB`, `512MiB`); a model
     /// that takes more, or crashes that process, refuses the job.
@@ -418,6 +425,21 @@ pub struct OverrideArgs {
 }
 
 impl OverrideArgs {
+    /// The `--set` overrides, with `--shadow` as the one it stands for.
+    pub(super) fn all(&self) -> Vec<String> {
+        let mut all = self.set.clone();
+        if let Some(model) = &self.shadow {
+            let path = if batchfleet_shared::source::is_url(model) {
+                model.clone()
+            } else {
+                std::path::absolute(model).unwrap_or_else(|_| model.clone())
+            };
+            let quoted = toml::Value::String(path.to_string_lossy().into_owned());
+            all.push(format!("model.shadow.path={quoted}"));
+        }
+        all
+    }
+
     /// How the model call is tried at validation.
     pub(super) fn trial(&self) -> crate::manifest::ModelTrial {
         crate::manifest::ModelTrial::Child {
@@ -604,7 +626,9 @@ pub struct CompareArgs {
     /// Job A (the reference): a job id, or the path of its _summary.json.
     pub a: String,
     /// Job B (the candidate): a job id, or the path of its _summary.json.
-    pub b: String,
+    /// Without it: job A's model against its shadow model
+    /// (`[model.shadow]`), from the summary's `shadow` section.
+    pub b: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -637,6 +661,8 @@ mod tests {
     /// meaningful beside its per-invocation `--local <OUTPUT>`.
     const PER_INVOCATION: &[&str] = &[
         "run --set",
+        "run --shadow",
+        "plan --shadow",
         "run --detach",
         "run --json",
         "wait --json",

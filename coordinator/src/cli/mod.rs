@@ -203,7 +203,7 @@ fn serve_metrics(cli: &Cli) -> Result<(), String> {
 /// run it in this process (`--local`).
 async fn run_main(args: RunArgs, connections: Connections) -> ExitCode {
     let mut cfg = args.follow.run_config(connections);
-    cfg.overrides = args.overrides.set.clone();
+    cfg.overrides = args.overrides.all();
     cfg.trial = args.overrides.trial();
     if let Some(since) = &args.since {
         match crate::since::narrow(&cfg, &args.manifest, since, args.local).await {
@@ -433,7 +433,7 @@ async fn plan_main(args: PlanArgs, connections: Connections) -> ExitCode {
     let mut cfg = FollowArgs::default_config(connections);
     cfg.data_roots = args.data_roots;
     cfg.trial = args.overrides.trial();
-    cfg.overrides = args.overrides.set;
+    cfg.overrides = args.overrides.all();
     let sample = args.sample.map(|rows| crate::control::SampleArgs {
         rows: rows as usize,
         workers: args.workers,
@@ -532,7 +532,36 @@ async fn load_summary(
 async fn compare_main(args: &CompareArgs, connections: &Connections) -> ExitCode {
     let loaded = async {
         let a = load_summary(&args.a, connections).await?;
-        let b = load_summary(&args.b, connections).await?;
+        let Some(b) = &args.b else {
+            // One job: its model against its shadow, over the rows both predicted.
+            let shadow = a.shadow.clone().ok_or_else(|| {
+                format!(
+                    "job {} ran no shadow model; give a second job to compare with, or run the job with [model.shadow] (or run --shadow <model>)",
+                    a.job_id
+                )
+            })?;
+            let dists = shadow
+                .main_distribution
+                .clone()
+                .zip(shadow.shadow_distribution.clone())
+                .ok_or_else(|| {
+                    format!(
+                        "job {} compared no rows with a histogram to its shadow model{}",
+                        a.job_id,
+                        shadow
+                            .error
+                            .as_deref()
+                            .map(|e| format!(": {e}"))
+                            .unwrap_or_default()
+                    )
+                });
+            let drift = match &dists {
+                Ok((x, y)) => crate::compare::drift(x, y)?,
+                Err(_) => Vec::new(),
+            };
+            return Ok::<_, String>((a.clone(), a, dists.ok(), drift));
+        };
+        let b = load_summary(b, connections).await?;
         let da = a
             .predictions
             .clone()
@@ -542,20 +571,45 @@ async fn compare_main(args: &CompareArgs, connections: &Connections) -> ExitCode
             .clone()
             .ok_or_else(|| format!("job {} recorded no prediction histogram", b.job_id))?;
         let drift = crate::compare::drift(&da, &db)?;
-        Ok::<_, String>((a, b, da, db, drift))
+        Ok::<_, String>((a, b, Some((da, db)), drift))
     };
-    let (a, b, da, db, drift) = match loaded.await {
+    let (a, b, dists, drift) = match loaded.await {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_FAILURE);
         }
     };
+    let shadow = args.b.is_none().then_some(a.shadow.as_ref()).flatten();
     if args.json {
-        let out = serde_json::json!({ "a": a.job_id, "b": b.job_id, "a_distribution": da, "b_distribution": db, "drift": drift });
+        let (da, db) = dists.unzip();
+        let out = match shadow {
+            Some(s) => {
+                serde_json::json!({ "a": a.job_id, "b": format!("{} (shadow)", a.job_id), "a_distribution": da, "b_distribution": db, "drift": drift, "shadow": s })
+            }
+            None => {
+                serde_json::json!({ "a": a.job_id, "b": b.job_id, "a_distribution": da, "b_distribution": db, "drift": drift })
+            }
+        };
         println!("{}", serde_json::to_string_pretty(&out).expect("json"));
     } else {
-        println!("{}", crate::compare::render(&a, &b, &da, &db, &drift));
+        if let Some(s) = shadow {
+            println!("{}", s.render());
+        }
+        if let Some((da, db)) = &dists {
+            let heads = match shadow {
+                // One job: which model each side is, over the rows both predicted.
+                Some(s) => [
+                    format!(
+                        "{}  model {} ({} rows compared)",
+                        a.job_id, a.model, s.rows_compared
+                    ),
+                    format!("{}  shadow model {}", a.job_id, s.model),
+                ],
+                None => crate::compare::heads(&a, &b),
+            };
+            println!("{}", crate::compare::render(&heads, da, db, &drift));
+        }
     }
     if let Some(limit) = args.max_psi {
         if let Some(d) = drift.iter().find(|d| d.psi > limit) {

@@ -350,6 +350,7 @@ pub fn validate(
         tf32: m.model.tf32,
         ..model
     };
+    let shadow = model::shadow(m, base, roots, &model, &mut problems);
     let batching = policy::batching(&m.batching, m.input.text_column.is_some(), &mut problems);
     let blind = cut::blind_cut(m, &inputs.files, &mut problems);
     let (failure, budget) = policy::failure(&m.failure, &mut problems);
@@ -398,6 +399,7 @@ pub fn validate(
             }),
             _ => None,
         },
+        shadow,
     };
     let input::Files {
         files,

@@ -2,15 +2,17 @@
 //! or an `s3://` object (downloaded into this machine's cache,
 //! [`batchfleet_shared::pinned`]), that is a TorchScript archive (see
 //! [`super::probes`]), with its SHA-256 taken and compared with the
-//! manifest's when given: the digest every worker checks — and the device.
+//! manifest's when given: the digest every worker checks — and the device;
+//! and `[model.shadow]`, the candidate run beside it, checked the same way.
 
 use super::probes::check_torchscript;
-use super::schema::ModelSection;
+use super::schema::{Manifest, ModelSection};
 use super::{resolve, Problems};
 use batchfleet_shared::fsutil::sha256_file;
-use batchfleet_shared::message::{FileRef, ModelRef};
+use batchfleet_shared::message::{FileRef, ModelRef, Precision};
 use batchfleet_shared::model_file::ModelKind;
 use batchfleet_shared::paths::DataRoots;
+use batchfleet_shared::shadow::ShadowSpec;
 use std::path::Path;
 
 /// The model every item runs: its absolute path, digest and device, and
@@ -21,35 +23,14 @@ pub(super) fn check(
     roots: &DataRoots,
     problems: &mut Problems,
 ) -> (ModelRef, Option<ModelKind>) {
-    let mut kind = None;
     let model_path = resolve(base, &model.path);
-    let mut model_sha = String::new();
-    // The file to read: the model itself, or its copy in this machine's
-    // cache (with its digest) for an object in S3.
-    let local = roots
-        .check(&model_path)
-        .map_err(|e| e.to_string())
-        .and_then(|_| fetch_if_url(&model_path));
-    match local.and_then(|(file, sha)| {
-        let k = check_torchscript(&file).map_err(|e| named(&e, &file, &model_path))?;
-        let sha = match sha {
-            Some(sha) => sha,
-            None => sha256_file(&file)
-                .map_err(|e| format!("cannot read {}: {e}", model_path.display()))?,
-        };
-        Ok((k, sha))
-    }) {
-        Err(e) => problems.add("[model] path", e),
-        Ok((k, actual)) => {
-            if let Some(expected) = &model.sha256 {
-                if !expected.eq_ignore_ascii_case(&actual) {
-                    problems.add("[model] sha256", format!("{} has sha256 {actual} but the manifest expects {expected}; update the manifest or restore the right model file", model_path.display()));
-                }
-            }
-            model_sha = actual;
-            kind = Some(k);
+    let (model_sha, kind) = match file(&model_path, model.sha256.as_deref(), roots) {
+        Ok((sha, kind)) => (sha, Some(kind)),
+        Err((field, e)) => {
+            problems.add(&format!("[model] {field}"), e);
+            (String::new(), None)
         }
-    }
+    };
     if !valid_device(&model.device) {
         problems.add(
             "[model] device",
@@ -67,6 +48,92 @@ pub(super) fn check(
         ),
         kind,
     )
+}
+
+/// A model file under the data roots (or in S3): its digest, checked
+/// against `expected` when given, and its kind; else the field at fault
+/// (`path` or `sha256`) and why.
+fn file(
+    model_path: &Path,
+    expected: Option<&str>,
+    roots: &DataRoots,
+) -> Result<(String, ModelKind), (&'static str, String)> {
+    // The file to read: the model itself, or its copy in this machine's
+    // cache (with its digest) for an object in S3.
+    let (kind, actual) = roots
+        .check(model_path)
+        .map_err(|e| e.to_string())
+        .and_then(|_| fetch_if_url(model_path))
+        .and_then(|(file, sha)| {
+            let k = check_torchscript(&file).map_err(|e| named(&e, &file, model_path))?;
+            let sha = match sha {
+                Some(sha) => sha,
+                None => sha256_file(&file)
+                    .map_err(|e| format!("cannot read {}: {e}", model_path.display()))?,
+            };
+            Ok((k, sha))
+        })
+        .map_err(|e| ("path", e))?;
+    if let Some(expected) = expected {
+        if !expected.eq_ignore_ascii_case(&actual) {
+            return Err(("sha256", format!("{} has sha256 {actual} but the manifest expects {expected}; update the manifest or restore the right model file", model_path.display())));
+        }
+    }
+    Ok((actual, kind))
+}
+
+/// `[model.shadow]` and `[output] shadow`: the candidate model run beside
+/// `main` on the same rows — its file checked as the job's model's is, its
+/// call as the job's model's but in its own `dtype` (as saved when unset).
+pub(super) fn shadow(
+    m: &Manifest,
+    base: &Path,
+    roots: &DataRoots,
+    main: &ModelRef,
+    problems: &mut Problems,
+) -> Option<ShadowSpec> {
+    let Some(section) = &m.model.shadow else {
+        if m.output.shadow.is_some() {
+            problems.add(
+                "[output] shadow",
+                "needs a shadow model: add [model.shadow] path = \"…\" (or run --shadow <model>), or remove it".into(),
+            );
+        }
+        return None;
+    };
+    let path = resolve(base, &section.path);
+    let (sha256, kind) = match file(&path, section.sha256.as_deref(), roots) {
+        Ok(found) => found,
+        Err((field, e)) => {
+            problems.add(&format!("[model.shadow] {field}"), e);
+            return None;
+        }
+    };
+    let dtype = match section.dtype.as_deref() {
+        None | Some("float32") => None,
+        Some(d) => match Precision::from_name(d) {
+            Some(_) if kind == ModelKind::AotiPackage => {
+                problems.add("[model.shadow] dtype", "does not apply to an AOTInductor package, which runs in the precision it was compiled in; remove dtype".into());
+                None
+            }
+            Some(p) => Some(p),
+            None => {
+                problems.add(
+                    "[model.shadow] dtype",
+                    format!("\"{d}\" is not bfloat16, float16 or float32 (the default: as saved)"),
+                );
+                None
+            }
+        },
+    };
+    Some(ShadowSpec {
+        model: ModelRef {
+            path: path.to_string_lossy().into_owned(),
+            sha256,
+            dtype,
+            ..main.clone()
+        },
+    })
 }
 
 /// The local file holding `path`: itself, or for a URL its copy downloaded
@@ -195,6 +262,54 @@ fn valid_device(d: &str) -> bool {
 mod tests {
     use crate::manifest::testing::{problems, Fixture, GOOD};
     use std::fs;
+
+    #[test]
+    fn a_shadow_model_is_checked_as_the_job_model_and_inherits_its_call() {
+        let fx = Fixture::new();
+        fs::copy(
+            fx.dir.path().join("model.pt"),
+            fx.dir.path().join("cand.pt"),
+        )
+        .unwrap();
+        let with = |extra: &str| format!("{GOOD}{extra}");
+        let spec = fx
+            .load_with(
+                &with("[model.shadow]\npath = \"cand.pt\"\ndtype = \"bfloat16\"\n"),
+                &["output.shadow=\"columns\""],
+            )
+            .unwrap();
+        let shadow = spec.task.shadow.as_ref().expect("shadow");
+        assert!(shadow.model.path.ends_with("cand.pt"));
+        assert_eq!(shadow.model.sha256, spec.task.model.sha256);
+        assert_eq!(
+            shadow.model.dtype,
+            Some(batchfleet_shared::message::Precision::Bfloat16)
+        );
+        assert_eq!(shadow.model.device, spec.task.model.device);
+        assert!(spec.task.output.shadow_columns);
+        // A shadow is part of the job: another id.
+        assert_ne!(spec.job_id, fx.load(GOOD).unwrap().job_id);
+        let err = problems(fx.load(&with(
+            "[model.shadow]\npath = \"missing.pt\"\nsha256 = \"00\"\n",
+        )));
+        assert!(
+            err.contains("[model.shadow] path:") && err.contains("missing.pt"),
+            "{err}"
+        );
+        let err = problems(fx.load(&with(
+            "[model.shadow]\npath = \"cand.pt\"\nsha256 = \"00\"\n",
+        )));
+        assert!(err.contains("[model.shadow] sha256:"), "{err}");
+        let err = problems(fx.load(&with(
+            "[model.shadow]\npath = \"cand.pt\"\ndtype = \"float8\"\n",
+        )));
+        assert!(err.contains("[model.shadow] dtype:"), "{err}");
+        let err = problems(fx.load_with(GOOD, &["output.shadow=\"stats\""]));
+        assert!(
+            err.contains("[output] shadow:") && err.contains("[model.shadow]"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn sha_mismatch_and_not_torchscript() {

@@ -96,6 +96,7 @@ pub(super) fn check(
             drop_scores,
             include_columns: out.include_columns.clone(),
             vector: out.vector.clone(),
+            shadow_columns: out.shadow == Some(super::schema::ShadowOutput::Columns),
         },
         include_indices,
     }

@@ -269,6 +269,34 @@ pub struct ModelSection {
     /// error per product. Default false. No effect on the CPU.
     #[serde(default)]
     pub tf32: bool,
+    /// A candidate model run beside this one on every mini-batch, on the
+    /// same rows: the output stays this model's; the summary's `shadow`
+    /// section compares the two (see `[output] shadow`).
+    pub shadow: Option<ShadowSection>,
+}
+
+/// `[model.shadow]`: the candidate model. Its inputs, outputs and device
+/// are the job's model's.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowSection {
+    /// TorchScript file (or `.pt2` package, or `s3://` object), as `[model] path`.
+    pub path: String,
+    /// Expected SHA-256 of the file (hex); checked when given.
+    pub sha256: Option<String>,
+    /// `"bfloat16"` or `"float16"`: run the shadow in reduced precision.
+    /// Default: as saved (not the job's model's `dtype`).
+    pub dtype: Option<String>,
+}
+
+/// `[output] shadow`: what a shadow model adds to the output folder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ShadowOutput {
+    /// Nothing in the part files: the comparison in `_summary.json` only.
+    Stats,
+    /// Each output column again from the shadow, as `<name>_shadow`.
+    Columns,
 }
 
 /// One entry of `[model] inputs`, as written.
@@ -379,6 +407,10 @@ pub struct OutputSection {
     pub normalize: bool,
     /// `"mean"` or `"cls"`: one vector per row from a `[rows, L, D]` output.
     pub pooling: Option<String>,
+    /// With `[model.shadow]`: `"stats"` (the default) compares the models
+    /// in `_summary.json` only; `"columns"` also writes each output column
+    /// from the shadow as `<name>_shadow`.
+    pub shadow: Option<ShadowOutput>,
 }
 
 /// `[output] histogram = { min = 0.0, max = 1.0, bins = 20 }`

@@ -6,4 +6,5 @@
 mod cli;
 mod hooks;
 mod local_run;
+mod shadow;
 mod since;

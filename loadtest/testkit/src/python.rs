@@ -188,6 +188,16 @@ pub fn make_wrong_models(out: &Path) -> Result<()> {
     run_model_script("make_wrong_models.py", out, &[])
 }
 
+/// Writes `candidate.pt` (the base model with its last layer moved by
+/// seeded noise), `raising.pt` (raises on rows whose f0 is above 1.5),
+/// `shadow_golden.csv` (the candidate's outputs as `<name>_shadow` columns)
+/// and `shadow_expected.json` (the figures a shadow run must report,
+/// computed in PyTorch) from `out/model.pt` and `out/data/*.csv`; see
+/// `loadtest/python/make_shadow_models.py`.
+pub fn make_shadow_models(out: &Path) -> Result<()> {
+    run_model_script("make_shadow_models.py", out, &[])
+}
+
 /// Runs `loadtest/python/<script> --base out/model.pt --out-dir out <extra>`.
 fn run_model_script(script: &str, out: &Path, extra: &[&str]) -> Result<()> {
     let script = repo_root().join("loadtest/python").join(script);

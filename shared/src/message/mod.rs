@@ -174,6 +174,10 @@ pub struct TaskSpec {
     /// their job ids).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<TextSpec>,
+    /// A candidate model run beside `model` on the same rows
+    /// (`[model.shadow]`); serialized only when set, as `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::shadow::ShadowSpec>,
 }
 
 /// What a bad row does to its item.
@@ -375,6 +379,7 @@ pub(crate) fn sample_item() -> WorkItem {
             failure: FailurePolicy::default(),
             checkpoint_rows: 0,
             text: None,
+            shadow: None,
         },
         versions: Vec::new(),
         task_sha256: None,
@@ -403,6 +408,7 @@ mod tests {
                 failure: item.task.failure,
                 checkpoint_rows: item.task.checkpoint_rows,
                 text: item.task.text.clone(),
+                shadow: None,
                 jsonl: None,
                 parquet: None,
                 image: None,

@@ -83,6 +83,11 @@ pub struct OutputSpec {
     /// a JSON array in JSON Lines, `<name>_0 … <name>_{D-1}` in CSV.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vector: Option<String>,
+    /// `[output] shadow = "columns"`: after the job's own columns, each
+    /// written again from the shadow model (`[model.shadow]`) as
+    /// `<name>_shadow`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shadow_columns: bool,
 }
 
 /// For serde: a zero count is left out of the encoding.
@@ -185,9 +190,11 @@ impl OutputSpec {
 
     /// Whether a part file column holds a raw model output (what the
     /// prediction histogram counts): anything but the id, copied input
-    /// columns and the label columns.
+    /// columns, the label columns and the shadow model's columns.
     pub fn is_score_column(&self, name: &str) -> bool {
-        name != "id"
+        let shadow = self.shadow_columns && name.ends_with(crate::shadow::COLUMN_SUFFIX);
+        !shadow
+            && name != "id"
             && name != "label"
             && !self.include_columns.iter().any(|c| c == name)
             && !(name.starts_with("top") && (name.ends_with("_label") || name.ends_with("_score")))

@@ -57,6 +57,9 @@ pub struct TaskSpec {
     /// here so a text job's id hashes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<TextSpec>,
+    /// The shadow model (`[model.shadow]`; here so a shadow job's id hashes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::shadow::ShadowSpec>,
 }
 
 impl From<TaskSpec> for super::TaskSpec {
@@ -75,6 +78,7 @@ impl From<TaskSpec> for super::TaskSpec {
             failure: t.failure,
             checkpoint_rows: t.checkpoint_rows,
             text: t.text,
+            shadow: t.shadow,
         }
     }
 }

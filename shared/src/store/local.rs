@@ -971,6 +971,7 @@ mod tests {
             recovered: false,
             rows_resumed: 0,
             vector: None,
+            shadow: None,
         }
     }
 

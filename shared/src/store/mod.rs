@@ -104,6 +104,9 @@ pub struct ItemStats {
     /// The norms of the vectors the item wrote (`[output] vector`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vector: Option<VectorStats>,
+    /// What the shadow model did beside the job's (`[model.shadow]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::shadow::ShadowStats>,
 }
 
 /// The L2 norms of the vectors written (an embedding job's outputs): how

@@ -67,6 +67,7 @@ fn stats(seq: u32, worker: &str) -> ItemStats {
         recovered: false,
         rows_resumed: 0,
         vector: None,
+        shadow: None,
     }
 }
 
@@ -685,6 +686,7 @@ fn sample_task() -> batchfleet_shared::message::TaskSpec {
         failure: FailurePolicy::default(),
         checkpoint_rows: 0,
         text: None,
+        shadow: None,
     }
 }
 

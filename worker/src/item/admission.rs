@@ -215,6 +215,7 @@ mod tests {
                 parquet: None,
                 image: None,
                 text: None,
+                shadow: None,
             },
         };
         let body = Envelope::V1(v1).encode();

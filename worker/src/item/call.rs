@@ -1,7 +1,8 @@
 //! One model call as an item sees it: a turn at the model through the
 //! context's gate ([`model`]), what came back turned into the batch and
 //! its predictions or the item's early end, and what the item keeps of each
-//! call — the histogram of its predictions, or its vectors' norms ([`tally`]).
+//! call — the histogram of its predictions, or its vectors' norms
+//! ([`tally`]), and what a shadow model did beside it ([`shadow`]).
 
 use super::settle::Handled;
 use super::signals::Signals;
@@ -10,6 +11,7 @@ use crate::context::{ItemContext, Predicted};
 use crate::error::ItemError;
 use crate::runner::Predictions;
 use batchfleet_shared::message::{FailurePolicy, WorkItem};
+use batchfleet_shared::shadow::{Outputs, ShadowStats};
 use batchfleet_shared::store::VectorStats;
 use std::ops::Range;
 use std::time::Duration;
@@ -79,6 +81,51 @@ pub(super) fn tally(
         .histogram
         .add(hist, &preds.values, preds.width);
     None
+}
+
+/// What the shadow model (`[model.shadow]`) did beside the job's on the
+/// call's rows, for a job that has one: the two compared, or why the
+/// shadow missed them. Its failure is never the item's.
+pub(super) fn shadow(item: &WorkItem, preds: &Predictions) -> Option<ShadowStats> {
+    let spec = item.task.shadow.as_ref()?;
+    let rows = preds.values.len().checked_div(preds.width).unwrap_or(0);
+    let predicted = rows.saturating_sub(preds.failed.len()) as u64;
+    let Some(shadowed) = &preds.shadow else {
+        return Some(ShadowStats::missed(
+            predicted,
+            "the shadow model was not run on these rows",
+        ));
+    };
+    let stats = match &shadowed.result {
+        Ok(p) => ShadowStats::compare(
+            Outputs {
+                values: &preds.values,
+                width: preds.width,
+            },
+            Outputs {
+                values: &p.values,
+                width: p.width,
+            },
+            &item.task.output,
+        ),
+        Err(why) => ShadowStats::missed(
+            predicted,
+            format!("the shadow model {} did not run: {why}", spec.model.path),
+        ),
+    };
+    let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    Some(stats.timed(nanos(shadowed.main), nanos(shadowed.shadow), rows as u64))
+}
+
+/// For a job with a shadow model: `rows` an earlier delivery computed,
+/// which this one does not compare.
+pub(super) fn shadow_missed(item: &WorkItem, rows: u64) -> Option<ShadowStats> {
+    (item.task.shadow.is_some() && rows > 0).then(|| {
+        ShadowStats::missed(
+            rows,
+            "rows an earlier delivery of their item computed are not compared again",
+        )
+    })
 }
 
 /// Adds `part` into `into`, column by column.

@@ -22,6 +22,7 @@ use crate::error::{blocking, blocking_within, ItemError};
 use crate::writer;
 use batchfleet_shared::message::{OutputFormat, WorkItem};
 use batchfleet_shared::metrics::names;
+use batchfleet_shared::shadow::ShadowStats;
 use batchfleet_shared::store::VectorStats;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -102,6 +103,8 @@ pub(super) struct Segmented {
     pub hist: Vec<Vec<u64>>,
     /// Norms of the vectors written (`[output] vector`).
     pub vector: Option<VectorStats>,
+    /// What the shadow model did beside the job's (`[model.shadow]`).
+    pub shadow: Option<ShadowStats>,
     /// Rows the checkpoint already held.
     pub resumed: u64,
     /// Every segment's part file (relative), in row order.
@@ -171,6 +174,7 @@ pub(super) async fn segments(
         .rows_resumed
         .store(resumed as u64, Ordering::Relaxed);
     signals.rows_done.store(resumed as u64, Ordering::Relaxed);
+    let mut shadow = call::shadow_missed(item, resumed as u64);
     let mut files = resumed_files;
     let mut predicted = 0usize;
     let mut failed = model_rejects.len();
@@ -216,6 +220,7 @@ pub(super) async fn segments(
             .collect();
         failed += seg_rejects.len();
         vector = VectorStats::merge(vector, call::tally(&mut hist, item, &preds));
+        shadow = ShadowStats::merge(shadow, call::shadow(item, &preds));
         let path = segment_path(&dir, (next, end), format);
         ctx.debug.check_disk(&out.join(&path))?;
         let (o, p, b, spec) = (
@@ -250,6 +255,7 @@ pub(super) async fn segments(
         rejects: model_rejects,
         hist,
         vector,
+        shadow,
         resumed: resumed as u64,
         files,
         dir,

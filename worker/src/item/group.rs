@@ -327,6 +327,7 @@ mod tests {
             recovered: false,
             rows_resumed: 0,
             vector: None,
+            shadow: None,
         }
     }
 

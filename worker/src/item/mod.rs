@@ -55,6 +55,7 @@ use batchfleet_shared::broker::Delivery;
 use batchfleet_shared::fsutil::{NameSync, Publish};
 use batchfleet_shared::message::{Opened, WorkItem, COPY_HEADER, PUBLISHED_HEADER};
 use batchfleet_shared::metrics::names;
+use batchfleet_shared::shadow::ShadowStats;
 use batchfleet_shared::shared_sync::{Coming, SharedSync};
 use batchfleet_shared::store::{Claim, ItemStats, Start, VectorStats};
 use futures_lite::FutureExt;
@@ -504,6 +505,7 @@ async fn process(
         recovered: false,
         rows_resumed: 0,
         vector: None,
+        shadow: None,
     };
     // item_timeout bounds the item's read, its model time (not its waits
     // for a turn at the model) and its write, each.
@@ -554,6 +556,7 @@ async fn process(
         } => {
             (stats.rows, stats.rows_rejected, stats.recovered) = (rows, rejected, true);
             stats.vector = vector;
+            stats.shadow = call::shadow_missed(item, rows);
             return commit(item, stats, &hist, None, signals, ctx).await;
         }
         Looked::Read {
@@ -571,6 +574,7 @@ async fn process(
         rejects,
         hist,
         vector,
+        shadow,
         resumed,
         source,
         partial,
@@ -580,6 +584,7 @@ async fn process(
     };
     stats.rows = rows;
     stats.vector = vector;
+    stats.shadow = shadow;
     stats.rows_rejected = rejects.len() as u64;
     stats.rows_resumed = resumed;
     ctx.debug.check_disk(&out.join(&part))?;
@@ -769,6 +774,8 @@ struct Computed {
     hist: Vec<Vec<u64>>,
     /// Norms of the vectors written (`[output] vector`).
     vector: Option<VectorStats>,
+    /// What the shadow model did beside the job's (`[model.shadow]`).
+    shadow: Option<ShadowStats>,
     /// Rows a checkpoint held.
     resumed: u64,
     /// How the part file is made.
@@ -839,11 +846,13 @@ async fn compute(
         let mut hist = Vec::new();
         // Failed rows are NaN, which no bin counts.
         let vector = call::tally(&mut hist, item, &preds);
+        let shadow = call::shadow(item, &preds);
         Computed {
             rows: (rows - preds.failed.len()) as u64,
             rejects,
             hist,
             vector,
+            shadow,
             resumed: 0,
             source: PartSource::Rows(Box::new((batch, preds, item.task.output.clone()))),
             partial: None,
@@ -861,6 +870,7 @@ async fn compute(
             rejects,
             hist: done.hist,
             vector: done.vector,
+            shadow: done.shadow,
             resumed: done.resumed,
             source: PartSource::Segments(item.task.output.format, done.files),
             partial: Some(done.dir),

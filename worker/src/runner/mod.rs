@@ -21,7 +21,7 @@ mod torch;
 
 pub use backend::{Arg, ArgValues, Backend, Delayed, ForwardError, Forwarded, Ran};
 pub use precision::set_tf32;
-pub use predict::{predict, predict_tokens, Predictions};
+pub use predict::{predict, predict_tokens, Predictions, Shadowed};
 pub use torch::{TorchBackend, DEFAULT_MODELS_KEPT};
 
 use crate::batch::Batch;
@@ -32,6 +32,8 @@ use tokio::sync::{mpsc, oneshot};
 
 struct Request {
     model: ModelRef,
+    /// Run beside `model` on the same rows (`[model.shadow]`).
+    shadow: Option<ModelRef>,
     batch: Batch,
     rows: std::ops::Range<usize>,
     batch_size: usize,
@@ -41,6 +43,52 @@ struct Request {
     /// Testing aid: panic on the runner thread instead of predicting.
     inject_panic: bool,
     reply: oneshot::Sender<(Batch, Result<Predictions, ItemError>)>,
+}
+
+/// Predicts rows `rows` of `batch` with `model`: its tokens, or its
+/// features (see [`predict_tokens`], [`predict`]).
+fn run_model<B: Backend>(
+    backend: &mut B,
+    model: &ModelRef,
+    batch: &Batch,
+    rows: std::ops::Range<usize>,
+    batch_size: usize,
+    policy: &FailurePolicy,
+) -> Result<Predictions, ItemError> {
+    if let Some(tokens) = &batch.tokens {
+        return predict_tokens(
+            backend,
+            model,
+            tokens,
+            (&batch.features, batch.cols),
+            rows,
+            batch_size,
+            policy,
+        );
+    }
+    let cols = batch.cols;
+    let features = batch
+        .features
+        .get(rows.start * cols..rows.end * cols)
+        .unwrap_or_default();
+    predict(
+        backend,
+        model,
+        features,
+        &batch.row_shape(),
+        batch_size,
+        policy,
+    )
+}
+
+/// A panic on the runner thread running `model`, as the item's failure.
+fn panicked(model: &ModelRef, payload: &(dyn std::any::Any + Send)) -> ItemError {
+    metrics::counter!(names::WORKER_PANICS, "where" => "runner").increment(1);
+    ItemError::panic(format!(
+        "the model runner panicked running {}: {}",
+        model.path,
+        crate::error::panic_message(payload)
+    ))
 }
 
 /// Handle to a runner thread; cheap to clone.
@@ -67,6 +115,7 @@ impl ModelRunner {
                 while let Some(req) = rx.blocking_recv() {
                     let Request {
                         model,
+                        shadow,
                         batch,
                         rows,
                         batch_size,
@@ -78,46 +127,47 @@ impl ModelRunner {
                     // A panic in the backend (a bug a model or an input
                     // reaches) fails this request, not the thread: the item
                     // is settled like any failed item and the runner goes on.
-                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let started = std::time::Instant::now();
+                    let mut result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         if inject_panic {
                             panic!("injected panic on the model runner thread (--debug-panic)");
                         }
                         if load_only {
                             return backend.load(&model).map(|()| Predictions::default());
                         }
-                        if let Some(tokens) = &batch.tokens {
-                            return predict_tokens(
-                                &mut backend,
-                                &model,
-                                tokens,
-                                (&batch.features, batch.cols),
-                                rows.clone(),
-                                batch_size,
-                                &policy,
-                            );
-                        }
-                        let cols = batch.cols;
-                        let features = batch
-                            .features
-                            .get(rows.start * cols..rows.end * cols)
-                            .unwrap_or_default();
-                        predict(
+                        run_model(
                             &mut backend,
                             &model,
-                            features,
-                            &batch.row_shape(),
+                            &batch,
+                            rows.clone(),
                             batch_size,
                             &policy,
                         )
                     }))
-                    .unwrap_or_else(|payload| {
-                        metrics::counter!(names::WORKER_PANICS, "where" => "runner").increment(1);
-                        Err(ItemError::panic(format!(
-                            "the model runner panicked running {}: {}",
-                            model.path,
-                            crate::error::panic_message(payload.as_ref())
-                        )))
-                    });
+                    .unwrap_or_else(|payload| Err(panicked(&model, payload.as_ref())));
+                    if let (Some(shadow), Ok(preds)) = (&shadow, &mut result) {
+                        let main = started.elapsed();
+                        let started = std::time::Instant::now();
+                        // Never the item's failure: what went wrong is the
+                        // shadow's, and its section of the summary says so.
+                        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            run_model(
+                                &mut backend,
+                                shadow,
+                                &batch,
+                                rows.clone(),
+                                batch_size,
+                                &policy,
+                            )
+                        }))
+                        .unwrap_or_else(|payload| Err(panicked(shadow, payload.as_ref())))
+                        .map_err(|e| e.message);
+                        preds.shadow = Some(Box::new(Shadowed {
+                            result: out,
+                            main,
+                            shadow: started.elapsed(),
+                        }));
+                    }
                     let _ = reply.send((batch, result));
                 }
             })?;
@@ -134,6 +184,7 @@ impl ModelRunner {
         let (reply, rx) = oneshot::channel();
         let req = Request {
             model: model.clone(),
+            shadow: None,
             batch: Batch::default(),
             rows: 0..0,
             batch_size: 1,
@@ -160,16 +211,21 @@ impl ModelRunner {
         policy: &FailurePolicy,
     ) -> (Batch, Result<Predictions, ItemError>) {
         let rows = 0..batch.rows();
-        self.predict_rows(model, batch, rows, batch_size, policy, false)
+        self.predict_rows(model, None, batch, rows, batch_size, policy, false)
             .await
     }
 
     /// Predicts rows `rows` of a batch (a checkpoint segment); the
     /// predictions (and failed row indices) are relative to `rows.start`.
-    /// `inject_panic` (a testing aid) panics on the runner thread instead.
+    /// With a `shadow` model, it runs on the same rows right after, and
+    /// what it did rides in [`Predictions::shadow`] (its failure is never
+    /// the call's). `inject_panic` (a testing aid) panics on the runner
+    /// thread instead.
+    #[allow(clippy::too_many_arguments)]
     pub async fn predict_rows(
         &self,
         model: &ModelRef,
+        shadow: Option<&ModelRef>,
         batch: Batch,
         rows: std::ops::Range<usize>,
         batch_size: usize,
@@ -179,6 +235,7 @@ impl ModelRunner {
         let (reply, rx) = oneshot::channel();
         let req = Request {
             model: model.clone(),
+            shadow: shadow.cloned(),
             batch,
             rows,
             batch_size,

@@ -28,6 +28,19 @@ pub struct Predictions {
     /// names several tensors, in order: each one's column prefix (its key,
     /// or `output<k>`) and width; empty: one output.
     pub parts: Vec<(String, usize)>,
+    /// The shadow model's call on the same rows (`[model.shadow]`).
+    pub shadow: Option<Box<Shadowed>>,
+}
+
+/// What the shadow model did on a call's rows, beside the job's model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shadowed {
+    /// Its predictions (rows it raised on are NaN), or why it did not run.
+    pub result: Result<Predictions, String>,
+    /// The job's model's time on these rows.
+    pub main: std::time::Duration,
+    /// The shadow's.
+    pub shadow: std::time::Duration,
 }
 
 /// Predicts all rows of `features` in mini-batches of `batch_size` (see module docs).
@@ -119,6 +132,7 @@ pub fn predict_tokens<B: Backend + ?Sized>(
         failed: Vec::with_capacity(by_length.failed.len()),
         integer: by_length.integer,
         parts: by_length.parts,
+        shadow: None,
     };
     for (k, &i) in order.iter().enumerate() {
         let at = i - rows.start;

@@ -12,6 +12,7 @@ mod models;
 mod privilege;
 mod remote_models;
 mod reports;
+mod shadow;
 mod slurm_task;
 mod starts;
 mod support;
