@@ -72,7 +72,7 @@ impl Consumers {
                 if !self.warned && since.elapsed() >= NO_CONSUMER_WARNING {
                     self.warned = true;
                     let msg = format!(
-                        "no worker consumes pool \"{pool}\": queue {queue} has had no consumer for {}s, so the job waits until one does — start one with `batchfleet-worker --pool {pool}` (or BATCHFLEET_POOL={pool})",
+                        "no worker consumes pool \"{pool}\": queue {queue} has had no consumer for {}s, so the job waits until one does — start one with `batchfleet-worker --pool {pool} --data-root <the folder holding the job's files>` (or BATCHFLEET_POOL={pool})",
                         since.elapsed().as_secs()
                     );
                     if bar.is_hidden() {
@@ -241,7 +241,7 @@ pub async fn follow(
         if !warned && !p.settled() && last_change.elapsed() >= IDLE_WARNING {
             warned = true;
             let msg = format!(
-                "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {}`",
+                "no item finished in the last {}s — are workers running on pool \"{}\"? start one with `batchfleet-worker --pool {} --data-root <the folder holding the job's files>`",
                 IDLE_WARNING.as_secs(), pool, pool
             );
             if bar.is_hidden() {

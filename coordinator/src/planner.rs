@@ -353,6 +353,7 @@ pub fn sample_item(job_id: &str, seq: u32) -> WorkItem {
                 header: Vec::new(),
             }),
             batch_size: 1,
+            auto_batch: false,
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,

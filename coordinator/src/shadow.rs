@@ -122,9 +122,19 @@ impl ShadowSummary {
         output: &OutputSpec,
         names: &[String],
     ) -> Option<Self> {
-        let all = stats
+        let mut all = stats
             .iter()
             .fold(None, |acc, s| ShadowStats::merge(acc, s.shadow.clone()))?;
+        // Items a worker without shadow support committed recorded nothing:
+        // their rows count as not compared too.
+        let without = stats.iter().filter(|s| s.shadow.is_none()).count();
+        if without > 0 {
+            all.error.get_or_insert(format!(
+                "{without} items were committed by workers that do not run shadow models; upgrade the workers"
+            ));
+        }
+        let predicted: u64 = stats.iter().map(|s| s.rows).sum();
+        all.rows_missed = all.rows_missed.max(predicted.saturating_sub(all.rows));
         let width = all.columns.len();
         let name = |i: usize| -> String {
             if width == 1 && all.hist_main.is_empty() && all.columns[0].n > all.rows {
@@ -346,6 +356,17 @@ mod tests {
         // A job without a shadow has no section.
         let mut plain = stats[0].clone();
         plain.shadow = None;
-        assert!(ShadowSummary::of(&[plain], None, &output, &names).is_none());
+        assert!(ShadowSummary::of(&[plain.clone()], None, &output, &names).is_none());
+        // An item an older worker committed (no shadow stats): its rows are
+        // not compared, and the section says why.
+        plain.rows = 40;
+        let mut mixed = stats.to_vec();
+        mixed[0].rows = 2;
+        mixed[1].rows = 1;
+        mixed[2].rows = 3;
+        mixed.push(plain);
+        let s = ShadowSummary::of(&mixed, None, &output, &names).unwrap();
+        assert_eq!((s.rows_compared, s.rows_not_compared), (3, 43));
+        assert_eq!(s.error.as_deref(), Some("cannot load"));
     }
 }

@@ -437,7 +437,7 @@ pub fn render(r: &JobStatusReport) -> String {
             j.pool,
             if n == 0 && running {
                 format!(
-                    " — no worker serves this pool: its items wait until one does; start one with `batchfleet-worker --pool {}`",
+                    " — no worker serves this pool: its items wait until one does; start one with `batchfleet-worker --pool {} --data-root <the folder holding the job's files>`",
                     j.pool
                 )
             } else {

@@ -255,6 +255,7 @@ fn io_ceiling(manifest: &Path, threads: usize) -> Result<(f64, f64)> {
                         integer: false,
                         parts: Vec::new(),
                         shadow: None,
+                        oom_fit: None,
                     };
                     batchfleet_worker::writer::write_part(
                         &out,

@@ -78,9 +78,9 @@ pub struct TextRegime {
 /// One token-budget run of the text job.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Budgeted {
-    /// `max_batch_tokens`.
+    /// `max_batch_tokens` (0: none).
     pub max_batch_tokens: u32,
-    /// `inference_batch_size` beside it (rows per call at most).
+    /// `inference_batch_size` beside it (rows per call at most; 0: `"auto"`).
     pub batch: u32,
     /// Rows/s, submit to `_SUCCESS` (0 when the run failed).
     pub rows_per_s: f64,
@@ -95,7 +95,9 @@ pub struct Budgeted {
 }
 
 /// Token budgets tried, with the rows per call they allow at most.
-const BUDGETS: [(u32, u32); 2] = [(2_048, 1_024), (4_096, 1_024)];
+/// `(max_batch_tokens, inference_batch_size)` of the batching variants: a
+/// token budget of 0 is none, a batch of 0 is `"auto"`.
+const BUDGETS: [(u32, u32); 3] = [(2_048, 1_024), (4_096, 1_024), (0, 0)];
 
 /// One reduced-precision run of the text job.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -199,18 +201,21 @@ pub fn run(
     // Token budgets, each on a fresh fleet (its peak memory its own).
     let mut budgets = Vec::new();
     for (tokens, batch) in BUDGETS {
-        println!("bench [text] fleet with max_batch_tokens = {tokens}…");
-        let edited = job.replace(
-            &format!("inference_batch_size = {BATCH}\n"),
-            &format!("inference_batch_size = {batch}\nmax_batch_tokens = {tokens}\n"),
-        );
+        let setting = batching(tokens, batch);
+        println!("bench [text] fleet with {}…", setting.replace('\n', ", "));
+        let edited = job.replace(&format!("inference_batch_size = {BATCH}\n"), &setting);
         let mut b = Budgeted {
             max_batch_tokens: tokens,
             batch,
             ..Budgeted::default()
         };
         let mut own = Fleet::start(bins.0, &dir, &pool, prefix, workers, threads)?;
-        match run_variant(bins.1, &dir, &edited, &format!("tokens-{tokens}"), prefix) {
+        let name = if batch == 0 {
+            "auto".to_owned()
+        } else {
+            format!("tokens-{tokens}")
+        };
+        match run_variant(bins.1, &dir, &edited, &name, prefix) {
             Ok((w, (diff, _))) => {
                 b.rows_per_s = rows as f64 / w.max(1e-9);
                 b.to_fixed = wall / w.max(1e-9);
@@ -302,6 +307,19 @@ fn run_variant(
     ))
 }
 
+/// The `[batching]` lines of a variant (see [`BUDGETS`]).
+fn batching(tokens: u32, batch: u32) -> String {
+    let mut lines = if batch == 0 {
+        "inference_batch_size = \"auto\"\n".to_owned()
+    } else {
+        format!("inference_batch_size = {batch}\n")
+    };
+    if tokens > 0 {
+        lines.push_str(&format!("max_batch_tokens = {tokens}\n"));
+    }
+    lines
+}
+
 /// Prints the figures.
 pub fn print(t: &TextRegime) {
     println!(
@@ -316,10 +334,14 @@ pub fn print(t: &TextRegime) {
     );
     for b in &t.budgets {
         match &b.error {
-            Some(e) => println!("          max_batch_tokens = {}: failed: {e}", b.max_batch_tokens),
+            Some(e) => println!(
+                "          {}: failed: {e}",
+                batching(b.max_batch_tokens, b.batch).trim().replace('\n', ", ")
+            ),
             None => println!(
-                "          max_batch_tokens = {} (≤ {} rows a call): fleet {:.0} rows/s ({:.2}× batches of {}), worker peak RSS {:.0} MiB (fixed {:.0}); max |diff| {:.2e}",
-                b.max_batch_tokens, b.batch, b.rows_per_s, b.to_fixed, t.batch, b.worker_peak_rss_mib, t.worker_peak_rss_mib, b.max_abs_diff
+                "          {}: fleet {:.0} rows/s ({:.2}× batches of {}), worker peak RSS {:.0} MiB (fixed {:.0}); max |diff| {:.2e}",
+                batching(b.max_batch_tokens, b.batch).trim().replace('\n', ", "),
+                b.rows_per_s, b.to_fixed, t.batch, b.worker_peak_rss_mib, t.worker_peak_rss_mib, b.max_abs_diff
             ),
         }
     }

@@ -534,7 +534,7 @@ impl ItemContext {
                 item.task.shadow.as_ref().map(|s| &s.model),
                 batch.take().expect("batch is sent once"),
                 rows,
-                item.task.batch_size as usize,
+                crate::runner::BatchSize::of(&item.task),
                 &item.task.failure,
                 self.debug.panic_on_runner(item.seq, attempt),
             );

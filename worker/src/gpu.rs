@@ -6,6 +6,7 @@
 //! says so.
 
 use batchfleet_shared::metrics::names;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 /// Starts sampling every `every` on a thread of its own (NVML calls
@@ -35,8 +36,21 @@ pub fn start_sampler(every: Duration) {
     }
 }
 
+/// The largest share of a GPU's memory in use at the last sample, in
+/// ten-thousandths; `u32::MAX` before the first (or with no GPU).
+static FULLEST: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// The largest share of any GPU's memory in use at the last sample
+/// (`inference_batch_size = "auto"` stops growing past 0.9); `None` where
+/// NVML is not sampled.
+pub fn used_fraction() -> Option<f64> {
+    let v = FULLEST.load(Ordering::Relaxed);
+    (v != u32::MAX).then(|| f64::from(v) / 10_000.0)
+}
+
 /// One reading of every GPU; a figure NVML cannot give is left out.
 fn sample(nvml: &nvml_wrapper::Nvml, count: u32) {
+    let mut fullest = 0f64;
     for index in 0..count {
         let Ok(device) = nvml.device_by_index(index) else {
             continue;
@@ -44,10 +58,14 @@ fn sample(nvml: &nvml_wrapper::Nvml, count: u32) {
         let gpu = index.to_string();
         if let Ok(memory) = device.memory_info() {
             metrics::gauge!(names::WORKER_GPU_MEMORY, "gpu" => gpu.clone()).set(memory.used as f64);
+            if memory.total > 0 {
+                fullest = fullest.max(memory.used as f64 / memory.total as f64);
+            }
         }
         if let Ok(rates) = device.utilization_rates() {
             metrics::gauge!(names::WORKER_GPU_UTILIZATION, "gpu" => gpu)
                 .set(f64::from(rates.gpu) / 100.0);
         }
     }
+    FULLEST.store((fullest * 10_000.0).round() as u32, Ordering::Relaxed);
 }

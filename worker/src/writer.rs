@@ -313,6 +313,7 @@ mod tests {
             integer: false,
             parts: Vec::new(),
             shadow: None,
+            oom_fit: None,
         };
         let spec = OutputSpec::default();
         assert_eq!(
@@ -340,6 +341,7 @@ mod tests {
             integer: false,
             parts: Vec::new(),
             shadow: None,
+            oom_fit: None,
         };
         (b, p)
     }
@@ -385,6 +387,7 @@ mod tests {
             integer: true,
             parts: Vec::new(),
             shadow: None,
+            oom_fit: None,
         };
         let dest = dir.path().join("i.csv");
         write_part(
@@ -602,6 +605,7 @@ mod tests {
                 integer: false,
                 parts: Vec::new(),
                 shadow: None,
+                oom_fit: None,
             },
         )
         .unwrap_err();

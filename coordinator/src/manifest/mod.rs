@@ -382,6 +382,7 @@ pub fn validate(
             header: Vec::new(),
         },
         batch_size: batching.batch_size,
+        auto_batch: batching.auto_batch,
         output: output.spec,
         failure,
         checkpoint_rows: batching.checkpoint_rows,

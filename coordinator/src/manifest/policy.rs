@@ -3,7 +3,7 @@
 //! when something fails (retries and their delays, bad rows, poison rows,
 //! item timeouts, transient errors, the job's error budget).
 
-use super::schema::{BatchingSection, FailureSection};
+use super::schema::{BatchSizeSetting, BatchingSection, FailureSection};
 use super::spec::{ErrorBudget, ItemSizing};
 use super::Problems;
 use batchfleet_shared::message::FailurePolicy;
@@ -20,8 +20,11 @@ pub const DEFAULT_CHECKPOINT_EVERY: u32 = 4;
 pub(super) struct Batching {
     /// How input is cut into work items.
     pub(super) sizing: ItemSizing,
-    /// Rows per `forward` call.
+    /// Rows per `forward` call (`"auto"`: the default, for checkpoints
+    /// and workers that do not search).
     pub(super) batch_size: u32,
+    /// `inference_batch_size = "auto"`.
+    pub(super) auto_batch: bool,
     /// Rows between checkpoints inside an item (0 = none).
     pub(super) checkpoint_rows: u32,
     /// Text input: padded tokens per `forward` call at most (0: no budget).
@@ -54,7 +57,18 @@ pub(super) fn batching(b: &BatchingSection, text: bool, problems: &mut Problems)
         (None, Some(bytes)) => ItemSizing::Bytes(bytes),
         (None, None) => ItemSizing::Rows(DEFAULT_ITEM_ROWS),
     };
-    let batch_size = b.inference_batch_size.unwrap_or(DEFAULT_BATCH_SIZE);
+    let (batch_size, auto_batch) = match &b.inference_batch_size {
+        None => (DEFAULT_BATCH_SIZE, false),
+        Some(BatchSizeSetting::Rows(n)) => (*n, false),
+        Some(BatchSizeSetting::Word(w)) if w == "auto" => (DEFAULT_BATCH_SIZE, true),
+        Some(BatchSizeSetting::Word(w)) => {
+            problems.add(
+                "[batching] inference_batch_size",
+                format!("\"{w}\" is neither a number of rows nor \"auto\""),
+            );
+            (DEFAULT_BATCH_SIZE, false)
+        }
+    };
     if batch_size == 0 {
         problems.add(
             "[batching] inference_batch_size",
@@ -79,6 +93,7 @@ pub(super) fn batching(b: &BatchingSection, text: bool, problems: &mut Problems)
     Batching {
         sizing,
         batch_size,
+        auto_batch,
         checkpoint_rows: batch_size.saturating_mul(checkpoint_every),
         max_batch_tokens: b.max_batch_tokens.unwrap_or(0),
     }
@@ -209,5 +224,29 @@ mod tests {
             budget(512)
         );
         assert!(budget(0).contains("must be at least 1"), "{}", budget(0));
+    }
+
+    #[test]
+    fn auto_batches_search_from_the_default_and_other_words_are_refused() {
+        let fx = Fixture::new();
+        let auto = fx
+            .load(&GOOD.replace(
+                "inference_batch_size = 64",
+                "inference_batch_size = \"auto\"",
+            ))
+            .unwrap();
+        assert!(auto.task.auto_batch);
+        assert_eq!(auto.task.batch_size, super::DEFAULT_BATCH_SIZE);
+        let fixed = fx.load(GOOD).unwrap();
+        assert!(!fixed.task.auto_batch);
+        assert_ne!(auto.job_id, fixed.job_id, "another batching, another job");
+        let err = problems(fx.load(&GOOD.replace(
+            "inference_batch_size = 64",
+            "inference_batch_size = \"fast\"",
+        )));
+        assert!(
+            err.contains("inference_batch_size: \"fast\" is neither a number of rows nor \"auto\""),
+            "{err}"
+        );
     }
 }

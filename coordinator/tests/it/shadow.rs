@@ -1,4 +1,5 @@
-//! `run --shadow` and `compare JOB` from the command line, with `--local`:
+//! `run --shadow` and `compare JOB` from the command line, with `--local`
+//! (and, beside them, the JSON of `dlq list` and `dlq replay`):
 //! the flag adds the candidate beside the manifest's model, `compare` with
 //! one job reads its summary's `shadow` section (its `--max-psi` gate
 //! included), and a job that ran no shadow says what to do.
@@ -79,5 +80,75 @@ fn run_shadow_and_compare_one_job_read_the_shadow_section() {
         String::from_utf8_lossy(&alone.stderr).contains("ran no shadow model"),
         "{}",
         String::from_utf8_lossy(&alone.stderr)
+    );
+}
+
+/// `dlq list` and `dlq replay` print JSON with `--json` (here on a `--local`
+/// job's `_dead/`): the dead item with its class and reason, and the
+/// replay's outcome as `run --json` gives it.
+#[test]
+fn dlq_list_and_replay_print_json() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path();
+    batchfleet_testkit::python::make_job(
+        d,
+        &batchfleet_testkit::python::JobGen {
+            rows: 400,
+            files: 1,
+            item_rows: 100,
+            poison_rows: vec![150],
+            ..batchfleet_testkit::python::JobGen::default()
+        },
+    )
+    .expect("job");
+    batchfleet_testkit::python::make_faulty_models(d, 1.0).expect("faulty models");
+    let manifest = std::fs::read_to_string(d.join("job.toml"))
+        .expect("manifest")
+        .replace("path = \"model.pt\"", "path = \"poison.pt\"");
+    std::fs::write(
+        d.join("job.toml"),
+        format!("{manifest}\n[failure]\nisolate_poison_rows = false\n"),
+    )
+    .expect("manifest");
+    let run = batchfleet(d)
+        .args(["run", "job.toml", "--local", "--json"])
+        .output()
+        .expect("run");
+    assert_eq!(
+        run.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let first: serde_json::Value = serde_json::from_slice(&run.stdout).expect("json");
+    let listed = batchfleet(d)
+        .args(["dlq", "list", "--local", "out", "--json"])
+        .output()
+        .expect("dlq list");
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let dead: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("json");
+    let dead = dead.as_array().expect("a list");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0]["item"], 1);
+    assert_eq!(dead[0]["class"], "poison");
+    assert!(dead[0]["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("poison sentinel")));
+    // Replayed, the item meets the same row: the outcome says so, as JSON.
+    let replayed = batchfleet(d)
+        .args(["dlq", "replay", "--local", "out", "--json"])
+        .output()
+        .expect("dlq replay");
+    let outcome: serde_json::Value = serde_json::from_slice(&replayed.stdout).expect("json");
+    assert_eq!(outcome["status"], "completed_with_failures", "{outcome}");
+    assert_eq!(outcome["exit_code"], 3);
+    assert_eq!(replayed.status.code(), Some(3));
+    assert_eq!(
+        outcome["report"]["rows_predicted"], first["report"]["rows_predicted"],
+        "{outcome}"
     );
 }

@@ -157,8 +157,13 @@ pub struct TaskSpec {
     pub model: ModelRef,
     /// Where the id and the features are in a record, by input format.
     pub layout: Layout,
-    /// Rows per `forward` call.
+    /// Rows per `forward` call (with `auto_batch`, the size a worker
+    /// that does not search uses).
     pub batch_size: u32,
+    /// `inference_batch_size = "auto"`: each worker searches for its own
+    /// mini-batch size per model. Serialized only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_batch: bool,
     /// Where and how predictions are written.
     pub output: OutputSpec,
     /// What to do when something fails.
@@ -370,6 +375,7 @@ pub(crate) fn sample_item() -> WorkItem {
                 header: Vec::new(),
             }),
             batch_size: 512,
+            auto_batch: false,
             output: OutputSpec {
                 dir: "/data/out".into(),
                 format: OutputFormat::Csv,
@@ -404,6 +410,7 @@ mod tests {
                 model: item.task.model,
                 csv,
                 batch_size: item.task.batch_size,
+                auto_batch: false,
                 output: item.task.output,
                 failure: item.task.failure,
                 checkpoint_rows: item.task.checkpoint_rows,

@@ -36,6 +36,9 @@ pub struct TaskSpec {
     pub csv: CsvLayout,
     /// Rows per `forward` call.
     pub batch_size: u32,
+    /// `inference_batch_size = "auto"` (here so such a job's id hashes it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_batch: bool,
     /// Where and how predictions are written.
     pub output: OutputSpec,
     /// What to do when something fails.
@@ -74,6 +77,7 @@ impl From<TaskSpec> for super::TaskSpec {
             model: t.model,
             layout,
             batch_size: t.batch_size,
+            auto_batch: t.auto_batch,
             output: t.output,
             failure: t.failure,
             checkpoint_rows: t.checkpoint_rows,

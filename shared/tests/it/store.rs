@@ -679,6 +679,7 @@ fn sample_task() -> batchfleet_shared::message::TaskSpec {
             header: Vec::new(),
         }),
         batch_size: 64,
+        auto_batch: false,
         output: OutputSpec {
             dir: "/data/out".into(),
             ..OutputSpec::default()

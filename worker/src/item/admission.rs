@@ -208,6 +208,7 @@ mod tests {
                 model: item.task.model.clone(),
                 csv,
                 batch_size: item.task.batch_size,
+                auto_batch: false,
                 output: item.task.output.clone(),
                 failure: item.task.failure.clone(),
                 checkpoint_rows: item.task.checkpoint_rows,

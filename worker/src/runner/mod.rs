@@ -11,9 +11,12 @@
 //!   tensors, output selection, error classes, queued GPU runs.
 //! - [`aoti`]: AOTInductor packages through libtorch's own loader.
 //! - [`precision`]: the TF32 switch for CUDA matrix multiplications.
+//! - [`auto`]: `inference_batch_size = "auto"`, each runner's search for
+//!   its mini-batch size per model.
 //! - this file: the runner thread ([`ModelRunner`]) and its requests.
 
 mod aoti;
+mod auto;
 mod backend;
 mod precision;
 mod predict;
@@ -36,7 +39,7 @@ struct Request {
     shadow: Option<ModelRef>,
     batch: Batch,
     rows: std::ops::Range<usize>,
-    batch_size: usize,
+    batch_size: BatchSize,
     policy: FailurePolicy,
     /// Only load the model (no rows).
     load_only: bool,
@@ -91,6 +94,34 @@ fn panicked(model: &ModelRef, payload: &(dyn std::any::Any + Send)) -> ItemError
     ))
 }
 
+/// Rows per `forward` call: the job's fixed `inference_batch_size`, or
+/// the runner's own search per model (`"auto"`, see [`auto`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchSize {
+    /// This many rows.
+    Fixed(usize),
+    /// What the runner's search says.
+    Auto,
+}
+
+impl BatchSize {
+    /// A task's: `inference_batch_size`, or `"auto"`.
+    pub fn of(task: &batchfleet_shared::message::TaskSpec) -> Self {
+        if task.auto_batch {
+            Self::Auto
+        } else {
+            Self::Fixed(task.batch_size as usize)
+        }
+    }
+}
+
+/// Whether the device `model` runs on is nearly out of memory (a GPU
+/// whose memory NVML reports at least [`auto::MEMORY_FULL`] used).
+fn memory_full(model: &ModelRef) -> bool {
+    model.device.starts_with("cuda")
+        && crate::gpu::used_fraction().is_some_and(|f| f >= auto::MEMORY_FULL)
+}
+
 /// Handle to a runner thread; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct ModelRunner {
@@ -112,6 +143,7 @@ impl ModelRunner {
             .name("model-runner".into())
             .spawn(move || {
                 let mut backend = make_backend();
+                let mut autos = auto::AutoBatches::default();
                 while let Some(req) = rx.blocking_recv() {
                     let Request {
                         model,
@@ -127,6 +159,10 @@ impl ModelRunner {
                     // A panic in the backend (a bug a model or an input
                     // reaches) fails this request, not the thread: the item
                     // is settled like any failed item and the runner goes on.
+                    let size = match batch_size {
+                        BatchSize::Fixed(n) => n,
+                        BatchSize::Auto => autos.of(&model).size(),
+                    };
                     let started = std::time::Instant::now();
                     let mut result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         if inject_panic {
@@ -135,30 +171,24 @@ impl ModelRunner {
                         if load_only {
                             return backend.load(&model).map(|()| Predictions::default());
                         }
-                        run_model(
-                            &mut backend,
-                            &model,
-                            &batch,
-                            rows.clone(),
-                            batch_size,
-                            &policy,
-                        )
+                        run_model(&mut backend, &model, &batch, rows.clone(), size, &policy)
                     }))
                     .unwrap_or_else(|payload| Err(panicked(&model, payload.as_ref())));
+                    let main = started.elapsed();
+                    if let (BatchSize::Auto, Ok(preds), false) = (batch_size, &result, load_only) {
+                        autos.of(&model).observe(
+                            rows.len(),
+                            main.as_secs_f64(),
+                            preds.oom_fit,
+                            memory_full(&model),
+                        );
+                    }
                     if let (Some(shadow), Ok(preds)) = (&shadow, &mut result) {
-                        let main = started.elapsed();
                         let started = std::time::Instant::now();
                         // Never the item's failure: what went wrong is the
                         // shadow's, and its section of the summary says so.
                         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_model(
-                                &mut backend,
-                                shadow,
-                                &batch,
-                                rows.clone(),
-                                batch_size,
-                                &policy,
-                            )
+                            run_model(&mut backend, shadow, &batch, rows.clone(), size, &policy)
                         }))
                         .unwrap_or_else(|payload| Err(panicked(shadow, payload.as_ref())))
                         .map_err(|e| e.message);
@@ -187,7 +217,7 @@ impl ModelRunner {
             shadow: None,
             batch: Batch::default(),
             rows: 0..0,
-            batch_size: 1,
+            batch_size: BatchSize::Fixed(1),
             policy: FailurePolicy::default(),
             load_only: true,
             inject_panic: false,
@@ -211,7 +241,8 @@ impl ModelRunner {
         policy: &FailurePolicy,
     ) -> (Batch, Result<Predictions, ItemError>) {
         let rows = 0..batch.rows();
-        self.predict_rows(model, None, batch, rows, batch_size, policy, false)
+        let size = BatchSize::Fixed(batch_size);
+        self.predict_rows(model, None, batch, rows, size, policy, false)
             .await
     }
 
@@ -228,7 +259,7 @@ impl ModelRunner {
         shadow: Option<&ModelRef>,
         batch: Batch,
         rows: std::ops::Range<usize>,
-        batch_size: usize,
+        batch_size: BatchSize,
         policy: &FailurePolicy,
         inject_panic: bool,
     ) -> (Batch, Result<Predictions, ItemError>) {

@@ -30,6 +30,8 @@ pub struct Predictions {
     pub parts: Vec<(String, usize)>,
     /// The shadow model's call on the same rows (`[model.shadow]`).
     pub shadow: Option<Box<Shadowed>>,
+    /// The mini-batch size the call fell back to after running out of memory.
+    pub oom_fit: Option<usize>,
 }
 
 /// What the shadow model did on a call's rows, beside the job's model.
@@ -133,6 +135,7 @@ pub fn predict_tokens<B: Backend + ?Sized>(
         integer: by_length.integer,
         parts: by_length.parts,
         shadow: None,
+        oom_fit: by_length.oom_fit,
     };
     for (k, &i) in order.iter().enumerate() {
         let at = i - rows.start;
@@ -407,6 +410,7 @@ fn predict_segments<B: Backend + ?Sized>(
             cap = run.fit;
         }
     }
+    out.oom_fit = (cap < usize::MAX).then_some(cap);
     if rows > 0 && out.failed.len() == rows {
         return Err(ItemError::poison(format!(
             "model {} raised on every row of the item: {}",

@@ -550,6 +550,96 @@ async fn out_of_memory_retries_the_mini_batch_at_half_size() {
     env.cleanup(&[&job_id]).await;
 }
 
+/// `inference_batch_size = "auto"`: the worker's search never grows past a
+/// size that ran out of memory (the model fails above 16 rows: it settles
+/// on 16), and on a model with no limit it settles on a size its calls can
+/// fill; every row is predicted either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_batches_settle_below_out_of_memory_and_within_the_calls() {
+    let env = TestEnv::new("auto-batch");
+    let auto = |model: &str, item_rows: u64| {
+        let manifest = job(&env, item_rows, &[], &[], model, "");
+        let text = std::fs::read_to_string(&manifest).expect("manifest");
+        let text = text.replace(
+            "inference_batch_size = 64",
+            "inference_batch_size = \"auto\"",
+        );
+        assert!(text.contains("\"auto\""), "{text}");
+        std::fs::write(&manifest, text).expect("manifest");
+        manifest
+    };
+    let settled = |log: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains("settled"))
+            .map(str::to_owned)
+            .collect()
+    };
+    // Out of memory above 16 rows: the first call (32 rows) halves, and 16
+    // is the size from then on.
+    let manifest = auto("oom.pt", 500);
+    let mut workers = vec![env.spawn_worker("w1", &[])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!((report.rows_predicted, report.rows_rejected), (2000, 0));
+    assert_outputs(&env, &[]);
+    let log = workers[0].log_text();
+    let lines = settled(&log);
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains("size=16") && lines[0].contains("out of memory"),
+        "{}",
+        lines[0]
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+
+    // No limit, items of 200 rows: it grows while faster, and never past
+    // what a call of 200 rows fills.
+    let env = TestEnv::new("auto-batch-grow");
+    let manifest = {
+        let gen = JobGen {
+            rows: 4_000,
+            files: 2,
+            features: 8,
+            hidden: 16,
+            name: batchfleet_testkit::services::unique("auto"),
+            pool: env.pool.clone(),
+            item_rows: 200,
+            batch_size: 64,
+            ..JobGen::default()
+        };
+        make_job(env.path(), &gen).expect("generate job");
+        let manifest = env.path().join("job.toml");
+        let text = std::fs::read_to_string(&manifest)
+            .expect("manifest")
+            .replace(
+                "inference_batch_size = 64",
+                "inference_batch_size = \"auto\"",
+            );
+        std::fs::write(&manifest, text).expect("manifest");
+        manifest
+    };
+    let mut workers = vec![env.spawn_worker("w1", &["--prefetch", "1", "--prefetch-max", "1"])];
+    env.wait_for_consumers(1, &mut workers).await;
+    let (job_id, report) = run(&env, &manifest).await;
+    assert_eq!(report.status, "completed");
+    assert_eq!(report.rows_predicted, 4000);
+    crate::support::matches_golden(&env, 4000);
+    let log = workers[0].log_text();
+    let lines = settled(&log);
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        ["size=32 ", "size=64 ", "size=128 "]
+            .iter()
+            .any(|s| lines[0].contains(s)),
+        "{}",
+        lines[0]
+    );
+    stop_all(&mut workers);
+    env.cleanup(&[&job_id]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn item_timeout_counts_model_time_not_waiting_for_a_turn() {
     let env = TestEnv::new("turns");
