@@ -202,7 +202,10 @@ pub fn run(
     let mut budgets = Vec::new();
     for (tokens, batch) in BUDGETS {
         let setting = batching(tokens, batch);
-        println!("bench [text] fleet with {}…", setting.replace('\n', ", "));
+        println!(
+            "bench [text] fleet with {}…",
+            setting.trim().replace('\n', ", ")
+        );
         let edited = job.replace(&format!("inference_batch_size = {BATCH}\n"), &setting);
         let mut b = Budgeted {
             max_batch_tokens: tokens,
