@@ -72,7 +72,16 @@ pub async fn main(mut cli: Cli) -> ExitCode {
     let connections = match cli.global.connections() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: {e}");
+            // The command line parsed, so a `--json` in it is that
+            // command's: its failure is a JSON object too.
+            if std::env::args().any(|a| a == "--json") {
+                println!(
+                    "{}",
+                    serde_json::json!({ "job_id": null, "status": "error", "exit_code": EXIT_INVALID, "error": e.to_string() })
+                );
+            } else {
+                eprintln!("error: {e}");
+            }
             return ExitCode::from(EXIT_INVALID);
         }
     };
@@ -310,22 +319,29 @@ async fn cancel_main(args: CancelArgs, connections: Connections) -> ExitCode {
 
 /// `batchfleet status JOB`.
 async fn status_main(args: StatusArgs, connections: Connections) -> ExitCode {
+    // With --json, a failure is a JSON object too (as for run and resume).
+    let fail = |e: RunError| {
+        if args.json {
+            print_json_error(&e)
+        } else {
+            report_error(&e)
+        }
+    };
     let store = match connections.store().await {
         Ok(s) => s,
-        Err(e) => return report_error(&RunError::Store(e)),
+        Err(e) => return fail(RunError::Store(e)),
     };
     let job = match &args.job {
         Some(job) => job.clone(),
         None => match status::jobs(&store, 1).await {
             Ok(latest) if !latest.is_empty() => latest[0].id.clone(),
             Ok(_) => {
-                eprintln!(
-                    "error: no job in {}; start one with `batchfleet run job.toml`",
+                return fail(RunError::UnknownJob(format!(
+                    "no job in {}; start one with `batchfleet run job.toml`",
                     store.describe()
-                );
-                return ExitCode::from(EXIT_FAILURE);
+                )))
             }
-            Err(e) => return report_error(&RunError::Store(e)),
+            Err(e) => return fail(RunError::Store(e)),
         },
     };
     let report = match status::report(&store, &job).await {
@@ -347,11 +363,11 @@ async fn status_main(args: StatusArgs, connections: Connections) -> ExitCode {
             println!("{}", status::render(&r));
             ExitCode::SUCCESS
         }
-        Ok(None) => {
-            eprintln!("error: no job \"{job}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`", store.describe());
-            ExitCode::from(EXIT_FAILURE)
-        }
-        Err(e) => report_error(&RunError::Store(e)),
+        Ok(None) => fail(RunError::UnknownJob(format!(
+            "no job \"{job}\" in {}; job ids look like <name>-<hash>, as printed by `batchfleet run`",
+            store.describe()
+        ))),
+        Err(e) => fail(RunError::Store(e)),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `run --shadow` and `compare JOB` from the command line, with `--local`
-//! (and, beside them, the JSON of `dlq list` and `dlq replay`):
+//! (and, beside them, the JSON of `dlq list`, `dlq replay` and a failed
+//! `status`):
 //! the flag adds the candidate beside the manifest's model, `compare` with
 //! one job reads its summary's `shadow` section (its `--max-psi` gate
 //! included), and a job that ran no shadow says what to do.
@@ -150,5 +151,39 @@ fn dlq_list_and_replay_print_json() {
     assert_eq!(
         outcome["report"]["rows_predicted"], first["report"]["rows_predicted"],
         "{outcome}"
+    );
+}
+
+/// `status --json` answers in JSON when it fails too: Redis unreachable,
+/// and a job it does not know.
+#[test]
+fn status_json_failures_are_json() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = batchfleet(dir.path())
+        .args(["status", "--json"])
+        .output()
+        .expect("status");
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["status"], "error");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cannot connect to Redis")),
+        "{v}"
+    );
+    batchfleet_testkit::services::ensure_local().expect("Redis");
+    let out = batchfleet(dir.path())
+        .env("BATCHFLEET_REDIS_URL", "redis://127.0.0.1:6379/")
+        .args(["status", "no-such-job-00000000", "--json"])
+        .output()
+        .expect("status");
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no job \"no-such-job-00000000\"")),
+        "{v}"
     );
 }
