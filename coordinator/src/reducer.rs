@@ -166,16 +166,23 @@ impl Distribution {
                 .into_iter()
                 .enumerate()
                 .map(|(i, c)| ColumnDistribution {
-                    name: match names.get(i) {
-                        Some(n) if names.len() == width => n.clone(),
-                        _ if width == 1 => "score".into(),
-                        _ => format!("score_{i}"),
-                    },
+                    name: column_name(names, i, width),
                     rows: c.iter().sum(),
                     counts: c,
                 })
                 .collect(),
         })
+    }
+}
+
+/// The name of output column `i` of `width`: `names[i]` when `names`
+/// names every column (as the part files do), else the default `score` /
+/// `score_<i>`.
+pub(crate) fn column_name(names: &[String], i: usize, width: usize) -> String {
+    match names.get(i) {
+        Some(n) if names.len() == width => n.clone(),
+        _ if width == 1 => "score".into(),
+        _ => format!("score_{i}"),
     }
 }
 

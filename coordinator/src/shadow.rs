@@ -139,12 +139,8 @@ impl ShadowSummary {
         let name = |i: usize| -> String {
             if width == 1 && all.hist_main.is_empty() && all.columns[0].n > all.rows {
                 format!("all outputs (over {MAX_COLUMNS} are pooled)")
-            } else if names.len() == width {
-                names[i].clone()
-            } else if width == 1 {
-                "score".into()
             } else {
-                format!("score_{i}")
+                crate::reducer::column_name(names, i, width)
             }
         };
         let col_names: Vec<String> = (0..width).map(name).collect();

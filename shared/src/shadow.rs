@@ -15,7 +15,7 @@
 //! - each model's forward time;
 //! - why the shadow did not run on some rows, when it did not.
 
-use crate::message::{HistogramSpec, ModelRef, OutputSpec};
+use crate::message::{add_counts, HistogramSpec, ModelRef, OutputSpec};
 use serde::{Deserialize, Serialize};
 
 /// Output columns compared one by one; a model with more (logits over
@@ -370,20 +370,6 @@ fn cosine(x: &[f32], y: &[f32]) -> f64 {
         (xy / d).clamp(-1.0, 1.0)
     } else {
         0.0
-    }
-}
-
-/// Adds `part` into `into`, column by column.
-fn add_counts(into: &mut Vec<Vec<u64>>, part: &[Vec<u64>]) {
-    for (c, col) in part.iter().enumerate() {
-        if into.len() <= c {
-            into.push(vec![0; col.len()]);
-        }
-        for (b, n) in col.iter().enumerate() {
-            if let Some(slot) = into[c].get_mut(b) {
-                *slot += n;
-            }
-        }
     }
 }
 

@@ -417,6 +417,20 @@ mod tests {
         );
     }
 
+    /// A part file's column names and rows as text, numbers shown by `number`.
+    fn read_back(path: &Path, number: impl Fn(f64) -> String) -> (Vec<String>, Vec<Vec<String>>) {
+        let mut rows = Vec::new();
+        let names = batchfleet_shared::table::read_part(path, |_, r| {
+            rows.push(
+                r.iter()
+                    .map(|v| v.as_f64().map_or_else(|| v.text(), &number))
+                    .collect(),
+            )
+        })
+        .unwrap();
+        (names, rows)
+    }
+
     #[test]
     fn json_lines_and_parquet_parts_hold_the_same_table() {
         let dir = tempfile::tempdir().unwrap();
@@ -433,21 +447,10 @@ mod tests {
                 argmax: true,
                 ..OutputSpec::default()
             };
-            let dest = dir.path().join(spec.part_name(1));
             write_part(dir.path(), Path::new(&spec.part_name(1)), &spec, &b, &p).unwrap();
-            let mut rows = Vec::new();
-            let names = batchfleet_shared::table::read_part(&dest, |_, r| {
-                rows.push(
-                    r.iter()
-                        .map(|v| {
-                            v.as_f64()
-                                .map_or_else(|| v.text(), |x| format!("{:.3}", x as f32))
-                        })
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .unwrap();
-            tables.push((names, rows));
+            tables.push(read_back(&dir.path().join(spec.part_name(1)), |x| {
+                format!("{:.3}", x as f32)
+            }));
         }
         let jsonl = std::fs::read_to_string(dir.path().join("part-000001.jsonl")).unwrap();
         assert!(jsonl.starts_with("{\"id\":\"a\",\"score_0\":0.1,\"score_1\":0.7,\"score_2\":0.2,\"label\":\"dog\"}\n"), "{jsonl}");
@@ -488,18 +491,7 @@ mod tests {
             };
             let rel = spec.part_name(1);
             write_part(dir.path(), Path::new(&rel), &spec, &b, &p).unwrap();
-            let mut rows = Vec::new();
-            let names = batchfleet_shared::table::read_part(&dir.path().join(&rel), |_, r| {
-                rows.push(
-                    r.iter()
-                        .map(|v| {
-                            v.as_f64()
-                                .map_or_else(|| v.text(), |x| (x as f32).to_string())
-                        })
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .unwrap();
+            let (names, rows) = read_back(&dir.path().join(&rel), |x| (x as f32).to_string());
             assert_eq!(
                 names,
                 [

@@ -133,14 +133,24 @@ pub(super) fn inputs(m: &Manifest, provided: Provided, problems: &mut Problems) 
 
 /// `[model] dtype`: `bfloat16` or `float16`.
 pub(super) fn dtype(m: &Manifest, problems: &mut Problems) -> Option<Precision> {
-    let d = m.model.dtype.as_deref()?;
+    precision("[model] dtype", m.model.dtype.as_deref(), problems)
+}
+
+/// A `dtype` setting (`field`): `bfloat16` or `float16`; `None` for
+/// `float32`, unset (as saved) or a name that is neither (a problem).
+pub(super) fn precision(
+    field: &str,
+    dtype: Option<&str>,
+    problems: &mut Problems,
+) -> Option<Precision> {
+    let d = dtype?;
     if d == "float32" {
         return None;
     }
     let precision = Precision::from_name(d);
     if precision.is_none() {
         problems.add(
-            "[model] dtype",
+            field,
             format!("\"{d}\" is not bfloat16, float16 or float32 (the default: as saved)"),
         );
     }

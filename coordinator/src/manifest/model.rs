@@ -9,7 +9,7 @@ use super::probes::check_torchscript;
 use super::schema::{Manifest, ModelSection};
 use super::{resolve, Problems};
 use batchfleet_shared::fsutil::sha256_file;
-use batchfleet_shared::message::{FileRef, ModelRef, Precision};
+use batchfleet_shared::message::{FileRef, ModelRef};
 use batchfleet_shared::model_file::ModelKind;
 use batchfleet_shared::paths::DataRoots;
 use batchfleet_shared::shadow::ShadowSpec;
@@ -109,23 +109,10 @@ pub(super) fn shadow(
             return None;
         }
     };
-    let dtype = match section.dtype.as_deref() {
-        None | Some("float32") => None,
-        Some(d) => match Precision::from_name(d) {
-            Some(_) if kind == ModelKind::AotiPackage => {
-                problems.add("[model.shadow] dtype", "does not apply to an AOTInductor package, which runs in the precision it was compiled in; remove dtype".into());
-                None
-            }
-            Some(p) => Some(p),
-            None => {
-                problems.add(
-                    "[model.shadow] dtype",
-                    format!("\"{d}\" is not bfloat16, float16 or float32 (the default: as saved)"),
-                );
-                None
-            }
-        },
-    };
+    let dtype = super::call::precision("[model.shadow] dtype", section.dtype.as_deref(), problems);
+    if dtype.is_some() && kind == ModelKind::AotiPackage {
+        problems.add("[model.shadow] dtype", "does not apply to an AOTInductor package, which runs in the precision it was compiled in; remove dtype".into());
+    }
     Some(ShadowSpec {
         model: ModelRef {
             path: path.to_string_lossy().into_owned(),

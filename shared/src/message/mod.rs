@@ -54,7 +54,7 @@ pub use input::{
     ParquetLayout, TextSpec,
 };
 pub use model::{InputSource, ModelInput, ModelRef, Pooling, Precision, Selector, TensorType};
-pub use output::{part_file_name, HistogramSpec, OutputFormat, OutputSpec};
+pub use output::{add_counts, part_file_name, HistogramSpec, OutputFormat, OutputSpec};
 pub use seal::{open, seal, seal_bundle, seal_ref, OpenError, Sealed};
 pub use task::{ItemRef, Opened, StoredTask, TaskError};
 

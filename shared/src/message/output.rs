@@ -152,6 +152,21 @@ impl HistogramSpec {
     }
 }
 
+/// Adds the histogram counts `part` into `into` (`[column][bin]`), column
+/// by column; columns `into` lacks are added.
+pub fn add_counts(into: &mut Vec<Vec<u64>>, part: &[Vec<u64>]) {
+    for (c, col) in part.iter().enumerate() {
+        if into.len() <= c {
+            into.push(vec![0; col.len()]);
+        }
+        for (b, n) in col.iter().enumerate() {
+            if let Some(slot) = into[c].get_mut(b) {
+                *slot += n;
+            }
+        }
+    }
+}
+
 impl OutputSpec {
     /// File name of the part file for item `seq`.
     pub fn part_name(&self, seq: u32) -> String {

@@ -127,17 +127,3 @@ pub(super) fn shadow_missed(item: &WorkItem, rows: u64) -> Option<ShadowStats> {
         )
     })
 }
-
-/// Adds `part` into `into`, column by column.
-pub(super) fn merge_histogram(into: &mut Vec<Vec<u64>>, part: &[Vec<u64>]) {
-    for (c, col) in part.iter().enumerate() {
-        if into.len() <= c {
-            into.push(vec![0; col.len()]);
-        }
-        for (b, n) in col.iter().enumerate() {
-            if let Some(slot) = into[c].get_mut(b) {
-                *slot += n;
-            }
-        }
-    }
-}

@@ -149,7 +149,7 @@ pub(super) async fn segments(
         let (mut h, mut v) = (Vec::new(), None);
         for f in &files {
             let part = batchfleet_shared::output::histogram_under(&o, f, &spec)?;
-            call::merge_histogram(&mut h, &part.counts);
+            batchfleet_shared::message::add_counts(&mut h, &part.counts);
             v = VectorStats::merge(v, part.vector);
         }
         Ok::<_, std::io::Error>((h, v))

@@ -133,18 +133,15 @@ impl AutoBatch {
     }
 }
 
-/// The searches of every model a runner has run with `"auto"`.
+/// The searches of every model a runner has run with `"auto"`, each
+/// under the key its loaded module is cached under.
 #[derive(Debug, Default)]
-pub struct AutoBatches(HashMap<String, AutoBatch>);
+pub struct AutoBatches(HashMap<super::torch::Key, AutoBatch>);
 
 impl AutoBatches {
     /// The search for `model` (by file, digest, device and precision).
     pub fn of(&mut self, model: &batchfleet_shared::message::ModelRef) -> &mut AutoBatch {
-        let key = format!(
-            "{}\0{}\0{}\0{:?}",
-            model.path, model.sha256, model.device, model.dtype
-        );
-        self.0.entry(key).or_default()
+        self.0.entry(super::torch::key_of(model)).or_default()
     }
 }
 

@@ -19,9 +19,9 @@ pub const DEFAULT_MODELS_KEPT: usize = 4;
 
 /// What a loaded model is cached under: its file, digest, device and
 /// precision (the same file on another device is another module).
-type Key = (String, String, String, Option<Precision>);
+pub(super) type Key = (String, String, String, Option<Precision>);
 
-fn key_of(model: &ModelRef) -> Key {
+pub(super) fn key_of(model: &ModelRef) -> Key {
     (
         model.path.clone(),
         model.sha256.clone(),
