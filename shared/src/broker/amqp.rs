@@ -52,9 +52,40 @@ use tokio::sync::OnceCell;
 
 fn op(what: impl Into<String>) -> impl FnOnce(lapin::Error) -> BrokerError {
     let what = what.into();
-    move |e| BrokerError::Op {
-        op: format!("RabbitMQ {what}"),
-        reason: e.to_string(),
+    move |e| {
+        let op = format!("RabbitMQ {what}");
+        if connection_lost(&e) {
+            // Another connection may well succeed: callers that ride out
+            // outages (a job's start, a worker's session) try again.
+            BrokerError::Closed(format!("{op} failed: {e}"))
+        } else {
+            BrokerError::Op {
+                op,
+                reason: e.to_string(),
+            }
+        }
+    }
+}
+
+/// Whether `e` ended the connection for a reason of the broker's moment
+/// rather than of the operation: the socket or heartbeat lost, a
+/// connection the broker forced closed, or its `INTERNAL_ERROR` (a quorum
+/// queue whose replicas did not start in time under load answers
+/// `cluster_not_formed` so). Refusals of the operation itself (not found,
+/// access refused, arguments that differ) stay [`BrokerError::Op`].
+fn connection_lost(e: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError};
+    use lapin::ErrorKind;
+    match e.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::RuntimeShutdownError(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::InvalidConnectionState(_) => true,
+        ErrorKind::ProtocolError(amqp) => matches!(
+            amqp.kind(),
+            AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED | AMQPHardError::INTERNALERROR)
+        ),
+        _ => false,
     }
 }
 
@@ -856,6 +887,48 @@ async fn await_confirm(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn amqp(code: u16, text: &str) -> lapin::Error {
+        let e = lapin::protocol::AMQPError::from_id(code, text.into()).expect("a known reply code");
+        lapin::ErrorKind::ProtocolError(e).into()
+    }
+
+    /// What closed the connection for the broker's moment is an outage
+    /// (tried again by a job's start and a worker's session); what refuses
+    /// the operation itself is not, and is reported as it is.
+    #[test]
+    fn a_broker_that_could_not_do_it_now_is_told_from_one_that_refuses_it() {
+        let declare = "queue.declare bf.p.job.j";
+        let lost = [
+            // A quorum queue whose replicas did not start in time (load).
+            amqp(
+                541,
+                "INTERNAL_ERROR - Cannot declare quorum queue 'bf.p.job.j': cluster_not_formed",
+            ),
+            amqp(
+                320,
+                "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'",
+            ),
+            lapin::ErrorKind::MissingHeartbeatError.into(),
+            lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+        ];
+        for e in lost {
+            let text = e.to_string();
+            let err = op(declare)(e);
+            assert!(err.is_unavailable(), "{text}: {err:?}");
+            assert!(err.to_string().contains(declare), "{err}");
+        }
+        let refused = [
+            amqp(404, "NOT_FOUND - no queue 'bf.p.job.j' in vhost '/'"),
+            amqp(406, "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'"),
+            amqp(403, "ACCESS_REFUSED - access to queue 'bf.p.job.j' refused"),
+        ];
+        for e in refused {
+            let err = op(declare)(e);
+            assert!(matches!(err, BrokerError::Op { .. }), "{err:?}");
+            assert!(!err.is_unavailable());
+        }
+    }
 
     #[test]
     fn work_queue_dead_letters_into_its_pool() {
