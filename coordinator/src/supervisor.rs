@@ -73,6 +73,10 @@ fn queued_holders(
 /// How long the supervisor trusts what it read of the pool's backlog.
 const BACKLOG_EVERY: Duration = Duration::from_secs(5);
 
+/// How often a check reads the job's whole record; between, the counters
+/// and status ([`Store::progress`]) say all a check needs.
+const RECORD_EVERY: Duration = Duration::from_secs(30);
+
 /// Copies of one item (after stale leases or as a lost message) the
 /// coordinator publishes before it gives the item up as failed (class `infra`).
 pub const MAX_COPIES: u64 = 5;
@@ -121,6 +125,9 @@ pub struct Supervisor {
     plan: Option<Arc<Plan>>,
     broker: Option<Arc<dyn Broker>>,
     record: Option<JobRecord>,
+    /// When the record was last read whole (it holds the manifest; the
+    /// checks between read only the counters and status).
+    record_read: Option<Instant>,
     last_tick: Option<Instant>,
     unseen_since: HashMap<u32, Instant>,
     median_cache: Option<(Instant, u64)>,
@@ -162,6 +169,7 @@ impl Supervisor {
             plan,
             broker: None,
             record: None,
+            record_read: None,
             last_tick: None,
             unseen_since: HashMap::new(),
             median_cache: None,
@@ -192,22 +200,35 @@ impl Supervisor {
     }
 
     async fn check(&mut self, store: &Store) -> Result<(), RunError> {
-        match store.job(&self.job_id).await {
-            Ok(Some(r)) if r.items_total > 0 => self.record = Some(r),
-            Ok(_) | Err(batchfleet_shared::store::StoreError::Corrupt { .. }) => {
-                self.rebuild(store).await?;
+        // The counters and status each time; the whole record (for its
+        // pool and limits, and the copy a rebuild restores) when missing,
+        // or every RECORD_EVERY: none of what the check uses changes
+        // while the job runs.
+        let progress = store.progress(&self.job_id).await?;
+        let stale = self
+            .record_read
+            .is_none_or(|at| at.elapsed() >= RECORD_EVERY);
+        if progress.items_total == 0 || progress.status.is_none() || stale {
+            match store.job(&self.job_id).await {
+                Ok(Some(r)) if r.items_total > 0 => {
+                    self.record = Some(r);
+                    self.record_read = Some(Instant::now());
+                }
+                Ok(_) | Err(batchfleet_shared::store::StoreError::Corrupt { .. }) => {
+                    self.rebuild(store).await?;
+                    // Its counters are the rebuilt ones next time.
+                    return Ok(());
+                }
+                Err(e) => return Err(e.into()),
             }
-            Err(e) => return Err(e.into()),
         }
         let Some(record) = self.record.clone() else {
             return Ok(());
         };
-        if record.status.is_final()
-            || matches!(record.status, JobStatus::Failed | JobStatus::Cancelled)
-        {
+        let status = progress.status.unwrap_or(record.status);
+        if status.is_final() || matches!(status, JobStatus::Failed | JobStatus::Cancelled) {
             return Ok(());
         }
-        let progress = store.progress(&self.job_id).await?;
         if progress.settled() {
             return Ok(());
         }
@@ -224,13 +245,26 @@ impl Supervisor {
         }
         let leased: Vec<u32> = by_seq.keys().copied().collect();
         let mut done = store.done_among(&self.job_id, &leased).await?;
-        let failed: HashSet<u32> = store
-            .failures(&self.job_id)
-            .await?
-            .iter()
-            .map(|f| f.seq)
-            .collect();
-        let redispatched = store.redispatched(&self.job_id).await?;
+        // Each read only when it can say something: the counters tell
+        // whether any item failed, and copies matter only for items
+        // leased or unaccounted for.
+        let failed: HashSet<u32> = if progress.items_failed == 0 {
+            HashSet::new()
+        } else {
+            store
+                .failures(&self.job_id)
+                .await?
+                .iter()
+                .map(|f| f.seq)
+                .collect()
+        };
+        let unaccounted = progress.items_done + progress.items_failed + (leased.len() as u64)
+            < progress.items_total;
+        let redispatched = if leased.is_empty() && !(drained && unaccounted) {
+            BTreeMap::new()
+        } else {
+            store.redispatched(&self.job_id).await?
+        };
         // Items workers died holding: never speculated on (the holder may
         // be dead, its lease not stale yet, and a copy would kill another).
         // Read only when an item is a candidate.

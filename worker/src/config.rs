@@ -87,8 +87,9 @@ pub struct WorkerConfig {
     /// worker exits 1. Never less than --connect-timeout.
     #[arg(long, env = "BATCHFLEET_OUTAGE_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
     pub outage_timeout: Duration,
-    /// How often the worker beats in Redis for each job it holds leased
-    /// items of (one write per job keeps all their leases live), and how
+    /// How often the worker looks whether a beat in Redis is due (its
+    /// leased items' jobs are beaten together, at least every third of
+    /// --lease-ttl: one write per job keeps all their leases live), and how
     /// long an item runs before it is leased at all.
     #[arg(long, env = "BATCHFLEET_HEARTBEAT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub heartbeat: Duration,

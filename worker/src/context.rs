@@ -238,7 +238,7 @@ pub struct ItemContext {
     pub facts: crate::item::facts::Facts,
     /// Model rows per job not yet counted in Redis.
     pub work: Arc<WorkTally>,
-    /// The jobs this worker holds leased items of, beaten every heartbeat.
+    /// The jobs this worker holds leased items of, beaten while it holds them.
     pub beats: Arc<crate::item::lease::Beats>,
     /// Commits finished items, together when they finish together.
     pub committer: crate::item::group::Committer,
@@ -378,6 +378,7 @@ impl ItemContext {
             &parts.worker_id,
             parts.store.clone(),
             parts.tuning.heartbeat,
+            parts.tuning.lease_ttl,
         );
         Ok(Self {
             store: parts.store,

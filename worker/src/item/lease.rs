@@ -42,9 +42,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-/// The jobs this worker holds leased items of, each beaten once per
-/// heartbeat ([`Store::beat_jobs`]: all in one request) while it holds
-/// any; and the jobs it holds deliveries or unleased items of that have
+/// The jobs this worker holds leased items of, beaten together
+/// ([`Store::beat_jobs`]: all in one request) at least every third of the
+/// lease ttl while it holds any; and the jobs it holds deliveries or unleased items of that have
 /// waited half a heartbeat or more to start or to reach the model, beaten
 /// with its [`queued_field`](batchfleet_shared::store::queued_field) so
 /// that the coordinator takes none of their items for lost.
@@ -63,12 +63,20 @@ pub struct Beats {
     next_wait: std::sync::atomic::AtomicU64,
     /// Job → when its queued field was last said, while it stays due.
     said: Mutex<HashMap<String, Instant>>,
+    /// Job → when the holder was last beaten for its leased items, kept
+    /// for [`Beats::keep`].
+    beaten: Mutex<HashMap<String, Instant>>,
+    /// How long one beat keeps a job's leases live enough: a leased job is
+    /// beaten again only once this has passed (a third of the lease ttl),
+    /// unless a beat goes out anyway.
+    keep: Duration,
 }
 
 impl Beats {
-    /// Beats for `worker` in this process, every `every`, while the
-    /// returned handle lives.
-    pub fn start(worker: &str, store: Store, every: Duration) -> Arc<Self> {
+    /// Beats for `worker` in this process, looking every `every`, while
+    /// the returned handle lives; a job's leases, which go stale `ttl`
+    /// after their last beat, are beaten at least every third of it.
+    pub fn start(worker: &str, store: Store, every: Duration, ttl: Duration) -> Arc<Self> {
         let beats = Arc::new(Self {
             holder: batchfleet_shared::store::holder(worker, &batchfleet_shared::store::boot_id()),
             jobs: Mutex::default(),
@@ -76,6 +84,8 @@ impl Beats {
             waiting: Mutex::default(),
             next_wait: std::sync::atomic::AtomicU64::new(0),
             said: Mutex::default(),
+            beaten: Mutex::default(),
+            keep: (ttl / 3).max(every),
         });
         tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
         beats
@@ -120,14 +130,25 @@ impl Beats {
     }
 
     /// The beat fields to set now, by job: the holder for jobs with leased
-    /// items (every beat: their leases' ttl counts from it), and the queued
-    /// field for jobs whose deliveries have waited `waited` or more to
-    /// start — said again only once `refresh` has passed since it was last
-    /// said (the coordinator trusts it for `orphan_grace`, several
-    /// heartbeats), unless the job is beaten anyway.
+    /// items (their leases' ttl counts from it), and the queued field for
+    /// jobs whose deliveries have waited `waited` or more to start — said
+    /// again only once `refresh` has passed since it was last said (the
+    /// coordinator trusts it for `orphan_grace`, several heartbeats),
+    /// unless the job is beaten anyway.
+    ///
+    /// Nothing (no request) unless a beat is due: a leased job not beaten
+    /// within [`Beats::keep`], or a queued field to say. A beat that goes
+    /// out carries every leased job (fields of one request cost no more
+    /// requests), so a worker holding items of several jobs beats them
+    /// together.
     fn due(&self, waited: Duration, refresh: Duration) -> BTreeMap<String, Vec<String>> {
         let mut due: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let now = Instant::now();
+        let mut beaten = self.beaten.lock().unwrap_or_else(|p| p.into_inner());
+        beaten.retain(|_, at| now.duration_since(*at) < self.keep);
+        let mut needed = false;
         for job in self.jobs.lock().unwrap_or_else(|p| p.into_inner()).keys() {
+            needed |= !beaten.contains_key(job);
             due.entry(job.clone())
                 .or_default()
                 .push(self.holder.clone());
@@ -146,20 +167,30 @@ impl Beats {
         }
         oldest.retain(|_, since| since.elapsed() >= waited);
         let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
         // A job no longer waiting is named at once when it waits again.
         said.retain(|job, _| oldest.contains_key(job.as_str()));
+        let mut queued = Vec::new();
         for job in oldest.into_keys() {
-            let beaten = due.contains_key(job);
             let fresh = said
                 .get(job)
                 .is_some_and(|at| now.duration_since(*at) < refresh);
-            if beaten || !fresh {
-                due.entry(job.to_owned())
-                    .or_default()
-                    .push(batchfleet_shared::store::queued_field(&self.holder));
-                said.insert(job.to_owned(), now);
+            needed |= !fresh;
+            // Beside its job's own beat it costs nothing more.
+            if !fresh || due.contains_key(job) {
+                queued.push(job);
             }
+        }
+        if !needed {
+            return BTreeMap::new();
+        }
+        for job in due.keys() {
+            beaten.insert(job.clone(), now);
+        }
+        for job in queued {
+            due.entry(job.to_owned())
+                .or_default()
+                .push(batchfleet_shared::store::queued_field(&self.holder));
+            said.insert(job.to_owned(), now);
         }
         due
     }
@@ -168,6 +199,10 @@ impl Beats {
     /// next beat says them all.
     fn unsay(&self) {
         self.said.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.beaten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 }
 
@@ -540,6 +575,8 @@ mod tests {
             waiting: Mutex::default(),
             next_wait: std::sync::atomic::AtomicU64::new(0),
             said: Mutex::default(),
+            beaten: Mutex::default(),
+            keep: Duration::ZERO,
         })
     }
 
@@ -587,6 +624,41 @@ mod tests {
         assert_eq!(
             due["j1"],
             vec!["w1/boot".to_owned(), queued_field("w1/boot")]
+        );
+    }
+
+    #[test]
+    fn a_leased_job_is_beaten_again_only_past_the_keep_unless_a_beat_goes_out_anyway() {
+        let beats = Arc::new(Beats {
+            keep: Duration::from_secs(3600),
+            ..Arc::try_unwrap(beats()).unwrap()
+        });
+        let _a = beats.hold("j1");
+        assert_eq!(
+            beats.due(Duration::ZERO, Duration::ZERO)["j1"],
+            vec!["w1/boot".to_owned()]
+        );
+        assert!(
+            beats.due(Duration::ZERO, Duration::ZERO).is_empty(),
+            "beaten within the keep: no request"
+        );
+        // A job not beaten yet goes out at once, the other beside it.
+        let _b = beats.hold("j2");
+        let due = beats.due(Duration::ZERO, Duration::ZERO);
+        assert_eq!(due.keys().collect::<Vec<_>>(), ["j1", "j2"]);
+        assert!(beats.due(Duration::ZERO, Duration::ZERO).is_empty());
+        // A queued field to say sends the beat, with the leased jobs.
+        beats.set_queued(BTreeMap::from([("j3".to_owned(), Instant::now())]));
+        let due = beats.due(Duration::ZERO, Duration::from_secs(3600));
+        assert_eq!(due.keys().collect::<Vec<_>>(), ["j1", "j2", "j3"]);
+        assert!(beats
+            .due(Duration::ZERO, Duration::from_secs(3600))
+            .is_empty());
+        // A failed beat: everything beaten again.
+        beats.unsay();
+        assert_eq!(
+            beats.due(Duration::ZERO, Duration::from_secs(3600)).len(),
+            3
         );
     }
 
