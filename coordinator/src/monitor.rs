@@ -136,7 +136,7 @@ pub async fn follow(
         Some(job) => job,
         None => {
             // Lost with Redis's data: the supervisor rebuilds it from the files.
-            supervisor.tick(store).await;
+            supervisor.tick(store, None).await;
             store.job(job_id).await?.ok_or_else(|| {
                 RunError::UnknownJob(format!(
                     "job {job_id} is not in Redis and could not be rebuilt"
@@ -203,10 +203,12 @@ pub async fn follow(
             renewed = Some(Instant::now());
             holder = renew(store, job_id, me, holder).await;
         }
+        // One read of the counters serves the check and the follower.
+        let read = store.progress(job_id).await;
         if holder {
-            supervisor.tick(store).await;
+            supervisor.tick(store, read.as_ref().ok()).await;
         }
-        let p = match store.progress(job_id).await {
+        let p = match read {
             Ok(p) if p.items_total > 0 => p,
             Ok(_) => continue, // the record is being rebuilt
             Err(e) => {

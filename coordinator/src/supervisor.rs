@@ -50,7 +50,9 @@ use crate::manifest::JobSpec;
 use crate::planner::Plan;
 use batchfleet_shared::broker::{Broker, PoolQueues};
 use batchfleet_shared::metrics::names;
-use batchfleet_shared::store::{ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Store};
+use batchfleet_shared::store::{
+    ItemFailure, ItemStats, JobRecord, JobStatus, Lease, Progress, Store,
+};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -184,14 +186,16 @@ impl Supervisor {
         self.record = Some(record.clone());
     }
 
-    /// Runs one check if one is due. Errors of RabbitMQ or Redis are logged
-    /// and the check is tried again next time: the fleet may be mid-outage.
-    pub async fn tick(&mut self, store: &Store) {
+    /// Runs one check if one is due, on the job's counters as `known`
+    /// (read moments ago by the caller) or as it reads them. Errors of
+    /// RabbitMQ or Redis are logged and the check is tried again next
+    /// time: the fleet may be mid-outage.
+    pub async fn tick(&mut self, store: &Store, known: Option<&Progress>) {
         if self.last_tick.is_some_and(|t| t.elapsed() < self.cfg.every) {
             return;
         }
         self.last_tick = Some(Instant::now());
-        if let Err(e) = self.check(store).await {
+        if let Err(e) = self.check(store, known).await {
             tracing::warn!(job = %self.job_id, error = %e, "fleet check failed; trying again");
             if matches!(e, RunError::Broker(_)) {
                 self.broker = None;
@@ -199,12 +203,15 @@ impl Supervisor {
         }
     }
 
-    async fn check(&mut self, store: &Store) -> Result<(), RunError> {
+    async fn check(&mut self, store: &Store, known: Option<&Progress>) -> Result<(), RunError> {
         // The counters and status each time; the whole record (for its
         // pool and limits, and the copy a rebuild restores) when missing,
         // or every RECORD_EVERY: none of what the check uses changes
         // while the job runs.
-        let progress = store.progress(&self.job_id).await?;
+        let progress = match known {
+            Some(p) => *p,
+            None => store.progress(&self.job_id).await?,
+        };
         let stale = self
             .record_read
             .is_none_or(|at| at.elapsed() >= RECORD_EVERY);
@@ -562,7 +569,7 @@ impl Supervisor {
     async fn no_able_worker(
         &mut self,
         store: &Store,
-        progress: &batchfleet_shared::store::Progress,
+        progress: &Progress,
         now: u64,
     ) -> Result<bool, RunError> {
         let moved = self

@@ -35,7 +35,10 @@ use crate::config::Connections;
 use crate::error::RunError;
 use crate::job::RunOutcome;
 use crate::status;
-use report::{print_json, print_json_error, report_error, report_outcome, report_outcome_of};
+use report::{
+    print_json, print_json_error, print_json_failure, report_error, report_outcome,
+    report_outcome_of,
+};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -75,13 +78,9 @@ pub async fn main(mut cli: Cli) -> ExitCode {
             // The command line parsed, so a `--json` in it is that
             // command's: its failure is a JSON object too.
             if std::env::args().any(|a| a == "--json") {
-                println!(
-                    "{}",
-                    serde_json::json!({ "job_id": null, "status": "error", "exit_code": EXIT_INVALID, "error": e.to_string() })
-                );
-            } else {
-                eprintln!("error: {e}");
+                return print_json_failure(EXIT_INVALID, &e);
             }
+            eprintln!("error: {e}");
             return ExitCode::from(EXIT_INVALID);
         }
     };

@@ -78,9 +78,15 @@ pub(super) fn print_json_error(e: &RunError) -> ExitCode {
         RunError::Manifest(_) => EXIT_INVALID,
         _ => EXIT_FAILURE,
     };
+    print_json_failure(code, &e.to_string())
+}
+
+/// A `--json` command's failure, exit code `code`: the JSON object every
+/// such failure prints.
+pub(super) fn print_json_failure(code: u8, error: &str) -> ExitCode {
     println!(
         "{}",
-        serde_json::json!({ "job_id": null, "status": "error", "exit_code": code, "error": e.to_string() })
+        serde_json::json!({ "job_id": null, "status": "error", "exit_code": code, "error": error })
     );
     ExitCode::from(code)
 }
