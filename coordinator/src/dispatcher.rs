@@ -182,6 +182,7 @@ pub async fn dispatch(
                     &RecordUpdate::Rerun {
                         merge: spec.merge,
                         max_crashes: spec.budget.max_crashes,
+                        orphan_grace_ms: millis(cfg.supervise.orphan_grace),
                     },
                 )
                 .await?;
@@ -190,6 +191,9 @@ pub async fn dispatch(
             let mut record = crate::record::job_record(spec, &plan, submitted_ms);
             // Workers before the bitmap done set know only the set.
             record.done_bits = !cfg.connections.whole_messages;
+            // How long this coordinator trusts a worker's word that it holds
+            // the job's deliveries: workers say it again every half of it.
+            record.orphan_grace_ms = millis(cfg.supervise.orphan_grace);
             store.put_job(&record).await?;
             store
                 .put_inputs(&spec.job_id, &crate::record::input_fields(spec, &plan))
@@ -378,6 +382,11 @@ fn summary_job_id(path: &Path) -> Option<String> {
     let text = batchfleet_shared::source::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v.get("job_id")?.as_str().map(str::to_owned)
+}
+
+/// `d` in whole milliseconds, at least 1 (0 would read as not said).
+fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 #[cfg(test)]

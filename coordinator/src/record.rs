@@ -49,6 +49,8 @@ pub fn job_record(spec: &JobSpec, plan: &planner::Plan, created_ms: u64) -> JobR
         deadline_ms: spec.deadline.map_or(0, |d| d.at_ms(created_ms)),
         worker_hour_cost: spec.worker_hour_cost,
         pace: None,
+        // The coordinator that runs it says its own.
+        orphan_grace_ms: 0,
     }
 }
 

@@ -503,7 +503,12 @@ impl Supervisor {
     /// beat's [`queued_field`](batchfleet_shared::store::queued_field)).
     async fn deliveries_held(&self, store: &Store, now: u64) -> Result<bool, RunError> {
         let beats = store.beats(&self.job_id).await?;
-        let window = self.cfg.orphan_grace.as_millis() as u64;
+        // Workers say it every half of the grace the job's record names:
+        // trusted for that grace at least, when it is longer than this
+        // coordinator's (a `supervise` with a shorter `--orphan-grace`
+        // than the `run` that started the job).
+        let told = self.record.as_ref().map_or(0, |r| r.orphan_grace_ms);
+        let window = (self.cfg.orphan_grace.as_millis() as u64).max(told);
         let held = queued_holders(&beats, now, window).next().is_some();
         Ok(held)
     }
@@ -749,6 +754,7 @@ impl Supervisor {
         let mut record = self.record.clone().unwrap_or_else(|| {
             let mut record = crate::record::job_record(&spec, &plan, batchfleet_shared::now_ms());
             record.done_bits = !self.connections.whole_messages;
+            record.orphan_grace_ms = self.cfg.orphan_grace.as_millis().max(1) as u64;
             record
         });
         // The dead queue first: if RabbitMQ is down too, nothing is restored

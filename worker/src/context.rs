@@ -235,7 +235,7 @@ pub struct ItemContext {
     /// The jobs' tasks fetched so far (version 3 messages name them).
     pub tasks: crate::item::task::Tasks,
     /// The jobs' facts read so far (a first delivery is checked against them).
-    pub facts: crate::item::facts::Facts,
+    pub facts: Arc<crate::item::facts::Facts>,
     /// Model rows per job not yet counted in Redis.
     pub work: Arc<WorkTally>,
     /// The jobs this worker holds leased items of, beaten while it holds them.
@@ -374,11 +374,13 @@ impl ItemContext {
         } else {
             batchfleet_shared::shared_sync::SharedSync::new(linger)
         });
+        let facts = Arc::<crate::item::facts::Facts>::default();
         let beats = crate::item::lease::Beats::start(
             &parts.worker_id,
             parts.store.clone(),
             parts.tuning.heartbeat,
             parts.tuning.lease_ttl,
+            facts.clone(),
         );
         Ok(Self {
             store: parts.store,
@@ -392,7 +394,7 @@ impl ItemContext {
             guard: parts.guard,
             bench: Bench::default(),
             tasks: Default::default(),
-            facts: Default::default(),
+            facts,
             work,
             beats,
             committer,

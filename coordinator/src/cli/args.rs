@@ -532,7 +532,8 @@ pub struct FollowArgs {
     /// Publish again an item that is neither queued, held by a live worker
     /// nor settled for this long, once its job has committed nothing for as
     /// long too (a lost message; deliveries waiting in a busy worker's
-    /// prefetch buffer are not lost).
+    /// prefetch buffer are not lost: the worker says so every half of this
+    /// grace, which the job's record carries).
     #[arg(long, env = "BATCHFLEET_ORPHAN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
     pub orphan_grace: Duration,
     /// Fail the job when workers said they cannot run it (no CUDA device,

@@ -323,6 +323,13 @@ pub struct JobFacts {
     pub output_dir: String,
     /// Its items.
     pub items_total: u64,
+    /// The running coordinator's `--orphan-grace` (`None`: not said).
+    pub orphan_grace: Option<std::time::Duration>,
+}
+
+/// A record's `orphan_grace_ms` as a grace: `None` for 0 (not said).
+pub(crate) fn grace_of(ms: u64) -> Option<std::time::Duration> {
+    (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
 impl JobFacts {
@@ -335,6 +342,7 @@ impl JobFacts {
             model_sha256: record.model_sha256.clone(),
             output_dir: record.output_dir.clone(),
             items_total: record.items_total,
+            orphan_grace: grace_of(record.orphan_grace_ms),
         }
     }
 

@@ -154,6 +154,12 @@ pub struct JobRecord {
     pub worker_hour_cost: Option<f64>,
     /// The job's pace, as its supervising coordinator last measured it.
     pub pace: Option<Pace>,
+    /// The `--orphan-grace` of the coordinator that runs the job, in ms (0:
+    /// not said, a record from before the field): how long it trusts a
+    /// worker's word that it holds deliveries of the job waiting to start,
+    /// so workers say it again every half of it (not every heartbeat and a
+    /// half).
+    pub orphan_grace_ms: u64,
 }
 
 /// A running job's pace, measured by its supervising coordinator every few
@@ -236,6 +242,7 @@ impl JobRecord {
             deadline_ms: 0,
             worker_hour_cost: None,
             pace: None,
+            orphan_grace_ms: 0,
         }
     }
 
@@ -305,6 +312,7 @@ impl JobRecord {
                     .unwrap_or_default(),
             ),
             ("pace", pace_field(self.pace.as_ref())),
+            ("orphan_grace_ms", self.orphan_grace_ms.to_string()),
         ]
     }
 
@@ -394,6 +402,7 @@ impl JobRecord {
                         .map_err(|e| corrupt(format!("field pace is not a pace: {e}")))?,
                 ),
             },
+            orphan_grace_ms: num("orphan_grace_ms")?,
         })
     }
 }
@@ -416,6 +425,8 @@ pub enum RecordUpdate {
         merge: bool,
         /// `[failure] max_crashes`.
         max_crashes: u32,
+        /// The running coordinator's `--orphan-grace`, in ms.
+        orphan_grace_ms: u64,
     },
     /// The job's share of its pool's workers (`[job] priority`).
     Priority(String),
@@ -462,10 +473,15 @@ impl RecordUpdate {
             ]
         };
         match self {
-            RecordUpdate::Rerun { merge, max_crashes } => {
+            RecordUpdate::Rerun {
+                merge,
+                max_crashes,
+                orphan_grace_ms,
+            } => {
                 let mut f = cleared(JobStatus::Planning);
                 f.push(("merge", u8::from(*merge).to_string()));
                 f.push(("max_crashes", max_crashes.to_string()));
+                f.push(("orphan_grace_ms", orphan_grace_ms.to_string()));
                 f
             }
             RecordUpdate::Priority(p) => vec![("priority", p.clone())],
@@ -521,6 +537,7 @@ mod tests {
             max_rejected_percent: Some(2.5),
             deadline_ms: 7_200_005,
             worker_hour_cost: Some(1.2),
+            orphan_grace_ms: 10_000,
             pace: Some(Pace {
                 at_ms: 9,
                 workers: 3,
@@ -572,6 +589,7 @@ mod tests {
             RecordUpdate::Rerun {
                 merge: true,
                 max_crashes: 2,
+                orphan_grace_ms: 10_000,
             },
             RecordUpdate::Priority("high".into()),
             RecordUpdate::Published(3),
@@ -599,14 +617,19 @@ mod tests {
         let rerun: BTreeMap<_, _> = RecordUpdate::Rerun {
             merge: false,
             max_crashes: 1,
+            orphan_grace_ms: 4_000,
         }
         .fields()
         .into_iter()
         .collect();
         assert_eq!(rerun["status"], "planning");
         assert_eq!(
-            (rerun["merge"].as_str(), rerun["finished_ms"].as_str()),
-            ("0", "0")
+            (
+                rerun["merge"].as_str(),
+                rerun["finished_ms"].as_str(),
+                rerun["orphan_grace_ms"].as_str()
+            ),
+            ("0", "0", "4000")
         );
         let replayed: BTreeMap<_, _> = RecordUpdate::Replayed { model_sha256: None }
             .fields()

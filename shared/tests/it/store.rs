@@ -527,6 +527,7 @@ async fn one_follower_holds_the_lease_and_one_claim_reduces_each_run(store: Stor
             &RecordUpdate::Rerun {
                 merge: false,
                 max_crashes: 2,
+                orphan_grace_ms: 10_000,
             },
         )
         .await

@@ -84,8 +84,11 @@ pub(crate) async fn run(
                 ctx.set_broker(fresh.broker.clone());
                 session.broker.close("replaced").await;
                 session = fresh;
-                // Announcements made while it was away were not heard.
+                // Announcements made while it was away were not heard:
+                // the pool's jobs are read now, and the jobs' facts again
+                // at their next item (one may have ended meanwhile).
                 sizing.next_jobs = Instant::now();
+                ctx.facts.forget_all();
                 tracing::info!("reconnected to the broker");
             }
             Err(e) => break Some(format!("{why}; reconnecting failed: {e:#}")),

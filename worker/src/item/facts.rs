@@ -13,8 +13,10 @@
 //!
 //! A job that ends — finished, cancelled or failed — is announced on the
 //! pool's notice exchange, and a worker that hears it forgets the job's
-//! facts at once; one that does not (reconnecting meanwhile) sees it
-//! within [`FRESH`]: an item started meanwhile is refused at its commit
+//! facts at once. A worker that was away from the broker forgets all its
+//! facts when it is back ([`Facts::forget_all`]): ends announced meanwhile
+//! were not heard. A notice lost otherwise (its publish failed) is made up
+//! for within [`FRESH`]: an item started meanwhile is refused at its commit
 //! (cancelled) or settles as any item in flight when its job failed.
 
 use batchfleet_shared::store::{JobFacts, Store};
@@ -23,11 +25,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::OnceCell;
 
-/// How long facts read from Redis are used before they are read again:
-/// a read per job and worker each time (in the 500-worker soak, 2 s made
-/// them 0.04 Redis requests per item), and how late a worker that missed
-/// the job's end notice may start an item of a job cancelled or failed
-/// meanwhile (computed, then refused at its commit).
+/// How long facts read from Redis are used before they are read again: a
+/// read per job and worker each time (in the 500-worker soak, 2 s made
+/// them 0.04 Redis requests per item), and how late a worker that missed a
+/// job's end notice while connected (the coordinator could not publish it)
+/// may start an item of a job cancelled or failed meanwhile (computed,
+/// then refused at its commit). 60 s was tried and measured no fewer
+/// requests in the soak, within its run-to-run spread (docs/scaling.md,
+/// run N).
 pub const FRESH: Duration = Duration::from_secs(15);
 
 /// Jobs whose facts are kept; the oldest read is dropped past this many.
@@ -87,6 +92,21 @@ impl Facts {
             job,
             Arc::new(OnceCell::new_with(Some(Some(Arc::new(facts))))),
         );
+    }
+
+    /// `job`'s facts as last read, whatever their age, with no read of
+    /// its own (`None`: none read yet).
+    pub fn known(&self, job: &str) -> Option<Arc<JobFacts>> {
+        let reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+        reads
+            .get(job)
+            .and_then(|(_, read)| read.get().cloned().flatten())
+    }
+
+    /// Forgets every job's facts: the next item of each reads them again
+    /// (ends announced while the worker was away were not heard).
+    pub fn forget_all(&self) {
+        self.reads.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     /// Forgets `job`'s facts: the next item reads them again.
@@ -164,6 +184,10 @@ mod tests {
         );
         let kept = facts.get("s", &store).await.expect("kept");
         assert!(Arc::ptr_eq(&got, &kept));
+        assert!(Arc::ptr_eq(&facts.known("s").expect("known"), &kept));
+        assert!(facts.known("never").is_none(), "no read of its own");
+        facts.forget_all();
+        assert!(facts.known("s").is_none(), "forgotten with all the others");
     }
 
     #[tokio::test]

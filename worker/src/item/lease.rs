@@ -76,7 +76,13 @@ impl Beats {
     /// Beats for `worker` in this process, looking every `every`, while
     /// the returned handle lives; a job's leases, which go stale `ttl`
     /// after their last beat, are beaten at least every third of it.
-    pub fn start(worker: &str, store: Store, every: Duration, ttl: Duration) -> Arc<Self> {
+    pub fn start(
+        worker: &str,
+        store: Store,
+        every: Duration,
+        ttl: Duration,
+        facts: Arc<super::facts::Facts>,
+    ) -> Arc<Self> {
         let beats = Arc::new(Self {
             holder: batchfleet_shared::store::holder(worker, &batchfleet_shared::store::boot_id()),
             jobs: Mutex::default(),
@@ -87,7 +93,7 @@ impl Beats {
             beaten: Mutex::default(),
             keep: (ttl / 3).max(every),
         });
-        tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every));
+        tokio::spawn(beat_loop(Arc::downgrade(&beats), store, every, facts));
         beats
     }
 
@@ -131,17 +137,20 @@ impl Beats {
 
     /// The beat fields to set now, by job: the holder for jobs with leased
     /// items (their leases' ttl counts from it), and the queued field for
-    /// jobs whose deliveries have waited `waited` or more to start — said
-    /// again only once `refresh` has passed since it was last said (the
-    /// coordinator trusts it for `orphan_grace`, several heartbeats),
-    /// unless the job is beaten anyway.
+    /// jobs whose deliveries have waited `waited` or more to start.
     ///
     /// Nothing (no request) unless a beat is due: a leased job not beaten
-    /// within [`Beats::keep`], or a queued field to say. A beat that goes
-    /// out carries every leased job (fields of one request cost no more
-    /// requests), so a worker holding items of several jobs beats them
-    /// together.
-    fn due(&self, waited: Duration, refresh: Duration) -> BTreeMap<String, Vec<String>> {
+    /// within [`Beats::keep`], or a queued field not said within its job's
+    /// `refresh` (the coordinator trusts it for its `orphan_grace`). A beat
+    /// that goes out carries every leased job and every queued field
+    /// (fields of one request cost no more requests), so a worker holding
+    /// work of many jobs sends one beat per period, not one per job and
+    /// reason.
+    fn due(
+        &self,
+        waited: Duration,
+        refresh: impl Fn(&str) -> Duration,
+    ) -> BTreeMap<String, Vec<String>> {
         let mut due: BTreeMap<String, Vec<String>> = BTreeMap::new();
         let now = Instant::now();
         let mut beaten = self.beaten.lock().unwrap_or_else(|p| p.into_inner());
@@ -169,16 +178,11 @@ impl Beats {
         let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
         // A job no longer waiting is named at once when it waits again.
         said.retain(|job, _| oldest.contains_key(job.as_str()));
-        let mut queued = Vec::new();
-        for job in oldest.into_keys() {
-            let fresh = said
-                .get(job)
-                .is_some_and(|at| now.duration_since(*at) < refresh);
-            needed |= !fresh;
-            // Beside its job's own beat it costs nothing more.
-            if !fresh || due.contains_key(job) {
-                queued.push(job);
-            }
+        for job in oldest.keys() {
+            let stale = said
+                .get(*job)
+                .is_none_or(|at| now.duration_since(*at) >= refresh(job));
+            needed |= stale;
         }
         if !needed {
             return BTreeMap::new();
@@ -186,7 +190,7 @@ impl Beats {
         for job in due.keys() {
             beaten.insert(job.clone(), now);
         }
-        for job in queued {
+        for job in oldest.into_keys() {
             due.entry(job.to_owned())
                 .or_default()
                 .push(batchfleet_shared::store::queued_field(&self.holder));
@@ -251,20 +255,43 @@ impl Drop for BeatHold {
     }
 }
 
+/// How often a worker that beats every `every` says again that it holds
+/// deliveries of a job waiting to start, when the job's coordinator trusts
+/// that for `grace` (`None`: not said, a job from before the record named
+/// it): every half of the grace, and never more often than every heartbeat
+/// and a half. A beat is sent at the first heartbeat past it, so the word
+/// is at most a heartbeat older than this when it is said again — in the
+/// default (grace 10 s, heartbeat 2 s) every 6 s, 4 s within the grace.
+pub fn refresh(every: Duration, grace: Option<Duration>) -> Duration {
+    let floor = every * 3 / 2;
+    grace.map_or(floor, |g| (g / 2).max(floor))
+}
+
 /// Beats every job with leased items held, and every job with deliveries
-/// that have waited half of `every` or more to start, once per `every`, until the
-/// worker's [`Beats`] is gone. A lease is written with a fresh time, so a
-/// job's first beat may wait a whole period.
-async fn beat_loop(beats: Weak<Beats>, store: Store, every: Duration) {
+/// that have waited half of `every` or more to start, looking once per
+/// `every` and sending a beat only when one is due ([`Beats::due`]), until
+/// the worker's [`Beats`] is gone. A lease is written with a fresh time,
+/// so a job's first beat may wait a whole period.
+async fn beat_loop(
+    beats: Weak<Beats>,
+    store: Store,
+    every: Duration,
+    facts: Arc<super::facts::Facts>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
         tick.tick().await;
         let Some(b) = beats.upgrade() else { return };
-        // Deliveries waiting half a heartbeat: the beat names them within
-        // one and a half, and again every other heartbeat.
-        let due: Vec<(String, Vec<String>)> = b.due(every / 2, every * 3 / 2).into_iter().collect();
+        // Deliveries waiting half a heartbeat are named within one and a
+        // half, and again every half grace of their job.
+        let due: Vec<(String, Vec<String>)> = b
+            .due(every / 2, |job| {
+                refresh(every, facts.known(job).and_then(|f| f.orphan_grace))
+            })
+            .into_iter()
+            .collect();
         // Every job in one request (one script call on one Redis server);
         // none when nothing is due.
         if let Err(e) = store.beat_jobs(&due).await {
@@ -567,6 +594,11 @@ mod tests {
     use super::*;
     use batchfleet_shared::store::queued_field;
 
+    /// The same refresh for every job.
+    fn at(refresh: Duration) -> impl Fn(&str) -> Duration {
+        move |_| refresh
+    }
+
     fn beats() -> Arc<Beats> {
         Arc::new(Beats {
             holder: "w1/boot".into(),
@@ -586,21 +618,21 @@ mod tests {
         let signals = Signals::default();
         *signals.waiting.lock().unwrap() = Some(beats.wait("j1"));
         let other = beats.wait("j2");
-        let due = beats.due(Duration::ZERO, Duration::ZERO);
+        let due = beats.due(Duration::ZERO, at(Duration::ZERO));
         assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
         assert_eq!(due["j2"], vec![queued_field("w1/boot")]);
         assert!(
             beats
-                .due(Duration::from_secs(60), Duration::ZERO)
+                .due(Duration::from_secs(60), at(Duration::ZERO))
                 .is_empty(),
             "not named before it has waited long enough"
         );
         signals.reached_model();
         assert!(signals.turn.get().is_some());
-        let due = beats.due(Duration::ZERO, Duration::ZERO);
+        let due = beats.due(Duration::ZERO, at(Duration::ZERO));
         assert!(!due.contains_key("j1"), "at the model: no longer waiting");
         drop(other);
-        assert!(beats.due(Duration::ZERO, Duration::ZERO).is_empty());
+        assert!(beats.due(Duration::ZERO, at(Duration::ZERO)).is_empty());
     }
 
     #[test]
@@ -617,10 +649,10 @@ mod tests {
             .get_mut("j1")
             .unwrap()
             .insert(99, long_ago);
-        let due = beats.due(Duration::from_secs(5), Duration::ZERO);
+        let due = beats.due(Duration::from_secs(5), at(Duration::ZERO));
         assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
         let _lease = beats.hold("j1");
-        let due = beats.due(Duration::from_secs(5), Duration::ZERO);
+        let due = beats.due(Duration::from_secs(5), at(Duration::ZERO));
         assert_eq!(
             due["j1"],
             vec!["w1/boot".to_owned(), queued_field("w1/boot")]
@@ -635,68 +667,107 @@ mod tests {
         });
         let _a = beats.hold("j1");
         assert_eq!(
-            beats.due(Duration::ZERO, Duration::ZERO)["j1"],
+            beats.due(Duration::ZERO, at(Duration::ZERO))["j1"],
             vec!["w1/boot".to_owned()]
         );
         assert!(
-            beats.due(Duration::ZERO, Duration::ZERO).is_empty(),
+            beats.due(Duration::ZERO, at(Duration::ZERO)).is_empty(),
             "beaten within the keep: no request"
         );
         // A job not beaten yet goes out at once, the other beside it.
         let _b = beats.hold("j2");
-        let due = beats.due(Duration::ZERO, Duration::ZERO);
+        let due = beats.due(Duration::ZERO, at(Duration::ZERO));
         assert_eq!(due.keys().collect::<Vec<_>>(), ["j1", "j2"]);
-        assert!(beats.due(Duration::ZERO, Duration::ZERO).is_empty());
+        assert!(beats.due(Duration::ZERO, at(Duration::ZERO)).is_empty());
         // A queued field to say sends the beat, with the leased jobs.
         beats.set_queued(BTreeMap::from([("j3".to_owned(), Instant::now())]));
-        let due = beats.due(Duration::ZERO, Duration::from_secs(3600));
+        let due = beats.due(Duration::ZERO, at(Duration::from_secs(3600)));
         assert_eq!(due.keys().collect::<Vec<_>>(), ["j1", "j2", "j3"]);
         assert!(beats
-            .due(Duration::ZERO, Duration::from_secs(3600))
+            .due(Duration::ZERO, at(Duration::from_secs(3600)))
             .is_empty());
         // A failed beat: everything beaten again.
         beats.unsay();
         assert_eq!(
-            beats.due(Duration::ZERO, Duration::from_secs(3600)).len(),
+            beats
+                .due(Duration::ZERO, at(Duration::from_secs(3600)))
+                .len(),
             3
         );
     }
 
     #[test]
-    fn a_queued_field_is_said_again_only_after_the_refresh_unless_its_job_is_beaten_anyway() {
-        let beats = beats();
+    fn a_queued_field_is_said_again_only_after_its_refresh_and_rides_along_any_beat() {
+        let beats = Arc::new(Beats {
+            keep: Duration::from_secs(3600),
+            ..Arc::try_unwrap(beats()).unwrap()
+        });
         let refresh = Duration::from_secs(3600);
         beats.set_queued(BTreeMap::from([
             ("j1".to_owned(), Instant::now()),
             ("j2".to_owned(), Instant::now()),
         ]));
-        let first = beats.due(Duration::ZERO, refresh);
+        let first = beats.due(Duration::ZERO, at(refresh));
         assert_eq!(first.len(), 2, "both named at once: {first:?}");
         assert!(
-            beats.due(Duration::ZERO, refresh).is_empty(),
+            beats.due(Duration::ZERO, at(refresh)).is_empty(),
             "said within the refresh: no beat at all"
         );
-        // A job with a leased item is beaten anyway: its queued field rides
-        // along.
+        // A job with a leased item is beaten: every queued field rides
+        // along, its own and the other job's.
         let _lease = beats.hold("j2");
-        let due = beats.due(Duration::ZERO, refresh);
+        let due = beats.due(Duration::ZERO, at(refresh));
         assert_eq!(
             due["j2"],
             vec!["w1/boot".to_owned(), queued_field("w1/boot")]
         );
-        assert!(!due.contains_key("j1"));
+        assert_eq!(due["j1"], vec![queued_field("w1/boot")]);
+        // Each job's own refresh: one past it sends the beat, with the other.
+        let by_job = |job: &str| {
+            if job == "j1" {
+                Duration::ZERO
+            } else {
+                refresh
+            }
+        };
+        let due = beats.due(Duration::ZERO, by_job);
+        assert_eq!(due.keys().collect::<Vec<_>>(), ["j1", "j2"]);
+        let only_j2 = |job: &str| {
+            if job == "j2" {
+                Duration::ZERO
+            } else {
+                refresh
+            }
+        };
+        beats.set_queued(BTreeMap::from([("j1".to_owned(), Instant::now())]));
+        assert!(
+            beats.due(Duration::ZERO, only_j2).is_empty(),
+            "j2 leased and beaten, not queued; j1 within its refresh"
+        );
         // A job that stops waiting and waits again is named at once.
         beats.set_queued(BTreeMap::from([("j2".to_owned(), Instant::now())]));
-        beats.due(Duration::ZERO, refresh);
+        beats.due(Duration::ZERO, at(refresh));
         beats.set_queued(BTreeMap::from([("j1".to_owned(), Instant::now())]));
         assert_eq!(
-            beats.due(Duration::ZERO, refresh)["j1"],
+            beats.due(Duration::ZERO, at(refresh))["j1"],
             vec![queued_field("w1/boot")]
         );
         // A failed beat: everything said again.
         beats.unsay();
-        assert!(beats.due(Duration::ZERO, refresh).contains_key("j1"));
+        assert!(beats.due(Duration::ZERO, at(refresh)).contains_key("j1"));
         // Past the refresh, said again.
-        assert!(beats.due(Duration::ZERO, Duration::ZERO).contains_key("j1"));
+        assert!(beats
+            .due(Duration::ZERO, at(Duration::ZERO))
+            .contains_key("j1"));
+    }
+
+    #[test]
+    fn a_queued_field_is_said_every_half_grace_and_never_more_often_than_a_heartbeat_and_a_half() {
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        assert_eq!(refresh(s(2), Some(s(10))), s(5));
+        assert_eq!(refresh(s(2), None), s(3), "not said: as before");
+        assert_eq!(refresh(s(2), Some(s(4))), s(3));
+        assert_eq!(refresh(ms(200), Some(s(1))), ms(500));
     }
 }

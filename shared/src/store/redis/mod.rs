@@ -189,6 +189,7 @@ const FACT_FIELDS: &[&str] = &[
     "model_sha256",
     "output_dir",
     "items_total",
+    "orphan_grace_ms",
 ];
 
 /// [`JobFacts`] from an `HMGET` of [`FACT_FIELDS`] of `key`; `None` when
@@ -198,10 +199,17 @@ fn facts_of(key: &str, fields: Vec<Option<String>>) -> Result<Option<JobFacts>, 
         key: key.to_owned(),
         reason,
     };
-    let [Some(status), pool, model, sha, dir, total] = <[Option<String>; 6]>::try_from(fields)
-        .map_err(|_| corrupt("HMGET answered the wrong number of fields".into()))?
+    let [Some(status), pool, model, sha, dir, total, grace] =
+        <[Option<String>; 7]>::try_from(fields)
+            .map_err(|_| corrupt("HMGET answered the wrong number of fields".into()))?
     else {
         return Ok(None);
+    };
+    let number = |field: &str, value: Option<String>| -> Result<u64, StoreError> {
+        value.map_or(Ok(0), |v| {
+            v.parse()
+                .map_err(|_| corrupt(format!("field {field} is not a number: {v}")))
+        })
     };
     Ok(Some(JobFacts {
         status: JobStatus::from_name(&status)
@@ -210,12 +218,8 @@ fn facts_of(key: &str, fields: Vec<Option<String>>) -> Result<Option<JobFacts>, 
         model: model.unwrap_or_default(),
         model_sha256: sha.unwrap_or_default(),
         output_dir: dir.unwrap_or_default(),
-        items_total: match total {
-            None => 0,
-            Some(t) => t
-                .parse()
-                .map_err(|_| corrupt(format!("field items_total is not a number: {t}")))?,
-        },
+        items_total: number("items_total", total)?,
+        orphan_grace: crate::store::grace_of(number("orphan_grace_ms", grace)?),
     }))
 }
 
