@@ -182,7 +182,9 @@ pub async fn dispatch(
                     &RecordUpdate::Rerun {
                         merge: spec.merge,
                         max_crashes: spec.budget.max_crashes,
-                        orphan_grace_ms: millis(cfg.supervise.orphan_grace),
+                        orphan_grace_ms: batchfleet_shared::store::grace_ms(
+                            cfg.supervise.orphan_grace,
+                        ),
                     },
                 )
                 .await?;
@@ -193,7 +195,7 @@ pub async fn dispatch(
             record.done_bits = !cfg.connections.whole_messages;
             // How long this coordinator trusts a worker's word that it holds
             // the job's deliveries: workers say it again every half of it.
-            record.orphan_grace_ms = millis(cfg.supervise.orphan_grace);
+            record.orphan_grace_ms = batchfleet_shared::store::grace_ms(cfg.supervise.orphan_grace);
             store.put_job(&record).await?;
             store
                 .put_inputs(&spec.job_id, &crate::record::input_fields(spec, &plan))
@@ -382,11 +384,6 @@ fn summary_job_id(path: &Path) -> Option<String> {
     let text = batchfleet_shared::source::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v.get("job_id")?.as_str().map(str::to_owned)
-}
-
-/// `d` in whole milliseconds, at least 1 (0 would read as not said).
-fn millis(d: std::time::Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 #[cfg(test)]

@@ -754,7 +754,7 @@ impl Supervisor {
         let mut record = self.record.clone().unwrap_or_else(|| {
             let mut record = crate::record::job_record(&spec, &plan, batchfleet_shared::now_ms());
             record.done_bits = !self.connections.whole_messages;
-            record.orphan_grace_ms = self.cfg.orphan_grace.as_millis().max(1) as u64;
+            record.orphan_grace_ms = batchfleet_shared::store::grace_ms(self.cfg.orphan_grace);
             record
         });
         // The dead queue first: if RabbitMQ is down too, nothing is restored

@@ -332,6 +332,12 @@ pub(crate) fn grace_of(ms: u64) -> Option<std::time::Duration> {
     (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
+/// `grace` as a record's `orphan_grace_ms`: whole milliseconds, at least 1
+/// (0 reads as not said).
+pub fn grace_ms(grace: std::time::Duration) -> u64 {
+    u64::try_from(grace.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
 impl JobFacts {
     /// The facts of a job record.
     pub fn of(record: &JobRecord) -> Self {
@@ -898,6 +904,18 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grace_is_written_in_ms_and_read_back_never_as_not_said() {
+        let grace = std::time::Duration::from_millis(2_500);
+        assert_eq!(grace_of(grace_ms(grace)), Some(grace));
+        assert_eq!(
+            grace_ms(std::time::Duration::ZERO),
+            1,
+            "0 reads as not said"
+        );
+        assert_eq!(grace_of(0), None);
+    }
 
     #[test]
     fn a_lease_is_stale_after_its_ttl_without_heartbeat() {
